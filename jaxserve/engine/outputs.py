@@ -1,0 +1,33 @@
+"""What the engine reports about a request after each step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
+FINISH_ABORT = "abort"    # cancelled (client gone, abort_request)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One request's progress after an engine step.
+
+    token_ids / text: everything generated so far (text never contains a stop string
+    unless the request asked for it, and never ends in a broken UTF-8 sequence).
+    new_token_ids / new_text: what this step added (the streaming delta).
+    finish_reason: None while running; "stop", "length" or "abort" once finished.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)

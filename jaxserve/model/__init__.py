@@ -1,0 +1,1 @@
+"""Pure-functional Llama-family model: param tree (params.py), layers, forward (transformer.py)."""

@@ -1,0 +1,148 @@
+"""The param tree of a Llama-family decoder.
+
+Each leaf is first described by a `ParamSpec` (shape, logical axes, initializer); one
+description yields the abstract tree (no memory: a 70B config plans on a laptop), the
+shardings for a mesh, and real initialised arrays for tests.
+
+Layouts (logical axes in brackets), all in `ModelConfig.dtype`:
+  embed       [vocab, embed]
+  layers[i]   attn_norm [embed]; wq [embed, q_heads, head_dim]; wk, wv [embed, kv_heads,
+              head_dim]; bq [q_heads, head_dim], bk, bv [kv_heads, head_dim] (Qwen2 only);
+              wo [q_heads, head_dim, embed]; mlp_norm [embed]; w_gate, w_up [embed, mlp];
+              w_down [mlp, embed]
+  final_norm  [embed]
+  lm_head     [embed, vocab], None when tied to `embed`
+
+Layers are a tuple of per-layer trees, not one stacked array: on XLA:CPU slicing stacked
+weights inside a scan copies them each step (measured: 27.6 ms unrolled vs 34.0 ms scanned
+per batch-1 step of SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.pytree import pytree_dataclass
+from jaxserve.sharding import ShardingRules
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """Description of one weight: shape, logical axes, initializer ("normal", "ones", "zeros")."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str = "normal"
+
+
+@pytree_dataclass
+class LayerParams:
+    attn_norm: Any
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    mlp_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+    bq: Any = None
+    bk: Any = None
+    bv: Any = None
+
+
+@pytree_dataclass
+class Params:
+    embed: Any
+    layers: tuple
+    final_norm: Any
+    lm_head: Any = None
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+    """The param tree of `cfg` with a ParamSpec at every leaf."""
+    D, H, K, Dh, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.intermediate_size, cfg.vocab_size)
+
+    def layer() -> LayerParams:
+        bias = cfg.attention_bias
+        return LayerParams(
+            attn_norm=ParamSpec((D,), ("embed",), "ones"),
+            wq=ParamSpec((D, H, Dh), ("embed", "q_heads", "head_dim")),
+            wk=ParamSpec((D, K, Dh), ("embed", "kv_heads", "head_dim")),
+            wv=ParamSpec((D, K, Dh), ("embed", "kv_heads", "head_dim")),
+            wo=ParamSpec((H, Dh, D), ("q_heads", "head_dim", "embed")),
+            mlp_norm=ParamSpec((D,), ("embed",), "ones"),
+            w_gate=ParamSpec((D, F), ("embed", "mlp")),
+            w_up=ParamSpec((D, F), ("embed", "mlp")),
+            w_down=ParamSpec((F, D), ("mlp", "embed")),
+            bq=ParamSpec((H, Dh), ("q_heads", "head_dim"), "zeros") if bias else None,
+            bk=ParamSpec((K, Dh), ("kv_heads", "head_dim"), "zeros") if bias else None,
+            bv=ParamSpec((K, Dh), ("kv_heads", "head_dim"), "zeros") if bias else None,
+        )
+
+    return Params(
+        embed=ParamSpec((V, D), ("vocab", "embed")),
+        layers=tuple(layer() for _ in range(cfg.num_layers)),
+        final_norm=ParamSpec((D,), ("embed",), "ones"),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
+    )
+
+
+def map_specs(fn: Callable[[ParamSpec], Any], specs: Params) -> Params:
+    return jax.tree.map(fn, specs, is_leaf=_is_spec)
+
+
+def param_shardings(cfg: ModelConfig, rules: ShardingRules) -> Params:
+    """NamedSharding for every leaf (dims not divisible by their mesh axis replicate)."""
+    return map_specs(lambda s: rules.sharding(s.axes, s.shape), param_specs(cfg))
+
+
+def abstract_params(cfg: ModelConfig, rules: ShardingRules | None = None) -> Params:
+    """ShapeDtypeStructs of the param tree (with shardings if `rules`); allocates nothing."""
+    dtype = jnp.dtype(cfg.dtype)
+
+    def one(s: ParamSpec):
+        sharding = rules.sharding(s.axes, s.shape) if rules is not None else None
+        return jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding)
+
+    return map_specs(one, param_specs(cfg))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of weights (elements), counting a tied embedding once."""
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, rules: ShardingRules | None = None,
+                scale: float = 0.02) -> Params:
+    """Random params (normal(0, scale) matrices, unit norms, zero biases) for tests.
+
+    Each leaf gets its own key derived from its position, so the result does not depend
+    on `rules`.
+    """
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    dtype = jnp.dtype(cfg.dtype)
+    out = []
+    for i, s in enumerate(leaves):
+        if s.init == "ones":
+            x = jnp.ones(s.shape, dtype)
+        elif s.init == "zeros":
+            x = jnp.zeros(s.shape, dtype)
+        else:
+            x = (scale * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)).astype(dtype)
+        if rules is not None:
+            x = jax.device_put(x, rules.sharding(s.axes, s.shape))
+        out.append(x)
+    return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,97 @@
+"""Logical axis names -> mesh axes.
+
+Model code names the axes of every weight and activation with logical names (`batch`,
+`sequence`, `embed`, `q_heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`, `pages`);
+one `ShardingRules` object maps them to mesh axes. Code never names mesh axes directly.
+Tensor parallelism is the `model` mesh axis (Megatron-style: heads and MLP columns split,
+the output projections reduce), data parallelism the `data` axis.
+
+A dimension whose size is not a multiple of its mesh axis is replicated instead (SmolLM2's
+9 query / 3 KV heads on 2 or 4 devices, for instance): the layout stays correct, only less
+of the work is split. `describe()` reports which dimensions fell back.
+
+Source: the logical-axis rules of jax-llm-examples / MaxText.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.config import MeshConfig
+
+DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", "data"),
+    ("sequence", None),
+    ("embed", None),
+    ("q_heads", "model"),
+    ("kv_heads", "model"),
+    ("head_dim", None),
+    ("mlp", "model"),
+    ("vocab", "model"),
+    ("layers", None),
+    ("pages", None),
+    ("page_slots", None),
+)
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `(data, model)` mesh over the first `cfg.num_devices` devices.
+
+    Raises ConfigError-like ValueError when fewer devices exist than the config asks for.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    if len(devices) < cfg.num_devices:
+        raise ValueError(f"MeshConfig asks for {cfg.num_devices} devices "
+                         f"(data_parallel={cfg.data_parallel} x tensor_parallel="
+                         f"{cfg.tensor_parallel}) but only {len(devices)} exist")
+    arr = np.array(devices[:cfg.num_devices]).reshape(cfg.data_parallel, cfg.tensor_parallel)
+    return Mesh(arr, ("data", "model"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Maps logical axis names to mesh axes of `mesh` (hashable: usable as a static arg)."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, str | None], ...] = DEFAULT_RULES
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        if logical is None:
+            return None
+        for name, axis in self.rules:
+            if name == logical:
+                return axis
+        raise KeyError(f"no sharding rule for logical axis {logical!r}")
+
+    def spec(self, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> PartitionSpec:
+        """PartitionSpec for logical `axes`; with `shape`, dims not divisible are replicated."""
+        out, used = [], set()
+        for i, logical in enumerate(axes):
+            axis = self.mesh_axis(logical)
+            if axis is not None:
+                size = self.mesh.shape[axis]
+                if axis in used or size == 1 or (shape is not None and shape[i] % size):
+                    axis = None
+            if axis is not None:
+                used.add(axis)
+            out.append(axis)
+        return PartitionSpec(*out)
+
+    def sharding(self, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes, shape))
+
+    def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+        """`with_sharding_constraint` of an activation by its logical axes."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
+
+
+def constrain(rules: ShardingRules | None, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Annotate activation `x` with logical `axes`; a no-op without rules (one device)."""
+    if rules is None:
+        return x
+    return rules.constrain(x, axes)
