@@ -99,6 +99,10 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
+# Pallas implementations ("pallas", "pallas_interpret") join when their kernels land.
+ATTENTION_IMPLS = ("xla",)
+
+
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -116,8 +120,10 @@ class EngineConfig:
     page_size: tokens per KV page.
     max_num_seqs: most sequences decoded in one step.
     max_model_len: most tokens (prompt + output) one sequence may hold.
-    max_prefill_tokens: most (padded) prompt tokens in one prefill step; a longer prompt is
-        an error at the edge unless it fits max_model_len and this budget.
+    max_prefill_tokens: budget of padded tokens (batch bucket x length bucket) for batching
+        several prompts into one prefill step; a single prompt up to max_model_len always
+        gets a step of its own.
+    max_prefill_seqs: most prompts prefilled in one step.
     decode_batch_buckets / prefill_len_buckets / page_buckets: the padded shapes the jitted
         step is compiled for (None = powers of two up to the limit). Fewer buckets = fewer
         compilations, more padding.
@@ -142,12 +148,11 @@ class EngineConfig:
                      "max_prefill_tokens", "max_prefill_seqs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.attention_impl not in ("xla", "pallas", "pallas_interpret"):
-            raise ConfigError(
-                f"EngineConfig.attention_impl must be 'xla', 'pallas' or 'pallas_interpret', "
-                f"got {self.attention_impl!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
+                              f"got {self.attention_impl!r}")
         for name, hi in (("decode_batch_buckets", self.max_num_seqs),
-                         ("prefill_len_buckets", self.max_prefill_tokens),
+                         ("prefill_len_buckets", self.max_model_len),
                          ("prefill_batch_buckets", self.max_prefill_seqs),
                          ("page_buckets", self.max_pages_per_seq)):
             b = getattr(self, name)
@@ -167,8 +172,8 @@ class EngineConfig:
 
     @property
     def prefill_lengths(self) -> tuple[int, ...]:
-        return self.prefill_len_buckets or _pow2_buckets(min(16, self.max_prefill_tokens),
-                                                         self.max_prefill_tokens)
+        return self.prefill_len_buckets or _pow2_buckets(min(16, self.max_model_len),
+                                                         self.max_model_len)
 
     @property
     def prefill_batch_sizes(self) -> tuple[int, ...]:
@@ -225,7 +230,8 @@ class Config:
     """A whole deployment: what `configs/NAME.py` binds to `CONFIG`.
 
     `model` is given for configs whose shape is known without weights (memory planning of
-    70B on a laptop); otherwise it is read from the checkpoint.
+    70B on a laptop); otherwise it is read from the checkpoint. `dtype` overrides the dtype
+    the weights are served in (None = the checkpoint's).
     """
 
     name: str
@@ -234,6 +240,7 @@ class Config:
     engine: EngineConfig = EngineConfig()
     mesh: MeshConfig = MeshConfig()
     served_model_name: str | None = None
+    dtype: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
 

@@ -1,0 +1,23 @@
+"""jaxserve: a JAX/XLA-compiled, functional LLM inference engine for Llama-family models.
+
+Public API: `generate`, `LLM`, `SamplingParams`, `Config` and friends, `load_config`.
+Imported lazily, so that host-only modules (scheduler, page pool) load without JAX.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "jaxserve.api", "Completion": "jaxserve.api", "build_engine": "jaxserve.api",
+    "generate": "jaxserve.api", "load_config": "jaxserve.api",
+    "Config": "jaxserve.config", "EngineConfig": "jaxserve.config",
+    "MeshConfig": "jaxserve.config", "ModelConfig": "jaxserve.config",
+    "ModelSource": "jaxserve.config", "RopeScaling": "jaxserve.config",
+    "InvalidRequest": "jaxserve.sampling_params", "SamplingParams": "jaxserve.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -1,0 +1,162 @@
+"""Programmatic API: `LLM` holds a loaded engine for repeated calls; `generate` is one-shot.
+
+    llm = jaxserve.LLM("configs/smollm2_135m.py")
+    outs = llm.generate(["Hello"], jaxserve.SamplingParams(max_tokens=32, temperature=0))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason
+
+Source: vLLM's `LLM.generate` (offline batched inference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import runpy
+from pathlib import Path
+from typing import Sequence
+
+import jax
+
+from jaxserve import compile_counter
+from jaxserve.checkpoint import load_model_config, load_params
+from jaxserve.config import Config, ConfigError
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.runner import Runner
+from jaxserve.kv_cache import init_kv_cache, num_pages_for_budget
+from jaxserve.model_store import default_cache_dir, resolve_checkpoint
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
+from jaxserve.sharding import ShardingRules, make_mesh
+from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2_135m.py"
+
+
+def load_config(path: str | Path) -> Config:
+    """Read `CONFIG` from a Python config file. Raises ConfigError if it has none."""
+    ns = runpy.run_path(str(path))
+    cfg = ns.get("CONFIG")
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"{path}: defines no CONFIG of type jaxserve.config.Config")
+    return cfg
+
+
+def enable_compilation_cache(cache_dir: Path) -> None:
+    """Persist compiled executables under `cache_dir/xla` so a warm restart skips XLA
+    compilation (JAX's persistent compilation cache)."""
+    path = Path(cache_dir) / "xla"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def build_engine(config: Config, cache_dir: str | Path | None = None, warmup: bool = True,
+                 compilation_cache: bool = True) -> Engine:
+    """Load weights, allocate the KV page pool, compile, and return a ready Engine.
+
+    Fetches/converts the weights on first use (cached under `cache_dir`, default
+    ~/.cache/jaxserve). Raises ConfigError when the config has no weights or the pool
+    cannot hold one max_model_len sequence.
+    """
+    compile_counter.install()
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if compilation_cache:
+        enable_compilation_cache(cache_dir)
+    if config.source is None:
+        raise ConfigError(f"Config {config.name!r} has no weights (source); it can only be planned")
+    ckpt = resolve_checkpoint(config.source, cache_dir)
+    model_cfg = load_model_config(ckpt)
+    if config.dtype is not None:
+        model_cfg = model_cfg.replace(dtype=config.dtype)
+    rules = None
+    if config.mesh.num_devices > 1:
+        rules = ShardingRules(make_mesh(config.mesh))
+    params = load_params(ckpt, model_cfg, rules)
+    ecfg = config.engine
+    kv_dtype = ecfg.kv_dtype or model_cfg.dtype
+    num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
+    cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules)
+    runner = Runner(model_cfg, ecfg, params, cache, rules)
+    engine = Engine(model_cfg, ecfg, runner, Tokenizer.from_dir(ckpt))
+    log.info("KV page pool: %d pages of %d tokens (%.0f MiB)", num_pages, ecfg.page_size,
+             ecfg.kv_cache_bytes / 2**20)
+    if warmup:
+        runner.warmup()
+    return engine
+
+
+@dataclasses.dataclass
+class Completion:
+    """One prompt's result: generated text and token ids, why it stopped, prompt length."""
+
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+
+
+class LLM:
+    """A loaded engine for repeated `generate` calls (like vLLM's `LLM`).
+
+    `config`: a Config, a path to a config file, or None for the default (SmolLM2-135M).
+    `engine`: an already built Engine (then config/cache_dir are ignored).
+    """
+
+    def __init__(self, config: Config | str | Path | None = None, *,
+                 cache_dir: str | Path | None = None, warmup: bool = True,
+                 engine: Engine | None = None):
+        if engine is None:
+            if not isinstance(config, Config):
+                config = load_config(config or DEFAULT_CONFIG)
+            engine = build_engine(config, cache_dir, warmup=warmup)
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Generate for each prompt (text, or token ids) with continuous batching.
+
+        `sampling_params`: one for all prompts, or one per prompt (default: SamplingParams()).
+        Returns one Completion per prompt, in order. Raises InvalidRequest for a bad prompt
+        (nothing is left queued in the engine).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise InvalidRequest("sampling_params", f"got {len(sampling_params)} for {len(prompts)} prompts")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        rids = [f"gen-{next(self._ids)}" for _ in prompts]
+        done: dict[str, object] = {}
+        wanted = set(rids)
+        try:
+            for rid, tok, sp in zip(rids, ids, sampling_params):
+                self.engine.add_request(rid, tok, sp)
+            while len(done) < len(rids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+        finally:
+            for rid in rids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+        return [Completion(prompt=p, text=done[r].text, token_ids=done[r].token_ids,
+                           finish_reason=done[r].finish_reason, num_prompt_tokens=len(t))
+                for p, r, t in zip(prompts, rids, ids)]
+
+
+def generate(prompts, sampling_params=None, config: Config | str | Path | None = None,
+             cache_dir: str | Path | None = None) -> list[Completion]:
+    """One-shot: build an engine from `config` (default SmolLM2-135M), generate, return.
+
+    For repeated calls build an `LLM` once instead (loading and compiling take seconds).
+    """
+    return LLM(config, cache_dir=cache_dir).generate(prompts, sampling_params)

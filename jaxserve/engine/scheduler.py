@@ -1,0 +1,138 @@
+"""Continuous-batching scheduler: which sequences run in the next step. Plain Python.
+
+Each step is either a prefill step (admit waiting sequences, computing all their tokens)
+or a decode step (one new token for every running sequence). Prefill goes first whenever
+a waiting sequence can be admitted without making the following decode step preempt.
+When a decode step needs a page and none is free, the most recently admitted sequence is
+preempted: its pages are freed and it waits (at the front of the queue) to be recomputed.
+
+No deadlock, no livelock: a sequence is admitted only with pages for its tokens and for
+the next decode step of everything running, so every admission is followed by at least
+one decode step; the oldest running sequence is never preempted while others run, and the
+pool holds at least one sequence of `max_model_len` tokens (checked by the engine).
+
+Source: vLLM's scheduler (recompute preemption, FCFS), nano-vllm's Scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.buckets import bucket_for
+from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What the next step computes: `kind` "prefill" or "decode" over `seqs` (in batch order)."""
+
+    kind: str
+    seqs: list[Sequence]
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and their pages."""
+
+    def __init__(self, cfg: EngineConfig, pool: PagePool):
+        self.cfg = cfg
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = itertools.count()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, allocating pages; None when there is nothing to run."""
+        admitted = self._admit()
+        if admitted:
+            return StepPlan("prefill", admitted)
+        if self.running:
+            return StepPlan("decode", self._reserve_decode_pages())
+        return None
+
+    def _decode_need(self, seq: Sequence, extra_tokens: int = 0) -> int:
+        """New pages `seq` needs to hold its tokens (+ extra) in the next decode step."""
+        return max(0, self.pool.pages_for(seq.num_tokens + extra_tokens) - len(seq.block_table))
+
+    def _admit(self) -> list[Sequence]:
+        cfg, batch = self.cfg, []
+        reserve = sum(self._decode_need(s) for s in self.running)
+        free = self.pool.num_free
+        while self.waiting and len(self.running) + len(batch) < cfg.max_num_seqs \
+                and len(batch) < cfg.max_prefill_seqs:
+            seq = self.waiting[0]
+            if batch:
+                longest = max(max(s.num_tokens for s in batch), seq.num_tokens)
+                padded = (bucket_for(len(batch) + 1, cfg.prefill_batch_sizes)
+                          * bucket_for(longest, cfg.prefill_lengths))
+                if padded > cfg.max_prefill_tokens:
+                    break
+            pages = self.pool.pages_for(seq.num_tokens)
+            # its first decode writes one more token: it may need one more page
+            growth = self.pool.pages_for(seq.num_tokens + 1) - pages
+            if pages + growth + reserve > free:
+                break
+            free -= pages
+            reserve += growth
+            batch.append(self.waiting.popleft())
+        for seq in batch:
+            seq.block_table = self.pool.allocate(self.pool.pages_for(seq.num_tokens))
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted = next(self._admissions)
+            self.running.append(seq)
+        return batch
+
+    def _reserve_decode_pages(self) -> list[Sequence]:
+        for seq in sorted(self.running, key=lambda s: s.admitted):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            need = self._decode_need(seq)
+            while need > self.pool.num_free:
+                victim = max(self.running, key=lambda s: s.admitted)
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING and need:
+                seq.block_table += self.pool.allocate(need)
+        return list(self.running)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s pages and queue it first for recomputation."""
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished sequence and free its pages."""
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove the sequence with `request_id` wherever it is; None if unknown."""
+        for seq in itertools.chain(self.running, self.waiting):
+            if seq.request_id == request_id:
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+                self.finish(seq)
+                return seq
+        return None
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.block_table:
+            self.pool.free(seq.block_table)
+        seq.block_table = []

@@ -1,0 +1,57 @@
+"""A request's host-side state while the engine serves it. Plain Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # queued; needs a prefill of all its tokens (again, if preempted)
+    RUNNING = "running"    # its K/V live in its pages; decoding
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request.
+
+    prompt_ids / output_ids: token ids. block_table: page ids holding its K/V, in order.
+    num_computed: tokens whose K/V are in the pages. seed: resolved sampling seed.
+    detokenizer / stop_checker: text state (owned by the engine's output processing).
+    admitted: a counter value, larger = admitted more recently (preemption order).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    admitted: int = -1
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    detokenizer: Any = None
+    stop_checker: Any = None
+    text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

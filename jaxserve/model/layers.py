@@ -1,0 +1,78 @@
+"""Llama building blocks as pure functions: RMSNorm, RoPE (with llama3 scaling), SwiGLU.
+
+Shapes use B = batch, Q = new tokens per sequence, D = hidden size, H / K = query / KV
+heads, Dh = head_dim, F = MLP width. All math in the params' dtype, except RMSNorm's
+variance and RoPE's angles, which are computed in f32 as in HF transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.sharding import ShardingRules, constrain
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight.
+
+    x: [..., D]; weight: [D]. Variance in f32, result cast back to x.dtype before the
+    weight multiply (matches HF `LlamaRMSNorm`). Source: Zhang & Sennrich 2019.
+    """
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype) * weight
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] f32 for RoPE, with Llama 3.1 scaling if given.
+
+    Source: Su et al. 2021 (RoFormer); llama3 scaling as in Meta's `apply_scaling` /
+    HF `_compute_llama3_parameters`.
+    """
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None:
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = np.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, Q, Dh // 2] f32 for int32 `positions` [B, Q]; computed once per step."""
+    inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    angles = positions.astype(jnp.float32)[..., None] * inv
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate `x` [B, Q, heads, Dh] by position, "rotate_half" layout (HF Llama convention:
+    the first and second halves of head_dim are the pair). cos/sin: [B, Q, Dh // 2] f32.
+    """
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               rules: ShardingRules | None) -> jax.Array:
+    """SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down.
+
+    x: [B, Q, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [B, Q, D]. The F axis is the
+    tensor-parallel `mlp` axis. Source: Shazeer 2020, "GLU Variants Improve Transformer".
+    """
+    h = jax.nn.silu(x @ w_gate) * (x @ w_up)
+    h = constrain(rules, h, ("batch", "sequence", "mlp"))
+    return h @ w_down

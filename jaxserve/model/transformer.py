@@ -1,0 +1,107 @@
+"""The Llama-family forward pass over a ragged, paged batch.
+
+`forward` is one code path for prefill, decode and (later) chunked prefill and
+speculative verification: each of the B sequences brings Q new tokens (padded), their K/V
+are written into the page pool, and they attend to their context through block tables.
+Pure function: params and the KV cache go in, hidden states and the updated cache come
+out (callers jit it with the cache donated).
+
+Source: Llama (Touvron et al. 2023) as implemented in HF transformers' `LlamaModel`
+(pre-norm, RMSNorm, rotate_half RoPE, GQA, SwiGLU); Qwen2 adds q/k/v biases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, write_kv
+from jaxserve.model.attention import AttentionMetadata, make_metadata, paged_attention
+from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
+from jaxserve.model.params import LayerParams, Params
+from jaxserve.pytree import pytree_dataclass
+from jaxserve.sharding import ShardingRules, constrain
+
+ACT_AXES = ("batch", "sequence", "embed")
+
+
+@pytree_dataclass
+class StepBatch:
+    """One padded ragged batch (all int32).
+
+    tokens, positions, slot_mapping: [B, Q] (padding tokens: position 0, slot in the null
+    page). block_tables: [B, P] page ids. seq_lens: [B] context length after this step
+    (0 for padding rows). logits_indices: [B] which of the Q positions predicts the next
+    token (q_len - 1).
+    """
+
+    tokens: Any
+    positions: Any
+    slot_mapping: Any
+    block_tables: Any
+    seq_lens: Any
+    logits_indices: Any
+
+
+def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,
+                     meta: AttentionMetadata, cfg: ModelConfig, rules, impl):
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q = jnp.einsum("bqd,dhk->bqhk", h, lp.wq)
+    k = jnp.einsum("bqd,dhk->bqhk", h, lp.wk)
+    v = jnp.einsum("bqd,dhk->bqhk", h, lp.wv)
+    if lp.bq is not None:
+        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    q = constrain(rules, apply_rope(q, cos, sin), ("batch", "sequence", "q_heads", "head_dim"))
+    k = constrain(rules, apply_rope(k, cos, sin), ("batch", "sequence", "kv_heads", "head_dim"))
+    v = constrain(rules, v, ("batch", "sequence", "kv_heads", "head_dim"))
+    k_pages = write_kv(k_pages, k, slot_mapping)
+    v_pages = write_kv(v_pages, v, slot_mapping)
+    attn = paged_attention(q, k_pages, v_pages, meta, impl)
+    out = jnp.einsum("bqhk,hkd->bqd", attn, lp.wo)
+    return constrain(rules, out, ACT_AXES), k_pages, v_pages
+
+
+def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
+            rules: ShardingRules | None = None, impl: str = "xla") -> tuple[jax.Array, KVCache]:
+    """Run all layers on the batch's new tokens.
+
+    Returns hidden states [B, Q, D] (after the final RMSNorm, in cfg.dtype) and the cache
+    with this step's K/V written at `batch.slot_mapping`.
+    """
+    x = constrain(rules, params.embed[batch.tokens], ACT_AXES)
+    cos, sin = rope_tables(batch.positions, cfg)
+    meta = make_metadata(batch.block_tables, batch.seq_lens, batch.positions,
+                         cache.page_size, impl)
+    ks, vs = [], []
+    for i, lp in enumerate(params.layers):
+        a, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], cos, sin,
+                                     batch.slot_mapping, meta, cfg, rules, impl)
+        x = x + a
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        x = constrain(rules, x + swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules), ACT_AXES)
+        ks.append(kp)
+        vs.append(vp)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    return x, KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | None = None) -> jax.Array:
+    """LM head: hidden [..., D] -> logits [..., vocab] f32 (tied to the embedding when
+    `params.lm_head` is None)."""
+    if params.lm_head is None:
+        logits = jnp.einsum("...d,vd->...v", hidden, params.embed,
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...d,dv->...v", hidden, params.lm_head,
+                            preferred_element_type=jnp.float32)
+    return constrain(rules, logits, ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",))
+
+
+def last_token_logits(params: Params, hidden: jax.Array, logits_indices: jax.Array,
+                      rules: ShardingRules | None = None) -> jax.Array:
+    """Logits [B, vocab] f32 at position `logits_indices[b]` of each row of hidden [B, Q, D]."""
+    h = jnp.take_along_axis(hidden, logits_indices[:, None, None], axis=1)[:, 0]
+    return compute_logits(params, h, rules)

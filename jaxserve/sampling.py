@@ -1,0 +1,104 @@
+"""On-device sampling with per-request parameters batched as arrays (one jitted step).
+
+Order of operations matches vLLM: temperature scaling, then top-k, top-p and min-p
+filters on the scaled distribution, then a categorical draw (Gumbel-max). Temperature 0
+rows take the argmax of the raw logits. Each row's randomness comes only from its own
+(seed, output index) pair, so a request's samples do not depend on what else is in the
+batch or on preemption/recompute.
+
+Which path runs is chosen on device with `lax.switch`: all-greedy batches skip the noise,
+unfiltered batches skip the vocabulary sort.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.pytree import pytree_dataclass
+from jaxserve.sampling_params import SamplingParams
+
+
+@pytree_dataclass
+class SamplingBatch:
+    """Per-row sampling parameters for a batch of B rows.
+
+    temperature: [B] f32 (0 = greedy); top_k: [B] int32 (<= 0 = off); top_p: [B] f32;
+    min_p: [B] f32; seed: [B] uint32; step: [B] int32 index of the token being sampled
+    within the request's output (folded into the seed).
+    """
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    min_p: Any
+    seed: Any
+    step: Any
+
+    @staticmethod
+    def from_params(params: list[SamplingParams | None], seeds: list[int], steps: list[int],
+                    batch_size: int) -> "SamplingBatch":
+        """Host-side packing into numpy arrays, padded to `batch_size` rows (greedy)."""
+        n = len(params)
+        t = np.zeros(batch_size, np.float32)
+        k = np.zeros(batch_size, np.int32)
+        p = np.ones(batch_size, np.float32)
+        m = np.zeros(batch_size, np.float32)
+        s = np.zeros(batch_size, np.uint32)
+        st = np.zeros(batch_size, np.int32)
+        for i, sp in enumerate(params):
+            if sp is None:
+                continue
+            t[i], k[i], p[i], m[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+        s[:n] = np.asarray(seeds, np.uint64) & 0xFFFFFFFF
+        st[:n] = steps
+        return SamplingBatch(temperature=t, top_k=k, top_p=p, min_p=m, seed=s, step=st)
+
+
+def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
+    """[B, vocab] f32 Gumbel noise, row b drawn from key (seed[b], step[b]) only."""
+    def one(sd, st):
+        key = jax.random.fold_in(jax.random.key(sd), st)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+    return jax.vmap(one)(seed, step)
+
+
+def _filtered_sample(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
+    B, V = scaled.shape
+    order = jnp.argsort(-scaled, axis=-1)                         # [B, V] descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
+    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, V), V)[:, None]
+    sorted_logits = jnp.where(rank < k, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs               # mass strictly above
+    keep = (cum_before < sb.top_p[:, None]) & (probs >= sb.min_p[:, None] * probs[:, :1])
+    keep = keep.at[:, 0].set(True)                               # never drop the top token
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    choice = jnp.argmax(sorted_logits + _gumbel(sb.seed, sb.step, V), axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def sample(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row.
+
+    logits: [B, V] f32. Returns (tokens [B] int32, logprobs [B] f32), where logprobs are
+    the log-softmax of the raw (unscaled, unfiltered) logits at the chosen token, as
+    vLLM reports by default.
+    """
+    B, V = logits.shape
+    greedy = sb.temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, sb.temperature)[:, None]
+    needs_filter = jnp.any(~greedy & ((sb.top_k > 0) | (sb.top_p < 1) | (sb.min_p > 0)))
+    branch = jnp.where(jnp.all(greedy), 0, jnp.where(needs_filter, 2, 1))
+    sampled = jax.lax.switch(branch, [
+        lambda: jnp.argmax(logits, axis=-1),
+        lambda: jnp.argmax(scaled + _gumbel(sb.seed, sb.step, V), axis=-1),
+        lambda: _filtered_sample(scaled, sb),
+    ])
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
