@@ -8,7 +8,7 @@ import importlib
 
 _EXPORTS = {
     "LLM": "jaxserve.api", "Completion": "jaxserve.api", "build_engine": "jaxserve.api",
-    "generate": "jaxserve.api", "load_config": "jaxserve.api",
+    "generate": "jaxserve.api", "load_config": "jaxserve.config",
     "Config": "jaxserve.config", "EngineConfig": "jaxserve.config",
     "MeshConfig": "jaxserve.config", "ModelConfig": "jaxserve.config",
     "ModelSource": "jaxserve.config", "RopeScaling": "jaxserve.config",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import runpy
 from pathlib import Path
 from typing import Sequence
 
@@ -20,7 +19,7 @@ import jax
 
 from jaxserve import compile_counter
 from jaxserve.checkpoint import load_model_config, load_params
-from jaxserve.config import Config, ConfigError
+from jaxserve.config import Config, ConfigError, load_config
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
 from jaxserve.kv_cache import init_kv_cache, num_pages_for_budget
@@ -32,15 +31,6 @@ from jaxserve.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2_135m.py"
-
-
-def load_config(path: str | Path) -> Config:
-    """Read `CONFIG` from a Python config file. Raises ConfigError if it has none."""
-    ns = runpy.run_path(str(path))
-    cfg = ns.get("CONFIG")
-    if not isinstance(cfg, Config):
-        raise ConfigError(f"{path}: defines no CONFIG of type jaxserve.config.Config")
-    return cfg
 
 
 def enable_compilation_cache(cache_dir: Path) -> None:

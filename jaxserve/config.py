@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import runpy
+from pathlib import Path
 from typing import Any
 
 
@@ -252,3 +254,16 @@ class Config:
 
     def replace(self, **kw) -> "Config":
         return dataclasses.replace(self, **kw)
+
+
+def load_config(path: str | Path) -> Config:
+    """Run a `configs/NAME.py` file and return its `CONFIG`.
+
+    Raises ConfigError if the file does not exist or defines no CONFIG of type Config.
+    """
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    cfg = runpy.run_path(str(path)).get("CONFIG")
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"{path}: defines no CONFIG of type jaxserve.config.Config")
+    return cfg

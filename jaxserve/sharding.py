@@ -20,7 +20,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import MeshConfig
 
@@ -42,7 +42,7 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `(data, model)` mesh over the first `cfg.num_devices` devices.
 
-    Raises ConfigError-like ValueError when fewer devices exist than the config asks for.
+    Raises ValueError when fewer devices exist than the config asks for.
     """
     devices = list(devices if devices is not None else jax.devices())
     if len(devices) < cfg.num_devices:
@@ -53,11 +53,17 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     return Mesh(arr, ("data", "model"))
 
 
+def make_abstract_mesh(cfg: MeshConfig) -> AbstractMesh:
+    """The same `(data, model)` mesh without devices: for planning shardings and memory of
+    a deployment (70B on 8 GPUs) on a machine that has none of them."""
+    return AbstractMesh((cfg.data_parallel, cfg.tensor_parallel), ("data", "model"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """Maps logical axis names to mesh axes of `mesh` (hashable: usable as a static arg)."""
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     rules: tuple[tuple[str, str | None], ...] = DEFAULT_RULES
 
     def mesh_axis(self, logical: str | None) -> str | None:

@@ -1,0 +1,127 @@
+"""Per-device memory plan of a deployment: weights, KV page pool, activations.
+
+Computed from the abstract param tree and its shardings on an abstract mesh, so a 70B
+tensor-parallel-8 plan runs on a laptop without allocating anything.
+
+Formulas (the usual serving back-of-envelope, as in vLLM's and the "LLM inference
+memory" guides): weights = sum of each leaf's shard size x dtype bytes; KV per token =
+2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool = kv_cache_bytes split over
+the devices that share the kv_heads axis; activations = the largest step's live buffers
+(residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import Config, ModelConfig
+from jaxserve.kv_cache import KV_AXES, num_pages_for_budget
+from jaxserve.model.params import abstract_params
+from jaxserve.sharding import ShardingRules, make_abstract_mesh
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """All sizes in bytes, per device unless named `_total`."""
+
+    num_devices: int
+    num_params: int
+    weights_total: int
+    weights: int
+    kv_bytes_per_token_total: int
+    kv_pages: int
+    kv_tokens: int
+    kv_pool: int
+    activations: int
+    replicated_leaves: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_pool + self.activations
+
+    def table(self, device_bytes: int | None = None) -> str:
+        rows = [("devices", f"{self.num_devices}"),
+                ("parameters", f"{self.num_params / 1e9:.2f} B"),
+                ("weights (all devices)", f"{self.weights_total / GiB:.2f} GiB"),
+                ("weights / device", f"{self.weights / GiB:.2f} GiB"),
+                ("KV / token (all devices)", f"{self.kv_bytes_per_token_total / 2**10:.1f} KiB"),
+                ("KV pool / device", f"{self.kv_pool / GiB:.2f} GiB "
+                                     f"({self.kv_pages} pages, {self.kv_tokens} tokens)"),
+                ("activations / device", f"{self.activations / GiB:.2f} GiB"),
+                ("total / device", f"{self.total / GiB:.2f} GiB")]
+        if device_bytes:
+            rows.append(("headroom / device", f"{(device_bytes - self.total) / GiB:.2f} GiB "
+                                              f"of {device_bytes / GiB:.0f} GiB"))
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def plan_memory(config: Config, model: ModelConfig | None = None) -> MemoryPlan:
+    """Plan `config` on an abstract mesh of `config.mesh` (no devices, no allocation).
+
+    `model` defaults to `config.model`. Raises ValueError if neither gives a shape.
+    """
+    model = model or config.model
+    if model is None:
+        raise ValueError(f"Config {config.name!r} has no model shape to plan (config.model)")
+    if config.dtype is not None:
+        model = model.replace(dtype=config.dtype)
+    ecfg = config.engine
+    rules = ShardingRules(make_abstract_mesh(config.mesh))
+    params = abstract_params(model, rules)
+    leaves = jax.tree.leaves_with_path(params)
+    weights = sum(_shard_bytes(x) for _, x in leaves)
+    weights_total = sum(math.prod(x.shape) * x.dtype.itemsize for _, x in leaves)
+    replicated = ()
+    if config.mesh.tensor_parallel > 1:  # matrices that could not be split over `model`
+        replicated = tuple(sorted({jax.tree_util.keystr(p).split(".")[-1] for p, x in leaves
+                                   if len(x.shape) > 1 and "model" not in x.sharding.spec}))
+
+    kv_dtype = jnp.dtype(ecfg.kv_dtype or model.dtype)
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_dtype.itemsize
+    pages = num_pages_for_budget(model, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
+    page_shape = (pages, ecfg.page_size, model.num_kv_heads, model.head_dim)
+    kv_split = math.prod(page_shape) // math.prod(rules.sharding(KV_AXES, page_shape).shard_shape(page_shape))
+    kv_pool = pages * ecfg.page_size * per_token // kv_split
+
+    return MemoryPlan(
+        num_devices=config.mesh.num_devices, num_params=sum(math.prod(x.shape) for _, x in leaves),
+        weights_total=weights_total, weights=weights, kv_bytes_per_token_total=per_token,
+        kv_pages=pages, kv_tokens=pages * ecfg.page_size, kv_pool=kv_pool,
+        activations=activation_bytes(model, config, rules), replicated_leaves=replicated)
+
+
+def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -> int:
+    """Peak live activation bytes per device of the largest step (prefill or decode)."""
+    ecfg = config.engine
+    tp = rules.mesh.shape["model"]
+    b = jnp.dtype(model.dtype).itemsize
+    kvb = jnp.dtype(ecfg.kv_dtype or model.dtype).itemsize
+
+    def split(n):  # a head/mlp/vocab axis splits only when divisible, as in ShardingRules
+        return n // tp if n % tp == 0 else n
+
+    def step(B, Q, S):
+        T = B * Q
+        return (2 * T * model.hidden_size * b                                          # residual + normed
+                + T * (split(model.num_heads) + 2 * split(model.num_kv_heads)) * model.head_dim * b
+                + 2 * B * S * split(model.num_kv_heads) * model.head_dim * kvb         # gathered K, V
+                + B * split(model.num_heads) * Q * S * 4                                # f32 scores
+                + 3 * T * split(model.intermediate_size) * b                            # gate, up, product
+                + B * split(model.vocab_size) * 4)                                      # f32 logits
+
+    prefill = step(1, ecfg.max_model_len, ecfg.max_model_len)
+    batched = step(ecfg.max_prefill_seqs, ecfg.max_prefill_tokens // ecfg.max_prefill_seqs,
+                   ecfg.max_prefill_tokens // ecfg.max_prefill_seqs)
+    decode = step(ecfg.max_num_seqs, 1, ecfg.max_model_len)
+    return max(prefill, batched, decode)
