@@ -1,0 +1,25 @@
+"""Checkpoints: convert HF safetensors directories and GGUF files into the jaxserve
+checkpoint format (orbax params + tokenizer + config), and load them.
+
+    convert(src, out, dtype=None) -> Path          # tools/convert_hf.py is its CLI
+    load_model_config(ckpt) -> ModelConfig
+    load_params(ckpt, model_cfg, rules=None) -> Params
+    is_checkpoint(path) -> bool
+    save_checkpoint(out, model_cfg, params, tokenizer_json, tokenizer_config, source_info)
+
+Every failure is a CheckpointError (a ValueError) with a one-line message naming the
+architecture, tensor or file at fault.
+"""
+
+from jaxserve.checkpoint.convert import convert, open_source
+from jaxserve.checkpoint.errors import CheckpointError
+from jaxserve.checkpoint.families import HF_ARCHITECTURES, model_config_from_hf, tensor_plan
+from jaxserve.checkpoint.gguf import GGUF_ARCHITECTURES, reverse_permute
+from jaxserve.checkpoint.gguf_tokenizer import build_gguf_tokenizer, gguf_tokenizer_config
+from jaxserve.checkpoint.store import is_checkpoint, load_model_config, load_params, save_checkpoint
+
+__all__ = [
+    "CheckpointError", "GGUF_ARCHITECTURES", "HF_ARCHITECTURES", "build_gguf_tokenizer",
+    "convert", "gguf_tokenizer_config", "is_checkpoint", "load_model_config", "load_params",
+    "model_config_from_hf", "open_source", "reverse_permute", "save_checkpoint", "tensor_plan",
+]

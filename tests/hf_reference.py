@@ -1,0 +1,111 @@
+"""Hugging Face transformers as the reference implementation (test-only dependency).
+
+transformers reads a GGUF itself (`from_pretrained(dir, gguf_file=name)`): dequantised
+float32 weights with llama.cpp's q/k permutation undone, and a tokenizer rebuilt from the
+vocabulary. Loading takes ~20 s, so conftest.py wraps these in session fixtures
+(`hf_smollm2_model`, `hf_smollm2_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def load_gguf_model(gguf_path: str | Path):
+    """`AutoModelForCausalLM` of a GGUF file in float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    p = Path(gguf_path)
+    return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def load_gguf_tokenizer(gguf_path: str | Path):
+    """`AutoTokenizer` of a GGUF file."""
+    from transformers import AutoTokenizer
+    p = Path(gguf_path)
+    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+
+
+# --- tiny random HF models (for conversion tests) -------------------------------------
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides):
+    """A transformers `arch` ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    of the TINY shape (+ overrides) with every weight random: N(0, 0.2) matrices and
+    biases, norms 1 + N(0, 0.1) (so a swapped norm or a dropped bias shows)."""
+    import torch
+    import transformers
+    cls = getattr(transformers, arch)
+    model = cls(cls.config_class(**{**TINY, **overrides})).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    return model
+
+
+def write_tiny_tokenizer(d: Path, vocab_size: int) -> None:
+    """A word-level tokenizer.json (tokens t0..tN) and a tokenizer_config.json into `d`."""
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0")).save(
+        str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
+
+
+def save_hf_dir(model, d: Path, max_shard_size: str | None = "24KB") -> Path:
+    """`model.save_pretrained(d)` in shards of `max_shard_size` (several + an index) plus a
+    tiny tokenizer; returns `d`."""
+    model.save_pretrained(d, max_shard_size=max_shard_size) if max_shard_size else model.save_pretrained(d)
+    write_tiny_tokenizer(d, model.config.vocab_size)
+    return d
+
+
+def expected_leaves(state_dict, n_layers: int, heads: int, kv_heads: int, head_dim: int,
+                    tied: bool) -> dict[str, np.ndarray]:
+    """Our documented layouts (jaxserve.model.params) computed from an HF state dict:
+    {"embed": ..., "layers.0.wq": ..., "lm_head": ...} as float32 numpy."""
+    sd = {k: v.detach().float().numpy() if v.dtype.is_floating_point else v.numpy()
+          for k, v in state_dict.items()}
+    D = sd["model.embed_tokens.weight"].shape[1]
+    out = {"embed": sd["model.embed_tokens.weight"], "final_norm": sd["model.norm.weight"]}
+    if not tied:
+        out["lm_head"] = sd["lm_head.weight"].T
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out |= {
+            f"layers.{i}.attn_norm": sd[p + "input_layernorm.weight"],
+            f"layers.{i}.mlp_norm": sd[p + "post_attention_layernorm.weight"],
+            f"layers.{i}.wq": sd[a + "q_proj.weight"].T.reshape(D, heads, head_dim),
+            f"layers.{i}.wk": sd[a + "k_proj.weight"].T.reshape(D, kv_heads, head_dim),
+            f"layers.{i}.wv": sd[a + "v_proj.weight"].T.reshape(D, kv_heads, head_dim),
+            f"layers.{i}.wo": sd[a + "o_proj.weight"].T.reshape(heads, head_dim, D),
+            f"layers.{i}.w_gate": sd[p + "mlp.gate_proj.weight"].T,
+            f"layers.{i}.w_up": sd[p + "mlp.up_proj.weight"].T,
+            f"layers.{i}.w_down": sd[p + "mlp.down_proj.weight"].T,
+        }
+        for b, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            if a + f"{b}_proj.bias" in sd:
+                out[f"layers.{i}.b{b}"] = sd[a + f"{b}_proj.bias"].reshape(h, head_dim)
+    return out
+
+
+def flat_leaves(params) -> dict[str, np.ndarray]:
+    """A Params tree as {"embed": ..., "layers.0.wq": ...} float32 numpy (None leaves absent)."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key = ".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path)
+        out[key] = np.asarray(x).astype(np.float32)
+    return out
