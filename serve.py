@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, help="port (default: the config's, 8000)")
     ap.add_argument("--cache-dir", help="where converted weights and compiled code are cached")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
 
     config = load_config(args.config)
     host, port = args.host or config.host, args.port or config.port

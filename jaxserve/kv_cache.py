@@ -77,8 +77,10 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     flat slots (padding -> slots of the null page). Returns the updated pool (in place
     when the pool is donated).
     """
-    n, ps, kh, dh = pages.shape
-    flat = pages.reshape(n * ps, kh, dh)
-    flat = flat.at[slot_mapping.reshape(-1)].set(
-        new.reshape(-1, kh, dh).astype(pages.dtype), mode="drop", unique_indices=False)
-    return flat.reshape(n, ps, kh, dh)
+    # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
+    # XLA:CPU copy the whole pool every step once the pool was also read (177 ms vs 0.05 ms
+    # per layer for a 10k-page pool).
+    ps = pages.shape[1]
+    slots = slot_mapping.reshape(-1)
+    return pages.at[slots // ps, slots % ps].set(
+        new.reshape(-1, *pages.shape[2:]).astype(pages.dtype), mode="drop")

