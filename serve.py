@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (as uvicorn.run)
+        pass
     finally:
         async_engine.shutdown()
 

@@ -57,3 +57,16 @@ def hf_smollm2_tokenizer(smollm2_gguf):
     """transformers' tokenizer built from the SmolLM2 GGUF."""
     from hf_reference import load_gguf_tokenizer
     return load_gguf_tokenizer(smollm2_gguf)
+
+
+# --- a warmed-up engine on the real model (tests/configs/smollm2_small.py) ---------------
+
+SMALL_CONFIG = ROOT / "tests" / "configs" / "smollm2_small.py"
+
+
+@pytest.fixture(scope="session")
+def small_llm(smollm2_checkpoint, cache_dir):
+    """`jaxserve.LLM` on SmolLM2-135M with the small test engine (80-page pool,
+    max_model_len 512), warmed up: every bucketed step shape is compiled."""
+    from jaxserve.api import LLM
+    return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir)

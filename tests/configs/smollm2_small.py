@@ -1,0 +1,29 @@
+"""SmolLM2-135M-Instruct (the real model) with a small engine for tests: a short
+max_model_len and few shape buckets (11 compilations), and a pool of 80 pages (1280
+tokens) that 16 short requests fit in together but 8 long ones do not (preemption)."""
+
+import dataclasses
+
+from jaxserve.config import EngineConfig, load_config
+from pathlib import Path
+
+_DEFAULT = load_config(Path(__file__).resolve().parents[2] / "configs" / "smollm2_135m.py")
+
+PAGE_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K+V, 30 layers, 16 tokens, 3 kv heads x 64, f32
+
+CONFIG = dataclasses.replace(
+    _DEFAULT,
+    name="smollm2_135m_small",
+    engine=EngineConfig(
+        page_size=16,
+        kv_cache_bytes=81 * PAGE_BYTES,  # 80 usable pages + the null page
+        max_num_seqs=16,
+        max_model_len=512,
+        max_prefill_tokens=512,
+        max_prefill_seqs=4,
+        decode_batch_buckets=(1, 4, 16),
+        prefill_len_buckets=(32, 128, 512),
+        prefill_batch_buckets=(1, 4),
+        page_buckets=(8, 32),
+    ),
+)

@@ -1,0 +1,156 @@
+"""The engine on the real model (SmolLM2-135M, tests/configs/smollm2_small.py: 80-page
+pool, max_model_len 512): continuous batching gives each request exactly the tokens it
+gets alone, preemption completes everything with the same outputs, no compilation after
+warm-up, and the programmatic API's stop handling."""
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams, compile_counter
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+WORDS = ("river mountain quantum bread violin galaxy ledger orchid tensor harbor lantern "
+         "meadow cipher saffron glacier").split()
+
+
+def make_prompt(tok, rng, n_words):
+    return tok.encode(" ".join(rng.choice(WORDS, n_words)))
+
+
+def run_alone(engine, rid, prompt, params):
+    engine.add_request(rid, prompt, params)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out.token_ids, out.finish_reason
+
+
+def run_staggered(engine, requests, arrivals):
+    """Add request i at engine step arrivals[i]; step until all finish. Returns outputs by
+    id and the largest batch seen."""
+    done, step, max_running = {}, 0, 0
+    ids = {rid for rid, _, _ in requests}
+    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    while len(done) < len(requests):
+        while pending and arrivals[pending[0]] <= step:
+            rid, prompt, params = requests[pending.pop(0)]
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished and out.request_id in ids:
+                done[out.request_id] = (out.token_ids, out.finish_reason)
+        max_running = max(max_running, len(engine.scheduler.running))
+        step += 1
+        assert step < 5000, "engine made no progress"
+    return done, max_running
+
+
+def assert_pool_empty(engine):
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_continuous_batching_equals_alone(small_llm):
+    engine, tok = small_llm.engine, small_llm.tokenizer
+    rng = np.random.default_rng(1)
+    requests = []
+    for i in range(16):
+        prompt = make_prompt(tok, rng, int(rng.integers(2, 30)))
+        if i % 3 == 0:  # seeded sampling must not depend on the batch either
+            params = SamplingParams(max_tokens=int(rng.integers(8, 25)), temperature=0.8,
+                                    top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=int(rng.integers(8, 25)), temperature=0,
+                                    ignore_eos=True)
+        requests.append((f"b{i}", prompt, params))
+    arrivals = [0, 0, 0, 1, 1, 2, 3, 5, 5, 6, 8, 9, 12, 13, 15, 18]
+    preempted_before = engine.scheduler.num_preemptions
+
+    together, max_running = run_staggered(engine, requests, arrivals)
+    assert max_running >= 8, "requests should have shared decode steps"
+    assert engine.scheduler.num_preemptions == preempted_before, "this workload fits the pool"
+    assert_pool_empty(engine)
+
+    for rid, prompt, params in requests:
+        alone = run_alone(engine, rid + "-alone", prompt, params)
+        assert together[rid] == alone, rid
+        assert len(alone[0]) == params.max_tokens and alone[1] == "length"
+    assert_pool_empty(engine)
+
+
+def test_preemption_completes_everything_with_same_outputs(small_llm):
+    engine, tok = small_llm.engine, small_llm.tokenizer
+    rng = np.random.default_rng(2)
+    # 6 x (~200 prompt + 60 output tokens) = ~100 pages > the 80-page pool
+    requests = [(f"p{i}", make_prompt(tok, rng, 180 + 5 * i),
+                 SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)) for i in range(6)]
+    need = sum(engine.pool.pages_for(len(p) + sp.max_tokens) for _, p, sp in requests)
+    assert need > engine.pool.capacity
+    preempted_before = engine.scheduler.num_preemptions
+
+    together, _ = run_staggered(engine, requests, [0] * len(requests))
+    assert engine.scheduler.num_preemptions > preempted_before
+    assert_pool_empty(engine)
+    for rid, prompt, params in requests:
+        assert together[rid] == run_alone(engine, rid + "-alone", prompt, params), rid
+    assert_pool_empty(engine)
+
+
+def test_no_compilation_after_warmup(small_llm):
+    engine, tok = small_llm.engine, small_llm.tokenizer
+    rng = np.random.default_rng(3)
+    before = compile_counter.compilations()[0], engine.num_compilations
+    kinds = [SamplingParams(max_tokens=12, temperature=0),
+             SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=1),
+             SamplingParams(max_tokens=9, temperature=0.7, top_p=0.8, min_p=0.05),
+             SamplingParams(max_tokens=30, temperature=0, stop=["the"], ignore_eos=True),
+             SamplingParams(max_tokens=15, temperature=0.5, stop_token_ids=[13])]
+    requests = []
+    for i in range(20):  # prompt lengths across all prefill buckets, up to near max_model_len
+        n_words = int(rng.choice([1, 10, 40, 120, 300]))
+        requests.append((f"c{i}", make_prompt(tok, rng, n_words)[:480], kinds[i % len(kinds)]))
+    arrivals = sorted(int(a) for a in rng.integers(0, 30, len(requests)))
+    engine.add_request("to-abort", make_prompt(tok, rng, 20), SamplingParams(max_tokens=100))
+    engine.step()
+    engine.abort_request("to-abort")
+    assert [o.finish_reason for o in engine.step() if o.request_id == "to-abort"] == ["abort"]
+    done, max_running = run_staggered(engine, requests, arrivals)
+    assert len(done) == len(requests) and max_running > 4
+    assert (compile_counter.compilations()[0], engine.num_compilations) == before
+    assert_pool_empty(engine)
+
+
+def test_generate_stop_strings_and_eos(small_llm):
+    tok = small_llm.tokenizer
+    chat = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]), add_special_tokens=False)
+    [free] = small_llm.generate([chat], SamplingParams(max_tokens=64, temperature=0))
+    assert free.finish_reason == "stop", "the instruct model ends its answer with EOS"
+    assert free.token_ids[-1] in small_llm.engine.eos_token_ids
+    assert "Paris" in free.text and "<|im_end|>" not in free.text
+    assert free.text == tok.decode(free.token_ids[:-1])
+
+    stop = "Paris"
+    [cut] = small_llm.generate([chat], SamplingParams(max_tokens=64, temperature=0, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[:free.text.index(stop)], "stop string never leaks into the output"
+    [kept] = small_llm.generate([chat], SamplingParams(max_tokens=64, temperature=0, stop=[stop],
+                                                       include_stop_str_in_output=True))
+    assert kept.text.endswith(stop) and kept.text == free.text[:free.text.index(stop) + len(stop)]
+
+    [short] = small_llm.generate(["The quick brown fox"], SamplingParams(max_tokens=5, temperature=0))
+    assert short.finish_reason == "length" and len(short.token_ids) == 5
+    assert short.num_prompt_tokens == len(tok.encode("The quick brown fox"))
+
+
+def test_same_seed_same_output_in_any_batch(small_llm):
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=1234)
+    [alone] = small_llm.generate(["Once upon a time"], params)
+    outs = small_llm.generate(["Once upon a time", "Hello", "Write a poem about the sea"] * 3,
+                              [params, SamplingParams(max_tokens=30, temperature=1.0),
+                               SamplingParams(max_tokens=10, temperature=0)] * 3)
+    for o in outs[::3]:
+        assert o.token_ids == alone.token_ids
+    other = small_llm.generate(["Once upon a time"], SamplingParams(max_tokens=24, temperature=1.0,
+                                                                    seed=4321))[0]
+    assert other.token_ids != alone.token_ids

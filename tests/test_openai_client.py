@@ -1,0 +1,262 @@
+"""End to end: the official `openai` client against `serve.py` run as a subprocess with the
+real SmolLM2-135M-Instruct (tests/configs/smollm2_small.py: max_model_len 512). Checks what
+the in-process tests with the fake engine (test_server.py) cannot: the real CLI, uvicorn,
+the real model and the SDK's parsing of our responses, SSE streams and error objects."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "tests/configs/smollm2_small.py"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+STARTUP_TIMEOUT_S = 240
+PROMPT = "Once upon a time, in a small village by the sea,"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Server:
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process `pid`, all threads (Linux /proc); None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_checkpoint, cache_dir, tmp_path_factory):
+    """serve.py on a free port, once /health answers 200 (the model is fetched and converted
+    in-process first, by `smollm2_checkpoint`, so the server only loads and warms up)."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "serve.py", "--config", CONFIG, "--port", str(port),
+           "--cache-dir", str(cache_dir)]
+    with open(log_path, "wb") as log:  # a file, not a PIPE: nobody drains a pipe
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    srv = Server(port, proc, log_path)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"serve.py exited with {proc.returncode} before it was healthy:\n"
+                            f"{srv.log_tail()}")
+            try:
+                if httpx.get(f"{srv.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"serve.py not healthy after {STARTUP_TIMEOUT_S} s:\n{srv.log_tail()}")
+            time.sleep(0.5)
+        yield srv
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    # No retries: an error must surface as the status the server sent, not be retried away.
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_checkpoint):
+    from jaxserve.tokenizer import Tokenizer
+    return Tokenizer.from_dir(smollm2_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def greedy_completion(client):
+    """The non-streamed greedy completion of PROMPT (16 tokens) that streams must equal."""
+    return client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def greedy_chat(client):
+    return client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                          max_tokens=32)
+
+
+def test_models_list(client):
+    models = client.models.list().data
+    assert MODEL in [m.id for m in models]
+    assert all(m.object == "model" for m in models)
+
+
+def test_completion(greedy_completion, client, tokenizer):
+    r = greedy_completion
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.text.strip()
+    assert choice.finish_reason in {"length", "stop"}
+    u = r.usage
+    assert u.prompt_tokens == len(tokenizer.encode(PROMPT, add_special_tokens=True)) > 0
+    if choice.finish_reason == "length":
+        assert u.completion_tokens == 16
+    else:
+        assert 1 <= u.completion_tokens <= 16
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    # ignore_eos (vLLM's extension): exactly max_tokens tokens, whatever the model says.
+    r = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=7,
+                                  extra_body={"ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (7, "length")
+    assert r.usage.prompt_tokens == u.prompt_tokens
+
+
+def test_streaming_completion_matches(greedy_completion, client):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+                                            max_tokens=16, stream=True))
+    assert len(chunks) >= 2
+    assert all(len(c.choices) == 1 and c.usage is None for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == greedy_completion.choices[0].text
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].choices[0].finish_reason == greedy_completion.choices[0].finish_reason
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+
+
+def test_chat_completion(greedy_chat):
+    r = greedy_chat
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    msg = r.choices[0].message
+    assert msg.role == "assistant"
+    assert "Paris" in msg.content
+    assert r.choices[0].finish_reason == "stop"
+    assert 0 < r.usage.completion_tokens < 32 and r.usage.prompt_tokens > 0
+
+
+def test_streaming_chat_matches(greedy_chat, client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                                 max_tokens=32, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == greedy_chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_stream_include_usage(greedy_completion, client):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+                                            max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True}))
+    *deltas, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert all(c.usage is None and len(c.choices) == 1 for c in deltas)
+    assert "".join(c.choices[0].text for c in deltas) == greedy_completion.choices[0].text
+    want = greedy_completion.usage
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == \
+        (want.prompt_tokens, want.completion_tokens, want.total_tokens)
+
+
+def test_errors_then_still_serving(client):
+    with pytest.raises(openai.NotFoundError) as e:  # 404, as OpenAI answers an unknown model
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    assert (e.value.status_code, e.value.code, e.value.param) == (404, "model_not_found", "model")
+    assert "no-such-model" in e.value.message
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert e.value.param == "max_tokens"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
+    assert e.value.param == "temperature"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hello " * 1000, max_tokens=4)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "prompt")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in e.value.message
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4 and r.choices[0].text
+
+
+def test_client_disconnect_mid_stream(server, client):
+    """A client that goes away mid-stream: its request is aborted and the server serves on.
+    /health exposes no pool or queue counters, so the evidence of the abort is that the
+    server process goes idle (its engine thread sleeps when it has no requests), where the
+    400-token request would keep a core busy for many seconds; then a prompt next request."""
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=400,
+                                       stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    got = [next(it) for _ in range(3)]
+    assert all(c.choices[0].finish_reason is None for c in got)
+    stream.close()
+
+    time.sleep(1.0)  # the abort reaches the engine thread at its next step
+    cpu0, t0 = _cpu_seconds(server.proc.pid), time.monotonic()
+    if cpu0 is not None:
+        time.sleep(2.0)
+        busy = (_cpu_seconds(server.proc.pid) - cpu0) / (time.monotonic() - t0)
+        assert busy < 0.25, f"server still using {busy:.2f} cores after the client left"
+
+    t0 = time.monotonic()
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    r = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8,
+                                  extra_body={"ignore_eos": True}, timeout=30)
+    assert time.monotonic() - t0 < 30
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (8, "length")
+    assert server.proc.poll() is None
+    log = server.log_tail(100_000)
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-4000:]
+
+
+def test_sigint_shuts_down_cleanly(server):
+    """Last (it stops the module's server): Ctrl-C is a graceful shutdown, exit status 0."""
+    server.proc.send_signal(signal.SIGINT)
+    try:
+        rc = server.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve.py still running 20 s after SIGINT:\n{server.log_tail()}")
+    log = server.log_tail(100_000)
+    assert "Application shutdown complete" in log
+    assert rc == 0 and "Traceback" not in log, log[-4000:]
