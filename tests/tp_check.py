@@ -1,6 +1,8 @@
 """Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=N: the paged
 forward (a prefill, then decode steps) under tensor parallel 1, 2 and 4 over the same
-weights; prints JSON {tp: max |logits - logits_tp1|}.
+weights; prints JSON {"diff": {tp: max |logits - logits_tp1|}, "max_abs_logit",
+"noise_floor": max |diff| of TP 1 against itself with the sequence batched beside others
+(f32 reduction order alone), "sharded": {tp: names of the weights split across devices}}.
 
     python tests/tp_check.py tiny          # random weights, every axis divisible
     python tests/tp_check.py CHECKPOINT    # a jaxserve checkpoint (the real model)
@@ -20,30 +22,50 @@ from jaxserve.model.transformer import StepBatch, compute_logits, forward
 from jaxserve.sharding import ShardingRules, make_mesh
 
 
-def run(params, cfg, rules, ids, n_decode):
-    ps, pages = 16, np.array([7, 3, 11, 1, 9, 4, 2, 8], np.int32)
-    cache = init_kv_cache(cfg, 12, ps, cfg.dtype, rules)
+def run(params, cfg, rules, ids, n_decode, others=()):
+    """Logits [len(ids) + n_decode, vocab] of `ids` (one prefill step, then n_decode greedy
+    decode steps); `others`: token lists prefilled and decoded in the same batch after it."""
+    ps, Q, per_seq = 16, 64, 4
+    rows = [list(ids)] + [list(o) for o in others]
+    B = len(rows)
+    rng = np.random.default_rng(7)
+    tables = rng.permutation(np.arange(1, 1 + B * per_seq)).reshape(B, per_seq).astype(np.int32)
+    cache = init_kv_cache(cfg, 1 + B * per_seq, ps, cfg.dtype, rules)
     fwd = jax.jit(lambda p, c, b: (lambda h, c: (compute_logits(p, h, rules), c))(
         *forward(p, c, b, cfg, rules)), donate_argnums=1)
-    n, Q = len(ids), 64
-    slots = lambda pos: pages[pos // ps] * ps + pos % ps
-    b = StepBatch(tokens=np.pad(ids, (0, Q - n))[None].astype(np.int32),
-                  positions=np.pad(np.arange(n), (0, Q - n))[None].astype(np.int32),
-                  slot_mapping=np.pad(slots(np.arange(n)), (0, Q - n))[None].astype(np.int32),
-                  block_tables=pages[None], seq_lens=np.array([n], np.int32),
-                  logits_indices=np.array([n - 1], np.int32))
-    logits, cache = fwd(params, cache, b)
-    outs = [np.asarray(logits)[0, :n]]
-    tok = int(outs[-1][-1].argmax())
-    for i in range(n_decode):
-        pos = n + i
-        b = StepBatch(tokens=np.array([[tok]], np.int32), positions=np.array([[pos]], np.int32),
-                      slot_mapping=np.array([[slots(pos)]], np.int32), block_tables=pages[None],
-                      seq_lens=np.array([pos + 1], np.int32), logits_indices=np.array([0], np.int32))
-        logits, cache = fwd(params, cache, b)
-        outs.append(np.asarray(logits)[0])
-        tok = int(outs[-1][-1].argmax())
+
+    def batch(chunks, starts, q):
+        z = lambda: np.zeros((B, q), np.int32)
+        b = StepBatch(tokens=z(), positions=z(), slot_mapping=z(), block_tables=tables,
+                      seq_lens=np.zeros(B, np.int32), logits_indices=np.zeros(B, np.int32))
+        for r, (toks, start) in enumerate(zip(chunks, starts)):
+            pos = np.arange(start, start + len(toks))
+            b.tokens[r, :len(toks)] = toks
+            b.positions[r, :len(toks)] = pos
+            b.slot_mapping[r, :len(toks)] = tables[r][pos // ps] * ps + pos % ps
+            b.seq_lens[r] = start + len(toks)
+        return b
+
+    logits, cache = fwd(params, cache, batch(rows, [0] * B, Q))
+    logits = np.asarray(logits)
+    outs = [logits[0, :len(ids)]]
+    lens = [len(r) for r in rows]
+    toks = [[int(logits[r, lens[r] - 1].argmax())] for r in range(B)]
+    for _ in range(n_decode):
+        logits, cache = fwd(params, cache, batch(toks, lens, 1))
+        logits = np.asarray(logits)[:, 0]
+        outs.append(logits[:1])
+        lens = [n + 1 for n in lens]
+        toks = [[int(row.argmax())] for row in logits]
     return np.concatenate(outs)
+
+
+def sharded_weights(params) -> list[str]:
+    """Names of the weights of layer 0 (and the embedding) split across devices."""
+    named = {"embed": params.embed, **{f"layers.0.{k}": v for k, v in
+                                        vars(params.layers[0]).items() if v is not None}}
+    return sorted(k for k, v in named.items()
+                  if not v.sharding.is_fully_replicated)
 
 
 def main():
@@ -58,16 +80,20 @@ def main():
         cfg = load_model_config(src)
         host = jax.tree.map(np.asarray, load_params(src, cfg))
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 40)
-    results, base = {}, None
+    rng = np.random.default_rng(1)
+    others = [rng.integers(0, cfg.vocab_size, n) for n in (30, 7, 3)]
+    diff, sharded, base = {}, {}, None
     for tp in (1, 2, 4):
         rules = ShardingRules(make_mesh(MeshConfig(tensor_parallel=tp))) if tp > 1 else None
         params = host if rules is None else jax.tree.map(jax.device_put, host, param_shardings(cfg, rules))
         logits = run(params, cfg, rules, ids, n_decode=4)
         base = logits if base is None else base
-        results[tp] = float(np.abs(logits - base).max())
-        results["max_abs_logit"] = float(np.abs(base).max())
-    results["devices"] = len(jax.devices())
-    print(json.dumps(results))
+        diff[tp] = float(np.abs(logits - base).max())
+        sharded[tp] = sharded_weights(params) if rules is not None else []
+    beside = run(host, cfg, None, ids, n_decode=4, others=others)
+    print(json.dumps({"diff": diff, "max_abs_logit": float(np.abs(base).max()),
+                      "noise_floor": float(np.abs(beside - base).max()), "sharded": sharded,
+                      "devices": len(jax.devices())}))
 
 
 if __name__ == "__main__":
