@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-dir", help="where converted weights and compiled code are cached")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-file chatter
 
     config = load_config(args.config)
     host, port = args.host or config.host, args.port or config.port
