@@ -3,7 +3,7 @@
     POST /v1/completions        prompt (text or token ids) -> text; SSE when "stream": true
     POST /v1/chat/completions   messages -> chat template -> text; SSE when "stream": true
     GET  /v1/models             the one served model
-    GET  /health                200 while the engine thread runs, else 503
+    GET  /health                200 + engine counters while the engine thread runs, else 503
 
 Request parsing and response shapes live in `jaxserve.openai_protocol`; this file owns the
 request lifecycle: submit, stream or collect, and abort when the client goes away (so a
@@ -118,9 +118,10 @@ class _Routes:
             "owned_by": "jaxserve", "max_model_len": self.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
-        """GET /health: 200 {"status": "ok"} while the engine thread runs, else 503."""
+        """GET /health: 200 {"status": "ok", running, waiting, free_pages, total_pages,
+        num_preemptions, num_steps, num_compilations} while the engine thread runs, else 503."""
         if self.engine.is_running:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", **self.engine.stats()})
         return JSONResponse(ApiError("the engine is not running", status=503,
                                      type="server_error").body(), status_code=503)
 

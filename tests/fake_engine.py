@@ -84,6 +84,12 @@ class FakeEngine:
         """Always 0: nothing is compiled."""
         return 0
 
+    def stats(self) -> dict[str, int]:
+        """Engine.stats(): the counters /health reports."""
+        return {"running": len(self.requests), "waiting": 0, "free_pages": len(self.free_pages),
+                "total_pages": self.num_pages, "num_preemptions": 0, "num_steps": self.num_steps,
+                "num_compilations": 0}
+
     @property
     def pages_in_use(self) -> int:
         """Pages held by live requests (0 once everything finished or was aborted)."""

@@ -221,18 +221,26 @@ def test_errors_then_still_serving(client):
 
 
 def test_client_disconnect_mid_stream(server, client):
-    """A client that goes away mid-stream: its request is aborted and the server serves on.
-    /health exposes no pool or queue counters, so the evidence of the abort is that the
-    server process goes idle (its engine thread sleeps when it has no requests), where the
-    400-token request would keep a core busy for many seconds; then a prompt next request."""
+    """A client that goes away mid-stream: its request is aborted, its pages are freed
+    (/health's counters), the server process goes idle (its engine thread sleeps when it has
+    no requests, where the 400-token request would keep a core busy for many seconds), and
+    the next request is served promptly."""
     stream = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=400,
                                        stream=True, extra_body={"ignore_eos": True})
     it = iter(stream)
     got = [next(it) for _ in range(3)]
     assert all(c.choices[0].finish_reason is None for c in got)
+    busy_stats = httpx.get(f"{server.url}/health", timeout=30).json()
+    assert busy_stats["running"] == 1 and busy_stats["free_pages"] < busy_stats["total_pages"]
     stream.close()
 
-    time.sleep(1.0)  # the abort reaches the engine thread at its next step
+    deadline = time.monotonic() + 10  # the abort reaches the engine thread at its next step
+    while True:
+        stats = httpx.get(f"{server.url}/health", timeout=30).json()
+        if stats["running"] == 0 and stats["free_pages"] == stats["total_pages"]:
+            break
+        assert time.monotonic() < deadline, f"request not cancelled / pages not freed: {stats}"
+        time.sleep(0.1)
     cpu0, t0 = _cpu_seconds(server.proc.pid), time.monotonic()
     if cpu0 is not None:
         time.sleep(2.0)

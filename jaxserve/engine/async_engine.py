@@ -127,6 +127,10 @@ class AsyncEngine:
         """True while the engine thread is alive and not shut down (the /health check)."""
         return self._thread.is_alive() and not self._stopping
 
+    def stats(self) -> dict[str, int]:
+        """`Engine.stats()` read from this thread: plain ints, possibly one step stale."""
+        return self.engine.stats()
+
     async def add_request(self, request_id: str, prompt_ids: Sequence[int],
                           params: SamplingParams) -> RequestStream:
         """Submit a request; return its stream once the engine has accepted it.

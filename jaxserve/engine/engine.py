@@ -90,6 +90,14 @@ class Engine:
             self._pending.append(self._output(seq, [], ""))
             del self._seqs[request_id]
 
+    def stats(self) -> dict[str, int]:
+        """Counters for /health and tests: requests running / waiting, KV pages free / total
+        (pages, null page excluded), preemptions, steps, and step compilations."""
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "free_pages": self.pool.num_free, "total_pages": self.pool.capacity,
+                "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
+                "num_compilations": self.num_compilations}
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
