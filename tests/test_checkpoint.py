@@ -1,11 +1,13 @@
 """HF safetensors -> jaxserve checkpoint: every leaf against the HF weight under its layout,
 ModelConfig fields, logits against transformers, the store round trip, and error messages."""
 
+import importlib
 import json
 import logging
 import os
 import subprocess
 import sys
+import weakref
 
 import jax
 import numpy as np
@@ -19,7 +21,7 @@ from jaxserve.checkpoint import (CheckpointError, convert, is_checkpoint, load_m
 from jaxserve.config import load_config
 from jaxserve.config import MeshConfig, ModelSource, RopeScaling
 from jaxserve.model.params import init_params
-from jaxserve.model_store import resolve_checkpoint
+from jaxserve.model_store import resolve_checkpoint, source_fingerprint
 from jaxserve.sharding import ShardingRules, make_mesh
 from model_utils import dense_reference_logits, tiny_config
 
@@ -145,7 +147,7 @@ def test_store_round_trip_cast_and_rules(tmp_path):
     assert is_checkpoint(out) and load_model_config(out) == cfg
     header = json.loads((out / "config.json").read_text())
     assert (header["format"], header["version"], header["source"]) == \
-        ("jaxserve-checkpoint", 1, {"kind": "test"})
+        ("jaxserve-checkpoint", 2, {"kind": "test"})
     back = load_params(out, cfg, ShardingRules(make_mesh(MeshConfig())))
     assert back.lm_head is None and isinstance(back.layers[0].bq, jax.Array)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
@@ -171,6 +173,60 @@ def test_store_overwrites_checkpoint_refuses_other_dirs_and_shape_mismatch(tmp_p
     assert not is_checkpoint(other) and (other / "a.txt").read_text() == "mine"
 
 
+def test_convert_saves_group_by_group_never_holding_all_layers(tmp_path, monkeypatch):
+    """With one layer per group, conversion hands orbax the top leaves and then each layer
+    as its own item, and by each save every earlier group but the one still being written
+    has been dropped: at most 2 layers' arrays are alive, never all 6."""
+    import orbax.checkpoint as ocp
+    conv = importlib.import_module("jaxserve.checkpoint.convert")
+    monkeypatch.setattr(importlib.import_module("jaxserve.checkpoint.groups"), "GROUP_BYTES", 1)
+    model = tiny_hf_model("LlamaForCausalLM", seed=5, num_hidden_layers=6)
+    src = save_hf_dir(model, tmp_path / "hf")
+    layer_arrays, saves = [], []
+    real_convert_tensor, real_save = conv.convert_tensor, ocp.StandardCheckpointer.save
+
+    def convert_tensor(source, t, dtype):
+        x = real_convert_tensor(source, t, dtype)
+        if t.path[0] == "layers":
+            layer_arrays.append(weakref.ref(x))
+        return x
+
+    def save(self, path, item, *a, **k):
+        saves.append((path.name, sum(r() is not None for r in layer_arrays)))
+        return real_save(self, path, item, *a, **k)
+
+    monkeypatch.setattr(conv, "convert_tensor", convert_tensor)
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", save)
+    ckpt = convert(src, tmp_path / "ckpt", progress=False)
+    assert [name for name, _ in saves] == ["top"] + [f"layers_{i:03d}-{i:03d}" for i in range(6)]
+    assert len(layer_arrays) == 6 * 9 and max(n for _, n in saves) <= 2 * 9, saves
+    assert json.loads((ckpt / "config.json").read_text())["param_groups"] == [[i, i + 1] for i in range(6)]
+    assert sorted(p.name for p in (ckpt / "params").iterdir()) == sorted(name for name, _ in saves)
+    cfg = load_model_config(ckpt)
+    got = flat_leaves(load_params(ckpt, cfg))
+    want = expected_leaves(model.state_dict(), 6, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.tie_word_embeddings)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_old_version_or_bad_groups_refused_old_version_replaced(tmp_path):
+    cfg, params, out = _tiny_saved(tmp_path)
+    header = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**header, "param_groups": [[0, 1]]}))
+    with pytest.raises(CheckpointError, match=r"invalid param_groups.*do not cover the 2 layers"):
+        load_params(out, cfg)
+    (out / "config.json").write_text(json.dumps({**header, "version": 1}))
+    assert not is_checkpoint(out)
+    for load in (load_model_config, lambda d: load_params(d, cfg)):
+        with pytest.raises(CheckpointError, match=r"checkpoint version 1 is not supported \(expected 2\); "
+                                                  r"convert the model again"):
+            load(out)
+    save_checkpoint(out, cfg, params, "{}", {}, {})  # converting again over it is allowed
+    assert is_checkpoint(out) and load_model_config(out) == cfg
+
+
 def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
     import orbax.checkpoint as ocp
 
@@ -192,6 +248,8 @@ def test_model_store_converts_hf_dir_once(tmp_path, caplog):
         assert resolve_checkpoint(ModelSource(hf_dir=str(src)), tmp_path / "cache") == first
         assert "using cached checkpoint" in caplog.text
     assert first.parent == tmp_path / "cache" / "checkpoints" and first.name.startswith("my_model-")
+    # the cache key covers the format version: an old-format cached checkpoint is not reused
+    assert first.name == f"my_model-{source_fingerprint(src)}" != f"my_model-{source_fingerprint(src, 1)}"
     assert resolve_checkpoint(ModelSource(checkpoint=str(first)), tmp_path) == first
     with pytest.raises(CheckpointError, match="not a jaxserve checkpoint"):
         resolve_checkpoint(ModelSource(checkpoint=str(src)), tmp_path)

@@ -3,16 +3,18 @@
     convert("path/to/hf_model", "ckpt/")          # or a .gguf file; dtype="bfloat16" to cast
 
 The source is opened (headers and metadata only), every tensor the family table expects is
-checked for presence and shape before any is read, then tensors are streamed one at a
-time: read (dequantised for GGUF), transformed to our layout, cast, and the source copy
-dropped, so host memory peaks near one copy of the converted weights.
+checked for presence and shape before any is read, then the params are converted one group
+at a time (the non-layer leaves, then runs of layers, see `groups.py`): each tensor read
+(dequantised for GGUF), transformed to our layout and cast, and each group saved as soon as
+it is complete and then dropped, so host memory peaks near ~2 groups plus the source's own
+mapping, not the whole tree (SmolLM2-135M f32: ~0.5 GB of weights, groups of <= 113 MB).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,11 +22,12 @@ from tqdm.auto import tqdm
 
 from jaxserve.checkpoint.errors import CheckpointError
 from jaxserve.checkpoint.families import PlannedTensor, tensor_plan
+from jaxserve.checkpoint.groups import ParamGroup
 from jaxserve.checkpoint.gguf import GGUFSource
 from jaxserve.checkpoint.hf import HFSource
-from jaxserve.checkpoint.store import save_checkpoint
+from jaxserve.checkpoint.store import write_checkpoint
 from jaxserve.config import ModelConfig
-from jaxserve.model.params import LayerParams, Params
+from jaxserve.model.params import LayerParams
 
 log = logging.getLogger(__name__)
 
@@ -76,36 +79,37 @@ def validate(source: TensorSource, plan: list[PlannedTensor]) -> None:
                                   f"expected {t.hf_shape}")
 
 
-def _assemble(cfg: ModelConfig, leaves: dict[tuple, np.ndarray]) -> Params:
-    """Params from {path: array} as `tensor_plan` names the paths."""
-    layers: list[dict[str, np.ndarray]] = [{} for _ in range(cfg.num_layers)]
-    top: dict[str, np.ndarray] = {}
-    for path, x in leaves.items():
-        if path[0] == "layers":
-            layers[path[1]][path[2]] = x
-        else:
-            top[path[0]] = x
-    return Params(layers=tuple(LayerParams(**d) for d in layers), **top)
+def convert_tensor(source: TensorSource, t: PlannedTensor, dtype: np.dtype) -> np.ndarray:
+    """Planned tensor `t` read from `source` (dequantised for GGUF), transformed to our
+    layout, as a C-contiguous array of `dtype` and shape `t.shape`. Raises CheckpointError
+    if the source cannot read it."""
+    x = source.read(t.hf_name)
+    return np.ascontiguousarray(t.transform.apply(x, t.shape), dtype=dtype)
 
 
-def convert_params(source: TensorSource, cfg: ModelConfig, progress: bool = True) -> Params:
-    """The Params tree of `source` for `cfg` as C-contiguous numpy arrays in `cfg.dtype`
-    (bfloat16 = ml_dtypes.bfloat16), streamed tensor by tensor with a tqdm bar.
-    Raises CheckpointError for a missing / mis-shaped / unreadable tensor."""
-    plan = tensor_plan(cfg)
-    validate(source, plan)
-    dtype = jnp.dtype(cfg.dtype)
-    leaves: dict[tuple, np.ndarray] = {}
-    for t in tqdm(plan, desc="converting", unit="tensor", disable=not progress):
-        x = source.read(t.hf_name)
-        leaves[t.path] = np.ascontiguousarray(t.transform.apply(x, t.shape), dtype=dtype)
-        del x
+def convert_group(source: TensorSource, group: ParamGroup, plan: list[PlannedTensor],
+                  dtype: np.dtype, on_tensor: Callable[[], Any] = lambda: None) -> Any:
+    """The subtree of `group` (as `ParamGroup.subtree` lays it out) converted from `source`
+    tensor by tensor with `convert_tensor`, calling `on_tensor()` after each. plan: the
+    validated `tensor_plan(cfg)`. Raises CheckpointError for an unreadable tensor."""
+    def one(t: PlannedTensor) -> np.ndarray:
+        x = convert_tensor(source, t, dtype)
+        on_tensor()
+        return x
+
+    if group.layers is None:
+        return {t.path[0]: one(t) for t in plan if t.path[0] != "layers"}
+    return tuple(LayerParams(**{t.path[2]: one(t) for t in plan if t.path[:2] == ("layers", i)})
+                 for i in group.layers)
+
+
+def _warn_unused(source: TensorSource, plan: list[PlannedTensor]) -> None:
+    """Log a warning naming the source tensors (up to 5) that `plan` does not use."""
     used = {source.source_name(t.hf_name) for t in plan} | _NOT_WEIGHTS
     unused = sorted(source.tensor_names() - used)
     if unused:
         log.warning("ignored %d tensor(s) the model does not use: %s%s", len(unused),
                     ", ".join(unused[:5]), ", ..." if len(unused) > 5 else "")
-    return _assemble(cfg, leaves)
 
 
 def convert(src: str | Path, out: str | Path, dtype: str | None = None,
@@ -113,7 +117,9 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None,
     """Convert an HF model directory or GGUF file `src` into a checkpoint at `out`.
 
     dtype: "float32" / "bfloat16", or None for the source's own (bf16 HF stays bf16;
-    quantised GGUF becomes float32). Returns the checkpoint path. Raises CheckpointError
+    quantised GGUF becomes float32). Every tensor is validated first; then the params are
+    converted and saved one group at a time (`write_checkpoint`), with a tqdm bar of
+    tensors unless `progress` is False. Returns the checkpoint path. Raises CheckpointError
     (one line naming the architecture / tensor / file) for anything wrong with the source;
     OSError if `out` cannot be written.
     """
@@ -121,8 +127,12 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None,
     cfg = source.model_config(dtype)
     log.info("converting %s (%s, %d layers, %s) -> %s", source.path, cfg.family, cfg.num_layers,
              cfg.dtype, out)
+    plan = tensor_plan(cfg)
+    validate(source, plan)
+    _warn_unused(source, plan)
     tokenizer_json, tokenizer_config = source.tokenizer()
     info = {**source.source_info(), "native_dtype": source.native_dtype}
-    params = convert_params(source, cfg, progress)
-    del source  # unmap the source file before the save
-    return save_checkpoint(out, cfg, params, tokenizer_json, tokenizer_config, info)
+    np_dtype = jnp.dtype(cfg.dtype)
+    with tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress) as bar:
+        return write_checkpoint(out, cfg, lambda g: convert_group(source, g, plan, np_dtype, bar.update),
+                                tokenizer_json, tokenizer_config, info)

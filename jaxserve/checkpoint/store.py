@@ -1,10 +1,16 @@
 """The jaxserve checkpoint directory: what conversion writes and the engine loads.
 
-    config.json            {"format": "jaxserve-checkpoint", "version": 1,
-                            "model": ModelConfig.to_dict(), "source": {...provenance}}
+    config.json            {"format": "jaxserve-checkpoint", "version": 2,
+                            "model": ModelConfig.to_dict(), "source": {...provenance},
+                            "param_groups": [[0, 4], [4, 8], ...]}
     tokenizer.json         a `tokenizers` tokenizer
     tokenizer_config.json  chat_template, bos/eos/pad/unk tokens, add_bos_token
-    params/                an orbax StandardCheckpointer save of the `Params` tree
+    params/<group>/        one orbax StandardCheckpointer save per group of the `Params`
+                           tree: params/top and params/layers_000-003, ... (see groups.py)
+
+Version 1 saved the whole tree as one orbax item; it is refused with a message to convert
+again. `write_checkpoint` asks for the groups one at a time and saves each as it comes,
+so a streaming converter never holds the whole tree.
 
 Writes are atomic: everything goes into a temp directory beside `out_dir` and is renamed
 into place last, so an interrupted conversion never leaves a directory that
@@ -18,23 +24,27 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxserve.checkpoint.errors import CheckpointError
+from jaxserve.checkpoint.groups import (ParamGroup, assemble_params, decode_groups, encode_groups,
+                                        param_groups)
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.model.params import Params, abstract_params
 from jaxserve.sharding import ShardingRules
 
 FORMAT = "jaxserve-checkpoint"
-VERSION = 1
+VERSION = 2
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 
 
-def _read_header(ckpt_dir: Path) -> dict[str, Any]:
+def _load_header(ckpt_dir: Path) -> dict[str, Any]:
+    """The parsed config.json of a jaxserve checkpoint of any version. Raises
+    CheckpointError if it is unreadable or lacks the format marker."""
     try:
         header = json.loads((ckpt_dir / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -42,14 +52,23 @@ def _read_header(ckpt_dir: Path) -> dict[str, Any]:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt_dir} is not a jaxserve checkpoint ({CONFIG_FILE} has no "
                               f"\"format\": \"{FORMAT}\")")
+    return header
+
+
+def _read_header(ckpt_dir: Path) -> dict[str, Any]:
+    """The header of a checkpoint of this VERSION; CheckpointError (telling the user to
+    convert again) for any other version."""
+    header = _load_header(ckpt_dir)
     if header.get("version") != VERSION:
         raise CheckpointError(f"{ckpt_dir}: checkpoint version {header.get('version')!r} is not "
-                              f"supported (expected {VERSION}); convert it again")
+                              f"supported (expected {VERSION}); convert the model again "
+                              f"(tools/convert_hf.py SRC {ckpt_dir})")
     return header
 
 
 def is_checkpoint(ckpt_dir: str | Path) -> bool:
-    """True if `ckpt_dir` is a complete jaxserve checkpoint (header, tokenizer, params)."""
+    """True if `ckpt_dir` is a complete jaxserve checkpoint of this version (header,
+    tokenizer, params)."""
     d = Path(ckpt_dir)
     try:
         _read_header(d)
@@ -58,15 +77,28 @@ def is_checkpoint(ckpt_dir: str | Path) -> bool:
     return (d / "tokenizer.json").is_file() and (d / PARAMS_DIR).is_dir()
 
 
-def _check_tree(params: Params, cfg: ModelConfig) -> None:
-    """Raise CheckpointError unless `params` has exactly the leaves, shapes and dtype of `cfg`."""
-    want = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))
-    got = jax.tree_util.tree_flatten_with_path(params)
-    if want[1] != got[1]:
-        raise CheckpointError(f"param tree structure does not match the ModelConfig: {got[1]} vs {want[1]}")
-    for (path, w), (_, g) in zip(want[0], got[0], strict=True):
+def _replaceable(out: Path) -> bool:
+    """True if `out` may be overwritten: absent, an empty directory, or a jaxserve
+    checkpoint of any version."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return True
+    try:
+        _load_header(out)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _check_tree(got: Any, want: Any, name: Callable[[tuple], str] = jax.tree_util.keystr) -> None:
+    """Raise CheckpointError unless `got` has the structure of `want` (ShapeDtypeStructs)
+    and each leaf its shape and dtype; `name(keypath)` names a leaf in the message."""
+    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(want)
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
+    if want_def != got_def:
+        raise CheckpointError(f"param tree structure does not match the ModelConfig: {got_def} vs {want_def}")
+    for (path, w), (_, g) in zip(want_leaves, got_leaves, strict=True):
         if tuple(g.shape) != w.shape or g.dtype != w.dtype:
-            raise CheckpointError(f"param {jax.tree_util.keystr(path)}: expected {w.shape} {w.dtype}, "
+            raise CheckpointError(f"param {name(path)}: expected {w.shape} {w.dtype}, "
                                   f"got {tuple(g.shape)} {g.dtype}")
 
 
@@ -81,41 +113,66 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(out_dir: str | Path, model_cfg: ModelConfig, params: Params,
-                    tokenizer_json: str, tokenizer_config: Mapping[str, Any],
-                    source_info: Mapping[str, Any]) -> Path:
-    """Write a checkpoint to `out_dir` atomically and return its absolute path.
+def write_checkpoint(out_dir: str | Path, model_cfg: ModelConfig,
+                     make_group: Callable[[ParamGroup], Any], tokenizer_json: str,
+                     tokenizer_config: Mapping[str, Any], source_info: Mapping[str, Any]) -> Path:
+    """Write a checkpoint to `out_dir` atomically, group by group; return its absolute path.
 
-    params: the Params tree of numpy (or jax) arrays, every leaf of the shape and dtype
-    `abstract_params(model_cfg)` gives. tokenizer_json: tokenizer.json text.
-    tokenizer_config / source_info: JSON-serialisable dicts.
-    An existing checkpoint (or empty directory) at `out_dir` is replaced; anything else
-    there is refused. Raises CheckpointError for a mismatched tree or a non-checkpoint
-    `out_dir`; OSError from the filesystem.
+    make_group(group) is called once per group of `param_groups(model_cfg)`, in order (top
+    first), and returns that group's subtree as `ParamGroup.subtree` lays it out: numpy
+    (or jax) arrays of the shapes and dtype of `abstract_params(model_cfg)`. Each is saved
+    as soon as it is returned and not kept, so a `make_group` that converts on demand
+    keeps host memory near ~2 groups (one being written while the next is made).
+    tokenizer_json: tokenizer.json text; tokenizer_config / source_info: JSON-serialisable.
+
+    An existing checkpoint of any version (or an empty directory) at `out_dir` is
+    replaced; anything else there is refused before `make_group` is called. Raises
+    CheckpointError for a non-checkpoint `out_dir` or a subtree of the wrong structure,
+    shape or dtype; whatever `make_group` raises; OSError. Nothing is left behind on error.
     """
     out = Path(out_dir).resolve()
-    if out.exists() and not is_checkpoint(out) and not (out.is_dir() and not any(out.iterdir())):
+    if not _replaceable(out):
         raise CheckpointError(f"{out} exists and is not a jaxserve checkpoint; refusing to overwrite it")
-    _check_tree(params, model_cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
+    (tmp / PARAMS_DIR).mkdir(parents=True)
     try:
         (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(
             json.dumps(dict(tokenizer_config), indent=2, ensure_ascii=False), encoding="utf-8")
-        # jax Arrays (device_put of host numpy on CPU aliases it) cost orbax less host
-        # memory than numpy leaves: measured on SmolLM2 f32 +270 MB vs +700 MB peak.
+        abstract, groups = abstract_params(model_cfg), param_groups(model_cfg)
+        # The checkpointer saves asynchronously: writing group k overlaps making k+1.
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / PARAMS_DIR, jax.tree.map(jax.device_put, params))
+            for group in groups:
+                tree = make_group(group)
+                _check_tree(tree, group.subtree(abstract), group.leaf_name)
+                # jax Arrays (device_put of host numpy on CPU aliases it) cost orbax less
+                # host memory than numpy leaves: measured on SmolLM2 f32 +270 MB vs +700 MB.
+                ckptr.save(tmp / PARAMS_DIR / group.name, jax.tree.map(jax.device_put, tree))
+                del tree  # before the next group is made
         header = {"format": FORMAT, "version": VERSION, "model": model_cfg.to_dict(),
-                  "source": dict(source_info)}
+                  "source": dict(source_info), "param_groups": encode_groups(groups)}
         (tmp / CONFIG_FILE).write_text(json.dumps(header, indent=2), encoding="utf-8")
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def save_checkpoint(out_dir: str | Path, model_cfg: ModelConfig, params: Params,
+                    tokenizer_json: str, tokenizer_config: Mapping[str, Any],
+                    source_info: Mapping[str, Any]) -> Path:
+    """Write a whole in-memory Params tree as a checkpoint (`write_checkpoint` with each
+    group taken from `params`); return its absolute path.
+
+    params: numpy (or jax) arrays, every leaf of the shape and dtype
+    `abstract_params(model_cfg)` gives. Raises CheckpointError for a mismatched tree
+    (before anything is written) or a non-checkpoint `out_dir`; OSError.
+    """
+    _check_tree(params, abstract_params(model_cfg))
+    return write_checkpoint(out_dir, model_cfg, lambda g: g.subtree(params), tokenizer_json,
+                            tokenizer_config, source_info)
 
 
 def load_model_config(ckpt_dir: str | Path) -> ModelConfig:
@@ -133,19 +190,26 @@ def load_params(ckpt_dir: str | Path, model_cfg: ModelConfig,
                 rules: ShardingRules | None = None) -> Params:
     """Restore the Params tree of a checkpoint as jax Arrays in `model_cfg.dtype` (cast on
     restore if the checkpoint was saved in another dtype), placed on the shardings of
-    `abstract_params(model_cfg, rules)` (the default device when `rules` is None).
+    `abstract_params(model_cfg, rules)` (the default device when `rules` is None). Each
+    group is restored straight onto its target shardings.
 
-    Raises CheckpointError if the directory is not a checkpoint or `model_cfg`'s shapes
-    differ from the saved ones.
+    Raises CheckpointError if the directory is not a checkpoint of this version, its
+    param_groups are invalid, or `model_cfg`'s shapes differ from the saved ones.
     """
     d = Path(ckpt_dir).resolve()
+    header = _read_header(d)
     saved = load_model_config(d)
     if abstract_params(saved.replace(dtype=model_cfg.dtype)) != abstract_params(model_cfg):
         raise CheckpointError(f"{d}: the ModelConfig asked for has other param shapes than the "
                               f"checkpoint's ({model_cfg} vs {saved})")
+    try:
+        groups = decode_groups(header.get("param_groups"), saved.num_layers)
+    except ValueError as e:
+        raise CheckpointError(f"{d}/{CONFIG_FILE}: invalid param_groups ({e})") from None
     target = abstract_params(model_cfg, rules)
     if rules is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), target)
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(d / PARAMS_DIR, target)
+        return assemble_params((g, ckptr.restore(d / PARAMS_DIR / g.name, g.subtree(target)))
+                               for g in groups)
