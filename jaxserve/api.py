@@ -23,6 +23,7 @@ from jaxserve.config import Config, ConfigError, load_config
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
 from jaxserve.kv_cache import init_kv_cache, num_pages_for_budget
+from jaxserve.model.quantized import quantize_params
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
@@ -64,8 +65,13 @@ def build_engine(config: Config, cache_dir: str | Path | None = None, warmup: bo
     rules = None
     if config.mesh.num_devices > 1:
         rules = ShardingRules(make_mesh(config.mesh))
-    params = load_params(ckpt, model_cfg, rules)
     ecfg = config.engine
+    if ecfg.weight_quant is not None and rules is not None:
+        raise ConfigError("EngineConfig.weight_quant is not supported with tensor parallelism yet "
+                          f"(mesh has {config.mesh.num_devices} devices)")
+    params = load_params(ckpt, model_cfg, rules)
+    if ecfg.weight_quant is not None:
+        params = quantize_params(params, ecfg.weight_quant, ecfg.weight_quant_group_size)
     kv_dtype = ecfg.kv_dtype or model_cfg.dtype
     num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
     cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules)

@@ -101,8 +101,20 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
-# Pallas implementations ("pallas", "pallas_interpret") join when their kernels land.
-ATTENTION_IMPLS = ("xla",)
+# Kernel implementations: "xla" (plain jnp, the CPU default), "pallas" (the Triton-backend
+# Pallas kernels of `pallas_kernels/`, the GPU default), "pallas_interpret" (the same
+# kernels in Pallas interpret mode on CPU: tests). "auto" = pallas on GPU, xla otherwise.
+KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("auto",) + KERNEL_IMPLS
+WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
+
+
+def resolve_impl(impl: str, platform: str) -> str:
+    """The kernel implementation `impl` ("auto" or one of KERNEL_IMPLS) stands for on a
+    device `platform` ("cpu", "gpu"/"cuda", "tpu"): "auto" -> "pallas" on GPU, else "xla"."""
+    if impl != "auto":
+        return impl
+    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -129,6 +141,12 @@ class EngineConfig:
     decode_batch_buckets / prefill_len_buckets / page_buckets: the padded shapes the jitted
         step is compiled for (None = powers of two up to the limit). Fewer buckets = fewer
         compilations, more padding.
+    attention_impl / matmul_impl: "auto" (pallas on GPU, xla otherwise), "xla", "pallas",
+        "pallas_interpret" (see KERNEL_IMPLS). matmul_impl only matters with weight_quant.
+    weight_quant: None (weights in the model dtype), "int8" or "fp8_e4m3": the layers'
+        projection matrices are quantised at load with per-output-channel scales (or, for
+        int8, per-group scales of weight_quant_group_size input rows); embeddings, norms
+        and the LM head stay in the model dtype.
     """
 
     page_size: int = 16
@@ -142,7 +160,10 @@ class EngineConfig:
     prefill_batch_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
     kv_dtype: str | None = None  # None = the model's dtype
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"
+    matmul_impl: str = "auto"
+    weight_quant: str | None = None
+    weight_quant_group_size: int | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -150,9 +171,21 @@ class EngineConfig:
                      "max_prefill_tokens", "max_prefill_seqs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ConfigError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
-                              f"got {self.attention_impl!r}")
+        for name in ("attention_impl", "matmul_impl"):
+            if getattr(self, name) not in ATTENTION_IMPLS:
+                raise ConfigError(f"EngineConfig.{name} must be one of {ATTENTION_IMPLS}, "
+                                  f"got {getattr(self, name)!r}")
+        if self.weight_quant not in (None,) + WEIGHT_QUANT_FORMATS:
+            raise ConfigError(f"EngineConfig.weight_quant must be None or one of "
+                              f"{WEIGHT_QUANT_FORMATS}, got {self.weight_quant!r}")
+        g = self.weight_quant_group_size
+        if g is not None:
+            if self.weight_quant != "int8":
+                raise ConfigError("EngineConfig.weight_quant_group_size needs weight_quant='int8' "
+                                  f"(fp8 is per-channel only), got weight_quant={self.weight_quant!r}")
+            if g < 16 or g & (g - 1):
+                raise ConfigError(f"EngineConfig.weight_quant_group_size must be a power of two "
+                                  f">= 16, got {g}")
         for name, hi in (("decode_batch_buckets", self.max_num_seqs),
                          ("prefill_len_buckets", self.max_model_len),
                          ("prefill_batch_buckets", self.max_prefill_seqs),

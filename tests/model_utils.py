@@ -10,7 +10,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables
-from jaxserve.model.transformer import StepBatch, compute_logits, forward
+from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, forward
 
 
 def tiny_config(**kw) -> ModelConfig:
@@ -48,16 +48,17 @@ def dense_reference_logits(params, cfg: ModelConfig, ids: list[int]) -> np.ndarr
     return np.asarray(compute_logits(params, x))[0]
 
 
-_fwd = jax.jit(lambda p, c, b, cfg: (lambda h, c: (compute_logits(p, h), c))(*forward(p, c, b, cfg)),
-               static_argnums=3)
+_fwd = jax.jit(lambda p, c, b, cfg, kernels: (lambda h, c: (compute_logits(p, h), c))(
+    *forward(p, c, b, cfg, kernels=kernels)), static_argnums=(3, 4))
 
 
 class PagedDriver:
     """Runs the model over a page pool with explicit (shuffled) block tables, one
     sequence or a ragged batch at a time; returns all-position logits."""
 
-    def __init__(self, params, cfg: ModelConfig, num_pages=64, page_size=4, seed=0):
-        self.params, self.cfg, self.ps = params, cfg, page_size
+    def __init__(self, params, cfg: ModelConfig, num_pages=64, page_size=4, seed=0,
+                 kernels: Kernels = Kernels()):
+        self.params, self.cfg, self.ps, self.kernels = params, cfg, page_size, kernels
         self.cache = init_kv_cache(cfg, num_pages, page_size, cfg.dtype)
         perm = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
         self._free = list(perm)
@@ -83,6 +84,6 @@ class PagedDriver:
             b.block_tables[i, :len(table)] = table
             b.seq_lens[i] = end
             self.lens[name] = end
-        logits, self.cache = _fwd(self.params, self.cache, b, self.cfg)
+        logits, self.cache = _fwd(self.params, self.cache, b, self.cfg, self.kernels)
         logits = np.asarray(logits)
         return {name: logits[i, :len(t)] for i, (name, t) in enumerate(chunks.items())}

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, resolve_impl
 from jaxserve.engine.buckets import warmup_shapes
 from jaxserve.kv_cache import KVCache
 from jaxserve.model.params import Params
-from jaxserve.model.transformer import StepBatch, forward, last_token_logits
+from jaxserve.model.transformer import Kernels, StepBatch, forward, last_token_logits
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.sharding import ShardingRules
 
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch, *,
-          cfg: ModelConfig, rules: ShardingRules | None, impl: str):
-    hidden, cache = forward(params, cache, batch, cfg, rules, impl)
+          cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
+    hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules)
     tokens, logprobs = sample(logits, sampling)
     return tokens, logprobs, cache
@@ -64,8 +64,11 @@ class Runner:
         self.cache = cache
         self.rules = rules
         self._replicated = NamedSharding(rules.mesh, PartitionSpec()) if rules else None
+        platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
+        self.kernels = Kernels(attention=resolve_impl(engine_cfg.attention_impl, platform),
+                               matmul=resolve_impl(engine_cfg.matmul_impl, platform))
         self._jitted = jax.jit(
-            functools.partial(_step, cfg=model_cfg, rules=rules, impl=engine_cfg.attention_impl),
+            functools.partial(_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
             donate_argnums=(1,))
         self._compiled: dict[tuple[int, int, int], object] = {}
         self.num_compilations = 0

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import KERNEL_IMPLS
 from jaxserve.pytree import pytree_dataclass
 
 # Finite, so a padding row whose keys are all masked gets a harmless uniform softmax.
@@ -44,6 +45,8 @@ def make_metadata(block_tables: jax.Array, seq_lens: jax.Array, positions: jax.A
                   page_size: int, impl: str) -> AttentionMetadata:
     """Build the step's metadata; the causal + length mask is computed here, once per step
     (a `jnp.where` inside every layer cost 4-6x on XLA:CPU)."""
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"attention impl must be one of {KERNEL_IMPLS}, got {impl!r}")
     bias = None
     if impl == "xla":
         S = block_tables.shape[1] * page_size
@@ -62,11 +65,35 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q: [B, Q, H, Dh]; k_pages, v_pages: [num_pages, page_size, K, Dh] (this step's K/V
     already written); returns [B, Q, H, Dh] in q.dtype. Scale 1/sqrt(Dh), softmax in f32.
     GQA: the H query heads are grouped as [K, H // K]; K/V are never repeated in memory.
+    impl: "xla" (below), or "pallas" / "pallas_interpret": decode steps (Q = 1) call the
+    paged decode kernel, longer steps the ragged flash-prefill kernel over the pool.
     Raises ValueError for an unknown `impl`.
     """
     if impl == "xla":
         return _paged_attention_xla(q, k_pages, v_pages, meta)
-    raise ValueError(f"attention impl {impl!r} is not available")
+    if impl in KERNEL_IMPLS:
+        return _paged_attention_pallas(q, k_pages, v_pages, meta, impl)
+    raise ValueError(f"attention impl must be one of {KERNEL_IMPLS}, got {impl!r}")
+
+
+def _paged_attention_pallas(q, k_pages, v_pages, meta: AttentionMetadata, impl: str) -> jax.Array:
+    from pallas_kernels.flash_attention import flash_attention
+    from pallas_kernels.paged_attention import paged_attention as paged_decode
+
+    B, Q, H, Dh = q.shape
+    if Q == 1:
+        out = paged_decode(q[:, 0], k_pages, v_pages, meta.block_tables, meta.seq_lens, impl=impl)
+        return out[:, None]
+    # Row b owns Q packed query rows. Its real tokens (the first q_len) sit at positions
+    # seq_len - q_len + j, so giving the row a context of positions[b, 0] + Q puts every
+    # real token at its true position; the padding tokens after them see only finite
+    # (stale or null-page) keys and their outputs are never read. That context may run
+    # past the block table (P * page_size); the kernel never reads past its last column.
+    cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32) * Q
+    kv_lens = (meta.positions[:, 0] + Q).astype(jnp.int32)
+    out = flash_attention(q.reshape(B * Q, H, Dh), k_pages, v_pages, meta.block_tables,
+                          cu_q_lens, kv_lens, impl=impl)
+    return out.reshape(B, Q, H, Dh)
 
 
 def _paged_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata) -> jax.Array:

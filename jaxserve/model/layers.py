@@ -8,12 +8,14 @@ variance and RoPE's angles, which are computed in f32 as in HF transformers.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.model.quantized import dense
 from jaxserve.sharding import ShardingRules, constrain
 
 
@@ -66,13 +68,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-               rules: ShardingRules | None) -> jax.Array:
+def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
+               rules: ShardingRules | None, matmul_impl: str = "xla") -> jax.Array:
     """SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down.
 
-    x: [B, Q, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [B, Q, D]. The F axis is the
+    x: [B, Q, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [B, Q, D]; the weights float
+    arrays or QuantizedWeights (`matmul_impl` then picks the kernel). The F axis is the
     tensor-parallel `mlp` axis. Source: Shazeer 2020, "GLU Variants Improve Transformer".
     """
-    h = jax.nn.silu(x @ w_gate) * (x @ w_up)
+    h = jax.nn.silu(dense(x, w_gate, 1, matmul_impl)) * dense(x, w_up, 1, matmul_impl)
     h = constrain(rules, h, ("batch", "sequence", "mlp"))
-    return h @ w_down
+    return dense(h, w_down, 1, matmul_impl)

@@ -12,6 +12,7 @@ Source: Llama (Touvron et al. 2023) as implemented in HF transformers' `LlamaMod
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import AttentionMetadata, make_metadata, paged_attention
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model.params import LayerParams, Params
+from jaxserve.model.quantized import dense
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules, constrain
 
@@ -47,11 +49,11 @@ class StepBatch:
 
 
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,
-                     meta: AttentionMetadata, cfg: ModelConfig, rules, impl):
+                     meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels):
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    q = jnp.einsum("bqd,dhk->bqhk", h, lp.wq)
-    k = jnp.einsum("bqd,dhk->bqhk", h, lp.wk)
-    v = jnp.einsum("bqd,dhk->bqhk", h, lp.wv)
+    q = dense(h, lp.wq, 1, kernels.matmul)  # [B, Q, H, Dh]
+    k = dense(h, lp.wk, 1, kernels.matmul)  # [B, Q, K, Dh]
+    v = dense(h, lp.wv, 1, kernels.matmul)
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = constrain(rules, apply_rope(q, cos, sin), ("batch", "sequence", "q_heads", "head_dim"))
@@ -59,29 +61,41 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
     v = constrain(rules, v, ("batch", "sequence", "kv_heads", "head_dim"))
     k_pages = write_kv(k_pages, k, slot_mapping)
     v_pages = write_kv(v_pages, v, slot_mapping)
-    attn = paged_attention(q, k_pages, v_pages, meta, impl)
-    out = jnp.einsum("bqhk,hkd->bqd", attn, lp.wo)
+    attn = paged_attention(q, k_pages, v_pages, meta, kernels.attention)
+    out = dense(attn, lp.wo, 2, kernels.matmul)  # [B, Q, D]
     return constrain(rules, out, ACT_AXES), k_pages, v_pages
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which implementation runs attention and the (quantised) projections: each one of
+    KERNEL_IMPLS ("xla", "pallas", "pallas_interpret"), already resolved (no "auto")."""
+
+    attention: str = "xla"
+    matmul: str = "xla"
+
+
 def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
-            rules: ShardingRules | None = None, impl: str = "xla") -> tuple[jax.Array, KVCache]:
+            rules: ShardingRules | None = None,
+            kernels: Kernels = Kernels()) -> tuple[jax.Array, KVCache]:
     """Run all layers on the batch's new tokens.
 
     Returns hidden states [B, Q, D] (after the final RMSNorm, in cfg.dtype) and the cache
-    with this step's K/V written at `batch.slot_mapping`.
+    with this step's K/V written at `batch.slot_mapping`. `kernels` picks the attention
+    and matmul implementations; params may hold QuantizedWeight projections.
     """
     x = constrain(rules, params.embed[batch.tokens], ACT_AXES)
     cos, sin = rope_tables(batch.positions, cfg)
     meta = make_metadata(batch.block_tables, batch.seq_lens, batch.positions,
-                         cache.page_size, impl)
+                         cache.page_size, kernels.attention)
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         a, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], cos, sin,
-                                     batch.slot_mapping, meta, cfg, rules, impl)
+                                     batch.slot_mapping, meta, cfg, rules, kernels)
         x = x + a
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        x = constrain(rules, x + swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules), ACT_AXES)
+        x = constrain(rules, x + swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules,
+                                            kernels.matmul), ACT_AXES)
         ks.append(kp)
         vs.append(vp)
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)

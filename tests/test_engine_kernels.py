@@ -1,0 +1,222 @@
+"""The engine's kernel choice (EngineConfig.attention_impl / matmul_impl / weight_quant).
+
+- the model with the Pallas kernels in interpret mode gives the XLA path's logits
+  (ragged prefill with padding, a continuation over cached pages, decode; quantised
+  projections through the kernel vs through its reference);
+- the real model: the engine with Pallas attention (interpret mode) produces the XLA
+  engine's greedy tokens;
+- every kernel call the engine can make (each warm-up shape of a config's buckets, f32
+  and bf16, each quantised weight format) lowers for CUDA on this CPU machine, and so
+  does a whole decode / prefill step with every kernel in use.
+"""
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ConfigError, EngineConfig, load_config, resolve_impl
+from jaxserve.engine.buckets import warmup_shapes
+from jaxserve.kv_cache import abstract_kv_cache, num_pages_for_budget
+from jaxserve.model.params import abstract_params, init_params
+from jaxserve.model.quantized import PROJECTIONS, QuantizedWeight, quantize_params
+from jaxserve.model.transformer import Kernels
+from model_utils import PagedDriver, tiny_config
+
+TESTS = Path(__file__).resolve().parent
+
+# GQA 3 like SmolLM2 (9 q / 3 kv heads there), head_dim 64, page_size 16.
+CFG = tiny_config(hidden_size=64, intermediate_size=96, num_heads=6, num_kv_heads=2, head_dim=64)
+F32_ATOL = 2e-5
+QUANT_ATOL = 1e-4  # kernel vs reference on the same quantised weights: f32 sums in another order
+
+
+def _drive(params, kernels, steps):
+    drv = PagedDriver(params, CFG, num_pages=24, page_size=16, seed=7, kernels=kernels)
+    return [drv.step(chunks, Q=Q, P=P) for chunks, Q, P in steps]
+
+
+def _steps(rng):
+    ids = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
+    return [
+        # ragged prefill: 1, 20 and 33 tokens padded to Q=64 with only 3 pages (48 slots)
+        # per row, so a row's padded context runs past its block table
+        ({"a": ids(1), "b": ids(20), "c": ids(33)}, 64, 3),
+        # a continuation over cached pages (b: 20 -> 36 crosses a page boundary)
+        ({"c": ids(5), "b": ids(16)}, 16, 4),
+        # decode steps
+        ({"a": ids(1), "b": ids(1), "c": ids(1)}, 1, 4),
+        ({"a": ids(1), "b": ids(1), "c": ids(1)}, 1, 4),
+    ]
+
+
+def _assert_same(got, want, atol):
+    for g_step, w_step in zip(got, want, strict=True):
+        for name in w_step:
+            assert np.isfinite(g_step[name]).all()
+            np.testing.assert_allclose(g_step[name], w_step[name], atol=atol, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+def test_pallas_attention_in_the_model_matches_xla():
+    params = init_params(CFG, jax.random.key(0), scale=0.3)
+    steps = _steps(np.random.default_rng())
+    want = _drive(params, Kernels("xla", "xla"), steps)
+    got = _drive(params, Kernels("pallas_interpret", "xla"), steps)
+    _assert_same(got, want, F32_ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,group", [("int8", None), ("int8", 32), ("fp8_e4m3", None)])
+def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group):
+    params = init_params(CFG, jax.random.key(1), scale=0.3)
+    qparams = quantize_params(params, fmt, group)
+    w = qparams.layers[0].wo
+    assert isinstance(w, QuantizedWeight) and w.shape == params.layers[0].wo.shape
+    assert all(isinstance(getattr(l, n), QuantizedWeight) for l in qparams.layers for n in PROJECTIONS)
+    steps = _steps(np.random.default_rng())[:3]
+    want = _drive(qparams, Kernels("xla", "xla"), steps)
+    got = _drive(qparams, Kernels("xla", "pallas_interpret"), steps)
+    _assert_same(got, want, QUANT_ATOL)
+    # and the quantised model differs from the float one, but only by quantisation noise
+    dense = _drive(params, Kernels("xla", "xla"), steps)
+    err = max(np.abs(w_[n] - d[n]).max() for w_, d in zip(want, dense) for n in d)
+    scale = max(np.abs(d[n]).max() for d in dense for n in d)
+    assert 0 < err < 0.5 * scale, (err, scale)  # fp8 e4m3: 3 mantissa bits
+
+
+def test_impl_config_validation_and_auto():
+    assert resolve_impl("auto", "cpu") == "xla" and resolve_impl("auto", "gpu") == "pallas"
+    assert resolve_impl("pallas_interpret", "cpu") == "pallas_interpret"
+    for kw, match in [({"attention_impl": "triton"}, "attention_impl must be one of"),
+                      ({"matmul_impl": "cuda"}, "matmul_impl must be one of"),
+                      ({"weight_quant": "int4"}, "weight_quant must be None or one of"),
+                      ({"weight_quant": "fp8_e4m3", "weight_quant_group_size": 128}, "needs weight_quant='int8'"),
+                      ({"weight_quant": "int8", "weight_quant_group_size": 48}, "power of two >= 16")]:
+        with pytest.raises(ConfigError, match=match):
+            EngineConfig(**kw)
+
+
+# --- the real model ------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_pallas_attention_gives_the_xla_greedy_tokens(small_llm, smollm2_checkpoint, cache_dir):
+    from jaxserve.api import LLM, build_engine
+    from jaxserve.sampling_params import SamplingParams
+
+    base = load_config(TESTS / "configs" / "smollm2_small.py")
+    # Only the two shapes this prompt needs (prefill B=1 Q=32, decode B=1), compiled on use.
+    cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, attention_impl="pallas_interpret"))
+    llm = LLM(engine=build_engine(cfg, cache_dir, warmup=False))
+    assert llm.engine.runner.kernels == Kernels("pallas_interpret", "xla")
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    prompt = "The capital of France is"
+    want = small_llm.generate([prompt], sp)[0]
+    got = llm.generate([prompt], sp)[0]
+    assert got.token_ids == want.token_ids, (got.text, want.text)
+    assert len(got.token_ids) == 8
+
+
+# --- CUDA lowering of every kernel call the engine can make ----------------------------------
+
+def _lower(fn, *specs) -> str:
+    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
+    return text
+
+
+def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
+    """(name, fn, specs) for every distinct kernel call the engine's warm-up shapes make."""
+    from pallas_kernels.flash_attention import flash_attention
+    from pallas_kernels.paged_attention import paged_attention
+
+    S = jax.ShapeDtypeStruct
+    H, K, Dh, ps = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, ecfg.page_size
+    n = num_pages_for_budget(model_cfg, ps, dtype, ecfg.kv_cache_bytes)
+    pages = S((n, ps, K, Dh), dtype)
+    i32 = jnp.int32
+    calls = {}
+    for kind, B, Q, P in warmup_shapes(ecfg):
+        if kind == "decode":
+            calls[("decode", B, P)] = (functools.partial(paged_attention, impl="pallas"),
+                                       (S((B, H, Dh), dtype), pages, pages, S((B, P), i32), S((B,), i32)))
+        else:
+            calls[("prefill", B, Q, P)] = (functools.partial(flash_attention, impl="pallas"),
+                                           (S((B * Q, H, Dh), dtype), pages, pages, S((B, P), i32),
+                                            S((B + 1,), i32), S((B,), i32)))
+    return calls
+
+
+def _matmul_calls(model_cfg, ecfg: EngineConfig, dtype):
+    from pallas_kernels.quantized_matmul import quantized_matmul
+
+    S = jax.ShapeDtypeStruct
+    layer = abstract_params(model_cfg).layers[0]
+    ms = sorted({B * Q for _, B, Q, _ in warmup_shapes(ecfg)})
+    calls = {}
+    for fmt, group in (("int8", None), ("int8", 128), ("fp8_e4m3", None)):
+        wdt = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn
+        for name, n_in in PROJECTIONS.items():
+            shape = getattr(layer, name).shape
+            k, nout = int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
+            g = None if group is None else (group if k % group == 0 else 64)  # SmolLM2: K = 576
+            scales = S((nout,), jnp.float32) if g is None else S((k // g, nout), jnp.float32)
+            for m in ms:
+                calls[(fmt, group, k, nout, m)] = (functools.partial(quantized_matmul, impl="pallas"),
+                                                   (S((m, k), dtype), S((k, nout), wdt), scales))
+    return calls
+
+
+def _configs(smollm2_checkpoint):
+    from jaxserve.checkpoint import load_model_config
+    default = load_config(TESTS.parent / "configs" / "smollm2_135m.py")
+    llama = load_config(TESTS.parent / "configs" / "llama3_8b.py")
+    return {"smollm2_135m": (load_model_config(smollm2_checkpoint), default.engine),
+            "llama3_8b": (llama.model, llama.engine)}
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_engine_attention_call_lowers_for_cuda(smollm2_checkpoint, dtype):
+    total = 0
+    for name, (model_cfg, ecfg) in _configs(smollm2_checkpoint).items():
+        for key, (fn, specs) in _kernel_calls(model_cfg, ecfg, jnp.dtype(dtype)).items():
+            _lower(fn, *specs)
+            total += 1
+    assert total > 40
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
+    model_cfg, ecfg = _configs(smollm2_checkpoint)["smollm2_135m"]
+    calls = _matmul_calls(model_cfg, ecfg, jnp.bfloat16)
+    for key, (fn, specs) in calls.items():
+        _lower(fn, *specs)
+    assert len(calls) >= 3 * len(PROJECTIONS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
+    """The jitted engine step (forward, logits, sampling) of a SmolLM2-shaped model with
+    Pallas attention and int8 Pallas matmuls, bf16, lowered for CUDA."""
+    from jaxserve.engine.runner import _abstract_inputs, _step
+
+    cfg = tiny_config(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                      num_layers=2, vocab_size=4096, dtype="bfloat16")
+    params = jax.eval_shape(lambda p: quantize_params(p, "int8", 64), abstract_params(cfg))
+    cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
+    B, Q, P = (8, 1, 16) if kind == "decode" else (2, 64, 8)
+    batch, sampling = _abstract_inputs(B, Q, P, None)
+    step = functools.partial(_step, cfg=cfg, rules=None, kernels=Kernels("pallas", "pallas"))
+    text = _lower(step, params, cache, batch, sampling)
+    # identical kernel calls are lowered once and shared: attention + the 4 distinct
+    # projection shapes (576x576, 576x192, 576x1536, 1536x576)
+    assert text.count("xla.gpu.triton") == 1 + 4
