@@ -109,3 +109,17 @@ def flat_leaves(params) -> dict[str, np.ndarray]:
         key = ".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path)
         out[key] = np.asarray(x).astype(np.float32)
     return out
+
+
+def assert_checkpoint_equals_hf(ckpt, model) -> None:
+    """Every leaf of the jaxserve checkpoint `ckpt` equals the HF `model`'s weight under
+    our layout (exactly), and neither side has a leaf the other lacks."""
+    from jaxserve.checkpoint import load_model_config, load_params
+
+    cfg = load_model_config(ckpt)
+    got = flat_leaves(load_params(ckpt, cfg))
+    want = expected_leaves(model.state_dict(), cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.tie_word_embeddings)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)

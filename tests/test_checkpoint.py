@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from hf_reference import expected_leaves, flat_leaves, save_hf_dir, tiny_hf_model
+from hf_reference import (assert_checkpoint_equals_hf, expected_leaves, flat_leaves, save_hf_dir,
+                          tiny_hf_model)
 from jaxserve.checkpoint import (CheckpointError, convert, is_checkpoint, load_model_config,
                                  load_params, model_config_from_hf, save_checkpoint)
 from jaxserve.config import load_config
@@ -76,13 +77,7 @@ def test_model_config_fields(converted):
 
 def test_every_leaf_equals_hf_weight(converted):
     _, model, ckpt = converted
-    cfg = load_model_config(ckpt)
-    got = flat_leaves(load_params(ckpt, cfg))
-    want = expected_leaves(model.state_dict(), cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                           cfg.head_dim, cfg.tie_word_embeddings)
-    assert sorted(got) == sorted(want)
-    for key in want:
-        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert_checkpoint_equals_hf(ckpt, model)
 
 
 def test_logits_match_transformers(converted):
@@ -202,13 +197,8 @@ def test_convert_saves_group_by_group_never_holding_all_layers(tmp_path, monkeyp
     assert len(layer_arrays) == 6 * 9 and max(n for _, n in saves) <= 2 * 9, saves
     assert json.loads((ckpt / "config.json").read_text())["param_groups"] == [[i, i + 1] for i in range(6)]
     assert sorted(p.name for p in (ckpt / "params").iterdir()) == sorted(name for name, _ in saves)
-    cfg = load_model_config(ckpt)
-    got = flat_leaves(load_params(ckpt, cfg))
-    want = expected_leaves(model.state_dict(), 6, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.tie_word_embeddings)
-    assert sorted(got) == sorted(want)
-    for key in want:
-        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert load_model_config(ckpt).num_layers == 6
+    assert_checkpoint_equals_hf(ckpt, model)
 
 
 def test_old_version_or_bad_groups_refused_old_version_replaced(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from hf_reference import expected_leaves, flat_leaves, tiny_hf_model
+from hf_reference import assert_checkpoint_equals_hf, expected_leaves, flat_leaves, tiny_hf_model
 from jaxserve.checkpoint import CheckpointError, convert, load_model_config, load_params
 from model_utils import dense_reference_logits
 
@@ -109,12 +109,7 @@ def test_gguf_leaves_equal_hf_weights_after_unpermute(gguf_converted):
     cfg = load_model_config(ckpt)
     assert cfg.tie_word_embeddings == model.config.tie_word_embeddings
     assert cfg.attention_bias == (model.config.model_type == "qwen2")
-    got = flat_leaves(load_params(ckpt, cfg))
-    want = expected_leaves(model.state_dict(), cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                           cfg.head_dim, cfg.tie_word_embeddings)
-    assert sorted(got) == sorted(want)
-    for key in want:
-        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert_checkpoint_equals_hf(ckpt, model)
 
 
 def test_gguf_logits_match_transformers(gguf_converted):
