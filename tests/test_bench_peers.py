@@ -1,0 +1,187 @@
+"""Unit tests of tools/bench_peers.py's pure parts (command lines, ratio table, parsing).
+Nothing is built, downloaded or started here."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "tools" / "bench_peers.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_peers", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bp = _load()
+
+
+def test_import_is_light():
+    """The tool imports no heavy package at module level (the tests and --help stay fast)."""
+    src = (ROOT / "tools" / "bench_peers.py").read_text()
+    top = [l for l in src.splitlines() if l.startswith(("import ", "from "))]
+    assert not [l for l in top if any(m in l for m in ("torch", "transformers", "jax", "httpx", "gguf"))]
+
+
+def test_llama_server_cmd():
+    cmd = bp.llama_server_cmd("/c/bin/llama-server", "/c/m.gguf", 8123, slots=32, ctx_per_slot=2048,
+                              threads=2)
+    assert cmd[0] == "/c/bin/llama-server"
+
+    def val(flag):
+        return cmd[cmd.index(flag) + 1]
+
+    assert val("-m") == "/c/m.gguf"
+    assert val("--host") == "127.0.0.1" and val("--port") == "8123"
+    assert val("-t") == "2" and val("-tb") == "2"
+    assert val("-np") == "32"
+    assert val("-c") == str(32 * 2048)  # total context = slots x per-slot context
+    assert val("-fa") == "on"
+    assert val("--alias") == bp.SERVED_MODEL
+    assert "--no-webui" in cmd and "-cb" in cmd
+
+
+def test_llama_server_flags_follow_help_text():
+    new = "-fa,    --flash-attn [on|off|auto]   set Flash Attention use\n--ui, --webui, --no-ui, --no-webui"
+    old = "-fa,    --flash-attn             enable Flash Attention (default: disabled)"
+    assert bp.llama_server_flags(new) == {"flash_attn": ["-fa", "on"], "no_webui": ["--no-webui"]}
+    assert bp.llama_server_flags(old) == {"flash_attn": ["-fa"], "no_webui": []}
+    cmd = bp.llama_server_cmd("s", "m", 1, 4, 512, 2, bp.llama_server_flags(old))
+    assert cmd[-1] == "-fa"  # old bare flag, no value
+    assert "on" not in cmd and "--no-webui" not in cmd
+
+
+def test_cmake_commands():
+    cfg = bp.cmake_configure_cmd(Path("/s"), Path("/b"), "0c1e57098")
+    assert cfg[:5] == ["cmake", "-S", "/s", "-B", "/b"]
+    for flag in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_COMMIT=0c1e57098"):
+        assert flag in cfg
+    assert not any(a.startswith("-DLLAMA_BUILD_COMMIT") for a in bp.cmake_configure_cmd(Path("/s"), Path("/b"), None))
+    build = bp.cmake_build_cmd(Path("/b"), ("llama-server", "llama-quantize"), jobs=2)
+    assert build[:3] == ["cmake", "--build", "/b"]
+    assert build[build.index("-j") + 1] == "2"
+    assert build[build.index("--target") + 1:] == ["llama-server", "llama-quantize"]
+
+
+def test_jaxserve_cmd():
+    cmd = bp.jaxserve_cmd("/v/python", "configs/x.py", 9000)
+    assert cmd[0] == "/v/python" and cmd[1].endswith("serve.py")
+    assert cmd[cmd.index("--config") + 1] == "configs/x.py"
+    assert cmd[cmd.index("--port") + 1] == "9000"
+    assert "--cache-dir" not in cmd
+    assert bp.jaxserve_cmd("p", "c", 1, "/cache")[-2:] == ["--cache-dir", "/cache"]
+
+
+def test_commit_from_changelog():
+    text = ("# Changelog\n\n## [Unreleased]\n\n## [0.3.36]\n\n- feat: update llama.cpp to "
+            "ggml-org/llama.cpp@0c1e57098\n\n## [0.3.35]\n\n- feat: update llama.cpp to "
+            "ggml-org/llama.cpp@4df29be4f\n")
+    assert bp.llama_cpp_commit_from_changelog(text, "0.3.36") == "0c1e57098"
+    assert bp.llama_cpp_commit_from_changelog(text, "0.3.35") == "4df29be4f"
+    assert bp.llama_cpp_commit_from_changelog(text, "0.3.1") is None
+    assert bp.llama_cpp_commit_from_changelog("## [0.3.2]\n\n- fix: x\n\n## [0.3.1]\n- llama.cpp@abcdef0\n",
+                                              "0.3.2") is None
+
+
+def test_ratio_direction():
+    assert bp.ratio(200.0, 100.0, higher_is_better=True) == 2.0   # tok/s: jaxserve/peer
+    assert bp.ratio(50.0, 100.0, higher_is_better=False) == 2.0   # ms: peer/jaxserve
+    assert bp.ratio(None, 1.0, True) is None and bp.ratio(1.0, None, False) is None
+    assert bp.ratio(1.0, 0.0, True) is None
+    assert bp.ratio(float("nan"), 1.0, True) is None
+
+
+def test_ratio_table():
+    results = {
+        "jaxserve": {"single_decode_tok_s": 100.0, "ttft_512_ms": 50.0, "concurrent_output_tok_s": 900.0},
+        "llamacpp-bf16": {"single_decode_tok_s": 200.0, "ttft_512_ms": 100.0, "concurrent_output_tok_s": None},
+        "hf-bf16": {"single_decode_tok_s": 25.0, "ttft_512_ms": 25.0, "concurrent_output_tok_s": 300.0},
+    }
+    rows = bp.ratio_rows(results)
+    assert rows[0] == ["metric", "jaxserve", "llamacpp-bf16", "x vs llamacpp-bf16", "hf-bf16", "x vs hf-bf16"]
+    by_label = {r[0]: r[1:] for r in rows[1:]}
+    # only metrics that some peer has, in METRICS order
+    assert [r[0] for r in rows[1:]] == [label for key, label, _ in bp.METRICS
+                                        if key in ("single_decode_tok_s", "ttft_512_ms", "concurrent_output_tok_s")]
+    label = dict((k, l) for k, l, _ in bp.METRICS)
+    assert by_label[label["single_decode_tok_s"]] == ["100", "200", "0.50x", "25.0", "4.00x"]
+    assert by_label[label["ttft_512_ms"]] == ["50.0", "100", "2.00x", "25.0", "0.50x"]
+    assert by_label[label["concurrent_output_tok_s"]] == ["900", "-", "-", "300", "3.00x"]
+    text = bp.format_ratio_table(results)
+    lines = text.splitlines()
+    assert "> 1 means jaxserve is better" in lines[0]
+    assert lines[1].split()[:2] == ["metric", "jaxserve"]
+    assert set(lines[2].replace(" ", "")) == {"-"}
+    assert len(lines) == 3 + 3
+    assert "4.00x" in text and "0.50x" in text
+
+
+def test_ratio_table_without_baseline():
+    text = bp.format_ratio_table({"hf-bf16": {"ttft_512_ms": 10.0}})
+    assert text.splitlines()[-1].split()[-2:] == ["10.0", "-"]
+
+
+def test_summarise_serving():
+    single = {"mean_tpot_ms": 20.0, "output_throughput": 45.0, "median_ttft_ms": 30.0}
+    conc = {"output_throughput": 500.0, "mean_tpot_ms": 60.0, "median_ttft_ms": 300.0}
+    m = bp.summarise_serving(single, conc, 80.0)
+    assert m["single_decode_tok_s"] == 50.0
+    assert m["single_output_tok_s"] == 45.0 and m["ttft_512_ms"] == 80.0
+    assert m["concurrent_output_tok_s"] == 500.0 and m["concurrent_mean_tpot_ms"] == 60.0
+    assert set(m) == {k for k, _, _ in bp.METRICS}
+    assert bp.summarise_serving({"mean_tpot_ms": 0.0}, None, None)["single_decode_tok_s"] is None
+
+
+def test_parse_peers():
+    assert bp.parse_peers("hf-bf16,jaxserve") == ["jaxserve", "hf-bf16"]
+    assert bp.parse_peers(" llamacpp-q4_1 , ") == ["llamacpp-q4_1"]
+    with pytest.raises(ValueError, match="vllm"):
+        bp.parse_peers("jaxserve,vllm")
+    args = bp.parse_args(["--peers", "jaxserve,llamacpp-bf16", "--concurrency", "4", "--output-len", "32"])
+    assert args.peers == ["jaxserve", "llamacpp-bf16"] and args.concurrency == 4 and args.output_len == 32
+    with pytest.raises(SystemExit):
+        bp.parse_args(["--peers", "nope"])
+
+
+def test_ttft_prompt_variants():
+    ids = list(range(100, 700))
+    v = bp.ttft_prompt_variants(ids, [[1, 2], [3]], n_tokens=512)
+    assert [len(x) for x in v] == [512, 512]
+    assert v[0][:3] == [1, 2, 100] and v[1][:2] == [3, 100]
+    with pytest.raises(ValueError):
+        bp.ttft_prompt_variants(ids[:10], [[1]], n_tokens=512)
+
+
+def test_log_tail(tmp_path):
+    p = tmp_path / "build.log"
+    p.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert bp.log_tail(p, 3) == "line 97\nline 98\nline 99"
+    assert bp.log_tail(tmp_path / "missing.log") == ""
+
+
+def test_run_logged_failure_names_log(tmp_path):
+    log = tmp_path / "x.log"
+    with pytest.raises(bp.SetupError) as e:
+        bp.run_logged("step X", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], log, nice=False)
+    msg = str(e.value)
+    assert "step X" in msg and "exit code 3" in msg and str(log) in msg and "boom" in msg
+    with pytest.raises(bp.SetupError, match="not found"):
+        bp.run_logged("step Y", ["/nonexistent/binary"], log, nice=False)
+
+
+def test_request_prompt():
+    class R:
+        prompt = "a"
+    assert bp.request_prompt(R()) == "a"
+    assert bp.request_prompt({"prompt": "b"}) == "b"
+
+
+def test_jsonable():
+    assert bp._jsonable({"a": math.inf, 1: (1, Path("/x"))}) == {"a": None, "1": [1, repr(Path("/x"))]}
