@@ -23,6 +23,7 @@ TOLERANCES = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=1
 F64_TOL = dict(rtol=1e-5, atol=1e-5)
 FP8_REL_ERROR = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: round-to-nearest error <= 2^-4 relative
 FP8_MIN_NORMAL = 2.0 ** -6
+SEED = 20261122  # fixed: a failure must reproduce
 WEIGHT_DTYPE = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}
 
 
@@ -44,7 +45,12 @@ def _assert_close(out, ref, dtype):
     assert out.shape == ref.shape and out.dtype == ref.dtype == jnp.dtype(dtype)
     out32 = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out32).all(), "kernel left NaN/inf (an unwritten or unmasked element)"
-    np.testing.assert_allclose(out32, np.asarray(ref.astype(jnp.float32)), **TOLERANCES[dtype])
+    ref32 = np.asarray(ref.astype(jnp.float32))
+    # Summation-order error grows with the size of the terms, not of the (possibly cancelled)
+    # output element: scale the absolute tolerance by the largest output of the product.
+    tol = dict(TOLERANCES[dtype])
+    tol["atol"] *= max(1.0, float(np.abs(ref32).max()))
+    np.testing.assert_allclose(out32, ref32, **tol)
 
 
 # (fmt, group, in_features, out_features): in/out not multiples of the default blocks where
@@ -58,7 +64,7 @@ FORMATS = [("int8", None, 96, 80), ("int8", None, 576, 200), ("fp8_e4m3", None, 
 @pytest.mark.parametrize("fmt,group,k,n", FORMATS, ids=[f"{f}-g{g}-{k}x{n}" for f, g, k, n in FORMATS])
 def test_kernel_matches_reference(fmt, group, k, n, dtype):
     """Default blocks; every M in one test (one compile each) to keep the grid small."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     w_q, scales = quantize_weights(_weights(rng, k, n, group), fmt, group)
     for m in (1, 5, 16, 37):
         x = _acts(rng, m, k, dtype)
@@ -72,7 +78,7 @@ def test_kernel_matches_reference(fmt, group, k, n, dtype):
     ("fp8_e4m3", None, (16, 64, 32)),
 ])
 def test_explicit_blocks_with_ragged_edges(fmt, group, blocks):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     k, n, m = (128, 80, 37) if group else (96, 80, 37)
     bm, bn, bk = blocks
     w_q, scales = quantize_weights(_weights(rng, k, n, group), fmt, group)
@@ -84,7 +90,7 @@ def test_explicit_blocks_with_ragged_edges(fmt, group, blocks):
 def test_wrong_scales_change_the_result():
     """The kernel really applies per-group scales: swapping two groups' scale rows (or
     flattening them to per-channel) changes its output well beyond the tolerance."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     k, n, g = 128, 32, 32
     w_q, scales = quantize_weights(_weights(rng, k, n, g), "int8", g)
     x = _acts(rng, 16, k, jnp.float32)
@@ -99,7 +105,7 @@ def test_wrong_scales_change_the_result():
 
 @pytest.mark.parametrize("group", [None, 16, 64])
 def test_int8_round_trip_error_at_most_half_a_step(group):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     k, n = 128, 48
     w = _weights(rng, k, n, group)
     w_q, scales = quantize_weights(w, "int8", group)
@@ -115,7 +121,7 @@ def test_int8_round_trip_error_at_most_half_a_step(group):
 
 
 def test_fp8_round_trip_relative_error():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     w = _weights(rng, 64, 48)
     w_q, scales = quantize_weights(w, "fp8_e4m3")
     assert w_q.dtype == jnp.float8_e4m3fn and scales.shape == (48,)
@@ -131,7 +137,7 @@ def test_fp8_round_trip_relative_error():
 def test_reference_is_dequantise_then_matmul(fmt, group):
     """Against numpy in float64, and against the float matmul within the quantisation
     error bound sum_k |x_k| * |w_k - w_deq_k|."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     k, n, m = 96, 40, 7
     w = _weights(rng, k, n, group)
     w_q, scales = quantize_weights(w, fmt, group)
