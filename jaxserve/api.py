@@ -19,11 +19,11 @@ import jax
 
 from jaxserve import compile_counter
 from jaxserve.checkpoint import load_model_config, load_params
-from jaxserve.config import Config, ConfigError, load_config
+from jaxserve.config import Config, ConfigError, load_config, resolve_impl
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
-from jaxserve.kv_cache import init_kv_cache, num_pages_for_budget
-from jaxserve.model.quantized import quantize_params
+from jaxserve.kv_cache import init_kv_cache, kv_layout_for, num_pages_for_budget
+from jaxserve.model.quantized import dual_precision_params, quantize_params
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
@@ -44,9 +44,13 @@ def enable_compilation_cache(cache_dir: Path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def build_engine(config: Config, cache_dir: str | Path | None = None, warmup: bool = True,
-                 compilation_cache: bool = True) -> Engine:
+def build_engine(config: Config, cache_dir: str | Path | None = None,
+                 warmup: bool | str = True, compilation_cache: bool = True) -> Engine:
     """Load weights, allocate the KV page pool, compile, and return a ready Engine.
+
+    warmup: True (compile every bucketed step shape before returning), "background"
+    (compile the first shapes, the rest on a background thread while the engine serves;
+    see Runner.warmup_in_background) or False (compile each shape on first use).
 
     Fetches/converts the weights on first use (cached under `cache_dir`, default
     ~/.cache/jaxserve). Raises ConfigError when the config has no weights or the pool
@@ -69,17 +73,30 @@ def build_engine(config: Config, cache_dir: str | Path | None = None, warmup: bo
     if ecfg.weight_quant is not None and rules is not None:
         raise ConfigError("EngineConfig.weight_quant is not supported with tensor parallelism yet "
                           f"(mesh has {config.mesh.num_devices} devices)")
+    if ecfg.bf16_matmul_min_rows is not None:
+        if rules is not None:
+            raise ConfigError("EngineConfig.bf16_matmul_min_rows is not supported with tensor "
+                              f"parallelism yet (mesh has {config.mesh.num_devices} devices)")
+        if model_cfg.dtype != "float32":
+            raise ConfigError("EngineConfig.bf16_matmul_min_rows needs float32 weights, the "
+                              f"model is served in {model_cfg.dtype}")
     params = load_params(ckpt, model_cfg, rules)
     if ecfg.weight_quant is not None:
         params = quantize_params(params, ecfg.weight_quant, ecfg.weight_quant_group_size)
+    if ecfg.bf16_matmul_min_rows is not None:
+        params = dual_precision_params(params, ecfg.bf16_matmul_min_rows)
     kv_dtype = ecfg.kv_dtype or model_cfg.dtype
     num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
-    cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules)
+    platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
+    layout = kv_layout_for(resolve_impl(ecfg.attention_impl, platform))
+    cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules, layout)
     runner = Runner(model_cfg, ecfg, params, cache, rules)
     engine = Engine(model_cfg, ecfg, runner, Tokenizer.from_dir(ckpt))
     log.info("KV page pool: %d pages of %d tokens (%.0f MiB)", num_pages, ecfg.page_size,
              ecfg.kv_cache_bytes / 2**20)
-    if warmup:
+    if warmup == "background":
+        runner.warmup_in_background()
+    elif warmup:
         runner.warmup()
     return engine
 

@@ -147,6 +147,11 @@ class EngineConfig:
         projection matrices are quantised at load with per-output-channel scales (or, for
         int8, per-group scales of weight_quant_group_size input rows); embeddings, norms
         and the LM head stay in the model dtype.
+    bf16_matmul_min_rows: None (every matmul in the model dtype), or for float32 models:
+        matmuls over at least this many activation rows (B x Q for the projections, B for
+        the LM head) use a bf16 copy of the weights with f32 accumulation, smaller ones the
+        f32 weights (jaxserve.model.quantized.DualPrecisionWeight; 1.5x weight memory).
+        Pick it by measurement: tools/bench_step.py. Not with weight_quant or TP.
     """
 
     page_size: int = 16
@@ -164,6 +169,7 @@ class EngineConfig:
     matmul_impl: str = "auto"
     weight_quant: str | None = None
     weight_quant_group_size: int | None = None
+    bf16_matmul_min_rows: int | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -178,6 +184,13 @@ class EngineConfig:
         if self.weight_quant not in (None,) + WEIGHT_QUANT_FORMATS:
             raise ConfigError(f"EngineConfig.weight_quant must be None or one of "
                               f"{WEIGHT_QUANT_FORMATS}, got {self.weight_quant!r}")
+        if self.bf16_matmul_min_rows is not None:
+            if self.bf16_matmul_min_rows < 1:
+                raise ConfigError(f"EngineConfig.bf16_matmul_min_rows must be None or >= 1, "
+                                  f"got {self.bf16_matmul_min_rows}")
+            if self.weight_quant is not None:
+                raise ConfigError("EngineConfig.bf16_matmul_min_rows and weight_quant exclude each "
+                                  "other (quantised weights have no bf16 copy)")
         g = self.weight_quant_group_size
         if g is not None:
             if self.weight_quant != "int8":

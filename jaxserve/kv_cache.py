@@ -1,10 +1,15 @@
 """The KV page pool on device: buffers and the write helper. No allocation policy here
 (that is `jaxserve.engine.page_pool`, plain Python on the host).
 
-Layout per layer: K and V each `[num_pages, page_size, kv_heads, head_dim]`, logical axes
-(`pages`, `page_slots`, `kv_heads`, `head_dim`). A token's "slot" is
-`page * page_size + offset`. Page 0 is the null page: padding tokens write there and the
-host allocator never hands it out.
+Two layouts per layer, K and V each:
+  "token_major" `[num_pages, page_size, kv_heads, head_dim]` (logical axes `pages`,
+      `page_slots`, `kv_heads`, `head_dim`): what the Pallas kernels read, page by page;
+  "head_major" `[kv_heads, num_pages, page_size, head_dim]`: what the XLA attention reads.
+      Gathering a batch's pages then gives `[kv_heads, B, S, head_dim]`, already in the
+      layout of a batched matmul over (kv head, sequence); from the token-major layout
+      XLA:CPU copied and transposed every gathered page (2x the attention time at batch 32).
+A token's "slot" is `page * page_size + offset`. Page 0 is the null page: padding tokens
+write there and the host allocator never hands it out.
 """
 
 from __future__ import annotations
@@ -20,22 +25,31 @@ from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules
 
 KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+KV_LAYOUTS = ("token_major", "head_major")
+_HEAD_MAJOR_AXES = ("kv_heads", "pages", "page_slots", "head_dim")
 
 
-@pytree_dataclass
+def kv_layout_for(attention_impl: str) -> str:
+    """The pool layout an attention implementation reads best: "head_major" for "xla",
+    "token_major" for the Pallas kernels (which only read that one)."""
+    return "head_major" if attention_impl == "xla" else "token_major"
+
+
+@pytree_dataclass(meta=("layout",))
 class KVCache:
-    """k, v: tuples (one per layer) of [num_pages, page_size, kv_heads, head_dim] arrays."""
+    """k, v: tuples (one per layer) of pool arrays in `layout` (see module docstring)."""
 
     k: tuple
     v: tuple
+    layout: str = "token_major"
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[1 if self.layout == "head_major" else 0]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2 if self.layout == "head_major" else 1]
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
@@ -49,18 +63,26 @@ def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: Any, budget_by
 
 
 def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
-                      rules: ShardingRules | None = None) -> KVCache:
-    """ShapeDtypeStructs of the pool (allocates nothing)."""
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    sharding = rules.sharding(KV_AXES, shape) if rules is not None else None
+                      rules: ShardingRules | None = None,
+                      layout: str = "token_major") -> KVCache:
+    """ShapeDtypeStructs of the pool (allocates nothing). Raises ValueError for an unknown
+    `layout` (one of KV_LAYOUTS)."""
+    if layout == "token_major":
+        shape, axes = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), KV_AXES
+    elif layout == "head_major":
+        shape, axes = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), _HEAD_MAJOR_AXES
+    else:
+        raise ValueError(f"KV cache layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    sharding = rules.sharding(axes, shape) if rules is not None else None
     one = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
-    return KVCache(k=(one,) * cfg.num_layers, v=(one,) * cfg.num_layers)
+    return KVCache(k=(one,) * cfg.num_layers, v=(one,) * cfg.num_layers, layout=layout)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
-                  rules: ShardingRules | None = None) -> KVCache:
-    """Zeroed pool: 2 * num_layers buffers of [num_pages, page_size, kv_heads, head_dim]."""
-    abstract = abstract_kv_cache(cfg, num_pages, page_size, dtype, rules)
+                  rules: ShardingRules | None = None, layout: str = "token_major") -> KVCache:
+    """Zeroed pool: 2 * num_layers buffers of num_pages pages of page_size tokens, in
+    `layout` ("token_major" or "head_major", see module docstring)."""
+    abstract = abstract_kv_cache(cfg, num_pages, page_size, dtype, rules, layout)
 
     def zeros(s):
         if s.sharding is None:
@@ -70,17 +92,24 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
     return jax.tree.map(zeros, abstract)
 
 
-def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
+             layout: str = "token_major") -> jax.Array:
     """Scatter new K (or V) into the pool.
 
-    pages: [num_pages, page_size, K, Dh]; new: [B, Q, K, Dh]; slot_mapping: [B, Q] int32
-    flat slots (padding -> slots of the null page). Returns the updated pool (in place
-    when the pool is donated).
+    pages: one layer's pool in `layout` ([num_pages, page_size, K, Dh] token-major or
+    [K, num_pages, page_size, Dh] head-major); new: [B, Q, K, Dh]; slot_mapping: [B, Q]
+    int32 flat slots (padding -> slots of the null page). Returns the updated pool (in
+    place when the pool is donated).
     """
     # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
     # XLA:CPU copy the whole pool every step once the pool was also read (177 ms vs 0.05 ms
     # per layer for a 10k-page pool).
-    ps = pages.shape[1]
     slots = slot_mapping.reshape(-1)
+    K, Dh = new.shape[2:]
+    if layout == "head_major":
+        ps = pages.shape[2]
+        rows = new.reshape(-1, K, Dh).transpose(1, 0, 2).astype(pages.dtype)  # [K, BQ, Dh]
+        return pages.at[:, slots // ps, slots % ps].set(rows, mode="drop")
+    ps = pages.shape[1]
     return pages.at[slots // ps, slots % ps].set(
-        new.reshape(-1, *pages.shape[2:]).astype(pages.dtype), mode="drop")
+        new.reshape(-1, K, Dh).astype(pages.dtype), mode="drop")

@@ -64,7 +64,7 @@ def _assert_same(got, want, atol):
 @pytest.mark.slow
 def test_pallas_attention_in_the_model_matches_xla():
     params = init_params(CFG, jax.random.key(0), scale=0.3)
-    steps = _steps(np.random.default_rng())
+    steps = _steps(np.random.default_rng(1234))
     want = _drive(params, Kernels("xla", "xla"), steps)
     got = _drive(params, Kernels("pallas_interpret", "xla"), steps)
     _assert_same(got, want, F32_ATOL)
@@ -78,15 +78,18 @@ def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group)
     w = qparams.layers[0].wo
     assert isinstance(w, QuantizedWeight) and w.shape == params.layers[0].wo.shape
     assert all(isinstance(getattr(l, n), QuantizedWeight) for l in qparams.layers for n in PROJECTIONS)
-    steps = _steps(np.random.default_rng())[:3]
+    steps = _steps(np.random.default_rng(fmt == "int8"))[:3]
     want = _drive(qparams, Kernels("xla", "xla"), steps)
     got = _drive(qparams, Kernels("xla", "pallas_interpret"), steps)
     _assert_same(got, want, QUANT_ATOL)
-    # and the quantised model differs from the float one, but only by quantisation noise
+    # and the quantised model differs from the float one, but only by quantisation noise:
+    # relative RMS error of all logits, measured 0.04-0.06 for int8 and 0.17-0.22 for fp8
+    # e4m3 (3 mantissa bits) over seeds on this random model
     dense = _drive(params, Kernels("xla", "xla"), steps)
-    err = max(np.abs(w_[n] - d[n]).max() for w_, d in zip(want, dense) for n in d)
-    scale = max(np.abs(d[n]).max() for d in dense for n in d)
-    assert 0 < err < 0.5 * scale, (err, scale)  # fp8 e4m3: 3 mantissa bits
+    diff = np.concatenate([(w_[n] - d[n]).ravel() for w_, d in zip(want, dense) for n in d])
+    ref = np.concatenate([d[n].ravel() for d in dense for n in d])
+    rel_rms = np.sqrt(np.mean(diff ** 2) / np.mean(ref ** 2))
+    assert 0 < rel_rms < (0.1 if fmt == "int8" else 0.35), rel_rms
 
 
 def test_impl_config_validation_and_auto():
@@ -216,7 +219,8 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     B, Q, P = (8, 1, 16) if kind == "decode" else (2, 64, 8)
     batch, sampling = _abstract_inputs(B, Q, P, None)
     step = functools.partial(_step, cfg=cfg, rules=None, kernels=Kernels("pallas", "pallas"))
-    text = _lower(step, params, cache, batch, sampling)
+    prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    text = _lower(step, params, cache, batch, sampling, prev_tokens)
     # identical kernel calls are lowered once and shared: attention + the 4 distinct
     # projection shapes (576x576, 576x192, 576x1536, 1536x576)
     assert text.count("xla.gpu.triton") == 1 + 4

@@ -105,7 +105,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_reference(name, dtype):
     seqs, total, hq, hkv, d, ps, pps, bq, bkv = CASES[name]
-    args = _case(np.random.default_rng(), seqs, total=total, q_heads=hq, kv_heads=hkv,
+    args = _case(np.random.default_rng(1234), seqs, total=total, q_heads=hq, kv_heads=hkv,
                  head_dim=d, page_size=ps, pages_per_seq=pps, dtype=dtype)
     out = flash_attention(*args, block_q=bq, block_kv=bkv, impl=INTERPRET)
     _assert_matches(out, args, dtype)
@@ -114,7 +114,7 @@ def test_kernel_matches_reference(name, dtype):
 @pytest.mark.slow
 def test_sm_scale_and_default_blocks():
     """A non-default sm_scale reaches both; default blocks on a ragged batch."""
-    args = _case(np.random.default_rng(), [(7, 19), (9, 9)], total=24, q_heads=4, kv_heads=2,
+    args = _case(np.random.default_rng(1234), [(7, 19), (9, 9)], total=24, q_heads=4, kv_heads=2,
                  head_dim=64, page_size=16, pages_per_seq=2)
     out = flash_attention(*args, sm_scale=0.3, impl=INTERPRET)
     got = _assert_matches(out, args, jnp.float32, sm_scale=0.3)
@@ -127,7 +127,7 @@ def test_context_past_the_block_table_is_clamped():
     """The engine may pass kv_len > pages_per_seq * page_size for padding tokens: keys past
     the table count as absent (no column past the table is read; the pool stays NaN
     outside the live context), and the output is finite and equals the reference's."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)
     q, kp, vp, tables, cu, _ = _case(rng, [(8, 16), (8, 16)], total=16, q_heads=2, kv_heads=1,
                                      head_dim=64, page_size=8, pages_per_seq=2)
     kv_lens = jnp.array([20, 16], jnp.int32)  # sequence 0's last 4 tokens sit past its table
@@ -140,7 +140,7 @@ def test_wrong_block_table_gives_a_different_result():
     """The test can fail: the reference on a shuffled block table (same pages, wrong order)
     is far from the kernel's output on the true one. (Swapping two pages that every query
     sees in full would not do: attention is invariant to permuting the keys it sees.)"""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)
     args = _case(rng, [(16, 32), (6, 20)], total=24, q_heads=4, kv_heads=2, head_dim=64,
                  page_size=8, pages_per_seq=4, spare_pages=0)
     out = np.asarray(flash_attention(*args, block_q=8, block_kv=16, impl=INTERPRET))
@@ -159,7 +159,7 @@ def test_wrong_block_table_gives_a_different_result():
     ([(3, 11), (0, 5), (1, 1), (5, 17)], 12, 6, 2),        # ragged, prefix, empty, padding, GQA 3
 ])
 def test_reference_is_dense_causal_softmax(seqs, total, hq, hkv):
-    args = _case(np.random.default_rng(), seqs, total=total, q_heads=hq, kv_heads=hkv,
+    args = _case(np.random.default_rng(1234), seqs, total=total, q_heads=hq, kv_heads=hkv,
                  head_dim=16, page_size=4, pages_per_seq=5)
     ref = np.asarray(flash_attention_reference(*args))
     np.testing.assert_allclose(ref, _dense_numpy(*args, sm_scale=16 ** -0.5), **F64_TOL)

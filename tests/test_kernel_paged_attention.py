@@ -111,7 +111,7 @@ CASES = {
 
 def _run_case(name, dtype, fmt=None):
     ctx, hq, hkv, d, ps, pps, ppcb, splits = CASES[name]
-    args, kw = _case(np.random.default_rng(), ctx, q_heads=hq, kv_heads=hkv, head_dim=d,
+    args, kw = _case(np.random.default_rng(1234), ctx, q_heads=hq, kv_heads=hkv, head_dim=d,
                      page_size=ps, pages_per_seq=pps, dtype=dtype, fmt=fmt)
     out = paged_attention(*args, **kw, pages_per_compute_block=ppcb, num_splits=splits,
                           impl=INTERPRET)
@@ -143,7 +143,7 @@ def test_quantized_pages_match_dequantize_then_reference(name, fmt, dtype):
 def test_reference_with_scales_is_reference_on_dequantized_pages(fmt):
     """Bit-exact: the reference dequantises (stored * scale, f32) and then runs its float
     path, so with f32 q it equals itself on the f32 dequantised pages."""
-    args, kw = _case(np.random.default_rng(), [0, 7, 40, 64], q_heads=6, kv_heads=2,
+    args, kw = _case(np.random.default_rng(1234), [0, 7, 40, 64], q_heads=6, kv_heads=2,
                      head_dim=32, page_size=8, pages_per_seq=8, fmt=FORMATS[fmt])
     got = np.asarray(paged_attention_reference(*args, **kw))
     want = np.asarray(paged_attention_reference(*_dequantized(args, kw, FORMATS[fmt], jnp.float32)))
@@ -153,7 +153,7 @@ def test_reference_with_scales_is_reference_on_dequantized_pages(fmt):
 
 @pytest.mark.parametrize("ctx,hq,hkv", [([5], 2, 2), ([0, 9, 24, 1], 6, 2), ([17, 32], 8, 1)])
 def test_reference_is_dense_softmax(ctx, hq, hkv):
-    args, _ = _case(np.random.default_rng(), ctx, q_heads=hq, kv_heads=hkv, head_dim=16,
+    args, _ = _case(np.random.default_rng(1234), ctx, q_heads=hq, kv_heads=hkv, head_dim=16,
                     page_size=8, pages_per_seq=4)
     ref = np.asarray(paged_attention_reference(*args))
     np.testing.assert_allclose(ref, _dense_numpy(*args, sm_scale=16 ** -0.5), **F64_TOL)
@@ -165,7 +165,7 @@ def test_reference_is_dense_softmax(ctx, hq, hkv):
 def test_sm_scale_and_wrong_block_table():
     """A non-default sm_scale reaches both; and the test can fail: the reference on a
     shuffled block table (same pages, wrong order) is far from the kernel's output."""
-    args, _ = _case(np.random.default_rng(), [40, 23], q_heads=4, kv_heads=2, head_dim=32,
+    args, _ = _case(np.random.default_rng(1234), [40, 23], q_heads=4, kv_heads=2, head_dim=32,
                     page_size=8, pages_per_seq=8, spare_pages=0)
     out = paged_attention(*args, sm_scale=0.3, pages_per_compute_block=2, num_splits=2,
                           impl=INTERPRET)

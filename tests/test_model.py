@@ -30,26 +30,28 @@ def _params(cfg, seed):
     return params
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_prefill_then_decode_matches_dense_reference(name):
+def test_prefill_then_decode_matches_dense_reference(name, layout):
     cfg = CONFIGS[name]
     params = _params(cfg, seed=list(CONFIGS).index(name))
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, 23).tolist()
     ref = dense_reference_logits(params, cfg, ids)
-    drv = PagedDriver(params, cfg, page_size=4)
+    drv = PagedDriver(params, cfg, page_size=4, layout=layout)
     got = [drv.step({"s": ids[:10]}, Q=16, P=8)["s"]]           # prefill across 3 pages
     for t in ids[10:]:                                           # decode one token at a time
         got.append(drv.step({"s": [t]}, Q=1, P=8)["s"])
     np.testing.assert_allclose(np.concatenate(got), ref, atol=2e-5, rtol=1e-5)
 
 
-def test_ragged_batch_rows_are_independent():
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_ragged_batch_rows_are_independent(layout):
     cfg = CONFIGS["gqa2"]
     params = _params(cfg, 3)
     rng = np.random.default_rng(2)
     a, b, c = (rng.integers(0, cfg.vocab_size, n).tolist() for n in (1, 4, 13))
-    drv = PagedDriver(params, cfg, page_size=4)
+    drv = PagedDriver(params, cfg, page_size=4, layout=layout)
     out = drv.step({"a": a, "b": b, "c": c}, Q=16, P=4)        # mixed lengths, one batch
     for name, ids in (("a", a), ("b", b), ("c", c)):
         np.testing.assert_allclose(out[name], dense_reference_logits(params, cfg, ids), atol=2e-5, rtol=1e-5)
@@ -81,3 +83,61 @@ def test_abstract_params_allocate_nothing_and_count():
     leaves = jax.tree.leaves(abstract)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert sum(np.prod(x.shape) for x in leaves) == param_count(cfg)
+
+
+def test_head_major_pool_holds_the_same_kv():
+    """Both layouts hold each token's K/V at the same (page, offset), null page included."""
+    cfg = CONFIGS["gqa2"]
+    params = _params(cfg, 4)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 11).tolist()
+    drivers = [PagedDriver(params, cfg, page_size=4, layout=lay) for lay in ("token_major", "head_major")]
+    for d in drivers:
+        d.step({"s": ids[:7]}, Q=8, P=4)
+        d.step({"s": ids[7:8]}, Q=1, P=4)
+    tm, hm = drivers[0].cache, drivers[1].cache
+    assert (tm.num_pages, tm.page_size) == (hm.num_pages, hm.page_size) == (64, 4)
+    for i in range(cfg.num_layers):
+        np.testing.assert_array_equal(np.asarray(hm.k[i]).transpose(1, 2, 0, 3), np.asarray(tm.k[i]))
+        np.testing.assert_array_equal(np.asarray(hm.v[i]).transpose(1, 2, 0, 3), np.asarray(tm.v[i]))
+
+
+def test_pallas_attention_refuses_the_head_major_pool():
+    import jax.numpy as jnp
+    from jaxserve.model.attention import make_metadata, paged_attention
+    pages = jnp.zeros((2, 8, 4, 16))  # head-major [K, N, ps, Dh]
+    meta = make_metadata(jnp.ones((1, 2), jnp.int32), jnp.array([3]), jnp.array([[2]]), 4,
+                         "pallas_interpret")
+    with pytest.raises(ValueError, match="token_major"):
+        paged_attention(jnp.zeros((1, 1, 4, 16)), pages, pages, meta, "pallas_interpret", "head_major")
+
+
+def test_dual_precision_weights_pick_by_rows():
+    """Steps below min_rows rows compute exactly the f32 model; from min_rows up they use
+    the bf16 copy (close to f32, not equal); a 1-row bf16 matmul (padded to 2 rows) gives
+    what the same row gives inside a larger batch."""
+    import jax.numpy as jnp
+    from jaxserve.config import ConfigError, EngineConfig
+    from jaxserve.model.quantized import DualPrecisionWeight, dense, dual_precision_params
+
+    cfg = CONFIGS["gqa4_tied"]
+    params = _params(cfg, 6)
+    dual = dual_precision_params(params, min_rows=4)
+    assert isinstance(dual.lm_head, DualPrecisionWeight) and dual.lm_head.vocab_major
+    assert dual.layers[0].wq.w_bf16.dtype == jnp.bfloat16 and dual.layers[0].wq.w is params.layers[0].wq
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 9).tolist()
+    f32 = PagedDriver(params, cfg, page_size=4)
+    mixed = PagedDriver(dual, cfg, page_size=4)
+    small_f, small_m = (d.step({"s": ids[:3]}, Q=3, P=4)["s"] for d in (f32, mixed))
+    np.testing.assert_array_equal(small_m, small_f)                      # 3 rows < 4: f32
+    big_f, big_m = (d.step({"s": ids[3:]}, Q=8, P=4)["s"] for d in (f32, mixed))  # 8 rows: bf16
+    assert 0 < np.abs(big_m - big_f).max() < 0.05 * np.abs(big_f).max()
+
+    w = dual_precision_params(params, min_rows=1).layers[0].w_up
+    assert w.w is None, "min_rows 1 keeps only the bf16 copy"
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((5, cfg.hidden_size)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(dense(x[:1], w, 1)), np.asarray(dense(x, w, 1))[:1])
+
+    with pytest.raises(ConfigError, match="bf16_matmul_min_rows"):
+        EngineConfig(bf16_matmul_min_rows=0)
+    with pytest.raises(ConfigError, match="bf16_matmul_min_rows and weight_quant"):
+        EngineConfig(bf16_matmul_min_rows=1, weight_quant="int8")

@@ -241,6 +241,10 @@ def test_client_disconnect_mid_stream(server, client):
             break
         assert time.monotonic() < deadline, f"request not cancelled / pages not freed: {stats}"
         time.sleep(0.1)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S  # serve.py compiles the rest of its
+    while httpx.get(f"{server.url}/health", timeout=30).json()["warmup_pending"]:  # shapes
+        assert time.monotonic() < deadline, "background warm-up never finished"  # meanwhile
+        time.sleep(0.2)
     cpu0, t0 = _cpu_seconds(server.proc.pid), time.monotonic()
     if cpu0 is not None:
         time.sleep(2.0)

@@ -34,7 +34,10 @@ def test_tiny_model_tp2_tp4_match_tp1():
     for tp in ("2", "4"):
         for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
             assert f"layers.0.{name}" in r["sharded"][tp], (tp, name)
-        assert r["diff"][tp] <= 1e-5, r
+        # f32 reduction order only (YNNPACK's split of a dot over threads can vary run to
+        # run): measured up to 1.1e-5 on logits of |5.5|, i.e. a few ulp; a sharding bug
+        # moves them by O(1)
+        assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
 
 
 @pytest.mark.slow

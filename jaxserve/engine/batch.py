@@ -17,8 +17,11 @@ from jaxserve.model.transformer import StepBatch
 from jaxserve.sampling import SamplingBatch
 
 
-def _empty(B: int, Q: int, P: int) -> StepBatch:
+def empty_batch(B: int, Q: int, P: int) -> StepBatch:
+    """An all-padding batch of shape (B, Q, P): every token writes to the null page, every
+    row has seq_len 0; builders fill in the real rows."""
     return StepBatch(
+        prev_index=np.full((B,), -1, np.int32),
         tokens=np.zeros((B, Q), np.int32),
         positions=np.zeros((B, Q), np.int32),
         slot_mapping=np.full((B, Q), NULL_PAGE, np.int32),
@@ -38,12 +41,17 @@ def _sampling(seqs, B: int) -> SamplingBatch:
                                      [len(s.output_ids) for s in seqs], B)
 
 
-def prefill_batch(seqs, cfg: EngineConfig) -> tuple[StepBatch, SamplingBatch]:
-    """All tokens of each sequence (prompt, plus earlier outputs after a preemption)."""
+def prefill_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, SamplingBatch]:
+    """All tokens of each sequence (prompt, plus earlier outputs after a preemption), which
+    must all be known (no PLACEHOLDER: raises ValueError). prev_rows is ignored."""
+    for s in seqs:
+        if s.has_placeholder:
+            raise ValueError(f"request {s.request_id!r}: prefill of a sequence whose last "
+                             "token is still being sampled")
     B = bucket_for(len(seqs), cfg.prefill_batch_sizes)
     Q = bucket_for(max(s.num_tokens for s in seqs), cfg.prefill_lengths)
     P = bucket_for(-(-Q // cfg.page_size), cfg.page_counts)
-    b = _empty(B, Q, P)
+    b = empty_batch(B, Q, P)
     for i, s in enumerate(seqs):
         n = s.num_tokens
         b.tokens[i, :n] = s.all_ids
@@ -55,14 +63,24 @@ def prefill_batch(seqs, cfg: EngineConfig) -> tuple[StepBatch, SamplingBatch]:
     return b, _sampling(seqs, B)
 
 
-def decode_batch(seqs, cfg: EngineConfig) -> tuple[StepBatch, SamplingBatch]:
-    """The last token of each sequence, whose K/V are not yet in the pages."""
+def decode_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, SamplingBatch]:
+    """The last token of each sequence, whose K/V are not yet in the pages.
+
+    prev_rows: {sequence: row} of the previous (still running) step; a sequence whose last
+    token is a PLACEHOLDER reads it from that row on device (raises ValueError if it is
+    not there)."""
     B = bucket_for(len(seqs), cfg.decode_batch_sizes)
     P = bucket_for(max(len(s.block_table) for s in seqs), cfg.page_counts)
-    b = _empty(B, 1, P)
+    b = empty_batch(B, 1, P)
     for i, s in enumerate(seqs):
         n = s.num_tokens
-        b.tokens[i, 0] = s.last_token
+        if s.has_placeholder:
+            if not prev_rows or s not in prev_rows:
+                raise ValueError(f"request {s.request_id!r}: its last token is pending but "
+                                 "was not sampled by the previous step")
+            b.prev_index[i] = prev_rows[s]
+        else:
+            b.tokens[i, 0] = s.last_token
         b.positions[i, 0] = n - 1
         b.slot_mapping[i, 0] = _slots(s.block_table, n - 1, n, cfg.page_size)[0]
         b.block_tables[i, :len(s.block_table)] = s.block_table

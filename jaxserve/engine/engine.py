@@ -1,9 +1,15 @@
 """The engine loop: continuous batching over a preallocated KV page pool.
 
-`step()` asks the scheduler for a plan (prefill or decode), packs it into bucketed arrays,
-runs the compiled step on device, then appends the sampled tokens, detokenises
-incrementally, checks stop conditions and frees the pages of finished requests. Requests
-join (`add_request`) and leave (finish, `abort_request`) between any two steps.
+`step()` asks the scheduler for a plan (prefill or decode), packs it into bucketed arrays
+and launches the compiled step on device; only then does it read the previous step's
+sampled tokens, detokenise incrementally, check stop conditions and free the pages of
+finished requests, so that host work overlaps the device step. A step's outputs are
+therefore returned by the next `step()` call. Each sequence in a running step carries a
+PLACEHOLDER output token until its value is read; the next decode step takes it from
+device memory. A sequence that stops on a token it could not foresee (EOS, stop string)
+has one wasted row in the step after; one that reaches max_tokens / max_model_len sits
+that step out. Source: vLLM v1 async scheduling; JetStream's overlapped detokenisation.
+Requests join (`add_request`) and leave (finish, `abort_request`) between any two steps.
 
 Not thread-safe: one thread drives it (`AsyncEngine` for the server, a plain loop for
 `generate`). Input is validated at the edge (`add_request` checks what only the engine
@@ -13,6 +19,7 @@ knows: lengths against max_model_len, token ids against the vocabulary).
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -22,7 +29,7 @@ from jaxserve.engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Re
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.sequence import PLACEHOLDER, Sequence
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
@@ -51,7 +58,14 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._rng = np.random.default_rng(engine_config.seed)
+        # The launched step whose tokens are not read yet: ([(sequence, output index)], handle).
+        self._inflight: tuple[list[tuple[Sequence, int]], object] | None = None
         self.num_steps = 0
+        # Accumulated over steps (see stats()).
+        self._kv_live_token_steps = 0
+        self._kv_allocated_token_steps = 0
+        self._host_seconds = 0.0
+        self._step_seconds = 0.0
 
     @property
     def num_compilations(self) -> int:
@@ -90,34 +104,81 @@ class Engine:
             self._pending.append(self._output(seq, [], ""))
             del self._seqs[request_id]
 
-    def stats(self) -> dict[str, int]:
-        """Counters for /health and tests: requests running / waiting, KV pages free / total
-        (pages, null page excluded), preemptions, steps, and step compilations."""
+    def stats(self) -> dict[str, int | float]:
+        """Counters for /health, tests and benchmarks.
+
+        Gauges: requests running / waiting, KV pages free / total (null page excluded).
+        Counters since start: preemptions, steps, step compilations;
+        kv_live_token_steps / kv_allocated_token_steps: per launched step, the tokens whose
+        K/V the running sequences hold, and the token slots of all allocated pages (their
+        ratio over an interval is the KV utilisation); step_seconds: wall time in `step()`;
+        host_seconds: the part of it not spent waiting for the device (seconds).
+        warmup_pending: step shapes a background warm-up has still to compile."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "free_pages": self.pool.num_free, "total_pages": self.pool.capacity,
                 "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
-                "num_compilations": self.num_compilations}
+                "num_compilations": self.num_compilations,
+                "kv_live_token_steps": self._kv_live_token_steps,
+                "kv_allocated_token_steps": self._kv_allocated_token_steps,
+                "host_seconds": round(self._host_seconds, 6),
+                "step_seconds": round(self._step_seconds, 6),
+                "warmup_pending": self.runner.warmup_pending}
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; outputs of requests that progressed or finished."""
+        """Launch the next step, then finish the previous one: returns the outputs of
+        requests that progressed or finished in the previous step (and aborts)."""
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return outputs
-        build = prefill_batch if plan.kind == "prefill" else decode_batch
-        batch, sampling = build(plan.seqs, self.engine_config)
-        tokens, _ = self.runner.run(batch, sampling)
-        self.num_steps += 1
-        for seq, token in zip(plan.seqs, tokens.tolist()):
-            seq.num_computed = seq.num_tokens
-            outputs.append(self._append(seq, token))
+        launched = self._launch()
+        wait = 0.0
+        if self._inflight is not None:
+            rows, handle = self._inflight
+            t1 = time.perf_counter()
+            tokens, _ = self.runner.fetch(handle)
+            wait = time.perf_counter() - t1
+            for (seq, index), token in zip(rows, tokens.tolist()):
+                out = self._resolve(seq, index, token)
+                if out is not None:
+                    outputs.append(out)
+        self._inflight = launched
+        dt = time.perf_counter() - t0
+        self._step_seconds += dt
+        self._host_seconds += dt - wait
         return outputs
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.output_ids.append(token)
+    def _launch(self):
+        """Plan and dispatch the next step; None when there is nothing to run."""
+        limit = self.engine_config.max_model_len
+        # Sequences whose pending token is their last (length limits) sit the step out.
+        hold = {s for s in self.scheduler.running if s.has_placeholder and (
+            len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= limit)}
+        plan = self.scheduler.schedule(hold)
+        if plan is None:
+            return None
+        prev_rows = {seq: i for i, (seq, _) in enumerate(self._inflight[0])} if self._inflight else {}
+        build = prefill_batch if plan.kind == "prefill" else decode_batch
+        batch, sampling = build(plan.seqs, self.engine_config, prev_rows)
+        handle = self.runner.dispatch(batch, sampling)
+        self.num_steps += 1
+        rows = []
+        for seq in plan.seqs:
+            seq.num_computed = seq.num_tokens
+            rows.append((seq, len(seq.output_ids)))
+            seq.output_ids.append(PLACEHOLDER)
+        live = sum(s.num_computed for s in self.scheduler.running)
+        self._kv_live_token_steps += live
+        self._kv_allocated_token_steps += (self.pool.capacity - self.pool.num_free) * self.pool.page_size
+        return rows, handle
+
+    def _resolve(self, seq: Sequence, index: int, token: int) -> RequestOutput | None:
+        """Put the sampled `token` at output position `index` and process it; None if the
+        sequence already finished (aborted, or stopped on an earlier token)."""
+        if seq.finish_reason is not None:
+            return None
+        seq.output_ids[index] = token
         p = seq.params
         new_text, stopped_by_string = "", False
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
@@ -126,21 +187,27 @@ class Engine:
             new_text, stopped_by_string = seq.stop_checker.feed(seq.detokenizer.add([token]))
             if stopped_by_string:
                 seq.finish_reason = FINISH_STOP
-        if seq.finish_reason is None and (len(seq.output_ids) >= p.max_tokens
-                                          or seq.num_tokens >= self.engine_config.max_model_len):
+        if seq.finish_reason is None and (index + 1 >= p.max_tokens or len(seq.prompt_ids)
+                                          + index + 1 >= self.engine_config.max_model_len):
             seq.finish_reason = FINISH_LENGTH
         if seq.finish_reason is not None:
             if not stopped_by_string:
                 new_text += seq.stop_checker.flush()  # text held back for a stop string that never came
+            del seq.output_ids[index + 1:]  # a token the next (running) step samples in vain
             self.scheduler.finish(seq)
             del self._seqs[seq.request_id]
         seq.text += new_text
-        return self._output(seq, [token], new_text)
+        return self._output(seq, [token], new_text, index + 1)
 
     @staticmethod
-    def _output(seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(seq: Sequence, new_ids: list[int], new_text: str,
+                num_known: int | None = None) -> RequestOutput:
+        """Snapshot of `seq`; num_known: output tokens already read (default: all but a
+        trailing PLACEHOLDER)."""
+        if num_known is None:
+            num_known = len(seq.output_ids) - seq.has_placeholder
         return RequestOutput(
             request_id=seq.request_id, num_prompt_tokens=len(seq.prompt_ids),
-            token_ids=list(seq.output_ids), new_token_ids=new_ids, text=seq.text,
+            token_ids=seq.output_ids[:num_known], new_token_ids=new_ids, text=seq.text,
             new_text=new_text, finished=seq.finish_reason is not None,
             finish_reason=seq.finish_reason)

@@ -4,14 +4,22 @@ The step (forward -> last-token logits -> sample) is compiled ahead of time once
 bucketed shape (kind, B, Q, P); the executables are kept here, so a shape outside the
 buckets is a visible compilation (`num_compilations`), never a silent retrace. The KV
 pool is donated to every step and replaced by the returned one.
+
+Steps are dispatched asynchronously (`dispatch` returns before the device finishes) and
+their sampled tokens stay on device: the next decode step reads its input tokens from
+the previous step's output (`StepBatch.prev_index`), so the host can plan and launch
+step n+1 before it has read step n's tokens (`fetch`). Source: vLLM v1's async
+scheduling; JetStream's overlapped generate loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig, ModelConfig, resolve_impl
+from jaxserve.engine.batch import empty_batch
 from jaxserve.engine.buckets import warmup_shapes
 from jaxserve.kv_cache import KVCache
 from jaxserve.model.params import Params
@@ -29,12 +38,22 @@ from jaxserve.sharding import ShardingRules
 log = logging.getLogger(__name__)
 
 
-def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch, *,
-          cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
-    hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
+def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
+          prev_tokens: jax.Array, *, cfg: ModelConfig, rules: ShardingRules | None,
+          kernels: Kernels):
+    """One engine step. prev_tokens: [max_rows] int32, the previous step's sampled tokens.
+    Returns (tokens [max_rows] int32 padded with 0, logprobs [B] f32, cache)."""
+    B, Q = batch.tokens.shape
+    tokens_in = batch.tokens
+    if Q == 1:
+        from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
+        tokens_in = jnp.where(batch.prev_index >= 0, from_prev, batch.tokens[:, 0])[:, None]
+    hidden, cache = forward(params, cache, dataclasses.replace(batch, tokens=tokens_in), cfg,
+                            rules, kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules)
     tokens, logprobs = sample(logits, sampling)
-    return tokens, logprobs, cache
+    padded = jnp.zeros(prev_tokens.shape, jnp.int32).at[:B].set(tokens)
+    return padded, logprobs, cache
 
 
 def _abstract_inputs(B: int, Q: int, P: int, sharding) -> tuple[StepBatch, SamplingBatch]:
@@ -43,7 +62,8 @@ def _abstract_inputs(B: int, Q: int, P: int, sharding) -> tuple[StepBatch, Sampl
     i32, f32 = jnp.int32, jnp.float32
     batch = StepBatch(tokens=s((B, Q), i32), positions=s((B, Q), i32),
                       slot_mapping=s((B, Q), i32), block_tables=s((B, P), i32),
-                      seq_lens=s((B,), i32), logits_indices=s((B,), i32))
+                      seq_lens=s((B,), i32), logits_indices=s((B,), i32),
+                      prev_index=s((B,), i32))
     sampling = SamplingBatch(temperature=s((B,), f32), top_k=s((B,), i32), top_p=s((B,), f32),
                              min_p=s((B,), f32), seed=s((B,), jnp.uint32), step=s((B,), i32))
     return batch, sampling
@@ -71,44 +91,167 @@ class Runner:
             functools.partial(_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
             donate_argnums=(1,))
         self._compiled: dict[tuple[int, int, int], object] = {}
+        self._futures: dict[tuple[int, int, int], Future] = {}
+        self._lock = threading.Lock()           # compiled shapes, futures, counters
+        self._dispatch_lock = threading.Lock()  # the KV pool: one step launched at a time
+        self._pending_warmup = 0
+        self._warmup_stop = threading.Event()
+        self._warmup_thread: threading.Thread | None = None
         self.num_compilations = 0
         self.compile_seconds = 0.0
+        # The last dispatched step's sampled tokens, on device, padded to max_rows.
+        self.max_rows = max(engine_cfg.decode_batch_sizes + engine_cfg.prefill_batch_sizes)
+        self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
 
     def _compile(self, B: int, Q: int, P: int):
         t0 = time.perf_counter()
         batch, sampling = _abstract_inputs(B, Q, P, self._replicated)
         exe = self._jitted.trace(_abstract(self.params), _abstract(self.cache), batch,
-                                 sampling).lower().compile()
+                                 sampling, _abstract(self.last_tokens)).lower().compile()
         dt = time.perf_counter() - t0
         return (B, Q, P), exe, dt
 
     def _executable(self, B: int, Q: int, P: int):
         exe = self._compiled.get((B, Q, P))
         if exe is None:
-            log.warning("compiling step for unwarmed shape B=%d Q=%d P=%d", B, Q, P)
-            key, exe, dt = self._compile(B, Q, P)
-            self._add(key, exe, dt)
+            exe = self._get_or_compile((B, Q, P), on_demand=True)
         return exe
 
+    def _get_or_compile(self, key: tuple[int, int, int], on_demand: bool = False):
+        """The executable for `key`, compiling it unless it is compiled or being compiled
+        (then wait for that compilation: a shape is never compiled twice). A warm-up
+        compile (not on_demand) also runs the step once on an all-padding batch: an
+        executable's first run costs ~0.3 s more than later ones on XLA:CPU."""
+        with self._lock:
+            future = self._futures.get(key)
+            owner = future is None
+            if owner:
+                future = self._futures[key] = Future()
+        if not owner:
+            return future.result()
+        if on_demand:
+            log.warning("compiling step for unwarmed shape B=%d Q=%d P=%d", *key)
+        try:
+            _, exe, dt = self._compile(*key)
+            if not on_demand:
+                self._first_run(key, exe)
+        except BaseException as e:
+            with self._lock:
+                del self._futures[key]
+            future.set_exception(e)  # waiters raise it too; a later call tries again
+            raise
+        self._add(key, exe, dt)
+        future.set_result(exe)
+        return exe
+
+    def _first_run(self, key: tuple[int, int, int], exe) -> None:
+        """Run `exe` once on an all-padding batch and wait for it (every write goes to the
+        null page; the sampled tokens are dropped, `last_tokens` is kept for the engine's
+        next step)."""
+        B, Q, P = key
+        batch = empty_batch(B, Q, P)
+        sampling = SamplingBatch.from_params([], [], [], B)
+        with self._dispatch_lock:
+            tokens, _, self.cache = exe(self.params, self.cache, batch, sampling, self.last_tokens)
+        # wait for it here (not holding the lock): warm-up steps never pile up on the device
+        # ahead of the engine's own
+        tokens.block_until_ready()
+
     def _add(self, key, exe, dt):
-        self._compiled[key] = exe
-        self.num_compilations += 1
-        self.compile_seconds += dt
+        with self._lock:
+            self._compiled[key] = exe
+            self.num_compilations += 1
+            self.compile_seconds += dt
+
+    def _warmup_keys(self, shapes) -> list[tuple[int, int, int]]:
+        """Shapes to compile, most likely first: one-sequence shapes by page count (the
+        first two: the shortest decode and prefill, what a first short request needs),
+        then the rest by size."""
+        shapes = shapes if shapes is not None else warmup_shapes(self.engine_cfg)
+        keys = {(B, Q, P) for _, B, Q, P in shapes} - set(self._compiled)
+        return sorted(keys, key=lambda k: (k[0] != 1, k[2], k[1]) if k[0] == 1 else
+                      (True, k[0] * k[1] * k[2], k[1]))
 
     def warmup(self, shapes: list[tuple[str, int, int, int]] | None = None, threads: int = 2) -> None:
-        """Compile the step for every bucketed shape (XLA compiles release the GIL, so
-        `threads` compile side by side)."""
-        shapes = shapes if shapes is not None else warmup_shapes(self.engine_cfg)
-        todo = sorted({(B, Q, P) for _, B, Q, P in shapes} - set(self._compiled))
+        """Compile the step for every bucketed shape and wait (XLA compiles release the
+        GIL, so `threads` compile side by side)."""
+        todo = self._warmup_keys(shapes)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            for key, exe, dt in pool.map(lambda k: self._compile(*k), todo):
-                self._add(key, exe, dt)
+            list(pool.map(self._get_or_compile, todo))
         log.info("warm-up: %d step shapes compiled in %.1f s", len(todo), time.perf_counter() - t0)
 
-    def run(self, batch: StepBatch, sampling: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step; returns sampled tokens [B] int32 and their logprobs [B] f32 (host)."""
+    def warmup_in_background(self, shapes: list[tuple[str, int, int, int]] | None = None,
+                             first: int = 2) -> None:
+        """Compile the `first` most likely shapes now, the rest on a background thread:
+        the engine serves meanwhile (a step whose shape is not compiled yet compiles it
+        at once, or waits for the background compilation of it). `warmup_pending` counts
+        the shapes still to compile. With the persistent compilation cache on disk this
+        is what brings a restart to its first token in seconds."""
+        todo = self._warmup_keys(shapes)
+        for key in todo[:first]:
+            self._get_or_compile(key)
+        rest = todo[first:]
+        self._pending_warmup = len(rest)
+
+        def run():
+            t0 = time.perf_counter()
+            for key in rest:
+                if self._warmup_stop.is_set():
+                    break
+                try:
+                    self._get_or_compile(key)
+                except Exception:  # noqa: BLE001 - a later on-demand compile raises it again
+                    log.exception("background warm-up of shape %s failed", key)
+                with self._lock:
+                    self._pending_warmup -= 1
+            log.info("background warm-up: %d step shapes compiled in %.1f s",
+                     len(rest) - self._pending_warmup, time.perf_counter() - t0)
+
+        self._warmup_thread = threading.Thread(target=run, name="jaxserve-warmup", daemon=True)
+        self._warmup_thread.start()
+
+    def stop_warmup(self) -> None:
+        """Stop a background warm-up after the shape it is compiling and wait for it (a
+        thread still inside XLA when the interpreter exits aborts the process)."""
+        self._warmup_stop.set()
+        if self._warmup_thread is not None:
+            self._warmup_thread.join()
+
+    @property
+    def warmup_pending(self) -> int:
+        """Shapes the background warm-up has still to compile (0 when none runs)."""
+        return self._pending_warmup
+
+    def dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> "StepHandle":
+        """Launch one step without waiting for it (host numpy arrays in; batch.prev_index
+        None = all tokens from the host). Returns a handle for `fetch`; the KV pool and
+        `last_tokens` are replaced by the step's (future) outputs at once."""
         B, Q = batch.tokens.shape
+        if batch.prev_index is None:
+            batch = dataclasses.replace(batch, prev_index=np.full((B,), -1, np.int32))
         exe = self._executable(B, Q, batch.block_tables.shape[1])
-        tokens, logprobs, self.cache = exe(self.params, self.cache, batch, sampling)
-        return np.asarray(tokens), np.asarray(logprobs)
+        with self._dispatch_lock:
+            tokens, logprobs, self.cache = exe(self.params, self.cache, batch, sampling,
+                                               self.last_tokens)
+            self.last_tokens = tokens
+        return StepHandle(tokens, logprobs, B)
+
+    @staticmethod
+    def fetch(handle: "StepHandle") -> tuple[np.ndarray, np.ndarray]:
+        """Wait for a dispatched step; its sampled tokens [B] int32 and logprobs [B] f32."""
+        return np.asarray(handle.tokens)[:handle.batch_size], np.asarray(handle.logprobs)
+
+    def run(self, batch: StepBatch, sampling: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Run one step and wait: sampled tokens [B] int32 and their logprobs [B] f32."""
+        return self.fetch(self.dispatch(batch, sampling))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHandle:
+    """A dispatched step's outputs, still on device: tokens [max_rows] int32 (the first
+    batch_size rows are real), logprobs [batch_size] f32."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    batch_size: int

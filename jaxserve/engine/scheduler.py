@@ -51,14 +51,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan | None:
-        """Plan the next step, allocating pages; None when there is nothing to run."""
+    def schedule(self, hold: frozenset | set = frozenset()) -> StepPlan | None:
+        """Plan the next step, allocating pages; None when there is nothing to run.
+
+        hold: running sequences that sit this decode step out (the engine knows they
+        finish when their pending token arrives); they keep their pages."""
         admitted = self._admit()
         if admitted:
             return StepPlan("prefill", admitted)
-        if self.running:
-            return StepPlan("decode", self._reserve_decode_pages())
-        return None
+        decode = self._reserve_decode_pages(hold)
+        return StepPlan("decode", decode) if decode else None
 
     def _decode_need(self, seq: Sequence, extra_tokens: int = 0) -> int:
         """New pages `seq` needs to hold its tokens (+ extra) in the next decode step."""
@@ -92,10 +94,10 @@ class Scheduler:
             self.running.append(seq)
         return batch
 
-    def _reserve_decode_pages(self) -> list[Sequence]:
+    def _reserve_decode_pages(self, hold) -> list[Sequence]:
         for seq in sorted(self.running, key=lambda s: s.admitted):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq in hold:
+                continue  # preempted earlier in this loop, or sitting out
             need = self._decode_need(seq)
             while need > self.pool.num_free:
                 victim = max(self.running, key=lambda s: s.admitted)
@@ -104,7 +106,7 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.RUNNING and need:
                 seq.block_table += self.pool.allocate(need)
-        return list(self.running)
+        return [s for s in self.running if s not in hold]
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s pages and queue it first for recomputation."""
@@ -116,7 +118,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished sequence and free its pages."""
+        """Remove a finished sequence (running, or waiting after a preemption) and free
+        its pages."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -124,8 +129,6 @@ class Scheduler:
         """Remove the sequence with `request_id` wherever it is; None if unknown."""
         for seq in itertools.chain(self.running, self.waiting):
             if seq.request_id == request_id:
-                if seq in self.waiting:
-                    self.waiting.remove(seq)
                 self.finish(seq)
                 return seq
         return None

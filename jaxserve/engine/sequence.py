@@ -9,6 +9,12 @@ from typing import Any
 from jaxserve.sampling_params import SamplingParams
 
 
+# Output token sampled by a step that is still running on device: the engine appends it at
+# dispatch (so the next step is planned with the right length) and overwrites it when it
+# reads the step's results.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"    # queued; needs a prefill of all its tokens (again, if preempted)
     RUNNING = "running"    # its K/V live in its pages; decoding
@@ -19,7 +25,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request.
 
-    prompt_ids / output_ids: token ids. block_table: page ids holding its K/V, in order.
+    prompt_ids / output_ids: token ids (the last output may be PLACEHOLDER while the step
+    that samples it runs). block_table: page ids holding its K/V, in order.
     num_computed: tokens whose K/V are in the pages. seed: resolved sampling seed.
     detokenizer / stop_checker: text state (owned by the engine's output processing).
     admitted: a counter value, larger = admitted more recently (preemption order).
@@ -51,6 +58,11 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def has_placeholder(self) -> bool:
+        """Whether the last output token is still being sampled on device."""
+        return bool(self.output_ids) and self.output_ids[-1] == PLACEHOLDER
 
     @property
     def finished(self) -> bool:

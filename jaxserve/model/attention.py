@@ -59,19 +59,28 @@ def make_metadata(block_tables: jax.Array, seq_lens: jax.Array, positions: jax.A
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    meta: AttentionMetadata, impl: str = "xla") -> jax.Array:
+                    meta: AttentionMetadata, impl: str = "xla",
+                    layout: str = "token_major") -> jax.Array:
     """Attention of new queries over paged K/V.
 
-    q: [B, Q, H, Dh]; k_pages, v_pages: [num_pages, page_size, K, Dh] (this step's K/V
-    already written); returns [B, Q, H, Dh] in q.dtype. Scale 1/sqrt(Dh), softmax in f32.
-    GQA: the H query heads are grouped as [K, H // K]; K/V are never repeated in memory.
-    impl: "xla" (below), or "pallas" / "pallas_interpret": decode steps (Q = 1) call the
-    paged decode kernel, longer steps the ragged flash-prefill kernel over the pool.
-    Raises ValueError for an unknown `impl`.
+    q: [B, Q, H, Dh]; k_pages, v_pages: one layer's pool (this step's K/V already
+    written) in `layout`: "token_major" [num_pages, page_size, K, Dh] or "head_major"
+    [K, num_pages, page_size, Dh] (see jaxserve.kv_cache); returns [B, Q, H, Dh] in
+    q.dtype. Scale 1/sqrt(Dh), softmax in f32. GQA: the H query heads are grouped as
+    [K, H // K]; K/V are never repeated in memory.
+    impl: "xla" (below; either layout), or "pallas" / "pallas_interpret" (token-major
+    only): decode steps (Q = 1) call the paged decode kernel, longer steps the ragged
+    flash-prefill kernel over the pool.
+    Raises ValueError for an unknown `impl` or a layout the impl cannot read.
     """
     if impl == "xla":
+        if layout == "head_major":
+            return _paged_attention_xla_head_major(q, k_pages, v_pages, meta)
         return _paged_attention_xla(q, k_pages, v_pages, meta)
     if impl in KERNEL_IMPLS:
+        if layout != "token_major":
+            raise ValueError(f"attention impl {impl!r} reads only the token_major KV layout, "
+                             f"got {layout!r}")
         return _paged_attention_pallas(q, k_pages, v_pages, meta, impl)
     raise ValueError(f"attention impl must be one of {KERNEL_IMPLS}, got {impl!r}")
 
@@ -108,3 +117,20 @@ def _paged_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata) -> jax.Ar
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, Q, H, Dh).astype(q.dtype)
+
+
+def _paged_attention_xla_head_major(q, k_pages, v_pages, meta: AttentionMetadata) -> jax.Array:
+    # Pages [K, N, ps, Dh] gathered -> [K, B, S, Dh]: both matmuls batch over (kv head,
+    # sequence), the leading axes, so XLA moves only the small q / output, never K or V.
+    B, Q, H, Dh = q.shape
+    K, _, ps, _ = k_pages.shape
+    G = H // K
+    P = meta.block_tables.shape[1]
+    k = k_pages[:, meta.block_tables].reshape(K, B, P * ps, Dh)
+    v = v_pages[:, meta.block_tables].reshape(K, B, P * ps, Dh)
+    qg = q.reshape(B, Q, K, G, Dh).transpose(2, 0, 3, 1, 4).reshape(K, B, G * Q, Dh)
+    scores = jnp.einsum("kbqd,kbsd->kbqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores.reshape(K, B, G, Q, P * ps) * (Dh ** -0.5) + meta.bias[None, :, None]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(K, B, G * Q, P * ps)
+    out = jnp.einsum("kbqs,kbsd->kbqd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(K, B, G, Q, Dh).transpose(1, 3, 0, 2, 4).reshape(B, Q, H, Dh).astype(q.dtype)

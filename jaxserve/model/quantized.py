@@ -1,5 +1,6 @@
-"""Weight-only quantisation of the layers' projection matrices (int8 / fp8 e4m3) and the
-one matmul helper the model uses for every projection, float or quantised.
+"""Weight-only quantisation of the layers' projection matrices (int8 / fp8 e4m3), bf16
+copies of f32 weights for large steps, and the one matmul helper the model uses for every
+projection, float, dual-precision or quantised.
 
 A `QuantizedWeight` keeps the stored values in the weight's own shape ([embed, heads,
 head_dim], [mlp, embed], ...) and its scales as the kernel wants them, flattened to the
@@ -72,13 +73,91 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None) -> 
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
 
 
+@pytree_dataclass(meta=("min_rows", "vocab_major"))
+class DualPrecisionWeight:
+    """An f32 weight kept twice: `w` (f32) for matmuls over fewer than `min_rows` rows of
+    activations, `w_bf16` (the same values rounded to bf16) for matmuls over at least
+    `min_rows` rows, computed bf16 x bf16 with f32 accumulation.
+
+    Why: on XLA:CPU (YNNPACK, 2 cores; tools/bench_step.py) a bf16 matmul with f32
+    accumulation beats f32 from 2 rows up (1.3-1.8x per step), while a 1-row bf16 product
+    takes a slow matrix-vector path (~8x slower than f32): the bf16 path pads 1 row to 2
+    (BF16_MIN_ROWS). Which copy runs is fixed per compiled step shape (row counts are
+    static). Costs 1.5x the weights' memory, or 0.5x with min_rows = 1 (then `w` is None:
+    every matmul uses the bf16 copy).
+    vocab_major: the LM head tied to the embedding, stored [vocab, embed].
+    """
+
+    w: Any
+    w_bf16: Any
+    min_rows: int = 16
+    vocab_major: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w_bf16.shape)
+
+    def pick(self, rows: int) -> jax.Array:
+        """The copy a matmul over `rows` rows uses."""
+        return self.w_bf16 if rows >= self.min_rows or self.w is None else self.w
+
+
+# XLA:CPU runs a 1-row bf16 matmul ~8x slower than a 2-row one: pad to this many rows.
+BF16_MIN_ROWS = 2
+
+
+def bf16_matmul(x2: jax.Array, w: jax.Array, w_vocab_major: bool = False) -> jax.Array:
+    """x2 [rows, in] (any float) times a bf16 weight -> [rows, out] f32, accumulated in f32.
+
+    w: [in, out], or [out, in] when `w_vocab_major` (a tied LM head). Fewer than
+    BF16_MIN_ROWS rows are zero-padded for the matmul (see DualPrecisionWeight)."""
+    rows = x2.shape[0]
+    xb = x2.astype(jnp.bfloat16)
+    if rows < BF16_MIN_ROWS:
+        xb = jnp.pad(xb, ((0, BF16_MIN_ROWS - rows), (0, 0)))
+    spec = "ri,oi->ro" if w_vocab_major else "ri,io->ro"
+    return jnp.einsum(spec, xb, w, preferred_element_type=jnp.float32)[:rows]
+
+
+def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False) -> DualPrecisionWeight:
+    """`w` (f32) with its bf16 copy (only the copy when min_rows is 1). Raises ValueError
+    if w is not f32 or min_rows < 1."""
+    if w.dtype != jnp.float32:
+        raise ValueError(f"dual precision needs f32 weights, got {w.dtype}")
+    if min_rows < 1:
+        raise ValueError(f"min_rows must be >= 1, got {min_rows}")
+    return DualPrecisionWeight(w=w if min_rows > 1 else None, w_bf16=w.astype(jnp.bfloat16),
+                               min_rows=min_rows, vocab_major=vocab_major)
+
+
+def dual_precision_params(params: Params, min_rows: int) -> Params:
+    """`params` (f32) with every layer projection (PROJECTIONS) and the LM head as
+    DualPrecisionWeights (a tied LM head becomes `lm_head` [vocab, embed] over the same
+    f32 embedding array, plus its bf16 copy); embeddings and norms unchanged."""
+    def layer(lp: LayerParams) -> LayerParams:
+        return dataclasses.replace(lp, **{name: dual_precision(getattr(lp, name), min_rows)
+                                          for name in PROJECTIONS})
+    tied = params.lm_head is None
+    head = params.embed if tied else params.lm_head
+    return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
+                               lm_head=dual_precision(head, min_rows, vocab_major=tied))
+
+
 def dense(x: jax.Array, w: Any, n_in: int, impl: str = "xla") -> jax.Array:
     """x [..., *in] contracted with w [*in, *out] -> [..., *out].
 
-    w: a float array (a plain dot_general in x.dtype) or a QuantizedWeight (f32
-    accumulation, result in x.dtype; `impl` picks the Pallas kernel or its reference).
-    Raises ValueError for an unknown impl.
+    w: a float array (a plain dot_general in x.dtype), a DualPrecisionWeight (its f32 or
+    bf16 copy by the number of rows of x, prod(x.shape[:-n_in]); result in x.dtype) or a
+    QuantizedWeight (f32 accumulation, result in x.dtype; `impl` picks the Pallas kernel
+    or its reference). Raises ValueError for an unknown impl.
     """
+    if isinstance(w, DualPrecisionWeight):
+        lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
+        wx = w.pick(rows)
+        if wx.dtype == x.dtype:
+            return jnp.tensordot(x, wx, axes=n_in)
+        y = bf16_matmul(x.reshape(rows, -1), wx.reshape(math.prod(wx.shape[:n_in]), -1))
+        return y.reshape(*lead, *wx.shape[n_in:]).astype(x.dtype)
     if not isinstance(w, QuantizedWeight):
         return jnp.tensordot(x, w, axes=n_in)
     from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference

@@ -13,6 +13,7 @@ Source: Llama (Touvron et al. 2023) as implemented in HF transformers' `LlamaMod
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import AttentionMetadata, make_metadata, paged_attention
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model.params import LayerParams, Params
-from jaxserve.model.quantized import dense
+from jaxserve.model.quantized import DualPrecisionWeight, bf16_matmul, dense
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules, constrain
 
@@ -37,7 +38,9 @@ class StepBatch:
     tokens, positions, slot_mapping: [B, Q] (padding tokens: position 0, slot in the null
     page). block_tables: [B, P] page ids. seq_lens: [B] context length after this step
     (0 for padding rows). logits_indices: [B] which of the Q positions predicts the next
-    token (q_len - 1).
+    token (q_len - 1). prev_index: [B] or None, used by the engine's step only (decode,
+    Q = 1): row i's token is the one the previous step sampled in its row prev_index[i]
+    (still on device), or tokens[i, 0] where prev_index[i] < 0.
     """
 
     tokens: Any
@@ -46,10 +49,12 @@ class StepBatch:
     block_tables: Any
     seq_lens: Any
     logits_indices: Any
+    prev_index: Any = None
 
 
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,
-                     meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels):
+                     meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels,
+                     layout: str):
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     q = dense(h, lp.wq, 1, kernels.matmul)  # [B, Q, H, Dh]
     k = dense(h, lp.wk, 1, kernels.matmul)  # [B, Q, K, Dh]
@@ -59,9 +64,9 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
     q = constrain(rules, apply_rope(q, cos, sin), ("batch", "sequence", "q_heads", "head_dim"))
     k = constrain(rules, apply_rope(k, cos, sin), ("batch", "sequence", "kv_heads", "head_dim"))
     v = constrain(rules, v, ("batch", "sequence", "kv_heads", "head_dim"))
-    k_pages = write_kv(k_pages, k, slot_mapping)
-    v_pages = write_kv(v_pages, v, slot_mapping)
-    attn = paged_attention(q, k_pages, v_pages, meta, kernels.attention)
+    k_pages = write_kv(k_pages, k, slot_mapping, layout)
+    v_pages = write_kv(v_pages, v, slot_mapping, layout)
+    attn = paged_attention(q, k_pages, v_pages, meta, kernels.attention, layout)
     out = dense(attn, lp.wo, 2, kernels.matmul)  # [B, Q, D]
     return constrain(rules, out, ACT_AXES), k_pages, v_pages
 
@@ -82,7 +87,8 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
 
     Returns hidden states [B, Q, D] (after the final RMSNorm, in cfg.dtype) and the cache
     with this step's K/V written at `batch.slot_mapping`. `kernels` picks the attention
-    and matmul implementations; params may hold QuantizedWeight projections.
+    and matmul implementations; params may hold QuantizedWeight projections. The cache
+    may be in either layout for "xla" attention, token-major for the Pallas kernels.
     """
     x = constrain(rules, params.embed[batch.tokens], ACT_AXES)
     cos, sin = rope_tables(batch.positions, cfg)
@@ -91,7 +97,7 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         a, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], cos, sin,
-                                     batch.slot_mapping, meta, cfg, rules, kernels)
+                                     batch.slot_mapping, meta, cfg, rules, kernels, cache.layout)
         x = x + a
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         x = constrain(rules, x + swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules,
@@ -99,17 +105,24 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
         ks.append(kp)
         vs.append(vp)
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    return x, KVCache(k=tuple(ks), v=tuple(vs))
+    return x, KVCache(k=tuple(ks), v=tuple(vs), layout=cache.layout)
 
 
 def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | None = None) -> jax.Array:
     """LM head: hidden [..., D] -> logits [..., vocab] f32 (tied to the embedding when
-    `params.lm_head` is None)."""
-    if params.lm_head is None:
-        logits = jnp.einsum("...d,vd->...v", hidden, params.embed,
+    `params.lm_head` is None; a DualPrecisionWeight head picks its copy by the rows of
+    hidden and is [vocab, D] when tied, [D, vocab] otherwise)."""
+    head, vocab_major = params.lm_head, params.lm_head is None
+    if isinstance(head, DualPrecisionWeight):
+        head, vocab_major = head.pick(math.prod(hidden.shape[:-1])), head.vocab_major
+    if head is not None and head.dtype != hidden.dtype:  # the bf16 copy of a dual head
+        logits = bf16_matmul(hidden.reshape(-1, hidden.shape[-1]), head, vocab_major)
+        logits = logits.reshape(*hidden.shape[:-1], -1)
+    elif vocab_major:
+        logits = jnp.einsum("...d,vd->...v", hidden, params.embed if head is None else head,
                             preferred_element_type=jnp.float32)
     else:
-        logits = jnp.einsum("...d,dv->...v", hidden, params.lm_head,
+        logits = jnp.einsum("...d,dv->...v", hidden, head,
                             preferred_element_type=jnp.float32)
     return constrain(rules, logits, ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",))
 

@@ -1,0 +1,139 @@
+"""Time the compiled engine step per shape, f32 weights against bf16 weights (f32 accumulation),
+to choose `EngineConfig.bf16_matmul_min_rows` by measurement.
+
+    python tools/bench_step.py [--config configs/smollm2_135m.py] [--repeats 7]
+        [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
+
+Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
+(P = L pages of page_size tokens, one new token each); prefill = B prompts of L tokens.
+Both variants run the same step (forward, logits, greedy sampling) on the same random
+batch; the f32 variant is the baseline measured in the same run. Prints per shape the
+median ms of each, the bf16/f32 time ratio (< 1: bf16 faster), and the smallest row count
+(B x Q) from which bf16 is faster for every measured shape: the suggested
+bf16_matmul_min_rows. A benchmark, not a test: run it alone on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_SHAPES = ("decode:1x16,decode:2x16,decode:4x16,decode:8x16,decode:16x16,decode:32x16,"
+                  "decode:32x64,prefill:1x64,prefill:1x512,prefill:4x128")
+
+
+def parse_shape(text: str) -> tuple[str, int, int]:
+    """"decode:32x16" -> ("decode", 32, 16). Raises ValueError on a malformed shape."""
+    kind, _, dims = text.partition(":")
+    b, _, l = dims.partition("x")
+    if kind not in ("decode", "prefill") or not b.isdigit() or not l.isdigit():
+        raise ValueError(f"shape {text!r}: expected decode:BxPAGES or prefill:BxTOKENS")
+    return kind, int(b), int(l)
+
+
+def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng):
+    """A full random batch of the shape (every row real), as the engine would build it."""
+    from jaxserve.engine.batch import empty_batch
+    from jaxserve.sampling import SamplingBatch
+    from jaxserve.sampling_params import SamplingParams
+
+    if kind == "decode":
+        Q, P, ctx = 1, L, L * page_size - 3
+    else:
+        Q, P, ctx = L, -(-L // page_size), L
+    b = empty_batch(B, Q, P)
+    pages = rng.permutation(np.arange(1, num_pages))
+    if B * P > len(pages):
+        raise ValueError(f"{kind}:{B}x{L} needs {B * P} pages, the pool has {len(pages)}")
+    for i in range(B):
+        table = pages[i * P:(i + 1) * P]
+        pos = np.arange(ctx - Q, ctx)
+        b.tokens[i] = rng.integers(100, 30000, Q)
+        b.positions[i] = pos
+        b.slot_mapping[i] = table[pos // page_size] * page_size + pos % page_size
+        b.block_tables[i] = table
+        b.seq_lens[i] = ctx
+        b.logits_indices[i] = Q - 1
+    s = SamplingBatch.from_params([SamplingParams(temperature=0)] * B, [0] * B, [0] * B, B)
+    return b, s
+
+
+def time_step(runner, batch, sampling, repeats: int) -> float:
+    """Median seconds of `repeats` runs of one step (after one untimed run)."""
+    runner.run(batch, sampling)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.run(batch, sampling)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.py"))
+    ap.add_argument("--cache-dir")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+
+    from jaxserve.api import enable_compilation_cache
+    from jaxserve.checkpoint import load_model_config, load_params
+    from jaxserve.config import load_config
+    from jaxserve.engine.runner import Runner
+    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.model.quantized import dual_precision_params
+    from jaxserve.model_store import default_cache_dir, resolve_checkpoint
+
+    cfg = load_config(args.config)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    enable_compilation_cache(cache_dir)
+    ckpt = resolve_checkpoint(cfg.source, cache_dir)
+    model_cfg = load_model_config(ckpt).replace(dtype="float32")
+    params = load_params(ckpt, model_cfg)
+    ecfg = dataclasses.replace(cfg.engine, bf16_matmul_min_rows=None, weight_quant=None)
+    ps = ecfg.page_size
+    num_pages = 1 + max(B * (L if k == "decode" else -(-L // ps)) for k, B, L in shapes)
+    variants = {"f32": params, "bf16": dual_precision_params(params, min_rows=1)}  # bf16 at every shape
+    runners = {name: Runner(model_cfg, ecfg, p, init_kv_cache(model_cfg, num_pages, ps, "float32",
+                                                              layout="head_major"))
+               for name, p in variants.items()}
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"{'shape':>16} {'rows':>5} {'f32 ms':>9} {'bf16 ms':>9} {'bf16/f32':>9}")
+    for kind, B, L in shapes:
+        batch, sampling = make_batch(kind, B, L, ps, num_pages, rng)
+        t = {name: time_step(r, batch, sampling, args.repeats) for name, r in runners.items()}
+        n_rows = B * (1 if kind == "decode" else L)
+        rows.append({"shape": f"{kind}:{B}x{L}", "rows": n_rows, "f32_ms": t["f32"] * 1e3,
+                     "bf16_ms": t["bf16"] * 1e3, "ratio": t["bf16"] / t["f32"]})
+        r = rows[-1]
+        print(f"{r['shape']:>16} {n_rows:>5} {r['f32_ms']:9.1f} {r['bf16_ms']:9.1f} {r['ratio']:9.2f}",
+              flush=True)
+    # smallest row count from which bf16 wins on every measured shape with at least as many rows
+    suggestion = None
+    for n in sorted({r["rows"] for r in rows}, reverse=True):
+        if all(r["ratio"] < 1 for r in rows if r["rows"] >= n):
+            suggestion = n
+        else:
+            break
+    print(f"suggested bf16_matmul_min_rows: {suggestion} (None: bf16 never wins)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shapes": rows, "suggested_min_rows": suggestion},
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
