@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve import compile_counter
 from jaxserve.checkpoint import load_model_config, load_params
-from jaxserve.config import Config, ConfigError, load_config, resolve_impl
+from jaxserve.config import Config, ConfigError, load_config
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
+from jaxserve.kernels import select_kernels
 from jaxserve.kv_cache import init_kv_cache, kv_layout_for, num_pages_for_budget
 from jaxserve.model.quantized import dual_precision_params, quantize_params
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint
@@ -88,9 +90,11 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     kv_dtype = ecfg.kv_dtype or model_cfg.dtype
     num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
     platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
-    layout = kv_layout_for(resolve_impl(ecfg.attention_impl, platform))
-    cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules, layout)
-    runner = Runner(model_cfg, ecfg, params, cache, rules)
+    kernels = select_kernels(ecfg, platform, config.mesh.num_devices, str(jnp.dtype(kv_dtype)),
+                             cache_dir / "kernels")
+    cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules,
+                          kv_layout_for(kernels.attention))
+    runner = Runner(model_cfg, ecfg, params, cache, kernels, rules)
     engine = Engine(model_cfg, ecfg, runner, Tokenizer.from_dir(ckpt))
     log.info("KV page pool: %d pages of %d tokens (%.0f MiB)", num_pages, ecfg.page_size,
              ecfg.kv_cache_bytes / 2**20)

@@ -101,20 +101,35 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
-# Kernel implementations: "xla" (plain jnp, the CPU default), "pallas" (the Triton-backend
-# Pallas kernels of `pallas_kernels/`, the GPU default), "pallas_interpret" (the same
-# kernels in Pallas interpret mode on CPU: tests). "auto" = pallas on GPU, xla otherwise.
+# Kernel implementations: "xla" (plain jnp), "pallas" (the Triton-backend Pallas kernels of
+# `pallas_kernels/`, the GPU default), "pallas_interpret" (the same kernels in Pallas
+# interpret mode on CPU: tests). Attention also has "cpu": the C++ kernel of `cpu_kernels/`
+# (XLA FFI, compiled on first use), the default on a single CPU device.
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
-ATTENTION_IMPLS = ("auto",) + KERNEL_IMPLS
+ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
+ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
+MATMUL_IMPLS = ("auto",) + KERNEL_IMPLS
 WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
 
 
 def resolve_impl(impl: str, platform: str) -> str:
-    """The kernel implementation `impl` ("auto" or one of KERNEL_IMPLS) stands for on a
+    """The matmul implementation `impl` ("auto" or one of KERNEL_IMPLS) stands for on a
     device `platform` ("cpu", "gpu"/"cuda", "tpu"): "auto" -> "pallas" on GPU, else "xla"."""
     if impl != "auto":
         return impl
     return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+
+
+def resolve_attention_impl(impl: str, platform: str, num_devices: int = 1) -> str:
+    """The attention implementation `impl` ("auto" or one of ATTENTION_KERNEL_IMPLS) stands
+    for: "auto" -> "pallas" on GPU, "cpu" on a single CPU device, else "xla" (the C++
+    kernel is not partitioned over a mesh). Whether "cpu" can be built is checked where
+    it is loaded (jaxserve.kernels.select_kernels)."""
+    if impl != "auto":
+        return impl
+    if platform == "cpu":
+        return "cpu" if num_devices == 1 else "xla"
+    return resolve_impl(impl, platform)
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -141,8 +156,11 @@ class EngineConfig:
     decode_batch_buckets / prefill_len_buckets / page_buckets: the padded shapes the jitted
         step is compiled for (None = powers of two up to the limit). Fewer buckets = fewer
         compilations, more padding.
-    attention_impl / matmul_impl: "auto" (pallas on GPU, xla otherwise), "xla", "pallas",
-        "pallas_interpret" (see KERNEL_IMPLS). matmul_impl only matters with weight_quant.
+    attention_impl: "auto" (pallas on GPU, cpu on one CPU device, xla otherwise), "xla",
+        "cpu" (the C++ kernel of cpu_kernels/, single device), "pallas", "pallas_interpret"
+        (see ATTENTION_KERNEL_IMPLS).
+    matmul_impl: "auto" (pallas on GPU, xla otherwise), "xla", "pallas", "pallas_interpret"
+        (see KERNEL_IMPLS); only matters with weight_quant.
     weight_quant: None (weights in the model dtype), "int8" or "fp8_e4m3": the layers'
         projection matrices are quantised at load with per-output-channel scales (or, for
         int8, per-group scales of weight_quant_group_size input rows); embeddings, norms
@@ -177,9 +195,9 @@ class EngineConfig:
                      "max_prefill_tokens", "max_prefill_seqs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("attention_impl", "matmul_impl"):
-            if getattr(self, name) not in ATTENTION_IMPLS:
-                raise ConfigError(f"EngineConfig.{name} must be one of {ATTENTION_IMPLS}, "
+        for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"EngineConfig.{name} must be one of {allowed}, "
                                   f"got {getattr(self, name)!r}")
         if self.weight_quant not in (None,) + WEIGHT_QUANT_FORMATS:
             raise ConfigError(f"EngineConfig.weight_quant must be None or one of "

@@ -4,7 +4,8 @@
 Two layouts per layer, K and V each:
   "token_major" `[num_pages, page_size, kv_heads, head_dim]` (logical axes `pages`,
       `page_slots`, `kv_heads`, `head_dim`): what the Pallas kernels read, page by page;
-  "head_major" `[kv_heads, num_pages, page_size, head_dim]`: what the XLA attention reads.
+  "head_major" `[kv_heads, num_pages, page_size, head_dim]`: what the XLA attention and the
+      C++ CPU kernel read (one head's page is one contiguous [page_size, head_dim] block).
       Gathering a batch's pages then gives `[kv_heads, B, S, head_dim]`, already in the
       layout of a batched matmul over (kv head, sequence); from the token-major layout
       XLA:CPU copied and transposed every gathered page (2x the attention time at batch 32).
@@ -30,9 +31,9 @@ _HEAD_MAJOR_AXES = ("kv_heads", "pages", "page_slots", "head_dim")
 
 
 def kv_layout_for(attention_impl: str) -> str:
-    """The pool layout an attention implementation reads best: "head_major" for "xla",
-    "token_major" for the Pallas kernels (which only read that one)."""
-    return "head_major" if attention_impl == "xla" else "token_major"
+    """The pool layout an attention implementation reads best: "head_major" for "xla" and
+    the C++ "cpu" kernel, "token_major" for the Pallas kernels (which only read that one)."""
+    return "head_major" if attention_impl in ("xla", "cpu") else "token_major"
 
 
 @pytree_dataclass(meta=("layout",))

@@ -43,6 +43,13 @@ def smollm2_checkpoint(smollm2_config, cache_dir) -> Path:
     return resolve_checkpoint(smollm2_config.source, cache_dir)
 
 
+@pytest.fixture(scope="session")
+def cpu_kernels_library(cache_dir):
+    """The C++ CPU kernels, built once into the cache dir and registered with JAX."""
+    from cpu_kernels.build import load_library
+    return load_library(cache_dir / "kernels")
+
+
 # --- HF transformers references (slow to load: one per session) -------------------------
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,9 @@
 
 - the model with the Pallas kernels in interpret mode gives the XLA path's logits
   (ragged prefill with padding, a continuation over cached pages, decode; quantised
-  projections through the kernel vs through its reference);
+  projections through the kernel vs through its reference); so does the C++ CPU
+  attention kernel on a head-major pool;
+- "auto" picks the C++ kernel on one CPU device and falls back to XLA without a compiler;
 - the real model: the engine with Pallas attention (interpret mode) produces the XLA
   engine's greedy tokens;
 - every kernel call the engine can make (each warm-up shape of a config's buckets, f32
@@ -19,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import ConfigError, EngineConfig, load_config, resolve_impl
+from jaxserve.config import (ConfigError, EngineConfig, load_config, resolve_attention_impl,
+                             resolve_impl)
 from jaxserve.engine.buckets import warmup_shapes
 from jaxserve.kv_cache import abstract_kv_cache, num_pages_for_budget
 from jaxserve.model.params import abstract_params, init_params
@@ -35,8 +38,9 @@ F32_ATOL = 2e-5
 QUANT_ATOL = 1e-4  # kernel vs reference on the same quantised weights: f32 sums in another order
 
 
-def _drive(params, kernels, steps):
-    drv = PagedDriver(params, CFG, num_pages=24, page_size=16, seed=7, kernels=kernels)
+def _drive(params, kernels, steps, layout="token_major"):
+    drv = PagedDriver(params, CFG, num_pages=24, page_size=16, seed=7, kernels=kernels,
+                      layout=layout)
     return [drv.step(chunks, Q=Q, P=P) for chunks, Q, P in steps]
 
 
@@ -70,6 +74,42 @@ def test_pallas_attention_in_the_model_matches_xla():
     _assert_same(got, want, F32_ATOL)
 
 
+def test_cpu_attention_in_the_model_matches_xla(cpu_kernels_library):
+    """The C++ kernel behind the model (head-major pool): ragged prefill with padding rows
+    and padding queries, a continuation, decode; the same logits as the XLA path."""
+    params = init_params(CFG, jax.random.key(0), scale=0.3)
+    steps = _steps(np.random.default_rng(99))
+    want = _drive(params, Kernels("xla", "xla"), steps, layout="head_major")
+    got = _drive(params, Kernels("cpu", "xla"), steps, layout="head_major")
+    _assert_same(got, want, F32_ATOL)
+    with pytest.raises(ValueError, match="reads only the head_major KV layout"):
+        _drive(params, Kernels("cpu", "xla"), steps[:1])
+
+
+def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_library):
+    from cpu_kernels import build
+    from jaxserve.kernels import select_kernels
+
+    auto = EngineConfig()
+    assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla")
+    assert select_kernels(auto, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")  # TP mesh
+    assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("xla", "xla")
+    assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
+    explicit = EngineConfig(attention_impl="cpu")
+    with pytest.raises(ConfigError, match="runs on one device, the mesh has 2"):
+        select_kernels(explicit, "cpu", 2, "float32", tmp_path)
+    with pytest.raises(ConfigError, match="reads a float32 KV pool, kv_dtype is bfloat16"):
+        select_kernels(explicit, "cpu", 1, "bfloat16", tmp_path)
+
+    def no_compiler(build_dir, compiler=None):
+        raise build.KernelBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(build, "load_library", no_compiler)
+    assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("xla", "xla")
+    with pytest.raises(ConfigError, match="attention_impl='cpu': no C\\+\\+ compiler found"):
+        select_kernels(explicit, "cpu", 1, "float32", tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,group", [("int8", None), ("int8", 32), ("fp8_e4m3", None)])
 def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group):
@@ -95,8 +135,13 @@ def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group)
 def test_impl_config_validation_and_auto():
     assert resolve_impl("auto", "cpu") == "xla" and resolve_impl("auto", "gpu") == "pallas"
     assert resolve_impl("pallas_interpret", "cpu") == "pallas_interpret"
+    assert resolve_attention_impl("auto", "cpu") == "cpu"
+    assert resolve_attention_impl("auto", "cpu", num_devices=2) == "xla"
+    assert resolve_attention_impl("auto", "gpu") == "pallas"
+    assert resolve_attention_impl("xla", "cpu") == "xla"
     for kw, match in [({"attention_impl": "triton"}, "attention_impl must be one of"),
                       ({"matmul_impl": "cuda"}, "matmul_impl must be one of"),
+                      ({"matmul_impl": "cpu"}, "matmul_impl must be one of"),
                       ({"weight_quant": "int4"}, "weight_quant must be None or one of"),
                       ({"weight_quant": "fp8_e4m3", "weight_quant_group_size": 128}, "needs weight_quant='int8'"),
                       ({"weight_quant": "int8", "weight_quant_group_size": 48}, "power of two >= 16")]:

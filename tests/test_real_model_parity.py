@@ -4,7 +4,9 @@ dequantised GGUF weights.
 1. Teacher-forced logits of our paged forward (the prompt's first part as one prefill
    step over shuffled pages, the rest as single-token decode steps) vs HF's all-position
    logits: max |diff| <= 1e-3 with f32 weights; <= 0.75 with the bf16 matmul weights the
-   default config serves with (measured up to 0.52 on logits of magnitude ~35).
+   default config serves with (measured up to 0.52 on logits of magnitude ~35). Attention
+   runs in the C++ CPU kernel (the default on CPU) over a head-major pool; the XLA
+   attention once more on the long prompt.
 2. Greedy 64-token continuations through the whole engine (`LLM.generate`, all prompts
    batched together) vs HF's greedy loop: identical, except that they may part after a
    step where HF's top-2 logit margin was a near tie that rounding may break either way:
@@ -81,17 +83,24 @@ def hf_greedy(hf_model, ids, n):
     return tokens, margins
 
 
-@pytest.mark.parametrize("precision", ["f32", "bf16_matmul"])
-@pytest.mark.parametrize("name", ["ascii", "unicode", "code", "chat", "long"])
-def test_teacher_forced_logits_match_hf(name, precision, prompts, model, hf_smollm2_model):
+PARITY_CASES = [(name, precision, "cpu") for precision in ("f32", "bf16_matmul")
+                for name in ("ascii", "unicode", "code", "chat", "long")] + [("long", "f32", "xla")]
+
+
+@pytest.mark.parametrize("name,precision,attention", PARITY_CASES,
+                         ids=["-".join(c) for c in PARITY_CASES])
+def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, model,
+                                        hf_smollm2_model, cpu_kernels_library):
     from jaxserve.model.quantized import dual_precision_params
+    from jaxserve.model.transformer import Kernels
     from model_utils import PagedDriver
     cfg, params = model
     if precision == "bf16_matmul":
         params = dual_precision_params(params, min_rows=1)
     ids = prompts[name]
     want = hf_logits(hf_smollm2_model, ids)
-    driver = PagedDriver(params, cfg, num_pages=48, page_size=16, seed=len(ids))
+    driver = PagedDriver(params, cfg, num_pages=48, page_size=16, seed=len(ids),
+                         kernels=Kernels(attention, "xla"), layout="head_major")
     n_prefill = len(ids) - N_DECODE
     Q = 1 << (n_prefill - 1).bit_length()
     P = 40
@@ -104,7 +113,8 @@ def test_teacher_forced_logits_match_hf(name, precision, prompts, model, hf_smol
     assert diff <= LOGIT_ATOL[precision], f"{name}: max |logit diff| {diff:.2e} over {len(ids)} tokens"
     if precision == "f32":
         return
-    f32 = PagedDriver(model[1], cfg, num_pages=48, page_size=16, seed=len(ids))
+    f32 = PagedDriver(model[1], cfg, num_pages=48, page_size=16, seed=len(ids),
+                      kernels=Kernels(attention, "xla"), layout="head_major")
     ref = [f32.step({"s": ids[:n_prefill]}, Q=Q, P=P)["s"]]
     ref += [f32.step({"s": [t]}, Q=1, P=P)["s"] for t in ids[n_prefill:]]
     assert np.abs(np.concatenate(ref) - want).max() < diff, "bf16 weights do round"

@@ -1,16 +1,22 @@
-"""Time the compiled engine step per shape, f32 weights against bf16 weights (f32 accumulation),
-to choose `EngineConfig.bf16_matmul_min_rows` by measurement.
+"""Time the compiled engine step per shape, for two variants measured in the same run:
+
+  --compare precision (default): f32 weights (the baseline) against bf16 weights with f32
+      accumulation, to choose `EngineConfig.bf16_matmul_min_rows` by measurement;
+  --compare attention: attention_impl "xla" (the baseline) against the C++ "cpu" kernel,
+      both with the config's weights and a head-major KV pool.
 
     python tools/bench_step.py [--config configs/smollm2_135m.py] [--repeats 7]
+        [--compare precision|attention] [--ragged]
         [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
 
 Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
-(P = L pages of page_size tokens, one new token each); prefill = B prompts of L tokens.
+(P = L pages of page_size tokens, one new token each; with --ragged row i's context is
+drawn uniformly from 1 .. L pages, as in a serving batch); prefill = B prompts of L tokens.
 Both variants run the same step (forward, logits, greedy sampling) on the same random
-batch; the f32 variant is the baseline measured in the same run. Prints per shape the
-median ms of each, the bf16/f32 time ratio (< 1: bf16 faster), and the smallest row count
-(B x Q) from which bf16 is faster for every measured shape: the suggested
-bf16_matmul_min_rows. A benchmark, not a test: run it alone on an idle machine.
+batch. Prints per shape the median ms of each and the variant/baseline time ratio (< 1:
+the variant is faster); for precision also the smallest row count (B x Q) from which bf16
+is faster for every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not
+a test: run it alone on an idle machine.
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ def parse_shape(text: str) -> tuple[str, int, int]:
     return kind, int(b), int(l)
 
 
-def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng):
-    """A full random batch of the shape (every row real), as the engine would build it."""
+def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
+               ragged: bool = False):
+    """A full random batch of the shape (every row real), as the engine would build it;
+    ragged: decode rows get contexts drawn uniformly from 1 .. L pages."""
     from jaxserve.engine.batch import empty_batch
     from jaxserve.sampling import SamplingBatch
     from jaxserve.sampling_params import SamplingParams
@@ -55,8 +63,11 @@ def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng):
     pages = rng.permutation(np.arange(1, num_pages))
     if B * P > len(pages):
         raise ValueError(f"{kind}:{B}x{L} needs {B * P} pages, the pool has {len(pages)}")
+    full_ctx = ctx
     for i in range(B):
         table = pages[i * P:(i + 1) * P]
+        if ragged and kind == "decode":
+            ctx = int(rng.integers(1, full_ctx + 1))
         pos = np.arange(ctx - Q, ctx)
         b.tokens[i] = rng.integers(100, 30000, Q)
         b.positions[i] = pos
@@ -85,6 +96,8 @@ def main() -> None:
     ap.add_argument("--cache-dir")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--compare", choices=("precision", "attention"), default="precision")
+    ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
@@ -93,8 +106,10 @@ def main() -> None:
     from jaxserve.checkpoint import load_model_config, load_params
     from jaxserve.config import load_config
     from jaxserve.engine.runner import Runner
+    from jaxserve.kernels import select_kernels
     from jaxserve.kv_cache import init_kv_cache
     from jaxserve.model.quantized import dual_precision_params
+    from jaxserve.model.transformer import Kernels
     from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 
     cfg = load_config(args.config)
@@ -103,25 +118,39 @@ def main() -> None:
     ckpt = resolve_checkpoint(cfg.source, cache_dir)
     model_cfg = load_model_config(ckpt).replace(dtype="float32")
     params = load_params(ckpt, model_cfg)
-    ecfg = dataclasses.replace(cfg.engine, bf16_matmul_min_rows=None, weight_quant=None)
-    ps = ecfg.page_size
+    ps = cfg.engine.page_size
     num_pages = 1 + max(B * (L if k == "decode" else -(-L // ps)) for k, B, L in shapes)
-    variants = {"f32": params, "bf16": dual_precision_params(params, min_rows=1)}  # bf16 at every shape
+    if args.compare == "precision":
+        ecfg = dataclasses.replace(cfg.engine, bf16_matmul_min_rows=None, weight_quant=None)
+        xla = Kernels("xla", "xla")
+        base, var = "f32", "bf16"
+        variants = {base: (params, xla),
+                    var: (dual_precision_params(params, min_rows=1), xla)}  # bf16 at every shape
+    else:
+        ecfg = dataclasses.replace(cfg.engine, attention_impl="cpu")
+        if ecfg.bf16_matmul_min_rows is not None:
+            params = dual_precision_params(params, ecfg.bf16_matmul_min_rows)
+        cpu = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
+        base, var = "xla", "cpu"
+        variants = {base: (params, dataclasses.replace(cpu, attention="xla")), var: (params, cpu)}
     runners = {name: Runner(model_cfg, ecfg, p, init_kv_cache(model_cfg, num_pages, ps, "float32",
-                                                              layout="head_major"))
-               for name, p in variants.items()}
+                                                              layout="head_major"), kernels)
+               for name, (p, kernels) in variants.items()}
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'shape':>16} {'rows':>5} {'f32 ms':>9} {'bf16 ms':>9} {'bf16/f32':>9}")
+    print(f"{'shape':>16} {'rows':>5} {base + ' ms':>9} {var + ' ms':>9} {var + '/' + base:>9}")
     for kind, B, L in shapes:
-        batch, sampling = make_batch(kind, B, L, ps, num_pages, rng)
+        batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged)
         t = {name: time_step(r, batch, sampling, args.repeats) for name, r in runners.items()}
         n_rows = B * (1 if kind == "decode" else L)
-        rows.append({"shape": f"{kind}:{B}x{L}", "rows": n_rows, "f32_ms": t["f32"] * 1e3,
-                     "bf16_ms": t["bf16"] * 1e3, "ratio": t["bf16"] / t["f32"]})
-        r = rows[-1]
-        print(f"{r['shape']:>16} {n_rows:>5} {r['f32_ms']:9.1f} {r['bf16_ms']:9.1f} {r['ratio']:9.2f}",
-              flush=True)
+        rows.append({"shape": f"{kind}:{B}x{L}", "rows": n_rows, f"{base}_ms": t[base] * 1e3,
+                     f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
+        print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
+              f"{t[var] / t[base]:9.2f}", flush=True)
+    if args.compare == "attention":
+        if args.json:
+            Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
+        return
     # smallest row count from which bf16 wins on every measured shape with at least as many rows
     suggestion = None
     for n in sorted({r["rows"] for r in rows}, reverse=True):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.config import EngineConfig, ModelConfig, resolve_impl
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.batch import empty_batch
 from jaxserve.engine.buckets import warmup_shapes
 from jaxserve.kv_cache import KVCache
@@ -77,16 +77,14 @@ class Runner:
     """Params + KV pool on device, and one compiled step per bucketed shape."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params: Params,
-                 cache: KVCache, rules: ShardingRules | None = None):
+                 cache: KVCache, kernels: Kernels, rules: ShardingRules | None = None):
         self.model_cfg = model_cfg
         self.engine_cfg = engine_cfg
         self.params = params
         self.cache = cache
         self.rules = rules
         self._replicated = NamedSharding(rules.mesh, PartitionSpec()) if rules else None
-        platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
-        self.kernels = Kernels(attention=resolve_impl(engine_cfg.attention_impl, platform),
-                               matmul=resolve_impl(engine_cfg.matmul_impl, platform))
+        self.kernels = kernels  # resolved: jaxserve.kernels.select_kernels
         self._jitted = jax.jit(
             functools.partial(_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
             donate_argnums=(1,))

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import KERNEL_IMPLS
+from jaxserve.config import ATTENTION_KERNEL_IMPLS
 from jaxserve.pytree import pytree_dataclass
 
 # Finite, so a padding row whose keys are all masked gets a harmless uniform softmax.
@@ -45,8 +45,8 @@ def make_metadata(block_tables: jax.Array, seq_lens: jax.Array, positions: jax.A
                   page_size: int, impl: str) -> AttentionMetadata:
     """Build the step's metadata; the causal + length mask is computed here, once per step
     (a `jnp.where` inside every layer cost 4-6x on XLA:CPU)."""
-    if impl not in KERNEL_IMPLS:
-        raise ValueError(f"attention impl must be one of {KERNEL_IMPLS}, got {impl!r}")
+    if impl not in ATTENTION_KERNEL_IMPLS:
+        raise ValueError(f"attention impl must be one of {ATTENTION_KERNEL_IMPLS}, got {impl!r}")
     bias = None
     if impl == "xla":
         S = block_tables.shape[1] * page_size
@@ -68,21 +68,28 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     [K, num_pages, page_size, Dh] (see jaxserve.kv_cache); returns [B, Q, H, Dh] in
     q.dtype. Scale 1/sqrt(Dh), softmax in f32. GQA: the H query heads are grouped as
     [K, H // K]; K/V are never repeated in memory.
-    impl: "xla" (below; either layout), or "pallas" / "pallas_interpret" (token-major
-    only): decode steps (Q = 1) call the paged decode kernel, longer steps the ragged
-    flash-prefill kernel over the pool.
+    impl: "xla" (below; either layout); "cpu" (head-major only): the C++ kernel of
+    cpu_kernels.paged_attention, which reads only each row's own pages, in place (its
+    library must be loaded: jaxserve.kernels.select_kernels); "pallas" /
+    "pallas_interpret" (token-major only): decode steps (Q = 1) call the paged decode
+    kernel, longer steps the ragged flash-prefill kernel over the pool.
     Raises ValueError for an unknown `impl` or a layout the impl cannot read.
     """
     if impl == "xla":
         if layout == "head_major":
             return _paged_attention_xla_head_major(q, k_pages, v_pages, meta)
         return _paged_attention_xla(q, k_pages, v_pages, meta)
-    if impl in KERNEL_IMPLS:
-        if layout != "token_major":
-            raise ValueError(f"attention impl {impl!r} reads only the token_major KV layout, "
-                             f"got {layout!r}")
-        return _paged_attention_pallas(q, k_pages, v_pages, meta, impl)
-    raise ValueError(f"attention impl must be one of {KERNEL_IMPLS}, got {impl!r}")
+    if impl not in ATTENTION_KERNEL_IMPLS:
+        raise ValueError(f"attention impl must be one of {ATTENTION_KERNEL_IMPLS}, got {impl!r}")
+    want = "head_major" if impl == "cpu" else "token_major"
+    if layout != want:
+        raise ValueError(f"attention impl {impl!r} reads only the {want} KV layout, got {layout!r}")
+    if impl == "cpu":
+        from cpu_kernels.paged_attention import paged_attention as cpu_paged_attention
+        out = cpu_paged_attention(q.astype(jnp.float32), k_pages, v_pages, meta.block_tables,
+                                  meta.seq_lens, meta.positions)
+        return out.astype(q.dtype)
+    return _paged_attention_pallas(q, k_pages, v_pages, meta, impl)
 
 
 def _paged_attention_pallas(q, k_pages, v_pages, meta: AttentionMetadata, impl: str) -> jax.Array:

@@ -73,8 +73,9 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """Which implementation runs attention and the (quantised) projections: each one of
-    KERNEL_IMPLS ("xla", "pallas", "pallas_interpret"), already resolved (no "auto")."""
+    """Which implementation runs attention (one of ATTENTION_KERNEL_IMPLS: "xla", "cpu",
+    "pallas", "pallas_interpret") and the quantised projections (one of KERNEL_IMPLS),
+    already resolved (no "auto"; see jaxserve.kernels.select_kernels)."""
 
     attention: str = "xla"
     matmul: str = "xla"

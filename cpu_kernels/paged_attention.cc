@@ -1,0 +1,257 @@
+// Ragged paged attention on the CPU: an XLA FFI custom call (see paged_attention.py).
+//
+// Every sequence b of the batch brings Q query tokens (padded) at absolute positions
+// positions[b, j]; query j attends to keys 0 .. min(seq_lens[b], positions[b, j] + 1) - 1 of
+// its own context, read in place from the head-major page pool through its block table.
+// Only the pages a row really uses are read (the XLA formulation gathers and copies every
+// row's pages up to the batch's page bucket).
+//
+// Work split: one item per (sequence b, KV head h, block of q_block queries), handed out
+// dynamically to XLA's intra-op thread pool and the calling thread (contexts are ragged, so
+// items differ in size). An item owns the q_block * G query rows that share KV head h (GQA:
+// G = H / K) and walks the pages once with an online softmax (FlashAttention), so each K/V
+// page is read once per item and never copied.
+//
+// Shapes (all row-major):
+//   q            [B, Q, H, Dh]    f32
+//   k_pages      [K, N, ps, Dh]   f32   (head-major pool: K kv heads, N pages, ps tokens/page)
+//   v_pages      [K, N, ps, Dh]   f32
+//   block_tables [B, P]           s32   page ids (< N) of each sequence, in order
+//   seq_lens     [B]              s32   context length (0 = padding row: output 0)
+//   positions    [B, Q]           s32   absolute position of each query token
+//   out          [B, Q, H, Dh]    f32
+// Errors: a page id outside [0, N) in a visited block-table entry, or a context longer than
+// P * ps, returns an FFI error (raised by JAX) instead of reading out of bounds.
+//
+// Sources: PagedAttention (Kwon et al., SOSP 2023) block tables; FlashAttention (Dao et al.,
+// 2022) online softmax; vLLM's CPU paged attention (csrc/cpu/attention.cpp) for the
+// one-item-per-(sequence, head) split.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* positions;
+  float* out;
+  int64_t B, Q, H, Dh, K, N, ps, P;
+  int64_t q_block, n_q_blocks;
+  float scale;
+};
+
+// exp(x) for x <= 0 (softmax arguments after subtracting the running max): Cody-Waite range
+// reduction and Cephes' degree-6 polynomial, relative error < 2e-7; plain arithmetic, so the
+// compiler vectorises the loops that call it. x below -87 returns ~2^-126 (not 0).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return y * two_n;
+}
+
+// One work item. DH > 0: the head dim as a compile-time constant (unrolled, vectorised
+// inner loops); DH == 0: p.Dh at run time. Returns false on a bad page id / context.
+struct Scratch {
+  std::vector<float> f;
+  std::vector<int64_t> limit;
+};
+
+template <int DH>
+bool attend_item(const Problem& p, int64_t item, Scratch& scratch) {
+  const int64_t dh = DH > 0 ? DH : p.Dh;
+  const int64_t qb = item % p.n_q_blocks;
+  const int64_t h = (item / p.n_q_blocks) % p.K;
+  const int64_t b = item / (p.n_q_blocks * p.K);
+  const int64_t G = p.H / p.K;
+  const int64_t q0 = qb * p.q_block;
+  const int64_t q1 = std::min(p.Q, q0 + p.q_block);
+  const int64_t rows = (q1 - q0) * G;
+  const int64_t seq_len = p.seq_lens[b];
+
+  // Row r = (j - q0) * G + g: query j, head h * G + g.
+  auto q_row = [&](int64_t r) {
+    return p.q + ((b * p.Q + q0 + r / G) * p.H + h * G + r % G) * dh;
+  };
+  auto out_row = [&](int64_t r) {
+    return p.out + ((b * p.Q + q0 + r / G) * p.H + h * G + r % G) * dh;
+  };
+  if (seq_len <= 0) {
+    for (int64_t r = 0; r < rows; ++r) std::fill(out_row(r), out_row(r) + dh, 0.0f);
+    return true;
+  }
+  if (seq_len > p.P * p.ps) return false;
+
+  scratch.f.resize(rows * dh + 2 * rows + p.ps);
+  scratch.limit.resize(rows);
+  float* acc = scratch.f.data();    // [rows, dh] unnormalised output
+  float* m = acc + rows * dh;       // [rows] running max
+  float* l = m + rows;              // [rows] running sum
+  float* s = l + rows;              // [ps] scores of one row over one page
+  int64_t* limit = scratch.limit.data();  // [rows] keys visible to the row
+  int64_t max_limit = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t lim = std::min<int64_t>(seq_len, int64_t{p.positions[b * p.Q + q0 + r / G]} + 1);
+    limit[r] = std::max<int64_t>(lim, 0);
+    max_limit = std::max(max_limit, lim);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+    std::fill(acc + r * dh, acc + (r + 1) * dh, 0.0f);
+  }
+
+  const int64_t n_pages = (max_limit + p.ps - 1) / p.ps;
+  for (int64_t pi = 0; pi < n_pages; ++pi) {
+    const int64_t page = p.block_tables[b * p.P + pi];
+    if (page < 0 || page >= p.N) return false;
+    const float* kp = p.k + ((h * p.N + page) * p.ps) * dh;
+    const float* vp = p.v + ((h * p.N + page) * p.ps) * dh;
+    const int64_t first = pi * p.ps;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::min<int64_t>(limit[r] - first, p.ps);
+      if (n <= 0) continue;
+      const float* qr = q_row(r);
+      float mx = m[r];
+      for (int64_t t = 0; t < n; ++t) {
+        const float* kt = kp + t * dh;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < dh; ++d) dot += qr[d] * kt[d];
+        s[t] = dot * p.scale;
+        mx = std::max(mx, s[t]);
+      }
+      const float corr = exp_nonpositive(m[r] - mx);  // 0 on the first page (m = -inf)
+      float sum = 0.0f;
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = exp_nonpositive(s[t] - mx);
+        sum += s[t];
+      }
+      float* ar = acc + r * dh;
+      for (int64_t d = 0; d < dh; ++d) ar[d] *= corr;
+      for (int64_t t = 0; t < n; ++t) {
+        const float pt = s[t];
+        const float* vt = vp + t * dh;
+        for (int64_t d = 0; d < dh; ++d) ar[d] += pt * vt[d];
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = mx;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out_row(r);
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // a row with no visible key -> 0
+    for (int64_t d = 0; d < dh; ++d) o[d] = acc[r * dh + d] * inv;
+  }
+  return true;
+}
+
+bool attend(const Problem& p, int64_t item, Scratch& scratch) {
+  switch (p.Dh) {
+    case 64: return attend_item<64>(p, item, scratch);
+    case 128: return attend_item<128>(p, item, scratch);
+    default: return attend_item<0>(p, item, scratch);
+  }
+}
+
+// Items shared by the calling thread and the pool's tasks. Held by shared_ptr: a task the
+// pool starts after the call returned finds no item left and touches nothing else.
+struct Shared {
+  Problem p;
+  int64_t total = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void drain(Shared& sh) {
+  Scratch scratch;
+  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.total;) {
+    if (!attend(sh.p, i, scratch)) sh.failed.store(true);
+    if (sh.done.fetch_add(1) + 1 == sh.total) {
+      std::lock_guard<std::mutex> lock(sh.mu);
+      sh.cv.notify_all();
+    }
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
+                              int64_t q_block) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  const auto bd = block_tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: q, k_pages must be 4-D, block_tables 2-D");
+  auto sh = std::make_shared<Shared>();
+  Problem& p = sh->p;
+  p.B = qd[0]; p.Q = qd[1]; p.H = qd[2]; p.Dh = qd[3];
+  p.K = kd[0]; p.N = kd[1]; p.ps = kd[2]; p.P = bd[1];
+  if (kd[3] != p.Dh || p.K <= 0 || p.H % p.K != 0 || bd[0] != p.B || q_block <= 0)
+    return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
+  p.q = q.typed_data(); p.k = k_pages.typed_data(); p.v = v_pages.typed_data();
+  p.block_tables = block_tables.typed_data(); p.seq_lens = seq_lens.typed_data();
+  p.positions = positions.typed_data(); p.out = out->typed_data();
+  p.q_block = std::min<int64_t>(q_block, std::max<int64_t>(p.Q, 1));
+  p.n_q_blocks = (p.Q + p.q_block - 1) / p.q_block;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(p.Dh));
+  sh->total = p.B * p.K * p.n_q_blocks;
+  if (sh->total == 0) return ffi::Error::Success();
+
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), sh->total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { drain(*sh); });
+  drain(*sh);
+  {
+    std::unique_lock<std::mutex> lock(sh->mu);
+    sh->cv.wait(lock, [&] { return sh->done.load() == sh->total; });
+  }
+  if (sh->failed.load())
+    return ffi::Error::InvalidArgument(
+        "paged_attention: a block table holds a page id outside [0, num_pages) or a sequence "
+        "length exceeds pages_per_seq * page_size");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("q_block"));

@@ -1,0 +1,50 @@
+"""Pick the kernels an engine runs: resolve EngineConfig's "auto" for the device, and load
+(building on first use) the C++ CPU kernels when they are picked.
+
+Source: vLLM's attention-backend selection (an explicit choice wins; "auto" takes the best
+backend the platform supports and falls back with a warning when it cannot be loaded).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from jaxserve.config import ConfigError, EngineConfig, resolve_attention_impl, resolve_impl
+from jaxserve.model.transformer import Kernels
+
+log = logging.getLogger(__name__)
+
+
+def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv_dtype: str,
+                   build_dir: Path) -> Kernels:
+    """The resolved Kernels for `engine_cfg` on `num_devices` devices of `platform`
+    ("cpu", "gpu", ...) with a KV pool of `kv_dtype`. Picking attention "cpu" builds (once,
+    cached in `build_dir`) and registers the C++ kernels (cpu_kernels.build.load_library,
+    ~5 to 20 s the first time).
+
+    Raises ConfigError when attention_impl="cpu" is asked for explicitly and the kernels
+    cannot be built or loaded, the mesh has more than one device or the KV pool is not
+    float32; with "auto" a failed build logs a warning and falls back to "xla", and a
+    non-float32 pool picks "xla".
+    """
+    attention = resolve_attention_impl(engine_cfg.attention_impl, platform, num_devices)
+    if attention == "cpu" and kv_dtype != "float32":
+        if engine_cfg.attention_impl != "auto":
+            raise ConfigError(f"EngineConfig.attention_impl='cpu' reads a float32 KV pool, "
+                              f"kv_dtype is {kv_dtype}")
+        attention = "xla"
+    if attention == "cpu":
+        if num_devices != 1:
+            raise ConfigError(f"EngineConfig.attention_impl='cpu' runs on one device, the mesh "
+                              f"has {num_devices}; use 'xla' with tensor parallelism")
+        from cpu_kernels.build import KernelBuildError, load_library
+        try:
+            load_library(build_dir)
+        except KernelBuildError as e:
+            if engine_cfg.attention_impl != "auto":
+                raise ConfigError(f"EngineConfig.attention_impl='cpu': {e}") from e
+            log.warning("C++ CPU attention kernel unavailable, using attention_impl='xla' "
+                        "(several times slower at large batch): %s", e)
+            attention = "xla"
+    return Kernels(attention=attention, matmul=resolve_impl(engine_cfg.matmul_impl, platform))
