@@ -26,12 +26,17 @@ CONFIG = Config(
         # 1024 (prefill time grows faster than linearly with the padded length)
         prefill_len_buckets=(16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048),
         prefill_batch_buckets=(1, 4),
-        # Measured (tools/bench_step.py, 2026-11-23, 2 cores): bf16 weights with f32
-        # accumulation run every step shape faster than f32 (decode 1 row 0.89x, 2-32 rows
-        # 0.66-0.78x, prefill 512 tokens 0.55-0.63x of the f32 time), so every matmul uses
-        # them; activations, norms, softmax and the KV cache stay f32 (logits within 0.52
-        # of HF f32 on the real model). Unlike f32, bf16 matmuls are not batch-invariant:
-        # a sampled request may come out differently in another batch. None = all f32.
+        # Matmul precision per step shape, measured (tools/bench_step.py --compare matmul
+        # --ragged, 2026-11-23, Intel Sapphire Rapids, 2 cores): bf16 weights in the C++
+        # kernel (cpu_kernels/bf16_matmul, AVX512-BF16, f32 accumulation; matmul_impl
+        # "auto" picks it) against f32 weights in XLA's dot: decode 1 row 0.58x, 4 rows
+        # 0.79x, 16-32 rows 0.87-0.97x of the f32 time, prefill of 64-512 tokens 1.3-1.7x
+        # (slower): bf16 for steps of up to 32 rows, f32 above. (On an AMD Zen 4 machine
+        # XLA's own bf16 dot beat f32 at every shape but 1 row.) Activations, norms,
+        # softmax and the KV cache stay f32 (logits within 0.52 of HF f32 on the real
+        # model). Unlike f32, bf16 matmuls are not batch-invariant: a sampled request may
+        # come out differently in another batch. Keeps both weight copies (1.5x memory).
         bf16_matmul_min_rows=1,
+        bf16_matmul_max_rows=32,
     ),
 )

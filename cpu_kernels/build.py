@@ -1,6 +1,7 @@
 """Compile, cache and register the C++ kernels of this package.
 
-`load_library(build_dir)` compiles every `*.cc` here into one shared library with the
+`load_library(build_dir)` compiles every `*.cc` here (with the shared `*.h`) into one
+shared library with the
 system C++ compiler (g++, c++ or clang++ on PATH) against `jax.ffi.include_dir()`, caches it
 under `build_dir` keyed by a hash of the sources, compiler flags, compiler version, jaxlib
 version and this CPU's instruction-set flags (the library is built with -march=native), and
@@ -29,7 +30,8 @@ import jaxlib
 
 SOURCE_DIR = Path(__file__).resolve().parent
 # FFI handler symbol in the library -> target name it is registered under.
-HANDLERS = {"JaxservePagedAttention": "jaxserve_paged_attention"}
+HANDLERS = {"JaxservePagedAttention": "jaxserve_paged_attention",
+            "JaxserveBf16Matmul": "jaxserve_bf16_matmul"}
 COMPILERS = ("g++", "c++", "clang++")
 # -fassociative-math (with its prerequisites) lets the compiler vectorise the f32 dot
 # products' reductions; no -ffast-math: the kernels rely on -inf / NaN semantics.
@@ -77,7 +79,8 @@ def _compile(compiler: str, sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *CXXFLAGS, "-I", jax.ffi.include_dir(), *map(str, sources), "-o", tmp]
+    cmd = [compiler, *CXXFLAGS, "-I", jax.ffi.include_dir(), "-I", str(SOURCE_DIR),
+           *map(str, sources), "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -99,7 +102,9 @@ def load_library(build_dir: Path, compiler: str | None = None) -> ctypes.CDLL:
             raise KernelBuildError(f"no C++ compiler found (looked for {', '.join(COMPILERS)} "
                                    "on PATH); install g++ or use attention_impl='xla'")
         sources = sorted(SOURCE_DIR.glob("*.cc"))
-        target = Path(build_dir) / f"jaxserve_cpu_kernels-{_build_key(compiler, sources)}.so"
+        headers = sorted(SOURCE_DIR.glob("*.h"))
+        key = _build_key(compiler, sources + headers)
+        target = Path(build_dir) / f"jaxserve_cpu_kernels-{key}.so"
         if not target.exists():
             _compile(compiler, sources, target)
         try:

@@ -7,8 +7,8 @@
 // row's pages up to the batch's page bucket).
 //
 // Work split: one item per (sequence b, KV head h, block of q_block queries), handed out
-// dynamically to XLA's intra-op thread pool and the calling thread (contexts are ragged, so
-// items differ in size). An item owns the q_block * G query rows that share KV head h (GQA:
+// dynamically to XLA's intra-op thread pool and the calling thread (parallel.h; contexts
+// are ragged, so items differ in size). An item owns the q_block * G query rows that share KV head h (GQA:
 // G = H / K) and walks the pages once with an online softmax (FlashAttention), so each K/V
 // page is read once per item and never copied.
 //
@@ -28,17 +28,13 @@
 // one-item-per-(sequence, head) split.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
-#include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -180,29 +176,6 @@ bool attend(const Problem& p, int64_t item, Scratch& scratch) {
   }
 }
 
-// Items shared by the calling thread and the pool's tasks. Held by shared_ptr: a task the
-// pool starts after the call returned finds no item left and touches nothing else.
-struct Shared {
-  Problem p;
-  int64_t total = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-void drain(Shared& sh) {
-  Scratch scratch;
-  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.total;) {
-    if (!attend(sh.p, i, scratch)) sh.failed.store(true);
-    if (sh.done.fetch_add(1) + 1 == sh.total) {
-      std::lock_guard<std::mutex> lock(sh.mu);
-      sh.cv.notify_all();
-    }
-  }
-}
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -213,8 +186,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const auto bd = block_tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || bd.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q, k_pages must be 4-D, block_tables 2-D");
-  auto sh = std::make_shared<Shared>();
-  Problem& p = sh->p;
+  Problem p;
   p.B = qd[0]; p.Q = qd[1]; p.H = qd[2]; p.Dh = qd[3];
   p.K = kd[0]; p.N = kd[1]; p.ps = kd[2]; p.P = bd[1];
   if (kd[3] != p.Dh || p.K <= 0 || p.H % p.K != 0 || bd[0] != p.B || q_block <= 0)
@@ -225,17 +197,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.q_block = std::min<int64_t>(q_block, std::max<int64_t>(p.Q, 1));
   p.n_q_blocks = (p.Q + p.q_block - 1) / p.q_block;
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.Dh));
-  sh->total = p.B * p.K * p.n_q_blocks;
-  if (sh->total == 0) return ffi::Error::Success();
-
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), sh->total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { drain(*sh); });
-  drain(*sh);
-  {
-    std::unique_lock<std::mutex> lock(sh->mu);
-    sh->cv.wait(lock, [&] { return sh->done.load() == sh->total; });
-  }
-  if (sh->failed.load())
+  const int64_t total = p.B * p.K * p.n_q_blocks;
+  const bool ok = jaxserve::parallel_for(pool, total, [&p](int64_t item) {
+    thread_local Scratch scratch;
+    return attend(p, item, scratch);
+  });
+  if (!ok)
     return ffi::Error::InvalidArgument(
         "paged_attention: a block table holds a page id outside [0, num_pages) or a sequence "
         "length exceeds pages_per_seq * page_size");

@@ -82,16 +82,18 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
         if model_cfg.dtype != "float32":
             raise ConfigError("EngineConfig.bf16_matmul_min_rows needs float32 weights, the "
                               f"model is served in {model_cfg.dtype}")
+    kv_dtype = ecfg.kv_dtype or model_cfg.dtype
+    platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
+    kernels = select_kernels(ecfg, platform, config.mesh.num_devices, str(jnp.dtype(kv_dtype)),
+                             cache_dir / "kernels")
     params = load_params(ckpt, model_cfg, rules)
     if ecfg.weight_quant is not None:
         params = quantize_params(params, ecfg.weight_quant, ecfg.weight_quant_group_size)
     if ecfg.bf16_matmul_min_rows is not None:
-        params = dual_precision_params(params, ecfg.bf16_matmul_min_rows)
-    kv_dtype = ecfg.kv_dtype or model_cfg.dtype
+        params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
+                                       packed=kernels.matmul == "cpu",
+                                       max_rows=ecfg.bf16_matmul_max_rows)
     num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
-    platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
-    kernels = select_kernels(ecfg, platform, config.mesh.num_devices, str(jnp.dtype(kv_dtype)),
-                             cache_dir / "kernels")
     cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules,
                           kv_layout_for(kernels.attention))
     runner = Runner(model_cfg, ecfg, params, cache, kernels, rules)

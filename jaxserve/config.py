@@ -104,11 +104,13 @@ class ModelConfig:
 # Kernel implementations: "xla" (plain jnp), "pallas" (the Triton-backend Pallas kernels of
 # `pallas_kernels/`, the GPU default), "pallas_interpret" (the same kernels in Pallas
 # interpret mode on CPU: tests). Attention also has "cpu": the C++ kernel of `cpu_kernels/`
-# (XLA FFI, compiled on first use), the default on a single CPU device.
+# (XLA FFI, compiled on first use), the default on a single CPU device; so do the bf16
+# weight matmuls (bf16_matmul_min_rows) with the C++ kernel of cpu_kernels/bf16_matmul.
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
 ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
 ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
-MATMUL_IMPLS = ("auto",) + KERNEL_IMPLS
+MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
+MATMUL_IMPLS = ("auto",) + MATMUL_KERNEL_IMPLS
 WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
 
 
@@ -159,8 +161,10 @@ class EngineConfig:
     attention_impl: "auto" (pallas on GPU, cpu on one CPU device, xla otherwise), "xla",
         "cpu" (the C++ kernel of cpu_kernels/, single device), "pallas", "pallas_interpret"
         (see ATTENTION_KERNEL_IMPLS).
-    matmul_impl: "auto" (pallas on GPU, xla otherwise), "xla", "pallas", "pallas_interpret"
-        (see KERNEL_IMPLS); only matters with weight_quant.
+    matmul_impl: "auto" (pallas on GPU; on one CPU device "cpu" when bf16_matmul_min_rows
+        is set; xla otherwise), "xla", "pallas", "pallas_interpret" (the quantised
+        projections of weight_quant), "cpu" (the bf16 weight copies of bf16_matmul_min_rows
+        in the C++ kernel of cpu_kernels/, AVX512-BF16 where the CPU has it).
     weight_quant: None (weights in the model dtype), "int8" or "fp8_e4m3": the layers'
         projection matrices are quantised at load with per-output-channel scales (or, for
         int8, per-group scales of weight_quant_group_size input rows); embeddings, norms
@@ -170,6 +174,8 @@ class EngineConfig:
         the LM head) use a bf16 copy of the weights with f32 accumulation, smaller ones the
         f32 weights (jaxserve.model.quantized.DualPrecisionWeight; 1.5x weight memory).
         Pick it by measurement: tools/bench_step.py. Not with weight_quant or TP.
+    bf16_matmul_max_rows: None, or with bf16_matmul_min_rows: matmuls over more rows than
+        this use the f32 weights again (tools/bench_step.py --compare matmul suggests both).
     """
 
     page_size: int = 16
@@ -188,6 +194,7 @@ class EngineConfig:
     weight_quant: str | None = None
     weight_quant_group_size: int | None = None
     bf16_matmul_min_rows: int | None = None
+    bf16_matmul_max_rows: int | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -209,6 +216,16 @@ class EngineConfig:
             if self.weight_quant is not None:
                 raise ConfigError("EngineConfig.bf16_matmul_min_rows and weight_quant exclude each "
                                   "other (quantised weights have no bf16 copy)")
+            if (self.bf16_matmul_max_rows is not None
+                    and self.bf16_matmul_max_rows < self.bf16_matmul_min_rows):
+                raise ConfigError(f"EngineConfig.bf16_matmul_max_rows must be None or >= "
+                                  f"bf16_matmul_min_rows ({self.bf16_matmul_min_rows}), got "
+                                  f"{self.bf16_matmul_max_rows}")
+        elif self.bf16_matmul_max_rows is not None:
+            raise ConfigError("EngineConfig.bf16_matmul_max_rows needs bf16_matmul_min_rows")
+        elif self.matmul_impl == "cpu":
+            raise ConfigError("EngineConfig.matmul_impl='cpu' runs the bf16 weight copies: set "
+                              "bf16_matmul_min_rows")
         g = self.weight_quant_group_size
         if g is not None:
             if self.weight_quant != "int8":

@@ -19,14 +19,14 @@ log = logging.getLogger(__name__)
 def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv_dtype: str,
                    build_dir: Path) -> Kernels:
     """The resolved Kernels for `engine_cfg` on `num_devices` devices of `platform`
-    ("cpu", "gpu", ...) with a KV pool of `kv_dtype`. Picking attention "cpu" builds (once,
-    cached in `build_dir`) and registers the C++ kernels (cpu_kernels.build.load_library,
-    ~5 to 20 s the first time).
+    ("cpu", "gpu", ...) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
+    bf16 matmuls builds (once, cached in `build_dir`) and registers the C++ kernels
+    (cpu_kernels.build.load_library, ~5 to 20 s the first time).
 
-    Raises ConfigError when attention_impl="cpu" is asked for explicitly and the kernels
-    cannot be built or loaded, the mesh has more than one device or the KV pool is not
+    Raises ConfigError when "cpu" is asked for explicitly and the kernels cannot be built
+    or loaded, or the mesh has more than one device, or (attention) the KV pool is not
     float32; with "auto" a failed build logs a warning and falls back to "xla", and a
-    non-float32 pool picks "xla".
+    non-float32 pool picks XLA attention.
     """
     attention = resolve_attention_impl(engine_cfg.attention_impl, platform, num_devices)
     if attention == "cpu" and kv_dtype != "float32":
@@ -34,17 +34,26 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
             raise ConfigError(f"EngineConfig.attention_impl='cpu' reads a float32 KV pool, "
                               f"kv_dtype is {kv_dtype}")
         attention = "xla"
-    if attention == "cpu":
+    matmul = resolve_impl(engine_cfg.matmul_impl, platform)
+    if (engine_cfg.matmul_impl == "auto" and platform == "cpu" and num_devices == 1
+            and engine_cfg.bf16_matmul_min_rows is not None):
+        matmul = "cpu"
+    chosen = {name: getattr(engine_cfg, f"{name}_impl")
+              for name, impl in (("attention", attention), ("matmul", matmul)) if impl == "cpu"}
+    if chosen:
         if num_devices != 1:
-            raise ConfigError(f"EngineConfig.attention_impl='cpu' runs on one device, the mesh "
+            name = next(iter(chosen))
+            raise ConfigError(f"EngineConfig.{name}_impl='cpu' runs on one device, the mesh "
                               f"has {num_devices}; use 'xla' with tensor parallelism")
         from cpu_kernels.build import KernelBuildError, load_library
         try:
             load_library(build_dir)
         except KernelBuildError as e:
-            if engine_cfg.attention_impl != "auto":
-                raise ConfigError(f"EngineConfig.attention_impl='cpu': {e}") from e
-            log.warning("C++ CPU attention kernel unavailable, using attention_impl='xla' "
-                        "(several times slower at large batch): %s", e)
-            attention = "xla"
-    return Kernels(attention=attention, matmul=resolve_impl(engine_cfg.matmul_impl, platform))
+            for name, asked in chosen.items():
+                if asked != "auto":
+                    raise ConfigError(f"EngineConfig.{name}_impl='cpu': {e}") from e
+            log.warning("C++ CPU kernels unavailable, using XLA for %s (slower): %s",
+                        " and ".join(chosen), e)
+            attention = "xla" if attention == "cpu" else attention
+            matmul = "xla" if matmul == "cpu" else matmul
+    return Kernels(attention=attention, matmul=matmul)

@@ -95,6 +95,9 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     assert select_kernels(auto, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")  # TP mesh
     assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("xla", "xla")
     assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
+    bf16 = EngineConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
+    assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu")
+    assert select_kernels(bf16, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")
     explicit = EngineConfig(attention_impl="cpu")
     with pytest.raises(ConfigError, match="runs on one device, the mesh has 2"):
         select_kernels(explicit, "cpu", 2, "float32", tmp_path)
@@ -106,6 +109,10 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
 
     monkeypatch.setattr(build, "load_library", no_compiler)
     assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("xla", "xla")
+    assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("xla", "xla")
+    with pytest.raises(ConfigError, match="matmul_impl='cpu': no C"):
+        select_kernels(EngineConfig(bf16_matmul_min_rows=1, matmul_impl="cpu"), "cpu", 1,
+                       "float32", tmp_path)
     with pytest.raises(ConfigError, match="attention_impl='cpu': no C\\+\\+ compiler found"):
         select_kernels(explicit, "cpu", 1, "float32", tmp_path)
 
@@ -141,7 +148,6 @@ def test_impl_config_validation_and_auto():
     assert resolve_attention_impl("xla", "cpu") == "xla"
     for kw, match in [({"attention_impl": "triton"}, "attention_impl must be one of"),
                       ({"matmul_impl": "cuda"}, "matmul_impl must be one of"),
-                      ({"matmul_impl": "cpu"}, "matmul_impl must be one of"),
                       ({"weight_quant": "int4"}, "weight_quant must be None or one of"),
                       ({"weight_quant": "fp8_e4m3", "weight_quant_group_size": 128}, "needs weight_quant='int8'"),
                       ({"weight_quant": "int8", "weight_quant_group_size": 48}, "power of two >= 16")]:

@@ -137,7 +137,23 @@ def test_dual_precision_weights_pick_by_rows():
     x = jnp.asarray(np.random.default_rng(8).standard_normal((5, cfg.hidden_size)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(dense(x[:1], w, 1)), np.asarray(dense(x, w, 1))[:1])
 
+    # a row window: bf16 from 1 to 4 rows, f32 above
+    window = dual_precision_params(params, min_rows=1, max_rows=4)
+    assert window.layers[0].w_up.w is params.layers[0].w_up
+    f32, win = PagedDriver(params, cfg, page_size=4), PagedDriver(window, cfg, page_size=4)
+    small_f, small_w = (d.step({"s": ids[:3]}, Q=3, P=4)["s"] for d in (f32, win))
+    assert 0 < np.abs(small_w - small_f).max() < 0.05 * np.abs(small_f).max()  # 3 rows: bf16
+    f32, win = PagedDriver(params, cfg, page_size=4), PagedDriver(window, cfg, page_size=4)
+    big_f, big_w = (d.step({"s": ids[:8]}, Q=8, P=4)["s"] for d in (f32, win))
+    np.testing.assert_array_equal(big_w, big_f)                           # 8 rows > 4: f32
+
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows"):
         EngineConfig(bf16_matmul_min_rows=0)
+    with pytest.raises(ConfigError, match=r"bf16_matmul_max_rows must be None or >= bf16_matmul_min_rows \(4\), got 2"):
+        EngineConfig(bf16_matmul_min_rows=4, bf16_matmul_max_rows=2)
+    with pytest.raises(ConfigError, match="bf16_matmul_max_rows needs bf16_matmul_min_rows"):
+        EngineConfig(bf16_matmul_max_rows=8)
+    with pytest.raises(ConfigError, match="matmul_impl='cpu' runs the bf16 weight copies"):
+        EngineConfig(matmul_impl="cpu")
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows and weight_quant"):
         EngineConfig(bf16_matmul_min_rows=1, weight_quant="int8")

@@ -96,7 +96,7 @@ def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, mod
     from model_utils import PagedDriver
     cfg, params = model
     if precision == "bf16_matmul":
-        params = dual_precision_params(params, min_rows=1)
+        params = dual_precision_params(params, min_rows=1, packed=True)  # the C++ kernel
     ids = prompts[name]
     want = hf_logits(hf_smollm2_model, ids)
     driver = PagedDriver(params, cfg, num_pages=48, page_size=16, seed=len(ids),
@@ -129,9 +129,11 @@ def default_precision_llm(small_llm, cache_dir):
     from jaxserve.config import load_config
     from conftest import SMALL_CONFIG
     cfg = load_config(SMALL_CONFIG)
-    min_rows = load_config(DEFAULT_CONFIG).engine.bf16_matmul_min_rows
-    assert min_rows is not None, "the default serves bf16 matmuls; update this test if not"
-    cfg = cfg.replace(engine=dataclasses.replace(cfg.engine, bf16_matmul_min_rows=min_rows))
+    default = load_config(DEFAULT_CONFIG).engine
+    assert default.bf16_matmul_min_rows is not None, "the default serves bf16 matmuls; update this test if not"
+    cfg = cfg.replace(engine=dataclasses.replace(
+        cfg.engine, bf16_matmul_min_rows=default.bf16_matmul_min_rows,
+        bf16_matmul_max_rows=default.bf16_matmul_max_rows, matmul_impl=default.matmul_impl))
     return LLM(engine=build_engine(cfg, cache_dir, warmup=False))
 
 

@@ -3,10 +3,13 @@
   --compare precision (default): f32 weights (the baseline) against bf16 weights with f32
       accumulation, to choose `EngineConfig.bf16_matmul_min_rows` by measurement;
   --compare attention: attention_impl "xla" (the baseline) against the C++ "cpu" kernel,
-      both with the config's weights and a head-major KV pool.
+      both with the config's weights and a head-major KV pool;
+  --compare matmul: f32 weights in XLA's dot (the baseline) against bf16 weights in the
+      C++ "cpu" bf16 matmul kernel, both with the C++ attention: where the kernel wins
+      gives `bf16_matmul_min_rows` / `bf16_matmul_max_rows` with matmul_impl "cpu".
 
     python tools/bench_step.py [--config configs/smollm2_135m.py] [--repeats 7]
-        [--compare precision|attention] [--ragged]
+        [--compare precision|attention|matmul] [--ragged]
         [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
 
 Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
@@ -96,7 +99,7 @@ def main() -> None:
     ap.add_argument("--cache-dir")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--compare", choices=("precision", "attention"), default="precision")
+    ap.add_argument("--compare", choices=("precision", "attention", "matmul"), default="precision")
     ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -126,13 +129,22 @@ def main() -> None:
         base, var = "f32", "bf16"
         variants = {base: (params, xla),
                     var: (dual_precision_params(params, min_rows=1), xla)}  # bf16 at every shape
-    else:
+    elif args.compare == "attention":
         ecfg = dataclasses.replace(cfg.engine, attention_impl="cpu")
+        kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
         if ecfg.bf16_matmul_min_rows is not None:
-            params = dual_precision_params(params, ecfg.bf16_matmul_min_rows)
-        cpu = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
+            params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
+                                           packed=kernels.matmul == "cpu")
         base, var = "xla", "cpu"
-        variants = {base: (params, dataclasses.replace(cpu, attention="xla")), var: (params, cpu)}
+        variants = {base: (params, dataclasses.replace(kernels, attention="xla")),
+                    var: (params, kernels)}
+    else:  # matmul: f32 weights in XLA's dot against bf16 weights in the C++ kernel
+        ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
+                                   bf16_matmul_max_rows=None)
+        kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
+        base, var = "f32", "bf16cpu"
+        variants = {base: (params, dataclasses.replace(kernels, matmul="xla")),
+                    var: (dual_precision_params(params, 1, packed=True), kernels)}
     runners = {name: Runner(model_cfg, ecfg, p, init_kv_cache(model_cfg, num_pages, ps, "float32",
                                                               layout="head_major"), kernels)
                for name, (p, kernels) in variants.items()}
@@ -151,18 +163,28 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
         return
-    # smallest row count from which bf16 wins on every measured shape with at least as many rows
-    suggestion = None
-    for n in sorted({r["rows"] for r in rows}, reverse=True):
-        if all(r["ratio"] < 1 for r in rows if r["rows"] >= n):
-            suggestion = n
-        else:
-            break
-    print(f"suggested bf16_matmul_min_rows: {suggestion} (None: bf16 never wins)")
+    lo, hi = suggest_row_range(rows)
+    print(f"suggested bf16_matmul_min_rows: {lo}, bf16_matmul_max_rows: {hi} "
+          "(min None: bf16 never wins; max None: no upper limit)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"shapes": rows, "suggested_min_rows": suggestion},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"shapes": rows, "suggested_min_rows": lo,
+                                               "suggested_max_rows": hi}, indent=1))
 
+
+def suggest_row_range(rows: list[dict]) -> tuple[int | None, int | None]:
+    """(min_rows, max_rows): the first run of consecutive measured row counts at which the
+    variant wins every shape (ratio < 1), starting at its smallest winning row count;
+    max_rows None when the run reaches the largest measured row count."""
+    counts = sorted({r["rows"] for r in rows})
+    wins = {n: all(r["ratio"] < 1 for r in rows if r["rows"] == n) for n in counts}
+    lo = hi = None
+    for n in counts:
+        if wins[n]:
+            lo = n if lo is None else lo
+            hi = n
+        elif lo is not None:
+            break
+    return lo, (None if hi == counts[-1] else hi)
 
 if __name__ == "__main__":
     main()

@@ -73,33 +73,48 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None) -> 
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
 
 
-@pytree_dataclass(meta=("min_rows", "vocab_major"))
+@pytree_dataclass(meta=("min_rows", "vocab_major", "logical_shape", "max_rows"))
 class DualPrecisionWeight:
-    """An f32 weight kept twice: `w` (f32) for matmuls over fewer than `min_rows` rows of
-    activations, `w_bf16` (the same values rounded to bf16) for matmuls over at least
-    `min_rows` rows, computed bf16 x bf16 with f32 accumulation.
+    """An f32 weight kept twice: `w_bf16` (the same values rounded to bf16) for matmuls over
+    `min_rows` to `max_rows` rows of activations (None: no upper limit), computed bf16 x
+    bf16 with f32 accumulation, and `w` (f32) for the others.
 
     Why: on XLA:CPU (YNNPACK, 2 cores; tools/bench_step.py) a bf16 matmul with f32
-    accumulation beats f32 from 2 rows up (1.3-1.8x per step), while a 1-row bf16 product
-    takes a slow matrix-vector path (~8x slower than f32): the bf16 path pads 1 row to 2
-    (BF16_MIN_ROWS). Which copy runs is fixed per compiled step shape (row counts are
-    static). Costs 1.5x the weights' memory, or 0.5x with min_rows = 1 (then `w` is None:
-    every matmul uses the bf16 copy).
+    accumulation beat f32 from 2 rows up (1.3-1.8x per step on an AMD Zen 4 machine),
+    while a 1-row bf16 product takes a slow matrix-vector path (~8x slower than f32): the
+    XLA bf16 path pads 1 row to 2 (BF16_MIN_ROWS). Which copy runs is fixed per compiled
+    step shape (row counts are static). Costs 1.5x the weights' memory, or 0.5x with
+    min_rows = 1 and no max_rows (then `w` is None: every matmul uses the bf16 copy). On
+    an Intel Sapphire Rapids machine the C++ kernel (packed copy) won at decode batch
+    sizes and XLA's f32 dot at prefill sizes: hence max_rows.
     vocab_major: the LM head tied to the embedding, stored [vocab, embed].
+    logical_shape: None, or the weight's [*in, *out] shape when `w_bf16` is packed for the
+    C++ CPU kernel (cpu_kernels.bf16_matmul.pack_weight: [N / P, K / 2, P, 2], input rows
+    K = prod(in), N = prod(out); a vocab-major head packs as [embed, vocab]).
     """
 
     w: Any
     w_bf16: Any
     min_rows: int = 16
     vocab_major: bool = False
+    logical_shape: tuple[int, ...] | None = None
+    max_rows: int | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.logical_shape is not None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.w_bf16.shape)
+        return self.logical_shape if self.packed else tuple(self.w_bf16.shape)
+
+    def uses_bf16(self, rows: int) -> bool:
+        """Whether a matmul over `rows` rows uses the bf16 copy."""
+        return self.w is None or self.min_rows <= rows <= (self.max_rows or rows)
 
     def pick(self, rows: int) -> jax.Array:
         """The copy a matmul over `rows` rows uses."""
-        return self.w_bf16 if rows >= self.min_rows or self.w is None else self.w
+        return self.w_bf16 if self.uses_bf16(rows) else self.w
 
 
 # XLA:CPU runs a 1-row bf16 matmul ~8x slower than a 2-row one: pad to this many rows.
@@ -119,40 +134,76 @@ def bf16_matmul(x2: jax.Array, w: jax.Array, w_vocab_major: bool = False) -> jax
     return jnp.einsum(spec, xb, w, preferred_element_type=jnp.float32)[:rows]
 
 
-def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False) -> DualPrecisionWeight:
-    """`w` (f32) with its bf16 copy (only the copy when min_rows is 1). Raises ValueError
-    if w is not f32 or min_rows < 1."""
+def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in: int = 1,
+                   packed: bool = False, max_rows: int | None = None) -> DualPrecisionWeight:
+    """`w` (f32) with its bf16 copy for matmuls over min_rows .. max_rows rows (only the
+    copy when min_rows is 1 and max_rows None). packed: store the bf16 copy in the C++
+    kernel's layout (cpu_kernels.bf16_matmul.pack_weight, over the first `n_in` axes as
+    input rows) where its shape allows (even K, N % 16 == 0), else plain. Raises
+    ValueError if w is not f32, min_rows < 1 or max_rows < min_rows."""
     if w.dtype != jnp.float32:
         raise ValueError(f"dual precision needs f32 weights, got {w.dtype}")
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
-    return DualPrecisionWeight(w=w if min_rows > 1 else None, w_bf16=w.astype(jnp.bfloat16),
-                               min_rows=min_rows, vocab_major=vocab_major)
+    if max_rows is not None and max_rows < min_rows:
+        raise ValueError(f"max_rows must be >= min_rows ({min_rows}), got {max_rows}")
+    keep = w if min_rows > 1 or max_rows is not None else None
+    if packed:
+        from cpu_kernels.bf16_matmul import can_pack, pack_weight
+        if vocab_major:  # [vocab, embed] = W^T of the [K = embed, N = vocab] product
+            k, n, w2 = w.shape[1], w.shape[0], w
+        else:
+            k = math.prod(w.shape[:n_in])
+            n, w2 = w.size // k, w.reshape(k, -1)
+        if can_pack(k, n):
+            w_packed = jax.jit(pack_weight, static_argnums=1)(w2, vocab_major)
+            return DualPrecisionWeight(w=keep, w_bf16=w_packed, min_rows=min_rows,
+                                       vocab_major=vocab_major, logical_shape=tuple(w.shape),
+                                       max_rows=max_rows)
+    return DualPrecisionWeight(w=keep, w_bf16=w.astype(jnp.bfloat16), min_rows=min_rows,
+                               vocab_major=vocab_major, max_rows=max_rows)
 
 
-def dual_precision_params(params: Params, min_rows: int) -> Params:
+def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
+                          max_rows: int | None = None) -> Params:
     """`params` (f32) with every layer projection (PROJECTIONS) and the LM head as
-    DualPrecisionWeights (a tied LM head becomes `lm_head` [vocab, embed] over the same
-    f32 embedding array, plus its bf16 copy); embeddings and norms unchanged."""
+    DualPrecisionWeights over min_rows .. max_rows rows (a tied LM head becomes `lm_head`
+    [vocab, embed] over the same f32 embedding array, plus its bf16 copy); embeddings and
+    norms unchanged. packed: the bf16 copies in the C++ CPU kernel's layout (matmul_impl
+    "cpu")."""
+    def dual(w, **kw):
+        return dual_precision(w, min_rows, packed=packed, max_rows=max_rows, **kw)
+
     def layer(lp: LayerParams) -> LayerParams:
-        return dataclasses.replace(lp, **{name: dual_precision(getattr(lp, name), min_rows)
-                                          for name in PROJECTIONS})
+        return dataclasses.replace(lp, **{name: dual(getattr(lp, name), n_in=n_in)
+                                          for name, n_in in PROJECTIONS.items()})
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
-                               lm_head=dual_precision(head, min_rows, vocab_major=tied))
+                               lm_head=dual(head, vocab_major=tied))
+
+
+def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
+    """x2 [rows, K] (any float) times a packed DualPrecisionWeight's bf16 copy -> [rows, N]
+    f32 in the C++ CPU kernel (x rounded to bf16, f32 accumulation; any row count)."""
+    from cpu_kernels.bf16_matmul import bf16_matmul as cpu_bf16_matmul
+    return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16)
 
 
 def dense(x: jax.Array, w: Any, n_in: int, impl: str = "xla") -> jax.Array:
     """x [..., *in] contracted with w [*in, *out] -> [..., *out].
 
     w: a float array (a plain dot_general in x.dtype), a DualPrecisionWeight (its f32 or
-    bf16 copy by the number of rows of x, prod(x.shape[:-n_in]); result in x.dtype) or a
+    bf16 copy by the number of rows of x, prod(x.shape[:-n_in]), a packed bf16 copy in the
+    C++ CPU kernel; result in x.dtype) or a
     QuantizedWeight (f32 accumulation, result in x.dtype; `impl` picks the Pallas kernel
     or its reference). Raises ValueError for an unknown impl.
     """
     if isinstance(w, DualPrecisionWeight):
         lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
+        if w.packed and w.uses_bf16(rows):
+            y = packed_bf16_matmul(x.reshape(rows, -1), w)
+            return y.reshape(*lead, *w.shape[n_in:]).astype(x.dtype)
         wx = w.pick(rows)
         if wx.dtype == x.dtype:
             return jnp.tensordot(x, wx, axes=n_in)
@@ -171,5 +222,5 @@ def dense(x: jax.Array, w: Any, n_in: int, impl: str = "xla") -> jax.Array:
     elif impl in KERNEL_IMPLS:
         y = quantized_matmul(x2, w2, w.scales, impl=impl)
     else:
-        raise ValueError(f"matmul impl must be one of {KERNEL_IMPLS}, got {impl!r}")
+        raise ValueError(f"quantised weights need a matmul impl of {KERNEL_IMPLS}, got {impl!r}")
     return y.reshape(*lead, *out_shape)

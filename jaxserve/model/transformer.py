@@ -24,7 +24,7 @@ from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import AttentionMetadata, make_metadata, paged_attention
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model.params import LayerParams, Params
-from jaxserve.model.quantized import DualPrecisionWeight, bf16_matmul, dense
+from jaxserve.model.quantized import DualPrecisionWeight, bf16_matmul, dense, packed_bf16_matmul
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules, constrain
 
@@ -112,11 +112,17 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
 def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | None = None) -> jax.Array:
     """LM head: hidden [..., D] -> logits [..., vocab] f32 (tied to the embedding when
     `params.lm_head` is None; a DualPrecisionWeight head picks its copy by the rows of
-    hidden and is [vocab, D] when tied, [D, vocab] otherwise)."""
-    head, vocab_major = params.lm_head, params.lm_head is None
+    hidden and is [vocab, D] when tied, [D, vocab] otherwise; a packed bf16 copy runs in
+    the C++ CPU kernel)."""
+    head, vocab_major, packed = params.lm_head, params.lm_head is None, None
+    rows = math.prod(hidden.shape[:-1])
     if isinstance(head, DualPrecisionWeight):
-        head, vocab_major = head.pick(math.prod(hidden.shape[:-1])), head.vocab_major
-    if head is not None and head.dtype != hidden.dtype:  # the bf16 copy of a dual head
+        packed = head if head.packed and head.uses_bf16(rows) else None
+        head, vocab_major = head.pick(rows), head.vocab_major
+    if packed is not None:  # the bf16 copy packed for the C++ CPU kernel
+        logits = packed_bf16_matmul(hidden.reshape(rows, -1), packed)
+        logits = logits.reshape(*hidden.shape[:-1], -1)
+    elif head is not None and head.dtype != hidden.dtype:  # the bf16 copy of a dual head
         logits = bf16_matmul(hidden.reshape(-1, hidden.shape[-1]), head, vocab_major)
         logits = logits.reshape(*hidden.shape[:-1], -1)
     elif vocab_major:

@@ -1,0 +1,106 @@
+"""cpu_kernels.bf16_matmul: the packing round trip, the C++ kernel against its plain-jnp
+reference (every row-block remainder, 64- and 16-column panels, a tied LM head packed from
+[vocab, embed]), input checks, and the packed weights inside the model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels.bf16_matmul import (bf16_matmul, bf16_matmul_reference, can_pack, pack_weight,
+                                     panel_width, unpack_weight)
+
+SEED = 20261123
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library(cpu_kernels_library):
+    return cpu_kernels_library
+
+
+def _w(rng, k, n):
+    return jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+
+
+def test_pack_round_trip_and_layout():
+    rng = np.random.default_rng(SEED)
+    w = _w(rng, 6, 80)  # 80 columns: 16-wide panels
+    p = pack_weight(w)
+    assert p.shape == (5, 3, 16, 2) and p.dtype == jnp.bfloat16 and panel_width(80) == 16
+    np.testing.assert_array_equal(np.asarray(unpack_weight(p)), np.asarray(w.astype(jnp.bfloat16)))
+    # element [n // P, k // 2, n % P, k % 2] = W[k, n]
+    assert p[2, 1, 5, 1] == w.astype(jnp.bfloat16)[3, 37]
+    wide = pack_weight(_w(rng, 4, 128))
+    assert wide.shape == (2, 2, 64, 2) and panel_width(128) == 64
+    np.testing.assert_array_equal(np.asarray(pack_weight(w.T, transposed=True)), np.asarray(p))
+    assert not can_pack(5, 64) and not can_pack(4, 40)
+    with pytest.raises(ValueError, match=r"needs an even K and N a multiple of 16, got \[4, 40\]"):
+        pack_weight(jnp.zeros((4, 40)))
+
+
+@pytest.mark.parametrize("k,n", [(96, 192), (64, 80), (576, 64)])
+def test_kernel_matches_reference(k, n):
+    """Row counts 0 .. 9 and 37 cover every remainder of the 4-row register blocks."""
+    rng = np.random.default_rng(SEED + k + n)
+    wp = pack_weight(_w(rng, k, n))
+    for m in list(range(10)) + [37]:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        out = np.asarray(bf16_matmul(x, wp))
+        ref = np.asarray(bf16_matmul_reference(x, wp))
+        assert out.shape == (m, n) and np.isfinite(out).all()
+        # products of bf16 values are exact in f32; only the summation order differs
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(ref).max(initial=0)))
+
+
+def test_kernel_rounds_x_to_bf16_like_xla():
+    """x is rounded to nearest even bf16 before the products, as XLA's bf16 dot does: a
+    value just above a bf16 tie rounds up, one at a tie to the even mantissa."""
+    k, n = 2, 16
+    w = jnp.zeros((k, n), jnp.float32).at[0, :].set(1.0)
+    wp = pack_weight(w)
+    xs = jnp.asarray([[1.0 + 2.0 ** -8, 0.0], [1.0 + 2.0 ** -8 + 2.0 ** -12, 0.0],
+                      [1.0 + 3 * 2.0 ** -8, 0.0]], jnp.float32)
+    got = np.asarray(bf16_matmul(xs, wp))[:, 0]
+    np.testing.assert_array_equal(got, np.asarray(xs.astype(jnp.bfloat16).astype(jnp.float32))[:, 0])
+    assert got[0] == 1.0 and got[1] == 1.0 + 2.0 ** -7 and got[2] == 1.0 + 2.0 ** -6
+
+
+@pytest.mark.parametrize("x,w,match", [
+    (jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((1, 32, 16, 2), jnp.bfloat16), r"x must be one of \(float32\)"),
+    (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 16, 16, 2), jnp.bfloat16), r"w_packed must have shape \[\*, 32, \*, 2\]"),
+    (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 32, 16, 2), jnp.float32), r"w_packed must be one of \(bfloat16\)"),
+    (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 32, 8, 2), jnp.bfloat16), "panel width must be a multiple of 16, got 8"),
+])
+def test_bad_inputs_name_the_argument(x, w, match):
+    with pytest.raises(ValueError, match=match):
+        bf16_matmul(x, w)
+
+
+def test_packed_weights_in_the_model_match_the_xla_bf16_path():
+    """dual_precision_params(packed=True) through the model: the same logits as the XLA bf16
+    path up to summation order (f32 accumulation of the same bf16 products), on prefill and
+    decode, with the LM head tied (packed from [vocab, embed])."""
+    from jaxserve.model.params import init_params
+    from jaxserve.model.quantized import DualPrecisionWeight, dual_precision_params
+    from jaxserve.model.transformer import Kernels
+    from model_utils import PagedDriver, tiny_config
+
+    cfg = tiny_config(hidden_size=64, intermediate_size=96, num_heads=6, num_kv_heads=2,
+                      head_dim=32, vocab_size=256, tie_word_embeddings=True)
+    params = init_params(cfg, jax.random.key(3), scale=0.3)
+    assert params.lm_head is None, "the test wants a tied head"
+    plain = dual_precision_params(params, 1)
+    packed = dual_precision_params(params, 1, packed=True)
+    head = packed.lm_head
+    assert isinstance(head, DualPrecisionWeight) and head.packed and head.vocab_major
+    assert head.shape == (cfg.vocab_size, cfg.hidden_size) and head.w_bf16.ndim == 4
+    assert packed.layers[0].wo.shape == params.layers[0].wo.shape  # [heads, head_dim, embed]
+    ids = np.random.default_rng(SEED).integers(0, cfg.vocab_size, 12).tolist()
+    out = {}
+    for name, p in (("plain", plain), ("packed", packed)):
+        drv = PagedDriver(p, cfg, page_size=4, kernels=Kernels("xla", "xla"), layout="head_major")
+        out[name] = [drv.step({"s": ids[:9]}, Q=16, P=4)["s"], drv.step({"s": ids[9:10]}, Q=1, P=4)["s"]]
+    for got, want in zip(out["packed"], out["plain"]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
