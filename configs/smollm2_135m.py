@@ -28,15 +28,14 @@ CONFIG = Config(
         prefill_batch_buckets=(1, 4),
         # Matmul precision per step shape, measured (tools/bench_step.py --compare matmul
         # --ragged, 2026-11-23, Intel Sapphire Rapids, 2 cores): bf16 weights in the C++
-        # kernel (cpu_kernels/bf16_matmul, AVX512-BF16, f32 accumulation; matmul_impl
-        # "auto" picks it) against f32 weights in XLA's dot: decode 1 row 0.58x, 4 rows
-        # 0.79x, 16-32 rows 0.87-0.97x of the f32 time, prefill of 64-512 tokens 1.3-1.7x
-        # (slower): bf16 for steps of up to 32 rows, f32 above. (On an AMD Zen 4 machine
-        # XLA's own bf16 dot beat f32 at every shape but 1 row.) Activations, norms,
-        # softmax and the KV cache stay f32 (logits within 0.52 of HF f32 on the real
-        # model). Unlike f32, bf16 matmuls are not batch-invariant: a sampled request may
-        # come out differently in another batch. Keeps both weight copies (1.5x memory).
+        # kernel (cpu_kernels/bf16_matmul: widened to f32 in registers, f32 FMAs;
+        # matmul_impl "auto" picks it) against f32 weights in XLA's dot took 0.57-0.83x the
+        # f32 step time for decode of 1-32 rows and 0.73-0.98x for prefill of 64-512
+        # tokens, so every matmul uses them and only the bf16 copy is kept. (XLA's own bf16
+        # dot lost to f32 on that machine; on an AMD Zen 4 machine it had won.) x,
+        # activations, norms, softmax and the KV cache stay f32 (logits within 0.52 of HF
+        # f32 on the real model). The kernel sums each output in the same order whatever
+        # the batch size.
         bf16_matmul_min_rows=1,
-        bf16_matmul_max_rows=32,
     ),
 )

@@ -1,13 +1,14 @@
 """bf16-weight matmul for XLA:CPU: the C++ kernel of bf16_matmul.cc behind an FFI call, the
 weight packing it reads, and its plain-jnp reference.
 
-y = bf16(x) @ W with f32 accumulation, the arithmetic of XLA's bf16 x bf16 -> f32 dot, but
-on AVX512-BF16 (vdpbf16ps) over weights packed once at load into panels of P output
-columns with input rows paired ([N / P, K / 2, P, 2]). One kernel serves every row count:
-XLA:CPU's bf16 dot is slow for 1 row (a matrix-vector product ~8x slower than 2 rows) and
-reaches a fraction of the machine's bf16 throughput at decode batch sizes.
+y = x @ W with W stored in bf16 (half the bytes of f32: decode is memory-bound) and x, the
+products and the sums in f32: the kernel widens each bf16 weight to f32 in registers and
+runs f32 FMAs. Weights are packed once at load into panels of P output columns with input
+rows paired ([N / P, K / 2, P, 2]). XLA:CPU's own bf16 dot rounds x to bf16 too, is slow
+for 1 row (a matrix-vector product ~8x slower than 2 rows) and reaches a fraction of the
+machine's throughput at decode batch sizes.
 
-Sources: Intel AVX512-BF16 (VDPBF16PS); oneDNN's VNNI-style pair packing; GotoBLAS panels.
+Sources: oneDNN's VNNI-style pair packing; GotoBLAS panels.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def _check_operands(fn: str, x, w_packed) -> None:
 
 @jax.jit
 def bf16_matmul(x: jax.Array, w_packed: jax.Array) -> jax.Array:
-    """x [M, K] f32 times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N] f32: x rounded
-    to bf16, products summed in f32 (any M >= 0). Needs `cpu_kernels.build.load_library`
-    called first. Raises ValueError for bad shapes or dtypes, naming the argument."""
+    """x [M, K] f32 times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N] f32: the weights
+    widened to f32, products and sums in f32 (any M >= 0). Needs
+    `cpu_kernels.build.load_library` called first. Raises ValueError for bad shapes or
+    dtypes, naming the argument."""
     _check_operands("cpu bf16_matmul", x, w_packed)
     n = w_packed.shape[0] * w_packed.shape[2]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
@@ -78,11 +80,11 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array) -> jax.Array:
 
 
 def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array) -> jax.Array:
-    """Plain-jnp `bf16_matmul` (same arguments and result): unpack, then a bf16 x bf16 dot
-    with f32 accumulation at HIGHEST precision."""
+    """Plain-jnp `bf16_matmul` (same arguments and result): unpack, widen to f32, then an
+    f32 dot at HIGHEST precision."""
     _check_operands("bf16_matmul_reference", x, w_packed)
-    return jnp.dot(x.astype(jnp.bfloat16), unpack_weight(w_packed),
-                   preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    return jnp.dot(x, unpack_weight(w_packed).astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
 
 
 __all__ = ["LANES", "PANEL", "bf16_matmul", "bf16_matmul_reference", "can_pack", "pack_weight",

@@ -103,9 +103,9 @@ class ModelConfig:
 
 # Kernel implementations: "xla" (plain jnp), "pallas" (the Triton-backend Pallas kernels of
 # `pallas_kernels/`, the GPU default), "pallas_interpret" (the same kernels in Pallas
-# interpret mode on CPU: tests). Attention also has "cpu": the C++ kernel of `cpu_kernels/`
-# (XLA FFI, compiled on first use), the default on a single CPU device; so do the bf16
-# weight matmuls (bf16_matmul_min_rows) with the C++ kernel of cpu_kernels/bf16_matmul.
+# interpret mode on CPU: tests), and "cpu": the C++ kernels of `cpu_kernels/` (XLA FFI,
+# compiled on first use; the default on a single CPU device) for attention and for the
+# bf16 weight copies of bf16_matmul_min_rows.
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
 ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
 ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
@@ -115,8 +115,9 @@ WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
 
 
 def resolve_impl(impl: str, platform: str) -> str:
-    """The matmul implementation `impl` ("auto" or one of KERNEL_IMPLS) stands for on a
-    device `platform` ("cpu", "gpu"/"cuda", "tpu"): "auto" -> "pallas" on GPU, else "xla"."""
+    """The matmul implementation `impl` ("auto" or one of MATMUL_KERNEL_IMPLS) stands for on
+    a device `platform` ("cpu", "gpu"/"cuda", "tpu"): "auto" -> "pallas" on GPU, else
+    "xla" (jaxserve.kernels.select_kernels then picks "cpu" for bf16 weight copies)."""
     if impl != "auto":
         return impl
     return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"

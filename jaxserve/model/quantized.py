@@ -84,9 +84,9 @@ class DualPrecisionWeight:
     while a 1-row bf16 product takes a slow matrix-vector path (~8x slower than f32): the
     XLA bf16 path pads 1 row to 2 (BF16_MIN_ROWS). Which copy runs is fixed per compiled
     step shape (row counts are static). Costs 1.5x the weights' memory, or 0.5x with
-    min_rows = 1 and no max_rows (then `w` is None: every matmul uses the bf16 copy). On
-    an Intel Sapphire Rapids machine the C++ kernel (packed copy) won at decode batch
-    sizes and XLA's f32 dot at prefill sizes: hence max_rows.
+    min_rows = 1 and no max_rows (then `w` is None: every matmul uses the bf16 copy).
+    max_rows is for machines where f32 wins again at prefill sizes (XLA's bf16 dot lost to
+    its f32 dot from 64 rows up on an Intel Sapphire Rapids machine).
     vocab_major: the LM head tied to the embedding, stored [vocab, embed].
     logical_shape: None, or the weight's [*in, *out] shape when `w_bf16` is packed for the
     C++ CPU kernel (cpu_kernels.bf16_matmul.pack_weight: [N / P, K / 2, P, 2], input rows
