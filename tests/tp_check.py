@@ -86,11 +86,11 @@ def main():
     for tp in (1, 2, 4):
         rules = ShardingRules(make_mesh(MeshConfig(tensor_parallel=tp))) if tp > 1 else None
         params = host if rules is None else jax.tree.map(jax.device_put, host, param_shardings(cfg, rules))
-        logits = run(params, cfg, rules, ids, n_decode=4)
+        logits = run(params, cfg, rules, ids, n_decode=2)
         base = logits if base is None else base
         diff[tp] = float(np.abs(logits - base).max())
         sharded[tp] = sharded_weights(params) if rules is not None else []
-    beside = run(host, cfg, None, ids, n_decode=4, others=others)
+    beside = run(host, cfg, None, ids, n_decode=2, others=others)
     print(json.dumps({"diff": diff, "max_abs_logit": float(np.abs(base).max()),
                       "noise_floor": float(np.abs(beside - base).max()), "sharded": sharded,
                       "devices": len(jax.devices())}))

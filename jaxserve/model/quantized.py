@@ -76,8 +76,10 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None) -> 
 @pytree_dataclass(meta=("min_rows", "vocab_major", "logical_shape", "max_rows"))
 class DualPrecisionWeight:
     """An f32 weight kept twice: `w_bf16` (the same values rounded to bf16) for matmuls over
-    `min_rows` to `max_rows` rows of activations (None: no upper limit), computed bf16 x
-    bf16 with f32 accumulation, and `w` (f32) for the others.
+    `min_rows` to `max_rows` rows of activations (None: no upper limit), and `w` (f32) for
+    the others. A plain bf16 copy runs XLA's bf16 x bf16 dot (x rounded to bf16, f32
+    accumulation); a packed one the C++ CPU kernel (weights widened to f32, x and the
+    arithmetic f32).
 
     Why: on XLA:CPU (YNNPACK, 2 cores; tools/bench_step.py) a bf16 matmul with f32
     accumulation beat f32 from 2 rows up (1.3-1.8x per step on an AMD Zen 4 machine),
@@ -185,7 +187,8 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
 
 def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
     """x2 [rows, K] (any float) times a packed DualPrecisionWeight's bf16 copy -> [rows, N]
-    f32 in the C++ CPU kernel (x rounded to bf16, f32 accumulation; any row count)."""
+    f32 in the C++ CPU kernel (weights widened to f32, x and the arithmetic f32; any row
+    count)."""
     from cpu_kernels.bf16_matmul import bf16_matmul as cpu_bf16_matmul
     return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16)
 
