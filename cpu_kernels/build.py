@@ -75,11 +75,14 @@ def _build_key(compiler: str, sources: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile(compiler: str, sources: list[Path], target: Path) -> None:
+def _compile(compiler: str, sources: list[Path], target: Path,
+             extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile `sources` into the shared library `target` (CXXFLAGS, then extra_flags: a
+    later -march wins, which is how the tests build the portable, non-AVX-512 path)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *CXXFLAGS, "-I", jax.ffi.include_dir(), "-I", str(SOURCE_DIR),
+    cmd = [compiler, *CXXFLAGS, *extra_flags, "-I", jax.ffi.include_dir(), "-I", str(SOURCE_DIR),
            *map(str, sources), "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -66,6 +66,34 @@ def test_kernel_keeps_x_in_f32():
     np.testing.assert_array_equal(got, np.asarray([1.0 + 2.0 ** -12 + 1.5, 0.5 - 2.0 ** -20], np.float32))
 
 
+def test_portable_path_matches_reference(tmp_path):
+    """The loop machines without AVX-512 run: the same source built for x86-64-v2 (a later
+    -march wins over -march=native), registered under its own target name."""
+    import ctypes
+    import platform
+
+    from cpu_kernels import build
+    from cpu_kernels.bf16_matmul import _check_operands
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64-v2 is an x86 target")
+    lib_path = tmp_path / "portable.so"
+    build._compile(build.find_compiler(), sorted(build.SOURCE_DIR.glob("*.cc")), lib_path,
+                   extra_flags=("-march=x86-64-v2",))
+    lib = ctypes.CDLL(str(lib_path))
+    jax.ffi.register_ffi_target("jaxserve_bf16_matmul_portable_test",
+                                jax.ffi.pycapsule(lib.JaxserveBf16Matmul), platform="cpu")
+    rng = np.random.default_rng(SEED)
+    wp = pack_weight(_w(rng, 96, 80))
+    for m in (1, 5):
+        x = jnp.asarray(rng.standard_normal((m, 96)), jnp.float32)
+        _check_operands("test", x, wp)
+        call = jax.ffi.ffi_call("jaxserve_bf16_matmul_portable_test",
+                                jax.ShapeDtypeStruct((m, 80), jnp.float32))
+        ref = np.asarray(bf16_matmul_reference(x, wp))
+        np.testing.assert_allclose(np.asarray(call(x, wp)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("x,w,match", [
     (jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((1, 32, 16, 2), jnp.bfloat16), r"x must be one of \(float32\)"),
     (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 16, 16, 2), jnp.bfloat16), r"w_packed must have shape \[\*, 32, \*, 2\]"),
