@@ -44,7 +44,7 @@ def test_pack_round_trip_and_layout():
 
 @pytest.mark.parametrize("k,n", [(96, 192), (64, 80), (576, 64)])
 def test_kernel_matches_reference(k, n):
-    """Row counts 0 .. 9 and 37 cover every remainder of the 4-row register blocks."""
+    """Row counts 0 .. 9 and 37 cover every remainder of the 8-row register blocks."""
     rng = np.random.default_rng(SEED + k + n)
     wp = pack_weight(_w(rng, k, n))
     for m in list(range(10)) + [37]:
