@@ -11,6 +11,7 @@
 // dynamic single-item claims.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>

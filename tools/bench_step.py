@@ -134,7 +134,8 @@ def main() -> None:
         kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
         if ecfg.bf16_matmul_min_rows is not None:
             params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
-                                           packed=kernels.matmul == "cpu")
+                                           packed=kernels.matmul == "cpu",
+                                           max_rows=ecfg.bf16_matmul_max_rows)
         base, var = "xla", "cpu"
         variants = {base: (params, dataclasses.replace(kernels, attention="xla")),
                     var: (params, kernels)}
