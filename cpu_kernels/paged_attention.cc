@@ -1,27 +1,31 @@
 // Ragged paged attention on the CPU: an XLA FFI custom call (see paged_attention.py).
 //
-// Every sequence b of the batch brings Q query tokens (padded) at absolute positions
-// positions[b, j]; query j attends to keys 0 .. min(seq_lens[b], positions[b, j] + 1) - 1 of
-// its own context, read in place from the head-major page pool through its block table.
+// The step's new tokens are packed one sequence after another (a flat ragged batch, as in
+// vLLM v1): sequence b owns query rows query_start[b] .. query_start[b + 1] - 1, and the
+// query at row t attends to keys 0 .. min(seq_lens[b], positions[t] + 1) - 1 of its own
+// context, read in place from the head-major page pool through its block table. Rows past
+// query_start[S], and the rows of padding sequences (seq_lens 0), get output 0.
 // Only the pages a row really uses are read (the XLA formulation gathers and copies every
 // row's pages up to the batch's page bucket).
 //
-// Work split: one item per (sequence b, KV head h, block of q_block queries), handed out
+// Work split: one item per (sequence b, KV head h, block of q_block of its queries), handed out
 // dynamically to XLA's intra-op thread pool and the calling thread (parallel.h; contexts
 // are ragged, so items differ in size). An item owns the q_block * G query rows that share KV head h (GQA:
 // G = H / K) and walks the pages once with an online softmax (FlashAttention), so each K/V
 // page is read once per item and never copied.
 //
 // Shapes (all row-major):
-//   q            [B, Q, H, Dh]    f32
+//   q            [T, H, Dh]       f32   new tokens, packed by sequence
 //   k_pages      [K, N, ps, Dh]   f32   (head-major pool: K kv heads, N pages, ps tokens/page)
 //   v_pages      [K, N, ps, Dh]   f32
-//   block_tables [B, P]           s32   page ids (< N) of each sequence, in order
-//   seq_lens     [B]              s32   context length (0 = padding row: output 0)
-//   positions    [B, Q]           s32   absolute position of each query token
-//   out          [B, Q, H, Dh]    f32
-// Errors: a page id outside [0, N) in a visited block-table entry, or a context longer than
-// P * ps, returns an FFI error (raised by JAX) instead of reading out of bounds.
+//   block_tables [S, P]           s32   page ids (< N) of each sequence, in order
+//   seq_lens     [S]              s32   context length (0 = padding sequence: output 0)
+//   query_start  [S + 1]          s32   first query row of each sequence (non-decreasing, <= T)
+//   positions    [T]              s32   absolute position of each query token
+//   out          [T, H, Dh]       f32
+// Errors: a page id outside [0, N) in a visited block-table entry, a context longer than
+// P * ps, or query_start not non-decreasing within [0, T] returns an FFI error (raised by
+// JAX) instead of reading or writing out of bounds.
 //
 // Sources: PagedAttention (Kwon et al., SOSP 2023) block tables; FlashAttention (Dao et al.,
 // 2022) online softmax; vLLM's CPU paged attention (csrc/cpu/attention.cpp) for the
@@ -49,9 +53,13 @@ struct Problem {
   const int32_t* seq_lens;
   const int32_t* positions;
   float* out;
-  int64_t B, Q, H, Dh, K, N, ps, P;
-  int64_t q_block, n_q_blocks;
+  int64_t T, S, H, Dh, K, N, ps, P;
   float scale;
+};
+
+// Query rows q0 .. q1 - 1 of sequence b (one block of at most q_block rows).
+struct Chunk {
+  int64_t b, q0, q1;
 };
 
 // exp(x) for x <= 0 (softmax arguments after subtracting the running max): Cody-Waite range
@@ -83,29 +91,17 @@ struct Scratch {
 };
 
 template <int DH>
-bool attend_item(const Problem& p, int64_t item, Scratch& scratch) {
+bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
   const int64_t dh = DH > 0 ? DH : p.Dh;
-  const int64_t qb = item % p.n_q_blocks;
-  const int64_t h = (item / p.n_q_blocks) % p.K;
-  const int64_t b = item / (p.n_q_blocks * p.K);
+  const int64_t b = c.b, q0 = c.q0;
   const int64_t G = p.H / p.K;
-  const int64_t q0 = qb * p.q_block;
-  const int64_t q1 = std::min(p.Q, q0 + p.q_block);
-  const int64_t rows = (q1 - q0) * G;
+  const int64_t rows = (c.q1 - q0) * G;
   const int64_t seq_len = p.seq_lens[b];
-
-  // Row r = (j - q0) * G + g: query j, head h * G + g.
-  auto q_row = [&](int64_t r) {
-    return p.q + ((b * p.Q + q0 + r / G) * p.H + h * G + r % G) * dh;
-  };
-  auto out_row = [&](int64_t r) {
-    return p.out + ((b * p.Q + q0 + r / G) * p.H + h * G + r % G) * dh;
-  };
-  if (seq_len <= 0) {
-    for (int64_t r = 0; r < rows; ++r) std::fill(out_row(r), out_row(r) + dh, 0.0f);
-    return true;
-  }
   if (seq_len > p.P * p.ps) return false;
+
+  // Row r = (t - q0) * G + g: query row t, head h * G + g.
+  auto q_row = [&](int64_t r) { return p.q + ((q0 + r / G) * p.H + h * G + r % G) * dh; };
+  auto out_row = [&](int64_t r) { return p.out + ((q0 + r / G) * p.H + h * G + r % G) * dh; };
 
   scratch.f.resize(rows * dh + 2 * rows + p.ps);
   scratch.limit.resize(rows);
@@ -116,7 +112,7 @@ bool attend_item(const Problem& p, int64_t item, Scratch& scratch) {
   int64_t* limit = scratch.limit.data();  // [rows] keys visible to the row
   int64_t max_limit = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t lim = std::min<int64_t>(seq_len, int64_t{p.positions[b * p.Q + q0 + r / G]} + 1);
+    const int64_t lim = std::min<int64_t>(seq_len, int64_t{p.positions[q0 + r / G]} + 1);
     limit[r] = std::max<int64_t>(lim, 0);
     max_limit = std::max(max_limit, lim);
     m[r] = -std::numeric_limits<float>::infinity();
@@ -168,39 +164,62 @@ bool attend_item(const Problem& p, int64_t item, Scratch& scratch) {
   return true;
 }
 
-bool attend(const Problem& p, int64_t item, Scratch& scratch) {
+bool attend(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
   switch (p.Dh) {
-    case 64: return attend_item<64>(p, item, scratch);
-    case 128: return attend_item<128>(p, item, scratch);
-    default: return attend_item<0>(p, item, scratch);
+    case 64: return attend_item<64>(p, c, h, scratch);
+    case 128: return attend_item<128>(p, c, h, scratch);
+    default: return attend_item<0>(p, c, h, scratch);
   }
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                              ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
-                              int64_t q_block) {
+                              ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> positions,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t q_block) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   const auto bd = block_tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || bd.size() != 2)
-    return ffi::Error::InvalidArgument("paged_attention: q, k_pages must be 4-D, block_tables 2-D");
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "paged_attention: q must be 3-D, k_pages 4-D, block_tables 2-D");
   Problem p;
-  p.B = qd[0]; p.Q = qd[1]; p.H = qd[2]; p.Dh = qd[3];
-  p.K = kd[0]; p.N = kd[1]; p.ps = kd[2]; p.P = bd[1];
-  if (kd[3] != p.Dh || p.K <= 0 || p.H % p.K != 0 || bd[0] != p.B || q_block <= 0)
+  p.T = qd[0]; p.H = qd[1]; p.Dh = qd[2];
+  p.K = kd[0]; p.N = kd[1]; p.ps = kd[2]; p.S = bd[0]; p.P = bd[1];
+  if (kd[3] != p.Dh || p.K <= 0 || p.H % p.K != 0 || seq_lens.element_count() != p.S ||
+      query_start.element_count() != p.S + 1 || positions.element_count() != p.T ||
+      q_block <= 0)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
   p.q = q.typed_data(); p.k = k_pages.typed_data(); p.v = v_pages.typed_data();
   p.block_tables = block_tables.typed_data(); p.seq_lens = seq_lens.typed_data();
   p.positions = positions.typed_data(); p.out = out->typed_data();
-  p.q_block = std::min<int64_t>(q_block, std::max<int64_t>(p.Q, 1));
-  p.n_q_blocks = (p.Q + p.q_block - 1) / p.q_block;
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.Dh));
-  const int64_t total = p.B * p.K * p.n_q_blocks;
-  const bool ok = jaxserve::parallel_for(pool, total, [&p](int64_t item) {
+
+  // Split each sequence's query rows into blocks; zero the rows no item writes.
+  const int32_t* qs = query_start.typed_data();
+  if (qs[0] < 0 || qs[p.S] > p.T)
+    return ffi::Error::InvalidArgument("paged_attention: query_start outside [0, T]");
+  for (int64_t b = 0; b < p.S; ++b)
+    if (qs[b + 1] < qs[b])
+      return ffi::Error::InvalidArgument("paged_attention: query_start is not non-decreasing");
+  std::vector<Chunk> chunks;
+  const int64_t row = p.H * p.Dh;
+  float* o = p.out;
+  std::fill(o, o + qs[0] * row, 0.0f);
+  for (int64_t b = 0; b < p.S; ++b) {
+    if (p.seq_lens[b] <= 0) {
+      std::fill(o + qs[b] * row, o + qs[b + 1] * row, 0.0f);
+      continue;
+    }
+    for (int64_t q0 = qs[b]; q0 < qs[b + 1]; q0 += q_block)
+      chunks.push_back({b, q0, std::min<int64_t>(qs[b + 1], q0 + q_block)});
+  }
+  std::fill(o + qs[p.S] * row, o + p.T * row, 0.0f);
+
+  const int64_t total = static_cast<int64_t>(chunks.size()) * p.K;
+  const bool ok = jaxserve::parallel_for(pool, total, [&p, &chunks](int64_t item) {
     thread_local Scratch scratch;
-    return attend(p, item, scratch);
+    return attend(p, chunks[item / p.K], item % p.K, scratch);
   });
   if (!ok)
     return ffi::Error::InvalidArgument(
@@ -219,6 +238,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<int64_t>("q_block"));

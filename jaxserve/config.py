@@ -152,13 +152,15 @@ class EngineConfig:
     page_size: tokens per KV page.
     max_num_seqs: most sequences decoded in one step.
     max_model_len: most tokens (prompt + output) one sequence may hold.
-    max_prefill_tokens: budget of padded tokens (batch bucket x length bucket) for batching
-        several prompts into one prefill step; a single prompt up to max_model_len always
-        gets a step of its own.
+    max_prefill_tokens: budget of token rows (the token bucket of the prompts' summed
+        lengths) for packing several prompts into one prefill step; a single prompt up to
+        max_model_len always gets a step of its own.
     max_prefill_seqs: most prompts prefilled in one step.
-    decode_batch_buckets / prefill_len_buckets / page_buckets: the padded shapes the jitted
-        step is compiled for (None = powers of two up to the limit). Fewer buckets = fewer
-        compilations, more padding.
+    decode_batch_buckets / prefill_len_buckets / prefill_batch_buckets / page_buckets: the
+        padded shapes the jitted step is compiled for (None = powers of two up to the
+        limit): sequences per decode step, token rows per prefill step (the prompts of a
+        step are packed one after another), sequences per prefill step, block-table pages.
+        Fewer buckets = fewer compilations, more padding.
     attention_impl: "auto" (pallas on GPU, cpu on one CPU device, xla otherwise), "xla",
         "cpu" (the C++ kernel of cpu_kernels/, single device), "pallas", "pallas_interpret"
         (see ATTENTION_KERNEL_IMPLS).

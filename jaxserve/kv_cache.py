@@ -98,15 +98,15 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
     """Scatter new K (or V) into the pool.
 
     pages: one layer's pool in `layout` ([num_pages, page_size, K, Dh] token-major or
-    [K, num_pages, page_size, Dh] head-major); new: [B, Q, K, Dh]; slot_mapping: [B, Q]
-    int32 flat slots (padding -> slots of the null page). Returns the updated pool (in
+    [K, num_pages, page_size, Dh] head-major); new: [..., K, Dh] (the step's [T, K, Dh]);
+    slot_mapping: [...] (the step's [T]) int32 flat slots (padding -> slots of the null page). Returns the updated pool (in
     place when the pool is donated).
     """
     # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
     # XLA:CPU copy the whole pool every step once the pool was also read (177 ms vs 0.05 ms
     # per layer for a 10k-page pool).
     slots = slot_mapping.reshape(-1)
-    K, Dh = new.shape[2:]
+    K, Dh = new.shape[-2:]
     if layout == "head_major":
         ps = pages.shape[2]
         rows = new.reshape(-1, K, Dh).transpose(1, 0, 2).astype(pages.dtype)  # [K, BQ, Dh]

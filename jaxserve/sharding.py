@@ -27,6 +27,7 @@ from jaxserve.config import MeshConfig
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "data"),
     ("sequence", None),
+    ("tokens", None),  # the flat token rows of a ragged step (sequences packed one after another)
     ("embed", None),
     ("q_heads", "model"),
     ("kv_heads", "model"),

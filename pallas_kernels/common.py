@@ -198,10 +198,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def query_sequence(query_start: jax.Array, num_tokens: int) -> jax.Array:
+    """[num_tokens] int32: the sequence each row of a flat ragged batch belongs to.
+
+    query_start: [S + 1] int32, non-decreasing (sequence b owns rows query_start[b] :
+    query_start[b + 1]); rows past query_start[S] get S, rows before query_start[0] -1, so
+    neither matches a sequence."""
+    rows = jnp.arange(num_tokens, dtype=query_start.dtype)
+    return (jnp.searchsorted(query_start, rows, side="right") - 1).astype(jnp.int32)
+
+
 __all__ = [
     "FLOAT_DTYPES", "FP8_E4M3", "IMPLS", "INT8", "MASK_VALUE", "MIN_DOT", "QUANT_FORMATS",
     "QuantFormat", "block_size", "causal_visible", "cdiv", "check", "check_array",
     "check_page_pool",
     "finish_softmax", "is_power_of_2", "merge_partials", "next_power_of_2",
-    "online_softmax_step", "quant_format_of", "triton_call_params",
+    "online_softmax_step", "quant_format_of", "query_sequence", "triton_call_params",
 ]
+

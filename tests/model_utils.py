@@ -65,12 +65,18 @@ class PagedDriver:
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
 
-    def step(self, chunks: dict[str, list[int]], Q: int, P: int) -> dict[str, np.ndarray]:
-        """Append `chunks[name]` (new tokens) to each named sequence in one ragged step."""
-        B = len(chunks)
-        b = StepBatch(tokens=np.zeros((B, Q), np.int32), positions=np.zeros((B, Q), np.int32),
-                      slot_mapping=np.zeros((B, Q), np.int32), block_tables=np.zeros((B, P), np.int32),
-                      seq_lens=np.zeros(B, np.int32), logits_indices=np.zeros(B, np.int32))
+    def step(self, chunks: dict[str, list[int]], T: int, P: int,
+             S: int | None = None) -> dict[str, np.ndarray]:
+        """Append `chunks[name]` (new tokens) to each named sequence in one flat ragged step
+        of T token rows, S sequences (default: len(chunks)) and P pages (a decode step when
+        every chunk is one token and T == S)."""
+        S = len(chunks) if S is None else S
+        b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+                      slot_mapping=np.zeros(T, np.int32), block_tables=np.zeros((S, P), np.int32),
+                      seq_lens=np.zeros(S, np.int32), query_start=np.zeros(S + 1, np.int32),
+                      logits_indices=np.zeros(S, np.int32),
+                      decode=T == S and all(len(t) == 1 for t in chunks.values()))
+        row = 0
         for i, (name, toks) in enumerate(chunks.items()):
             start = self.lens.get(name, 0)
             end = start + len(toks)
@@ -78,12 +84,19 @@ class PagedDriver:
             while len(table) * self.ps < end:
                 table.append(self._free.pop())
             pos = np.arange(start, end)
-            b.tokens[i, :len(toks)] = toks
-            b.positions[i, :len(toks)] = pos
-            b.slot_mapping[i, :len(toks)] = np.asarray(table)[pos // self.ps] * self.ps + pos % self.ps
+            rows = slice(row, row + len(toks))
+            b.tokens[rows] = toks
+            b.positions[rows] = pos
+            b.slot_mapping[rows] = np.asarray(table)[pos // self.ps] * self.ps + pos % self.ps
             b.block_tables[i, :len(table)] = table
             b.seq_lens[i] = end
+            row += len(toks)
+            b.query_start[i + 1:] = row
             self.lens[name] = end
         logits, self.cache = _fwd(self.params, self.cache, b, self.cfg, self.kernels)
         logits = np.asarray(logits)
-        return {name: logits[i, :len(t)] for i, (name, t) in enumerate(chunks.items())}
+        out, row = {}, 0
+        for name, t in chunks.items():
+            out[name] = logits[row:row + len(t)]
+            row += len(t)
+        return out

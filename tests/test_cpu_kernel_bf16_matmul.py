@@ -131,6 +131,6 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
     out = {}
     for name, p in (("plain", rounded), ("packed", packed)):
         drv = PagedDriver(p, cfg, page_size=4, kernels=Kernels("xla", "xla"), layout="head_major")
-        out[name] = [drv.step({"s": ids[:9]}, Q=16, P=4)["s"], drv.step({"s": ids[9:10]}, Q=1, P=4)["s"]]
+        out[name] = [drv.step({"s": ids[:9]}, T=16, P=4)["s"], drv.step({"s": ids[9:10]}, T=1, P=4)["s"]]
     for got, want in zip(out["packed"], out["plain"]):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -1,5 +1,5 @@
 """cpu_kernels.paged_attention: the C++ FFI kernel against its plain-jnp reference (decode and
-ragged prefill, GQA, the compile-time and generic head dims, every work split), that it
+packed ragged prefill, GQA, the compile-time and generic head dims, every work split), that it
 reads only a row's own live slots, its input checks, and the library build cache."""
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ def _library(cpu_kernels_library):
     return cpu_kernels_library
 
 
-def _problem(rng, ctx_lens, Q, *, heads, kv_heads, head_dim, page_size, pages_per_seq,
-             poison=True):
-    """Head-major pool [K, N, ps, Dh] with every slot that holds no context token set to
-    NaN (poison), the same pool with those slots zeroed (for the reference), q, block
-    tables, seq_lens and positions: row b's Q queries are its last Q tokens (clipped at 0:
-    rows shorter than Q have padding queries at position 0)."""
+def _problem(rng, ctx_lens, q_lens, *, heads, kv_heads, head_dim, page_size, pages_per_seq,
+             pad_rows=0, poison=True):
+    """A flat ragged batch: sequence b's q_lens[b] queries are its last q_lens[b] tokens,
+    packed one sequence after another, then pad_rows padding rows. Head-major pool
+    [K, N, ps, Dh] with every slot that holds no context token set to NaN (poison), and the
+    same pool with those slots zeroed (for the reference)."""
     k, v, tables, live = shuffled_pool(rng, ctx_lens, kv_heads=kv_heads, head_dim=head_dim,
                                        page_size=page_size, pages_per_seq=pages_per_seq)
     clean_k, clean_v = np.where(live[..., None, None], k, 0), np.where(live[..., None, None], v, 0)
@@ -34,10 +34,15 @@ def _problem(rng, ctx_lens, Q, *, heads, kv_heads, head_dim, page_size, pages_pe
     bad_v = np.where(live[..., None, None], v, np.nan) if poison else clean_v
     hm = lambda a: jnp.asarray(a.transpose(2, 0, 1, 3))  # noqa: E731  token- -> head-major
     ctx = np.asarray(ctx_lens, np.int32)
-    positions = np.maximum(ctx[:, None] - Q + np.arange(Q)[None, :], 0).astype(np.int32)
-    q = jnp.asarray(rng.standard_normal((len(ctx), Q, heads, head_dim)), jnp.float32)
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    T = int(query_start[-1]) + pad_rows
+    positions = np.zeros(T, np.int32)
+    for b, n in enumerate(q_lens):
+        positions[query_start[b]:query_start[b + 1]] = np.maximum(ctx[b] - n + np.arange(n), 0)
+    q = jnp.asarray(rng.standard_normal((T, heads, head_dim)), jnp.float32)
     return dict(q=q, k_pages=hm(bad_k), v_pages=hm(bad_v), block_tables=jnp.asarray(tables),
-                seq_lens=jnp.asarray(ctx), positions=jnp.asarray(positions)), (hm(clean_k), hm(clean_v))
+                seq_lens=jnp.asarray(ctx), query_start=jnp.asarray(query_start),
+                positions=jnp.asarray(positions)), (hm(clean_k), hm(clean_v))
 
 
 def _check(args, clean, **kw):
@@ -59,36 +64,51 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, page_size):
     P = 6
     # empty (padding) row, one token, exactly one page, one past a page, a full table
     ctx = [0, 1, page_size, page_size + 1, P * page_size, 3 * page_size - 2]
-    args, clean = _problem(rng, ctx, 1, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                           page_size=page_size, pages_per_seq=P)
+    args, clean = _problem(rng, ctx, [1] * len(ctx), heads=heads, kv_heads=kv_heads,
+                           head_dim=head_dim, page_size=page_size, pages_per_seq=P)
     out = _check(args, clean)
-    assert (out[0] == 0).all(), "a padding row (seq_len 0) gives 0"
+    assert (out[0] == 0).all(), "the row of a padding sequence (seq_len 0) gives 0"
 
 
 @pytest.mark.parametrize("q_block", [1, 3, 32])
 def test_ragged_prefill_is_causal_and_matches_reference(q_block):
-    """Q = 8 queries per row at the row's last positions: causal within the chunk (a query
-    sees no later token of its own chunk), over pages cached before it (a continuation),
-    rows shorter than Q with padding queries; every query-block split gives the same."""
+    """Packed sequences of different query counts at their last positions: whole prompts,
+    continuations over pages cached before them (chunked prefill), a padding sequence and
+    padding rows; causal within a chunk (a query sees no later token of its own chunk);
+    every query-block split gives the same."""
     rng = np.random.default_rng(SEED + q_block)
-    args, clean = _problem(rng, [8, 3, 21, 40], 8, heads=9, kv_heads=3, head_dim=64,
-                           page_size=16, pages_per_seq=3)
+    args, clean = _problem(rng, [8, 3, 0, 21, 40], [8, 3, 0, 8, 13], heads=9, kv_heads=3,
+                           head_dim=64, page_size=16, pages_per_seq=3, pad_rows=5)
     out = _check(args, clean, q_block=q_block)
+    assert (out[-5:] == 0).all(), "rows past the last sequence give 0"
     # causality, checked directly: changing the last token's K/V leaves earlier queries alone
-    last = int(args["seq_lens"][2]) - 1
-    page = int(args["block_tables"][2, last // 16])
+    last = int(args["seq_lens"][3]) - 1
+    page = int(args["block_tables"][3, last // 16])
     moved = dict(args, k_pages=args["k_pages"].at[:, page, last % 16].add(5.0),
                  v_pages=args["v_pages"].at[:, page, last % 16].add(5.0))
     out2 = np.asarray(paged_attention(**moved, q_block=q_block))
-    np.testing.assert_array_equal(out2[2, :-1], out[2, :-1])
-    assert np.abs(out2[2, -1] - out[2, -1]).max() > 1e-3
+    rows = slice(int(args["query_start"][3]), int(args["query_start"][4]))
+    np.testing.assert_array_equal(out2[rows][:-1], out[rows][:-1])
+    assert np.abs(out2[rows][-1] - out[rows][-1]).max() > 1e-3
+    others = np.r_[0:rows.start, rows.stop:out.shape[0]]
+    np.testing.assert_array_equal(out2[others], out[others])
+
+
+@pytest.mark.parametrize("query_start", [[0, 2, 1], [0, 1, 9]])
+def test_bad_query_start_raises_instead_of_writing_out_of_bounds(query_start):
+    rng = np.random.default_rng(SEED)
+    args, _ = _problem(rng, [4, 4], [1, 1], heads=9, kv_heads=3, head_dim=64, page_size=16,
+                       pages_per_seq=1, pad_rows=1)
+    args["query_start"] = jnp.asarray(query_start, jnp.int32)
+    with pytest.raises(Exception, match="query_start"):
+        jax.block_until_ready(paged_attention(**args))
 
 
 def test_long_context_softmax_is_stable():
     """Large logits (|q.k| ~ 1e3) over many pages: the online softmax rescales without
     overflow and still matches the reference."""
     rng = np.random.default_rng(SEED)
-    args, clean = _problem(rng, [200, 130], 1, heads=9, kv_heads=3, head_dim=64, page_size=16,
+    args, clean = _problem(rng, [200, 130], [1, 1], heads=9, kv_heads=3, head_dim=64, page_size=16,
                            pages_per_seq=16, poison=False)
     args["q"] = args["q"] * 30.0
     _check(args, clean)
@@ -96,25 +116,28 @@ def test_long_context_softmax_is_stable():
 
 def test_bad_page_id_raises_instead_of_reading_out_of_bounds():
     rng = np.random.default_rng(SEED)
-    args, _ = _problem(rng, [20], 1, heads=9, kv_heads=3, head_dim=64, page_size=16, pages_per_seq=2)
+    args, _ = _problem(rng, [20], [1], heads=9, kv_heads=3, head_dim=64, page_size=16, pages_per_seq=2)
     args["block_tables"] = args["block_tables"].at[0, 1].set(10_000)
     with pytest.raises(Exception, match="page id outside"):
         jax.block_until_ready(paged_attention(**args))
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("q", jnp.zeros((2, 1, 9, 64), jnp.bfloat16), r"q must be one of \(float32\), got bfloat16"),
+    ("q", jnp.zeros((2, 9, 64), jnp.bfloat16), r"q must be one of \(float32\), got bfloat16"),
+    ("q", jnp.zeros((2, 1, 9, 64), jnp.float32), r"q must have shape \[\*, \*, \*\]"),
     ("k_pages", jnp.zeros((3, 4, 16, 32), jnp.float32), r"k_pages must have shape \[\*, \*, \*, 64\]"),
     ("v_pages", jnp.zeros((3, 5, 16, 64), jnp.float32), r"v_pages must have shape \[3, 4, 16, 64\]"),
-    ("q", jnp.zeros((2, 1, 8, 64), jnp.float32), "q_heads must be a multiple of kv_heads, got q_heads 8"),
-    ("block_tables", jnp.zeros((3, 2), jnp.int32), r"block_tables must have shape \[2, \*\]"),
+    ("q", jnp.zeros((2, 8, 64), jnp.float32), "q_heads must be a multiple of kv_heads, got q_heads 8"),
+    ("seq_lens", jnp.zeros((3,), jnp.int32), r"seq_lens must have shape \[2\]"),
     ("seq_lens", jnp.zeros((2,), jnp.float32), r"seq_lens must be one of \(int32\), got float32"),
-    ("positions", jnp.zeros((2, 2), jnp.int32), r"positions must have shape \[2, 1\]"),
+    ("query_start", jnp.zeros((2,), jnp.int32), r"query_start must have shape \[3\]"),
+    ("positions", jnp.zeros((2, 1), jnp.int32), r"positions must have shape \[2\]"),
 ])
 def test_bad_inputs_name_the_field(field, value, match):
-    args = dict(q=jnp.zeros((2, 1, 9, 64), jnp.float32), k_pages=jnp.zeros((3, 4, 16, 64), jnp.float32),
+    args = dict(q=jnp.zeros((2, 9, 64), jnp.float32), k_pages=jnp.zeros((3, 4, 16, 64), jnp.float32),
                 v_pages=jnp.zeros((3, 4, 16, 64), jnp.float32), block_tables=jnp.zeros((2, 2), jnp.int32),
-                seq_lens=jnp.zeros((2,), jnp.int32), positions=jnp.zeros((2, 1), jnp.int32))
+                seq_lens=jnp.zeros((2,), jnp.int32), query_start=jnp.arange(3, dtype=jnp.int32),
+                positions=jnp.zeros((2,), jnp.int32))
     args[field] = value
     with pytest.raises(ValueError, match=match):
         paged_attention(**args)

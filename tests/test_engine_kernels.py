@@ -41,20 +41,20 @@ QUANT_ATOL = 1e-4  # kernel vs reference on the same quantised weights: f32 sums
 def _drive(params, kernels, steps, layout="token_major"):
     drv = PagedDriver(params, CFG, num_pages=24, page_size=16, seed=7, kernels=kernels,
                       layout=layout)
-    return [drv.step(chunks, Q=Q, P=P) for chunks, Q, P in steps]
+    return [drv.step(chunks, T=T, P=P) for chunks, T, P in steps]
 
 
 def _steps(rng):
     ids = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
     return [
-        # ragged prefill: 1, 20 and 33 tokens padded to Q=64 with only 3 pages (48 slots)
-        # per row, so a row's padded context runs past its block table
+        # packed prefill: 1, 20 and 33 tokens in T=64 rows (10 padding rows) with 3 pages
+        # (48 slots) per block table
         ({"a": ids(1), "b": ids(20), "c": ids(33)}, 64, 3),
         # a continuation over cached pages (b: 20 -> 36 crosses a page boundary)
-        ({"c": ids(5), "b": ids(16)}, 16, 4),
+        ({"c": ids(5), "b": ids(16)}, 32, 4),
         # decode steps
-        ({"a": ids(1), "b": ids(1), "c": ids(1)}, 1, 4),
-        ({"a": ids(1), "b": ids(1), "c": ids(1)}, 1, 4),
+        ({"a": ids(1), "b": ids(1), "c": ids(1)}, 3, 4),
+        ({"a": ids(1), "b": ids(1), "c": ids(1)}, 3, 4),
     ]
 
 
@@ -195,13 +195,13 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     pages = S((n, ps, K, Dh), dtype)
     i32 = jnp.int32
     calls = {}
-    for kind, B, Q, P in warmup_shapes(ecfg):
+    for kind, T, B, P in warmup_shapes(ecfg):
         if kind == "decode":
             calls[("decode", B, P)] = (functools.partial(paged_attention, impl="pallas"),
                                        (S((B, H, Dh), dtype), pages, pages, S((B, P), i32), S((B,), i32)))
         else:
-            calls[("prefill", B, Q, P)] = (functools.partial(flash_attention, impl="pallas"),
-                                           (S((B * Q, H, Dh), dtype), pages, pages, S((B, P), i32),
+            calls[("prefill", T, B, P)] = (functools.partial(flash_attention, impl="pallas"),
+                                           (S((T, H, Dh), dtype), pages, pages, S((B, P), i32),
                                             S((B + 1,), i32), S((B,), i32)))
     return calls
 
@@ -211,7 +211,7 @@ def _matmul_calls(model_cfg, ecfg: EngineConfig, dtype):
 
     S = jax.ShapeDtypeStruct
     layer = abstract_params(model_cfg).layers[0]
-    ms = sorted({B * Q for _, B, Q, _ in warmup_shapes(ecfg)})
+    ms = sorted({T for _, T, _, _ in warmup_shapes(ecfg)})
     calls = {}
     for fmt, group in (("int8", None), ("int8", 128), ("fp8_e4m3", None)):
         wdt = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn
@@ -261,14 +261,14 @@ def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
 def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     """The jitted engine step (forward, logits, sampling) of a SmolLM2-shaped model with
     Pallas attention and int8 Pallas matmuls, bf16, lowered for CUDA."""
-    from jaxserve.engine.runner import _abstract_inputs, _step
+    from jaxserve.engine.runner import StepKey, _abstract_inputs, _step
 
     cfg = tiny_config(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       num_layers=2, vocab_size=4096, dtype="bfloat16")
     params = jax.eval_shape(lambda p: quantize_params(p, "int8", 64), abstract_params(cfg))
     cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
-    B, Q, P = (8, 1, 16) if kind == "decode" else (2, 64, 8)
-    batch, sampling = _abstract_inputs(B, Q, P, None)
+    key = StepKey("decode", 8, 8, 16) if kind == "decode" else StepKey("prefill", 128, 2, 8)
+    batch, sampling = _abstract_inputs(key, None)
     step = functools.partial(_step, cfg=cfg, rules=None, kernels=Kernels("pallas", "pallas"))
     prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
     text = _lower(step, params, cache, batch, sampling, prev_tokens)

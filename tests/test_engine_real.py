@@ -213,7 +213,8 @@ def test_background_warmup_serves_at_once_and_compiles_each_shape_once(cache_dir
     from jaxserve.engine.buckets import warmup_shapes
 
     engine = build_engine(load_config(SMALL_CONFIG), cache_dir, warmup="background")
-    all_shapes = {(B, Q, P) for _, B, Q, P in warmup_shapes(engine.engine_config)}
+    from jaxserve.engine.runner import StepKey
+    all_shapes = {StepKey(*shape) for shape in warmup_shapes(engine.engine_config)}
     assert engine.stats()["warmup_pending"] == len(all_shapes) - 2 > 0
     llm = LLM(engine=engine)
     rng = np.random.default_rng(6)

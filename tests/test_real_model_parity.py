@@ -104,9 +104,9 @@ def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, mod
     n_prefill = len(ids) - N_DECODE
     Q = 1 << (n_prefill - 1).bit_length()
     P = 40
-    got = [driver.step({"s": ids[:n_prefill]}, Q=Q, P=P)["s"]]
+    got = [driver.step({"s": ids[:n_prefill]}, T=Q, P=P)["s"]]
     for t in ids[n_prefill:]:
-        got.append(driver.step({"s": [t]}, Q=1, P=P)["s"])
+        got.append(driver.step({"s": [t]}, T=1, P=P)["s"])
     got = np.concatenate(got)
     assert got.shape == want.shape
     diff = np.abs(got - want).max()
@@ -115,8 +115,8 @@ def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, mod
         return
     f32 = PagedDriver(model[1], cfg, num_pages=48, page_size=16, seed=len(ids),
                       kernels=Kernels(attention, "xla"), layout="head_major")
-    ref = [f32.step({"s": ids[:n_prefill]}, Q=Q, P=P)["s"]]
-    ref += [f32.step({"s": [t]}, Q=1, P=P)["s"] for t in ids[n_prefill:]]
+    ref = [f32.step({"s": ids[:n_prefill]}, T=Q, P=P)["s"]]
+    ref += [f32.step({"s": [t]}, T=1, P=P)["s"] for t in ids[n_prefill:]]
     assert np.abs(np.concatenate(ref) - want).max() < diff, "bf16 weights do round"
 
 

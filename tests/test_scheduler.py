@@ -66,6 +66,16 @@ def test_prefill_token_budget_splits_batches():
     assert len(sched.schedule().seqs) == 2  # 2 x 16 = 32 fits; 4 x 16 does not
 
 
+def test_prefill_packs_prompts_by_summed_length():
+    """Prompts share a step by their summed length (packed rows), not by batch x longest:
+    5 + 9 + 10 = 24 tokens fit a 32-row budget (a padded 3 -> 4 x 16 rectangle would not);
+    a fourth prompt would make 30 -> still 32 rows, a fifth 34 > 32."""
+    sched, _ = make(num_pages=64, max_prefill_tokens=32)
+    for i, n in enumerate((5, 9, 10, 6, 4)):
+        sched.add(seq(f"r{i}", n))
+    assert [s.request_id for s in sched.schedule().seqs] == ["r0", "r1", "r2", "r3"]
+
+
 def test_max_num_seqs_caps_running():
     sched, _ = make(num_pages=64, max_num_seqs=2)
     for i in range(5):

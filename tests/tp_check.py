@@ -25,35 +25,41 @@ from jaxserve.sharding import ShardingRules, make_mesh
 def run(params, cfg, rules, ids, n_decode, others=()):
     """Logits [len(ids) + n_decode, vocab] of `ids` (one prefill step, then n_decode greedy
     decode steps); `others`: token lists prefilled and decoded in the same batch after it."""
-    ps, Q, per_seq = 16, 64, 4
+    ps, per_seq = 16, 4
     rows = [list(ids)] + [list(o) for o in others]
     B = len(rows)
+    T = max(64, sum(len(r) for r in rows))  # token rows of the packed prefill
     rng = np.random.default_rng(7)
     tables = rng.permutation(np.arange(1, 1 + B * per_seq)).reshape(B, per_seq).astype(np.int32)
     cache = init_kv_cache(cfg, 1 + B * per_seq, ps, cfg.dtype, rules)
     fwd = jax.jit(lambda p, c, b: (lambda h, c: (compute_logits(p, h, rules), c))(
         *forward(p, c, b, cfg, rules)), donate_argnums=1)
 
-    def batch(chunks, starts, q):
-        z = lambda: np.zeros((B, q), np.int32)
+    def batch(chunks, starts, T, decode=False):
+        z = lambda: np.zeros(T, np.int32)  # noqa: E731
         b = StepBatch(tokens=z(), positions=z(), slot_mapping=z(), block_tables=tables,
-                      seq_lens=np.zeros(B, np.int32), logits_indices=np.zeros(B, np.int32))
+                      seq_lens=np.zeros(B, np.int32), query_start=np.zeros(B + 1, np.int32),
+                      logits_indices=np.zeros(B, np.int32), decode=decode)
+        row = 0
         for r, (toks, start) in enumerate(zip(chunks, starts)):
             pos = np.arange(start, start + len(toks))
-            b.tokens[r, :len(toks)] = toks
-            b.positions[r, :len(toks)] = pos
-            b.slot_mapping[r, :len(toks)] = tables[r][pos // ps] * ps + pos % ps
+            b.tokens[row:row + len(toks)] = toks
+            b.positions[row:row + len(toks)] = pos
+            b.slot_mapping[row:row + len(toks)] = tables[r][pos // ps] * ps + pos % ps
             b.seq_lens[r] = start + len(toks)
+            row += len(toks)
+            b.query_start[r + 1:] = row
         return b
 
-    logits, cache = fwd(params, cache, batch(rows, [0] * B, Q))
-    logits = np.asarray(logits)
-    outs = [logits[0, :len(ids)]]
     lens = [len(r) for r in rows]
-    toks = [[int(logits[r, lens[r] - 1].argmax())] for r in range(B)]
+    logits, cache = fwd(params, cache, batch(rows, [0] * B, T))
+    logits = np.asarray(logits)
+    ends = np.cumsum(lens)
+    outs = [logits[:len(ids)]]
+    toks = [[int(logits[ends[r] - 1].argmax())] for r in range(B)]
     for _ in range(n_decode):
-        logits, cache = fwd(params, cache, batch(toks, lens, 1))
-        logits = np.asarray(logits)[:, 0]
+        logits, cache = fwd(params, cache, batch(toks, lens, B, decode=True))
+        logits = np.asarray(logits)
         outs.append(logits[:1])
         lens = [n + 1 for n in lens]
         toks = [[int(row.argmax())] for row in logits]

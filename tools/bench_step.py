@@ -62,7 +62,7 @@ def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
         Q, P, ctx = 1, L, L * page_size - 3
     else:
         Q, P, ctx = L, -(-L // page_size), L
-    b = empty_batch(B, Q, P)
+    b = empty_batch(B * Q, B, P, decode=kind == "decode")
     pages = rng.permutation(np.arange(1, num_pages))
     if B * P > len(pages):
         raise ValueError(f"{kind}:{B}x{L} needs {B * P} pages, the pool has {len(pages)}")
@@ -72,12 +72,14 @@ def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
         if ragged and kind == "decode":
             ctx = int(rng.integers(1, full_ctx + 1))
         pos = np.arange(ctx - Q, ctx)
-        b.tokens[i] = rng.integers(100, 30000, Q)
-        b.positions[i] = pos
-        b.slot_mapping[i] = table[pos // page_size] * page_size + pos % page_size
+        rows = slice(i * Q, (i + 1) * Q)
+        b.tokens[rows] = rng.integers(100, 30000, Q)
+        b.positions[rows] = pos
+        b.slot_mapping[rows] = table[pos // page_size] * page_size + pos % page_size
         b.block_tables[i] = table
         b.seq_lens[i] = ctx
-        b.logits_indices[i] = Q - 1
+        b.query_start[i + 1] = (i + 1) * Q
+        b.logits_indices[i] = (i + 1) * Q - 1
     s = SamplingBatch.from_params([SamplingParams(temperature=0)] * B, [0] * B, [0] * B, B)
     return b, s
 

@@ -1,9 +1,12 @@
 """StepPlan -> padded numpy arrays of fixed bucketed shapes. Plain Python + numpy.
 
-Shapes: prefill [B, Q] with B from `prefill_batch_sizes`, Q from `prefill_lengths` and
-P = ceil(Q / page_size) rounded up to `page_counts`; decode [B, 1] with B from
-`decode_batch_sizes` and P the longest block table rounded up to `page_counts`. Padding
-tokens write to the null page and padding rows have seq_len 0.
+Every step is a flat ragged batch (jaxserve.model.transformer.StepBatch): T token rows,
+the sequences' new tokens packed one after another, over S sequences with P block-table
+pages each. Prefill: T from `prefill_lengths` (the prompts' summed length), S from
+`prefill_batch_sizes`, P = ceil(T / page_size) rounded up to `page_counts`. Decode:
+T = S from `decode_batch_sizes` (one row per sequence), P the longest block table rounded
+up to `page_counts`. Padding tokens write to the null page; padding sequences have
+seq_len 0 and no token rows.
 """
 
 from __future__ import annotations
@@ -11,23 +14,30 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.buckets import bucket_for
+from jaxserve.engine.buckets import bucket_for, prefill_shape
 from jaxserve.kv_cache import NULL_PAGE
 from jaxserve.model.transformer import StepBatch
 from jaxserve.sampling import SamplingBatch
 
 
-def empty_batch(B: int, Q: int, P: int) -> StepBatch:
-    """An all-padding batch of shape (B, Q, P): every token writes to the null page, every
-    row has seq_len 0; builders fill in the real rows."""
+def empty_batch(T: int, S: int, P: int, decode: bool = False) -> StepBatch:
+    """An all-padding batch of T token rows and S sequences with P pages each: every token
+    writes to the null page, every sequence has seq_len 0 (and, for decode, T == S, row b
+    belongs to sequence b; otherwise no sequence owns a row); builders fill in the real
+    ones."""
+    if decode and T != S:
+        raise ValueError(f"a decode batch has one token row per sequence, got T={T}, S={S}")
     return StepBatch(
-        prev_index=np.full((B,), -1, np.int32),
-        tokens=np.zeros((B, Q), np.int32),
-        positions=np.zeros((B, Q), np.int32),
-        slot_mapping=np.full((B, Q), NULL_PAGE, np.int32),
-        block_tables=np.full((B, P), NULL_PAGE, np.int32),
-        seq_lens=np.zeros((B,), np.int32),
-        logits_indices=np.zeros((B,), np.int32),
+        prev_index=np.full((T,), -1, np.int32),
+        tokens=np.zeros((T,), np.int32),
+        positions=np.zeros((T,), np.int32),
+        slot_mapping=np.full((T,), NULL_PAGE, np.int32),
+        block_tables=np.full((S, P), NULL_PAGE, np.int32),
+        seq_lens=np.zeros((S,), np.int32),
+        query_start=(np.arange(S + 1, dtype=np.int32) if decode
+                     else np.zeros((S + 1,), np.int32)),
+        logits_indices=np.zeros((S,), np.int32),
+        decode=decode,
     )
 
 
@@ -36,31 +46,34 @@ def _slots(block_table: list[int], start: int, stop: int, page_size: int) -> np.
     return np.asarray(block_table, np.int32)[pos // page_size] * page_size + pos % page_size
 
 
-def _sampling(seqs, B: int) -> SamplingBatch:
+def _sampling(seqs, S: int) -> SamplingBatch:
     return SamplingBatch.from_params([s.params for s in seqs], [s.seed for s in seqs],
-                                     [len(s.output_ids) for s in seqs], B)
+                                     [len(s.output_ids) for s in seqs], S)
 
 
 def prefill_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, SamplingBatch]:
-    """All tokens of each sequence (prompt, plus earlier outputs after a preemption), which
-    must all be known (no PLACEHOLDER: raises ValueError). prev_rows is ignored."""
+    """All tokens of each sequence (prompt, plus earlier outputs after a preemption),
+    packed one sequence after another; they must all be known (no PLACEHOLDER: raises
+    ValueError). prev_rows is ignored."""
     for s in seqs:
         if s.has_placeholder:
             raise ValueError(f"request {s.request_id!r}: prefill of a sequence whose last "
                              "token is still being sampled")
-    B = bucket_for(len(seqs), cfg.prefill_batch_sizes)
-    Q = bucket_for(max(s.num_tokens for s in seqs), cfg.prefill_lengths)
-    P = bucket_for(-(-Q // cfg.page_size), cfg.page_counts)
-    b = empty_batch(B, Q, P)
+    T, S, P = prefill_shape([s.num_tokens for s in seqs], cfg)
+    b = empty_batch(T, S, P)
+    start = 0
     for i, s in enumerate(seqs):
         n = s.num_tokens
-        b.tokens[i, :n] = s.all_ids
-        b.positions[i, :n] = np.arange(n)
-        b.slot_mapping[i, :n] = _slots(s.block_table, 0, n, cfg.page_size)
+        rows = slice(start, start + n)
+        b.tokens[rows] = s.all_ids
+        b.positions[rows] = np.arange(n)
+        b.slot_mapping[rows] = _slots(s.block_table, 0, n, cfg.page_size)
         b.block_tables[i, :len(s.block_table)] = s.block_table
         b.seq_lens[i] = n
-        b.logits_indices[i] = n - 1
-    return b, _sampling(seqs, B)
+        b.logits_indices[i] = start + n - 1
+        start += n
+        b.query_start[i + 1:] = start
+    return b, _sampling(seqs, S)
 
 
 def decode_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, SamplingBatch]:
@@ -69,9 +82,9 @@ def decode_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, Sa
     prev_rows: {sequence: row} of the previous (still running) step; a sequence whose last
     token is a PLACEHOLDER reads it from that row on device (raises ValueError if it is
     not there)."""
-    B = bucket_for(len(seqs), cfg.decode_batch_sizes)
+    S = bucket_for(len(seqs), cfg.decode_batch_sizes)
     P = bucket_for(max(len(s.block_table) for s in seqs), cfg.page_counts)
-    b = empty_batch(B, 1, P)
+    b = empty_batch(S, S, P, decode=True)
     for i, s in enumerate(seqs):
         n = s.num_tokens
         if s.has_placeholder:
@@ -80,9 +93,10 @@ def decode_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, Sa
                                  "was not sampled by the previous step")
             b.prev_index[i] = prev_rows[s]
         else:
-            b.tokens[i, 0] = s.last_token
-        b.positions[i, 0] = n - 1
-        b.slot_mapping[i, 0] = _slots(s.block_table, n - 1, n, cfg.page_size)[0]
+            b.tokens[i] = s.last_token
+        b.positions[i] = n - 1
+        b.slot_mapping[i] = _slots(s.block_table, n - 1, n, cfg.page_size)[0]
         b.block_tables[i, :len(s.block_table)] = s.block_table
         b.seq_lens[i] = n
-    return b, _sampling(seqs, B)
+        b.logits_indices[i] = i
+    return b, _sampling(seqs, S)

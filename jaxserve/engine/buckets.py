@@ -13,15 +13,26 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def prefill_shape(lengths: list[int], cfg: EngineConfig) -> tuple[int, int, int]:
+    """(T, S, P) of a prefill step packing prompts of `lengths` tokens: T the token bucket
+    of their sum, S the sequence bucket of their count, P the page bucket of T tokens
+    (no prompt is longer than T). Raises ValueError past the largest buckets."""
+    T = bucket_for(sum(lengths), cfg.prefill_lengths)
+    S = bucket_for(len(lengths), cfg.prefill_batch_sizes)
+    return T, S, bucket_for(-(-T // cfg.page_size), cfg.page_counts)
+
+
 def warmup_shapes(cfg: EngineConfig) -> list[tuple[str, int, int, int]]:
-    """Every (kind, B, Q, P) the engine can run: what warm-up compiles."""
+    """Every (kind, T, S, P) the engine can run (T token rows, S sequences, P pages per
+    block table): what warm-up compiles. Several prompts share a prefill step only within
+    max_prefill_tokens token rows."""
     shapes = []
-    for Q in cfg.prefill_lengths:
-        P = bucket_for(-(-Q // cfg.page_size), cfg.page_counts)
-        for B in cfg.prefill_batch_sizes:
-            if B == 1 or B * Q <= cfg.max_prefill_tokens:
-                shapes.append(("prefill", B, Q, P))
-    for B in cfg.decode_batch_sizes:
+    for T in cfg.prefill_lengths:
+        P = bucket_for(-(-T // cfg.page_size), cfg.page_counts)
+        for S in cfg.prefill_batch_sizes:
+            if S == 1 or T <= cfg.max_prefill_tokens:
+                shapes.append(("prefill", T, S, P))
+    for S in cfg.decode_batch_sizes:
         for P in cfg.page_counts:
-            shapes.append(("decode", B, 1, P))
+            shapes.append(("decode", S, S, P))
     return shapes

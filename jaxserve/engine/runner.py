@@ -1,7 +1,8 @@
 """Device side of the engine: holds the params and the KV pool, runs the jitted step.
 
 The step (forward -> last-token logits -> sample) is compiled ahead of time once per
-bucketed shape (kind, B, Q, P); the executables are kept here, so a shape outside the
+bucketed shape (kind, T, S, P): "prefill" or "decode", T token rows, S sequences, P
+block-table pages; the executables are kept here, so a shape outside the
 buckets is a visible compilation (`num_compilations`), never a silent retrace. The KV
 pool is donated to every step and replaced by the returned one.
 
@@ -20,6 +21,7 @@ import logging
 import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,31 +44,46 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
           prev_tokens: jax.Array, *, cfg: ModelConfig, rules: ShardingRules | None,
           kernels: Kernels):
     """One engine step. prev_tokens: [max_rows] int32, the previous step's sampled tokens.
-    Returns (tokens [max_rows] int32 padded with 0, logprobs [B] f32, cache)."""
-    B, Q = batch.tokens.shape
-    tokens_in = batch.tokens
-    if Q == 1:
-        from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
-        tokens_in = jnp.where(batch.prev_index >= 0, from_prev, batch.tokens[:, 0])[:, None]
+    Returns (tokens [max_rows] int32 padded with 0, logprobs [S] f32, cache)."""
+    S = batch.seq_lens.shape[0]
+    from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
+    tokens_in = jnp.where(batch.prev_index >= 0, from_prev, batch.tokens)
     hidden, cache = forward(params, cache, dataclasses.replace(batch, tokens=tokens_in), cfg,
                             rules, kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules)
     tokens, logprobs = sample(logits, sampling)
-    padded = jnp.zeros(prev_tokens.shape, jnp.int32).at[:B].set(tokens)
+    padded = jnp.zeros(prev_tokens.shape, jnp.int32).at[:S].set(tokens)
     return padded, logprobs, cache
 
 
-def _abstract_inputs(B: int, Q: int, P: int, sharding) -> tuple[StepBatch, SamplingBatch]:
+def _abstract_inputs(key: StepKey, sharding) -> tuple[StepBatch, SamplingBatch]:
     def s(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     i32, f32 = jnp.int32, jnp.float32
-    batch = StepBatch(tokens=s((B, Q), i32), positions=s((B, Q), i32),
-                      slot_mapping=s((B, Q), i32), block_tables=s((B, P), i32),
-                      seq_lens=s((B,), i32), logits_indices=s((B,), i32),
-                      prev_index=s((B,), i32))
-    sampling = SamplingBatch(temperature=s((B,), f32), top_k=s((B,), i32), top_p=s((B,), f32),
-                             min_p=s((B,), f32), seed=s((B,), jnp.uint32), step=s((B,), i32))
+    T, S, P = key.T, key.S, key.P
+    batch = StepBatch(tokens=s((T,), i32), positions=s((T,), i32),
+                      slot_mapping=s((T,), i32), block_tables=s((S, P), i32),
+                      seq_lens=s((S,), i32), query_start=s((S + 1,), i32),
+                      logits_indices=s((S,), i32), prev_index=s((T,), i32),
+                      decode=key.kind == "decode")
+    sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),
+                             min_p=s((S,), f32), seed=s((S,), jnp.uint32), step=s((S,), i32))
     return batch, sampling
+
+
+class StepKey(NamedTuple):
+    """A compiled step shape: kind "prefill" or "decode", T token rows, S sequences, P
+    block-table pages per sequence."""
+
+    kind: str
+    T: int
+    S: int
+    P: int
+
+    @classmethod
+    def of(cls, batch: StepBatch) -> "StepKey":
+        return cls("decode" if batch.decode else "prefill", batch.tokens.shape[0],
+                   *batch.block_tables.shape)
 
 
 def _abstract(tree):
@@ -88,8 +105,8 @@ class Runner:
         self._jitted = jax.jit(
             functools.partial(_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
             donate_argnums=(1,))
-        self._compiled: dict[tuple[int, int, int], object] = {}
-        self._futures: dict[tuple[int, int, int], Future] = {}
+        self._compiled: dict[StepKey, object] = {}
+        self._futures: dict[StepKey, Future] = {}
         self._lock = threading.Lock()           # compiled shapes, futures, counters
         self._dispatch_lock = threading.Lock()  # the KV pool: one step launched at a time
         self._pending_warmup = 0
@@ -101,21 +118,20 @@ class Runner:
         self.max_rows = max(engine_cfg.decode_batch_sizes + engine_cfg.prefill_batch_sizes)
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
 
-    def _compile(self, B: int, Q: int, P: int):
+    def _compile(self, key: StepKey):
         t0 = time.perf_counter()
-        batch, sampling = _abstract_inputs(B, Q, P, self._replicated)
+        batch, sampling = _abstract_inputs(key, self._replicated)
         exe = self._jitted.trace(_abstract(self.params), _abstract(self.cache), batch,
                                  sampling, _abstract(self.last_tokens)).lower().compile()
-        dt = time.perf_counter() - t0
-        return (B, Q, P), exe, dt
+        return exe, time.perf_counter() - t0
 
-    def _executable(self, B: int, Q: int, P: int):
-        exe = self._compiled.get((B, Q, P))
+    def _executable(self, key: StepKey):
+        exe = self._compiled.get(key)
         if exe is None:
-            exe = self._get_or_compile((B, Q, P), on_demand=True)
+            exe = self._get_or_compile(key, on_demand=True)
         return exe
 
-    def _get_or_compile(self, key: tuple[int, int, int], on_demand: bool = False):
+    def _get_or_compile(self, key: StepKey, on_demand: bool = False):
         """The executable for `key`, compiling it unless it is compiled or being compiled
         (then wait for that compilation: a shape is never compiled twice). A warm-up
         compile (not on_demand) also runs the step once on an all-padding batch: an
@@ -128,9 +144,9 @@ class Runner:
         if not owner:
             return future.result()
         if on_demand:
-            log.warning("compiling step for unwarmed shape B=%d Q=%d P=%d", *key)
+            log.warning("compiling step for unwarmed shape %s T=%d S=%d P=%d", *key)
         try:
-            _, exe, dt = self._compile(*key)
+            exe, dt = self._compile(key)
             if not on_demand:
                 self._first_run(key, exe)
         except BaseException as e:
@@ -142,13 +158,12 @@ class Runner:
         future.set_result(exe)
         return exe
 
-    def _first_run(self, key: tuple[int, int, int], exe) -> None:
+    def _first_run(self, key: StepKey, exe) -> None:
         """Run `exe` once on an all-padding batch and wait for it (every write goes to the
         null page; the sampled tokens are dropped, `last_tokens` is kept for the engine's
         next step)."""
-        B, Q, P = key
-        batch = empty_batch(B, Q, P)
-        sampling = SamplingBatch.from_params([], [], [], B)
+        batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode")
+        sampling = SamplingBatch.from_params([], [], [], key.S)
         with self._dispatch_lock:
             tokens, _, self.cache = exe(self.params, self.cache, batch, sampling, self.last_tokens)
         # wait for it here (not holding the lock): warm-up steps never pile up on the device
@@ -161,14 +176,14 @@ class Runner:
             self.num_compilations += 1
             self.compile_seconds += dt
 
-    def _warmup_keys(self, shapes) -> list[tuple[int, int, int]]:
+    def _warmup_keys(self, shapes) -> list[StepKey]:
         """Shapes to compile, most likely first: one-sequence shapes by page count (the
         first two: the shortest decode and prefill, what a first short request needs),
         then the rest by size."""
         shapes = shapes if shapes is not None else warmup_shapes(self.engine_cfg)
-        keys = {(B, Q, P) for _, B, Q, P in shapes} - set(self._compiled)
-        return sorted(keys, key=lambda k: (k[0] != 1, k[2], k[1]) if k[0] == 1 else
-                      (True, k[0] * k[1] * k[2], k[1]))
+        keys = {StepKey(*shape) for shape in shapes} - set(self._compiled)
+        return sorted(keys, key=lambda k: (False, k.P, k.T, k.kind) if k.S == 1 else
+                      (True, k.T * k.P, k.S, k.kind))
 
     def warmup(self, shapes: list[tuple[str, int, int, int]] | None = None, threads: int = 2) -> None:
         """Compile the step for every bucketed shape and wait (XLA compiles release the
@@ -225,30 +240,30 @@ class Runner:
         """Launch one step without waiting for it (host numpy arrays in; batch.prev_index
         None = all tokens from the host). Returns a handle for `fetch`; the KV pool and
         `last_tokens` are replaced by the step's (future) outputs at once."""
-        B, Q = batch.tokens.shape
         if batch.prev_index is None:
-            batch = dataclasses.replace(batch, prev_index=np.full((B,), -1, np.int32))
-        exe = self._executable(B, Q, batch.block_tables.shape[1])
+            batch = dataclasses.replace(
+                batch, prev_index=np.full(batch.tokens.shape, -1, np.int32))
+        exe = self._executable(StepKey.of(batch))
         with self._dispatch_lock:
             tokens, logprobs, self.cache = exe(self.params, self.cache, batch, sampling,
                                                self.last_tokens)
             self.last_tokens = tokens
-        return StepHandle(tokens, logprobs, B)
+        return StepHandle(tokens, logprobs, batch.seq_lens.shape[0])
 
     @staticmethod
     def fetch(handle: "StepHandle") -> tuple[np.ndarray, np.ndarray]:
-        """Wait for a dispatched step; its sampled tokens [B] int32 and logprobs [B] f32."""
+        """Wait for a dispatched step; its sampled tokens [S] int32 and logprobs [S] f32."""
         return np.asarray(handle.tokens)[:handle.batch_size], np.asarray(handle.logprobs)
 
     def run(self, batch: StepBatch, sampling: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step and wait: sampled tokens [B] int32 and their logprobs [B] f32."""
+        """Run one step and wait: sampled tokens [S] int32 and their logprobs [S] f32."""
         return self.fetch(self.dispatch(batch, sampling))
 
 
 @dataclasses.dataclass(frozen=True)
 class StepHandle:
     """A dispatched step's outputs, still on device: tokens [max_rows] int32 (the first
-    batch_size rows are real), logprobs [batch_size] f32."""
+    batch_size rows, one per sequence, are real), logprobs [batch_size] f32."""
 
     tokens: jax.Array
     logprobs: jax.Array

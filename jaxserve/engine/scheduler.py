@@ -1,7 +1,7 @@
 """Continuous-batching scheduler: which sequences run in the next step. Plain Python.
 
-Each step is either a prefill step (admit waiting sequences, computing all their tokens)
-or a decode step (one new token for every running sequence). Prefill goes first whenever
+Each step is either a prefill step (admit waiting sequences, computing all their tokens,
+packed one after another within max_prefill_tokens token rows) or a decode step (one new token for every running sequence). Prefill goes first whenever
 a waiting sequence can be admitted without making the following decode step preempt.
 When a decode step needs a page and none is free, the most recently admitted sequence is
 preempted: its pages are freed and it waits (at the front of the queue) to be recomputed.
@@ -73,11 +73,10 @@ class Scheduler:
         while self.waiting and len(self.running) + len(batch) < cfg.max_num_seqs \
                 and len(batch) < cfg.max_prefill_seqs:
             seq = self.waiting[0]
-            if batch:
-                longest = max(max(s.num_tokens for s in batch), seq.num_tokens)
-                padded = (bucket_for(len(batch) + 1, cfg.prefill_batch_sizes)
-                          * bucket_for(longest, cfg.prefill_lengths))
-                if padded > cfg.max_prefill_tokens:
+            if batch:  # packed one after another: the step's rows are the summed lengths
+                total = sum(s.num_tokens for s in batch) + seq.num_tokens
+                if (total > min(cfg.max_prefill_tokens, cfg.prefill_lengths[-1])
+                        or bucket_for(total, cfg.prefill_lengths) > cfg.max_prefill_tokens):
                     break
             pages = self.pool.pages_for(seq.num_tokens)
             # its first decode writes one more token: it may need one more page

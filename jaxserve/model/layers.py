@@ -1,6 +1,6 @@
 """Llama building blocks as pure functions: RMSNorm, RoPE (with llama3 scaling), SwiGLU.
 
-Shapes use B = batch, Q = new tokens per sequence, D = hidden size, H / K = query / KV
+Shapes use T = the step's token rows (sequences packed), D = hidden size, H / K = query / KV
 heads, Dh = head_dim, F = MLP width. All math in the params' dtype, except RMSNorm's
 variance and RoPE's angles, which are computed in f32 as in HF transformers.
 """
@@ -51,20 +51,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 
 
 def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, Q, Dh // 2] f32 for int32 `positions` [B, Q]; computed once per step."""
+    """cos, sin [..., Dh // 2] f32 for int32 `positions` [...] (the step's [T] token
+    positions); computed once per step."""
     inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate `x` [B, Q, heads, Dh] by position, "rotate_half" layout (HF Llama convention:
-    the first and second halves of head_dim are the pair). cos/sin: [B, Q, Dh // 2] f32.
+    """Rotate `x` [..., heads, Dh] by position, "rotate_half" layout (HF Llama convention:
+    the first and second halves of head_dim are the pair). cos/sin: [..., Dh // 2] f32.
     """
     half = x.shape[-1] // 2
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half:].astype(jnp.float32)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
@@ -72,10 +73,10 @@ def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
                rules: ShardingRules | None, matmul_impl: str = "xla") -> jax.Array:
     """SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down.
 
-    x: [B, Q, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [B, Q, D]; the weights float
+    x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [T, D]; the weights float
     arrays or QuantizedWeights (`matmul_impl` then picks the kernel). The F axis is the
     tensor-parallel `mlp` axis. Source: Shazeer 2020, "GLU Variants Improve Transformer".
     """
     h = jax.nn.silu(dense(x, w_gate, 1, matmul_impl)) * dense(x, w_up, 1, matmul_impl)
-    h = constrain(rules, h, ("batch", "sequence", "mlp"))
+    h = constrain(rules, h, ("tokens", "mlp"))
     return dense(h, w_down, 1, matmul_impl)

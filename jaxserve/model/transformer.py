@@ -1,8 +1,10 @@
 """The Llama-family forward pass over a ragged, paged batch.
 
 `forward` is one code path for prefill, decode and (later) chunked prefill and
-speculative verification: each of the B sequences brings Q new tokens (padded), their K/V
-are written into the page pool, and they attend to their context through block tables.
+speculative verification: the step's new tokens are packed one sequence after another in
+a flat ragged batch of T tokens (each of the S sequences brings q_len >= 1 of them), their
+K/V are written into the page pool, and each attends to its own context through its block
+table. Padding costs only the bucket's rounding of T, not a rectangle of B x longest.
 Pure function: params and the KV cache go in, hidden states and the updated cache come
 out (callers jit it with the cache donated).
 
@@ -28,19 +30,23 @@ from jaxserve.model.quantized import DualPrecisionWeight, bf16_matmul, dense, pa
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules, constrain
 
-ACT_AXES = ("batch", "sequence", "embed")
+ACT_AXES = ("tokens", "embed")
 
 
-@pytree_dataclass
+@pytree_dataclass(meta=("decode",))
 class StepBatch:
-    """One padded ragged batch (all int32).
+    """One flat ragged batch (all int32): T token rows packed by sequence, S sequences.
 
-    tokens, positions, slot_mapping: [B, Q] (padding tokens: position 0, slot in the null
-    page). block_tables: [B, P] page ids. seq_lens: [B] context length after this step
-    (0 for padding rows). logits_indices: [B] which of the Q positions predicts the next
-    token (q_len - 1). prev_index: [B] or None, used by the engine's step only (decode,
-    Q = 1): row i's token is the one the previous step sampled in its row prev_index[i]
-    (still on device), or tokens[i, 0] where prev_index[i] < 0.
+    tokens, positions, slot_mapping: [T] (padding tokens: position 0, slot in the null
+    page). block_tables: [S, P] page ids. seq_lens: [S] context length after this step (0
+    for padding sequences). query_start: [S + 1], non-decreasing: sequence b owns token
+    rows query_start[b] : query_start[b + 1] (padding sequences own none; rows past
+    query_start[S] are padding). logits_indices: [S] the row of each sequence's last token,
+    which predicts its next token. prev_index: [T] or None, used by the engine's step only:
+    token row t is the token the previous step sampled in its row prev_index[t] (still on
+    device), or tokens[t] where prev_index[t] < 0.
+    decode (static): every sequence brings exactly one token and T == S, token row b being
+    sequence b's (lets attention use its decode specialisation).
     """
 
     tokens: Any
@@ -48,26 +54,28 @@ class StepBatch:
     slot_mapping: Any
     block_tables: Any
     seq_lens: Any
+    query_start: Any
     logits_indices: Any
     prev_index: Any = None
+    decode: bool = False
 
 
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,
                      meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels,
                      layout: str):
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    q = dense(h, lp.wq, 1, kernels.matmul)  # [B, Q, H, Dh]
-    k = dense(h, lp.wk, 1, kernels.matmul)  # [B, Q, K, Dh]
+    q = dense(h, lp.wq, 1, kernels.matmul)  # [T, H, Dh]
+    k = dense(h, lp.wk, 1, kernels.matmul)  # [T, K, Dh]
     v = dense(h, lp.wv, 1, kernels.matmul)
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-    q = constrain(rules, apply_rope(q, cos, sin), ("batch", "sequence", "q_heads", "head_dim"))
-    k = constrain(rules, apply_rope(k, cos, sin), ("batch", "sequence", "kv_heads", "head_dim"))
-    v = constrain(rules, v, ("batch", "sequence", "kv_heads", "head_dim"))
+    q = constrain(rules, apply_rope(q, cos, sin), ("tokens", "q_heads", "head_dim"))
+    k = constrain(rules, apply_rope(k, cos, sin), ("tokens", "kv_heads", "head_dim"))
+    v = constrain(rules, v, ("tokens", "kv_heads", "head_dim"))
     k_pages = write_kv(k_pages, k, slot_mapping, layout)
     v_pages = write_kv(v_pages, v, slot_mapping, layout)
     attn = paged_attention(q, k_pages, v_pages, meta, kernels.attention, layout)
-    out = dense(attn, lp.wo, 2, kernels.matmul)  # [B, Q, D]
+    out = dense(attn, lp.wo, 2, kernels.matmul)  # [T, D]
     return constrain(rules, out, ACT_AXES), k_pages, v_pages
 
 
@@ -86,15 +94,15 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
             kernels: Kernels = Kernels()) -> tuple[jax.Array, KVCache]:
     """Run all layers on the batch's new tokens.
 
-    Returns hidden states [B, Q, D] (after the final RMSNorm, in cfg.dtype) and the cache
+    Returns hidden states [T, D] (after the final RMSNorm, in cfg.dtype) and the cache
     with this step's K/V written at `batch.slot_mapping`. `kernels` picks the attention
     and matmul implementations; params may hold QuantizedWeight projections. The cache
     may be in either layout for "xla" attention, token-major for the Pallas kernels.
     """
     x = constrain(rules, params.embed[batch.tokens], ACT_AXES)
     cos, sin = rope_tables(batch.positions, cfg)
-    meta = make_metadata(batch.block_tables, batch.seq_lens, batch.positions,
-                         cache.page_size, kernels.attention)
+    meta = make_metadata(batch.block_tables, batch.seq_lens, batch.query_start,
+                         batch.positions, cache.page_size, kernels.attention, batch.decode)
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         a, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], cos, sin,
@@ -131,11 +139,11 @@ def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | Non
     else:
         logits = jnp.einsum("...d,dv->...v", hidden, head,
                             preferred_element_type=jnp.float32)
-    return constrain(rules, logits, ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",))
+    return constrain(rules, logits, (None,) * (logits.ndim - 1) + ("vocab",))
 
 
 def last_token_logits(params: Params, hidden: jax.Array, logits_indices: jax.Array,
                       rules: ShardingRules | None = None) -> jax.Array:
-    """Logits [B, vocab] f32 at position `logits_indices[b]` of each row of hidden [B, Q, D]."""
-    h = jnp.take_along_axis(hidden, logits_indices[:, None, None], axis=1)[:, 0]
-    return compute_logits(params, h, rules)
+    """Logits [S, vocab] f32 of hidden [T, D] at the rows `logits_indices` [S] int32 (each
+    sequence's last token)."""
+    return compute_logits(params, hidden[logits_indices], rules)
