@@ -13,7 +13,12 @@ CONFIG = Config(
     served_model_name="SmolLM2-135M-Instruct",
     engine=EngineConfig(
         page_size=16,
-        kv_cache_bytes=256 * 2**20,  # 364 pages = 5824 tokens of f32 K/V
+        # 1456 pages = 23296 tokens of f32 K/V (46 KiB a token). 32 streams of ~360 tokens
+        # need ~11.5k: at 256 MiB the pool held 5.8k, admission stalled and preemptions
+        # recomputed ~40% more prompt tokens (in-process, 64 bench prompts at 32 streams:
+        # 140 -> 171 output tok/s). llama.cpp's server in tools/bench_peers.py gets 2048
+        # tokens of context per slot.
+        kv_cache_bytes=1024 * 2**20,
         max_num_seqs=32,
         max_model_len=2048,
         max_prefill_tokens=1024,

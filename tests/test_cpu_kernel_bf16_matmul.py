@@ -109,8 +109,9 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
     """dual_precision_params(packed=True) through the model: the logits of the f32 model
     whose weights are rounded to bf16 (x, products and sums f32), up to summation order, on
     prefill and decode, with the LM head tied (packed from [vocab, embed])."""
-    from jaxserve.model.params import init_params
-    from jaxserve.model.quantized import DualPrecisionWeight, dual_precision_params
+    from jaxserve.model.params import FusedLayerParams, init_params
+    from jaxserve.model.quantized import (PROJECTIONS, DualPrecisionWeight, dual_precision,
+                                          dual_precision_params)
     from jaxserve.model.transformer import Kernels
     from model_utils import PagedDriver, tiny_config
 
@@ -127,10 +128,21 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
     assert isinstance(head, DualPrecisionWeight) and head.packed and head.vocab_major
     assert head.shape == (cfg.vocab_size, cfg.hidden_size) and head.w_bf16.ndim == 4
     assert packed.layers[0].wo.shape == params.layers[0].wo.shape  # [heads, head_dim, embed]
+    lp = packed.layers[0]  # projections sharing an input are fused
+    assert isinstance(lp, FusedLayerParams) and lp.wqkv.packed and lp.w_gate_up.packed
+    assert lp.wqkv.shape == (cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    assert lp.w_gate_up.shape == (cfg.hidden_size, 2 * cfg.intermediate_size)
+    # the same packed weights, one kernel call per projection
+    unfused = dataclasses.replace(packed, layers=tuple(
+        dataclasses.replace(p, **{name: dual_precision(getattr(p, name), 1, packed=True, n_in=n_in)
+                                  for name, n_in in PROJECTIONS.items()})
+        for p in params.layers))
     ids = np.random.default_rng(SEED).integers(0, cfg.vocab_size, 12).tolist()
     out = {}
-    for name, p in (("plain", rounded), ("packed", packed)):
+    for name, p in (("plain", rounded), ("packed", packed), ("unfused", unfused)):
         drv = PagedDriver(p, cfg, page_size=4, kernels=Kernels("xla", "xla"), layout="head_major")
         out[name] = [drv.step({"s": ids[:9]}, T=16, P=4)["s"], drv.step({"s": ids[9:10]}, T=1, P=4)["s"]]
     for got, want in zip(out["packed"], out["plain"]):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for got, want in zip(out["packed"], out["unfused"]):  # fusing changes no output column
+        np.testing.assert_array_equal(got, want)

@@ -7,9 +7,11 @@
   --compare matmul: f32 weights in XLA's dot (the baseline) against bf16 weights in the
       C++ "cpu" bf16 matmul kernel, both with the C++ attention: where the kernel wins
       gives `bf16_matmul_min_rows` / `bf16_matmul_max_rows` with matmul_impl "cpu".
+  --compare fusion: the C++ bf16 matmul with one call per projection (the baseline)
+      against the fused wq | wk | wv and w_gate | w_up calls the engine uses.
 
     python tools/bench_step.py [--config configs/smollm2_135m.py] [--repeats 7]
-        [--compare precision|attention|matmul] [--ragged]
+        [--compare precision|attention|matmul|fusion] [--ragged]
         [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
 
 Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
@@ -101,7 +103,8 @@ def main() -> None:
     ap.add_argument("--cache-dir")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--compare", choices=("precision", "attention", "matmul"), default="precision")
+    ap.add_argument("--compare", choices=("precision", "attention", "matmul", "fusion"),
+                    default="precision")
     ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -141,6 +144,13 @@ def main() -> None:
         base, var = "xla", "cpu"
         variants = {base: (params, dataclasses.replace(kernels, attention="xla")),
                     var: (params, kernels)}
+    elif args.compare == "fusion":
+        ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
+                                   bf16_matmul_max_rows=None)
+        kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
+        base, var = "unfused", "fused"
+        variants = {base: (dual_precision_params(params, 1, packed=True, fuse=False), kernels),
+                    var: (dual_precision_params(params, 1, packed=True), kernels)}
     else:  # matmul: f32 weights in XLA's dot against bf16 weights in the C++ kernel
         ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
                                    bf16_matmul_max_rows=None)
@@ -162,7 +172,7 @@ def main() -> None:
                      f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
         print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
               f"{t[var] / t[base]:9.2f}", flush=True)
-    if args.compare == "attention":
+    if args.compare in ("attention", "fusion"):
         if args.json:
             Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
         return

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import KERNEL_IMPLS
-from jaxserve.model.params import LayerParams, Params
+from jaxserve.model.params import FusedLayerParams, LayerParams, Params
 from jaxserve.pytree import pytree_dataclass
 
 # The LayerParams fields that are projections, with how many leading axes are inputs.
@@ -167,18 +167,27 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
 
 
 def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
-                          max_rows: int | None = None) -> Params:
+                          max_rows: int | None = None, fuse: bool = True) -> Params:
     """`params` (f32) with every layer projection (PROJECTIONS) and the LM head as
     DualPrecisionWeights over min_rows .. max_rows rows (a tied LM head becomes `lm_head`
     [vocab, embed] over the same f32 embedding array, plus its bf16 copy); embeddings and
     norms unchanged. packed: the bf16 copies in the C++ CPU kernel's layout (matmul_impl
-    "cpu")."""
+    "cpu"), and with `fuse` the projections that share an input fused (FusedLayerParams:
+    wqkv = wq | wk | wv, w_gate_up = w_gate | w_up; fewer, larger kernel calls, every
+    output column summed exactly as unfused)."""
     def dual(w, **kw):
         return dual_precision(w, min_rows, packed=packed, max_rows=max_rows, **kw)
 
     def layer(lp: LayerParams) -> LayerParams:
-        return dataclasses.replace(lp, **{name: dual(getattr(lp, name), n_in=n_in)
-                                          for name, n_in in PROJECTIONS.items()})
+        if not (packed and fuse):
+            return dataclasses.replace(lp, **{name: dual(getattr(lp, name), n_in=n_in)
+                                              for name, n_in in PROJECTIONS.items()})
+        D = lp.wq.shape[0]
+        qkv = jnp.concatenate([w.reshape(D, -1) for w in (lp.wq, lp.wk, lp.wv)], axis=1)
+        gate_up = jnp.concatenate([lp.w_gate, lp.w_up], axis=1)
+        return FusedLayerParams(attn_norm=lp.attn_norm, wqkv=dual(qkv), wo=dual(lp.wo, n_in=2),
+                                mlp_norm=lp.mlp_norm, w_gate_up=dual(gate_up),
+                                w_down=dual(lp.w_down), bq=lp.bq, bk=lp.bk, bv=lp.bv)
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),

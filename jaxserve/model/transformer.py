@@ -25,7 +25,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import AttentionMetadata, make_metadata, paged_attention
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
-from jaxserve.model.params import LayerParams, Params
+from jaxserve.model.params import FusedLayerParams, LayerParams, Params
 from jaxserve.model.quantized import DualPrecisionWeight, bf16_matmul, dense, packed_bf16_matmul
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules, constrain
@@ -64,9 +64,15 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
                      meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels,
                      layout: str):
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    q = dense(h, lp.wq, 1, kernels.matmul)  # [T, H, Dh]
-    k = dense(h, lp.wk, 1, kernels.matmul)  # [T, K, Dh]
-    v = dense(h, lp.wv, 1, kernels.matmul)
+    if isinstance(lp, FusedLayerParams):  # wq | wk | wv: one matmul, split by columns
+        H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = dense(h, lp.wqkv, 1, kernels.matmul)  # [T, (H + 2K) * Dh]
+        q, k, v = jnp.split(qkv, [H * Dh, (H + K) * Dh], axis=-1)
+        q, k, v = q.reshape(-1, H, Dh), k.reshape(-1, K, Dh), v.reshape(-1, K, Dh)
+    else:
+        q = dense(h, lp.wq, 1, kernels.matmul)  # [T, H, Dh]
+        k = dense(h, lp.wk, 1, kernels.matmul)  # [T, K, Dh]
+        v = dense(h, lp.wv, 1, kernels.matmul)
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = constrain(rules, apply_rope(q, cos, sin), ("tokens", "q_heads", "head_dim"))
@@ -109,8 +115,11 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
                                      batch.slot_mapping, meta, cfg, rules, kernels, cache.layout)
         x = x + a
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        x = constrain(rules, x + swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules,
-                                            kernels.matmul), ACT_AXES)
+        if isinstance(lp, FusedLayerParams):
+            mlp = swiglu_mlp(h, None, None, lp.w_down, rules, kernels.matmul, lp.w_gate_up)
+        else:
+            mlp = swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules, kernels.matmul)
+        x = constrain(rules, x + mlp, ACT_AXES)
         ks.append(kp)
         vs.append(vp)
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
