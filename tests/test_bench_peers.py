@@ -185,3 +185,26 @@ def test_request_prompt():
 
 def test_jsonable():
     assert bp._jsonable({"a": math.inf, 1: (1, Path("/x"))}) == {"a": None, "1": [1, repr(Path("/x"))]}
+
+
+def test_bandwidth_line_reports_the_fraction_of_the_bound():
+    bw = {"read_gb_s": 25.0, "bytes_per_token": 250e6, "bound_tok_s": 100.0}
+    line = bp.describe_bandwidth(bw, 42.0)
+    assert "25.0 GB/s" in line and "250 MB" in line and "42.0 tok/s = 42% of it" in line
+    assert bp.describe_bandwidth(None, 42.0) == "memory-bandwidth bound: not measured"
+
+
+def test_weight_bytes_per_token_follow_the_served_format():
+    spec = importlib.util.spec_from_file_location("membw", ROOT / "tools" / "membw.py")
+    membw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(membw)
+    from jaxserve.config import EngineConfig, ModelConfig
+    m = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=4)
+    layer = 8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16  # qkv, wo, mlp
+    f32 = membw.weight_bytes_per_token(m, EngineConfig())
+    assert f32 == {"layers": 2 * layer * 4, "lm_head": 100 * 8 * 4}
+    bf16 = membw.weight_bytes_per_token(m, EngineConfig(bf16_matmul_min_rows=1))
+    assert bf16 == {"layers": 2 * layer * 2, "lm_head": 100 * 8 * 2}
+    int8 = membw.weight_bytes_per_token(m, EngineConfig(weight_quant="int8"))
+    assert int8 == {"layers": 2 * layer, "lm_head": 100 * 8 * 4}

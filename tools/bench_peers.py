@@ -946,6 +946,32 @@ def run_peer(peer: str, args, st: Setup, bs, w: Workload, logs: Path) -> dict:
     return res
 
 
+def measure_bandwidth_bound(config: str) -> dict | None:
+    """tools/membw.py's bound for `config` (read bandwidth, weight bytes per token, bound
+    tok/s), run in a subprocess before the peers; None (with a message) if it fails."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "membw.py"), "--config", config],
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        print(f"[bandwidth] membw.py failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)
+        return None
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"[bandwidth] read {res['read_gb_s']} GB/s, {res['bytes_per_token'] / 1e6:.0f} MB of "
+          f"weights per token: bound {res['bound_tok_s']} tok/s", flush=True)
+    return res
+
+
+def describe_bandwidth(bw: dict | None, decode_tok_s: float | None) -> str:
+    """The single-stream line under the table: jaxserve's decode rate against the bound."""
+    if bw is None:
+        return "memory-bandwidth bound: not measured"
+    line = (f"memory-bandwidth bound (tools/membw.py): {bw['read_gb_s']} GB/s read / "
+            f"{bw['bytes_per_token'] / 1e6:.0f} MB of weights per token = {bw['bound_tok_s']} tok/s")
+    if decode_tok_s:
+        line += f"; jaxserve single-stream decode {decode_tok_s:.1f} tok/s = " \
+                f"{100 * decode_tok_s / bw['bound_tok_s']:.0f}% of it"
+    return line
+
+
 def build_workload(bs, args, st: Setup) -> Workload:
     """The requests from bench_serving.load_dataset (--dataset, --num-prompts, --seed,
     --output-len); the single-stream run uses the first --single-prompts of them."""
@@ -1025,6 +1051,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "llama_ctx_per_slot": args.ctx_per_slot,
                          "hf_max_prompt_tokens": args.hf_max_prompt_tokens},
             "bf16_gguf": st.bf16_how, "peers": {}, "errors": {}}
+    info["bandwidth"] = measure_bandwidth_bound(args.config)
     for peer in args.peers:  # one after another, never at the same time
         t0 = time.perf_counter()
         try:
@@ -1055,6 +1082,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics = [(k, label.replace("N streams", f"{w.concurrency} streams"), hib)
                    for k, label, hib in METRICS]
         print(format_ratio_table(results, metrics))
+    print(describe_bandwidth(info["bandwidth"], results.get(BASELINE, {}).get("single_decode_tok_s")))
     for p, e in info["errors"].items():
         print(f"\n{p} failed: {e.splitlines()[0]}")
     if args.result_json:
