@@ -56,21 +56,6 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
     return padded, logprobs, cache
 
 
-def _abstract_inputs(key: StepKey, sharding) -> tuple[StepBatch, SamplingBatch]:
-    def s(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    i32, f32 = jnp.int32, jnp.float32
-    T, S, P = key.T, key.S, key.P
-    batch = StepBatch(tokens=s((T,), i32), positions=s((T,), i32),
-                      slot_mapping=s((T,), i32), block_tables=s((S, P), i32),
-                      seq_lens=s((S,), i32), query_start=s((S + 1,), i32),
-                      logits_indices=s((S,), i32), prev_index=s((T,), i32),
-                      decode=key.kind == "decode")
-    sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),
-                             min_p=s((S,), f32), seed=s((S,), jnp.uint32), step=s((S,), i32))
-    return batch, sampling
-
-
 class StepKey(NamedTuple):
     """A compiled step shape: kind "prefill" or "decode", T token rows, S sequences, P
     block-table pages per sequence."""
@@ -84,6 +69,21 @@ class StepKey(NamedTuple):
     def of(cls, batch: StepBatch) -> "StepKey":
         return cls("decode" if batch.decode else "prefill", batch.tokens.shape[0],
                    *batch.block_tables.shape)
+
+
+def _abstract_inputs(key: StepKey, sharding) -> tuple[StepBatch, SamplingBatch]:
+    def s(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    i32, f32 = jnp.int32, jnp.float32
+    T, S, P = key.T, key.S, key.P
+    batch = StepBatch(tokens=s((T,), i32), positions=s((T,), i32),
+                      slot_mapping=s((T,), i32), block_tables=s((S, P), i32),
+                      seq_lens=s((S,), i32), query_start=s((S + 1,), i32),
+                      logits_indices=s((S,), i32), prev_index=s((T,), i32),
+                      decode=key.kind == "decode")
+    sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),
+                             min_p=s((S,), f32), seed=s((S,), jnp.uint32), step=s((S,), i32))
+    return batch, sampling
 
 
 def _abstract(tree):
