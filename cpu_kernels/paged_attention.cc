@@ -38,6 +38,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -81,6 +85,37 @@ inline float exp_nonpositive(float x) {
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return y * two_n;
+}
+
+// acc[0 .. dh) = corr * acc + sum_t p[t] * v[t] over the n value rows v [n, dh] of a page.
+// With AVX-512 and a compile-time head dim the row of acc stays in registers across the
+// keys (through memory, each key's update waited on the previous one's stores: a 512-token
+// prefill's attention took 1.6x as long).
+template <int DH>
+inline void accumulate_values(float* acc, float corr, const float* p, const float* v,
+                              int64_t n, int64_t dh) {
+#if defined(__AVX512F__)
+  if constexpr (DH > 0 && DH % 16 == 0 && DH <= 256) {
+    constexpr int C = DH / 16;
+    __m512 a[C];
+    const __m512 vc = _mm512_set1_ps(corr);
+    for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), vc);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      const float* vt = v + t * DH;
+      for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 16 * c), a[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return;
+  }
+#endif
+  if (DH > 0) dh = DH;
+  for (int64_t d = 0; d < dh; ++d) acc[d] *= corr;
+  for (int64_t t = 0; t < n; ++t) {
+    const float pt = p[t];
+    const float* vt = v + t * dh;
+    for (int64_t d = 0; d < dh; ++d) acc[d] += pt * vt[d];
+  }
 }
 
 // One work item. DH > 0: the head dim as a compile-time constant (unrolled, vectorised
@@ -145,13 +180,7 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
         s[t] = exp_nonpositive(s[t] - mx);
         sum += s[t];
       }
-      float* ar = acc + r * dh;
-      for (int64_t d = 0; d < dh; ++d) ar[d] *= corr;
-      for (int64_t t = 0; t < n; ++t) {
-        const float pt = s[t];
-        const float* vt = vp + t * dh;
-        for (int64_t d = 0; d < dh; ++d) ar[d] += pt * vt[d];
-      }
+      accumulate_values<DH>(acc + r * dh, corr, s, vp, n, dh);
       l[r] = l[r] * corr + sum;
       m[r] = mx;
     }
