@@ -58,6 +58,20 @@ class SamplingBatch:
         return SamplingBatch(temperature=t, top_k=k, top_p=p, min_p=m, seed=s, step=st)
 
 
+def argmax_last(x: jax.Array) -> jax.Array:
+    """Index of the largest entry along the last axis, the first one among ties, as
+    jnp.argmax (except that a row holding a NaN gives 0, not the NaN's index).
+    x: [..., V] float -> [...] int32.
+
+    A max-reduce, then a min-reduce of the indices equal to it: two plain reductions that
+    XLA:CPU vectorises, where jnp.argmax's (value, index) pair reduction is not: 1.6 vs
+    3.6 ms for [32, 49152] f32 on 2 cores."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    idx = jnp.min(jnp.where(x == top, iota, x.shape[-1]), axis=-1)
+    return jnp.where(idx < x.shape[-1], idx, 0).astype(jnp.int32)
+
+
 def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     """[B, vocab] f32 Gumbel noise, row b drawn from key (seed[b], step[b]) only."""
     def one(sd, st):
@@ -78,7 +92,7 @@ def _filtered_sample(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
     keep = (cum_before < sb.top_p[:, None]) & (probs >= sb.min_p[:, None] * probs[:, :1])
     keep = keep.at[:, 0].set(True)                               # never drop the top token
     sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-    choice = jnp.argmax(sorted_logits + _gumbel(sb.seed, sb.step, V), axis=-1)
+    choice = argmax_last(sorted_logits + _gumbel(sb.seed, sb.step, V))
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
@@ -94,11 +108,12 @@ def sample(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     scaled = logits / jnp.where(greedy, 1.0, sb.temperature)[:, None]
     needs_filter = jnp.any(~greedy & ((sb.top_k > 0) | (sb.top_p < 1) | (sb.min_p > 0)))
     branch = jnp.where(jnp.all(greedy), 0, jnp.where(needs_filter, 2, 1))
+    top = argmax_last(logits)  # computed once: the greedy rows' tokens, in every branch
     sampled = jax.lax.switch(branch, [
-        lambda: jnp.argmax(logits, axis=-1),
-        lambda: jnp.argmax(scaled + _gumbel(sb.seed, sb.step, V), axis=-1),
-        lambda: _filtered_sample(scaled, sb),
+        lambda: top,
+        lambda: argmax_last(scaled + _gumbel(sb.seed, sb.step, V)),
+        lambda: _filtered_sample(scaled, sb).astype(jnp.int32),
     ])
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    tokens = jnp.where(greedy, top, sampled)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

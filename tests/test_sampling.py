@@ -1,6 +1,7 @@
 """On-device sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -89,3 +90,13 @@ def test_invalid_params_name_the_field(field, value):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**{field: value})
     assert e.value.field == field
+
+
+def test_argmax_last_matches_numpy_including_ties():
+    from jaxserve.sampling import argmax_last
+    rng = np.random.default_rng(11)
+    x = rng.integers(-3, 4, (64, 37)).astype(np.float32)  # many ties: the first one wins
+    x[5] = -np.inf
+    np.testing.assert_array_equal(np.asarray(argmax_last(jnp.asarray(x))), x.argmax(-1))
+    y = rng.standard_normal((3, 5, 1000)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(argmax_last(jnp.asarray(y))), y.argmax(-1))
