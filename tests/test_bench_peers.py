@@ -15,22 +15,24 @@ def _load():
     spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "tools" / "bench_peers.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("bench_peers", mod)
-    spec.loader.exec_module(mod)
+    spec.loader.exec_module(mod)  # puts tools/ on sys.path: the peers package
     return mod
 
 
 bp = _load()
+from peers import common, llamacpp, report  # noqa: E402
 
 
 def test_import_is_light():
     """The tool imports no heavy package at module level (the tests and --help stay fast)."""
-    src = (ROOT / "tools" / "bench_peers.py").read_text()
-    top = [l for l in src.splitlines() if l.startswith(("import ", "from "))]
-    assert not [l for l in top if any(m in l for m in ("torch", "transformers", "jax", "httpx", "gguf"))]
+    for path in [ROOT / "tools" / "bench_peers.py", *(ROOT / "tools" / "peers").glob("*.py")]:
+        top = [l for l in path.read_text().splitlines() if l.startswith(("import ", "from "))]
+        heavy = [l for l in top if any(m in l for m in ("torch", "transformers", "jax", "httpx", "gguf"))]
+        assert not heavy, (path.name, heavy)
 
 
 def test_llama_server_cmd():
-    cmd = bp.llama_server_cmd("/c/bin/llama-server", "/c/m.gguf", 8123, slots=32, ctx_per_slot=2048,
+    cmd = llamacpp.llama_server_cmd("/c/bin/llama-server", "/c/m.gguf", 8123, slots=32, ctx_per_slot=2048,
                               threads=2)
     assert cmd[0] == "/c/bin/llama-server"
 
@@ -43,28 +45,28 @@ def test_llama_server_cmd():
     assert val("-np") == "32"
     assert val("-c") == str(32 * 2048)  # total context = slots x per-slot context
     assert val("-fa") == "on"
-    assert val("--alias") == bp.SERVED_MODEL
+    assert val("--alias") == common.SERVED_MODEL
     assert "--no-webui" in cmd and "-cb" in cmd
 
 
 def test_llama_server_flags_follow_help_text():
     new = "-fa,    --flash-attn [on|off|auto]   set Flash Attention use\n--ui, --webui, --no-ui, --no-webui"
     old = "-fa,    --flash-attn             enable Flash Attention (default: disabled)"
-    assert bp.llama_server_flags(new) == {"flash_attn": ["-fa", "on"], "no_webui": ["--no-webui"]}
-    assert bp.llama_server_flags(old) == {"flash_attn": ["-fa"], "no_webui": []}
-    cmd = bp.llama_server_cmd("s", "m", 1, 4, 512, 2, bp.llama_server_flags(old))
+    assert llamacpp.llama_server_flags(new) == {"flash_attn": ["-fa", "on"], "no_webui": ["--no-webui"]}
+    assert llamacpp.llama_server_flags(old) == {"flash_attn": ["-fa"], "no_webui": []}
+    cmd = llamacpp.llama_server_cmd("s", "m", 1, 4, 512, 2, llamacpp.llama_server_flags(old))
     assert cmd[-1] == "-fa"  # old bare flag, no value
     assert "on" not in cmd and "--no-webui" not in cmd
 
 
 def test_cmake_commands():
-    cfg = bp.cmake_configure_cmd(Path("/s"), Path("/b"), "0c1e57098")
+    cfg = llamacpp.cmake_configure_cmd(Path("/s"), Path("/b"), "0c1e57098")
     assert cfg[:5] == ["cmake", "-S", "/s", "-B", "/b"]
     for flag in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_COMMIT=0c1e57098"):
         assert flag in cfg
-    assert not any(a.startswith("-DLLAMA_BUILD_COMMIT") for a in bp.cmake_configure_cmd(Path("/s"), Path("/b"), None))
-    build = bp.cmake_build_cmd(Path("/b"), ("llama-server", "llama-quantize"), jobs=2)
+    assert not any(a.startswith("-DLLAMA_BUILD_COMMIT") for a in llamacpp.cmake_configure_cmd(Path("/s"), Path("/b"), None))
+    build = llamacpp.cmake_build_cmd(Path("/b"), ("llama-server", "llama-quantize"), jobs=2)
     assert build[:3] == ["cmake", "--build", "/b"]
     assert build[build.index("-j") + 1] == "2"
     assert build[build.index("--target") + 1:] == ["llama-server", "llama-quantize"]
@@ -83,19 +85,19 @@ def test_commit_from_changelog():
     text = ("# Changelog\n\n## [Unreleased]\n\n## [0.3.36]\n\n- feat: update llama.cpp to "
             "ggml-org/llama.cpp@0c1e57098\n\n## [0.3.35]\n\n- feat: update llama.cpp to "
             "ggml-org/llama.cpp@4df29be4f\n")
-    assert bp.llama_cpp_commit_from_changelog(text, "0.3.36") == "0c1e57098"
-    assert bp.llama_cpp_commit_from_changelog(text, "0.3.35") == "4df29be4f"
-    assert bp.llama_cpp_commit_from_changelog(text, "0.3.1") is None
-    assert bp.llama_cpp_commit_from_changelog("## [0.3.2]\n\n- fix: x\n\n## [0.3.1]\n- llama.cpp@abcdef0\n",
+    assert llamacpp.llama_cpp_commit_from_changelog(text, "0.3.36") == "0c1e57098"
+    assert llamacpp.llama_cpp_commit_from_changelog(text, "0.3.35") == "4df29be4f"
+    assert llamacpp.llama_cpp_commit_from_changelog(text, "0.3.1") is None
+    assert llamacpp.llama_cpp_commit_from_changelog("## [0.3.2]\n\n- fix: x\n\n## [0.3.1]\n- llama.cpp@abcdef0\n",
                                               "0.3.2") is None
 
 
 def test_ratio_direction():
-    assert bp.ratio(200.0, 100.0, higher_is_better=True) == 2.0   # tok/s: jaxserve/peer
-    assert bp.ratio(50.0, 100.0, higher_is_better=False) == 2.0   # ms: peer/jaxserve
-    assert bp.ratio(None, 1.0, True) is None and bp.ratio(1.0, None, False) is None
-    assert bp.ratio(1.0, 0.0, True) is None
-    assert bp.ratio(float("nan"), 1.0, True) is None
+    assert report.ratio(200.0, 100.0, higher_is_better=True) == 2.0   # tok/s: jaxserve/peer
+    assert report.ratio(50.0, 100.0, higher_is_better=False) == 2.0   # ms: peer/jaxserve
+    assert report.ratio(None, 1.0, True) is None and report.ratio(1.0, None, False) is None
+    assert report.ratio(1.0, 0.0, True) is None
+    assert report.ratio(float("nan"), 1.0, True) is None
 
 
 def test_ratio_table():
@@ -104,17 +106,17 @@ def test_ratio_table():
         "llamacpp-bf16": {"single_decode_tok_s": 200.0, "ttft_512_ms": 100.0, "concurrent_output_tok_s": None},
         "hf-bf16": {"single_decode_tok_s": 25.0, "ttft_512_ms": 25.0, "concurrent_output_tok_s": 300.0},
     }
-    rows = bp.ratio_rows(results)
+    rows = report.ratio_rows(results)
     assert rows[0] == ["metric", "jaxserve", "llamacpp-bf16", "x vs llamacpp-bf16", "hf-bf16", "x vs hf-bf16"]
     by_label = {r[0]: r[1:] for r in rows[1:]}
     # only metrics that some peer has, in METRICS order
-    assert [r[0] for r in rows[1:]] == [label for key, label, _ in bp.METRICS
+    assert [r[0] for r in rows[1:]] == [label for key, label, _ in common.METRICS
                                         if key in ("single_decode_tok_s", "ttft_512_ms", "concurrent_output_tok_s")]
-    label = dict((k, l) for k, l, _ in bp.METRICS)
+    label = dict((k, l) for k, l, _ in common.METRICS)
     assert by_label[label["single_decode_tok_s"]] == ["100", "200", "0.50x", "25.0", "4.00x"]
     assert by_label[label["ttft_512_ms"]] == ["50.0", "100", "2.00x", "25.0", "0.50x"]
     assert by_label[label["concurrent_output_tok_s"]] == ["900", "-", "-", "300", "3.00x"]
-    text = bp.format_ratio_table(results)
+    text = report.format_ratio_table(results)
     lines = text.splitlines()
     assert "> 1 means jaxserve is better" in lines[0]
     assert lines[1].split()[:2] == ["metric", "jaxserve"]
@@ -124,19 +126,19 @@ def test_ratio_table():
 
 
 def test_ratio_table_without_baseline():
-    text = bp.format_ratio_table({"hf-bf16": {"ttft_512_ms": 10.0}})
+    text = report.format_ratio_table({"hf-bf16": {"ttft_512_ms": 10.0}})
     assert text.splitlines()[-1].split()[-2:] == ["10.0", "-"]
 
 
 def test_summarise_serving():
     single = {"mean_tpot_ms": 20.0, "output_throughput": 45.0, "median_ttft_ms": 30.0}
     conc = {"output_throughput": 500.0, "mean_tpot_ms": 60.0, "median_ttft_ms": 300.0}
-    m = bp.summarise_serving(single, conc, 80.0)
+    m = report.summarise_serving(single, conc, 80.0)
     assert m["single_decode_tok_s"] == 50.0
     assert m["single_output_tok_s"] == 45.0 and m["ttft_512_ms"] == 80.0
     assert m["concurrent_output_tok_s"] == 500.0 and m["concurrent_mean_tpot_ms"] == 60.0
-    assert set(m) == {k for k, _, _ in bp.METRICS}
-    assert bp.summarise_serving({"mean_tpot_ms": 0.0}, None, None)["single_decode_tok_s"] is None
+    assert set(m) == {k for k, _, _ in common.METRICS}
+    assert report.summarise_serving({"mean_tpot_ms": 0.0}, None, None)["single_decode_tok_s"] is None
 
 
 def test_parse_peers():
@@ -162,18 +164,18 @@ def test_ttft_prompt_variants():
 def test_log_tail(tmp_path):
     p = tmp_path / "build.log"
     p.write_text("".join(f"line {i}\n" for i in range(100)))
-    assert bp.log_tail(p, 3) == "line 97\nline 98\nline 99"
-    assert bp.log_tail(tmp_path / "missing.log") == ""
+    assert common.log_tail(p, 3) == "line 97\nline 98\nline 99"
+    assert common.log_tail(tmp_path / "missing.log") == ""
 
 
 def test_run_logged_failure_names_log(tmp_path):
     log = tmp_path / "x.log"
-    with pytest.raises(bp.SetupError) as e:
-        bp.run_logged("step X", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], log, nice=False)
+    with pytest.raises(common.SetupError) as e:
+        common.run_logged("step X", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], log, nice=False)
     msg = str(e.value)
     assert "step X" in msg and "exit code 3" in msg and str(log) in msg and "boom" in msg
-    with pytest.raises(bp.SetupError, match="not found"):
-        bp.run_logged("step Y", ["/nonexistent/binary"], log, nice=False)
+    with pytest.raises(common.SetupError, match="not found"):
+        common.run_logged("step Y", ["/nonexistent/binary"], log, nice=False)
 
 
 def test_request_prompt():
@@ -189,9 +191,9 @@ def test_jsonable():
 
 def test_bandwidth_line_reports_the_fraction_of_the_bound():
     bw = {"read_gb_s": 25.0, "bytes_per_token": 250e6, "bound_tok_s": 100.0}
-    line = bp.describe_bandwidth(bw, 42.0)
+    line = report.describe_bandwidth(bw, 42.0)
     assert "25.0 GB/s" in line and "250 MB" in line and "42.0 tok/s = 42% of it" in line
-    assert bp.describe_bandwidth(None, 42.0) == "memory-bandwidth bound: not measured"
+    assert report.describe_bandwidth(None, 42.0) == "memory-bandwidth bound: not measured"
 
 
 def test_weight_bytes_per_token_follow_the_served_format():

@@ -1,0 +1,113 @@
+"""The comparison's report: jaxserve/peer ratios, the table, the serving metrics of a run,
+and the memory-bandwidth bound line (tools/membw.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from typing import Any
+
+from peers.common import BASELINE, METRICS, ROOT, TOOLS
+
+
+def ratio(jax_value: float | None, peer_value: float | None, higher_is_better: bool) -> float | None:
+    """jaxserve/peer for a throughput, peer/jaxserve for a latency (so > 1 means jaxserve
+    is better); None when a value is missing or a divisor is 0."""
+    if jax_value is None or peer_value is None:
+        return None
+    num, den = (jax_value, peer_value) if higher_is_better else (peer_value, jax_value)
+    if not den or any(map(math.isnan, (num, den))):
+        return None
+    return num / den
+
+
+def fmt_value(v: float | None) -> str:
+    """A metric for the table: "-" if missing, 3 significant-ish digits otherwise."""
+    if v is None:
+        return "-"
+    if v != v:
+        return "nan"
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+
+
+def ratio_rows(results: dict[str, dict[str, Any]], metrics=METRICS,
+               baseline: str = BASELINE) -> list[list[str]]:
+    """The table as rows of strings: a header row, then one row per metric present for
+    some peer: label, baseline's value, then each other peer's value and ratio."""
+    peers = [p for p in results if p != baseline]
+    header = ["metric", baseline]
+    for p in peers:
+        header += [p, f"x vs {p}"]
+    rows = [header]
+    base = results.get(baseline, {})
+    for key, label, higher in metrics:
+        if not any(results[p].get(key) is not None for p in results):
+            continue
+        row = [label, fmt_value(base.get(key))]
+        for p in peers:
+            r = ratio(base.get(key), results[p].get(key), higher)
+            row += [fmt_value(results[p].get(key)), "-" if r is None else f"{r:.2f}x"]
+        rows.append(row)
+    return rows
+
+
+def format_ratio_table(results: dict[str, dict[str, Any]], metrics=METRICS,
+                       baseline: str = BASELINE) -> str:
+    """`results` ({peer: {metric: value}}) as an aligned text table with a header line
+    explaining the ratio columns ("x vs P": jaxserve/P for throughputs, P/jaxserve for
+    latencies, > 1 means jaxserve is better)."""
+    rows = ratio_rows(results, metrics, baseline)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"'x vs P' = {baseline}/P for tok/s, P/{baseline} for ms: > 1 means {baseline} is better"]
+    for n, r in enumerate(rows):
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summarise_serving(single: dict | None, concurrent: dict | None,
+                      ttft_512_ms: float | None) -> dict[str, float | None]:
+    """The table's metrics of a server peer from run_benchmark() results of the single
+    stream and concurrent runs (dicts with output_throughput, mean_tpot_ms, median_ttft_ms,
+    ...) and the median 512-token TTFT in ms."""
+    single, concurrent = single or {}, concurrent or {}
+    tpot = single.get("mean_tpot_ms")
+    return {
+        "single_decode_tok_s": 1000.0 / tpot if tpot else None,
+        "single_output_tok_s": single.get("output_throughput"),
+        "single_ttft_ms": single.get("median_ttft_ms"),
+        "ttft_512_ms": ttft_512_ms,
+        "concurrent_output_tok_s": concurrent.get("output_throughput"),
+        "concurrent_mean_tpot_ms": concurrent.get("mean_tpot_ms"),
+        "concurrent_median_ttft_ms": concurrent.get("median_ttft_ms"),
+    }
+
+
+def measure_bandwidth_bound(config: str) -> dict | None:
+    """tools/membw.py's bound for `config` (read bandwidth, weight bytes per token, bound
+    tok/s), run in a subprocess before the peers; None (with a message) if it fails."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "membw.py"), "--config", config],
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        print(f"[bandwidth] membw.py failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)
+        return None
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"[bandwidth] read {res['read_gb_s']} GB/s, {res['bytes_per_token'] / 1e6:.0f} MB of "
+          f"weights per token: bound {res['bound_tok_s']} tok/s", flush=True)
+    return res
+
+
+def describe_bandwidth(bw: dict | None, decode_tok_s: float | None) -> str:
+    """The single-stream line under the table: jaxserve's decode rate against the bound."""
+    if bw is None:
+        return "memory-bandwidth bound: not measured"
+    line = (f"memory-bandwidth bound (tools/membw.py): {bw['read_gb_s']} GB/s read / "
+            f"{bw['bytes_per_token'] / 1e6:.0f} MB of weights per token = {bw['bound_tok_s']} tok/s")
+    if decode_tok_s:
+        line += f"; jaxserve single-stream decode {decode_tok_s:.1f} tok/s = " \
+                f"{100 * decode_tok_s / bw['bound_tok_s']:.0f}% of it"
+    return line
