@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct (the real model) with a small engine for tests: a short
-max_model_len and few shape buckets (11 compilations), and a pool of 80 pages (1280
+max_model_len and few shape buckets (12 compilations), and a pool of 80 pages (1280
 tokens) that 16 short requests fit in together but 8 long ones do not (preemption).
 Matmuls in f32 (the default serves bf16 matmuls, which are not batch-invariant: the exact
 "same output in any batch" tests need f32; tests/test_real_model_parity.py checks the
