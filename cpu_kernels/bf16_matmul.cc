@@ -18,11 +18,10 @@
 // FMAs; 4 x 64 blocks measured 15-25% slower at 32 rows), so the panel (<= 200 KB)
 // streams from memory once and stays in L2 for the later row blocks. 1-2 rows (decode of
 // one stream) are load-bound instead: all 64 columns in one pass, with software prefetch
-// 4 KB ahead. Measured on this VM (2 cores, Sapphire Rapids) for the 56 MB LM head streamed
+// 4 KB ahead. Measured on a Sapphire Rapids VM (2 cores) for the 56 MB LM head streamed
 // from DRAM at 1 row: 16 GB/s before these two changes, 19-24 after (XLA's own f32 sum
-// reads 27 GB/s). Without AVX-512 (the library is built
-// with -march=native) a portable loop does the same arithmetic for the compiler to
-// vectorise.
+// reads 24-27 GB/s there). Without AVX-512 (the library is built with -march=native) a
+// portable loop does the same arithmetic for the compiler to vectorise.
 //
 // Shapes: x [M, K] f32; w [N / P, K / 2, P, 2] bf16 (P a multiple of 16, K even);
 // out [M, N] f32.

@@ -1,8 +1,9 @@
 """Continuous-batching scheduler: which sequences run in the next step. Plain Python.
 
 Each step is either a prefill step (admit waiting sequences, computing all their tokens,
-packed one after another within max_prefill_tokens token rows) or a decode step (one new token for every running sequence). Prefill goes first whenever
-a waiting sequence can be admitted without making the following decode step preempt.
+packed one after another within max_prefill_tokens token rows) or a decode step (one new
+token for every running sequence). Prefill goes first whenever a waiting sequence can be
+admitted without making the following decode step preempt.
 When a decode step needs a page and none is free, the most recently admitted sequence is
 preempted: its pages are freed and it waits (at the front of the queue) to be recomputed.
 

@@ -72,7 +72,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
                rules: ShardingRules | None, matmul_impl: str = "xla",
                w_gate_up: Any = None) -> jax.Array:
-    """down(silu(x @ w_gate) * (x @ w_up)).
+    """SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down.
 
     x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [T, D]; the weights float
     arrays or QuantizedWeights / DualPrecisionWeights (`matmul_impl` then picks the
