@@ -144,20 +144,19 @@ def main() -> None:
         base, var = "xla", "cpu"
         variants = {base: (params, dataclasses.replace(kernels, attention="xla")),
                     var: (params, kernels)}
-    elif args.compare == "fusion":
+    else:  # the C++ bf16 matmul (every shape) against f32 in XLA's dot, or unfused calls
         ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
                                    bf16_matmul_max_rows=None)
         kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
-        base, var = "unfused", "fused"
-        variants = {base: (dual_precision_params(params, 1, packed=True, fuse=False), kernels),
-                    var: (dual_precision_params(params, 1, packed=True), kernels)}
-    else:  # matmul: f32 weights in XLA's dot against bf16 weights in the C++ kernel
-        ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
-                                   bf16_matmul_max_rows=None)
-        kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
-        base, var = "f32", "bf16cpu"
-        variants = {base: (params, dataclasses.replace(kernels, matmul="xla")),
-                    var: (dual_precision_params(params, 1, packed=True), kernels)}
+        fused = dual_precision_params(params, 1, packed=True)
+        if args.compare == "fusion":
+            base, var = "unfused", "fused"
+            variants = {base: (dual_precision_params(params, 1, packed=True, fuse=False), kernels),
+                        var: (fused, kernels)}
+        else:
+            base, var = "f32", "bf16cpu"
+            variants = {base: (params, dataclasses.replace(kernels, matmul="xla")),
+                        var: (fused, kernels)}
     runners = {name: Runner(model_cfg, ecfg, p, init_kv_cache(model_cfg, num_pages, ps, "float32",
                                                               layout="head_major"), kernels)
                for name, (p, kernels) in variants.items()}

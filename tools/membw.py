@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -31,9 +32,12 @@ def weight_bytes_per_token(model, engine) -> dict[str, int]:
     projections and the LM head (norm weights and the one embedding row are negligible
     and left out). model: ModelConfig; engine: EngineConfig (its bf16_matmul_min_rows /
     weight_quant pick the format)."""
-    D, F, V = model.hidden_size, model.intermediate_size, model.vocab_size
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    layer = D * (q + 2 * kv) + q * D + 3 * D * F  # wq wk wv, wo, gate up down
+    from jaxserve.model.params import param_specs
+    from jaxserve.model.quantized import PROJECTIONS
+
+    spec = param_specs(model).layers[0]
+    layer = sum(math.prod(getattr(spec, name).shape) for name in PROJECTIONS)
+    D, V = model.hidden_size, model.vocab_size
     itemsize = 4 if model.dtype == "float32" else 2
     proj = head = itemsize
     if engine.bf16_matmul_min_rows == 1:  # decode (1 row) uses the bf16 copies

@@ -18,8 +18,12 @@ def prefill_shape(lengths: list[int], cfg: EngineConfig) -> tuple[int, int, int]
     of their sum, S the sequence bucket of their count, P the page bucket of T tokens
     (no prompt is longer than T). Raises ValueError past the largest buckets."""
     T = bucket_for(sum(lengths), cfg.prefill_lengths)
-    S = bucket_for(len(lengths), cfg.prefill_batch_sizes)
-    return T, S, bucket_for(-(-T // cfg.page_size), cfg.page_counts)
+    return T, bucket_for(len(lengths), cfg.prefill_batch_sizes), _prefill_pages(T, cfg)
+
+
+def _prefill_pages(T: int, cfg: EngineConfig) -> int:
+    """The page bucket of a prefill step of T token rows (no prompt is longer than T)."""
+    return bucket_for(-(-T // cfg.page_size), cfg.page_counts)
 
 
 def warmup_shapes(cfg: EngineConfig) -> list[tuple[str, int, int, int]]:
@@ -28,7 +32,7 @@ def warmup_shapes(cfg: EngineConfig) -> list[tuple[str, int, int, int]]:
     max_prefill_tokens token rows."""
     shapes = []
     for T in cfg.prefill_lengths:
-        P = bucket_for(-(-T // cfg.page_size), cfg.page_counts)
+        P = _prefill_pages(T, cfg)
         for S in cfg.prefill_batch_sizes:
             if S == 1 or T <= cfg.max_prefill_tokens:
                 shapes.append(("prefill", T, S, P))

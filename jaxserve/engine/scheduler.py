@@ -76,7 +76,7 @@ class Scheduler:
             seq = self.waiting[0]
             if batch:  # packed one after another: the step's rows are the summed lengths
                 total = sum(s.num_tokens for s in batch) + seq.num_tokens
-                if (total > min(cfg.max_prefill_tokens, cfg.prefill_lengths[-1])
+                if (total > cfg.prefill_lengths[-1]
                         or bucket_for(total, cfg.prefill_lengths) > cfg.max_prefill_tokens):
                     break
             pages = self.pool.pages_for(seq.num_tokens)
