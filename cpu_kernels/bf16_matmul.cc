@@ -66,9 +66,11 @@ struct Problem {
 #if defined(__AVX512F__)
 // acc[r][j] (16 columns each) over rows m0 .. m0 + R of x and columns c0 .. c0 + 16 * J of
 // the panel; J * 16 <= P.
+// fetch_panel (the first register block of a panel, R > 2): prefetch the panel's whole
+// k-pair row kPrefetchPairs ahead, all P columns (the later blocks find it in L2).
 template <int R, int J>
 inline void block_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int64_t c0,
-                         int64_t n0) {
+                         int64_t n0, bool fetch_panel = false) {
   __m512 acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -78,10 +80,15 @@ inline void block_avx512(const Problem& p, const uint16_t* panel, int64_t m0, in
   const uint16_t* wk = panel + c0 * 2;
   const int64_t stride = p.P * 2;  // bf16 elements per k pair
   for (int64_t k = 0; k < p.K2; ++k, wk += stride) {
-    if (R <= 2) {  // load-bound: fetch ahead of the hardware prefetcher (it stops at pages)
+    // Fetch ahead of the hardware prefetcher (it stops at 4 KB pages): 1-2 rows are
+    // load-bound; more rows wait on DRAM in a panel's first block only.
+    if (R <= 2) {
       for (int j = 0; j < J; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchPairs * stride + 32 * j),
                      _MM_HINT_T0);
+    } else if (fetch_panel) {
+      const char* row = reinterpret_cast<const char*>(wk - c0 * 2 + kPrefetchPairs * stride);
+      for (int64_t b = 0; b < stride * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
     __m512 w_even[J], w_odd[J];
     for (int j = 0; j < J; ++j) {
@@ -106,13 +113,14 @@ inline void block_avx512(const Problem& p, const uint16_t* panel, int64_t m0, in
 template <int J>
 inline void rows_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int64_t rows,
                         int64_t c0, int64_t n0) {
+  const bool first = m0 == 0 && c0 == 0;
   switch (rows) {
-    case 8: return block_avx512<8, J>(p, panel, m0, c0, n0);
-    case 7: return block_avx512<7, J>(p, panel, m0, c0, n0);
-    case 6: return block_avx512<6, J>(p, panel, m0, c0, n0);
-    case 5: return block_avx512<5, J>(p, panel, m0, c0, n0);
-    case 4: return block_avx512<4, J>(p, panel, m0, c0, n0);
-    case 3: return block_avx512<3, J>(p, panel, m0, c0, n0);
+    case 8: return block_avx512<8, J>(p, panel, m0, c0, n0, first);
+    case 7: return block_avx512<7, J>(p, panel, m0, c0, n0, first);
+    case 6: return block_avx512<6, J>(p, panel, m0, c0, n0, first);
+    case 5: return block_avx512<5, J>(p, panel, m0, c0, n0, first);
+    case 4: return block_avx512<4, J>(p, panel, m0, c0, n0, first);
+    case 3: return block_avx512<3, J>(p, panel, m0, c0, n0, first);
     case 2: return block_avx512<2, J>(p, panel, m0, c0, n0);
     default: return block_avx512<1, J>(p, panel, m0, c0, n0);
   }

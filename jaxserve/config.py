@@ -111,6 +111,7 @@ ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
 ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
 MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
 MATMUL_IMPLS = ("auto",) + MATMUL_KERNEL_IMPLS
+SAMPLING_IMPLS = ("auto", "xla", "cpu")
 WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
 
 
@@ -168,6 +169,9 @@ class EngineConfig:
         is set; xla otherwise), "xla", "pallas", "pallas_interpret" (the quantised
         projections of weight_quant), "cpu" (the bf16 weight copies of bf16_matmul_min_rows
         in the C++ kernel of cpu_kernels/, AVX512-BF16 where the CPU has it).
+    sampling_impl: "auto" ("cpu" on one CPU device, xla otherwise), "xla", "cpu": what
+        computes each row's argmax and log-sum-exp over the vocabulary for the sampler
+        (greedy tokens, logprobs); "cpu" is the C++ kernel of cpu_kernels/.
     weight_quant: None (weights in the model dtype), "int8" or "fp8_e4m3": the layers'
         projection matrices are quantised at load with per-output-channel scales (or, for
         int8, per-group scales of weight_quant_group_size input rows); embeddings, norms
@@ -194,6 +198,7 @@ class EngineConfig:
     kv_dtype: str | None = None  # None = the model's dtype
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
+    sampling_impl: str = "auto"
     weight_quant: str | None = None
     weight_quant_group_size: int | None = None
     bf16_matmul_min_rows: int | None = None
@@ -205,7 +210,8 @@ class EngineConfig:
                      "max_prefill_tokens", "max_prefill_seqs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS)):
+        for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS),
+                              ("sampling_impl", SAMPLING_IMPLS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"EngineConfig.{name} must be one of {allowed}, "
                                   f"got {getattr(self, name)!r}")

@@ -21,7 +21,8 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
     """The resolved Kernels for `engine_cfg` on `num_devices` devices of `platform`
     ("cpu", "gpu", ...) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
     bf16 matmuls builds (once, cached in `build_dir`) and registers the C++ kernels
-    (cpu_kernels.build.load_library, ~5 to 20 s the first time).
+    (cpu_kernels.build.load_library, ~5 to 20 s the first time). The sampler's argmax /
+    log-sum-exp ("auto") is the C++ kernel on one CPU device.
 
     Raises ConfigError when "cpu" is asked for explicitly and the kernels cannot be built
     or loaded, or the mesh has more than one device, or (attention) the KV pool is not
@@ -38,8 +39,12 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
     if (engine_cfg.matmul_impl == "auto" and platform == "cpu" and num_devices == 1
             and engine_cfg.bf16_matmul_min_rows is not None):
         matmul = "cpu"
+    sampling = engine_cfg.sampling_impl
+    if sampling == "auto":
+        sampling = "cpu" if platform == "cpu" and num_devices == 1 else "xla"
     chosen = {name: getattr(engine_cfg, f"{name}_impl")
-              for name, impl in (("attention", attention), ("matmul", matmul)) if impl == "cpu"}
+              for name, impl in (("attention", attention), ("matmul", matmul),
+                                 ("sampling", sampling)) if impl == "cpu"}
     if chosen:
         if num_devices != 1:
             name = next(iter(chosen))
@@ -56,4 +61,5 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
                         " and ".join(chosen), e)
             attention = "xla" if attention == "cpu" else attention
             matmul = "xla" if matmul == "cpu" else matmul
-    return Kernels(attention=attention, matmul=matmul)
+            sampling = "xla"
+    return Kernels(attention=attention, matmul=matmul, sampling=sampling)

@@ -50,6 +50,24 @@ def cpu_kernels_library(cache_dir):
     return load_library(cache_dir / "kernels")
 
 
+@pytest.fixture(scope="session")
+def portable_cpu_kernels(tmp_path_factory):
+    """The C++ kernels built for x86-64-v2 (a later -march wins over -march=native): the
+    loops machines without AVX-512 run, as a loaded ctypes library whose handlers each test
+    registers under its own target name. Skips off x86."""
+    import ctypes
+    import platform
+
+    from cpu_kernels import build
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64-v2 is an x86 target")
+    lib_path = tmp_path_factory.mktemp("portable") / "portable.so"
+    build._compile(build.find_compiler(), sorted(build.SOURCE_DIR.glob("*.cc")), lib_path,
+                   extra_flags=("-march=x86-64-v2",))
+    return ctypes.CDLL(str(lib_path))
+
+
 # --- HF transformers references (slow to load: one per session) -------------------------
 
 @pytest.fixture(scope="session")

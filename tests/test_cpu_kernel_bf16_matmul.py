@@ -67,23 +67,13 @@ def test_kernel_keeps_x_in_f32():
     np.testing.assert_array_equal(got, np.asarray([1.0 + 2.0 ** -12 + 1.5, 0.5 - 2.0 ** -20], np.float32))
 
 
-def test_portable_path_matches_reference(tmp_path):
-    """The loop machines without AVX-512 run: the same source built for x86-64-v2 (a later
-    -march wins over -march=native), registered under its own target name."""
-    import ctypes
-    import platform
-
-    from cpu_kernels import build
+def test_portable_path_matches_reference(portable_cpu_kernels):
+    """The loop machines without AVX-512 run."""
     from cpu_kernels.bf16_matmul import _check_operands
 
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64-v2 is an x86 target")
-    lib_path = tmp_path / "portable.so"
-    build._compile(build.find_compiler(), sorted(build.SOURCE_DIR.glob("*.cc")), lib_path,
-                   extra_flags=("-march=x86-64-v2",))
-    lib = ctypes.CDLL(str(lib_path))
     jax.ffi.register_ffi_target("jaxserve_bf16_matmul_portable_test",
-                                jax.ffi.pycapsule(lib.JaxserveBf16Matmul), platform="cpu")
+                                jax.ffi.pycapsule(portable_cpu_kernels.JaxserveBf16Matmul),
+                                platform="cpu")
     rng = np.random.default_rng(SEED)
     wp = pack_weight(_w(rng, 96, 80))
     for m in (1, 5):

@@ -91,13 +91,17 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     from jaxserve.kernels import select_kernels
 
     auto = EngineConfig()
-    assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla")
+    assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla", "cpu")
     assert select_kernels(auto, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")  # TP mesh
-    assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("xla", "xla")
+    assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("xla", "xla", "cpu")
     assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
     bf16 = EngineConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
-    assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu")
+    assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu", "cpu")
     assert select_kernels(bf16, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")
+    xla_sampler = EngineConfig(sampling_impl="xla")
+    assert select_kernels(xla_sampler, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla")
+    with pytest.raises(ConfigError, match="sampling_impl='cpu' runs on one device"):
+        select_kernels(EngineConfig(sampling_impl="cpu"), "cpu", 2, "float32", tmp_path)
     explicit = EngineConfig(attention_impl="cpu")
     with pytest.raises(ConfigError, match="runs on one device, the mesh has 2"):
         select_kernels(explicit, "cpu", 2, "float32", tmp_path)
@@ -110,6 +114,8 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     monkeypatch.setattr(build, "load_library", no_compiler)
     assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("xla", "xla")
     assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("xla", "xla")
+    with pytest.raises(ConfigError, match="sampling_impl='cpu': no C"):
+        select_kernels(EngineConfig(sampling_impl="cpu"), "cpu", 1, "float32", tmp_path)
     with pytest.raises(ConfigError, match="matmul_impl='cpu': no C"):
         select_kernels(EngineConfig(bf16_matmul_min_rows=1, matmul_impl="cpu"), "cpu", 1,
                        "float32", tmp_path)
@@ -167,7 +173,7 @@ def test_real_model_pallas_attention_gives_the_xla_greedy_tokens(small_llm, smol
     # Only the two shapes this prompt needs (prefill B=1 Q=32, decode B=1), compiled on use.
     cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, attention_impl="pallas_interpret"))
     llm = LLM(engine=build_engine(cfg, cache_dir, warmup=False))
-    assert llm.engine.runner.kernels == Kernels("pallas_interpret", "xla")
+    assert llm.engine.runner.kernels == Kernels("pallas_interpret", "xla", "cpu")
     sp = SamplingParams(temperature=0, max_tokens=5)
     prompt = "The capital of France is"
     want = small_llm.generate([prompt], sp)[0]

@@ -51,7 +51,7 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
     hidden, cache = forward(params, cache, dataclasses.replace(batch, tokens=tokens_in), cfg,
                             rules, kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules)
-    tokens, logprobs = sample(logits, sampling)
+    tokens, logprobs = sample(logits, sampling, kernels.sampling)
     padded = jnp.zeros(prev_tokens.shape, jnp.int32).at[:S].set(tokens)
     return padded, logprobs, cache
 

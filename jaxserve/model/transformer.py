@@ -88,11 +88,13 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """Which implementation runs attention (one of ATTENTION_KERNEL_IMPLS: "xla", "cpu",
-    "pallas", "pallas_interpret") and the quantised projections (one of KERNEL_IMPLS),
-    already resolved (no "auto"; see jaxserve.kernels.select_kernels)."""
+    "pallas", "pallas_interpret"), the quantised projections (one of KERNEL_IMPLS) and
+    the sampler's per-row argmax / log-sum-exp ("xla" or "cpu"), already resolved (no
+    "auto"; see jaxserve.kernels.select_kernels)."""
 
     attention: str = "xla"
     matmul: str = "xla"
+    sampling: str = "xla"
 
 
 def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
