@@ -42,10 +42,12 @@
 #include <immintrin.h>
 #endif
 
+#include "exp_nonpositive.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxserve::exp_nonpositive;
 
 namespace {
 
@@ -65,27 +67,6 @@ struct Problem {
 struct Chunk {
   int64_t b, q0, q1;
 };
-
-// exp(x) for x <= 0 (softmax arguments after subtracting the running max): Cody-Waite range
-// reduction and Cephes' degree-6 polynomial, relative error < 2e-7; plain arithmetic, so the
-// compiler vectorises the loops that call it. x below -87 returns ~2^-126 (not 0).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
-}
 
 // acc[0 .. dh) = corr * acc + sum_t p[t] * v[t] over the n value rows v [n, dh] of a page.
 // With AVX-512 and a compile-time head dim the row of acc stays in registers across the
