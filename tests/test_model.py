@@ -9,6 +9,7 @@ import pytest
 from jaxserve.config import RopeScaling
 from jaxserve.model.layers import rope_inv_freq
 from jaxserve.model.params import abstract_params, init_params, param_count
+from jaxserve.model.transformer import Kernels
 from model_utils import PagedDriver, dense_reference_logits, tiny_config
 
 CONFIGS = {
@@ -161,3 +162,18 @@ def test_dual_precision_weights_pick_by_rows():
         EngineConfig(matmul_impl="cpu")
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows and weight_quant"):
         EngineConfig(bf16_matmul_min_rows=1, weight_quant="int8")
+
+
+def test_rope_tables_are_computed_once_per_step():
+    """XLA:CPU fused the cos / sin of rope_tables into every layer's q and k rotation,
+    recomputing them per element; the compiled step must hold a single cosine and sine."""
+    from jaxserve.engine.batch import empty_batch
+    from jaxserve.kv_cache import init_kv_cache
+    from model_utils import _fwd
+
+    cfg = CONFIGS["gqa2"]
+    assert cfg.num_layers >= 2
+    params = _params(cfg, 0)
+    cache = init_kv_cache(cfg, 8, 4, cfg.dtype)
+    text = _fwd.lower(params, cache, empty_batch(16, 2, 4), cfg, Kernels()).compile().as_text()
+    assert text.count(" cosine(") == 1 and text.count(" sine(") == 1
