@@ -12,7 +12,8 @@
 // and x keeps its f32 precision (no bf16 rounding of the activations).
 //
 // Work split: items of consecutive panels (about 16 items a call, so each thread streams
-// long contiguous stretches of W), handed out to XLA's intra-op threads (parallel.h). A
+// long contiguous stretches of W; a weight of fewer panels is also split into chunks of
+// >= 128 rows when x has many), handed out to XLA's intra-op threads (parallel.h). A
 // panel's rows of x are walked in blocks of up to 8 rows x 32 columns (16 zmm
 // accumulators, 4 widened weight registers: per pair of input rows 4 widening ops feed 32
 // FMAs; 4 x 64 blocks measured 15-25% slower at 32 rows), so the panel (<= 200 KB)
@@ -47,6 +48,7 @@ namespace {
 
 constexpr int64_t kPrefetchPairs = 16;  // k pairs ahead (16 x 256 B = 4 KB at P = 64)
 constexpr int64_t kItemsPerCall = 16;
+constexpr int64_t kMinSplitRows = 128;  // rows per item when a call is also split by rows
 constexpr int64_t kMaxRows = 8;  // rows of x per register block (8 x 32 columns: 16 zmm)
 
 inline float from_bf16(uint16_t b) {
@@ -112,8 +114,7 @@ inline void block_avx512(const Problem& p, const uint16_t* panel, int64_t m0, in
 
 template <int J>
 inline void rows_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int64_t rows,
-                        int64_t c0, int64_t n0) {
-  const bool first = m0 == 0 && c0 == 0;
+                        int64_t c0, int64_t n0, bool first) {
   switch (rows) {
     case 8: return block_avx512<8, J>(p, panel, m0, c0, n0, first);
     case 7: return block_avx512<7, J>(p, panel, m0, c0, n0, first);
@@ -128,11 +129,11 @@ inline void rows_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int
 #endif
 
 // Portable path: the same packing and f32 arithmetic.
-void panel_portable(const Problem& p, int64_t pi) {
+void panel_portable(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
   const uint16_t* panel = p.w + pi * p.K2 * p.P * 2;
   const int64_t n0 = pi * p.P;
   std::vector<float> acc(p.P);
-  for (int64_t m = 0; m < p.M; ++m) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     const float* xr = p.x + m * p.K2 * 2;
     for (int64_t k = 0; k < p.K2; ++k) {
@@ -146,7 +147,7 @@ void panel_portable(const Problem& p, int64_t pi) {
   }
 }
 
-void run_panel(const Problem& p, int64_t pi) {
+void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 #if defined(__AVX512F__)
   const uint16_t* panel = p.w + pi * p.K2 * p.P * 2;
   const int64_t n0 = pi * p.P;
@@ -160,14 +161,14 @@ void run_panel(const Problem& p, int64_t pi) {
     }
     return;
   }
-  for (int64_t m0 = 0; m0 < p.M; m0 += kMaxRows) {
-    const int64_t rows = std::min(kMaxRows, p.M - m0);
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, m_end - m0);
     int64_t c0 = 0;
-    for (; c0 + 32 <= p.P; c0 += 32) rows_avx512<2>(p, panel, m0, rows, c0, n0);
-    for (; c0 + 16 <= p.P; c0 += 16) rows_avx512<1>(p, panel, m0, rows, c0, n0);
+    for (; c0 + 32 <= p.P; c0 += 32) rows_avx512<2>(p, panel, m0, rows, c0, n0, m0 == m_begin && c0 == 0);
+    for (; c0 + 16 <= p.P; c0 += 16) rows_avx512<1>(p, panel, m0, rows, c0, n0, m0 == m_begin && c0 == 0);
   }
 #else
-  panel_portable(p, pi);
+  panel_portable(p, pi, m_begin, m_end);
 #endif
 }
 
@@ -185,11 +186,23 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.w = reinterpret_cast<const uint16_t*>(w.untyped_data());
   p.out = out->typed_data();
   // Items are runs of consecutive panels (about kItemsPerCall of them a call), so each
-  // thread streams long contiguous stretches of W.
+  // thread streams long contiguous stretches of W. A weight of few panels (9 for
+  // 1536 x 576) is also split by rows when there are many (prefill), else the two threads
+  // get 5 and 4 panels: 10% of the call idle.
   const int64_t panels = wd[0];
   const int64_t run = std::max<int64_t>(1, panels / kItemsPerCall);
-  jaxserve::parallel_for(pool, (panels + run - 1) / run, [&p, run, panels](int64_t item) {
-    for (int64_t pi = item * run; pi < std::min(panels, (item + 1) * run); ++pi) run_panel(p, pi);
+  const int64_t runs = (panels + run - 1) / run;
+  int64_t row_chunks = 1;
+  if (runs < kItemsPerCall && p.M >= 2 * kMinSplitRows)
+    row_chunks = std::min((kItemsPerCall + runs - 1) / runs, p.M / kMinSplitRows);
+  // chunk rows: a multiple of the register block, so only the last chunk has a remainder
+  const int64_t chunk = (p.M / row_chunks + kMaxRows - 1) / kMaxRows * kMaxRows;
+  row_chunks = (p.M + chunk - 1) / chunk;
+  jaxserve::parallel_for(pool, runs * row_chunks, [&p, run, panels, chunk, row_chunks](int64_t item) {
+    const int64_t r = item / row_chunks, m_begin = item % row_chunks * chunk;
+    const int64_t m_end = std::min(p.M, m_begin + chunk);
+    for (int64_t pi = r * run; pi < std::min(panels, (r + 1) * run); ++pi)
+      run_panel(p, pi, m_begin, m_end);
     return true;
   });
   return ffi::Error::Success();

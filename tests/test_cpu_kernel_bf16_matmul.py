@@ -45,10 +45,11 @@ def test_pack_round_trip_and_layout():
 @pytest.mark.parametrize("k,n", [(96, 192), (64, 80), (576, 64), (32, 64 * 37)])
 def test_kernel_matches_reference(k, n):
     """Row counts 0 .. 9 and 37 cover every remainder of the 8-row register blocks (1 and
-    2 rows: the one-pass path); 37 panels split into runs of 2 with one left over."""
+    2 rows: the one-pass path); 37 panels split into runs of 2 with one left over; 300
+    rows over few panels are also split into row chunks (the last one with a remainder)."""
     rng = np.random.default_rng(SEED + k + n)
     wp = pack_weight(_w(rng, k, n))
-    for m in list(range(10)) + [37]:
+    for m in list(range(10)) + [37, 300]:
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         out = np.asarray(bf16_matmul(x, wp))
         ref = np.asarray(bf16_matmul_reference(x, wp))
