@@ -1,7 +1,12 @@
 // parallel_for over XLA's intra-op thread pool, shared by the CPU kernels.
 //
 // Items 0 .. total-1 are handed out dynamically (an atomic counter) to the calling thread
-// and up to pool.num_threads() pool tasks, so ragged items balance. The caller works too and
+// and up to pool.num_threads() - 1 pool tasks, so ragged items balance: one thread per pool
+// thread in all, the caller included. (With pool.num_threads() tasks on 2 cores the extra
+// one queued behind the others: a helper started a mean ~45 us after it was scheduled, the
+// length of a whole 1-row matmul call; with one helper ~3.5 us, and a single-stream decode
+// step took ~13-15.5 ms instead of ~15.5-18.5, measured alternately on a 2-core VM.)
+// The caller works too and
 // then waits only for items already claimed: a pool task that starts late (the pool busy,
 // or the caller itself a pool thread) finds no item left and touches nothing but the shared
 // state, which it co-owns through a shared_ptr. So the call never deadlocks on a saturated
@@ -51,7 +56,7 @@ inline bool parallel_for(xla::ffi::ThreadPool& pool, int64_t total,
   auto st = std::make_shared<ParallelState>();
   st->body = std::move(body);
   st->total = total;
-  const int64_t helpers = std::min({pool.num_threads(), total - 1, max_helpers});
+  const int64_t helpers = std::min({pool.num_threads() - 1, total - 1, max_helpers});
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([st] { st->drain(); });
   st->drain();
   // Items claimed by helpers are short: spin briefly before sleeping.
