@@ -47,7 +47,9 @@ float sum_exp(const float* x, int64_t V, float m) {
   return s;
 }
 
-RowResult row_portable(const float* x, int64_t V) {
+// The argmax and log-sum-exp of one row of V logits (portable loop / AVX-512 below).
+#if !defined(__AVX512F__)
+RowResult row(const float* x, int64_t V) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t idx = 0;
   for (int64_t i = 0; i < V; ++i) {
@@ -57,9 +59,8 @@ RowResult row_portable(const float* x, int64_t V) {
   if (m == -std::numeric_limits<float>::infinity()) return {0, m};
   return {static_cast<int32_t>(idx), m + std::log(sum_exp(x, V, m))};
 }
-
-#if defined(__AVX512F__)
-RowResult row_avx512(const float* x, int64_t V) {
+#else
+RowResult row(const float* x, int64_t V) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 vmax = ninf;
   __m512i vidx = _mm512_setzero_si512();
@@ -94,11 +95,7 @@ ffi::Error ArgmaxLogsumexpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logit
   int32_t* idx = argmax->typed_data();
   float* lse = logsumexp->typed_data();
   jaxserve::parallel_for(pool, B, [=](int64_t b) {
-#if defined(__AVX512F__)
-    const RowResult r = row_avx512(x + b * V, V);
-#else
-    const RowResult r = row_portable(x + b * V, V);
-#endif
+    const RowResult r = row(x + b * V, V);
     idx[b] = r.index;
     lse[b] = r.lse;
     return true;

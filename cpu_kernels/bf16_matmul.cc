@@ -89,7 +89,7 @@ inline void block_avx512(const Problem& p, const uint16_t* panel, int64_t m0, in
         _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchPairs * stride + 32 * j),
                      _MM_HINT_T0);
     } else if (fetch_panel) {
-      const char* row = reinterpret_cast<const char*>(wk - c0 * 2 + kPrefetchPairs * stride);
+      const char* row = reinterpret_cast<const char*>(panel + (k + kPrefetchPairs) * stride);
       for (int64_t b = 0; b < stride * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
     __m512 w_even[J], w_odd[J];
@@ -163,9 +163,12 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
   }
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, m_end - m0);
+    const bool first_rows = m0 == m_begin;  // this item's first block of the panel
     int64_t c0 = 0;
-    for (; c0 + 32 <= p.P; c0 += 32) rows_avx512<2>(p, panel, m0, rows, c0, n0, m0 == m_begin && c0 == 0);
-    for (; c0 + 16 <= p.P; c0 += 16) rows_avx512<1>(p, panel, m0, rows, c0, n0, m0 == m_begin && c0 == 0);
+    for (; c0 + 32 <= p.P; c0 += 32)
+      rows_avx512<2>(p, panel, m0, rows, c0, n0, first_rows && c0 == 0);
+    for (; c0 + 16 <= p.P; c0 += 16)
+      rows_avx512<1>(p, panel, m0, rows, c0, n0, first_rows && c0 == 0);
   }
 #else
   panel_portable(p, pi, m_begin, m_end);
@@ -192,12 +195,13 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t panels = wd[0];
   const int64_t run = std::max<int64_t>(1, panels / kItemsPerCall);
   const int64_t runs = (panels + run - 1) / run;
-  int64_t row_chunks = 1;
-  if (runs < kItemsPerCall && p.M >= 2 * kMinSplitRows)
-    row_chunks = std::min((kItemsPerCall + runs - 1) / runs, p.M / kMinSplitRows);
-  // chunk rows: a multiple of the register block, so only the last chunk has a remainder
-  const int64_t chunk = (p.M / row_chunks + kMaxRows - 1) / kMaxRows * kMaxRows;
-  row_chunks = (p.M + chunk - 1) / chunk;
+  int64_t chunk = p.M;  // rows per item
+  if (runs < kItemsPerCall && p.M >= 2 * kMinSplitRows) {
+    const int64_t want = std::min((kItemsPerCall + runs - 1) / runs, p.M / kMinSplitRows);
+    // a multiple of the register block, so only the last chunk has a remainder
+    chunk = (p.M / want + kMaxRows - 1) / kMaxRows * kMaxRows;
+  }
+  const int64_t row_chunks = (p.M + chunk - 1) / chunk;
   jaxserve::parallel_for(pool, runs * row_chunks, [&p, run, panels, chunk, row_chunks](int64_t item) {
     const int64_t r = item / row_chunks, m_begin = item % row_chunks * chunk;
     const int64_t m_end = std::min(p.M, m_begin + chunk);

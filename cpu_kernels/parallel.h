@@ -6,11 +6,10 @@
 // one queued behind the others: a helper started a mean ~45 us after it was scheduled, the
 // length of a whole 1-row matmul call; with one helper ~3.5 us, and a single-stream decode
 // step took ~13-15.5 ms instead of ~15.5-18.5, measured alternately on a 2-core VM.)
-// The caller works too and
-// then waits only for items already claimed: a pool task that starts late (the pool busy,
-// or the caller itself a pool thread) finds no item left and touches nothing but the shared
-// state, which it co-owns through a shared_ptr. So the call never deadlocks on a saturated
-// pool and returns as soon as every item is done.
+// The caller works too and then waits only for items already claimed: a pool task that
+// starts late (the pool busy, or the caller itself a pool thread) finds no item left and
+// touches nothing but the shared state, which it co-owns through a shared_ptr. So the call
+// never deadlocks on a saturated pool and returns as soon as every item is done.
 //
 // Source: the work-sharing loop of Eigen's ThreadPoolDevice::parallelFor, reduced to
 // dynamic single-item claims.
