@@ -183,6 +183,12 @@ class EngineConfig:
         Pick it by measurement: tools/bench_step.py. Not with weight_quant or TP.
     bf16_matmul_max_rows: None, or with bf16_matmul_min_rows: matmuls over more rows than
         this use the f32 weights again (tools/bench_step.py --compare matmul suggests both).
+    decode_steps: tokens each sequence decodes per dispatched step when no request is
+        waiting and every sequence of the batch has that many tokens left (multi-step
+        decode: the host loop, the dispatch and the output processing run once per
+        decode_steps tokens; tokens then stream in bursts of that many, and a sequence that
+        stops early wastes the rest of its burst). 1 = one token per step. Each decode
+        bucket is then compiled for both. Source: vLLM's num_scheduler_steps.
     """
 
     page_size: int = 16
@@ -203,11 +209,12 @@ class EngineConfig:
     weight_quant_group_size: int | None = None
     bf16_matmul_min_rows: int | None = None
     bf16_matmul_max_rows: int | None = None
+    decode_steps: int = 1
     seed: int = 0
 
     def __post_init__(self):
         for name in ("page_size", "kv_cache_bytes", "max_num_seqs", "max_model_len",
-                     "max_prefill_tokens", "max_prefill_seqs"):
+                     "max_prefill_tokens", "max_prefill_seqs", "decode_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS),

@@ -108,7 +108,10 @@ def _filtered_sample(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
     keep = (cum_before < sb.top_p[:, None]) & (probs >= sb.min_p[:, None] * probs[:, :1])
     keep = keep.at[:, 0].set(True)                               # never drop the top token
     sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-    choice = argmax_last(sorted_logits + _gumbel(sb.seed, sb.step, V))
+    # each token's noise by its id, as in the unfiltered branch: a row that filters nothing
+    # draws the same token whichever branch its batch takes
+    noise = jnp.take_along_axis(_gumbel(sb.seed, sb.step, V), order, axis=-1)
+    choice = argmax_last(sorted_logits + noise)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 

@@ -201,7 +201,7 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     pages = S((n, ps, K, Dh), dtype)
     i32 = jnp.int32
     calls = {}
-    for kind, T, B, P in warmup_shapes(ecfg):
+    for kind, T, B, P, _ in warmup_shapes(ecfg):
         if kind == "decode":
             calls[("decode", B, P)] = (functools.partial(paged_attention, impl="pallas"),
                                        (S((B, H, Dh), dtype), pages, pages, S((B, P), i32), S((B,), i32)))
@@ -217,7 +217,7 @@ def _matmul_calls(model_cfg, ecfg: EngineConfig, dtype):
 
     S = jax.ShapeDtypeStruct
     layer = abstract_params(model_cfg).layers[0]
-    ms = sorted({T for _, T, _, _ in warmup_shapes(ecfg)})
+    ms = sorted({T for _, T, _, _, _ in warmup_shapes(ecfg)})
     calls = {}
     for fmt, group in (("int8", None), ("int8", 128), ("fp8_e4m3", None)):
         wdt = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn

@@ -76,6 +76,19 @@ def test_seed_makes_a_row_independent_of_its_batch(logits):
     assert len(set(steps)) > 1
 
 
+def test_unfiltered_row_same_token_whether_or_not_its_batch_filters(logits):
+    """A seeded row without top-k / top-p / min-p draws the same tokens alone (the
+    unfiltered branch) and beside a row that filters (the whole batch then takes the
+    filtered branch): the noise belongs to the token id, not its rank."""
+    flat = logits[:1] / 6
+    sp = SamplingParams(temperature=1.0, seed=99)
+    filt = SamplingParams(temperature=1.0, top_p=0.5, seed=1)
+    for step in range(12):
+        alone, _ = run(flat, [sp], [99], [step])
+        mixed, _ = run(np.concatenate([flat, logits[1:2]]), [sp, filt], [99, 1], [step, 0])
+        assert mixed[0] == alone[0], step
+
+
 def test_mixed_greedy_and_sampled_rows(logits):
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=5),
               SamplingParams(temperature=0), SamplingParams(temperature=2.0)]

@@ -134,3 +134,23 @@ def test_random_workloads_finish_with_pool_full_again():
         run_to_completion(sched, seqs)
         assert all(s.status is SequenceStatus.FINISHED for s in seqs)
         assert pool.num_free == pool.capacity
+
+
+def test_reserve_ahead_is_all_or_nothing():
+    """Multi-step decode's lookahead pages: every sequence gets the pages for its extra
+    tokens, or (not enough free) none does and nothing is preempted."""
+    sched, pool = make(num_pages=9)  # page_size 4; 8 usable pages (page 0 is the null page)
+    a, b = seq("a", 4), seq("b", 7)
+    for s in (a, b):
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.kind == "prefill" and len(plan.seqs) == 2  # a: 1 page, b: 2 pages
+    for s in plan.seqs:
+        s.output_ids.append(7)
+    plan = sched.schedule()  # decode: a 5 tokens -> 2 pages, b 8 -> 2 pages
+    assert plan.kind == "decode" and pool.num_free == 4
+    assert sched.reserve_ahead(plan.seqs, 3)  # a 8 -> 2 pages, b 11 -> 3: one more page
+    assert [len(s.block_table) for s in (a, b)] == [2, 3] and pool.num_free == 3
+    assert not sched.reserve_ahead(plan.seqs, 12)  # a 17 -> 5, b 20 -> 5: 5 more > 3 free
+    assert [len(s.block_table) for s in (a, b)] == [2, 3] and pool.num_free == 3
+    assert sched.num_preemptions == 0 and len(sched.running) == 2

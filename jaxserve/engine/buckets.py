@@ -26,17 +26,19 @@ def _prefill_pages(T: int, cfg: EngineConfig) -> int:
     return bucket_for(-(-T // cfg.page_size), cfg.page_counts)
 
 
-def warmup_shapes(cfg: EngineConfig) -> list[tuple[str, int, int, int]]:
-    """Every (kind, T, S, P) the engine can run (T token rows, S sequences, P pages per
-    block table): what warm-up compiles. Several prompts share a prefill step only within
-    max_prefill_tokens token rows."""
+def warmup_shapes(cfg: EngineConfig) -> list[tuple[str, int, int, int, int]]:
+    """Every (kind, T, S, P, n) the engine can run (T token rows, S sequences, P pages per
+    block table, n tokens per sequence: 1, or decode_steps for multi-step decode): what
+    warm-up compiles. Several prompts share a prefill step only within max_prefill_tokens
+    token rows."""
     shapes = []
     for T in cfg.prefill_lengths:
         P = _prefill_pages(T, cfg)
         for S in cfg.prefill_batch_sizes:
             if S == 1 or T <= cfg.max_prefill_tokens:
-                shapes.append(("prefill", T, S, P))
+                shapes.append(("prefill", T, S, P, 1))
+    steps = sorted({1, cfg.decode_steps})
     for S in cfg.decode_batch_sizes:
         for P in cfg.page_counts:
-            shapes.append(("decode", S, S, P))
+            shapes.extend(("decode", S, S, P, n) for n in steps)
     return shapes

@@ -6,7 +6,9 @@ sampled tokens, detokenise incrementally, check stop conditions and free the pag
 finished requests, so that host work overlaps the device step. A step's outputs are
 therefore returned by the next `step()` call. Each sequence in a running step carries a
 PLACEHOLDER output token until its value is read; the next decode step takes it from
-device memory. A sequence that stops on a token it could not foresee (EOS, stop string)
+device memory. When no request waits, a decode step may sample `decode_steps` tokens per
+sequence in one dispatch (multi-step decode, vLLM's num_scheduler_steps): the sequences
+then carry that many placeholders, and tokens after a stop are dropped. A sequence that stops on a token it could not foresee (EOS, stop string)
 has one wasted row in the step after; one that reaches max_tokens / max_model_len sits
 that step out. Source: vLLM v1 async scheduling; JetStream's overlapped detokenisation.
 Requests join (`add_request`) and leave (finish, `abort_request`) between any two steps.
@@ -137,10 +139,10 @@ class Engine:
         if self._inflight is not None:
             rows, handle = self._inflight
             t1 = time.perf_counter()
-            tokens, _ = self.runner.fetch(handle)
+            tokens, _ = self.runner.fetch(handle)  # [num_steps, S]
             wait = time.perf_counter() - t1
-            for (seq, index), token in zip(rows, tokens.tolist()):
-                out = self._resolve(seq, index, token)
+            for (seq, index), column in zip(rows, tokens.T.tolist()):
+                out = self._resolve(seq, index, column)
                 if out is not None:
                     outputs.append(out)
         self._inflight = launched
@@ -158,54 +160,76 @@ class Engine:
         plan = self.scheduler.schedule(hold)
         if plan is None:
             return None
+        n = self._num_decode_steps(plan) if plan.kind == "decode" else 1
         prev_rows = {seq: i for i, (seq, _) in enumerate(self._inflight[0])} if self._inflight else {}
         build = prefill_batch if plan.kind == "prefill" else decode_batch
         batch, sampling = build(plan.seqs, self.engine_config, prev_rows)
-        handle = self.runner.dispatch(batch, sampling)
+        handle = self.runner.dispatch(batch, sampling, n)
         self.num_steps += 1
         rows = []
         for seq in plan.seqs:
-            seq.num_computed = seq.num_tokens
+            seq.num_computed = seq.num_tokens + n - 1
             rows.append((seq, len(seq.output_ids)))
-            seq.output_ids.append(PLACEHOLDER)
+            seq.output_ids.extend([PLACEHOLDER] * n)
         live = sum(s.num_computed for s in self.scheduler.running)
         self._kv_live_token_steps += live
         self._kv_allocated_token_steps += (self.pool.capacity - self.pool.num_free) * self.pool.page_size
         return rows, handle
 
-    def _resolve(self, seq: Sequence, index: int, token: int) -> RequestOutput | None:
-        """Put the sampled `token` at output position `index` and process it; None if the
-        sequence already finished (aborted, or stopped on an earlier token)."""
+    def _num_decode_steps(self, plan) -> int:
+        """Tokens per sequence for a planned decode step: decode_steps when no request
+        waits, every sequence has that many tokens left (max_tokens, max_model_len) and
+        the free pages hold them (reserved here); else 1."""
+        n = self.engine_config.decode_steps
+        if n == 1 or self.scheduler.waiting:
+            return 1
+        limit = self.engine_config.max_model_len
+        if any(s.params.max_tokens - len(s.output_ids) < n or limit - s.num_tokens < n
+               for s in plan.seqs):
+            return 1
+        return n if self.scheduler.reserve_ahead(plan.seqs, n - 1) else 1
+
+    def _resolve(self, seq: Sequence, index: int, tokens: list[int]) -> RequestOutput | None:
+        """Put the sampled `tokens` at output positions `index`, `index + 1`, ... and
+        process them in order up to the first that finishes the sequence (the rest are
+        dropped); one output for all of them. None if the sequence already finished
+        (aborted, or stopped on an earlier token)."""
         if seq.finish_reason is not None:
             return None
-        seq.output_ids[index] = token
         p = seq.params
-        new_text, stopped_by_string = "", False
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            seq.finish_reason = FINISH_STOP  # the stop token's text is not returned
-        else:
-            new_text, stopped_by_string = seq.stop_checker.feed(seq.detokenizer.add([token]))
-            if stopped_by_string:
-                seq.finish_reason = FINISH_STOP
-        if seq.finish_reason is None and (index + 1 >= p.max_tokens or len(seq.prompt_ids)
-                                          + index + 1 >= self.engine_config.max_model_len):
-            seq.finish_reason = FINISH_LENGTH
-        if seq.finish_reason is not None:
-            if not stopped_by_string:
-                new_text += seq.stop_checker.flush()  # text held back for a stop string that never came
-            del seq.output_ids[index + 1:]  # a token the next (running) step samples in vain
-            self.scheduler.finish(seq)
-            del self._seqs[seq.request_id]
+        new_ids, new_text = [], ""
+        for i, token in enumerate(tokens, start=index):
+            seq.output_ids[i] = token
+            new_ids.append(token)
+            stopped_by_string = False
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                seq.finish_reason = FINISH_STOP  # the stop token's text is not returned
+            else:
+                text, stopped_by_string = seq.stop_checker.feed(seq.detokenizer.add([token]))
+                new_text += text
+                if stopped_by_string:
+                    seq.finish_reason = FINISH_STOP
+            if seq.finish_reason is None and (i + 1 >= p.max_tokens or len(seq.prompt_ids)
+                                              + i + 1 >= self.engine_config.max_model_len):
+                seq.finish_reason = FINISH_LENGTH
+            if seq.finish_reason is not None:
+                if not stopped_by_string:
+                    new_text += seq.stop_checker.flush()  # held back for a stop string that never came
+                del seq.output_ids[i + 1:]  # tokens sampled in vain (this or the running step)
+                self.scheduler.finish(seq)
+                del self._seqs[seq.request_id]
+                break
         seq.text += new_text
-        return self._output(seq, [token], new_text, index + 1)
+        return self._output(seq, new_ids, new_text, index + len(new_ids))
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], new_text: str,
                 num_known: int | None = None) -> RequestOutput:
-        """Snapshot of `seq`; num_known: output tokens already read (default: all but a
-        trailing PLACEHOLDER)."""
+        """Snapshot of `seq`; num_known: output tokens already read (default: all but the
+        trailing PLACEHOLDERs)."""
         if num_known is None:
-            num_known = len(seq.output_ids) - seq.has_placeholder
+            num_known = (seq.output_ids.index(PLACEHOLDER) if seq.has_placeholder
+                         else len(seq.output_ids))
         return RequestOutput(
             request_id=seq.request_id, num_prompt_tokens=len(seq.prompt_ids),
             token_ids=seq.output_ids[:num_known], new_token_ids=new_ids, text=seq.text,

@@ -40,35 +40,83 @@ from jaxserve.sharding import ShardingRules
 log = logging.getLogger(__name__)
 
 
-def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-          prev_tokens: jax.Array, *, cfg: ModelConfig, rules: ShardingRules | None,
-          kernels: Kernels):
-    """One engine step. prev_tokens: [max_rows] int32, the previous step's sampled tokens.
-    Returns (tokens [max_rows] int32 padded with 0, logprobs [S] f32, cache)."""
-    S = batch.seq_lens.shape[0]
-    from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
-    tokens_in = jnp.where(batch.prev_index >= 0, from_prev, batch.tokens)
-    hidden, cache = forward(params, cache, dataclasses.replace(batch, tokens=tokens_in), cfg,
-                            rules, kernels)
+def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch, *,
+                 cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
+    """forward -> each sequence's last-token logits -> sample: (tokens [S] int32, logprobs
+    [S] f32, cache)."""
+    hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules)
     tokens, logprobs = sample(logits, sampling, kernels.sampling)
-    padded = jnp.zeros(prev_tokens.shape, jnp.int32).at[:S].set(tokens)
-    return padded, logprobs, cache
+    return tokens, logprobs, cache
+
+
+def _next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int) -> StepBatch:
+    """The decode batch one token later: each live sequence (seq_len > 0) feeds its sampled
+    token at the next position, written to the slot its block table gives for it; padding
+    sequences stay as they were (null page, seq_len 0)."""
+    live = batch.seq_lens > 0
+    positions = batch.positions + live
+    page = jnp.take_along_axis(batch.block_tables, (positions // page_size)[:, None], axis=1,
+                               mode="clip")[:, 0]
+    slots = jnp.where(live, page * page_size + positions % page_size, batch.slot_mapping)
+    return dataclasses.replace(batch, tokens=tokens, positions=positions, slot_mapping=slots,
+                               seq_lens=batch.seq_lens + live)
+
+
+def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
+          prev_tokens: jax.Array, *, cfg: ModelConfig, rules: ShardingRules | None,
+          kernels: Kernels, num_steps: int = 1):
+    """One engine step: `num_steps` tokens per sequence. prev_tokens: [max_rows] int32, the
+    previous step's last sampled tokens.
+
+    num_steps > 1 (decode batches only): multi-step decode, a `fori_loop` in which each
+    iteration samples one token per sequence and feeds it back as the next iteration's
+    input (positions, slots and lengths advanced on device; the block tables must already
+    hold the pages of every position written). Sub-step i samples with `sampling.step + i`,
+    so the tokens are those of num_steps single steps. Source: vLLM's multi-step
+    scheduling (num_scheduler_steps).
+
+    Returns (last [max_rows] int32: the last sub-step's tokens padded with 0, tokens
+    [num_steps, S] int32, logprobs [num_steps, S] f32, cache)."""
+    S = batch.seq_lens.shape[0]
+    from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
+    batch = dataclasses.replace(
+        batch, tokens=jnp.where(batch.prev_index >= 0, from_prev, batch.tokens))
+    run = functools.partial(_sample_step, params, cfg=cfg, rules=rules, kernels=kernels)
+    if num_steps == 1:
+        tokens, logprobs, cache = run(cache, batch, sampling)
+        tokens, logprobs = tokens[None], logprobs[None]
+    else:
+        if not batch.decode:
+            raise ValueError(f"num_steps={num_steps} > 1 needs a decode batch")
+
+        def body(i, carry):
+            b, cache, tokens, logprobs = carry
+            t, lp, cache = run(cache, b, dataclasses.replace(sampling, step=sampling.step + i))
+            b = _next_decode_batch(b, t, cache.page_size)
+            return b, cache, tokens.at[i].set(t), logprobs.at[i].set(lp)
+
+        init = (batch, cache, jnp.zeros((num_steps, S), jnp.int32),
+                jnp.zeros((num_steps, S), jnp.float32))
+        _, cache, tokens, logprobs = jax.lax.fori_loop(0, num_steps, body, init)
+    last = jnp.zeros(prev_tokens.shape, jnp.int32).at[:S].set(tokens[-1])
+    return last, tokens, logprobs, cache
 
 
 class StepKey(NamedTuple):
     """A compiled step shape: kind "prefill" or "decode", T token rows, S sequences, P
-    block-table pages per sequence."""
+    block-table pages per sequence, n tokens sampled per sequence (multi-step decode)."""
 
     kind: str
     T: int
     S: int
     P: int
+    n: int = 1
 
     @classmethod
-    def of(cls, batch: StepBatch) -> "StepKey":
+    def of(cls, batch: StepBatch, num_steps: int = 1) -> "StepKey":
         return cls("decode" if batch.decode else "prefill", batch.tokens.shape[0],
-                   *batch.block_tables.shape)
+                   *batch.block_tables.shape, num_steps)
 
 
 def _abstract_inputs(key: StepKey, sharding) -> tuple[StepBatch, SamplingBatch]:
@@ -104,7 +152,7 @@ class Runner:
         self.kernels = kernels  # resolved: jaxserve.kernels.select_kernels
         self._jitted = jax.jit(
             functools.partial(_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
-            donate_argnums=(1,))
+            donate_argnums=(1,), static_argnames=("num_steps",))
         self._compiled: dict[StepKey, object] = {}
         self._futures: dict[StepKey, Future] = {}
         self._lock = threading.Lock()           # compiled shapes, futures, counters
@@ -122,7 +170,8 @@ class Runner:
         t0 = time.perf_counter()
         batch, sampling = _abstract_inputs(key, self._replicated)
         exe = self._jitted.trace(_abstract(self.params), _abstract(self.cache), batch,
-                                 sampling, _abstract(self.last_tokens)).lower().compile()
+                                 sampling, _abstract(self.last_tokens),
+                                 num_steps=key.n).lower().compile()
         return exe, time.perf_counter() - t0
 
     def _executable(self, key: StepKey):
@@ -144,7 +193,7 @@ class Runner:
         if not owner:
             return future.result()
         if on_demand:
-            log.warning("compiling step for unwarmed shape %s T=%d S=%d P=%d", *key)
+            log.warning("compiling step for unwarmed shape %s T=%d S=%d P=%d n=%d", *key)
         try:
             exe, dt = self._compile(key)
             if not on_demand:
@@ -165,7 +214,8 @@ class Runner:
         batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode")
         sampling = SamplingBatch.from_params([], [], [], key.S)
         with self._dispatch_lock:
-            tokens, _, self.cache = exe(self.params, self.cache, batch, sampling, self.last_tokens)
+            tokens, _, _, self.cache = exe(self.params, self.cache, batch, sampling,
+                                           self.last_tokens)
         # wait for it here (not holding the lock): warm-up steps never pile up on the device
         # ahead of the engine's own
         tokens.block_until_ready()
@@ -178,14 +228,15 @@ class Runner:
 
     def _warmup_keys(self, shapes) -> list[StepKey]:
         """Shapes to compile, most likely first: one-sequence shapes by page count (the
-        first two: the shortest decode and prefill, what a first short request needs),
-        then the rest by size."""
+        first two: the shortest decode and prefill, what a first short request needs;
+        multi-step decode after the single steps of the same page count), then the rest
+        by size."""
         shapes = shapes if shapes is not None else warmup_shapes(self.engine_cfg)
         keys = {StepKey(*shape) for shape in shapes} - set(self._compiled)
-        return sorted(keys, key=lambda k: (False, k.P, k.T, k.kind) if k.S == 1 else
-                      (True, k.T * k.P, k.S, k.kind))
+        return sorted(keys, key=lambda k: (False, k.P, k.n, k.T, k.kind) if k.S == 1 else
+                      (True, k.T * k.P, k.S, k.n, k.kind))
 
-    def warmup(self, shapes: list[tuple[str, int, int, int]] | None = None, threads: int = 2) -> None:
+    def warmup(self, shapes: list[tuple] | None = None, threads: int = 2) -> None:
         """Compile the step for every bucketed shape and wait (XLA compiles release the
         GIL, so `threads` compile side by side)."""
         todo = self._warmup_keys(shapes)
@@ -194,7 +245,7 @@ class Runner:
             list(pool.map(self._get_or_compile, todo))
         log.info("warm-up: %d step shapes compiled in %.1f s", len(todo), time.perf_counter() - t0)
 
-    def warmup_in_background(self, shapes: list[tuple[str, int, int, int]] | None = None,
+    def warmup_in_background(self, shapes: list[tuple] | None = None,
                              first: int = 2) -> None:
         """Compile the `first` most likely shapes now, the rest on a background thread:
         the engine serves meanwhile (a step whose shape is not compiled yet compiles it
@@ -236,35 +287,38 @@ class Runner:
         """Shapes the background warm-up has still to compile (0 when none runs)."""
         return self._pending_warmup
 
-    def dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> "StepHandle":
+    def dispatch(self, batch: StepBatch, sampling: SamplingBatch,
+                 num_steps: int = 1) -> "StepHandle":
         """Launch one step without waiting for it (host numpy arrays in; batch.prev_index
-        None = all tokens from the host). Returns a handle for `fetch`; the KV pool and
-        `last_tokens` are replaced by the step's (future) outputs at once."""
+        None = all tokens from the host). num_steps > 1: multi-step decode (see `_step`;
+        the block tables must hold the pages of all num_steps new tokens). Returns a handle
+        for `fetch`; the KV pool and `last_tokens` are replaced by the step's (future)
+        outputs at once."""
         if batch.prev_index is None:
             batch = dataclasses.replace(
                 batch, prev_index=np.full(batch.tokens.shape, -1, np.int32))
-        exe = self._executable(StepKey.of(batch))
+        exe = self._executable(StepKey.of(batch, num_steps))
         with self._dispatch_lock:
-            tokens, logprobs, self.cache = exe(self.params, self.cache, batch, sampling,
-                                               self.last_tokens)
-            self.last_tokens = tokens
-        return StepHandle(tokens, logprobs, batch.seq_lens.shape[0])
+            self.last_tokens, tokens, logprobs, self.cache = exe(
+                self.params, self.cache, batch, sampling, self.last_tokens)
+        return StepHandle(tokens, logprobs)
 
     @staticmethod
     def fetch(handle: "StepHandle") -> tuple[np.ndarray, np.ndarray]:
-        """Wait for a dispatched step; its sampled tokens [S] int32 and logprobs [S] f32."""
-        return np.asarray(handle.tokens)[:handle.batch_size], np.asarray(handle.logprobs)
+        """Wait for a dispatched step: its sampled tokens [num_steps, S] int32 and their
+        logprobs [num_steps, S] f32 (column b: sequence b of the batch, padding included)."""
+        return np.asarray(handle.tokens), np.asarray(handle.logprobs)
 
-    def run(self, batch: StepBatch, sampling: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step and wait: sampled tokens [S] int32 and their logprobs [S] f32."""
-        return self.fetch(self.dispatch(batch, sampling))
+    def run(self, batch: StepBatch, sampling: SamplingBatch,
+            num_steps: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Run one step and wait: `fetch`'s tokens and logprobs."""
+        return self.fetch(self.dispatch(batch, sampling, num_steps))
 
 
 @dataclasses.dataclass(frozen=True)
 class StepHandle:
-    """A dispatched step's outputs, still on device: tokens [max_rows] int32 (the first
-    batch_size rows, one per sequence, are real), logprobs [batch_size] f32."""
+    """A dispatched step's outputs, still on device: tokens [num_steps, S] int32 and
+    logprobs [num_steps, S] f32 (S: the batch's sequence bucket)."""
 
     tokens: jax.Array
     logprobs: jax.Array
-    batch_size: int

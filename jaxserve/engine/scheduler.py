@@ -63,6 +63,18 @@ class Scheduler:
         decode = self._reserve_decode_pages(hold)
         return StepPlan("decode", decode) if decode else None
 
+    def reserve_ahead(self, seqs: list[Sequence], extra_tokens: int) -> bool:
+        """Give each of `seqs` (a planned decode step's) the pages for `extra_tokens` more
+        tokens after the step's own (multi-step decode), if the free pages hold them all;
+        otherwise allocate nothing (never preempts). Returns whether it allocated."""
+        need = [self._decode_need(s, extra_tokens) for s in seqs]
+        if sum(need) > self.pool.num_free:
+            return False
+        for seq, n in zip(seqs, need):
+            if n:
+                seq.block_table += self.pool.allocate(n)
+        return True
+
     def _decode_need(self, seq: Sequence, extra_tokens: int = 0) -> int:
         """New pages `seq` needs to hold its tokens (+ extra) in the next decode step."""
         return max(0, self.pool.pages_for(seq.num_tokens + extra_tokens) - len(seq.block_table))

@@ -9,9 +9,9 @@ from typing import Any
 from jaxserve.sampling_params import SamplingParams
 
 
-# Output token sampled by a step that is still running on device: the engine appends it at
-# dispatch (so the next step is planned with the right length) and overwrites it when it
-# reads the step's results.
+# Output token sampled by a step that is still running on device: the engine appends one
+# per token the step samples at dispatch (so the next step is planned with the right
+# length) and overwrites them when it reads the step's results.
 PLACEHOLDER = -1
 
 
@@ -25,8 +25,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request.
 
-    prompt_ids / output_ids: token ids (the last output may be PLACEHOLDER while the step
-    that samples it runs). block_table: page ids holding its K/V, in order.
+    prompt_ids / output_ids: token ids (the last outputs may be PLACEHOLDERs while the
+    step that samples them runs: one, or decode_steps of a multi-step decode). block_table: page ids holding its K/V, in order.
     num_computed: tokens whose K/V are in the pages. seed: resolved sampling seed.
     detokenizer / stop_checker: text state (owned by the engine's output processing).
     admitted: a counter value, larger = admitted more recently (preemption order).

@@ -1,0 +1,182 @@
+"""Multi-step decode (EngineConfig.decode_steps): several tokens per sequence in one
+dispatched step must change nothing but speed.
+
+- the runner's n-step decode gives the tokens, logprobs and KV pages of n single steps
+  (greedy and seeded-sampling rows, a padding sequence, a page boundary crossed inside
+  the step);
+- the engine with decode_steps=4 returns exactly what decode_steps=1 returns for a mix of
+  requests arriving over time (max_tokens not a multiple of 4, stop strings and stop token
+  ids hit inside a burst, seeded sampling), leaves the pool empty, and really ran
+  multi-step steps;
+- a waiting request turns multi-step off; an abort inside a burst reports no placeholder.
+
+Tiny random model with the byte-level test tokenizer (vocab 258), XLA kernels.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from fake_engine import tiny_tokenizer
+from jaxserve.config import EngineConfig
+from jaxserve.engine.batch import decode_batch, prefill_batch
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.runner import Runner
+from jaxserve.engine.scheduler import StepPlan
+from jaxserve.engine.sequence import PLACEHOLDER, Sequence
+from jaxserve.kv_cache import init_kv_cache
+from jaxserve.model.params import init_params
+from jaxserve.model.transformer import Kernels
+from jaxserve.sampling_params import SamplingParams
+from model_utils import tiny_config
+
+CFG = tiny_config(vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+PAGE = 4
+ECFG = EngineConfig(page_size=PAGE, kv_cache_bytes=65 * 2 * 2 * PAGE * 2 * 8 * 4,
+                    max_num_seqs=4, max_model_len=64, max_prefill_tokens=64, max_prefill_seqs=4,
+                    decode_batch_buckets=(1, 4), prefill_len_buckets=(16, 64),
+                    prefill_batch_buckets=(1, 4), page_buckets=(16,))
+
+
+@pytest.fixture(scope="module")
+def params():
+    # scale 1: a random model whose greedy text varies (small weights repeat one token)
+    return init_params(CFG, jax.random.key(3), scale=1.0)
+
+
+def make_engine(params, decode_steps: int) -> Engine:
+    ecfg = dataclasses.replace(ECFG, decode_steps=decode_steps)
+    cache = init_kv_cache(CFG, 65, PAGE, CFG.dtype, layout="head_major")
+    runner = Runner(CFG, ecfg, params, cache, Kernels("xla", "xla", "xla"))
+    return Engine(CFG, ecfg, runner, tiny_tokenizer())
+
+
+def run(engine: Engine, requests, arrivals) -> dict:
+    """Add request i at step arrivals[i]; step until every request finished. Returns
+    {id: (token_ids, text, finish_reason)}."""
+    done, step = {}, 0
+    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    while len(done) < len(requests):
+        while pending and arrivals[pending[0]] <= step:
+            rid, prompt, sp = requests[pending.pop(0)]
+            engine.add_request(rid, prompt, sp)
+        for out in engine.step():
+            assert PLACEHOLDER not in out.token_ids
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.text, out.finish_reason)
+        step += 1
+        assert step < 1000, "engine made no progress"
+    return done
+
+
+def test_runner_multi_step_equals_single_steps(params):
+    """4 tokens in one step == 4 single steps chained through the device (prev_index):
+    same tokens, same logprobs, same K/V in every page."""
+    seqs = []
+    for i, (n, sp) in enumerate([(5, SamplingParams(temperature=0)),
+                                 (3, SamplingParams(temperature=0.9, seed=11)),
+                                 (7, SamplingParams(temperature=0.7, top_k=20, seed=5))]):
+        seq = Sequence(request_id=str(i), prompt_ids=list(range(10 + i, 10 + i + n)),
+                       params=sp, seed=sp.seed or 0)
+        # room for the prompt and 4 more tokens; prompt 3 -> 3 + 4 crosses a page boundary
+        seq.block_table = [1 + 4 * i + j for j in range(-(-(n + 4) // PAGE))]
+        seqs.append(seq)
+    results = []
+    for n_steps in (1, 4):
+        runner = Runner(CFG, ECFG, params,
+                        init_kv_cache(CFG, 65, PAGE, CFG.dtype, layout="head_major"),
+                        Kernels("xla", "xla", "xla"))
+        run_seqs = [dataclasses.replace(s, output_ids=[], block_table=list(s.block_table))
+                    for s in seqs]
+        b, smp = prefill_batch(run_seqs, ECFG)
+        first, _ = runner.run(b, smp)
+        for j, s in enumerate(run_seqs):
+            s.output_ids.append(int(first[0, j]))
+        tokens, logprobs, prev = [], [], {}
+        for _ in range(4 // n_steps):
+            b, smp = decode_batch(run_seqs, ECFG, prev)
+            t, lp = runner.run(b, smp, n_steps)
+            tokens.append(t[:, :3])
+            logprobs.append(lp[:, :3])
+            for j, s in enumerate(run_seqs):  # the next step reads them from the device
+                s.output_ids.extend([PLACEHOLDER] * n_steps)
+            prev = {s: j for j, s in enumerate(run_seqs)}
+        assert b.seq_lens.shape == (4,) and b.seq_lens[3] == 0, "one padding sequence"
+        results.append((np.concatenate(tokens), np.concatenate(logprobs),
+                        [np.asarray(k) for k in runner.cache.k + runner.cache.v]))
+    (t1, lp1, kv1), (t4, lp4, kv4) = results
+    np.testing.assert_array_equal(t4, t1)
+    np.testing.assert_allclose(lp4, lp1, atol=1e-5)
+    for a, b in zip(kv4, kv1):  # the null page (0) takes padding writes: compare the rest
+        np.testing.assert_allclose(a[:, 1:], b[:, 1:], atol=1e-5)
+    assert np.abs(kv4[0][:, 1:]).sum() > 0
+
+
+def test_engine_multi_step_equals_single_step(params):
+    """A mix of requests arriving over time: decode_steps=4 returns exactly the tokens,
+    text and finish reasons of decode_steps=1, with the stops inside a burst."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in (3, 9, 14, 6, 11)]
+    base = [SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=22, temperature=0.9, seed=7, ignore_eos=True),
+            SamplingParams(max_tokens=17, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+    arrivals = [0, 0, 3, 5, 6]
+    single = make_engine(params, 1)
+    free = run(single, [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, base))],
+               arrivals)
+    # stops that land mid-burst: request 2 stops on the token at output index 6 (sixth of
+    # a 4-token burst after the first), request 4 on a string ending inside its output
+    stop_tok = free["2"][0][6]
+    text4 = free["4"][1]
+    stop_str = text4[len(text4) // 2:len(text4) // 2 + 2]
+    params_ = list(base)
+    params_[2] = dataclasses.replace(base[2], stop_token_ids=[stop_tok])
+    params_[4] = dataclasses.replace(base[4], stop=[stop_str])
+    requests = [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params_))]
+    want = run(make_engine(params, 1), requests, arrivals)
+    multi = make_engine(params, 4)
+    got = run(multi, requests, arrivals)
+    assert got == want
+    assert want["2"][2] == "stop" and len(want["2"][0]) <= 7
+    assert want["4"][2] == "stop" and stop_str not in want["4"][1]
+    assert {k.n for k in multi.runner._compiled} == {1, 4}, "multi-step steps ran"
+    assert multi.num_steps < single.num_steps
+    assert not multi.scheduler.running and not multi.scheduler.waiting
+    assert multi.pool.num_free == multi.pool.capacity
+
+
+def test_waiting_request_turns_multi_step_off(params):
+    engine = make_engine(params, 4)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], sp)
+    engine.step()  # prefill of a
+    engine.step()  # decode: nothing waits -> 4 tokens
+    seq = engine._seqs["a"]
+    assert seq.output_ids.count(PLACEHOLDER) == 4
+    assert engine._num_decode_steps(StepPlan("decode", [seq])) == 4
+    engine.add_request("b", [4, 5], sp)
+    assert engine._num_decode_steps(StepPlan("decode", [seq])) == 1
+    # near max_tokens: fewer than 4 tokens left -> single steps
+    engine.abort_request("b")
+    seq.params = dataclasses.replace(sp, max_tokens=len(seq.output_ids) + 3)
+    assert engine._num_decode_steps(StepPlan("decode", [seq])) == 1
+
+
+def test_abort_inside_a_burst_reports_no_placeholder(params):
+    engine = make_engine(params, 4)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0,
+                                                      ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine._seqs["a"].output_ids[-1] == PLACEHOLDER
+    engine.abort_request("a")
+    outs = [o for _ in range(3) for o in engine.step()]
+    aborted = [o for o in outs if o.request_id == "a" and o.finished]
+    assert aborted and aborted[0].finish_reason == "abort"
+    assert PLACEHOLDER not in aborted[0].token_ids and aborted[0].token_ids
+    assert engine.pool.num_free == engine.pool.capacity
