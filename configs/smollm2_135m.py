@@ -42,5 +42,9 @@ CONFIG = Config(
         # f32 on the real model). The kernel sums each output in the same order whatever
         # the batch size.
         bf16_matmul_min_rows=1,
+        # Multi-step decode: up to 8 tokens per sequence per dispatch while no request
+        # waits (the host loop, JAX's dispatch and the output processing once per 8
+        # tokens; they share the 2 cores with the kernels).
+        decode_steps=8,
     ),
 )

@@ -156,6 +156,38 @@ def test_same_seed_same_output_in_any_batch(small_llm):
     assert other.token_ids != alone.token_ids
 
 
+def test_multi_step_decode_gives_the_single_step_outputs(small_llm, cache_dir):
+    """decode_steps=4 on the real model: the same tokens, text and finish reasons as the
+    single-step engine for greedy and seeded-sampling requests, an EOS-terminated chat
+    answer and a stop string, with multi-step steps really run (shapes compiled on
+    demand)."""
+    import dataclasses
+
+    from conftest import SMALL_CONFIG
+    from jaxserve.api import LLM, build_engine
+    from jaxserve.config import load_config
+
+    config = load_config(SMALL_CONFIG)
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, decode_steps=4))
+    multi = LLM(engine=build_engine(config, cache_dir, warmup=False))
+    tok = small_llm.tokenizer
+    chat = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]), add_special_tokens=False)
+    prompts = [chat, "The quick brown fox", "Once upon a time", chat]
+    params = [SamplingParams(max_tokens=64, temperature=0),
+              SamplingParams(max_tokens=23, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=18, temperature=0.9, top_k=40, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=64, temperature=0, stop=["Paris"])]
+    want = small_llm.generate(prompts, params)
+    got = multi.generate(prompts, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in want]
+    assert want[0].finish_reason == "stop" and "Paris" in want[0].text
+    assert want[3].finish_reason == "stop" and "Paris" not in want[3].text
+    assert any(k.n == 4 for k in multi.engine.runner._compiled), "multi-step steps ran"
+    assert_pool_empty(multi.engine)
+
+
 def test_host_loop_overlaps_device_steps(small_llm):
     """Step n+1 is launched before step n's tokens are read (the device never waits for
     the host between decode steps), outputs are unchanged, and the counters the
