@@ -123,7 +123,7 @@ def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, mod
 @pytest.fixture(scope="module")
 def default_precision_llm(small_llm, cache_dir):
     """The small test engine (f32 matmuls) with the default config's matmul precision
-    instead (bf16 matmuls); compiles its shapes on first use."""
+    instead (bf16 matmuls) and its multi-step decode; compiles its shapes on first use."""
     import dataclasses
     from jaxserve.api import DEFAULT_CONFIG, LLM, build_engine
     from jaxserve.config import load_config
@@ -133,7 +133,8 @@ def default_precision_llm(small_llm, cache_dir):
     assert default.bf16_matmul_min_rows is not None, "the default serves bf16 matmuls; update this test if not"
     cfg = cfg.replace(engine=dataclasses.replace(
         cfg.engine, bf16_matmul_min_rows=default.bf16_matmul_min_rows,
-        bf16_matmul_max_rows=default.bf16_matmul_max_rows, matmul_impl=default.matmul_impl))
+        bf16_matmul_max_rows=default.bf16_matmul_max_rows, matmul_impl=default.matmul_impl,
+        decode_steps=default.decode_steps))
     return LLM(engine=build_engine(cfg, cache_dir, warmup=False))
 
 
