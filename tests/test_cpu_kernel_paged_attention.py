@@ -70,6 +70,24 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, page_size):
     assert (out[0] == 0).all(), "the row of a padding sequence (seq_len 0) gives 0"
 
 
+def test_long_decode_contexts_split_and_stay_batch_invariant():
+    """Decode rows over more than kSplitPages (4) pages are split into page ranges and
+    merged (flash-decoding): still the reference's output, a row seeing only part of its
+    last range included, and each sequence's row is bit for bit the same alone as in the
+    batch (the split depends only on its own context)."""
+    rng = np.random.default_rng(SEED + 7)
+    ps, P = 16, 20
+    ctx = [5 * ps, 4 * ps, 9 * ps + 3, P * ps, 4 * ps + 1, 0, 13]
+    args, clean = _problem(rng, ctx, [1] * len(ctx), heads=9, kv_heads=3, head_dim=64,
+                           page_size=ps, pages_per_seq=P)
+    together = _check(args, clean)
+    for b in range(len(ctx)):
+        alone = {name: (a[b:b + 1] if name in ("q", "block_tables", "seq_lens", "positions")
+                        else a) for name, a in args.items()}
+        alone["query_start"] = jnp.asarray([0, 1], jnp.int32)
+        np.testing.assert_array_equal(np.asarray(paged_attention(**alone))[0], together[b])
+
+
 @pytest.mark.parametrize("q_block", [1, 3, 32])
 def test_ragged_prefill_is_causal_and_matches_reference(q_block):
     """Packed sequences of different query counts at their last positions: whole prompts,

@@ -197,8 +197,8 @@ def test_host_loop_overlaps_device_steps(small_llm):
     events = []
     dispatch, fetch = runner.dispatch, runner.fetch
 
-    def traced_dispatch(batch, sampling):
-        handle = dispatch(batch, sampling)
+    def traced_dispatch(batch, sampling, num_steps=1):
+        handle = dispatch(batch, sampling, num_steps)
         events.append(("dispatch", handle))  # kept alive: ids stay unique
         return handle
 
