@@ -9,9 +9,13 @@
       gives `bf16_matmul_min_rows` / `bf16_matmul_max_rows` with matmul_impl "cpu".
   --compare fusion: the C++ bf16 matmul with one call per projection (the baseline)
       against the fused wq | wk | wv and w_gate | w_up calls the engine uses.
+  --compare decode_steps: the config's engine, time per decoded token with one token per
+      dispatched step (the baseline) against multi-step decode (`--decode-steps`, default
+      the config's decode_steps): 64 tokens per row dispatched back to back, as the engine
+      does, then waited for. Decode shapes only.
 
     python tools/bench_step.py [--config configs/smollm2_135m.py] [--repeats 7]
-        [--compare precision|attention|matmul|fusion] [--ragged]
+        [--compare precision|attention|matmul|fusion|decode_steps] [--decode-steps N] [--ragged]
         [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
 
 Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
@@ -53,15 +57,16 @@ def parse_shape(text: str) -> tuple[str, int, int]:
 
 
 def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
-               ragged: bool = False):
+               ragged: bool = False, room: int = 3):
     """A full random batch of the shape (every row real), as the engine would build it;
-    ragged: decode rows get contexts drawn uniformly from 1 .. L pages."""
+    ragged: decode rows get contexts drawn uniformly from 1 .. L pages; room: slots left
+    free at the end of a full decode row's L pages (multi-step decode writes there)."""
     from jaxserve.engine.batch import empty_batch
     from jaxserve.sampling import SamplingBatch
     from jaxserve.sampling_params import SamplingParams
 
     if kind == "decode":
-        Q, P, ctx = 1, L, L * page_size - 3
+        Q, P, ctx = 1, L, L * page_size - room
     else:
         Q, P, ctx = L, -(-L // page_size), L
     b = empty_batch(B * Q, B, P, decode=kind == "decode")
@@ -72,7 +77,7 @@ def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
     for i in range(B):
         table = pages[i * P:(i + 1) * P]
         if ragged and kind == "decode":
-            ctx = int(rng.integers(1, full_ctx + 1))
+            ctx = int(rng.integers(1, full_ctx + 1))  # room stays free in every row
         pos = np.arange(ctx - Q, ctx)
         rows = slice(i * Q, (i + 1) * Q)
         b.tokens[rows] = rng.integers(100, 30000, Q)
@@ -97,14 +102,49 @@ def time_step(runner, batch, sampling, repeats: int) -> float:
     return statistics.median(times)
 
 
+def served(params, ecfg, cache_dir: Path):
+    """(params, kernels) as the engine serves f32 `params` with `ecfg` on one CPU device:
+    the kernels it selects, the bf16 weight copies of bf16_matmul_min_rows."""
+    from jaxserve.kernels import select_kernels
+    from jaxserve.model.quantized import dual_precision_params
+
+    kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
+    if ecfg.bf16_matmul_min_rows is not None:
+        params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
+                                       packed=kernels.matmul == "cpu",
+                                       max_rows=ecfg.bf16_matmul_max_rows)
+    return params, kernels
+
+
+def time_per_token(runner, batch, sampling, num_steps: int, repeats: int,
+                   tokens: int = 64) -> float:
+    """Median seconds per decoded token (per row) of `repeats` runs, each dispatching
+    tokens / num_steps steps back to back (the engine overlaps its host work the same
+    way) and waiting for the last one; after one untimed run."""
+    def once():
+        handles = [runner.dispatch(batch, sampling, num_steps)
+                   for _ in range(max(1, tokens // num_steps))]
+        runner.fetch(handles[-1])
+        return len(handles) * num_steps
+    once()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        n = once()
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.py"))
     ap.add_argument("--cache-dir")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--compare", choices=("precision", "attention", "matmul", "fusion"),
-                    default="precision")
+    ap.add_argument("--compare", choices=("precision", "attention", "matmul", "fusion",
+                                          "decode_steps"), default="precision")
+    ap.add_argument("--decode-steps", type=int,
+                    help="multi-step decode tokens for --compare decode_steps (default: the config's)")
     ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -136,14 +176,19 @@ def main() -> None:
                     var: (dual_precision_params(params, min_rows=1), xla)}  # bf16 at every shape
     elif args.compare == "attention":
         ecfg = dataclasses.replace(cfg.engine, attention_impl="cpu")
-        kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
-        if ecfg.bf16_matmul_min_rows is not None:
-            params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
-                                           packed=kernels.matmul == "cpu",
-                                           max_rows=ecfg.bf16_matmul_max_rows)
+        params, kernels = served(params, ecfg, cache_dir)
         base, var = "xla", "cpu"
         variants = {base: (params, dataclasses.replace(kernels, attention="xla")),
                     var: (params, kernels)}
+    elif args.compare == "decode_steps":
+        ecfg = cfg.engine
+        params, kernels = served(params, ecfg, cache_dir)
+        n = args.decode_steps or ecfg.decode_steps
+        if n < 2 or any(k != "decode" for k, _, _ in shapes):
+            sys.exit("--compare decode_steps: needs --decode-steps >= 2 (or a config with "
+                     "decode_steps >= 2) and decode shapes only")
+        base, var = "1/step", f"{n}/step"
+        variants = {base: (params, kernels)}  # one runner: both step kinds, same pool
     else:  # the C++ bf16 matmul (every shape) against f32 in XLA's dot, or unfused calls
         ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
                                    bf16_matmul_max_rows=None)
@@ -164,14 +209,20 @@ def main() -> None:
     rows = []
     print(f"{'shape':>16} {'rows':>5} {base + ' ms':>9} {var + ' ms':>9} {var + '/' + base:>9}")
     for kind, B, L in shapes:
-        batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged)
-        t = {name: time_step(r, batch, sampling, args.repeats) for name, r in runners.items()}
+        if args.compare == "decode_steps":
+            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, room=n + 1)
+            r = runners[base]
+            t = {base: time_per_token(r, batch, sampling, 1, args.repeats),
+                 var: time_per_token(r, batch, sampling, n, args.repeats)}
+        else:
+            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged)
+            t = {name: time_step(r, batch, sampling, args.repeats) for name, r in runners.items()}
         n_rows = B * (1 if kind == "decode" else L)
         rows.append({"shape": f"{kind}:{B}x{L}", "rows": n_rows, f"{base}_ms": t[base] * 1e3,
                      f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
         print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
               f"{t[var] / t[base]:9.2f}", flush=True)
-    if args.compare in ("attention", "fusion"):
+    if args.compare in ("attention", "fusion", "decode_steps"):
         if args.json:
             Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
         return
