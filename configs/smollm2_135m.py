@@ -39,9 +39,16 @@ CONFIG = Config(
         # tokens, so every matmul uses them and only the bf16 copy is kept. (XLA's own bf16
         # dot lost to f32 on that machine; on an AMD Zen 4 machine it had won.) x,
         # activations, norms, softmax and the KV cache stay f32 (logits within 0.52 of HF
-        # f32 on the real model). The kernel sums each output in the same order whatever
-        # the batch size.
+        # f32 on the real model).
         bf16_matmul_min_rows=1,
+        # From 8 activation rows (prefill, batched decode: compute-bound) round x to bf16 and
+        # use the CPU's bf16 dot-product instruction where it outruns f32 FMAs (probed at
+        # start). tools/bench_step.py --compare round_x, 2026-11-24, AMD EPYC (Zen 4, 2 cores;
+        # vdpbf16ps at 2.0x the FMA flops): 1.31x the step time at 1 row, 1.08x at 4,
+        # 0.84x at 8, 0.81x at 32, 0.63-0.67x for 512-token prefills. On the Intel
+        # Sapphire Rapids machine of earlier sessions the instruction ran at ~0.25x: the
+        # probe keeps f32 activations there.
+        bf16_matmul_round_x_min_rows=8,
         # Multi-step decode: up to 8 tokens per sequence per dispatch while no request
         # waits (the host loop, JAX's dispatch and the output processing once per 8
         # tokens; they share the 2 cores with the kernels).

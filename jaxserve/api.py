@@ -92,7 +92,8 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     if ecfg.bf16_matmul_min_rows is not None:
         params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
                                        packed=kernels.matmul == "cpu",
-                                       max_rows=ecfg.bf16_matmul_max_rows)
+                                       max_rows=ecfg.bf16_matmul_max_rows,
+                                       round_x_min_rows=kernels.round_x_min_rows)
     num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
     cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules,
                           kv_layout_for(kernels.attention))

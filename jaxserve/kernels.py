@@ -15,6 +15,10 @@ from jaxserve.model.transformer import Kernels
 
 log = logging.getLogger(__name__)
 
+# bf16 dot products are used (EngineConfig.bf16_matmul_round_x_min_rows) where they run at
+# least this many times the f32 FMA rate in flops (2.0 measured on AMD Zen 4).
+BF16_DOT_MIN_SPEEDUP = 1.5
+
 
 def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv_dtype: str,
                    build_dir: Path) -> Kernels:
@@ -27,7 +31,9 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
     Raises ConfigError when "cpu" is asked for explicitly and the kernels cannot be built
     or loaded, or the mesh has more than one device, or (attention) the KV pool is not
     float32; with "auto" a failed build logs a warning and falls back to "xla", and a
-    non-float32 pool picks XLA attention.
+    non-float32 pool picks XLA attention. bf16_matmul_round_x_min_rows is kept (as
+    Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16 dot-product
+    instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (measured here, ~4 ms).
     """
     attention = resolve_attention_impl(engine_cfg.attention_impl, platform, num_devices)
     if attention == "cpu" and kv_dtype != "float32":
@@ -52,7 +58,7 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
                               f"has {num_devices}; use 'xla' with tensor parallelism")
         from cpu_kernels.build import KernelBuildError, load_library
         try:
-            load_library(build_dir)
+            library = load_library(build_dir)
         except KernelBuildError as e:
             for name, asked in chosen.items():
                 if asked != "auto":
@@ -62,4 +68,13 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
             attention = "xla" if attention == "cpu" else attention
             matmul = "xla" if matmul == "cpu" else matmul
             sampling = "xla"
-    return Kernels(attention=attention, matmul=matmul, sampling=sampling)
+    round_x = engine_cfg.bf16_matmul_round_x_min_rows
+    if round_x is not None and matmul == "cpu":
+        from cpu_kernels.bf16_matmul import bf16_dot_speedup
+        speedup = bf16_dot_speedup(library)
+        if speedup < BF16_DOT_MIN_SPEEDUP:
+            log.info("bf16 dot products run at %.2fx the f32 FMA rate here: matmuls keep f32 "
+                     "activations", speedup)
+            round_x = None
+    return Kernels(attention=attention, matmul=matmul, sampling=sampling,
+                   round_x_min_rows=round_x if matmul == "cpu" else None)

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.bf16_matmul import (bf16_matmul, bf16_matmul_reference, can_pack, pack_weight,
-                                     panel_width, unpack_weight)
+from cpu_kernels.bf16_matmul import (bf16_dot_speedup, bf16_matmul, bf16_matmul_reference,
+                                     can_pack, pack_weight, panel_width, unpack_weight)
 
 SEED = 20261123
 
@@ -82,8 +82,39 @@ def test_portable_path_matches_reference(portable_cpu_kernels):
         _check_operands("test", x, wp)
         call = jax.ffi.ffi_call("jaxserve_bf16_matmul_portable_test",
                                 jax.ShapeDtypeStruct((m, 80), jnp.float32))
-        ref = np.asarray(bf16_matmul_reference(x, wp))
-        np.testing.assert_allclose(np.asarray(call(x, wp)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        for round_x in (False, True):
+            ref = np.asarray(bf16_matmul_reference(x, wp, round_x=round_x))
+            np.testing.assert_allclose(np.asarray(call(x, wp, round_x=round_x)), ref, rtol=1e-5,
+                                       atol=1e-5 * np.abs(ref).max())
+    assert bf16_dot_speedup(portable_cpu_kernels) == 0.0, "no AVX512-BF16 in the portable build"
+
+
+@pytest.mark.parametrize("k,n", [(96, 192), (576, 64), (32, 64 * 37)])
+def test_round_x_matches_reference_with_bf16_activations(k, n):
+    """round_x: x rounded to bf16 (nearest even, NaN stays NaN) and bf16 dot products:
+    the reference on bf16-rounded x, at every row-block remainder; differs from the f32-x
+    kernel on an x that bf16 rounds."""
+    rng = np.random.default_rng(SEED + 3 * k + n)
+    wp = pack_weight(_w(rng, k, n))
+    for m in (1, 2, 3, 8, 9, 37):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        out = np.asarray(bf16_matmul(x, wp, round_x=True))
+        ref = np.asarray(bf16_matmul_reference(x, wp, round_x=True))
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(ref).max()))
+    k, n = 2, 16
+    wp = pack_weight(jnp.zeros((k, n), jnp.float32).at[0, :].set(1.0).at[1, :].set(0.5))
+    xs = jnp.asarray([[1.0 + 2.0 ** -12, 3.0], [jnp.nan, 1.0], [1.0 + 3 * 2.0 ** -8, 0.0]],
+                     jnp.float32)
+    got = np.asarray(bf16_matmul(xs, wp, round_x=True))[:, 0]
+    assert got[0] == 2.5 and np.isnan(got[1]) and got[2] == 1.0 + 4 * 2.0 ** -8  # ties to even
+
+
+def test_bf16_dot_speedup_is_measured(cpu_kernels_library):
+    """The probe select_kernels uses: a positive ratio with AVX512-BF16, 0 without."""
+    import re
+    speedup = bf16_dot_speedup(cpu_kernels_library)
+    has_bf16 = re.search(r"\bavx512_bf16\b", open("/proc/cpuinfo").read()) is not None
+    assert (speedup > 0.1) if has_bf16 else speedup == 0.0
 
 
 @pytest.mark.parametrize("x,w,match", [

@@ -9,13 +9,17 @@
       gives `bf16_matmul_min_rows` / `bf16_matmul_max_rows` with matmul_impl "cpu".
   --compare fusion: the C++ bf16 matmul with one call per projection (the baseline)
       against the fused wq | wk | wv and w_gate | w_up calls the engine uses.
+  --compare round_x: the C++ bf16 matmul with f32 activations (the baseline) against
+      activations rounded to bf16 and the CPU's bf16 dot-product instruction at every row
+      count (EngineConfig.bf16_matmul_round_x_min_rows: where it wins).
   --compare decode_steps: the config's engine, time per decoded token with one token per
       dispatched step (the baseline) against multi-step decode (`--decode-steps`, default
       the config's decode_steps): 64 tokens per row dispatched back to back, as the engine
       does, then waited for. Decode shapes only.
 
     python tools/bench_step.py [--config configs/smollm2_135m.py] [--repeats 7]
-        [--compare precision|attention|matmul|fusion|decode_steps] [--decode-steps N] [--ragged]
+        [--compare precision|attention|matmul|fusion|round_x|decode_steps] [--decode-steps N]
+        [--ragged]
         [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
 
 Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
@@ -112,7 +116,8 @@ def served(params, ecfg, cache_dir: Path):
     if ecfg.bf16_matmul_min_rows is not None:
         params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
                                        packed=kernels.matmul == "cpu",
-                                       max_rows=ecfg.bf16_matmul_max_rows)
+                                       max_rows=ecfg.bf16_matmul_max_rows,
+                                       round_x_min_rows=kernels.round_x_min_rows)
     return params, kernels
 
 
@@ -142,7 +147,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compare", choices=("precision", "attention", "matmul", "fusion",
-                                          "decode_steps"), default="precision")
+                                          "round_x", "decode_steps"), default="precision")
     ap.add_argument("--decode-steps", type=int,
                     help="multi-step decode tokens for --compare decode_steps (default: the config's)")
     ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
@@ -180,6 +185,17 @@ def main() -> None:
         base, var = "xla", "cpu"
         variants = {base: (params, dataclasses.replace(kernels, attention="xla")),
                     var: (params, kernels)}
+    elif args.compare == "round_x":
+        ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
+                                   bf16_matmul_max_rows=None, bf16_matmul_round_x_min_rows=1)
+        params_x, kernels = served(params, ecfg, cache_dir)
+        if kernels.round_x_min_rows is None:
+            sys.exit("--compare round_x: this CPU's bf16 dot products are not faster than "
+                     "f32 FMAs (or it has no AVX512-BF16)")
+        base, var = "f32x", "bf16x"
+        variants = {base: (dual_precision_params(params, 1, packed=True),
+                           dataclasses.replace(kernels, round_x_min_rows=None)),
+                    var: (params_x, kernels)}
     elif args.compare == "decode_steps":
         ecfg = cfg.engine
         params, kernels = served(params, ecfg, cache_dir)
@@ -222,7 +238,7 @@ def main() -> None:
                      f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
         print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
               f"{t[var] / t[base]:9.2f}", flush=True)
-    if args.compare in ("attention", "fusion", "decode_steps"):
+    if args.compare in ("attention", "fusion", "round_x", "decode_steps"):
         if args.json:
             Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
         return

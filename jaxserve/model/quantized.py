@@ -73,7 +73,7 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None) -> 
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
 
 
-@pytree_dataclass(meta=("min_rows", "vocab_major", "logical_shape", "max_rows"))
+@pytree_dataclass(meta=("min_rows", "vocab_major", "logical_shape", "max_rows", "round_x_min_rows"))
 class DualPrecisionWeight:
     """An f32 weight kept twice: `w_bf16` (the same values rounded to bf16) for matmuls over
     `min_rows` to `max_rows` rows of activations (None: no upper limit), and `w` (f32) for
@@ -93,6 +93,9 @@ class DualPrecisionWeight:
     logical_shape: None, or the weight's [*in, *out] shape when `w_bf16` is packed for the
     C++ CPU kernel (cpu_kernels.bf16_matmul.pack_weight: [N / P, K / 2, P, 2], input rows
     K = prod(in), N = prod(out); a vocab-major head packs as [embed, vocab]).
+    round_x_min_rows: None, or for a packed copy: matmuls over at least this many rows round
+    x to bf16 and use the CPU's bf16 dot-product instruction (cpu_kernels.bf16_matmul's
+    round_x).
     """
 
     w: Any
@@ -101,6 +104,7 @@ class DualPrecisionWeight:
     vocab_major: bool = False
     logical_shape: tuple[int, ...] | None = None
     max_rows: int | None = None
+    round_x_min_rows: int | None = None
 
     @property
     def packed(self) -> bool:
@@ -137,11 +141,13 @@ def bf16_matmul(x2: jax.Array, w: jax.Array, w_vocab_major: bool = False) -> jax
 
 
 def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in: int = 1,
-                   packed: bool = False, max_rows: int | None = None) -> DualPrecisionWeight:
+                   packed: bool = False, max_rows: int | None = None,
+                   round_x_min_rows: int | None = None) -> DualPrecisionWeight:
     """`w` (f32) with its bf16 copy for matmuls over min_rows .. max_rows rows (only the
     copy when min_rows is 1 and max_rows None). packed: store the bf16 copy in the C++
     kernel's layout (cpu_kernels.bf16_matmul.pack_weight, over the first `n_in` axes as
-    input rows) where its shape allows (even K, N % 16 == 0), else plain. Raises
+    input rows) where its shape allows (even K, N % 16 == 0), else plain; round_x_min_rows:
+    see DualPrecisionWeight (packed copies only). Raises
     ValueError if w is not f32, min_rows < 1 or max_rows < min_rows."""
     if w.dtype != jnp.float32:
         raise ValueError(f"dual precision needs f32 weights, got {w.dtype}")
@@ -161,22 +167,24 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
             w_packed = jax.jit(pack_weight, static_argnums=1)(w2, vocab_major)
             return DualPrecisionWeight(w=keep, w_bf16=w_packed, min_rows=min_rows,
                                        vocab_major=vocab_major, logical_shape=tuple(w.shape),
-                                       max_rows=max_rows)
+                                       max_rows=max_rows, round_x_min_rows=round_x_min_rows)
     return DualPrecisionWeight(w=keep, w_bf16=w.astype(jnp.bfloat16), min_rows=min_rows,
                                vocab_major=vocab_major, max_rows=max_rows)
 
 
 def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
-                          max_rows: int | None = None, fuse: bool = True) -> Params:
+                          max_rows: int | None = None, fuse: bool = True,
+                          round_x_min_rows: int | None = None) -> Params:
     """`params` (f32) with every layer projection (PROJECTIONS) and the LM head as
     DualPrecisionWeights over min_rows .. max_rows rows (a tied LM head becomes `lm_head`
     [vocab, embed] over the same f32 embedding array, plus its bf16 copy); embeddings and
     norms unchanged. packed: the bf16 copies in the C++ CPU kernel's layout (matmul_impl
     "cpu"), and with `fuse` the projections that share an input fused (FusedLayerParams:
     wqkv = wq | wk | wv, w_gate_up = w_gate | w_up; fewer, larger kernel calls, every
-    output column summed exactly as unfused)."""
+    output column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight."""
     def dual(w, **kw):
-        return dual_precision(w, min_rows, packed=packed, max_rows=max_rows, **kw)
+        return dual_precision(w, min_rows, packed=packed, max_rows=max_rows,
+                              round_x_min_rows=round_x_min_rows, **kw)
 
     def layer(lp: LayerParams) -> LayerParams:
         if not (packed and fuse):
@@ -197,9 +205,10 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
 def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
     """x2 [rows, K] (any float) times a packed DualPrecisionWeight's bf16 copy -> [rows, N]
     f32 in the C++ CPU kernel (weights widened to f32, x and the arithmetic f32; any row
-    count)."""
+    count; from w.round_x_min_rows rows x rounded to bf16, bf16 dot products)."""
     from cpu_kernels.bf16_matmul import bf16_matmul as cpu_bf16_matmul
-    return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16)
+    round_x = w.round_x_min_rows is not None and x2.shape[0] >= w.round_x_min_rows
+    return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16, round_x=round_x)
 
 
 def dense(x: jax.Array, w: Any, n_in: int, impl: str = "xla") -> jax.Array:

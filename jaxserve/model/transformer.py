@@ -90,11 +90,14 @@ class Kernels:
     """Which implementation runs attention (one of ATTENTION_KERNEL_IMPLS: "xla", "cpu",
     "pallas", "pallas_interpret"), the quantised projections (one of KERNEL_IMPLS) and
     the sampler's per-row argmax / log-sum-exp ("xla" or "cpu"), already resolved (no
-    "auto"; see jaxserve.kernels.select_kernels)."""
+    "auto"; see jaxserve.kernels.select_kernels). round_x_min_rows: the row count from
+    which the C++ bf16 matmul rounds x to bf16 for the CPU's dot-product instruction, None
+    when not used (resolved: the config asked for it and this CPU runs it fast)."""
 
     attention: str = "xla"
     matmul: str = "xla"
     sampling: str = "xla"
+    round_x_min_rows: int | None = None
 
 
 def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
