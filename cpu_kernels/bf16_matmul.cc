@@ -24,8 +24,14 @@
 // reads 24-27 GB/s there). Without AVX-512 (the library is built with -march=native) a
 // portable loop does the same arithmetic for the compiler to vectorise.
 //
+// round_x (compute-bound row counts, where vdpbf16ps outruns f32 FMAs: 2x the flops on AMD
+// Zen 4, a quarter on Intel Sapphire Rapids; jaxserve_bf16_dot_speedup measures it): x is
+// rounded to bf16 once per call, as (x[2k], x[2k + 1]) pairs in 32 bits, and each register
+// block runs one vdpbf16ps per row, 16 columns and k pair on the packed weights as they are
+// (the pair layout is the instruction's). 512-token prefill steps: 0.63-0.67x the time.
+//
 // Shapes: x [M, K] f32; w [N / P, K / 2, P, 2] bf16 (P a multiple of 16, K even);
-// out [M, N] f32.
+// out [M, N] f32; attribute round_x (bool).
 //
 // Sources: the VNNI-style pair packing of oneDNN's bf16 GEMM; the panel / register-block
 // structure of GotoBLAS (Goto & van de Geijn, 2008).
@@ -298,48 +304,50 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
 // (vdpbf16ps: 64 flops per instruction, vfmadd231ps: 32): two short register-only loops on
 // the calling thread, ~2 ms in all. 0 without AVX512-BF16. Measured 2.0 on an AMD Zen 4
 // VM; earlier sessions measured ~0.25 on an Intel Sapphire Rapids VM.
+#if defined(__AVX512BF16__)
+// Seconds for kIters rounds of `op` on 12 independent accumulator chains (distinct starts:
+// equal ones would be merged into one chain by the compiler).
+template <typename Op>
+double time_chains(Op op) {
+  constexpr int64_t kIters = 1 << 17;
+  __m512 a0 = _mm512_set1_ps(0.0f), a1 = _mm512_set1_ps(1.0f), a2 = _mm512_set1_ps(2.0f),
+         a3 = _mm512_set1_ps(3.0f), a4 = _mm512_set1_ps(4.0f), a5 = _mm512_set1_ps(5.0f),
+         a6 = _mm512_set1_ps(6.0f), a7 = _mm512_set1_ps(7.0f), a8 = _mm512_set1_ps(8.0f),
+         a9 = _mm512_set1_ps(9.0f), a10 = _mm512_set1_ps(10.0f), a11 = _mm512_set1_ps(11.0f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < kIters; ++i) {
+    a0 = op(a0); a1 = op(a1); a2 = op(a2); a3 = op(a3); a4 = op(a4); a5 = op(a5);
+    a6 = op(a6); a7 = op(a7); a8 = op(a8); a9 = op(a9); a10 = op(a10); a11 = op(a11);
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  const __m512 sum = _mm512_add_ps(
+      _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)),
+                    _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))));
+  asm volatile("" : : "v"(sum));
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+#endif
+
+// The speed of the bf16 dot-product instruction against f32 FMAs on this CPU, in flops
+// (vdpbf16ps: 64 flops per instruction, vfmadd231ps: 32): two short register-only loops on
+// the calling thread, ~2 ms in all. 0 without AVX512-BF16. Measured 2.0 on an AMD Zen 4
+// VM; earlier sessions measured ~0.25 on an Intel Sapphire Rapids VM.
 extern "C" double jaxserve_bf16_dot_speedup() {
 #if defined(__AVX512BF16__)
-  constexpr int64_t kIters = 1 << 17;
   const __m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(1e-9f);  // not 1: a*1 folds
   const __m512bh xb = (__m512bh)_mm512_set1_epi16(0x3f80);
   const __m512bh yb = (__m512bh)_mm512_set1_epi16(0x3000);
+  auto fma = [x, y](__m512 a) { return _mm512_fmadd_ps(x, y, a); };
+  auto dot = [xb, yb](__m512 a) { return _mm512_dpbf16_ps(a, xb, yb); };
   double best_fma = 1e30, best_dot = 1e30;
   for (int rep = 0; rep < 4; ++rep) {  // the first round warms the vector units up
-    // 12 independent chains (distinct starts: equal ones would be merged into one)
-    __m512 a0 = _mm512_set1_ps(0.0f), a1 = _mm512_set1_ps(1.0f), a2 = _mm512_set1_ps(2.0f),
-           a3 = _mm512_set1_ps(3.0f), a4 = _mm512_set1_ps(4.0f), a5 = _mm512_set1_ps(5.0f),
-           a6 = _mm512_set1_ps(6.0f), a7 = _mm512_set1_ps(7.0f), a8 = _mm512_set1_ps(8.0f),
-           a9 = _mm512_set1_ps(9.0f), a10 = _mm512_set1_ps(10.0f), a11 = _mm512_set1_ps(11.0f);
-    auto t0 = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < kIters; ++i) {
-      a0 = _mm512_fmadd_ps(x, y, a0); a1 = _mm512_fmadd_ps(x, y, a1);
-      a2 = _mm512_fmadd_ps(x, y, a2); a3 = _mm512_fmadd_ps(x, y, a3);
-      a4 = _mm512_fmadd_ps(x, y, a4); a5 = _mm512_fmadd_ps(x, y, a5);
-      a6 = _mm512_fmadd_ps(x, y, a6); a7 = _mm512_fmadd_ps(x, y, a7);
-      a8 = _mm512_fmadd_ps(x, y, a8); a9 = _mm512_fmadd_ps(x, y, a9);
-      a10 = _mm512_fmadd_ps(x, y, a10); a11 = _mm512_fmadd_ps(x, y, a11);
-    }
-    auto t1 = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < kIters; ++i) {
-      a0 = _mm512_dpbf16_ps(a0, xb, yb); a1 = _mm512_dpbf16_ps(a1, xb, yb);
-      a2 = _mm512_dpbf16_ps(a2, xb, yb); a3 = _mm512_dpbf16_ps(a3, xb, yb);
-      a4 = _mm512_dpbf16_ps(a4, xb, yb); a5 = _mm512_dpbf16_ps(a5, xb, yb);
-      a6 = _mm512_dpbf16_ps(a6, xb, yb); a7 = _mm512_dpbf16_ps(a7, xb, yb);
-      a8 = _mm512_dpbf16_ps(a8, xb, yb); a9 = _mm512_dpbf16_ps(a9, xb, yb);
-      a10 = _mm512_dpbf16_ps(a10, xb, yb); a11 = _mm512_dpbf16_ps(a11, xb, yb);
-    }
-    auto t2 = std::chrono::steady_clock::now();
-    const __m512 sum = _mm512_add_ps(
-        _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-        _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)),
-                      _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))));
-    asm volatile("" : : "v"(sum));
+    const double t_fma = time_chains(fma), t_dot = time_chains(dot);
     if (rep == 0) continue;
-    best_fma = std::min(best_fma, std::chrono::duration<double>(t1 - t0).count());
-    best_dot = std::min(best_dot, std::chrono::duration<double>(t2 - t1).count());
+    best_fma = std::min(best_fma, t_fma);
+    best_dot = std::min(best_dot, t_dot);
   }
-  return 2.0 * best_fma / best_dot;
+  return 2.0 * best_fma / best_dot;  // flops: 64 per vdpbf16ps, 32 per vfmadd231ps
 #else
   return 0.0;
 #endif
