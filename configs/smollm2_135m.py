@@ -13,12 +13,18 @@ CONFIG = Config(
     served_model_name="SmolLM2-135M-Instruct",
     engine=EngineConfig(
         page_size=16,
-        # 1456 pages = 23296 tokens of f32 K/V (46 KiB a token). 32 streams of ~360 tokens
-        # need ~11.5k: at 256 MiB the pool held 5.8k, admission stalled and preemptions
-        # recomputed ~40% more prompt tokens (in-process, 64 bench prompts at 32 streams:
-        # 140 -> 171 output tok/s). llama.cpp's server in tools/bench_peers.py gets 2048
-        # tokens of context per slot.
+        # 2912 pages = 46592 tokens of bf16 K/V (23 KiB a token). 32 streams of ~360 tokens
+        # need ~11.5k: at 256 MiB of f32 K/V the pool held 5.8k, admission stalled and
+        # preemptions recomputed ~40% more prompt tokens (in-process, 64 bench prompts at
+        # 32 streams: 140 -> 171 output tok/s). llama.cpp's server in tools/bench_peers.py
+        # gets 2048 tokens of context per slot.
         kv_cache_bytes=1024 * 2**20,
+        # bf16 K/V (the C++ attention widens them to f32 as it reads them; softmax and sums
+        # stay f32): at 32 streams attention reads every sequence's pages each step, more
+        # bytes than the weights at ~400 tokens of context. C++ attention alone, 30 layers,
+        # 32 rows of 300 / 600 tokens: 767 -> 512 / 1503 -> 933 us per layer (AMD EPYC
+        # Zen 4, 2026-11-24).
+        kv_dtype="bfloat16",
         max_num_seqs=32,
         max_model_len=2048,
         max_prefill_tokens=1024,

@@ -16,8 +16,10 @@
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
-//   k_pages      [K, N, ps, Dh]   f32   (head-major pool: K kv heads, N pages, ps tokens/page)
-//   v_pages      [K, N, ps, Dh]   f32
+//   k_pages      [K, N, ps, Dh]   f32 or bf16 (head-major pool: K kv heads, N pages, ps
+//                                       tokens/page; bf16 widened to f32 on load: half the
+//                                       bytes of a long context's K/V)
+//   v_pages      [K, N, ps, Dh]   the dtype of k_pages
 //   block_tables [S, P]           s32   page ids (< N) of each sequence, in order
 //   seq_lens     [S]              s32   context length (0 = padding sequence: output 0)
 //   query_start  [S + 1]          s32   first query row of each sequence (non-decreasing, <= T)
@@ -53,8 +55,9 @@ namespace {
 
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // float, or bf16 (uint16_t) when kv_bf16
+  const void* v;
+  bool kv_bf16;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* positions;
@@ -72,8 +75,25 @@ struct Chunk {
 // With AVX-512 and a compile-time head dim the row of acc stays in registers across the
 // keys (through memory, each key's update waited on the previous one's stores: a 512-token
 // prefill's attention took 1.6x as long).
-template <int DH>
-inline void accumulate_values(float* acc, float corr, const float* p, const float* v,
+// A K/V element as f32: an f32 pool's value, or a bf16 pool's widened (the top half of an f32).
+inline float kv_value(float x) { return x; }
+inline float kv_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+#endif
+
+template <int DH, typename T>
+inline void accumulate_values(float* acc, float corr, const float* p, const T* v,
                               int64_t n, int64_t dh) {
 #if defined(__AVX512F__)
   if constexpr (DH > 0 && DH % 16 == 0 && DH <= 256) {
@@ -83,8 +103,8 @@ inline void accumulate_values(float* acc, float corr, const float* p, const floa
     for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), vc);
     for (int64_t t = 0; t < n; ++t) {
       const __m512 pt = _mm512_set1_ps(p[t]);
-      const float* vt = v + t * DH;
-      for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 16 * c), a[c]);
+      const T* vt = v + t * DH;
+      for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pt, load16(vt + 16 * c), a[c]);
     }
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
     return;
@@ -94,8 +114,8 @@ inline void accumulate_values(float* acc, float corr, const float* p, const floa
   for (int64_t d = 0; d < dh; ++d) acc[d] *= corr;
   for (int64_t t = 0; t < n; ++t) {
     const float pt = p[t];
-    const float* vt = v + t * dh;
-    for (int64_t d = 0; d < dh; ++d) acc[d] += pt * vt[d];
+    const T* vt = v + t * dh;
+    for (int64_t d = 0; d < dh; ++d) acc[d] += pt * kv_value(vt[d]);
   }
 }
 
@@ -106,7 +126,7 @@ struct Scratch {
   std::vector<int64_t> limit;
 };
 
-template <int DH>
+template <int DH, typename T>
 bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
   const int64_t dh = DH > 0 ? DH : p.Dh;
   const int64_t b = c.b, q0 = c.q0;
@@ -140,8 +160,8 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
   for (int64_t pi = 0; pi < n_pages; ++pi) {
     const int64_t page = p.block_tables[b * p.P + pi];
     if (page < 0 || page >= p.N) return false;
-    const float* kp = p.k + ((h * p.N + page) * p.ps) * dh;
-    const float* vp = p.v + ((h * p.N + page) * p.ps) * dh;
+    const T* kp = static_cast<const T*>(p.k) + ((h * p.N + page) * p.ps) * dh;
+    const T* vp = static_cast<const T*>(p.v) + ((h * p.N + page) * p.ps) * dh;
     const int64_t first = pi * p.ps;
     // The next page's K and V rows, fetched into L2 a key at a time while the first row's
     // scores over this page are computed: pages lie anywhere in the pool, so no hardware
@@ -152,8 +172,10 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
     if (pi + 1 < n_pages) {
       const int64_t next = p.block_tables[b * p.P + pi + 1];
       if (next >= 0 && next < p.N) {
-        k_next = reinterpret_cast<const char*>(p.k + ((h * p.N + next) * p.ps) * dh);
-        v_next = reinterpret_cast<const char*>(p.v + ((h * p.N + next) * p.ps) * dh);
+        k_next = reinterpret_cast<const char*>(static_cast<const T*>(p.k) +
+                                               ((h * p.N + next) * p.ps) * dh);
+        v_next = reinterpret_cast<const char*>(static_cast<const T*>(p.v) +
+                                               ((h * p.N + next) * p.ps) * dh);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -163,14 +185,15 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
       float mx = m[r];
       for (int64_t t = 0; t < n; ++t) {
         if (r == 0 && k_next != nullptr) {
-          for (int64_t o = t * dh * 4; o < (t + 1) * dh * 4; o += 64) {
+          constexpr int64_t kBytes = sizeof(T);
+          for (int64_t o = t * dh * kBytes; o < (t + 1) * dh * kBytes; o += 64) {
             __builtin_prefetch(k_next + o, 0, 2);
             __builtin_prefetch(v_next + o, 0, 2);
           }
         }
-        const float* kt = kp + t * dh;
+        const T* kt = kp + t * dh;
         float dot = 0.0f;
-        for (int64_t d = 0; d < dh; ++d) dot += qr[d] * kt[d];
+        for (int64_t d = 0; d < dh; ++d) dot += qr[d] * kv_value(kt[d]);
         s[t] = dot * p.scale;
         mx = std::max(mx, s[t]);
       }
@@ -180,7 +203,7 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
         s[t] = exp_nonpositive(s[t] - mx);
         sum += s[t];
       }
-      accumulate_values<DH>(acc + r * dh, corr, s, vp, n, dh);
+      accumulate_values<DH, T>(acc + r * dh, corr, s, vp, n, dh);
       l[r] = l[r] * corr + sum;
       m[r] = mx;
     }
@@ -195,14 +218,20 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
 
 bool attend(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
   switch (p.Dh) {
-    case 64: return attend_item<64>(p, c, h, scratch);
-    case 128: return attend_item<128>(p, c, h, scratch);
-    default: return attend_item<0>(p, c, h, scratch);
+    case 64:
+      return p.kv_bf16 ? attend_item<64, uint16_t>(p, c, h, scratch)
+                       : attend_item<64, float>(p, c, h, scratch);
+    case 128:
+      return p.kv_bf16 ? attend_item<128, uint16_t>(p, c, h, scratch)
+                       : attend_item<128, float>(p, c, h, scratch);
+    default:
+      return p.kv_bf16 ? attend_item<0, uint16_t>(p, c, h, scratch)
+                       : attend_item<0, float>(p, c, h, scratch);
   }
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                              ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> positions,
                               ffi::ResultBuffer<ffi::F32> out, int64_t q_block) {
@@ -219,7 +248,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       query_start.element_count() != p.S + 1 || positions.element_count() != p.T ||
       q_block <= 0)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
-  p.q = q.typed_data(); p.k = k_pages.typed_data(); p.v = v_pages.typed_data();
+  const auto kt = k_pages.element_type();
+  if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16) || v_pages.element_type() != kt ||
+      v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count())
+    return ffi::Error::InvalidArgument(
+        "paged_attention: k_pages and v_pages must be one shape, both f32 or both bf16");
+  p.kv_bf16 = kt == ffi::DataType::BF16;
+  p.q = q.typed_data(); p.k = k_pages.untyped_data(); p.v = v_pages.untyped_data();
   p.block_tables = block_tables.typed_data(); p.seq_lens = seq_lens.typed_data();
   p.positions = positions.typed_data(); p.out = out->typed_data();
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.Dh));
@@ -263,8 +298,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::AnyBuffer>()         // k_pages f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()         // v_pages, the same
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start

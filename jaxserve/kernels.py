@@ -29,17 +29,17 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
     log-sum-exp ("auto") is the C++ kernel on one CPU device.
 
     Raises ConfigError when "cpu" is asked for explicitly and the kernels cannot be built
-    or loaded, or the mesh has more than one device, or (attention) the KV pool is not
-    float32; with "auto" a failed build logs a warning and falls back to "xla", and a
-    non-float32 pool picks XLA attention. bf16_matmul_round_x_min_rows is kept (as
+    or loaded, or the mesh has more than one device, or (attention) the KV pool is neither
+    float32 nor bfloat16; with "auto" a failed build logs a warning and falls back to
+    "xla", and another pool dtype picks XLA attention. bf16_matmul_round_x_min_rows is kept (as
     Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16 dot-product
     instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (measured here, ~4 ms).
     """
     attention = resolve_attention_impl(engine_cfg.attention_impl, platform, num_devices)
-    if attention == "cpu" and kv_dtype != "float32":
+    if attention == "cpu" and kv_dtype not in ("float32", "bfloat16"):
         if engine_cfg.attention_impl != "auto":
-            raise ConfigError(f"EngineConfig.attention_impl='cpu' reads a float32 KV pool, "
-                              f"kv_dtype is {kv_dtype}")
+            raise ConfigError(f"EngineConfig.attention_impl='cpu' reads a float32 or bfloat16 "
+                              f"KV pool, kv_dtype is {kv_dtype}")
         attention = "xla"
     matmul = resolve_impl(engine_cfg.matmul_impl, platform)
     if (engine_cfg.matmul_impl == "auto" and platform == "cpu" and num_devices == 1

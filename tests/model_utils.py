@@ -57,9 +57,9 @@ class PagedDriver:
     sequence or a ragged batch at a time; returns all-position logits."""
 
     def __init__(self, params, cfg: ModelConfig, num_pages=64, page_size=4, seed=0,
-                 kernels: Kernels = Kernels(), layout: str = "token_major"):
+                 kernels: Kernels = Kernels(), layout: str = "token_major", kv_dtype=None):
         self.params, self.cfg, self.ps, self.kernels = params, cfg, page_size, kernels
-        self.cache = init_kv_cache(cfg, num_pages, page_size, cfg.dtype, layout=layout)
+        self.cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype or cfg.dtype, layout=layout)
         perm = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
         self._free = list(perm)
         self.tables: dict[str, list[int]] = {}

@@ -88,6 +88,24 @@ def test_long_decode_contexts_split_and_stay_batch_invariant():
         np.testing.assert_array_equal(np.asarray(paged_attention(**alone))[0], together[b])
 
 
+def test_bf16_pool_matches_reference_on_the_widened_pool():
+    """A bf16 pool (half the bytes read): the reference on the same bf16 values, decode
+    and a ragged prefill, the Dh=64 and generic head-dim paths."""
+    rng = np.random.default_rng(SEED + 11)
+    for head_dim, q_lens, ctx in ((64, [1] * 5, [0, 1, 17, 40, 96]), (40, [3, 1, 5], [3, 21, 40])):
+        args, clean = _problem(rng, ctx, q_lens, heads=6, kv_heads=2, head_dim=head_dim,
+                               page_size=16, pages_per_seq=6, poison=False)
+        args = dict(args, k_pages=args["k_pages"].astype(jnp.bfloat16),
+                    v_pages=args["v_pages"].astype(jnp.bfloat16))
+        out = np.asarray(paged_attention(**args))
+        ref = np.asarray(paged_attention_reference(**args))
+        np.testing.assert_allclose(out, ref, atol=ATOL, rtol=ATOL)
+        f32 = np.asarray(paged_attention_reference(**dict(args, k_pages=clean[0], v_pages=clean[1])))
+        assert 1e-4 < np.abs(out - f32).max() < 5e-2, "bf16 rounds the K/V, a little"
+    with pytest.raises(ValueError, match="v_pages must be one of"):
+        paged_attention(**dict(args, v_pages=args["v_pages"].astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("q_block", [1, 3, 32])
 def test_ragged_prefill_is_causal_and_matches_reference(q_block):
     """Packed sequences of different query counts at their last positions: whole prompts,

@@ -93,7 +93,8 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     auto = EngineConfig()
     assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla", "cpu")
     assert select_kernels(auto, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")  # TP mesh
-    assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("xla", "xla", "cpu")
+    assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("cpu", "xla", "cpu")
+    assert select_kernels(auto, "cpu", 1, "float16", tmp_path) == Kernels("xla", "xla", "cpu")
     assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
     bf16 = EngineConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
     assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu", "cpu")
@@ -105,8 +106,8 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     explicit = EngineConfig(attention_impl="cpu")
     with pytest.raises(ConfigError, match="runs on one device, the mesh has 2"):
         select_kernels(explicit, "cpu", 2, "float32", tmp_path)
-    with pytest.raises(ConfigError, match="reads a float32 KV pool, kv_dtype is bfloat16"):
-        select_kernels(explicit, "cpu", 1, "bfloat16", tmp_path)
+    with pytest.raises(ConfigError, match="reads a float32 or bfloat16 KV pool, kv_dtype is float16"):
+        select_kernels(explicit, "cpu", 1, "float16", tmp_path)
 
     def no_compiler(build_dir, compiler=None):
         raise build.KernelBuildError("no C++ compiler found")
