@@ -13,18 +13,15 @@ CONFIG = Config(
     served_model_name="SmolLM2-135M-Instruct",
     engine=EngineConfig(
         page_size=16,
-        # 2912 pages = 46592 tokens of bf16 K/V (23 KiB a token). 32 streams of ~360 tokens
-        # need ~11.5k: at 256 MiB of f32 K/V the pool held 5.8k, admission stalled and
-        # preemptions recomputed ~40% more prompt tokens (in-process, 64 bench prompts at
-        # 32 streams: 140 -> 171 output tok/s). llama.cpp's server in tools/bench_peers.py
-        # gets 2048 tokens of context per slot.
+        # 1456 pages = 23296 tokens of f32 K/V (46 KiB a token). 32 streams of ~360 tokens
+        # need ~11.5k: at 256 MiB the pool held 5.8k, admission stalled and preemptions
+        # recomputed ~40% more prompt tokens (in-process, 64 bench prompts at 32 streams:
+        # 140 -> 171 output tok/s). llama.cpp's server in tools/bench_peers.py gets 2048
+        # tokens of context per slot. (A bf16 pool would halve the bytes attention reads --
+        # the C++ kernel reads bf16 pools, 0.62-0.67x its time at 32 rows -- but on XLA:CPU
+        # a step over a 1 GiB bf16 pool took ~200 ms instead of ~14: something in the step
+        # copies the pool; the K/V write scattered as uint16 bits did not help.)
         kv_cache_bytes=1024 * 2**20,
-        # bf16 K/V (the C++ attention widens them to f32 as it reads them; softmax and sums
-        # stay f32): at 32 streams attention reads every sequence's pages each step, more
-        # bytes than the weights at ~400 tokens of context. C++ attention alone, 30 layers,
-        # 32 rows of 300 / 600 tokens: 767 -> 512 / 1503 -> 933 us per layer (AMD EPYC
-        # Zen 4, 2026-11-24).
-        kv_dtype="bfloat16",
         max_num_seqs=32,
         max_model_len=2048,
         max_prefill_tokens=1024,
@@ -43,9 +40,9 @@ CONFIG = Config(
         # matmul_impl "auto" picks it) against f32 weights in XLA's dot took 0.57-0.83x the
         # f32 step time for decode of 1-32 rows and 0.73-0.98x for prefill of 64-512
         # tokens, so every matmul uses them and only the bf16 copy is kept. (XLA's own bf16
-        # dot lost to f32 on that machine; on an AMD Zen 4 machine it had won.) x,
-        # activations, norms, softmax and the KV cache stay f32 (logits within 0.52 of HF
-        # f32 on the real model).
+        # dot lost to f32 on that machine; on an AMD Zen 4 machine it had won.) Norms,
+        # softmax and the KV cache stay f32 (logits within 0.52 of HF f32 on the real model
+        # with f32 activations; within 0.53 with the bf16 activations below).
         bf16_matmul_min_rows=1,
         # From 8 activation rows (prefill, batched decode: compute-bound) round x to bf16 and
         # use the CPU's bf16 dot-product instruction where it outruns f32 FMAs (probed at

@@ -31,9 +31,10 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
     Raises ConfigError when "cpu" is asked for explicitly and the kernels cannot be built
     or loaded, or the mesh has more than one device, or (attention) the KV pool is neither
     float32 nor bfloat16; with "auto" a failed build logs a warning and falls back to
-    "xla", and another pool dtype picks XLA attention. bf16_matmul_round_x_min_rows is kept (as
-    Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16 dot-product
-    instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (measured here, ~4 ms).
+    "xla", and another pool dtype picks XLA attention. bf16_matmul_round_x_min_rows is
+    kept (as Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16
+    dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (measured
+    here, ~4 ms).
     """
     attention = resolve_attention_impl(engine_cfg.attention_impl, platform, num_devices)
     if attention == "cpu" and kv_dtype not in ("float32", "bfloat16"):

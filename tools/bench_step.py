@@ -218,7 +218,11 @@ def main() -> None:
             base, var = "f32", "bf16cpu"
             variants = {base: (params, dataclasses.replace(kernels, matmul="xla")),
                         var: (fused, kernels)}
-    runners = {name: Runner(model_cfg, ecfg, p, init_kv_cache(model_cfg, num_pages, ps, "float32",
+    # the served KV dtype where both variants run the config's kernels, else f32 (XLA
+    # attention in the precision comparison)
+    kv_dtype = (ecfg.kv_dtype or "float32") if args.compare in ("round_x", "decode_steps") \
+        else "float32"
+    runners = {name: Runner(model_cfg, ecfg, p, init_kv_cache(model_cfg, num_pages, ps, kv_dtype,
                                                               layout="head_major"), kernels)
                for name, (p, kernels) in variants.items()}
     rng = np.random.default_rng(0)
