@@ -19,8 +19,8 @@ CONFIG = Config(
         # 140 -> 171 output tok/s). llama.cpp's server in tools/bench_peers.py gets 2048
         # tokens of context per slot. (A bf16 pool would halve the bytes attention reads --
         # the C++ kernel reads bf16 pools, 0.62-0.67x its time at 32 rows -- but on XLA:CPU
-        # a step over a 1 GiB bf16 pool took ~200 ms instead of ~14: something in the step
-        # copies the pool; the K/V write scattered as uint16 bits did not help.)
+        # a step over a 1 GiB bf16 pool took ~200 ms instead of ~14: XLA:CPU runs the bf16
+        # K/V write as convert(pool -> f32), update, convert back, per layer.)
         kv_cache_bytes=1024 * 2**20,
         max_num_seqs=32,
         max_model_len=2048,
