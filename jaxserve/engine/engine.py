@@ -8,7 +8,8 @@ therefore returned by the next `step()` call. Each sequence in a running step ca
 PLACEHOLDER output token until its value is read; the next decode step takes it from
 device memory. When no request waits, a decode step may sample `decode_steps` tokens per
 sequence in one dispatch (multi-step decode, vLLM's num_scheduler_steps): the sequences
-then carry that many placeholders, and tokens after a stop are dropped. A sequence that stops on a token it could not foresee (EOS, stop string)
+then carry that many placeholders, and tokens after a stop are dropped. A sequence that
+stops on a token it could not foresee (EOS, stop string)
 has one wasted row in the step after; one that reaches max_tokens / max_model_len sits
 that step out. Source: vLLM v1 async scheduling; JetStream's overlapped detokenisation.
 Requests join (`add_request`) and leave (finish, `abort_request`) between any two steps.
