@@ -40,16 +40,20 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxserve::from_bf16;
+using jaxserve::to_bf16;
 
 namespace {
 
@@ -58,12 +62,6 @@ constexpr int64_t kItemsPerCall = 16;
 constexpr int64_t kMinSplitRows = 128;  // rows per item when a call is also split by rows
 constexpr int64_t kMaxRows = 8;  // rows of x per register block (8 x 32 columns: 16 zmm)
 
-inline float from_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 
 struct Problem {
   const float* x;      // [M, K]
@@ -73,13 +71,6 @@ struct Problem {
   int64_t M, K2, N, P;
 };
 
-// bf16(x) by round to nearest even (NaN kept a quiet NaN), as _mm512_cvtne2ps_pbh.
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 #if defined(__AVX512F__)
 // acc[r][j] (16 columns each) over rows m0 .. m0 + R of x and columns c0 .. c0 + 16 * J of
@@ -160,33 +151,31 @@ inline void block_dot(const Problem& p, const uint16_t* panel, int64_t m0, int64
 }
 #endif
 
+// Calls f(std::integral_constant<int, R>) for rows = R in 1 .. kMaxRows.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+
 template <int J>
 inline void rows_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int64_t rows,
                         int64_t c0, int64_t n0, bool first) {
+  with_rows(rows, [&](auto r) {
+    constexpr int R = decltype(r)::value;
 #if defined(__AVX512BF16__)
-  if (p.xb != nullptr) {
-    switch (rows) {
-      case 8: return block_dot<8, J>(p, panel, m0, c0, n0, first);
-      case 7: return block_dot<7, J>(p, panel, m0, c0, n0, first);
-      case 6: return block_dot<6, J>(p, panel, m0, c0, n0, first);
-      case 5: return block_dot<5, J>(p, panel, m0, c0, n0, first);
-      case 4: return block_dot<4, J>(p, panel, m0, c0, n0, first);
-      case 3: return block_dot<3, J>(p, panel, m0, c0, n0, first);
-      case 2: return block_dot<2, J>(p, panel, m0, c0, n0, first);
-      default: return block_dot<1, J>(p, panel, m0, c0, n0, first);
-    }
-  }
+    if (p.xb != nullptr) return block_dot<R, J>(p, panel, m0, c0, n0, first);
 #endif
-  switch (rows) {
-    case 8: return block_avx512<8, J>(p, panel, m0, c0, n0, first);
-    case 7: return block_avx512<7, J>(p, panel, m0, c0, n0, first);
-    case 6: return block_avx512<6, J>(p, panel, m0, c0, n0, first);
-    case 5: return block_avx512<5, J>(p, panel, m0, c0, n0, first);
-    case 4: return block_avx512<4, J>(p, panel, m0, c0, n0, first);
-    case 3: return block_avx512<3, J>(p, panel, m0, c0, n0, first);
-    case 2: return block_avx512<2, J>(p, panel, m0, c0, n0);
-    default: return block_avx512<1, J>(p, panel, m0, c0, n0);
-  }
+    block_avx512<R, J>(p, panel, m0, c0, n0, first);  // 1-2 rows ignore `first`
+  });
 }
 #endif
 
@@ -300,10 +289,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<bool>("round_x"));
 
-// The speed of the bf16 dot-product instruction against f32 FMAs on this CPU, in flops
-// (vdpbf16ps: 64 flops per instruction, vfmadd231ps: 32): two short register-only loops on
-// the calling thread, ~2 ms in all. 0 without AVX512-BF16. Measured 2.0 on an AMD Zen 4
-// VM; earlier sessions measured ~0.25 on an Intel Sapphire Rapids VM.
 #if defined(__AVX512BF16__)
 // Seconds for kIters rounds of `op` on 12 independent accumulator chains (distinct starts:
 // equal ones would be merged into one chain by the compiler).
@@ -331,7 +316,7 @@ double time_chains(Op op) {
 
 // The speed of the bf16 dot-product instruction against f32 FMAs on this CPU, in flops
 // (vdpbf16ps: 64 flops per instruction, vfmadd231ps: 32): two short register-only loops on
-// the calling thread, ~2 ms in all. 0 without AVX512-BF16. Measured 2.0 on an AMD Zen 4
+// the calling thread, ~4 ms in all. 0 without AVX512-BF16. Measured 2.0 on an AMD Zen 4
 // VM; earlier sessions measured ~0.25 on an Intel Sapphire Rapids VM.
 extern "C" double jaxserve_bf16_dot_speedup() {
 #if defined(__AVX512BF16__)

@@ -44,6 +44,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "exp_nonpositive.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -77,12 +78,7 @@ struct Chunk {
 // prefill's attention took 1.6x as long).
 // A K/V element as f32: an f32 pool's value, or a bf16 pool's widened (the top half of an f32).
 inline float kv_value(float x) { return x; }
-inline float kv_value(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+inline float kv_value(uint16_t b) { return jaxserve::from_bf16(b); }
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
