@@ -13,15 +13,18 @@ CONFIG = Config(
     served_model_name="SmolLM2-135M-Instruct",
     engine=EngineConfig(
         page_size=16,
-        # 1456 pages = 23296 tokens of f32 K/V (46 KiB a token). 32 streams of ~360 tokens
-        # need ~11.5k: at 256 MiB the pool held 5.8k, admission stalled and preemptions
-        # recomputed ~40% more prompt tokens (in-process, 64 bench prompts at 32 streams:
-        # 140 -> 171 output tok/s). llama.cpp's server in tools/bench_peers.py gets 2048
-        # tokens of context per slot. (A bf16 pool would halve the bytes attention reads --
-        # the C++ kernel reads bf16 pools, 0.62-0.67x its time at 32 rows -- but on XLA:CPU
-        # a step over a 1 GiB bf16 pool took ~200 ms instead of ~14: XLA:CPU runs the bf16
-        # K/V write as convert(pool -> f32), update, convert back, per layer.)
-        kv_cache_bytes=1024 * 2**20,
+        # bf16 K/V (stored as uint16 bits, jaxserve.kv_cache): half the bytes attention
+        # reads. tools/bench_step.py --compare kv_dtype, 2026-11-24, AMD EPYC (Zen 4), a
+        # 1 GiB f32 pool against a 1 GiB bf16 one: 0.84x the decode step time at 32 rows of
+        # 256 tokens, 0.78x at 512, 0.94x at 1 row, 0.96x for a 512-token prefill. Parity
+        # with HF f32 stays within the bf16 tolerance (tests/test_real_model_parity.py).
+        kv_dtype="bfloat16",
+        # 1456 pages = 23296 tokens of bf16 K/V (23 KiB a token). 32 streams of ~360 tokens
+        # need ~11.5k: at 5.8k tokens admission stalled and preemptions recomputed ~40% more
+        # prompt tokens (in-process, 64 bench prompts at 32 streams: 140 -> 171 output
+        # tok/s). llama.cpp's server in tools/bench_peers.py gets 2048 tokens of context
+        # per slot.
+        kv_cache_bytes=512 * 2**20,
         max_num_seqs=32,
         max_model_len=2048,
         max_prefill_tokens=1024,
@@ -40,9 +43,10 @@ CONFIG = Config(
         # matmul_impl "auto" picks it) against f32 weights in XLA's dot took 0.57-0.83x the
         # f32 step time for decode of 1-32 rows and 0.73-0.98x for prefill of 64-512
         # tokens, so every matmul uses them and only the bf16 copy is kept. (XLA's own bf16
-        # dot lost to f32 on that machine; on an AMD Zen 4 machine it had won.) Norms,
-        # softmax and the KV cache stay f32 (logits within 0.52 of HF f32 on the real model
-        # with f32 activations; within 0.53 with the bf16 activations below).
+        # dot lost to f32 on that machine; on an AMD Zen 4 machine it had won.) Norms and
+        # softmax stay f32 (logits within 0.52 of HF f32 on the real model with f32
+        # activations; within 0.53 with the bf16 activations below; 0.70 with the bf16 KV
+        # pool above too).
         bf16_matmul_min_rows=1,
         # From 8 activation rows (prefill, batched decode: compute-bound) round x to bf16 and
         # use the CPU's bf16 dot-product instruction where it outruns f32 FMAs (probed at

@@ -16,9 +16,10 @@
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
-//   k_pages      [K, N, ps, Dh]   f32 or bf16 (head-major pool: K kv heads, N pages, ps
-//                                       tokens/page; bf16 widened to f32 on load: half the
-//                                       bytes of a long context's K/V)
+//   k_pages      [K, N, ps, Dh]   f32, or bf16 / u16 holding bf16 bits (head-major pool: K kv
+//                                       heads, N pages, ps tokens/page; bf16 widened to
+//                                       f32 on load: half the bytes of a long context's
+//                                       K/V; jaxserve stores a bf16 pool as u16 bits)
 //   v_pages      [K, N, ps, Dh]   the dtype of k_pages
 //   block_tables [S, P]           s32   page ids (< N) of each sequence, in order
 //   seq_lens     [S]              s32   context length (0 = padding sequence: output 0)
@@ -245,11 +246,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       q_block <= 0)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
   const auto kt = k_pages.element_type();
-  if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16) || v_pages.element_type() != kt ||
-      v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count())
+  if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16) ||
+      v_pages.element_type() != kt || v_pages.dimensions().size() != 4 ||
+      v_pages.element_count() != k_pages.element_count())
     return ffi::Error::InvalidArgument(
-        "paged_attention: k_pages and v_pages must be one shape, both f32 or both bf16");
-  p.kv_bf16 = kt == ffi::DataType::BF16;
+        "paged_attention: k_pages and v_pages must be one shape, both f32, both bf16 or both "
+        "u16 (bf16 bits)");
+  p.kv_bf16 = kt != ffi::DataType::F32;
   p.q = q.typed_data(); p.k = k_pages.untyped_data(); p.v = v_pages.untyped_data();
   p.block_tables = block_tables.typed_data(); p.seq_lens = seq_lens.typed_data();
   p.positions = positions.typed_data(); p.out = out->typed_data();
@@ -294,7 +297,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pages f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()         // k_pages f32, bf16 or u16
                                   .Arg<ffi::AnyBuffer>()         // v_pages, the same
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens

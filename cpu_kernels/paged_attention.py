@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxserve.kv_cache import kv_values
 from pallas_kernels.common import check, check_array, query_sequence
 
 TARGET = "jaxserve_paged_attention"
@@ -33,7 +34,8 @@ def _check_operands(fn: str, q, k_pages, v_pages, block_tables, seq_lens, query_
                     positions) -> None:
     check_array(fn, "q", q, (None, None, None), (jnp.float32,))
     T, H, Dh = q.shape
-    check_array(fn, "k_pages", k_pages, (None, None, None, Dh), (jnp.float32, jnp.bfloat16))
+    check_array(fn, "k_pages", k_pages, (None, None, None, Dh),
+                (jnp.float32, jnp.bfloat16, jnp.uint16))
     check_array(fn, "v_pages", v_pages, k_pages.shape, (k_pages.dtype,))
     K = k_pages.shape[0]
     check(fn, K >= 1 and H % K == 0,
@@ -53,8 +55,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     the CPU.
 
     q: [T, H, Dh] f32, the new tokens packed by sequence; k_pages, v_pages: [K, num_pages,
-    page_size, Dh] f32 or bf16, both the same (one layer's head-major pool,
-    jaxserve.kv_cache; bf16 is widened to f32 as it is read); block_tables:
+    page_size, Dh] f32, bf16, or uint16 holding bf16 bits, both the same (one layer's
+    head-major pool, jaxserve.kv_cache; bf16 is widened to f32 as it is read); block_tables:
     [S, P] int32 page ids; seq_lens: [S] int32 context length (0 = padding sequence);
     query_start: [S + 1] int32, non-decreasing within [0, T] (sequence b owns rows
     query_start[b] : query_start[b + 1]); positions: [T] int32 absolute position of each
@@ -80,7 +82,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     """Plain-jnp `paged_attention` (same arguments, shapes and result): gather every
     sequence's P pages, let row t see the keys of its own sequence b at index < seq_lens[b]
     and <= positions[t], softmax in f32 at HIGHEST precision; rows with no visible key
-    give 0; a bf16 pool widened to f32. Raises ValueError like it."""
+    give 0; a bf16 (or bf16-bits) pool widened to f32. Raises ValueError like it."""
     _check_operands("paged_attention_reference", q, k_pages, v_pages, block_tables, seq_lens,
                     query_start, positions)
     T, H, Dh = q.shape
@@ -88,6 +90,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     S, P = block_tables.shape
     hp = jax.lax.Precision.HIGHEST
     pages = jnp.clip(block_tables, 0, N - 1)
+    k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
     k = k_pages[:, pages].reshape(K, S, P * ps, Dh).astype(jnp.float32)
     v = v_pages[:, pages].reshape(K, S, P * ps, Dh).astype(jnp.float32)
     key = jnp.arange(P * ps)

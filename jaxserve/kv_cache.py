@@ -11,6 +11,13 @@ Two layouts per layer, K and V each:
       XLA:CPU copied and transposed every gathered page (2x the attention time at batch 32).
 A token's "slot" is `page * page_size + offset`. Page 0 is the null page: padding tokens
 write there and the host allocator never hands it out.
+
+A bfloat16 pool is stored as its bits, uint16 arrays (`storage_dtype`): XLA:CPU
+float-normalises a bf16 dynamic-update-slice into convert(pool -> f32), update, convert
+back, so every layer's K/V write copied the whole pool twice (a decode step over a 1 GiB
+pool took ~200 ms instead of ~14). On uint16 the write updates the new rows in place.
+`write_kv` rounds the new rows to bf16 and stores their bits; `kv_values` gives readers the
+bf16 view (a bitcast, no copy); the C++ CPU kernel reads the bits directly.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules
 
 KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+# A pool of this storage dtype holds bfloat16 values as their bits (module docstring).
+BF16_BITS = jnp.dtype(jnp.uint16)
 KV_LAYOUTS = ("token_major", "head_major")
 _HEAD_MAJOR_AXES = ("kv_heads", "pages", "page_slots", "head_dim")
 
@@ -52,6 +61,32 @@ class KVCache:
     def page_size(self) -> int:
         return self.k[0].shape[2 if self.layout == "head_major" else 1]
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the values the pool holds (bfloat16 for a pool stored as bits)."""
+        return value_dtype(self.k[0].dtype)
+
+
+def storage_dtype(dtype: Any) -> jnp.dtype:
+    """The array dtype a pool of `dtype` values is stored in: uint16 (the bits) for
+    bfloat16, `dtype` itself otherwise."""
+    dtype = jnp.dtype(dtype)
+    return BF16_BITS if dtype == jnp.bfloat16 else dtype
+
+
+def value_dtype(stored: Any) -> jnp.dtype:
+    """Inverse of `storage_dtype`: bfloat16 for uint16 pool arrays, else the dtype itself."""
+    stored = jnp.dtype(stored)
+    return jnp.dtype(jnp.bfloat16) if stored == BF16_BITS else stored
+
+
+def kv_values(pages: jax.Array) -> jax.Array:
+    """A pool array as its values: the bf16 view of a uint16 (bits) pool (a bitcast, no
+    copy), any other pool unchanged. Same shape."""
+    if pages.dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
+    return pages
+
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
     """Bytes one page takes across all layers, K and V together."""
@@ -66,8 +101,8 @@ def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: Any, budget_by
 def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
                       rules: ShardingRules | None = None,
                       layout: str = "token_major") -> KVCache:
-    """ShapeDtypeStructs of the pool (allocates nothing). Raises ValueError for an unknown
-    `layout` (one of KV_LAYOUTS)."""
+    """ShapeDtypeStructs of the pool (allocates nothing), in `storage_dtype(dtype)`.
+    Raises ValueError for an unknown `layout` (one of KV_LAYOUTS)."""
     if layout == "token_major":
         shape, axes = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), KV_AXES
     elif layout == "head_major":
@@ -75,14 +110,15 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: A
     else:
         raise ValueError(f"KV cache layout must be one of {KV_LAYOUTS}, got {layout!r}")
     sharding = rules.sharding(axes, shape) if rules is not None else None
-    one = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+    one = jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
     return KVCache(k=(one,) * cfg.num_layers, v=(one,) * cfg.num_layers, layout=layout)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
                   rules: ShardingRules | None = None, layout: str = "token_major") -> KVCache:
     """Zeroed pool: 2 * num_layers buffers of num_pages pages of page_size tokens, in
-    `layout` ("token_major" or "head_major", see module docstring)."""
+    `layout` ("token_major" or "head_major", see module docstring), holding `dtype` values
+    (stored as `storage_dtype(dtype)`)."""
     abstract = abstract_kv_cache(cfg, num_pages, page_size, dtype, rules, layout)
 
     def zeros(s):
@@ -99,18 +135,20 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
 
     pages: one layer's pool in `layout` ([num_pages, page_size, K, Dh] token-major or
     [K, num_pages, page_size, Dh] head-major); new: [..., K, Dh] (the step's [T, K, Dh]);
-    slot_mapping: [...] (the step's [T]) int32 flat slots (padding -> slots of the null page). Returns the updated pool (in
-    place when the pool is donated).
+    slot_mapping: [...] (the step's [T]) int32 flat slots (padding -> slots of the null
+    page). `new` is cast to the pool's value dtype (a uint16 pool: rounded to bf16, its
+    bits stored). Returns the updated pool (in place when the pool is donated).
     """
     # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
     # XLA:CPU copy the whole pool every step once the pool was also read (177 ms vs 0.05 ms
     # per layer for a 10k-page pool).
     slots = slot_mapping.reshape(-1)
     K, Dh = new.shape[-2:]
+    rows = new.reshape(-1, K, Dh).astype(value_dtype(pages.dtype))
+    if pages.dtype == BF16_BITS:
+        rows = jax.lax.bitcast_convert_type(rows, BF16_BITS)
     if layout == "head_major":
         ps = pages.shape[2]
-        rows = new.reshape(-1, K, Dh).transpose(1, 0, 2).astype(pages.dtype)  # [K, BQ, Dh]
-        return pages.at[:, slots // ps, slots % ps].set(rows, mode="drop")
+        return pages.at[:, slots // ps, slots % ps].set(rows.transpose(1, 0, 2), mode="drop")
     ps = pages.shape[1]
-    return pages.at[slots // ps, slots % ps].set(
-        new.reshape(-1, K, Dh).astype(pages.dtype), mode="drop")
+    return pages.at[slots // ps, slots % ps].set(rows, mode="drop")

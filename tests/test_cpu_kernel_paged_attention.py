@@ -102,6 +102,10 @@ def test_bf16_pool_matches_reference_on_the_widened_pool():
         np.testing.assert_allclose(out, ref, atol=ATOL, rtol=ATOL)
         f32 = np.asarray(paged_attention_reference(**dict(args, k_pages=clean[0], v_pages=clean[1])))
         assert 1e-4 < np.abs(out - f32).max() < 5e-2, "bf16 rounds the K/V, a little"
+        # the engine stores a bf16 pool as its uint16 bits (jaxserve.kv_cache): the same
+        bits = {n: jax.lax.bitcast_convert_type(args[n], jnp.uint16) for n in ("k_pages", "v_pages")}
+        np.testing.assert_array_equal(np.asarray(paged_attention(**dict(args, **bits))), out)
+        np.testing.assert_array_equal(np.asarray(paged_attention_reference(**dict(args, **bits))), ref)
     with pytest.raises(ValueError, match="v_pages must be one of"):
         paged_attention(**dict(args, v_pages=args["v_pages"].astype(jnp.float32)))
 

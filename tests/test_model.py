@@ -106,6 +106,57 @@ def test_head_major_pool_holds_the_same_kv():
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_bf16_pool_stores_bits_of_the_rounded_kv(layout):
+    """A bf16 pool is uint16 arrays holding the bf16 bits of the K/V an f32 pool holds
+    (layer 0, from the embeddings alone: exactly); the logits stay within 5% of the f32
+    pool's largest."""
+    import jax.numpy as jnp
+    from jaxserve.kv_cache import kv_values
+    cfg = CONFIGS["gqa2"]
+    params = _params(cfg, 6)
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 12).tolist()
+    drivers = {dt: PagedDriver(params, cfg, page_size=4, layout=layout, kv_dtype=dt)
+               for dt in ("float32", "bfloat16")}
+    logits = {}
+    for dt, d in drivers.items():
+        logits[dt] = [d.step({"s": ids[:9]}, T=16, P=4)["s"]]
+        logits[dt] += [d.step({"s": [t]}, T=1, P=4)["s"] for t in ids[9:]]
+    bf, f32 = drivers["bfloat16"].cache, drivers["float32"].cache
+    assert bf.k[0].dtype == jnp.uint16 and bf.dtype == jnp.bfloat16 and f32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(kv_values(bf.k[0])),
+                                  np.asarray(f32.k[0].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(kv_values(bf.v[0])),
+                                  np.asarray(f32.v[0].astype(jnp.bfloat16)))
+    diff = np.abs(np.concatenate(logits["bfloat16"]) - np.concatenate(logits["float32"])).max()
+    scale = np.abs(np.concatenate(logits["float32"])).max()
+    assert 0 < diff < 0.05 * scale, (diff, scale)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_write_updates_the_donated_pool_in_place(dtype, layout):
+    """A step's temporary buffers stay far below one pool buffer: the K/V write updates the
+    donated pool in place. (A pool held as bfloat16 arrays failed this on XLA:CPU: the write
+    became convert(pool -> f32), update, convert back, 8x a layer's pool in temporaries.)"""
+    import jax.numpy as jnp
+    from jaxserve.kv_cache import abstract_kv_cache
+    from jaxserve.model.transformer import StepBatch, forward
+    cfg = CONFIGS["gqa2"]
+    params = _params(cfg, 0)
+    S, P = 4, 4
+    batch = StepBatch(tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
+                      slot_mapping=np.arange(S, dtype=np.int32), block_tables=np.zeros((S, P), np.int32),
+                      seq_lens=np.ones(S, np.int32), query_start=np.arange(S + 1, dtype=np.int32),
+                      logits_indices=np.arange(S, dtype=np.int32), decode=True)
+    cache = abstract_kv_cache(cfg, 4096, 4, dtype, layout=layout)
+    step = jax.jit(lambda p, c, b: forward(p, c, b, cfg)[1], donate_argnums=1)
+    mem = step.lower(params, cache, batch).compile().memory_analysis()
+    pool_buffer = cache.k[0].size * cache.k[0].dtype.itemsize
+    assert mem.alias_size_in_bytes == 2 * cfg.num_layers * pool_buffer
+    assert mem.temp_size_in_bytes < pool_buffer / 8, (mem.temp_size_in_bytes, pool_buffer)
+
+
 def test_pallas_attention_refuses_the_head_major_pool():
     import jax.numpy as jnp
     from jaxserve.model.attention import make_metadata, paged_attention

@@ -16,9 +16,13 @@
       dispatched step (the baseline) against multi-step decode (`--decode-steps`, default
       the config's decode_steps): 64 tokens per row dispatched back to back, as the engine
       does, then waited for. Decode shapes only.
+  --compare kv_dtype: the config's engine with an f32 KV pool (the baseline) against a
+      bf16 pool, each as many pages as the config's kv_cache_bytes holds (the served pool
+      size: a step that copied the pool would show).
 
     python tools/bench_step.py [--config configs/smollm2_135m.py] [--repeats 7]
-        [--compare precision|attention|matmul|fusion|round_x|decode_steps] [--decode-steps N]
+        [--compare precision|attention|matmul|fusion|round_x|decode_steps|kv_dtype]
+        [--decode-steps N]
         [--ragged]
         [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
 
@@ -147,7 +151,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compare", choices=("precision", "attention", "matmul", "fusion",
-                                          "round_x", "decode_steps"), default="precision")
+                                          "round_x", "decode_steps", "kv_dtype"),
+                    default="precision")
     ap.add_argument("--decode-steps", type=int,
                     help="multi-step decode tokens for --compare decode_steps (default: the config's)")
     ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
@@ -160,7 +165,7 @@ def main() -> None:
     from jaxserve.config import load_config
     from jaxserve.engine.runner import Runner
     from jaxserve.kernels import select_kernels
-    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.kv_cache import init_kv_cache, num_pages_for_budget
     from jaxserve.model.quantized import dual_precision_params
     from jaxserve.model.transformer import Kernels
     from jaxserve.model_store import default_cache_dir, resolve_checkpoint
@@ -205,6 +210,11 @@ def main() -> None:
                      "decode_steps >= 2) and decode shapes only")
         base, var = "1/step", f"{n}/step"
         variants = {base: (params, kernels)}  # one runner: both step kinds, same pool
+    elif args.compare == "kv_dtype":
+        ecfg = dataclasses.replace(cfg.engine, kv_dtype="bfloat16")  # kernels for a bf16 pool
+        params, kernels = served(params, ecfg, cache_dir)
+        base, var = "f32kv", "bf16kv"
+        variants = {base: (params, kernels), var: (params, kernels)}
     else:  # the C++ bf16 matmul (every shape) against f32 in XLA's dot, or unfused calls
         ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
                                    bf16_matmul_max_rows=None)
@@ -222,8 +232,14 @@ def main() -> None:
     # attention in the precision comparison)
     kv_dtype = (ecfg.kv_dtype or "float32") if args.compare in ("round_x", "decode_steps") \
         else "float32"
-    runners = {name: Runner(model_cfg, ecfg, p, init_kv_cache(model_cfg, num_pages, ps, kv_dtype,
-                                                              layout="head_major"), kernels)
+    pools = {name: (kv_dtype, num_pages) for name in variants}
+    if args.compare == "kv_dtype":
+        pools = {name: (dt, max(num_pages, num_pages_for_budget(model_cfg, ps, dt,
+                                                                ecfg.kv_cache_bytes)))
+                 for name, dt in ((base, "float32"), (var, "bfloat16"))}
+    runners = {name: Runner(model_cfg, ecfg, p,
+                            init_kv_cache(model_cfg, pools[name][1], ps, pools[name][0],
+                                          layout="head_major"), kernels)
                for name, (p, kernels) in variants.items()}
     rng = np.random.default_rng(0)
     rows = []
@@ -242,7 +258,7 @@ def main() -> None:
                      f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
         print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
               f"{t[var] / t[base]:9.2f}", flush=True)
-    if args.compare in ("attention", "fusion", "round_x", "decode_steps"):
+    if args.compare in ("attention", "fusion", "round_x", "decode_steps", "kv_dtype"):
         if args.json:
             Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
         return

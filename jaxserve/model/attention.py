@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ATTENTION_KERNEL_IMPLS
+from jaxserve.kv_cache import kv_values
 from jaxserve.pytree import pytree_dataclass
 
 # Finite, so a padding row whose keys are all masked gets a harmless uniform softmax.
@@ -83,7 +84,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     q: [T, H, Dh]; k_pages, v_pages: one layer's pool (this step's K/V already
     written) in `layout`: "token_major" [num_pages, page_size, K, Dh] or "head_major"
-    [K, num_pages, page_size, Dh] (see jaxserve.kv_cache); returns [T, H, Dh] in
+    [K, num_pages, page_size, Dh] (see jaxserve.kv_cache), f32, bf16, or uint16 holding
+    bf16 bits (jaxserve.kv_cache.storage_dtype); returns [T, H, Dh] in
     q.dtype (rows outside every sequence: 0, or for "xla" a harmless finite value). Scale
     1/sqrt(Dh), softmax in f32. GQA: the H query heads are grouped as [K, H // K]; K/V are
     never repeated in memory.
@@ -94,6 +96,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     others the ragged flash-prefill kernel over the pool.
     Raises ValueError for an unknown `impl` or a layout the impl cannot read.
     """
+    if impl != "cpu":  # the C++ kernel reads a bits pool as bf16 itself
+        k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
     if impl == "xla":
         if meta.decode:
             attend = (_paged_attention_xla_head_major if layout == "head_major"
@@ -123,6 +127,14 @@ def _paged_attention_pallas(q, k_pages, v_pages, meta: AttentionMetadata, impl: 
                            meta.seq_lens, impl=impl)
 
 
+def _widened(q, k, v):
+    """Gathered K/V in the wider of q's and the pool's dtypes (f32 queries over a bf16 pool:
+    f32), converted after the gather so the pool itself is never converted. (A bf16 x bf16
+    -> f32 dot of probabilities and V is unimplemented in XLA:CPU's DotThunk.)"""
+    dt = jnp.promote_types(q.dtype, k.dtype)
+    return k.astype(dt), v.astype(dt)
+
+
 def _ragged_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata, layout: str) -> jax.Array:
     # Every row scores against the keys of all S sequences (gathered once, [S * P * ps]);
     # the bias keeps its own sequence's visible keys. S times the work of a per-sequence
@@ -137,6 +149,7 @@ def _ragged_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata, layout: 
         _, ps, K, _ = k_pages.shape
         k = k_pages[meta.block_tables].reshape(S * P * ps, K, Dh).transpose(1, 0, 2)
         v = v_pages[meta.block_tables].reshape(S * P * ps, K, Dh).transpose(1, 0, 2)
+    k, v = _widened(q, k, v)
     qg = q.reshape(T, K, H // K, Dh)
     scores = jnp.einsum("tkgd,ksd->tkgs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh ** -0.5) + meta.bias[:, None, None, :]
@@ -151,6 +164,7 @@ def _paged_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata) -> jax.Ar
     P = meta.block_tables.shape[1]
     k = k_pages[meta.block_tables].reshape(B, P * ps, K, Dh)  # [B, S, K, Dh]
     v = v_pages[meta.block_tables].reshape(B, P * ps, K, Dh)
+    k, v = _widened(q, k, v)
     qg = q.reshape(B, Q, K, H // K, Dh)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh ** -0.5) + meta.bias[:, None, None, :, :]
@@ -168,6 +182,7 @@ def _paged_attention_xla_head_major(q, k_pages, v_pages, meta: AttentionMetadata
     P = meta.block_tables.shape[1]
     k = k_pages[:, meta.block_tables].reshape(K, B, P * ps, Dh)
     v = v_pages[:, meta.block_tables].reshape(K, B, P * ps, Dh)
+    k, v = _widened(q, k, v)
     qg = q.reshape(B, Q, K, G, Dh).transpose(2, 0, 3, 1, 4).reshape(K, B, G * Q, Dh)
     scores = jnp.einsum("kbqd,kbsd->kbqs", qg, k, preferred_element_type=jnp.float32)
     scores = scores.reshape(K, B, G, Q, P * ps) * (Dh ** -0.5) + meta.bias[None, :, None]
