@@ -1,11 +1,15 @@
 """The memory-bandwidth bound of single-stream decode on this machine.
 
     python tools/membw.py [--config configs/smollm2_135m.py] [--gib 1] [--repeats 7]
+        [--samples 1] [--interval 1.0]
 
 Decoding one stream reads every weight once per token, so tokens/s cannot exceed
 (read bandwidth) / (weight bytes per token). This measures the read bandwidth as the
 median of `repeats` XLA reductions over a `gib`-GiB f32 array (far larger than any cache,
-all cores: XLA:CPU splits the reduction over its threads), counts the bytes the engine
+all cores: XLA:CPU splits the reduction over its threads), `samples` times `interval`
+seconds apart, and takes the median sample (on the project's VMs the read bandwidth
+jumps between ~31 and ~50 GB/s for seconds at a time, and a single sample can catch a
+burst that no workload running over minutes sees), counts the bytes the engine
 reads per token in the weight format the config serves (bf16 for the C++ matmul and XLA
 bf16 copies, else the model dtype or the int8 / fp8 quantised projections), and prints
 both and the bound as JSON. tools/bench_peers.py runs it before the peers and reports the
@@ -47,8 +51,10 @@ def weight_bytes_per_token(model, engine) -> dict[str, int]:
     return {"layers": model.num_layers * layer * proj, "lm_head": V * D * head}
 
 
-def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7) -> float:
-    """Median read bandwidth in GB/s (1e9 bytes/s) of an XLA sum over a gib-GiB f32 array."""
+def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7, samples: int = 1,
+                        interval_s: float = 1.0) -> list[float]:
+    """Read bandwidth samples in GB/s (1e9 bytes/s), `samples` of them `interval_s` seconds
+    apart, each the median of `repeats` XLA sums over a gib-GiB f32 array."""
     import jax
     import jax.numpy as jnp
 
@@ -56,16 +62,33 @@ def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7) -> float:
     x = jnp.ones((n,), jnp.float32)
     total = jax.jit(jnp.sum)
     total(x).block_until_ready()
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        total(x).block_until_ready()
-        rates.append(n * 4 / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
+    out = []
+    for i in range(samples):
+        if i:
+            time.sleep(interval_s)
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            total(x).block_until_ready()
+            rates.append(n * 4 / (time.perf_counter() - t0) / 1e9)
+        out.append(statistics.median(rates))
+    return out
 
 
-def bound(config_path: str, gib: float = 1.0, repeats: int = 7) -> dict:
-    """{"read_gb_s", "weight_bytes" {part: bytes}, "bytes_per_token", "bound_tok_s"}."""
+def bound_from_samples(samples_gb_s: list[float], weight_bytes: dict[str, int]) -> dict:
+    """{"read_gb_s" (the median sample), "samples_gb_s", "weight_bytes", "bytes_per_token",
+    "bound_tok_s"} from bandwidth samples and the weight bytes read per token by part."""
+    per_token = sum(weight_bytes.values())
+    bw = statistics.median(samples_gb_s)
+    return {"read_gb_s": round(bw, 2), "samples_gb_s": [round(x, 2) for x in samples_gb_s],
+            "weight_bytes": weight_bytes, "bytes_per_token": per_token,
+            "bound_tok_s": round(bw * 1e9 / per_token, 1)}
+
+
+def bound(config_path: str, gib: float = 1.0, repeats: int = 7, samples: int = 1,
+          interval_s: float = 1.0) -> dict:
+    """`bound_from_samples` of `samples` bandwidth samples and the weights `config_path`
+    serves."""
     from jaxserve.checkpoint import load_model_config
     from jaxserve.config import load_config
     from jaxserve.model_store import default_cache_dir, resolve_checkpoint
@@ -77,10 +100,7 @@ def bound(config_path: str, gib: float = 1.0, repeats: int = 7) -> dict:
     if cfg.dtype is not None:
         model = model.replace(dtype=cfg.dtype)
     parts = weight_bytes_per_token(model, cfg.engine)
-    per_token = sum(parts.values())
-    bw = read_bandwidth_gb_s(gib, repeats)
-    return {"read_gb_s": round(bw, 2), "weight_bytes": parts, "bytes_per_token": per_token,
-            "bound_tok_s": round(bw * 1e9 / per_token, 1)}
+    return bound_from_samples(read_bandwidth_gb_s(gib, repeats, samples, interval_s), parts)
 
 
 def main(argv=None) -> int:
@@ -88,9 +108,13 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.py"))
     ap.add_argument("--gib", type=float, default=1.0, help="size of the array read (GiB)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--samples", type=int, default=1, help="bandwidth samples (median taken)")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     args = ap.parse_args(argv)
+    if args.samples < 1 or args.repeats < 1:
+        ap.error("--samples and --repeats must be >= 1")
     sys.path.insert(0, str(ROOT))
-    print(json.dumps(bound(args.config, args.gib, args.repeats)))
+    print(json.dumps(bound(args.config, args.gib, args.repeats, args.samples, args.interval)))
     return 0
 
 

@@ -87,25 +87,42 @@ def summarise_serving(single: dict | None, concurrent: dict | None,
     }
 
 
-def measure_bandwidth_bound(config: str) -> dict | None:
-    """tools/membw.py's bound for `config` (read bandwidth, weight bytes per token, bound
-    tok/s), run in a subprocess before the peers; None (with a message) if it fails."""
-    proc = subprocess.run([sys.executable, str(TOOLS / "membw.py"), "--config", config],
+def measure_bandwidth_bound(config: str, samples: int = 5, interval_s: float = 1.0) -> dict | None:
+    """tools/membw.py's bound for `config` (read bandwidth: the median of `samples` samples
+    `interval_s` apart; weight bytes per token; bound tok/s), run in a subprocess while no
+    peer runs; None (with a message) if it fails."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "membw.py"), "--config", config,
+                           "--samples", str(samples), "--interval", str(interval_s)],
                           capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         print(f"[bandwidth] membw.py failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)
         return None
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"[bandwidth] read {res['read_gb_s']} GB/s, {res['bytes_per_token'] / 1e6:.0f} MB of "
-          f"weights per token: bound {res['bound_tok_s']} tok/s", flush=True)
+    print(f"[bandwidth] read {res['read_gb_s']} GB/s (samples {res['samples_gb_s']}), "
+          f"{res['bytes_per_token'] / 1e6:.0f} MB of weights per token: bound "
+          f"{res['bound_tok_s']} tok/s", flush=True)
     return res
+
+
+def combine_bandwidth(*measured: dict | None) -> dict | None:
+    """One bound from several `measure_bandwidth_bound` results (before and after
+    jaxserve's run): the median of all their samples. None if none was measured."""
+    from membw import bound_from_samples
+
+    got = [m for m in measured if m is not None]
+    if not got:
+        return None
+    return bound_from_samples([x for m in got for x in m["samples_gb_s"]], got[0]["weight_bytes"])
 
 
 def describe_bandwidth(bw: dict | None, decode_tok_s: float | None) -> str:
     """The single-stream line under the table: jaxserve's decode rate against the bound."""
     if bw is None:
         return "memory-bandwidth bound: not measured"
-    line = (f"memory-bandwidth bound (tools/membw.py): {bw['read_gb_s']} GB/s read / "
+    samples = bw.get("samples_gb_s", [bw["read_gb_s"]])
+    spread = (f" (median of {len(samples)} samples, {min(samples)}-{max(samples)})"
+              if len(samples) > 1 else "")
+    line = (f"memory-bandwidth bound (tools/membw.py): {bw['read_gb_s']} GB/s read{spread} / "
             f"{bw['bytes_per_token'] / 1e6:.0f} MB of weights per token = {bw['bound_tok_s']} tok/s")
     if decode_tok_s:
         line += f"; jaxserve single-stream decode {decode_tok_s:.1f} tok/s = " \
