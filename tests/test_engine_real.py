@@ -6,6 +6,7 @@ warm-up, and the programmatic API's stop handling."""
 import numpy as np
 import pytest
 
+import engine_utils
 from jaxserve import SamplingParams, compile_counter
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -27,22 +28,9 @@ def run_alone(engine, rid, prompt, params):
 
 
 def run_staggered(engine, requests, arrivals):
-    """Add request i at engine step arrivals[i]; step until all finish. Returns outputs by
-    id and the largest batch seen."""
-    done, step, max_running = {}, 0, 0
-    ids = {rid for rid, _, _ in requests}
-    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    while len(done) < len(requests):
-        while pending and arrivals[pending[0]] <= step:
-            rid, prompt, params = requests[pending.pop(0)]
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished and out.request_id in ids:
-                done[out.request_id] = (out.token_ids, out.finish_reason)
-        max_running = max(max_running, len(engine.scheduler.running))
-        step += 1
-        assert step < 5000, "engine made no progress"
-    return done, max_running
+    """engine_utils.run_staggered with each output as (token_ids, finish_reason)."""
+    done, max_running = engine_utils.run_staggered(engine, requests, arrivals)
+    return {rid: (o.token_ids, o.finish_reason) for rid, o in done.items()}, max_running
 
 
 def assert_pool_empty(engine):

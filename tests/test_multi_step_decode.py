@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from engine_utils import run_staggered
 from fake_engine import tiny_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import decode_batch, prefill_batch
@@ -55,21 +56,13 @@ def make_engine(params, decode_steps: int) -> Engine:
 
 
 def run(engine: Engine, requests, arrivals) -> dict:
-    """Add request i at step arrivals[i]; step until every request finished. Returns
+    """engine_utils.run_staggered, checking that no output carries a placeholder. Returns
     {id: (token_ids, text, finish_reason)}."""
-    done, step = {}, 0
-    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    while len(done) < len(requests):
-        while pending and arrivals[pending[0]] <= step:
-            rid, prompt, sp = requests[pending.pop(0)]
-            engine.add_request(rid, prompt, sp)
-        for out in engine.step():
-            assert PLACEHOLDER not in out.token_ids
-            if out.finished:
-                done[out.request_id] = (out.token_ids, out.text, out.finish_reason)
-        step += 1
-        assert step < 1000, "engine made no progress"
-    return done
+    def no_placeholder(out):
+        assert PLACEHOLDER not in out.token_ids
+
+    done, _ = run_staggered(engine, requests, arrivals, check=no_placeholder, max_steps=1000)
+    return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in done.items()}
 
 
 def test_runner_multi_step_equals_single_steps(params):
