@@ -27,8 +27,10 @@ class SamplingBatch:
     """Per-row sampling parameters for a batch of B rows.
 
     temperature: [B] f32 (0 = greedy); top_k: [B] int32 (<= 0 = off); top_p: [B] f32;
-    min_p: [B] f32; seed: [B] uint32; step: [B] int32 index of the token being sampled
-    within the request's output (folded into the seed).
+    min_p: [B] f32; seed: [B, 2] uint32, the request seed's two's-complement 64 bits as
+    (high, low) words: the threefry key data of `jax.random.key(seed)` (the same key for
+    0 <= seed < 2**32, and distinct keys for distinct 64-bit seeds); step: [B] int32 index
+    of the token being sampled within the request's output (folded into the key).
     """
 
     temperature: Any
@@ -41,19 +43,26 @@ class SamplingBatch:
     @staticmethod
     def from_params(params: list[SamplingParams | None], seeds: list[int], steps: list[int],
                     batch_size: int) -> "SamplingBatch":
-        """Host-side packing into numpy arrays, padded to `batch_size` rows (greedy)."""
+        """Host-side packing into numpy arrays, padded to `batch_size` rows (greedy).
+
+        seeds: Python ints, any 64-bit value (signed or not; taken mod 2**64). Raises
+        OverflowError / ValueError for a value that does not fit its array (a top_k beyond
+        int32): the engine packs each request alone once when it admits it, so that such
+        a request fails by itself, never a batch."""
         n = len(params)
         t = np.zeros(batch_size, np.float32)
         k = np.zeros(batch_size, np.int32)
         p = np.ones(batch_size, np.float32)
         m = np.zeros(batch_size, np.float32)
-        s = np.zeros(batch_size, np.uint32)
+        s = np.zeros((batch_size, 2), np.uint32)
         st = np.zeros(batch_size, np.int32)
         for i, sp in enumerate(params):
             if sp is None:
                 continue
             t[i], k[i], p[i], m[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
-        s[:n] = np.asarray(seeds, np.uint64) & 0xFFFFFFFF
+        for i, seed in enumerate(seeds):
+            word = int(seed) % 2**64
+            s[i] = word >> 32, word & 0xFFFFFFFF
         st[:n] = steps
         return SamplingBatch(temperature=t, top_k=k, top_p=p, min_p=m, seed=s, step=st)
 
@@ -89,9 +98,10 @@ def argmax_logsumexp(logits: jax.Array, impl: str = "xla") -> tuple[jax.Array, j
 
 
 def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
-    """[B, vocab] f32 Gumbel noise, row b drawn from key (seed[b], step[b]) only."""
+    """[B, vocab] f32 Gumbel noise, row b drawn from key (seed[b], step[b]) only.
+    seed: [B, 2] uint32 threefry key data (see SamplingBatch)."""
     def one(sd, st):
-        key = jax.random.fold_in(jax.random.key(sd), st)
+        key = jax.random.fold_in(jax.random.wrap_key_data(sd, impl="threefry2x32"), st)
         return jax.random.gumbel(key, (vocab,), jnp.float32)
     return jax.vmap(one)(seed, step)
 

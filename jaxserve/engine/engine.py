@@ -16,7 +16,14 @@ Requests join (`add_request`) and leave (finish, `abort_request`) between any tw
 
 Not thread-safe: one thread drives it (`AsyncEngine` for the server, a plain loop for
 `generate`). Input is validated at the edge (`add_request` checks what only the engine
-knows: lengths against max_model_len, token ids against the vocabulary).
+knows: lengths against max_model_len, token ids and top_k against the vocabulary).
+
+Faults stay with the request they belong to: a request whose host-side work (packing its
+sampling parameters, detokenising, stop matching) raises finishes alone with
+finish_reason "error". A failed device step fails the requests of that step; the KV pool
+it was donated may be gone, so the runner allocates a fresh one and every other running
+request is recomputed from its tokens (as after a preemption). If even that fails, the
+engine is dead: `healthy` turns False and `step()` raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -28,15 +35,22 @@ import numpy as np
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.engine.batch import decode_batch, prefill_batch
-from jaxserve.engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
+                                     RequestOutput)
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence
+from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more: a device step failed and no valid KV pool could be
+    made again. Every request is failed; the server reports itself unhealthy."""
 
 
 class Engine:
@@ -64,6 +78,10 @@ class Engine:
         # The launched step whose tokens are not read yet: ([(sequence, output index)], handle).
         self._inflight: tuple[list[tuple[Sequence, int]], object] | None = None
         self.num_steps = 0
+        self.healthy = True
+        self._kv_lost = False         # set by a failed device step, cleared by _reset_kv
+        self.num_failed_requests = 0  # finished with "error" (faults, failed device steps)
+        self.num_kv_resets = 0        # fresh KV pools after a failed device step
         # Accumulated over steps (see stats()).
         self._kv_live_token_steps = 0
         self._kv_allocated_token_steps = 0
@@ -77,7 +95,13 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         """Queue a request. Raises InvalidRequest: duplicate id, empty prompt, token id
-        outside the vocabulary, or prompt of >= max_model_len tokens (no room for output)."""
+        outside the vocabulary, prompt of >= max_model_len tokens (no room for output),
+        top_k above the vocabulary size, or parameters that cannot be packed for the
+        device (checked here, alone, so that they can never fail a batch). Raises
+        EngineDeadError once the engine is dead."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is dead (a device step failed and the KV pool "
+                                  "could not be restored)")
         if request_id in self._seqs:
             raise InvalidRequest("request_id", f"request {request_id!r} is already running")
         ids = [int(t) for t in prompt_token_ids]
@@ -91,10 +115,19 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.top_k > vocab:
+            raise InvalidRequest("top_k", f"must be at most the vocabulary size {vocab} "
+                                          f"(0 or -1: off), got {params.top_k}")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, seed=seed)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
-        seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        try:  # what every step does for this request on the host, tried once, alone
+            SamplingBatch.from_params([params], [seed], [0], 1)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+            seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        except Exception as e:
+            log.warning("request %r refused: %r", request_id, e)
+            raise InvalidRequest("request", "the engine cannot take these sampling "
+                                            "parameters or this prompt") from e
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -116,7 +149,9 @@ class Engine:
         K/V the running sequences hold, and the token slots of all allocated pages (their
         ratio over an interval is the KV utilisation); step_seconds: wall time in `step()`;
         host_seconds: the part of it not spent waiting for the device (seconds).
-        warmup_pending: step shapes a background warm-up has still to compile."""
+        warmup_pending: step shapes a background warm-up has still to compile.
+        num_failed_requests: requests finished with "error"; num_kv_resets: fresh KV
+        pools after failed device steps; healthy: False once the engine is dead."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "free_pages": self.pool.num_free, "total_pages": self.pool.capacity,
                 "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
@@ -125,28 +160,41 @@ class Engine:
                 "kv_allocated_token_steps": self._kv_allocated_token_steps,
                 "host_seconds": round(self._host_seconds, 6),
                 "step_seconds": round(self._step_seconds, 6),
-                "warmup_pending": self.runner.warmup_pending}
+                "warmup_pending": self.runner.warmup_pending,
+                "num_failed_requests": self.num_failed_requests,
+                "num_kv_resets": self.num_kv_resets, "healthy": self.healthy}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one: returns the outputs of
-        requests that progressed or finished in the previous step (and aborts)."""
+        requests that progressed or finished in the previous step (and aborts, and
+        requests failed by a fault). Raises EngineDeadError once the engine is dead."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is dead")
         t0 = time.perf_counter()
-        outputs, self._pending = self._pending, []
         launched = self._launch()
         wait = 0.0
         if self._inflight is not None:
             rows, handle = self._inflight
             t1 = time.perf_counter()
-            tokens, _ = self.runner.fetch(handle)  # [num_steps, S]
+            try:
+                tokens, _ = self.runner.fetch(handle)  # [num_steps, S]
+            except Exception as e:  # the step failed on device
+                tokens = None
+                self._device_failure([seq for seq, _ in rows], e)
             wait = time.perf_counter() - t1
-            for (seq, index), column in zip(rows, tokens.T.tolist()):
-                out = self._resolve(seq, index, column)
-                if out is not None:
-                    outputs.append(out)
+            if tokens is not None:
+                for (seq, index), column in zip(rows, tokens.T.tolist()):
+                    self._resolve_alone(seq, index, column)
         self._inflight = launched
+        if self._kv_lost:
+            # the step launched over the lost pool is abandoned: _reset_kv recomputes its
+            # requests (its tokens would have been read from a failed step)
+            self._inflight = None
+            self._reset_kv()
+        outputs, self._pending = self._pending, []
         dt = time.perf_counter() - t0
         self._step_seconds += dt
         self._host_seconds += dt - wait
@@ -164,8 +212,18 @@ class Engine:
         n = self._num_decode_steps(plan) if plan.kind == "decode" else 1
         prev_rows = {seq: i for i, (seq, _) in enumerate(self._inflight[0])} if self._inflight else {}
         build = prefill_batch if plan.kind == "prefill" else decode_batch
-        batch, sampling = build(plan.seqs, self.engine_config, prev_rows)
-        handle = self.runner.dispatch(batch, sampling, n)
+        try:
+            batch, sampling = build(plan.seqs, self.engine_config, prev_rows)
+        except Exception as e:  # a bug: fail the step's requests, not the engine
+            log.exception("building a %s step failed", plan.kind)
+            for seq in plan.seqs:
+                self._fail(seq, f"building the step failed: {e!r}")
+            return None
+        try:
+            handle = self.runner.dispatch(batch, sampling, n)
+        except Exception as e:  # compile or launch failed; the donated pool may be gone
+            self._device_failure(plan.seqs, e)
+            return None
         self.num_steps += 1
         rows = []
         for seq in plan.seqs:
@@ -189,6 +247,59 @@ class Engine:
                for s in plan.seqs):
             return 1
         return n if self.scheduler.reserve_ahead(plan.seqs, n - 1) else 1
+
+    def _device_failure(self, seqs: list[Sequence], error: Exception) -> None:
+        """A dispatched step failed: fail its requests; the KV pool is reset at the end of
+        this `step()` (it was donated to the failed step)."""
+        log.error("a device step of %d requests failed: %r", len(seqs), error)
+        for seq in seqs:
+            self._fail(seq, f"the device step failed: {error!r}")
+        self._kv_lost = True
+
+    def _reset_kv(self) -> None:
+        """After a failed device step: a fresh KV pool, and every request still running
+        recomputed from its tokens (its K/V were in the old pool). Kills the engine if
+        the pool cannot be made again."""
+        try:
+            self.runner.reset_cache()
+        except Exception as e:
+            log.critical("the KV pool could not be restored after a failed step: %r", e)
+            self.healthy = False
+            for seq in list(self._seqs.values()):
+                self._fail(seq, f"the engine is dead: {e!r}")
+            return
+        self.num_kv_resets += 1
+        self._kv_lost = False
+        for seq in list(self.scheduler.running):
+            while seq.has_placeholder:  # sampled by the abandoned step
+                seq.output_ids.pop()
+            self.scheduler.preempt(seq)
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """Finish `seq` with finish_reason "error" (its pages freed); its output is
+        returned by this step."""
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = FINISH_ERROR
+        while seq.has_placeholder:
+            seq.output_ids.pop()
+        self.scheduler.finish(seq)
+        self._seqs.pop(seq.request_id, None)
+        self.num_failed_requests += 1
+        out = self._output(seq, [], "")
+        out.error = error
+        self._pending.append(out)
+
+    def _resolve_alone(self, seq: Sequence, index: int, tokens: list[int]) -> None:
+        """`_resolve`, with a fault in this request's host work failing it alone."""
+        try:
+            out = self._resolve(seq, index, tokens)
+        except Exception as e:
+            log.exception("processing the output of request %r failed", seq.request_id)
+            self._fail(seq, f"processing its output failed: {e!r}")
+            return
+        if out is not None:
+            self._pending.append(out)
 
     def _resolve(self, seq: Sequence, index: int, tokens: list[int]) -> RequestOutput | None:
         """Put the sampled `tokens` at output positions `index`, `index + 1`, ... and

@@ -7,6 +7,7 @@ import dataclasses
 FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
 FINISH_ABORT = "abort"    # cancelled (client gone, abort_request)
+FINISH_ERROR = "error"    # the engine failed this request (`RequestOutput.error` says why)
 
 
 @dataclasses.dataclass
@@ -16,7 +17,9 @@ class RequestOutput:
     token_ids / text: everything generated so far (text never contains a stop string
     unless the request asked for it, and never ends in a broken UTF-8 sequence).
     new_token_ids / new_text: what this step added (the streaming delta).
-    finish_reason: None while running; "stop", "length" or "abort" once finished.
+    finish_reason: None while running; "stop", "length", "abort" or "error" once finished.
+    error: with finish_reason "error", what failed (for logs; clients get a generic
+        message, never this text).
     """
 
     request_id: str
@@ -27,6 +30,7 @@ class RequestOutput:
     new_text: str
     finished: bool = False
     finish_reason: str | None = None
+    error: str | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -130,7 +130,7 @@ def _abstract_inputs(key: StepKey, sharding) -> tuple[StepBatch, SamplingBatch]:
                       logits_indices=s((S,), i32), prev_index=s((T,), i32),
                       decode=key.kind == "decode")
     sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),
-                             min_p=s((S,), f32), seed=s((S,), jnp.uint32), step=s((S,), i32))
+                             min_p=s((S,), f32), seed=s((S, 2), jnp.uint32), step=s((S,), i32))
     return batch, sampling
 
 
@@ -165,6 +165,7 @@ class Runner:
         # The last dispatched step's sampled tokens, on device, padded to max_rows.
         self.max_rows = max(engine_cfg.decode_batch_sizes + engine_cfg.prefill_batch_sizes)
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
+        self._cache_spec = _abstract(cache)  # to make the pool again (reset_cache)
 
     def _compile(self, key: StepKey):
         t0 = time.perf_counter()
@@ -302,6 +303,17 @@ class Runner:
             self.last_tokens, tokens, logprobs, self.cache = exe(
                 self.params, self.cache, batch, sampling, self.last_tokens)
         return StepHandle(tokens, logprobs)
+
+    def reset_cache(self) -> None:
+        """Replace the KV pool and `last_tokens` by fresh zeroed arrays of the same shapes,
+        dtypes and shardings: after a failed step, whose donated pool may be deleted or
+        hold an error. The old pool is dropped first, so peak memory stays one pool.
+        Raises whatever the allocation raises (then the engine is dead)."""
+        with self._dispatch_lock:
+            self.cache = self.last_tokens = None
+            self.cache = jax.tree.map(
+                lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), self._cache_spec)
+            self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
 
     @staticmethod
     def fetch(handle: "StepHandle") -> tuple[np.ndarray, np.ndarray]:
