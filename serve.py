@@ -1,28 +1,51 @@
 """Serve a model over the OpenAI API.
 
     python serve.py [--config configs/smollm2_135m.py] [--host H] [--port P] [--cache-dir DIR]
+                    [--api-key KEY] [--allowed-origins O ...] [limits: see --help]
 
 Loads the config file's CONFIG, builds and warms up the engine, and serves
-/v1/completions, /v1/chat/completions, /v1/models and /health with uvicorn.
+/v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics and
+/openapi.json with uvicorn. SIGTERM or SIGINT drains: new requests get 503 while the ones
+in flight finish (up to --shutdown-timeout seconds; then they are aborted), and the process
+exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
+import signal
+import time
 
 import uvicorn
 
 from jaxserve.api import DEFAULT_CONFIG, build_engine
-from jaxserve.config import load_config
+from jaxserve.config import ConfigError, ServerConfig, load_config
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server import build_app
+from jaxserve.metrics import Metrics
+from jaxserve.server import Lifecycle, build_app
 
 log = logging.getLogger("jaxserve.serve")
 
+API_KEY_ENV = "JAXSERVE_API_KEY"
+# How long uvicorn waits for connections to close once the drain has ended (the aborted
+# requests' last SSE events); the drain itself is --shutdown-timeout.
+_CLOSE_TIMEOUT_S = 5.0
+
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, logging "ready" with the URL once it listens."""
+    """uvicorn's server, logging "ready" with the URL once it listens, and draining on
+    SIGTERM / SIGINT before it stops (uvicorn itself would stop accepting connections at
+    once and re-raise the signal on exit, ending the process with the signal's status)."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine,
+                 lifecycle: Lifecycle, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.async_engine, self.lifecycle = async_engine, lifecycle
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._drain_deadline: float | None = None
 
     async def startup(self, sockets=None) -> None:
         """uvicorn's startup (bind, lifespan), then the "ready" log line."""
@@ -30,35 +53,107 @@ class _Server(uvicorn.Server):
         if self.started:
             log.info("ready: http://%s:%d/v1", self.config.host, self.config.port)
 
+    def handle_exit(self, sig: int, frame) -> None:
+        """First signal: start draining (`on_tick` ends it). Second: stop now."""
+        if self.lifecycle.draining:
+            log.warning("second signal: stopping without waiting for requests")
+            self.should_exit = self.force_exit = True
+            return
+        log.info("%s: draining %d in-flight requests (up to %g s); new requests get 503",
+                 signal.Signals(sig).name, self.async_engine.num_in_flight,
+                 self.shutdown_timeout_s)
+        self.lifecycle.draining = True
+        self._drain_deadline = time.monotonic() + self.shutdown_timeout_s
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s): ends a drain once no request is in flight, or at
+        its deadline after aborting the rest."""
+        if self._drain_deadline is not None and not self.should_exit:
+            left = self.async_engine.num_in_flight
+            if left and time.monotonic() >= self._drain_deadline:
+                log.warning("shutdown timeout: aborting %d requests", left)
+                self.async_engine.abort_all()
+                left = 0
+            if not left:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def _server_config(base: ServerConfig, args: argparse.Namespace) -> ServerConfig:
+    """The config's ServerConfig with the limits given on the command line."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
+             if getattr(args, f.name, None) is not None}
+    if given.get("request_timeout_s") == 0:
+        given["request_timeout_s"] = None
+    return dataclasses.replace(base, **given)
+
+
+def _add_limit_flags(ap: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    ap.add_argument("--max-request-body-bytes", type=int,
+                    help=f"largest request body, bytes; larger -> 413 (default {d.max_request_body_bytes})")
+    ap.add_argument("--max-queued-requests", type=int,
+                    help=f"requests that may wait for the engine; more -> 503 with Retry-After "
+                         f"(default {d.max_queued_requests})")
+    ap.add_argument("--request-timeout", dest="request_timeout_s", type=float,
+                    help=f"seconds after which an unfinished request is aborted; 0 = none "
+                         f"(default {d.request_timeout_s:g})")
+    ap.add_argument("--max-stream-buffer-bytes", type=int,
+                    help=f"output a client may leave unread before its request is aborted "
+                         f"(default {d.max_stream_buffer_bytes})")
+    ap.add_argument("--max-stop-strings", type=int,
+                    help=f"most stop strings per request (default {d.max_stop_strings})")
+    ap.add_argument("--max-stop-string-len", type=int,
+                    help=f"most characters in one stop string (default {d.max_stop_string_len})")
+    ap.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
+                    help=f"on SIGTERM/SIGINT, seconds in-flight requests get to finish "
+                         f"(default {d.shutdown_timeout_s:g})")
+    ap.add_argument("--allowed-origins", nargs="+",
+                    help="CORS: origins allowed to call the API from a browser (default: CORS off)")
+
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the command line, build the engine, run the server until interrupted."""
+    """Parse the command line, build the engine, run the server until a signal drains it."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="a configs/NAME.py file")
     ap.add_argument("--host", help="bind address (default: the config's, 127.0.0.1)")
     ap.add_argument("--port", type=int, help="port (default: the config's, 8000)")
     ap.add_argument("--cache-dir", help="where converted weights and compiled code are cached")
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
+                         "unset = no key)")
     ap.add_argument("--no-background-warmup", dest="background_warmup", action="store_false",
                     help="compile every step shape before serving (default: serve once the "
                          "first shapes are compiled, compile the rest in the background)")
+    _add_limit_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-file chatter
 
     config = load_config(args.config)
+    try:
+        server_config = _server_config(config.server, args)
+    except ConfigError as e:
+        ap.error(str(e))
     host, port = args.host or config.host, args.port or config.port
     # Serve as soon as the first shapes are compiled; the rest compile in the background
     # (from the on-disk compilation cache after the first start: seconds to first token).
     engine = build_engine(config, cache_dir=args.cache_dir,
                           warmup="background" if args.background_warmup else True)
-    async_engine = AsyncEngine(engine)
+    metrics = Metrics(engine.stats)
+    async_engine = AsyncEngine(engine, request_timeout_s=server_config.request_timeout_s,
+                               max_stream_buffer_bytes=server_config.max_stream_buffer_bytes,
+                               max_queued_requests=server_config.max_queued_requests,
+                               metrics=metrics)
+    lifecycle = Lifecycle()
     app = build_app(async_engine, engine.tokenizer, config.served_model_name or config.name,
-                    config.engine.max_model_len)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+                    config.engine.max_model_len, server_config, api_key=args.api_key,
+                    metrics=metrics, lifecycle=lifecycle)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                    timeout_graceful_shutdown=_CLOSE_TIMEOUT_S),
+                     async_engine, lifecycle, server_config.shutdown_timeout_s)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (as uvicorn.run)
-        pass
     finally:
         async_engine.shutdown()
         engine.runner.stop_warmup()

@@ -317,6 +317,52 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server's limits: what one client may ask of it, so that no request can
+    starve or break the others. Each is a `serve.py` flag of the same name (dashes).
+
+    max_request_body_bytes: largest request body accepted (bytes); larger -> HTTP 413.
+    max_queued_requests: most requests waiting for the engine (admitted, not yet running:
+        SGLang's `--max-queued-requests`); beyond it -> HTTP 503 with `Retry-After`.
+    request_timeout_s: a request still unfinished this many seconds after it arrived is
+        aborted (its pages freed); None = no limit.
+    max_stream_buffer_bytes: output produced for a client but not yet taken by it (UTF-8
+        bytes of text, plus 128 per queued output: an SSE chunk's JSON envelope); past this
+        the client is not reading its stream, and the request is aborted.
+    max_stop_strings / max_stop_string_len: most `stop` strings one request may give, and
+        the most characters in one (the stop matcher holds back that much text per token).
+    shutdown_timeout_s: on SIGTERM / SIGINT, seconds in-flight requests get to finish
+        before they are aborted (new requests get 503 meanwhile).
+    retry_after_s: the `Retry-After` (seconds) sent with a 503 for a full queue.
+    allowed_origins: CORS origins allowed to call the API from a browser; () = CORS off.
+    """
+
+    max_request_body_bytes: int = 8 * 2**20
+    max_queued_requests: int = 1024
+    request_timeout_s: float | None = 600.0
+    max_stream_buffer_bytes: int = 256 * 2**10
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 1024
+    shutdown_timeout_s: float = 30.0
+    retry_after_s: int = 1
+    allowed_origins: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("max_request_body_bytes", "max_queued_requests", "max_stream_buffer_bytes",
+                     "max_stop_strings", "max_stop_string_len", "retry_after_s"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ConfigError(f"ServerConfig.{name} must be an integer > 0, "
+                                  f"got {getattr(self, name)!r}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ConfigError(f"ServerConfig.request_timeout_s must be None or > 0, "
+                              f"got {self.request_timeout_s!r}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ConfigError(f"ServerConfig.shutdown_timeout_s must be >= 0, "
+                              f"got {self.shutdown_timeout_s!r}")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSource:
     """Where the weights come from.
 
@@ -346,7 +392,8 @@ class Config:
 
     `model` is given for configs whose shape is known without weights (memory planning of
     70B on a laptop); otherwise it is read from the checkpoint. `dtype` overrides the dtype
-    the weights are served in (None = the checkpoint's).
+    the weights are served in (None = the checkpoint's). `host` / `port`: where `serve.py`
+    listens; `server`: its per-request limits.
     """
 
     name: str
@@ -358,6 +405,7 @@ class Config:
     dtype: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    server: ServerConfig = ServerConfig()
 
     def __post_init__(self):
         if self.source is None and self.model is None:

@@ -1,21 +1,40 @@
 """OpenAI API request parsing and response shapes (`/v1/completions`, `/v1/chat/completions`).
 
+A request body goes straight from raw bytes into a declared pydantic model
+(`jaxserve.openai_models`), which checks the JSON, every field's type and range; then what
+needs the tokenizer or the server's limits is checked here (top_k <= vocabulary, prompt
+token ids, stop strings, context length, parameters only accepted at their no-op value).
+Whatever the bytes, the outcome is a ParsedRequest or an ApiError (HTTP 400, or 404 for an
+unknown model) naming the parameter: nothing invalid reaches the engine. (Any other
+exception would be a bug here: the server answers it with a 500 without its text; the
+hypothesis tests feed arbitrary bodies to find such bugs.)
+
 Source: the OpenAI API reference (Completions, Chat Completions, streaming chunk objects,
 error objects) and vLLM's OpenAI-compatible server (`vllm/entrypoints/openai/protocol.py`)
-for the extensions `top_k`, `min_p`, `ignore_eos`. Everything is validated here, at the
-edge: a bad request raises ApiError (HTTP 400, or 404 for an unknown model) naming the
-parameter, and never reaches the engine.
+for the extensions `top_k`, `min_p`, `ignore_eos`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping
+import logging
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from jaxserve.chat_template import ChatTemplateError
+import pydantic
+from pydantic.json_schema import models_json_schema
+
+from jaxserve.openai_models import (REQUEST_MODELS, ChatCompletionChunk, ChatCompletionRequest,
+                                    ChatCompletionResponse, CompletionChunk, CompletionRequest,
+                                    CompletionResponse, ErrorResponse, HealthResponse, ModelList,
+                                    _SamplingRequest)
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxserve.config import ServerConfig
+
+log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -27,12 +46,15 @@ _NOOP_VALUES = {
     "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},),
 }
+_MAX_MESSAGE_CHARS = 400  # an error message never echoes more of the request than this
 
 
 class ApiError(Exception):
-    """A request the server refuses. `status`: HTTP status; `param`: the offending field.
+    """A request the server refuses. `status`: HTTP status; `param`: the offending field
+    (a dotted path such as "messages.0.content"), or None.
 
-    `body()` is OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
+    `body()` is OpenAI's error object: {"error": {"message", "type", "param", "code"}}
+    (`openai_models.ErrorResponse`).
     """
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
@@ -47,6 +69,24 @@ class ApiError(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (the parse functions enforce it; a request over a
+    limit is a 400). max_model_len: prompt + output tokens; max_stop_strings /
+    max_stop_string_len: most `stop` strings, most characters in one. Source: vLLM's
+    max_model_len; this server's `ServerConfig`."""
+
+    max_model_len: int
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 1024
+
+    @classmethod
+    def of(cls, server: ServerConfig, max_model_len: int) -> "RequestLimits":
+        """The limits of a server configured by `server` (its max_stop_strings and
+        max_stop_string_len) serving a model of `max_model_len` tokens."""
+        return cls(max_model_len, server.max_stop_strings, server.max_stop_string_len)
+
+
+@dataclasses.dataclass(frozen=True)
 class ParsedRequest:
     """A validated request: prompt token ids, sampling params, and how to answer."""
 
@@ -56,49 +96,78 @@ class ParsedRequest:
     include_usage: bool
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object. Raises ApiError (400) if malformed or not an object."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
+# -- validation errors --------------------------------------------------------------------
+
+_FIELD_NAMES = frozenset(name for m in REQUEST_MODELS for name in m.model_fields)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """pydantic's error location as a dotted path of field names and list indices; union
+    member tags ("str", "list[int]") and dict keys (client text) are left out."""
+    parts = [str(p) for p in loc if isinstance(p, int) or p in _FIELD_NAMES]
+    return ".".join(parts) or None
+
+
+def _from_validation_error(e: pydantic.ValidationError) -> ApiError:
+    """The first field's error as an ApiError. Of a union's errors, the deepest is named,
+    with the messages of the members that failed at that same place ("a string, or a list")."""
+    errors = e.errors(include_url=False, include_context=False, include_input=False)
+    if not errors:
+        return ApiError("invalid request body")
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        detail = first["msg"].removeprefix("Invalid JSON: ")[:_MAX_MESSAGE_CHARS]
+        return ApiError(f"request body is not valid JSON: {detail}")
+    if not first["loc"]:
+        return ApiError("request body must be a JSON object")
+    group = [x for x in errors if x["loc"][:1] == first["loc"][:1]]
+    deepest = max(group, key=lambda x: len(x["loc"]))
+    param = _param(deepest["loc"])
+    messages = list(dict.fromkeys(x["msg"] for x in group if _param(x["loc"]) == param))
+    text = ", or ".join(messages)[:_MAX_MESSAGE_CHARS]
+    return ApiError(f"{param}: {text}" if param else text, param)
+
+
+_Request = TypeVar("_Request", bound=_SamplingRequest)
+
+
+def _validate(model: type[_Request], raw: bytes) -> _Request:
+    """`raw` (the request body) parsed and validated as `model`, or ApiError (400)."""
+    if not isinstance(raw, (bytes, bytearray, str)):
         raise ApiError("request body must be a JSON object")
-    return body
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as e:
+        raise _from_validation_error(e) from None
 
 
-def _opt(body: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> Any:
-    """body[key] if present and not null, checked against `types` (bool is never an int)."""
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise ApiError(f"'{key}' must be {what}, got {json.dumps(value)[:80]}", key)
-    return value
+# -- checks that need the tokenizer or the limits ------------------------------------------
 
-
-def _check_common(body: Mapping[str, Any], served_model_name: str) -> None:
-    model = _opt(body, "model", (str,), "a string")
-    if model is not None and model != served_model_name:
-        raise ApiError(f"The model `{model}` does not exist. This server serves "
+def _check_common(req: _SamplingRequest, served_model_name: str) -> None:
+    if req.model is not None and req.model != served_model_name:
+        raise ApiError(f"The model `{req.model[:200]}` does not exist. This server serves "
                        f"`{served_model_name}`.", "model", status=404, code="model_not_found")
-    n = _opt(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise ApiError(f"'n' must be 1 (one choice per request), got {n}", "n")
+    if req.n is not None and req.n != 1:
+        raise ApiError(f"n: n > 1 is not supported yet (one choice per request), got {req.n}", "n")
     for key, noop in _NOOP_VALUES.items():
-        if body.get(key) is not None and body[key] not in noop:
-            raise ApiError(f"'{key}' is not supported by this server", key)
+        value = getattr(req, key)
+        if value is not None and value not in noop:
+            raise ApiError(f"'{key}' is not supported by this server (only "
+                           f"{json.dumps(noop[0])} is accepted)", key)
 
 
-def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise ApiError("'stop' must be a string or a list of strings", "stop")
+def _stop_strings(stop: str | list[str] | None, limits: RequestLimits) -> tuple[str, ...]:
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stop) > limits.max_stop_strings:
+        raise ApiError(f"stop: at most {limits.max_stop_strings} stop strings are allowed, "
+                       f"got {len(stop)}", "stop")
+    for s in stop:
+        if not s:
+            raise ApiError("stop: stop strings must be non-empty", "stop")
+        if len(s) > limits.max_stop_string_len:
+            raise ApiError(f"stop: a stop string may have at most {limits.max_stop_string_len} "
+                           f"characters, got one of {len(s)}", "stop")
+    return stop
 
 
 def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: int | None):
@@ -110,39 +179,44 @@ def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: 
                     param, code="context_length_exceeded")
 
 
-def _parse(body: Mapping[str, Any], prompt_ids: list[int], prompt_param: str,
-           max_tokens_keys: tuple[str, ...], default_max_tokens: int,
-           max_model_len: int) -> ParsedRequest:
+def _parse(req: _SamplingRequest, prompt_ids: list[int], prompt_param: str,
+           max_tokens_key: str, max_tokens: int | None, default_max_tokens: int,
+           tokenizer: Tokenizer, limits: RequestLimits) -> ParsedRequest:
     """What completions and chat share: lengths, sampling params, stream options."""
     if not prompt_ids:
         raise ApiError("the prompt is empty (0 tokens)", prompt_param)
+    max_model_len = limits.max_model_len
     if len(prompt_ids) >= max_model_len:
         raise _context_error(prompt_param, max_model_len, len(prompt_ids), None)
-    key = next((k for k in max_tokens_keys if body.get(k) is not None), max_tokens_keys[0])
-    max_tokens = _opt(body, key, (int,), "an integer")
-    if max_tokens is not None and max_tokens <= 0:
-        raise ApiError(f"'{key}' must be >= 1, got {max_tokens}", key)
     room = max_model_len - len(prompt_ids)
     if max_tokens is not None and max_tokens > room:
-        raise _context_error(key, max_model_len, len(prompt_ids), max_tokens)
-    ignore_eos = _opt(body, "ignore_eos", (bool,), "a boolean")
-    stream = _opt(body, "stream", (bool,), "a boolean") or False
-    options = _opt(body, "stream_options", (dict,), "an object")
-    if options is not None and not stream:
+        raise _context_error(max_tokens_key, max_model_len, len(prompt_ids), max_tokens)
+    if req.top_k is not None and req.top_k > tokenizer.vocab_size:
+        raise ApiError(f"top_k: must be -1 or 0 (off), or at most the vocabulary size "
+                       f"{tokenizer.vocab_size}, got {req.top_k}", "top_k")
+    stop = _stop_strings(req.stop, limits)
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
         raise ApiError("'stream_options' is only allowed with 'stream': true", "stream_options")
-    include_usage = (options or {}).get("include_usage") or False
-    if not isinstance(include_usage, bool):
-        raise ApiError("'stream_options.include_usage' must be a boolean", "stream_options")
-    given = {name: body[name] for name in ("temperature", "top_p", "top_k", "min_p", "seed")
-             if body.get(name) is not None}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")
+             if getattr(req, name) is not None}
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
-            stop=_stop_strings(body), ignore_eos=bool(ignore_eos), **given)
+            stop=stop, ignore_eos=bool(req.ignore_eos), **given)
     except InvalidRequest as e:
-        field = key if e.field == "max_tokens" else e.field
-        raise ApiError(str(e), field) from None
+        field = max_tokens_key if e.field == "max_tokens" else e.field
+        raise ApiError(str(e)[:_MAX_MESSAGE_CHARS], field) from None
     return ParsedRequest(prompt_ids, params, stream, include_usage)
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception:
+        log.exception("tokenizer failed on a request")
+        raise ApiError(f"{param}: the text could not be tokenized", param) from None
 
 
 def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
@@ -150,71 +224,83 @@ def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=True)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return _encode(tokenizer, prompt, True, "prompt")
+    if prompt and isinstance(prompt[0], (str, list)):
         raise ApiError("batched prompts are not supported: send one prompt per request", "prompt")
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
-        if bad is not None:
-            raise ApiError(f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})",
-                           "prompt")
-        return list(prompt)
-    if prompt is None:
-        raise ApiError("'prompt' is required", "prompt")
-    raise ApiError("'prompt' must be a string or a list of token ids", "prompt")
+    bad = next((t for t in prompt if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"prompt: token id {bad} is outside the vocabulary "
+                       f"[0, {tokenizer.vocab_size})", "prompt")
+    return list(prompt)
 
 
-def parse_completion_request(body: Mapping[str, Any], tokenizer: Tokenizer,
-                             served_model_name: str, max_model_len: int) -> ParsedRequest:
-    """Validate a `/v1/completions` body. Raises ApiError. Default max_tokens: 16 (OpenAI)."""
-    _check_common(body, served_model_name)
-    ids = _completion_prompt_ids(body.get("prompt"), tokenizer)
-    return _parse(body, ids, "prompt", ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS,
-                  max_model_len)
+def _parse_completion(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                      limits: RequestLimits) -> ParsedRequest:
+    req = _validate(CompletionRequest, raw)
+    _check_common(req, served_model_name)
+    ids = _completion_prompt_ids(req.prompt, tokenizer)
+    return _parse(req, ids, "prompt", "max_tokens", req.max_tokens,
+                  DEFAULT_COMPLETION_MAX_TOKENS, tokenizer, limits)
 
 
-def _message(m: Any, i: int) -> dict[str, Any]:
-    """One chat message with its content flattened to a string (text parts joined by "\\n",
-    as vLLM does); other part types (images, audio) are refused."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ApiError(f"messages[{i}] must be an object with a string 'role'", "messages")
-    content = m.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise ApiError(f"messages[{i}].content: only text parts are supported", "messages")
-        content = "\n".join(p["text"] for p in content)
-    elif content is not None and not isinstance(content, str):
-        raise ApiError(f"messages[{i}].content must be a string, a list of text parts or null",
-                       "messages")
-    return {**m, "content": content}
+def parse_completion_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                             limits: RequestLimits) -> ParsedRequest:
+    """Validate a `/v1/completions` body (`raw`: the request's bytes; a CompletionRequest).
 
-
-def parse_chat_request(body: Mapping[str, Any], tokenizer: Tokenizer,
-                       served_model_name: str, max_model_len: int) -> ParsedRequest:
-    """Validate a `/v1/chat/completions` body: render `messages` with the model's chat
-    template (add_generation_prompt=True) and tokenize without adding special tokens.
-    max_completion_tokens wins over the deprecated max_tokens; default: all the room left
-    (max_model_len - prompt tokens). Raises ApiError (including the template's own errors).
+    Returns the ParsedRequest: prompt token ids (a string prompt encoded with special
+    tokens), SamplingParams (default max_tokens 16, OpenAI's, capped at the room left),
+    stream and include_usage. Raises ApiError: 404 (code model_not_found) if `model` is not
+    `served_model_name`; 400 naming the parameter for anything else (malformed JSON, a
+    type or range error, token ids outside the vocabulary, n != 1, an unsupported
+    parameter, too many or too long stop strings, prompt + max_tokens over
+    `limits.max_model_len`: code context_length_exceeded). Never anything else.
+    Source: OpenAI API reference, Completions; vLLM `CompletionRequest`.
     """
-    _check_common(body, served_model_name)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("'messages' is required and must be a non-empty list", "messages")
-    messages = [_message(m, i) for i, m in enumerate(messages)]
+    return _parse_completion(raw, tokenizer, served_model_name, limits)
+
+
+def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                limits: RequestLimits) -> ParsedRequest:
+    req = _validate(ChatCompletionRequest, raw)
+    _check_common(req, served_model_name)
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):  # text parts joined by "\n", as vLLM does
+            content = "\n".join(part.text for part in content)
+        messages.append({"role": m.role, "content": content, "name": m.name})
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ChatTemplateError as e:
-        raise ApiError(f"chat template: {e}", "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return _parse(body, ids, "messages", ("max_completion_tokens", "max_tokens"), max_model_len,
-                  max_model_len)
+    except Exception as e:  # ChatTemplateError, or a template failing in another way
+        detail = str(e) if isinstance(e, ValueError) else "the template failed on these messages"
+        raise ApiError(f"chat template: {detail}"[:_MAX_MESSAGE_CHARS], "messages") from None
+    if not isinstance(text, str):
+        raise ApiError("chat template: the template did not render text", "messages")
+    ids = _encode(tokenizer, text, False, "messages")
+    key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _parse(req, ids, "messages", key, max_tokens, limits.max_model_len, tokenizer, limits)
+
+
+def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                       limits: RequestLimits) -> ParsedRequest:
+    """Validate a `/v1/chat/completions` body (`raw`: the request's bytes; a
+    ChatCompletionRequest): render `messages` with the model's chat template
+    (add_generation_prompt=True) and tokenize without adding special tokens.
+
+    Returns the ParsedRequest. max_completion_tokens wins over the deprecated max_tokens;
+    default: all the room left (limits.max_model_len - prompt tokens). Raises ApiError as
+    `parse_completion_request` does, and 400 naming "messages" when the chat template
+    rejects the messages (or the model has none). Never anything else.
+    Source: OpenAI API reference, Chat Completions; vLLM `ChatCompletionRequest`.
+    """
+    return _parse_chat(raw, tokenizer, served_model_name, limits)
 
 
 # -- responses ----------------------------------------------------------------------------
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage object."""
+    """OpenAI's usage object (`openai_models.Usage`) for these token counts."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -225,6 +311,8 @@ class ResponseShape:
 
     id_prefix: "cmpl" / "chatcmpl". object / chunk_object: the `object` field of a full
     response and of a streamed chunk. chat: choices carry `message`/`delta`, not `text`.
+    The dicts it builds are the bodies `openai_models` declares (CompletionResponse,
+    CompletionChunk, ChatCompletionResponse, ChatCompletionChunk).
     """
 
     id_prefix: str
@@ -271,3 +359,74 @@ def sse_event(data: Any) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
                                                          separators=(",", ":"))
     return f"data: {text}\n\n".encode("utf-8")
+
+
+# -- OpenAPI ------------------------------------------------------------------------------
+
+_REF = "#/components/schemas/{model}"
+_ERRORS = {"400": "Invalid request (the error's `param` names the field)",
+           "401": "Missing or wrong API key (when the server requires one)",
+           "404": "Unknown model (`model_not_found`) or route",
+           "413": "Request body too large", "503": "Engine not running, or the queue is full"}
+
+
+def openapi_schema(served_model_name: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the server serving `served_model_name`: POST
+    /v1/completions and /v1/chat/completions (request bodies: the request models' JSON
+    schema; 200: the response models, or `text/event-stream` of chunks ending in `data:
+    [DONE]`; errors: ErrorResponse), GET /v1/models, /health, /ready, /metrics (text/plain).
+    Every `$ref` points into `components/schemas`. Raises nothing.
+    Source: OpenAPI 3.1.0 specification; OpenAI API reference.
+    """
+    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest)] + \
+        [(m, "serialization") for m in (CompletionResponse, CompletionChunk, ChatCompletionResponse,
+                                        ChatCompletionChunk, ErrorResponse, ModelList, HealthResponse)]
+    refs, defs = models_json_schema(models, ref_template=_REF)
+    ref = {m: refs[(m, mode)] for m, mode in models}
+
+    def json_content(model) -> dict:
+        return {"application/json": {"schema": ref[model]}}
+
+    errors = {code: {"description": text, "content": json_content(ErrorResponse)}
+              for code, text in _ERRORS.items()}
+
+    def post(summary: str, request, response, chunk, example: dict) -> dict:
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": ref[request], "example": example}}},
+            "responses": {"200": {"description": "The completion; with \"stream\": true, "
+                                                 "server-sent events `data: <chunk>` ending "
+                                                 "with `data: [DONE]`",
+                                  "content": {**json_content(response), "text/event-stream": {
+                                      "schema": {"type": "string"},
+                                      "x-sse-data": ref[chunk]}}},
+                          **errors}}}
+
+    def get(summary: str, content: dict, *codes: str) -> dict:
+        return {"get": {"summary": summary, "responses": {
+            "200": {"description": "OK", "content": content},
+            **{c: errors[c] for c in codes}}}}
+
+    model = served_model_name
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxserve", "version": "1",
+                 "description": f"OpenAI-compatible API serving `{model}`."},
+        "paths": {
+            "/v1/completions": post("Complete a prompt", CompletionRequest, CompletionResponse,
+                                    CompletionChunk, {"model": model, "prompt": "Hello",
+                                                      "max_tokens": 16}),
+            "/v1/chat/completions": post(
+                "Answer a chat", ChatCompletionRequest, ChatCompletionResponse,
+                ChatCompletionChunk, {"model": model, "max_completion_tokens": 64,
+                                      "messages": [{"role": "user", "content": "Hello"}]}),
+            "/v1/models": get("The served model", json_content(ModelList), "401"),
+            "/health": get("Liveness and engine counters", json_content(HealthResponse), "503"),
+            "/ready": get("Ready to serve", json_content(HealthResponse), "503"),
+            "/metrics": get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
+        },
+        "components": {"schemas": defs.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{}, {"bearer": []}],
+    }

@@ -3,17 +3,29 @@
     POST /v1/completions        prompt (text or token ids) -> text; SSE when "stream": true
     POST /v1/chat/completions   messages -> chat template -> text; SSE when "stream": true
     GET  /v1/models             the one served model
-    GET  /health                200 + engine counters while the engine thread runs, else 503
+    GET  /health                liveness: 200 + engine counters while the engine thread
+                                runs and steps, else 503
+    GET  /ready                 readiness: 200 once the server takes traffic, 503 while it
+                                drains for shutdown (or the engine is down)
+    GET  /metrics               Prometheus text format (jaxserve.metrics)
+    GET  /openapi.json          the API's OpenAPI document
 
 Request parsing and response shapes live in `jaxserve.openai_protocol`; this file owns the
-request lifecycle: submit, stream or collect, and abort when the client goes away (so a
-disconnected client's pages are freed at once). Source: OpenAI API reference (endpoints,
-SSE chunk format ending in `data: [DONE]`, error objects); vLLM's OpenAI server.
+request lifecycle: read the body (bounded: 413), parse, template and tokenise it on a worker
+thread (the event loop never blocks on a large body), submit (bounded queue: 503 with
+Retry-After), stream or collect, and abort when the client goes away (so a disconnected
+client's pages are freed at once). No response carries exception text or a stack trace:
+failures are logged, the client gets a fixed message. `/v1/*` needs `Authorization: Bearer
+KEY` when the app has an api_key. Source: OpenAI API reference (endpoints, SSE chunk
+format ending in `data: [DONE]`, error objects); vLLM's OpenAI server (API key, /health,
+/metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import logging
 import time
 import uuid
@@ -22,25 +34,45 @@ from typing import AsyncIterator, Callable
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxserve.engine.async_engine import AsyncEngine, EngineError, RequestStream
+from jaxserve.config import ServerConfig
+from jaxserve.engine.async_engine import (AsyncEngine, EngineError, QueueFull, RequestStream,
+                                          RequestTimeout)
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest, ResponseShape,
-                                      parse_chat_request, parse_completion_request,
-                                      parse_json_object, sse_event, usage)
+from jaxserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest, RequestLimits,
+                                      ResponseShape, openapi_schema, parse_chat_request,
+                                      parse_completion_request, sse_event, usage)
 from jaxserve.sampling_params import InvalidRequest
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+ENGINE_STALL_S = 120.0  # /health fails if the engine thread has not gone round for this long
+INTERNAL_ERROR = "the server failed while handling this request"
+_EVENT_STREAM_HEADERS = {"Cache-Control": "no-cache"}
 
 
-def _server_error(e: Exception) -> ApiError:
+def _engine_error(e: EngineError) -> ApiError:
+    """An EngineError as the client sees it (its messages are written to be shown)."""
+    if isinstance(e, RequestTimeout):
+        return ApiError(str(e), status=504, type="timeout", code="request_timeout")
     return ApiError(str(e), status=500, type="server_error")
+
+
+@dataclasses.dataclass
+class Lifecycle:
+    """Whether the server takes traffic: `ready` once it can, `draining` from a shutdown
+    signal on (new requests then get 503). Set by serve.py; read by the handlers."""
+
+    ready: bool = True
+    draining: bool = False
 
 
 class _EventStream(StreamingResponse):
@@ -49,8 +81,7 @@ class _EventStream(StreamingResponse):
     under ASGI 2.4), or the task cancelled."""
 
     def __init__(self, events: AsyncIterator[bytes], stream: RequestStream):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+        super().__init__(events, media_type="text/event-stream", headers=_EVENT_STREAM_HEADERS)
         self._stream = stream
 
     async def __call__(self, scope, receive, send) -> None:
@@ -94,14 +125,36 @@ async def _last_output(stream: RequestStream) -> RequestOutput:
     return last
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (by Content-Length before
+    reading, else as the chunks arrive)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(f"the request body has {declared} bytes; the limit is {limit}",
+                       status=413, code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"the request body exceeds the limit of {limit} bytes",
+                           status=413, code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class _Routes:
-    """Handlers bound to one engine, tokenizer and model name (no module-level state)."""
+    """Handlers bound to one engine, tokenizer, model name, limits and metrics (no
+    module-level state)."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
-                 max_model_len: int):
+                 max_model_len: int, server: ServerConfig, metrics: Metrics,
+                 lifecycle: Lifecycle):
         self.engine, self.tokenizer = engine, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.server, self.metrics, self.lifecycle = server, metrics, lifecycle
+        self.limits = RequestLimits.of(server, max_model_len)
         self.created = int(time.time())
+        self._openapi = openapi_schema(model_name)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions (OpenAI Completions API)."""
@@ -118,26 +171,68 @@ class _Routes:
             "owned_by": "jaxserve", "max_model_len": self.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
-        """GET /health: 200 {"status": "ok", running, waiting, free_pages, total_pages,
-        num_preemptions, num_steps, num_compilations} while the engine thread runs, else 503."""
-        if self.engine.is_running:
+        """GET /health (liveness): 200 {"status": "ok", engine counters} while the engine
+        thread is alive, its engine not dead, and it went round its loop within
+        ENGINE_STALL_S seconds; else 503."""
+        stalled = time.monotonic() - self.engine.last_loop_time > ENGINE_STALL_S
+        if self.engine.is_running and not stalled:
             return JSONResponse({"status": "ok", **self.engine.stats()})
-        return JSONResponse(ApiError("the engine is not running", status=503,
-                                     type="server_error").body(), status_code=503)
+        why = "the engine is stalled" if stalled and self.engine.is_running else \
+            "the engine is not running"
+        return JSONResponse(ApiError(why, status=503, type="server_error").body(), status_code=503)
+
+    async def ready(self, request: Request) -> Response:
+        """GET /ready (readiness): 200 once the server takes traffic; 503 before, while it
+        drains for shutdown, or when the engine is down."""
+        if self.lifecycle.ready and not self.lifecycle.draining and self.engine.is_running:
+            return JSONResponse({"status": "ready"})
+        why = "the server is shutting down" if self.lifecycle.draining else "not ready"
+        return JSONResponse(ApiError(why, status=503, type="server_error").body(), status_code=503)
+
+    async def prometheus(self, request: Request) -> Response:
+        """GET /metrics: Prometheus text exposition format."""
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    async def openapi(self, request: Request) -> Response:
+        """GET /openapi.json: the OpenAPI document of this API."""
+        return JSONResponse(self._openapi)
 
     async def _serve(self, request: Request, shape: ResponseShape,
                      parse: Callable[..., ParsedRequest]) -> Response:
-        """Parse, submit, then stream (SSE) or collect the one choice; shared by both APIs."""
-        body = parse_json_object(await request.body())
-        req = parse(body, self.tokenizer, self.model_name, self.max_model_len)
-        request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        """Read, parse (worker thread), submit, then stream (SSE) or collect the one
+        choice; shared by both APIs. Counts refusals by reason in the metrics."""
+        arrival = time.monotonic()
         try:
-            stream = await self.engine.add_request(request_id, req.prompt_ids, req.params)
-        except InvalidRequest as e:
-            param = "messages" if shape.chat and e.field == "prompt" else e.field
-            raise ApiError(str(e), param) from None
+            if self.lifecycle.draining:
+                raise ApiError("the server is shutting down", status=503, type="server_error",
+                               code="shutting_down")
+            raw = await _read_body(request, self.server.max_request_body_bytes)
+            # JSON parsing, the chat template and tokenisation of a large body take seconds:
+            # off the event loop, which keeps answering /health and streaming meanwhile
+            req = await anyio.to_thread.run_sync(parse, raw, self.tokenizer, self.model_name,
+                                                 self.limits)
+            request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+            try:
+                stream = await self.engine.add_request(request_id, req.prompt_ids, req.params,
+                                                       arrival)
+            except InvalidRequest as e:
+                param = "messages" if shape.chat and e.field == "prompt" else e.field
+                raise ApiError(str(e), param) from None
+            except QueueFull as e:
+                raise ApiError(f"the server is overloaded: {e}; retry later", status=503,
+                               type="server_error", code="queue_full") from None
+        except ApiError as e:
+            self.metrics.request_rejected(_rejection_reason(e))
+            raise
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except EngineError as e:
-            raise _server_error(e) from None
+            self.metrics.request_rejected("engine_down")
+            raise ApiError(str(e), status=503, type="server_error") from None
+        except Exception:  # a bug: this request fails, the connection and the server stay
+            log.exception("accepting a request failed")
+            self.metrics.request_rejected("internal_error")
+            raise ApiError(INTERNAL_ERROR, status=500, type="server_error") from None
         created = int(time.time())
         if req.stream:
             return _EventStream(self._events(stream, shape, request_id, created,
@@ -145,18 +240,21 @@ class _Routes:
         try:
             final = await _unless_disconnected(request.receive, _last_output(stream))
         except EngineError as e:
-            raise _server_error(e) from None
+            raise _engine_error(e) from None
         finally:
             stream.abort()
         if final is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        log.info("%s: %d prompt + %d output tokens, %s, %.2f s", request_id,
+                 final.num_prompt_tokens, final.num_output_tokens, final.finish_reason,
+                 time.monotonic() - arrival)
         return JSONResponse(shape.response(
             request_id, created, self.model_name, shape.choice(final.text, final.finish_reason),
             usage(final.num_prompt_tokens, final.num_output_tokens)))
 
     async def _events(self, stream: RequestStream, shape: ResponseShape, request_id: str,
                       created: int, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks of one request, then the usage chunk (if asked) and `[DONE]`. An engine
+        """SSE chunks of one request, then the usage chunk (if asked) and `[DONE]`. A
         failure mid-stream becomes an error event (the status line is already sent)."""
         first, last = True, None
         try:
@@ -171,12 +269,50 @@ class _Routes:
                 yield sse_event(shape.chunk(request_id, created, self.model_name, [], True,
                                             usage(last.num_prompt_tokens, last.num_output_tokens)))
         except EngineError as e:
-            yield sse_event(_server_error(e).body())
+            yield sse_event(_engine_error(e).body())
+        except Exception:
+            log.exception("streaming %s failed", request_id)
+            yield sse_event(ApiError(INTERNAL_ERROR, status=500, type="server_error").body())
+        if last is not None and last.finished:
+            log.info("%s: %d prompt + %d output tokens, %s (stream)", request_id,
+                     last.num_prompt_tokens, last.num_output_tokens, last.finish_reason)
         yield sse_event("[DONE]")
 
 
+def _rejection_reason(e: ApiError) -> str:
+    """The `reason` label of a refused request in the metrics."""
+    return e.code or {400: "invalid_request", 404: "not_found", 413: "request_too_large",
+                      503: "unavailable"}.get(e.status, f"http_{e.status}")
+
+
+class _ApiKeyMiddleware:
+    """Pure ASGI middleware: `/v1/*` needs `Authorization: Bearer <api_key>` (compared in
+    constant time, `hmac.compare_digest`); else 401 in OpenAI's error shape. Other paths
+    (/health, /ready, /metrics, /openapi.json) stay open. Source: vLLM's --api-key."""
+
+    def __init__(self, app, api_key: str, on_reject: Callable[[str], None]):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._on_reject = on_reject
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") \
+                and scope["method"] != "OPTIONS":  # CORS preflights carry no credentials
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                self._on_reject("unauthorized")
+                error = ApiError("Incorrect or missing API key: send 'Authorization: Bearer "
+                                 "<key>'", status=401, code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401,
+                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    headers = {"Retry-After": str(request.app.state.retry_after_s)} \
+        if exc.code == "queue_full" else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -187,19 +323,45 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error serving %s", request.url.path, exc_info=exc)
-    return JSONResponse(_server_error(exc).body(), status_code=500)
+    return JSONResponse(ApiError(INTERNAL_ERROR, status=500, type="server_error").body(),
+                        status_code=500)
 
 
 def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
-              max_model_len: int) -> Starlette:
+              max_model_len: int, server: ServerConfig = ServerConfig(), *,
+              api_key: str | None = None, metrics: Metrics | None = None,
+              lifecycle: Lifecycle | None = None) -> Starlette:
     """The Starlette app serving `async_engine` under `served_model_name` (the `model` field
     clients must send, if any). `max_model_len`: prompt + output token limit, checked here
-    so that too-long prompts get a 400 naming both lengths."""
-    routes = _Routes(async_engine, tokenizer, served_model_name, max_model_len)
-    return Starlette(
+    so that too-long prompts get a 400 naming both lengths. `server`: body size, stop
+    string and CORS limits (the engine-side ones are the AsyncEngine's). `api_key`: if
+    given, `/v1/*` needs it as a Bearer token. `metrics`: the Metrics to expose (default:
+    the async engine's, else a new one). `lifecycle`: readiness and draining state shared
+    with serve.py (default: ready, not draining)."""
+    metrics = metrics or async_engine.metrics or Metrics(async_engine.stats)
+    lifecycle = lifecycle or Lifecycle()
+    routes = _Routes(async_engine, tokenizer, served_model_name, max_model_len, server,
+                     metrics, lifecycle)
+    middleware = []
+    if server.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(server.allowed_origins),
+                                     allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    if api_key:
+        middleware.append(Middleware(_ApiKeyMiddleware, api_key=api_key,
+                                     on_reject=metrics.request_rejected))
+    app = Starlette(
         routes=[Route("/v1/completions", routes.completions, methods=["POST"]),
                 Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
                 Route("/v1/models", routes.models, methods=["GET"]),
-                Route("/health", routes.health, methods=["GET"])],
+                Route("/health", routes.health, methods=["GET"]),
+                Route("/ready", routes.ready, methods=["GET"]),
+                Route("/metrics", routes.prometheus, methods=["GET"]),
+                Route("/openapi.json", routes.openapi, methods=["GET"])],
+        middleware=middleware,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error})
+    app.state.retry_after_s = server.retry_after_s
+    app.state.lifecycle = lifecycle
+    app.state.metrics = metrics
+    return app

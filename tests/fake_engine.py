@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import tokenizers
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
+                                     RequestOutput)
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
@@ -57,20 +58,25 @@ class FakeEngine:
 
     page_size / num_pages: page accounting (a request holds ceil(tokens / page_size) pages).
     step_delay: seconds each step sleeps (to keep requests in flight in tests).
+    max_running: most requests generating at once; the rest wait (FIFO), as in a full batch.
     fail_steps: number of upcoming steps that raise RuntimeError.
+    fail_requests: request ids the engine fails on their next step (finish_reason "error",
+        as Engine does for a fault in one request's host work).
     Records add/abort calls; asserts it is only ever driven by one thread.
     """
 
     def __init__(self, tokenizer: Tokenizer, reply: str = "Hi there! 😀 Bye.", *,
                  max_model_len: int = 64, page_size: int = 4, num_pages: int = 256,
-                 step_delay: float = 0.0):
+                 step_delay: float = 0.0, max_running: int | None = None):
         self.tokenizer = tokenizer
         self.engine_config = EngineConfig(max_model_len=max_model_len, page_size=page_size)
         self.model_config = SimpleNamespace(vocab_size=tokenizer.vocab_size,
                                             eos_token_ids=tokenizer.eos_token_ids)
         self.reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
         self.page_size, self.num_pages, self.step_delay = page_size, num_pages, step_delay
+        self.max_running = max_running
         self.fail_steps = 0
+        self.fail_requests: set[str] = set()
         self.free_pages = list(range(num_pages))
         self.requests: dict[str, SimpleNamespace] = {}
         self.added: list[str] = []
@@ -86,9 +92,14 @@ class FakeEngine:
 
     def stats(self) -> dict[str, int]:
         """Engine.stats(): the counters /health reports."""
-        return {"running": len(self.requests), "waiting": 0, "free_pages": len(self.free_pages),
+        running = len(self._running())
+        return {"running": running, "waiting": len(self.requests) - running,
+                "free_pages": len(self.free_pages),
                 "total_pages": self.num_pages, "num_preemptions": 0, "num_steps": self.num_steps,
                 "num_compilations": 0}
+
+    def _running(self) -> list:
+        return list(self.requests.values())[:self.max_running]
 
     @property
     def pages_in_use(self) -> int:
@@ -152,7 +163,13 @@ class FakeEngine:
             self.fail_steps -= 1
             raise RuntimeError("injected step failure")
         outputs, self._pending = self._pending, []
-        for r in list(self.requests.values()):
+        for r in self._running():
+            if r.id in self.fail_requests:
+                self._release(r)
+                out = self._output(r, [], "", FINISH_ERROR)
+                out.error = "injected request fault"
+                outputs.append(out)
+                continue
             token = self.reply_ids[len(r.out) % len(self.reply_ids)]
             r.out.append(token)
             self._grow(r)

@@ -134,7 +134,7 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "Hi" * 40}, "prompt", "64"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 60}]}, "messages", "64"),
     (COMP, {"prompt": "Hi", "max_tokens": 63}, "max_tokens", "65"),
-    (COMP, {"prompt": "Hi", "max_tokens": 0}, "max_tokens", ">= 1"),
+    (COMP, {"prompt": "Hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     (COMP, {"prompt": "Hi", "max_tokens": -3}, "max_tokens", None),
     (COMP, {"prompt": "Hi", "max_tokens": "5"}, "max_tokens", None),
     (COMP, {"prompt": "Hi", "max_tokens": 1.5}, "max_tokens", None),
@@ -161,10 +161,10 @@ BAD_REQUESTS = [
     (CHAT, {}, "messages", None),
     (CHAT, {"messages": []}, "messages", None),
     (CHAT, {"messages": "Hi"}, "messages", None),
-    (CHAT, {"messages": [{"content": "Hi"}]}, "messages", None),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages", None),
+    (CHAT, {"messages": [{"content": "Hi"}]}, "messages.0.role", None),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", None),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages", None),
+     "messages.0.content.0.type", "'text'"),
     (CHAT, {"model": 3, "messages": MSGS}, "model", None),
 ]
 

@@ -11,6 +11,14 @@ and JetStream's orchestrator have the same shape: an engine loop plus per-reques
         async for out in stream: ...
 
 or `async for out in async_engine.generate("r1", prompt_ids, params): ...`.
+
+Each request can fail only itself. The engine thread enforces, per request: a deadline
+(`request_timeout_s` after it arrived: aborted, its stream raises RequestTimeout) and a cap
+on output produced but not yet taken by its consumer (`max_stream_buffer_bytes`: a client
+that does not read its stream is aborted, its pages freed: StreamBufferFull). A request
+the engine fails (finish_reason "error") raises EngineError in its own stream only.
+`add_request` refuses a request while `max_queued_requests` wait (QueueFull). Optional
+`metrics` (jaxserve.metrics.Metrics) observe every request's life on the engine thread.
 """
 
 from __future__ import annotations
@@ -19,17 +27,33 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from typing import AsyncIterator, Sequence
 
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import FINISH_ERROR, RequestOutput
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
+STREAM_EVENT_OVERHEAD_BYTES = 128  # an SSE chunk's JSON envelope, counted per queued output
+
 
 class EngineError(RuntimeError):
-    """The engine failed while serving this request (an exception in `engine.step()`), or
-    it was shut down. HTTP 500 at the edge; the engine thread keeps serving others."""
+    """The engine failed while serving this request (a fault in its step or its output
+    processing), or it was shut down. HTTP 500 at the edge; the engine thread keeps
+    serving others. The message is safe to show a client (no exception text)."""
+
+
+class RequestTimeout(EngineError):
+    """The request was still unfinished `request_timeout_s` after it arrived: aborted."""
+
+
+class StreamBufferFull(EngineError):
+    """The consumer left more than `max_stream_buffer_bytes` of output unread: aborted."""
+
+
+class QueueFull(EngineError):
+    """`max_queued_requests` requests already wait: the request was not taken (HTTP 503)."""
 
 
 _ACCEPTED = object()  # first item of a stream's queue: the engine took the request
@@ -44,12 +68,21 @@ class RequestStream:
     cancelled tasks. Created by `AsyncEngine.add_request`; bound to the caller's event loop.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncEngine"):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncEngine",
+                 arrival: float, deadline: float | None = None):
         self.request_id = request_id
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._owner = owner
         self._finished = False
+        self.arrival = arrival    # time.monotonic() when the request arrived
+        self.deadline = deadline  # time.monotonic() value, or None
+        # bytes of output queued (written by the engine thread only) and taken (by the
+        # consumer's loop only): their difference is what the consumer has not read
+        self._produced = 0
+        self._consumed = 0
+        # engine thread only: when its last output with tokens was delivered (metrics)
+        self.last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,6 +109,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._finished = True
             raise item
+        self._consumed += _size(item)
         if item.finished:
             self._finished = True
         return item
@@ -97,26 +131,48 @@ class RequestStream:
         self.abort()
 
 
+def _size(out: RequestOutput) -> int:
+    """What one queued output counts against `max_stream_buffer_bytes` (bytes)."""
+    return len(out.new_text.encode("utf-8", "replace")) + STREAM_EVENT_OVERHEAD_BYTES
+
+
 class AsyncEngine:
     """Runs `engine` on a background thread; asyncio code submits requests and awaits outputs.
 
     engine: a jaxserve Engine (or anything with its interface: add_request, abort_request,
-    step, has_unfinished_requests, tokenizer). Not thread-safe itself, so only this class's
-    thread calls it after construction.
+    step, has_unfinished_requests, stats, tokenizer). Not thread-safe itself, so only this
+    class's thread calls it after construction.
+    request_timeout_s: seconds from arrival after which an unfinished request is aborted
+        (RequestTimeout in its stream); None = no limit.
+    max_stream_buffer_bytes: output left unread by a stream's consumer past which the
+        request is aborted (StreamBufferFull); None = no limit.
+    max_queued_requests: requests that may wait for the engine (submitted, not yet
+        running); `add_request` raises QueueFull beyond; None = no limit.
+    metrics: a jaxserve.metrics.Metrics observing requests (or None).
 
-    An exception in `engine.step()` fails every in-flight request with EngineError (their
-    streams raise it, the engine is told to abort them) and the thread keeps serving new
-    requests; it does not step again until a new command arrives, so a persistently broken
-    engine cannot spin.
+    A request the engine fails (finish_reason "error") gets EngineError in its stream; the
+    others go on. An unexpected exception out of `engine.step()` (a bug outside any one
+    request) fails every in-flight request with EngineError, and the thread does not step
+    again until a new command arrives, so a persistently broken engine cannot spin. If
+    the engine reports itself dead (`healthy` False), `is_alive` turns False.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine, *, request_timeout_s: float | None = None,
+                 max_stream_buffer_bytes: int | None = None,
+                 max_queued_requests: int | None = None, metrics=None):
         self.engine = engine
+        self.request_timeout_s = request_timeout_s
+        self.max_stream_buffer_bytes = max_stream_buffer_bytes
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
         self._cv = threading.Condition()
         self._commands: collections.deque = collections.deque()  # guarded by _cv
+        self._num_adds_queued = 0                                 # guarded by _cv
         self._stopping = False                                    # guarded by _cv
         self._streams: dict[str, RequestStream] = {}              # engine thread only
         self._stalled = False                                     # engine thread only
+        self._dead = False                                        # set by the engine thread
+        self.last_loop_time = time.monotonic()  # when the engine thread last went round
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -124,22 +180,41 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while the engine thread is alive and not shut down (the /health check)."""
-        return self._thread.is_alive() and not self._stopping
+        """True while the engine thread is alive, not shut down and the engine not dead
+        (the /health liveness check)."""
+        return self._thread.is_alive() and not self._stopping and not self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished (read from any thread; may be a step stale)."""
+        return len(self._streams) + self._num_adds_queued
 
     def stats(self) -> dict[str, int]:
         """`Engine.stats()` read from this thread: plain ints, possibly one step stale."""
         return self.engine.stats()
 
+    def num_queued(self) -> int:
+        """Requests waiting for the engine: submitted but not yet applied, plus the
+        engine's waiting queue (possibly a step stale)."""
+        return self._num_adds_queued + int(self.engine.stats().get("waiting", 0))
+
     async def add_request(self, request_id: str, prompt_ids: Sequence[int],
-                          params: SamplingParams) -> RequestStream:
+                          params: SamplingParams, arrival_time: float | None = None
+                          ) -> RequestStream:
         """Submit a request; return its stream once the engine has accepted it.
+        arrival_time: time.monotonic() when the request arrived (default: now), from
+        which its timeout and latency metrics count.
 
         Raises InvalidRequest (from `Engine.add_request`: empty or too long prompt, token id
-        outside the vocabulary, duplicate id) or EngineError (shut down, or the engine
-        raised). If the caller is cancelled while waiting, the request is aborted.
+        outside the vocabulary, duplicate id), QueueFull (max_queued_requests wait), or
+        EngineError (shut down, or the engine raised). If the caller is cancelled while
+        waiting, the request is aborted.
         """
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self)
+        if self.max_queued_requests is not None and self.num_queued() >= self.max_queued_requests:
+            raise QueueFull(f"{self.max_queued_requests} requests are already waiting")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        deadline = None if self.request_timeout_s is None else arrival + self.request_timeout_s
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self, arrival, deadline)
         self._submit(("add", request_id, list(prompt_ids), params, stream))
         try:
             await stream._wait_accepted()
@@ -167,6 +242,11 @@ class AsyncEngine:
         """Cancel a request by id (no-op if unknown or finished). Thread-safe."""
         self._submit(("abort", request_id, None, None, None))
 
+    def abort_all(self) -> None:
+        """Cancel every in-flight request (their streams raise EngineError "aborted");
+        the engine keeps serving new ones. Thread-safe."""
+        self._submit(("abort_all", None, None, None, None))
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the engine thread after its current step: in-flight requests are aborted
         and their streams raise EngineError; later add_request calls raise EngineError."""
@@ -178,11 +258,13 @@ class AsyncEngine:
 
     def _submit(self, command: tuple) -> None:
         with self._cv:
-            if command[0] == "add" and (self._stopping or not self._thread.is_alive()):
+            if command[0] == "add" and (self._stopping or self._dead
+                                        or not self._thread.is_alive()):
                 stopped = True
             else:
                 stopped = False
                 self._commands.append(command)
+                self._num_adds_queued += command[0] == "add"
                 self._cv.notify()
         if stopped:
             self._deliver(command[4], EngineError("the engine is shut down"))
@@ -193,9 +275,12 @@ class AsyncEngine:
         while True:
             with self._cv:
                 while not (self._commands or self._stopping or self._has_work()):
-                    self._cv.wait()
+                    self._cv.wait(timeout=1.0)
+                    self.last_loop_time = time.monotonic()
                 commands, self._commands = self._commands, collections.deque()
+                self._num_adds_queued = 0
                 stopping = self._stopping
+            self.last_loop_time = time.monotonic()
             try:
                 for command in commands:
                     self._apply(command)
@@ -204,13 +289,14 @@ class AsyncEngine:
                     return
                 if self._has_work():
                     self._step()
-            except Exception as e:  # a bug in this loop must not strand every request
+                self._enforce_limits()
+            except Exception:  # a bug in this loop must not strand every request
                 log.exception("engine loop error")
-                self._fail_all(EngineError(f"engine loop error: {e!r}"))
+                self._fail_all(EngineError("the engine failed while serving this request"))
                 self._stalled = True
 
     def _has_work(self) -> bool:
-        return not self._stalled and self.engine.has_unfinished_requests()
+        return not self._stalled and not self._dead and self.engine.has_unfinished_requests()
 
     def _apply(self, command: tuple) -> None:
         kind, request_id, prompt_ids, params, stream = command
@@ -222,7 +308,11 @@ class AsyncEngine:
             except Exception:
                 log.exception("engine.abort_request(%r) failed", request_id)
             return
-        if self._stopping:
+        if kind == "abort_all":
+            self._fail_all(EngineError("the request was aborted: the server is shutting down"),
+                           reason="shutdown")
+            return
+        if self._stopping or self._dead:
             self._deliver(stream, EngineError("the engine is shut down"))
             return
         try:
@@ -230,36 +320,71 @@ class AsyncEngine:
         except InvalidRequest as e:
             self._deliver(stream, e)
             return
-        except Exception as e:
+        except Exception:
             log.exception("engine.add_request(%r) failed", request_id)
-            self._deliver(stream, EngineError(f"the engine could not take the request: {e!r}"))
+            self._deliver(stream, EngineError("the engine could not take the request"))
             return
         self._streams[request_id] = stream
+        if self.metrics is not None:
+            self.metrics.request_added(len(prompt_ids))
         if not self._deliver(stream, _ACCEPTED):
             self._abort_quietly(request_id)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except Exception:
             log.exception("engine.step() failed; failing %d in-flight requests", len(self._streams))
-            self._fail_all(EngineError(f"the engine failed while serving this request: {e!r}"))
+            self._fail_all(EngineError("the engine failed while serving this request"))
+            if not getattr(self.engine, "healthy", True):
+                self._dead = True
             self._stalled = True
             return
+        now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its consumer, or failed earlier
             if out.finished:
                 del self._streams[out.request_id]
+            if self.metrics is not None:
+                self.metrics.output(stream, out, now)
+            if out.finish_reason == FINISH_ERROR:
+                log.error("request %r failed: %s", out.request_id, out.error)
+                self._deliver(stream, EngineError("the engine failed while serving this request"))
+                continue
+            stream._produced += _size(out)
             if not self._deliver(stream, out) and not out.finished:
                 self._abort_quietly(out.request_id)
+        if not getattr(self.engine, "healthy", True):
+            self._dead = True
+            self._fail_all(EngineError("the engine failed while serving this request"))
 
-    def _fail_all(self, error: EngineError) -> None:
-        streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
-            self._deliver(stream, error)
-            self._abort_quietly(request_id)
+    def _enforce_limits(self) -> None:
+        """Abort requests past their deadline, and those whose consumer left more than
+        max_stream_buffer_bytes unread."""
+        now, cap = time.monotonic(), self.max_stream_buffer_bytes
+        for request_id, stream in list(self._streams.items()):
+            if stream.deadline is not None and now > stream.deadline:
+                error = RequestTimeout(f"the request did not finish within "
+                                       f"{self.request_timeout_s:g} s")
+            elif cap is not None and stream._produced - stream._consumed > cap:
+                error = StreamBufferFull(f"the client left more than {cap} bytes of its "
+                                         f"stream unread")
+            else:
+                continue
+            self._fail_one(request_id, stream, error)
+
+    def _fail_one(self, request_id: str, stream: RequestStream, error: EngineError,
+                  reason: str | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.request_failed(reason or _failure_reason(error))
+        self._deliver(stream, error)
+        self._abort_quietly(request_id)
+
+    def _fail_all(self, error: EngineError, reason: str | None = None) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self._fail_one(request_id, stream, error, reason)
 
     def _abort_quietly(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -276,3 +401,12 @@ class AsyncEngine:
             return True
         except RuntimeError:
             return False
+
+
+def _failure_reason(error: EngineError) -> str:
+    """The `reason` label of a failed request in the metrics."""
+    if isinstance(error, RequestTimeout):
+        return "timeout"
+    if isinstance(error, StreamBufferFull):
+        return "stream_buffer_full"
+    return "engine_error"

@@ -1,0 +1,131 @@
+"""Prometheus metrics of one server (`GET /metrics`, the text exposition format).
+
+Names follow vLLM's (`vllm:` -> `jaxserve:`) where they mean the same thing:
+
+    jaxserve:num_requests_running / _waiting      gauge, from the engine's counters
+    jaxserve:kv_cache_usage_perc                  gauge, fraction of KV pages in use (0..1)
+    jaxserve:num_preemptions_total                counter, from the engine's counters
+    jaxserve:num_compilations_total               counter, step compilations (warm-up too)
+    jaxserve:prompt_tokens_total                  counter, prompt tokens of accepted requests
+    jaxserve:generation_tokens_total              counter, output tokens streamed
+    jaxserve:request_success_total{finished_reason}   counter: stop, length, abort
+    jaxserve:requests_rejected_total{reason}      counter, refused before the engine took them
+    jaxserve:requests_failed_total{reason}        counter, taken then failed: engine_error,
+                                                  timeout, stream_buffer_full, shutdown
+    jaxserve:time_to_first_token_seconds          histogram, arrival -> first output token
+    jaxserve:inter_token_latency_seconds          histogram, gap between two outputs of a
+                                                  request that carry tokens (a burst of a
+                                                  multi-step decode is one output)
+    jaxserve:e2e_request_latency_seconds          histogram, arrival -> finished
+
+A `Metrics` owns its own `CollectorRegistry` (no process-global state), so two servers in one
+process, or a test's, never share counters. Observations come from the engine thread
+(`AsyncEngine`) and the server's handlers; prometheus-client's metrics are thread-safe.
+The engine gauges are read when scraped. Source: vLLM's `vllm/v1/metrics/loggers.py`
+(PrometheusStatLogger) for the names, buckets and label values.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "jaxserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (seconds)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """The engine's own counters, read at scrape time (`stats()`: Engine.stats keys)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]]):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        total = s.get("total_pages") or 0
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", s.get("running", 0)),
+                ("num_requests_waiting", "Requests waiting to be scheduled.", s.get("waiting", 0)),
+                ("kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full).",
+                 (total - s.get("free_pages", 0)) / total if total else 0.0)):
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        for name, doc, key in (
+                ("num_preemptions", "Preemptions (recompute) since start.", "num_preemptions"),
+                ("num_compilations", "Step compilations since start (warm-up included).",
+                 "num_compilations")):
+            yield CounterMetricFamily(PREFIX + name, doc, value=s.get(key, 0))
+
+
+class Metrics:
+    """The server's metrics over `engine_stats` (a callable returning Engine.stats())."""
+
+    def __init__(self, engine_stats: Callable[[], Mapping[str, float]]):
+        self.registry = CollectorRegistry()
+        r, p = self.registry, PREFIX
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests.",
+                                     registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Output tokens generated.",
+                                         registry=r)
+        self.request_success = Counter(p + "request_success", "Finished requests.",
+                                       ["finished_reason"], registry=r)
+        self.requests_rejected = Counter(p + "requests_rejected",
+                                         "Requests refused before the engine took them.",
+                                         ["reason"], registry=r)
+        self.requests_failed = Counter(p + "requests_failed",
+                                       "Requests taken by the engine that then failed.",
+                                       ["reason"], registry=r)
+        self.time_to_first_token = Histogram(p + "time_to_first_token_seconds",
+                                             "Arrival to first output token (seconds).",
+                                             buckets=_TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(p + "inter_token_latency_seconds",
+                                             "Gap between two outputs carrying tokens (seconds).",
+                                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(p + "e2e_request_latency_seconds",
+                                             "Arrival to finish (seconds).",
+                                             buckets=_E2E_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine_stats))
+
+    def request_added(self, num_prompt_tokens: int) -> None:
+        """The engine took a request of `num_prompt_tokens` tokens."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def request_rejected(self, reason: str) -> None:
+        """A request was refused at the edge (`reason`: invalid_request, unauthorized,
+        not_found, body_too_large, queue_full, shutting_down, not_ready, ...)."""
+        self.requests_rejected.labels(reason).inc()
+
+    def request_failed(self, reason: str) -> None:
+        """A request the engine took failed (`reason`: engine_error, timeout,
+        stream_buffer_full, shutdown)."""
+        self.requests_failed.labels(reason).inc()
+
+    def output(self, stream, out, now: float) -> None:
+        """Observe one RequestOutput of `stream` (a RequestStream: `arrival`,
+        `last_token_time`) delivered at `now` (time.monotonic(), seconds)."""
+        if out.new_token_ids:
+            self.generation_tokens.inc(len(out.new_token_ids))
+            if stream.last_token_time is None:
+                self.time_to_first_token.observe(now - stream.arrival)
+            else:
+                self.inter_token_latency.observe(now - stream.last_token_time)
+            stream.last_token_time = now
+        if out.finished:
+            if out.finish_reason == "error":
+                self.request_failed("engine_error")
+            else:
+                self.request_success.labels(out.finish_reason).inc()
+                self.e2e_request_latency.observe(now - stream.arrival)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format (`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,296 @@
+"""The OpenAI-compatible API's bodies, declared as pydantic v2 models.
+
+Requests (`CompletionRequest`, `ChatCompletionRequest`) are parsed straight from the raw
+body with `Model.model_validate_json` (pydantic-core's Rust JSON parser, jiter), so the
+JSON itself is checked there too: invalid UTF-8, lone UTF-16 surrogates, nesting deeper
+than jiter's recursion limit and integer literals of more than 4300 digits are refused
+before any Python object is built. Every field's type and range is declared here, with
+strict types: a boolean is never an integer, a float never an integer, a string never a
+number. Unknown fields are ignored (as vLLM does). What needs the tokenizer or the
+server's limits (top_k <= vocabulary, prompt token ids, stop-string limits, context
+length) is checked after validation, in `jaxserve.openai_protocol`.
+
+Responses (`CompletionResponse`, `CompletionChunk`, `ChatCompletionResponse`,
+`ChatCompletionChunk`, `Usage`, `ErrorResponse`, `ModelList`, `HealthResponse`) document
+what the server sends (`openapi_schema`); `openai_protocol.ResponseShape` builds those
+bodies and the tests check that they validate against these models.
+
+Source: the OpenAI API reference (Completions, Chat Completions, chat completion chunk,
+Models, error objects) and vLLM's `vllm/entrypoints/openai/protocol.py` (the extensions
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, and `max_model_len` in the model card).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from jaxserve.sampling_params import SEED_MAX, SEED_MIN
+
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+# Strict scalars: JSON true/false is never a number, 1.0 never an integer, "1" never either.
+# Every integer is bounded to 64 bits, so no error message ever has to print a huge one.
+StrictStr = Annotated[str, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
+PositiveInt = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+TopK = Annotated[int, Field(strict=True, ge=-1, le=INT64_MAX)]
+Seed = Annotated[int, Field(strict=True, ge=SEED_MIN, le=SEED_MAX)]
+TokenId = NonNegativeInt
+Temperature = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)]
+MinP = Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(strict=True, ge=-2, le=2, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
+LogitBias = Annotated[float, Field(strict=True, ge=-100, le=100, allow_inf_nan=False)]
+JsonObject = dict[str, JsonValue]
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+# -- requests -----------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    """`stream_options` (only with "stream": true): include_usage adds a last chunk with
+    `usage` (and `"usage": null` in every other chunk). Source: OpenAI Chat Completions."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool | None = None
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both endpoints share: model, sampling, stop, streaming, and the OpenAI
+    parameters this server cannot honour, accepted only at their default (no-op) values
+    (`openai_protocol` refuses any other value with a 400 "not supported")."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = Field(None, description="Must be the served model's name.")
+    n: PositiveInt | None = Field(None, description="Choices per request; only 1 is supported.")
+    max_tokens: PositiveInt | None = Field(
+        None, description="Most tokens to generate; prompt + max_tokens <= max_model_len.")
+    temperature: Temperature | None = Field(None, description="0 is greedy. Default 1.")
+    top_p: TopP | None = Field(None, description="Nucleus sampling mass, in (0, 1]. Default 1.")
+    top_k: TopK | None = Field(
+        None, description="Keep the k most likely tokens; -1 or 0: off. At most the "
+                          "vocabulary size (vLLM extension).")
+    min_p: MinP | None = Field(None, description="In [0, 1]; 0: off (vLLM extension).")
+    seed: Seed | None = Field(None, description="Signed 64-bit; same seed, same output.")
+    stop: StrictStr | list[StrictStr] | None = Field(
+        None, description="Strings that end generation (not returned); each non-empty, at "
+                          "most the server's max_stop_strings of at most max_stop_string_len "
+                          "characters.")
+    stream: StrictBool | None = Field(None, description="Answer with server-sent events.")
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool | None = Field(None, description="Generate past EOS (vLLM extension).")
+    user: StrictStr | None = None
+    # Not supported: only their no-op values are accepted.
+    presence_penalty: Penalty | None = Field(None, description="In [-2, 2]; only 0 is supported.")
+    frequency_penalty: Penalty | None = Field(None, description="In [-2, 2]; only 0 is supported.")
+    repetition_penalty: RepetitionPenalty | None = Field(
+        None, description="> 0; only 1 is supported (vLLM extension).")
+    logprobs: StrictBool | NonNegativeInt | None = Field(
+        None, description="Only false / 0 is supported.")
+    top_logprobs: NonNegativeInt | None = Field(None, description="Only 0 is supported.")
+    echo: StrictBool | None = Field(None, description="Only false is supported.")
+    best_of: PositiveInt | None = Field(None, description="Only 1 is supported.")
+    logit_bias: dict[str, LogitBias] | None = Field(None, description="Only {} is supported.")
+    suffix: StrictStr | None = Field(None, description='Only "" is supported.')
+    tools: list[JsonObject] | None = Field(None, description="Only [] is supported.")
+    tool_choice: Literal["none", "auto", "required"] | JsonObject | None = Field(
+        None, description='Only "none" / "auto" is supported.')
+    response_format: JsonObject | None = Field(
+        None, description='Only {"type": "text"} is supported.')
+
+
+class CompletionRequest(_SamplingRequest):
+    """The body of POST /v1/completions.
+
+    prompt: a string, a list of token ids (each in [0, vocabulary size)), or a batch of
+    exactly one of those; default max_tokens 16 (OpenAI's), capped at the room left.
+    `CompletionRequest.model_validate_json(raw)` returns the model or raises
+    pydantic.ValidationError (`openai_protocol.parse_completion_request` makes it a 400).
+    Source: OpenAI API reference, Completions; vLLM `CompletionRequest`.
+    """
+
+    prompt: StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
+
+
+class TextPart(BaseModel):
+    """A content part of a chat message; only text parts are supported (no images, audio)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One chat message: role, and content as a string, a list of text parts (joined by
+    "\\n" before the chat template, as vLLM does) or null. Source: OpenAI Chat Completions."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """The body of POST /v1/chat/completions.
+
+    messages: at least one; rendered with the model's chat template. max_completion_tokens
+    wins over the deprecated max_tokens; default: all the room left in the context.
+    `model_validate_json(raw)` returns the model or raises pydantic.ValidationError
+    (`openai_protocol.parse_chat_request` makes it a 400).
+    Source: OpenAI API reference, Chat Completions; vLLM `ChatCompletionRequest`.
+    """
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = Field(
+        None, description="Most tokens to generate (wins over max_tokens).")
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+
+
+# -- responses ----------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    """Token counts of one request (OpenAI's usage object)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    """The one choice of a completion (or of a streamed chunk: `text` is the new text)."""
+
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    """The 200 body of a non-streamed POST /v1/completions (`text_completion`)."""
+
+    id: str = Field(description='"cmpl-" + a random hex id.')
+    object: Literal["text_completion"]
+    created: int = Field(description="Unix seconds.")
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed POST /v1/completions. With include_usage every
+    chunk has `usage`: null, except a last one with empty `choices` and the counts."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="Present only with include_usage.")
+
+
+class AssistantMessage(BaseModel):
+    """The generated chat message."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """The one choice of a non-streamed chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class ChatDelta(BaseModel):
+    """New text of a chat stream; the first delta also has the role, a final one may be {}."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """The choice of a streamed chat chunk."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The 200 body of a non-streamed POST /v1/chat/completions (`chat.completion`)."""
+
+    id: str = Field(description='"chatcmpl-" + a random hex id.')
+    object: Literal["chat.completion"]
+    created: int = Field(description="Unix seconds.")
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed POST /v1/chat/completions
+    (`chat.completion.chunk`); `usage` as in CompletionChunk."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="Present only with include_usage.")
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: `param` names the offending request field (dotted path), if any."""
+
+    message: str
+    type: str = Field(description='"invalid_request_error", "server_error", ...')
+    param: str | None
+    code: str | None = Field(description='e.g. "context_length_exceeded", "model_not_found"')
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (OpenAI's error object)."""
+
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    """The served model; max_model_len is vLLM's extension (prompt + output tokens)."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """The 200 body of GET /v1/models."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    """The 200 body of GET /health and GET /ready: a status and the engine's counters."""
+
+    model_config = ConfigDict(extra="allow")
+    status: str
+
+
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    Usage, CompletionResponse, CompletionChunk, ChatCompletionResponse, ChatCompletionChunk,
+    ErrorResponse, ModelList, HealthResponse)

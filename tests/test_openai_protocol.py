@@ -1,0 +1,529 @@
+"""The request/response layer on its own (no server, no model): every request field's type
+and range gives a 400 naming it, malformed bodies of any kind give a 400 (never another
+exception), valid requests give the expected ParsedRequest, and the OpenAPI document is
+self-contained and agrees with what the server sends."""
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fake_engine import tiny_tokenizer
+from jaxserve.config import ServerConfig
+from jaxserve.openai_models import (ChatCompletionChunk, ChatCompletionRequest,
+                                    ChatCompletionResponse, CompletionChunk, CompletionRequest,
+                                    CompletionResponse, ErrorResponse, ModelList)
+from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest, RequestLimits,
+                                      openapi_schema, parse_chat_request,
+                                      parse_completion_request, usage)
+from jaxserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from jaxserve.tokenizer import Tokenizer
+
+TOK = tiny_tokenizer()
+VOCAB = TOK.vocab_size  # 258
+MODEL = "fake-model"
+LIMITS = RequestLimits(64)
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def _raw(body) -> bytes:
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
+def comp(body, limits=LIMITS, tok=TOK) -> ParsedRequest:
+    return parse_completion_request(_raw(body), tok, MODEL, limits)
+
+
+def chat(body, limits=LIMITS, tok=TOK) -> ParsedRequest:
+    return parse_chat_request(_raw(body), tok, MODEL, limits)
+
+
+def refused(parse, body, param, fragment=None, status=400, **kw) -> ApiError:
+    """Assert `parse(body)` raises ApiError naming `param` (message has `fragment`)."""
+    with pytest.raises(ApiError) as info:
+        parse(body, **kw)
+    e = info.value
+    assert (e.status, e.param) == (status, param), (body if len(str(body)) < 300 else "...", e.message)
+    assert fragment is None or fragment in e.message, e.message
+    assert "Traceback" not in e.message
+    assert len(e.message) <= 500
+    body_ = e.body()["error"]
+    assert set(body_) == {"message", "type", "param", "code"}
+    return e
+
+
+# -- seed, top_k, integers ----------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [-5, 0, 7, SEED_MIN, SEED_MAX])
+def test_seed_accepted_over_its_whole_range(seed):
+    assert comp({"prompt": "Hi", "seed": seed}).params.seed == seed
+    assert chat({"messages": MSGS, "seed": seed}).params.seed == seed
+
+
+@pytest.mark.parametrize("seed, fragment", [
+    (2**63, "less than or equal to 9223372036854775807"), (2**64, "9223372036854775807"),
+    (-2**63 - 1, "greater than or equal to -9223372036854775808"),
+    (True, "valid integer"), (False, None), (1.5, None), (1.0, None), ("3", None), ([3], None),
+    ({}, None)])
+def test_seed_out_of_range_or_wrong_type(seed, fragment):
+    refused(comp, {"prompt": "Hi", "seed": seed}, "seed", fragment)
+    refused(chat, {"messages": MSGS, "seed": seed}, "seed", fragment)
+
+
+def test_huge_integers_refused_without_echoing_them():
+    digits = b"9" * 5001
+    for raw in (b'{"prompt": "Hi", "seed": ' + digits + b"}",
+                b'{"prompt": "Hi", "extra": ' + digits + b"}",
+                b'{"prompt": "Hi", "extra": [-' + digits + b"]}"):
+        e = refused(comp, raw, None, "not valid JSON")
+        assert "99999" not in e.message
+    # Thousands of digits that the JSON parser does take: refused by the field's range.
+    e = refused(comp, b'{"prompt": "Hi", "seed": ' + b"9" * 4000 + b"}", "seed", "less than")
+    assert "99999" not in e.message
+    e = refused(comp, b'{"prompt": "Hi", "max_tokens": ' + b"9" * 4000 + b"}", "max_tokens")
+    assert "99999" not in e.message
+    refused(comp, b'{"prompt": [' + b"9" * 4000 + b"]}", "prompt.0")
+    refused(comp, b'{"prompt": "Hi", "top_k": ' + b"9" * 4000 + b"}", "top_k")
+    assert comp(b'{"prompt": "Hi", "extra": ' + b"9" * 4000 + b"}").prompt_ids == [72, 105]
+
+
+@pytest.mark.parametrize("top_k", [-1, 0, 1, 5, VOCAB])
+def test_top_k_accepted_up_to_the_vocabulary(top_k):
+    assert comp({"prompt": "Hi", "top_k": top_k}).params.top_k == top_k
+
+
+@pytest.mark.parametrize("top_k, fragment", [(VOCAB + 1, str(VOCAB)), (2**31, str(VOCAB)),
+                                             (2**63, None), (-2, "-1"), (2.5, None),
+                                             (True, None), ("5", None)])
+def test_top_k_refused(top_k, fragment):
+    refused(comp, {"prompt": "Hi", "top_k": top_k}, "top_k", fragment)
+    refused(chat, {"messages": MSGS, "top_k": top_k}, "top_k", fragment)
+
+
+def test_n():
+    assert comp({"prompt": "Hi", "n": 1}).params.max_tokens == 16
+    refused(comp, {"prompt": "Hi", "n": 2}, "n", "not supported")
+    refused(chat, {"messages": MSGS, "n": 2}, "n", "not supported")
+    for n in (0, -1, True, 1.0, "1", 2**64):
+        refused(comp, {"prompt": "Hi", "n": n}, "n")
+
+
+# -- JSON-level refusals ------------------------------------------------------------------
+
+SURROGATE_BODIES = [
+    (comp, b'{"prompt": "a\\ud800b"}'),
+    (comp, b'{"prompt": "\\udc00"}'),
+    (chat, b'{"messages": [{"role": "user", "content": "x\\ud83d"}]}'),
+    (chat, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'),
+    (comp, b'{"prompt": "Hi", "stop": ["ok", "\\ud800"]}'),
+    (comp, b'{"prompt": "Hi", "stop": "\\udfff"}'),
+    (comp, b'{"prompt": "Hi", "extra": "\\ud800"}'),
+    (comp, '{"prompt": "a\ud800"}'.encode("utf-8", "surrogatepass")),  # raw, not escaped
+]
+
+
+@pytest.mark.parametrize("parse, raw", SURROGATE_BODIES)
+def test_lone_surrogates_refused(parse, raw):
+    refused(parse, raw, None, "not valid JSON")
+
+
+def test_a_valid_surrogate_pair_is_one_character():
+    assert comp(b'{"prompt": "\\ud83d\\ude00"}').prompt_ids == list("😀".encode())
+
+
+@pytest.mark.parametrize("parse", [comp, chat])
+def test_deep_nesting_refused(parse):
+    depth = 100_000
+    for opener, closer in ((b"[", b"]"), (b'{"a":', b"}")):
+        raw = b'{"prompt": "Hi", "messages": [], "extra": ' + opener * depth + b"1" + closer * depth + b"}"
+        refused(parse, raw, None, "not valid JSON")
+    refused(parse, b"[" * depth + b"]" * depth, None)
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b'"text"', b"3", b"null", b"true", b"[]",
+                                 b'[{"prompt": "Hi"}]'])
+def test_body_not_an_object(raw):
+    for parse in (comp, chat):
+        refused(parse, raw, None, "request body must be a JSON object")
+
+
+@pytest.mark.parametrize("raw", [b"", b" ", b"{not json", b"\xff\xfe", b'{"prompt": "\xff"}',
+                                 b'{"prompt": "\xc3"}', b'{"prompt": "\xed\xa0\x80"}',
+                                 b'\xef\xbb\xbf{"prompt": "Hi"}', b'{"prompt": "Hi"} x',
+                                 b'{"prompt": "Hi",}', b"\x00"])
+def test_malformed_bodies(raw):
+    for parse in (comp, chat):
+        refused(parse, raw, None, "not valid JSON")
+
+
+# -- sampling fields ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("temperature", -0.5, "greater than or equal to 0"), ("temperature", "hot", None),
+    ("temperature", True, None), ("temperature", 1e400, "finite"),
+    ("top_p", 0, "greater than 0"), ("top_p", 1.5, "less than or equal to 1"), ("top_p", -1, None),
+    ("min_p", 2, "less than or equal to 1"), ("min_p", -0.1, None),
+    ("presence_penalty", 2.5, "less than or equal to 2"), ("presence_penalty", -3, "-2"),
+    ("frequency_penalty", 3, "less than or equal to 2"),
+    ("repetition_penalty", 0, "greater than 0"), ("repetition_penalty", -1, None),
+    ("max_tokens", 0, "greater than or equal to 1"), ("max_tokens", -3, None),
+    ("max_tokens", "5", None), ("max_tokens", 1.5, None), ("max_tokens", True, None),
+    ("stream", "yes", None), ("stream", 1, None), ("ignore_eos", 1, None),
+    ("stop", 5, None), ("stop", [""], "non-empty"), ("model", 3, None),
+])
+def test_field_out_of_range_or_wrong_type(field, value, fragment):
+    refused(comp, {"prompt": "Hi", field: value}, field, fragment)
+    refused(chat, {"messages": MSGS, field: value}, field, fragment)
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "Hi", "temperature": NaN}',
+                                 b'{"prompt": "Hi", "temperature": Infinity}',
+                                 b'{"prompt": "Hi", "top_p": -Infinity}'])
+def test_non_finite_floats(raw):
+    with pytest.raises(ApiError) as info:
+        comp(raw)
+    assert info.value.status == 400 and info.value.param in (None, "temperature", "top_p")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 1), ("presence_penalty", -2), ("frequency_penalty", 0.5),
+    ("repetition_penalty", 1.2), ("logprobs", 5), ("logprobs", True), ("top_logprobs", 2),
+    ("echo", True), ("best_of", 2), ("logit_bias", {"1": 5}), ("suffix", "x"),
+    ("tools", [{"type": "function"}]), ("tool_choice", "required"),
+    ("response_format", {"type": "json_object"})])
+def test_in_range_but_not_supported(field, value):
+    refused(comp, {"prompt": "Hi", field: value}, field, "not supported")
+    refused(chat, {"messages": MSGS, field: value}, field, "not supported")
+
+
+def test_no_op_values_accepted():
+    body = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+            "logprobs": None, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
+            "suffix": "", "tools": [], "tool_choice": "auto", "response_format": {"type": "text"},
+            "user": "me", "n": 1, "model": MODEL, "seed": None, "stop": None}
+    assert comp({"prompt": "Hi", **body}).params == SamplingParams(max_tokens=16)
+    assert chat({"messages": MSGS, **body, "logprobs": False, "tool_choice": "none"}).params.seed is None
+    assert comp({"prompt": "Hi", "logprobs": 0}).prompt_ids == [72, 105]
+
+
+def test_unknown_fields_ignored():
+    r = comp({"prompt": "Hi", "foo": {"bar": [1, 2, None]}, "best_of_n": "x", "stop_tokens": 3})
+    assert r.prompt_ids == [72, 105]
+
+
+def test_stop_count_and_length_limits():
+    assert comp({"prompt": "Hi", "stop": ["s"] * 16}).params.stop == ("s",) * 16
+    refused(comp, {"prompt": "Hi", "stop": ["s"] * 17}, "stop", "at most 16")
+    refused(chat, {"messages": MSGS, "stop": ["s"] * 17}, "stop", "at most 16")
+    assert comp({"prompt": "Hi", "stop": "x" * 1024}).params.stop == ("x" * 1024,)
+    e = refused(comp, {"prompt": "Hi", "stop": "x" * 1025}, "stop", "at most 1024 characters")
+    assert "xxxx" not in e.message
+    refused(comp, {"prompt": "Hi", "stop": ["ok", "y" * 100_000]}, "stop", "1024")
+    small = RequestLimits(64, max_stop_strings=2, max_stop_string_len=3)
+    assert comp({"prompt": "Hi", "stop": ["abc", "d"]}, limits=small).params.stop == ("abc", "d")
+    refused(comp, {"prompt": "Hi", "stop": ["a", "b", "c"]}, "stop", "at most 2", limits=small)
+    refused(comp, {"prompt": "Hi", "stop": "abcd"}, "stop", "at most 3", limits=small)
+    refused(comp, {"prompt": "Hi", "stop": ["a", 5]}, "stop.1")
+
+
+def test_request_limits_of_server_config():
+    limits = RequestLimits.of(ServerConfig(max_stop_strings=3, max_stop_string_len=7), 99)
+    assert limits == RequestLimits(99, 3, 7)
+
+
+def test_stream_options():
+    r = comp({"prompt": "Hi", "stream": True, "stream_options": {"include_usage": True}})
+    assert (r.stream, r.include_usage) == (True, True)
+    r = comp({"prompt": "Hi", "stream": True, "stream_options": {}})
+    assert (r.stream, r.include_usage) == (True, False)
+    r = comp({"prompt": "Hi", "stream": False})
+    assert (r.stream, r.include_usage) == (False, False)
+    refused(comp, {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options",
+            "only allowed with")
+    refused(comp, {"prompt": "Hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage")
+    refused(comp, {"prompt": "Hi", "stream": True, "stream_options": []}, "stream_options")
+
+
+def test_model_name():
+    assert comp({"prompt": "Hi", "model": MODEL}).prompt_ids == [72, 105]
+    e = refused(chat, {"messages": MSGS, "model": "other"}, "model", "other", status=404)
+    assert e.code == "model_not_found"
+
+
+# -- prompts, messages, lengths -----------------------------------------------------------
+
+def test_completion_prompts():
+    assert comp({"prompt": "Hello"}).prompt_ids == TOK.encode("Hello", add_special_tokens=True)
+    assert comp({"prompt": [72, 105]}).prompt_ids == [72, 105]
+    assert comp({"prompt": [0, VOCAB - 1]}).prompt_ids == [0, VOCAB - 1]
+    assert comp({"prompt": ["Hello"]}).prompt_ids == TOK.encode("Hello")
+    assert comp({"prompt": [[72, 105]]}).prompt_ids == [72, 105]
+
+
+@pytest.mark.parametrize("prompt, param, fragment", [
+    (None, "prompt", None), ("", "prompt", "empty"), ([], "prompt", "empty"),
+    ([[]], "prompt", "empty"), (12, "prompt", None), ({"text": "Hi"}, "prompt", None),
+    ([1, VOCAB], "prompt", str(VOCAB)), ([1, 99999], "prompt", "99999"),
+    ([-1], "prompt.0", None), ([True], "prompt.0", None), ([1.0], "prompt.0", None),
+    ([2**64], "prompt.0", None), (["a", "b"], "prompt", "batched"),
+    ([[1], [2]], "prompt", "batched"), ([1, "a"], "prompt.1", None),
+    ("Hi" * 40, "prompt", "64"), (list(range(64)), "prompt", "context length")])
+def test_bad_completion_prompts(prompt, param, fragment):
+    body = {} if prompt is None else {"prompt": prompt}
+    refused(comp, body, param, fragment)
+
+
+def test_max_tokens_and_context_length():
+    assert comp({"prompt": "Hi", "max_tokens": 62}).params.max_tokens == 62
+    e = refused(comp, {"prompt": "Hi", "max_tokens": 63}, "max_tokens", "65")
+    assert e.code == "context_length_exceeded" and "64" in e.message
+    refused(comp, {"prompt": "Hi", "max_tokens": 2**63 - 1}, "max_tokens", "context length")
+    refused(comp, {"prompt": "Hi", "max_tokens": 2**63}, "max_tokens")
+    # completions default 16, capped at the room left; chat default: all the room left
+    assert comp({"prompt": "x" * 60}).params.max_tokens == 4
+    assert comp({"prompt": "x" * 40}).params.max_tokens == 16
+    r = chat({"messages": MSGS})
+    assert r.params.max_tokens == 64 - len(r.prompt_ids)
+    assert chat({"messages": MSGS, "max_tokens": 9, "max_completion_tokens": 2}).params.max_tokens == 2
+    assert chat({"messages": MSGS, "max_tokens": 9}).params.max_tokens == 9
+    e = refused(chat, {"messages": MSGS, "max_completion_tokens": 60}, "max_completion_tokens")
+    assert e.code == "context_length_exceeded"
+    refused(chat, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens")
+    refused(chat, {"messages": [{"role": "user", "content": "x" * 60}]}, "messages", "64")
+
+
+def test_valid_requests_give_the_same_parsed_request():
+    r = comp({"prompt": "Hello", "max_tokens": 40, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+              "min_p": 0.1, "seed": 3, "stop": ["a", "b"], "ignore_eos": True, "stream": True,
+              "stream_options": {"include_usage": True}})
+    assert r == ParsedRequest(
+        TOK.encode("Hello"), SamplingParams(max_tokens=40, temperature=0.5, top_p=0.9, top_k=5,
+                                            min_p=0.1, seed=3, stop=("a", "b"), ignore_eos=True),
+        stream=True, include_usage=True)
+    assert comp({"prompt": "Hi", "temperature": 0, "stop": "x"}).params == \
+        SamplingParams(max_tokens=16, temperature=0.0, stop=("x",))
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                             {"type": "text", "text": "you"}]}]
+    r = chat({"messages": messages, "max_completion_tokens": 5})
+    text = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi\nyou<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert r == ParsedRequest(TOK.encode(text, add_special_tokens=False),
+                              SamplingParams(max_tokens=5), stream=False, include_usage=False)
+
+
+@pytest.mark.parametrize("messages, param, fragment", [
+    (None, "messages", None), ([], "messages", None), ("Hi", "messages", None),
+    ([5], "messages.0", None), ([{"content": "Hi"}], "messages.0.role", None),
+    ([{"role": "bot", "content": "Hi"}], "messages.0.role", "'user'"),
+    ([{"role": 1, "content": "Hi"}], "messages.0.role", None),
+    ([{"role": "user", "content": 5}], "messages.0.content", None),
+    (MSGS + [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages.1.content.0.type", "'text'"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text", None),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages.0.content.0.text", None),
+    ([{"role": "user", "content": None}], "messages", "chat template"),
+    ([{"role": "user"}], "messages", "chat template"),
+])
+def test_bad_messages(messages, param, fragment):
+    body = {} if messages is None else {"messages": messages}
+    refused(chat, body, param, fragment)
+
+
+def test_template_and_tokenizer_failures_are_400s(monkeypatch):
+    no_template = Tokenizer(TOK.backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    refused(chat, {"messages": MSGS}, "messages", "no chat template", tok=no_template)
+
+    broken = tiny_tokenizer()
+    monkeypatch.setattr(broken, "apply_chat_template",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    e = refused(chat, {"messages": MSGS}, "messages", "chat template", tok=broken)
+    assert "RuntimeError" not in e.message
+
+    def bad_encode(*a, **k):
+        raise RuntimeError("tokenizer exploded")
+    monkeypatch.setattr(broken, "encode", bad_encode)
+    e = refused(comp, {"prompt": "Hi"}, "prompt", "tokenized", tok=broken)
+    assert "RuntimeError" not in e.message and "exploded" not in e.message
+
+
+# -- anything in, ApiError or ParsedRequest out -------------------------------------------
+
+EDGE_INTS = st.sampled_from([0, 1, -1, -2, 16, 63, 64, VOCAB - 1, VOCAB, VOCAB + 1, 2**31,
+                             2**63 - 1, 2**63, -2**63, -2**63 - 1, 2**64, 10**30])
+ANY_TEXT = st.text(alphabet=st.characters(codec=None, categories=None), max_size=12)
+SCALARS = (st.none() | st.booleans() | st.integers() | EDGE_INTS | ANY_TEXT
+           | st.floats(allow_nan=False, allow_infinity=False)
+           | st.sampled_from([0.0, 0.5, 1.0, 1.5, -0.5, 2.0, -2.0, 1e308]))
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(ANY_TEXT, inner, max_size=4), max_leaves=16)
+MESSAGE = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "bot"]) | JSON,
+    "content": ANY_TEXT | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"]), "text": ANY_TEXT}), max_size=3) | JSON,
+    "name": ANY_TEXT | JSON})
+KNOWN = {
+    "model": st.just(MODEL) | JSON, "prompt": ANY_TEXT | st.lists(EDGE_INTS, max_size=5) | JSON,
+    "messages": st.lists(MESSAGE, max_size=3) | JSON, "max_tokens": EDGE_INTS | JSON,
+    "max_completion_tokens": EDGE_INTS | JSON, "temperature": SCALARS, "top_p": SCALARS,
+    "top_k": EDGE_INTS | SCALARS, "min_p": SCALARS, "seed": EDGE_INTS | SCALARS,
+    "n": EDGE_INTS | SCALARS, "stop": ANY_TEXT | st.lists(ANY_TEXT, max_size=20) | JSON,
+    "stream": st.booleans() | JSON,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | SCALARS}) | JSON,
+    "ignore_eos": st.booleans() | JSON, "presence_penalty": SCALARS,
+    "frequency_penalty": SCALARS, "repetition_penalty": SCALARS, "logprobs": SCALARS,
+    "top_logprobs": SCALARS, "echo": SCALARS, "best_of": SCALARS, "logit_bias": JSON,
+    "suffix": JSON, "tools": JSON, "tool_choice": JSON, "response_format": JSON, "user": JSON}
+KNOWN_DICTS = st.fixed_dictionaries({}, optional=KNOWN)
+# Well-typed values around the edges of each range, so that bodies get past the types and
+# reach the checks that need the tokenizer and the limits (and many are accepted).
+SHORT_TEXT = st.text(alphabet=st.characters(codec=None, categories=None), min_size=1, max_size=8)
+PLAUSIBLE = {
+    "model": st.just(MODEL),
+    "prompt": SHORT_TEXT | st.lists(st.integers(-1, VOCAB), min_size=1, max_size=8)
+    | st.lists(SHORT_TEXT, min_size=1, max_size=2),
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
+        "content": SHORT_TEXT | st.lists(st.fixed_dictionaries(
+            {"type": st.just("text"), "text": SHORT_TEXT}), min_size=1, max_size=2)}),
+        min_size=1, max_size=2),
+    "max_tokens": st.integers(-1, 70), "max_completion_tokens": st.integers(-1, 70),
+    "temperature": st.floats(-0.5, 3), "top_p": st.floats(-0.1, 1.1), "min_p": st.floats(-0.1, 1.1),
+    "top_k": st.integers(-3, VOCAB + 2), "seed": EDGE_INTS | st.integers(), "n": st.integers(0, 2),
+    "stop": SHORT_TEXT | st.lists(st.text(max_size=3), max_size=18), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "ignore_eos": st.booleans(),
+    "presence_penalty": st.sampled_from([0, 0.0, 1, -2, 2, 2.5]),
+    "frequency_penalty": st.sampled_from([0, -0.5, -2.5]),
+    "repetition_penalty": st.sampled_from([1, 1.0, 1.2, 0, -1]),
+    "logprobs": st.sampled_from([None, False, 0, True, 3]), "echo": st.sampled_from([False, True]),
+    "best_of": st.sampled_from([1, 2]), "logit_bias": st.sampled_from([{}, {"1": 2}]),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}
+PLAUSIBLE_DICTS = st.fixed_dictionaries(
+    {"prompt": PLAUSIBLE["prompt"], "messages": PLAUSIBLE["messages"]},
+    optional={k: v for k, v in PLAUSIBLE.items() if k not in ("prompt", "messages")})
+
+
+def check_outcome(raw: bytes) -> None:
+    """Both parsers answer `raw` with a ParsedRequest or an ApiError (any other exception is
+    a bug, and fails the test), and a ParsedRequest is within the limits."""
+    for parse in (parse_completion_request, parse_chat_request):
+        try:
+            r = parse(raw, TOK, MODEL, LIMITS)
+        except ApiError as e:
+            assert e.status in (400, 404) and e.type == "invalid_request_error"
+            assert e.message and "Traceback" not in e.message
+            assert len(e.message) <= 500 and (e.param is None or len(e.param) <= 100)
+            json.dumps(e.body())
+        else:
+            assert isinstance(r, ParsedRequest)
+            assert r.prompt_ids and all(0 <= t < VOCAB for t in r.prompt_ids)
+            assert len(r.prompt_ids) + r.params.max_tokens <= LIMITS.max_model_len
+            assert r.params.seed is None or SEED_MIN <= r.params.seed <= SEED_MAX
+            assert -1 <= r.params.top_k <= VOCAB
+
+
+def _dump(value, ascii_: bool) -> bytes:
+    return json.dumps(value, ensure_ascii=ascii_).encode("utf-8", "surrogatepass")
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON, st.booleans())
+def test_any_json_value(value, ascii_):
+    check_outcome(_dump(value, ascii_))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes(raw):
+    check_outcome(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(KNOWN_DICTS, st.booleans())
+def test_any_dict_of_known_keys(body, ascii_):
+    check_outcome(_dump(body, ascii_))
+
+
+@settings(max_examples=300, deadline=None)
+@given(PLAUSIBLE_DICTS, st.booleans())
+def test_plausible_requests(body, ascii_):
+    check_outcome(_dump(body, ascii_))
+
+
+# -- responses and the OpenAPI document ---------------------------------------------------
+
+def test_response_shapes_match_the_response_models():
+    u = usage(5, 3)
+    assert u == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    CompletionResponse.model_validate(COMPLETION.response("cmpl-1", 1, MODEL,
+                                                          COMPLETION.choice("x", "stop"), u))
+    ChatCompletionResponse.model_validate(CHAT.response("chatcmpl-1", 1, MODEL,
+                                                        CHAT.choice("x", "length"), u))
+    for include_usage in (False, True):
+        for first in (True, False):
+            for text, finish in (("x", None), ("", "stop"), ("", None)):
+                CompletionChunk.model_validate(COMPLETION.chunk(
+                    "c", 1, MODEL, [COMPLETION.delta_choice(text, finish, first)], include_usage))
+                ChatCompletionChunk.model_validate(CHAT.chunk(
+                    "c", 1, MODEL, [CHAT.delta_choice(text, finish, first)], include_usage))
+        CompletionChunk.model_validate(COMPLETION.chunk("c", 1, MODEL, [], True, u))
+        ChatCompletionChunk.model_validate(CHAT.chunk("c", 1, MODEL, [], True, u))
+    ErrorResponse.model_validate(ApiError("bad", "seed").body())
+    ModelList.model_validate({"object": "list", "data": [{
+        "id": MODEL, "object": "model", "created": 1, "owned_by": "jaxserve", "max_model_len": 64}]})
+
+
+def _refs(node):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "$ref":
+                yield v
+            else:
+                yield from _refs(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _refs(v)
+
+
+def _resolve(doc, ref: str):
+    assert ref.startswith("#/"), ref
+    node = doc
+    for part in ref[2:].split("/"):
+        node = node[part.replace("~1", "/").replace("~0", "~")]
+    return node
+
+
+def test_openapi_schema():
+    doc = openapi_schema(MODEL)
+    json.dumps(doc)
+    assert doc["openapi"].startswith("3.1")
+    refs = list(_refs(doc))
+    assert refs and all(isinstance(_resolve(doc, r), dict) for r in refs)
+    schemas = doc["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "CompletionResponse",
+                 "ChatCompletionResponse", "CompletionChunk", "ChatCompletionChunk", "Usage",
+                 "ErrorResponse", "ModelList"):
+        assert name in schemas, name
+    seed = schemas["CompletionRequest"]["properties"]["seed"]["anyOf"][0]
+    assert (seed["minimum"], seed["maximum"]) == (SEED_MIN, SEED_MAX)
+    paths = doc["paths"]
+    assert set(paths) >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                          "/ready", "/metrics"}
+    for path, model, parse in (("/v1/completions", CompletionRequest, parse_completion_request),
+                               ("/v1/chat/completions", ChatCompletionRequest, parse_chat_request)):
+        op = paths[path]["post"]
+        body = op["requestBody"]["content"]["application/json"]
+        assert _resolve(doc, body["schema"]["$ref"]) is schemas[model.__name__]
+        model.model_validate_json(json.dumps(body["example"]))
+        assert isinstance(parse(json.dumps(body["example"]).encode(), TOK, MODEL,
+                                RequestLimits(4096)), ParsedRequest)
+        assert {"application/json", "text/event-stream"} <= set(op["responses"]["200"]["content"])
+        for code in ("400", "401", "404", "413", "503"):
+            ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
+            assert ref == "#/components/schemas/ErrorResponse"
+    models = paths["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]
+    assert models["schema"]["$ref"].endswith("/ModelList")
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
