@@ -123,8 +123,13 @@ class Metrics:
             if out.finish_reason == "error":
                 self.request_failed("engine_error")
             else:
-                self.request_success.labels(out.finish_reason).inc()
-                self.e2e_request_latency.observe(now - stream.arrival)
+                self.request_finished(stream, out.finish_reason, now)
+
+    def request_finished(self, stream, finish_reason: str, now: float) -> None:
+        """`stream`'s request finished (`finish_reason`: stop, length, or abort when its
+        client went away) at `now` (time.monotonic(), seconds)."""
+        self.request_success.labels(finish_reason).inc()
+        self.e2e_request_latency.observe(now - stream.arrival)
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format (`CONTENT_TYPE`)."""

@@ -95,3 +95,17 @@ def small_llm(smollm2_checkpoint, cache_dir):
     max_model_len 512), warmed up: every bucketed step shape is compiled."""
     from jaxserve.api import LLM
     return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir)
+
+
+# --- fuzzing ------------------------------------------------------------------------------
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-examples", type=int, default=300,
+                     help="hypothesis cases the real-server fuzz test sends (CI: 300; "
+                          "tools/stress_server.py runs 10k)")
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(request) -> int:
+    """--fuzz-examples: how many fuzzed requests the real-server test sends."""
+    return request.config.getoption("--fuzz-examples")

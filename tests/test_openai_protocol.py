@@ -3,7 +3,10 @@ and range gives a 400 naming it, malformed bodies of any kind give a 400 (never 
 exception), valid requests give the expected ParsedRequest, and the OpenAPI document is
 self-contained and agrees with what the server sends."""
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -18,6 +21,12 @@ from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest,
                                       parse_completion_request, usage)
 from jaxserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from jaxserve.tokenizer import Tokenizer
+
+_spec = importlib.util.spec_from_file_location(
+    "request_fuzz", Path(__file__).resolve().parent.parent / "tools" / "request_fuzz.py")
+request_fuzz = sys.modules["request_fuzz"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(request_fuzz)
+request_strategies, dump_body = request_fuzz.request_strategies, request_fuzz.dump_body
 
 TOK = tiny_tokenizer()
 VOCAB = TOK.vocab_size  # 258
@@ -350,60 +359,7 @@ def test_template_and_tokenizer_failures_are_400s(monkeypatch):
 
 # -- anything in, ApiError or ParsedRequest out -------------------------------------------
 
-EDGE_INTS = st.sampled_from([0, 1, -1, -2, 16, 63, 64, VOCAB - 1, VOCAB, VOCAB + 1, 2**31,
-                             2**63 - 1, 2**63, -2**63, -2**63 - 1, 2**64, 10**30])
-ANY_TEXT = st.text(alphabet=st.characters(codec=None, categories=None), max_size=12)
-SCALARS = (st.none() | st.booleans() | st.integers() | EDGE_INTS | ANY_TEXT
-           | st.floats(allow_nan=False, allow_infinity=False)
-           | st.sampled_from([0.0, 0.5, 1.0, 1.5, -0.5, 2.0, -2.0, 1e308]))
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(ANY_TEXT, inner, max_size=4), max_leaves=16)
-MESSAGE = st.fixed_dictionaries({}, optional={
-    "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "bot"]) | JSON,
-    "content": ANY_TEXT | st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": ANY_TEXT}), max_size=3) | JSON,
-    "name": ANY_TEXT | JSON})
-KNOWN = {
-    "model": st.just(MODEL) | JSON, "prompt": ANY_TEXT | st.lists(EDGE_INTS, max_size=5) | JSON,
-    "messages": st.lists(MESSAGE, max_size=3) | JSON, "max_tokens": EDGE_INTS | JSON,
-    "max_completion_tokens": EDGE_INTS | JSON, "temperature": SCALARS, "top_p": SCALARS,
-    "top_k": EDGE_INTS | SCALARS, "min_p": SCALARS, "seed": EDGE_INTS | SCALARS,
-    "n": EDGE_INTS | SCALARS, "stop": ANY_TEXT | st.lists(ANY_TEXT, max_size=20) | JSON,
-    "stream": st.booleans() | JSON,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | SCALARS}) | JSON,
-    "ignore_eos": st.booleans() | JSON, "presence_penalty": SCALARS,
-    "frequency_penalty": SCALARS, "repetition_penalty": SCALARS, "logprobs": SCALARS,
-    "top_logprobs": SCALARS, "echo": SCALARS, "best_of": SCALARS, "logit_bias": JSON,
-    "suffix": JSON, "tools": JSON, "tool_choice": JSON, "response_format": JSON, "user": JSON}
-KNOWN_DICTS = st.fixed_dictionaries({}, optional=KNOWN)
-# Well-typed values around the edges of each range, so that bodies get past the types and
-# reach the checks that need the tokenizer and the limits (and many are accepted).
-SHORT_TEXT = st.text(alphabet=st.characters(codec=None, categories=None), min_size=1, max_size=8)
-PLAUSIBLE = {
-    "model": st.just(MODEL),
-    "prompt": SHORT_TEXT | st.lists(st.integers(-1, VOCAB), min_size=1, max_size=8)
-    | st.lists(SHORT_TEXT, min_size=1, max_size=2),
-    "messages": st.lists(st.fixed_dictionaries({
-        "role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
-        "content": SHORT_TEXT | st.lists(st.fixed_dictionaries(
-            {"type": st.just("text"), "text": SHORT_TEXT}), min_size=1, max_size=2)}),
-        min_size=1, max_size=2),
-    "max_tokens": st.integers(-1, 70), "max_completion_tokens": st.integers(-1, 70),
-    "temperature": st.floats(-0.5, 3), "top_p": st.floats(-0.1, 1.1), "min_p": st.floats(-0.1, 1.1),
-    "top_k": st.integers(-3, VOCAB + 2), "seed": EDGE_INTS | st.integers(), "n": st.integers(0, 2),
-    "stop": SHORT_TEXT | st.lists(st.text(max_size=3), max_size=18), "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-    "ignore_eos": st.booleans(),
-    "presence_penalty": st.sampled_from([0, 0.0, 1, -2, 2, 2.5]),
-    "frequency_penalty": st.sampled_from([0, -0.5, -2.5]),
-    "repetition_penalty": st.sampled_from([1, 1.0, 1.2, 0, -1]),
-    "logprobs": st.sampled_from([None, False, 0, True, 3]), "echo": st.sampled_from([False, True]),
-    "best_of": st.sampled_from([1, 2]), "logit_bias": st.sampled_from([{}, {"1": 2}]),
-    "tool_choice": st.sampled_from(["none", "auto", "required"]),
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}
-PLAUSIBLE_DICTS = st.fixed_dictionaries(
-    {"prompt": PLAUSIBLE["prompt"], "messages": PLAUSIBLE["messages"]},
-    optional={k: v for k, v in PLAUSIBLE.items() if k not in ("prompt", "messages")})
+FUZZ = request_strategies(MODEL, VOCAB)
 
 
 def check_outcome(raw: bytes) -> None:
@@ -425,14 +381,10 @@ def check_outcome(raw: bytes) -> None:
             assert -1 <= r.params.top_k <= VOCAB
 
 
-def _dump(value, ascii_: bool) -> bytes:
-    return json.dumps(value, ensure_ascii=ascii_).encode("utf-8", "surrogatepass")
-
-
 @settings(max_examples=300, deadline=None)
-@given(JSON, st.booleans())
+@given(FUZZ.any_json, st.booleans())
 def test_any_json_value(value, ascii_):
-    check_outcome(_dump(value, ascii_))
+    check_outcome(dump_body(value, ascii_))
 
 
 @settings(max_examples=300, deadline=None)
@@ -442,15 +394,15 @@ def test_any_bytes(raw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(KNOWN_DICTS, st.booleans())
+@given(FUZZ.known_dicts, st.booleans())
 def test_any_dict_of_known_keys(body, ascii_):
-    check_outcome(_dump(body, ascii_))
+    check_outcome(dump_body(body, ascii_))
 
 
 @settings(max_examples=300, deadline=None)
-@given(PLAUSIBLE_DICTS, st.booleans())
+@given(FUZZ.plausible_dicts, st.booleans())
 def test_plausible_requests(body, ascii_):
-    check_outcome(_dump(body, ascii_))
+    check_outcome(dump_body(body, ascii_))
 
 
 # -- responses and the OpenAPI document ---------------------------------------------------

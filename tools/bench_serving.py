@@ -521,11 +521,13 @@ def free_port() -> int:
 
 
 def launch(config: str | Path = DEFAULT_CONFIG, cache_dir: str | Path | None = None,
-           log_path: str | Path | None = None, port: int | None = None
+           log_path: str | Path | None = None, port: int | None = None,
+           extra_args: Sequence[str] = (), env: dict[str, str] | None = None
            ) -> tuple[subprocess.Popen, str, float]:
-    """Start `serve.py --config CONFIG` on 127.0.0.1 (a free port unless given), its output
-    going to `log_path` (default $TMPDIR/bench_serving_<pid>.log). Returns (process, API
-    base URL …/v1, time.perf_counter() at process start). The caller terminates it."""
+    """Start `serve.py --config CONFIG [extra_args]` on 127.0.0.1 (a free port unless
+    given), its output going to `log_path` (default $TMPDIR/bench_serving_<pid>.log), with
+    `env` (default: this process's). Returns (process, API base URL …/v1,
+    time.perf_counter() at process start). The caller terminates it."""
     port = port or free_port()
     log_path = Path(log_path or Path(os.environ.get("TMPDIR", "/tmp")) /
                     f"bench_serving_{os.getpid()}.log")
@@ -533,9 +535,11 @@ def launch(config: str | Path = DEFAULT_CONFIG, cache_dir: str | Path | None = N
            "127.0.0.1", "--port", str(port)]
     if cache_dir:
         cmd += ["--cache-dir", str(cache_dir)]
+    cmd += list(extra_args)
     t0 = time.perf_counter()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                stdin=subprocess.DEVNULL)
     proc.log_path = log_path  # type: ignore[attr-defined]
     return proc, f"http://127.0.0.1:{port}/v1", t0
 

@@ -302,7 +302,9 @@ class AsyncEngine:
         kind, request_id, prompt_ids, params, stream = command
         self._stalled = False
         if kind == "abort":
-            self._streams.pop(request_id, None)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None and self.metrics is not None:  # its consumer left
+                self.metrics.request_finished(stream, "abort", time.monotonic())
             try:
                 self.engine.abort_request(request_id)
             except Exception:
