@@ -41,8 +41,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxserve.config import ServerConfig
-from jaxserve.engine.async_engine import (AsyncEngine, EngineError, QueueFull, RequestStream,
-                                          RequestTimeout)
+from jaxserve.engine.async_engine import (AsyncEngine, EngineError, EngineShutdown, QueueFull,
+                                          RequestStream, RequestTimeout)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest, RequestLimits,
@@ -60,9 +60,12 @@ _EVENT_STREAM_HEADERS = {"Cache-Control": "no-cache"}
 
 
 def _engine_error(e: EngineError) -> ApiError:
-    """An EngineError as the client sees it (its messages are written to be shown)."""
+    """An EngineError as the client sees it (its messages are written to be shown): 504
+    for a request timeout, 503 for a shutdown, else 500."""
     if isinstance(e, RequestTimeout):
         return ApiError(str(e), status=504, type="timeout", code="request_timeout")
+    if isinstance(e, EngineShutdown):
+        return ApiError(str(e), status=503, type="server_error", code="shutting_down")
     return ApiError(str(e), status=500, type="server_error")
 
 

@@ -44,6 +44,11 @@ class EngineError(RuntimeError):
     serving others. The message is safe to show a client (no exception text)."""
 
 
+class EngineShutdown(EngineError):
+    """The engine is shut down, or the request was aborted because the server is shutting
+    down (HTTP 503 at the edge)."""
+
+
 class RequestTimeout(EngineError):
     """The request was still unfinished `request_timeout_s` after it arrived: aborted."""
 
@@ -243,7 +248,7 @@ class AsyncEngine:
         self._submit(("abort", request_id, None, None, None))
 
     def abort_all(self) -> None:
-        """Cancel every in-flight request (their streams raise EngineError "aborted");
+        """Cancel every in-flight request (their streams raise EngineShutdown);
         the engine keeps serving new ones. Thread-safe."""
         self._submit(("abort_all", None, None, None, None))
 
@@ -267,7 +272,7 @@ class AsyncEngine:
                 self._num_adds_queued += command[0] == "add"
                 self._cv.notify()
         if stopped:
-            self._deliver(command[4], EngineError("the engine is shut down"))
+            self._deliver(command[4], EngineShutdown("the engine is shut down"))
 
     # -- engine thread --------------------------------------------------------------------
 
@@ -285,7 +290,7 @@ class AsyncEngine:
                 for command in commands:
                     self._apply(command)
                 if stopping:
-                    self._fail_all(EngineError("the engine is shut down"))
+                    self._fail_all(EngineShutdown("the engine is shut down"))
                     return
                 if self._has_work():
                     self._step()
@@ -311,11 +316,10 @@ class AsyncEngine:
                 log.exception("engine.abort_request(%r) failed", request_id)
             return
         if kind == "abort_all":
-            self._fail_all(EngineError("the request was aborted: the server is shutting down"),
-                           reason="shutdown")
+            self._fail_all(EngineShutdown("the request was aborted: the server is shutting down"))
             return
         if self._stopping or self._dead:
-            self._deliver(stream, EngineError("the engine is shut down"))
+            self._deliver(stream, EngineShutdown("the engine is shut down"))
             return
         try:
             self.engine.add_request(request_id, prompt_ids, params)
@@ -377,16 +381,15 @@ class AsyncEngine:
                 continue
             self._fail_one(request_id, stream, error)
 
-    def _fail_one(self, request_id: str, stream: RequestStream, error: EngineError,
-                  reason: str | None = None) -> None:
+    def _fail_one(self, request_id: str, stream: RequestStream, error: EngineError) -> None:
         if self.metrics is not None:
-            self.metrics.request_failed(reason or _failure_reason(error))
+            self.metrics.request_failed(_failure_reason(error))
         self._deliver(stream, error)
         self._abort_quietly(request_id)
 
-    def _fail_all(self, error: EngineError, reason: str | None = None) -> None:
+    def _fail_all(self, error: EngineError) -> None:
         for request_id, stream in list(self._streams.items()):
-            self._fail_one(request_id, stream, error, reason)
+            self._fail_one(request_id, stream, error)
 
     def _abort_quietly(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -411,4 +414,6 @@ def _failure_reason(error: EngineError) -> str:
         return "timeout"
     if isinstance(error, StreamBufferFull):
         return "stream_buffer_full"
+    if isinstance(error, EngineShutdown):
+        return "shutdown"
     return "engine_error"
