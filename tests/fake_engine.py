@@ -58,7 +58,7 @@ class FakeEngine:
 
     page_size / num_pages: page accounting (a request holds ceil(tokens / page_size) pages).
     step_delay: seconds each step sleeps (to keep requests in flight in tests).
-    max_running: most requests generating at once; the rest wait (FIFO), as in a full batch.
+    max_num_seqs: most requests generating at once; the rest wait (FIFO), as in a full batch.
     fail_steps: number of upcoming steps that raise RuntimeError.
     fail_requests: request ids the engine fails on their next step (finish_reason "error",
         as Engine does for a fault in one request's host work).
@@ -67,14 +67,14 @@ class FakeEngine:
 
     def __init__(self, tokenizer: Tokenizer, reply: str = "Hi there! 😀 Bye.", *,
                  max_model_len: int = 64, page_size: int = 4, num_pages: int = 256,
-                 step_delay: float = 0.0, max_running: int | None = None):
+                 step_delay: float = 0.0, max_num_seqs: int | None = None):
         self.tokenizer = tokenizer
         self.engine_config = EngineConfig(max_model_len=max_model_len, page_size=page_size)
         self.model_config = SimpleNamespace(vocab_size=tokenizer.vocab_size,
                                             eos_token_ids=tokenizer.eos_token_ids)
         self.reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
         self.page_size, self.num_pages, self.step_delay = page_size, num_pages, step_delay
-        self.max_running = max_running
+        self.max_num_seqs = max_num_seqs
         self.fail_steps = 0
         self.fail_requests: set[str] = set()
         self.free_pages = list(range(num_pages))
@@ -99,7 +99,7 @@ class FakeEngine:
                 "num_compilations": 0}
 
     def _running(self) -> list:
-        return list(self.requests.values())[:self.max_running]
+        return list(self.requests.values())[:self.max_num_seqs]
 
     @property
     def pages_in_use(self) -> int:

@@ -225,7 +225,7 @@ def test_unread_stream_is_aborted_past_the_buffer_cap():
 
 
 def test_queue_full_refuses_then_admits():
-    fake = FakeEngine(tiny_tokenizer(), REPLY, step_delay=0.005, max_running=1)
+    fake = FakeEngine(tiny_tokenizer(), REPLY, step_delay=0.005, max_num_seqs=1)
     bridge = make_bridge(fake, max_queued_requests=2)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
 

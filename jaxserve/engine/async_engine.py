@@ -159,7 +159,7 @@ class AsyncEngine:
     others go on. An unexpected exception out of `engine.step()` (a bug outside any one
     request) fails every in-flight request with EngineError, and the thread does not step
     again until a new command arrives, so a persistently broken engine cannot spin. If
-    the engine reports itself dead (`healthy` False), `is_alive` turns False.
+    the engine reports itself dead (`healthy` False), `is_running` turns False.
     """
 
     def __init__(self, engine, *, request_timeout_s: float | None = None,
