@@ -174,25 +174,28 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
-class CompletionResponse(BaseModel):
-    """The 200 body of a non-streamed POST /v1/completions (`text_completion`)."""
+class _Envelope(BaseModel):
+    """What every completion response and chunk starts with."""
 
-    id: str = Field(description='"cmpl-" + a random hex id.')
-    object: Literal["text_completion"]
+    id: str = Field(description='"cmpl-" or "chatcmpl-" + a random hex id, the same in '
+                                "every chunk of a stream.")
     created: int = Field(description="Unix seconds.")
     model: str
+
+
+class CompletionResponse(_Envelope):
+    """The 200 body of a non-streamed POST /v1/completions (`text_completion`)."""
+
+    object: Literal["text_completion"]
     choices: list[CompletionChoice]
     usage: Usage
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(_Envelope):
     """One server-sent event of a streamed POST /v1/completions. With include_usage every
     chunk has `usage`: null, except a last one with empty `choices` and the counts."""
 
-    id: str
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = Field(None, description="Present only with include_usage.")
 
@@ -229,25 +232,19 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Envelope):
     """The 200 body of a non-streamed POST /v1/chat/completions (`chat.completion`)."""
 
-    id: str = Field(description='"chatcmpl-" + a random hex id.')
     object: Literal["chat.completion"]
-    created: int = Field(description="Unix seconds.")
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Envelope):
     """One server-sent event of a streamed POST /v1/chat/completions
     (`chat.completion.chunk`); `usage` as in CompletionChunk."""
 
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(None, description="Present only with include_usage.")
 

@@ -16,36 +16,20 @@ import jax
 import numpy as np
 import pytest
 
-from fake_engine import tiny_tokenizer
-from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import Engine, EngineDeadError
-from jaxserve.engine.runner import Runner
-from jaxserve.kv_cache import init_kv_cache
-from jaxserve.model.params import init_params
-from jaxserve.model.transformer import Kernels
+from engine_utils import TINY_CFG as CFG, tiny_engine, tiny_params
+from jaxserve.engine.engine import EngineDeadError
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
-from model_utils import tiny_config
 
-CFG = tiny_config(vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
-PAGE = 4
-ECFG = EngineConfig(page_size=PAGE, kv_cache_bytes=65 * 2 * 2 * PAGE * 2 * 8 * 4,
-                    max_num_seqs=4, max_model_len=64, max_prefill_tokens=64, max_prefill_seqs=4,
-                    decode_batch_buckets=(1, 4), prefill_len_buckets=(16, 64),
-                    prefill_batch_buckets=(1, 4), page_buckets=(16,))
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, seed=-5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def params():
-    return init_params(CFG, jax.random.key(3), scale=1.0)
+    return tiny_params()
 
 
-def make_engine(params) -> Engine:
-    cache = init_kv_cache(CFG, 65, PAGE, CFG.dtype, layout="head_major")
-    runner = Runner(CFG, ECFG, params, cache, Kernels("xla", "xla", "xla"))
-    return Engine(CFG, ECFG, runner, tiny_tokenizer())
+make_engine = tiny_engine
 
 
 def drain(engine, max_steps=500) -> dict:

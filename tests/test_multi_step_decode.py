@@ -15,44 +15,28 @@ Tiny random model with the byte-level test tokenizer (vocab 258), XLA kernels.
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
-from engine_utils import run_staggered
-from fake_engine import tiny_tokenizer
-from jaxserve.config import EngineConfig
+from engine_utils import TINY_CFG as CFG, TINY_ECFG as ECFG, TINY_PAGE as PAGE
+from engine_utils import run_staggered, tiny_engine, tiny_params
 from jaxserve.engine.batch import decode_batch, prefill_batch
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.scheduler import StepPlan
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence
 from jaxserve.kv_cache import init_kv_cache
-from jaxserve.model.params import init_params
 from jaxserve.model.transformer import Kernels
 from jaxserve.sampling_params import SamplingParams
-from model_utils import tiny_config
-
-CFG = tiny_config(vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
-PAGE = 4
-ECFG = EngineConfig(page_size=PAGE, kv_cache_bytes=65 * 2 * 2 * PAGE * 2 * 8 * 4,
-                    max_num_seqs=4, max_model_len=64, max_prefill_tokens=64, max_prefill_seqs=4,
-                    decode_batch_buckets=(1, 4), prefill_len_buckets=(16, 64),
-                    prefill_batch_buckets=(1, 4), page_buckets=(16,))
 
 
 @pytest.fixture(scope="module")
 def params():
-    # scale 1: a random model whose greedy text varies (small weights repeat one token)
-    return init_params(CFG, jax.random.key(3), scale=1.0)
+    return tiny_params()
 
 
 def make_engine(params, decode_steps: int) -> Engine:
-    ecfg = dataclasses.replace(ECFG, decode_steps=decode_steps)
-    cache = init_kv_cache(CFG, 65, PAGE, CFG.dtype, layout="head_major")
-    runner = Runner(CFG, ecfg, params, cache, Kernels("xla", "xla", "xla"))
-    return Engine(CFG, ecfg, runner, tiny_tokenizer())
+    return tiny_engine(params, decode_steps=decode_steps)
 
 
 def run(engine: Engine, requests, arrivals) -> dict:

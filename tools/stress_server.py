@@ -23,7 +23,6 @@ small one in CI).
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import sys
@@ -54,7 +53,7 @@ class StressReport:
     again afterwards; probe_before / probe_after: the greedy answer to PROBE."""
 
     requests: int = 0
-    by_status: dict = dataclasses.field(default_factory=collections.Counter)
+    by_status: dict = dataclasses.field(default_factory=dict)
     server_errors: list = dataclasses.field(default_factory=list)
     connection_errors: list = dataclasses.field(default_factory=list)
     bad_expectations: list = dataclasses.field(default_factory=list)
@@ -88,7 +87,7 @@ class _Client:
         with self._lock:
             self.report.requests += 1
             if status is not None:
-                self.report.by_status[status] += 1
+                self.report.by_status[status] = self.report.by_status.get(status, 0) + 1
                 if status >= 500:
                     self.report.server_errors.append((what, status, (error or "")[:300]))
             else:
