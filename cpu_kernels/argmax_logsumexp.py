@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import check_array
+from kernel_ops import check_array
 
 TARGET = "jaxserve_argmax_logsumexp"
 

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import check, check_array
+from kernel_ops import check, check_array
 
 TARGET = "jaxserve_bf16_matmul"
 LANES = 16  # f32 lanes of one AVX-512 register: panel widths are multiples of this

@@ -21,8 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kv_cache import kv_values
-from pallas_kernels.common import check, check_array, query_sequence
+from kernel_ops import check, check_array, kv_values, query_sequence
 
 TARGET = "jaxserve_paged_attention"
 # Queries per work item: one item reads its sequence's pages once for this many queries

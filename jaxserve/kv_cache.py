@@ -16,8 +16,8 @@ A bfloat16 pool is stored as its bits, uint16 arrays (`storage_dtype`): XLA:CPU
 float-normalises a bf16 dynamic-update-slice into convert(pool -> f32), update, convert
 back, so every layer's K/V write copied the whole pool twice (a decode step over a 1 GiB
 pool took ~200 ms instead of ~14). On uint16 the write updates the new rows in place.
-`write_kv` rounds the new rows to bf16 and stores their bits; `kv_values` gives readers the
-bf16 view (a bitcast, no copy); the C++ CPU kernel reads the bits directly.
+`write_kv` rounds the new rows to bf16 and stores their bits; `kernel_ops.kv_values` gives
+readers the bf16 view (a bitcast, no copy); the C++ CPU kernel reads the bits directly.
 """
 
 from __future__ import annotations
@@ -28,13 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.page_pool import NULL_PAGE  # noqa: F401  (re-exported)
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules
+from kernel_ops import BF16_BITS
 
 KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
-# A pool of this storage dtype holds bfloat16 values as their bits (module docstring).
-BF16_BITS = jnp.dtype(jnp.uint16)
 KV_LAYOUTS = ("token_major", "head_major")
 _HEAD_MAJOR_AXES = ("kv_heads", "pages", "page_slots", "head_dim")
 
@@ -78,14 +76,6 @@ def value_dtype(stored: Any) -> jnp.dtype:
     """Inverse of `storage_dtype`: bfloat16 for uint16 pool arrays, else the dtype itself."""
     stored = jnp.dtype(stored)
     return jnp.dtype(jnp.bfloat16) if stored == BF16_BITS else stored
-
-
-def kv_values(pages: jax.Array) -> jax.Array:
-    """A pool array as its values: the bf16 view of a uint16 (bits) pool (a bitcast, no
-    copy), any other pool unchanged. Same shape."""
-    if pages.dtype == BF16_BITS:
-        return jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
-    return pages
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:

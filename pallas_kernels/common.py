@@ -1,6 +1,7 @@
 """What the Pallas kernels share, written once: block-size choice, the Triton compiler
 params, masking, the online-softmax step, the log-sum-exp merge of split-K partials, the
-quantised formats (int8, fp8 e4m3) and input checks.
+quantised formats (int8, fp8 e4m3); the input checks every kernel package shares are
+`kernel_ops`' (re-exported here).
 
 The kernels target Pallas' Triton backend (GPU) and run unchanged with `interpret=True`
 on CPU. Triton wants power-of-two block shapes and `plgpu.dot` operands of at least 16 on
@@ -19,6 +20,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
+
+from kernel_ops import FLOAT_DTYPES, cdiv, check, check_array, check_page_pool  # noqa: F401
 
 # Finite, so a row whose keys are all masked gives exp(MASK - MASK) = 1 rather than NaN,
 # and such a row's output is discarded (or merged with weight exp(-huge) = 0).
@@ -153,66 +156,11 @@ def quant_format_of(dtype: Any) -> QuantFormat | None:
     return None
 
 
-# ----------------------------------------------------------------------------- input checks
-
-def check_array(fn: str, name: str, x: Any, shape: Sequence[int | None],
-                dtypes: Sequence[Any] | None = None) -> None:
-    """Raise ValueError("fn: name must be ...") unless x has len(shape) dims, each equal to
-    the given size (None = any), and (if given) one of `dtypes`."""
-    got = tuple(getattr(x, "shape", ()))
-    if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
-        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-        raise ValueError(f"{fn}: {name} must have shape {want}, got {list(got)}")
-    if dtypes is not None and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
-        names = ", ".join(str(jnp.dtype(d)) for d in dtypes)
-        raise ValueError(f"{fn}: {name} must be one of ({names}), got {jnp.dtype(x.dtype)}")
-
-
-def check(fn: str, cond: bool, message: str) -> None:
-    """Raise ValueError(f"{fn}: {message}") unless cond."""
-    if not cond:
-        raise ValueError(f"{fn}: {message}")
-
-
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def check_page_pool(fn: str, k_pages: Any, v_pages: Any, q_heads: int, head_dim: int,
-                    dtypes: Sequence[Any]) -> tuple[int, int, int]:
-    """Check one layer's K/V pool against the queries: k_pages [num_pages, page_size,
-    kv_heads, head_dim] of one of `dtypes`, v_pages the same shape and dtype, every size
-    >= 1 and q_heads a multiple of kv_heads. Returns (num_pages, page_size, kv_heads).
-    Raises ValueError naming `fn`, the argument and the limit."""
-    check_array(fn, "k_pages", k_pages, (None, None, None, head_dim), dtypes)
-    check_array(fn, "v_pages", v_pages, k_pages.shape, (k_pages.dtype,))
-    num_pages, page_size, kv_heads, _ = k_pages.shape
-    check(fn, num_pages >= 1 and page_size >= 1 and kv_heads >= 1,
-          f"k_pages must have num_pages, page_size, kv_heads >= 1, got {list(k_pages.shape)}")
-    check(fn, q_heads % kv_heads == 0,
-          f"q_heads must be a multiple of kv_heads, got q_heads {q_heads}, kv_heads {kv_heads}")
-    return num_pages, page_size, kv_heads
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for non-negative ints."""
-    return -(-a // b)
-
-
-def query_sequence(query_start: jax.Array, num_tokens: int) -> jax.Array:
-    """[num_tokens] int32: the sequence each row of a flat ragged batch belongs to.
-
-    query_start: [S + 1] int32, non-decreasing (sequence b owns rows query_start[b] :
-    query_start[b + 1]); rows past query_start[S] get S, rows before query_start[0] -1, so
-    neither matches a sequence."""
-    rows = jnp.arange(num_tokens, dtype=query_start.dtype)
-    return (jnp.searchsorted(query_start, rows, side="right") - 1).astype(jnp.int32)
-
-
 __all__ = [
     "FLOAT_DTYPES", "FP8_E4M3", "IMPLS", "INT8", "MASK_VALUE", "MIN_DOT", "QUANT_FORMATS",
     "QuantFormat", "block_size", "causal_visible", "cdiv", "check", "check_array",
     "check_page_pool",
     "finish_softmax", "is_power_of_2", "merge_partials", "next_power_of_2",
-    "online_softmax_step", "quant_format_of", "query_sequence", "triton_call_params",
+    "online_softmax_step", "quant_format_of", "triton_call_params",
 ]
 

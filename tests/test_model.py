@@ -112,7 +112,7 @@ def test_bf16_pool_stores_bits_of_the_rounded_kv(layout):
     (layer 0, from the embeddings alone: exactly); the logits stay within 5% of the f32
     pool's largest."""
     import jax.numpy as jnp
-    from jaxserve.kv_cache import kv_values
+    from kernel_ops import kv_values
     cfg = CONFIGS["gqa2"]
     params = _params(cfg, 6)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 12).tolist()

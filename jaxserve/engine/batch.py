@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import bucket_for, prefill_shape
-from jaxserve.kv_cache import NULL_PAGE
+from jaxserve.engine.page_pool import NULL_PAGE
 from jaxserve.model.transformer import StepBatch
 from jaxserve.sampling import SamplingBatch
 

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ATTENTION_KERNEL_IMPLS
-from jaxserve.kv_cache import kv_values
 from jaxserve.pytree import pytree_dataclass
+from kernel_ops import kv_values, query_sequence
 
 # Finite, so a padding row whose keys are all masked gets a harmless uniform softmax.
 MASK_VALUE = -1e30
@@ -65,7 +65,6 @@ def make_metadata(block_tables: jax.Array, seq_lens: jax.Array, query_start: jax
             visible = ((key_pos[None, None, :] <= positions[:, None, None])
                        & (key_pos[None, None, :] < seq_lens[:, None, None]))  # [S, 1, P*ps]
         else:
-            from pallas_kernels.common import query_sequence  # lazily, like the kernels
             row_seq = query_sequence(query_start, positions.shape[0])  # [T]
             visible = ((row_seq[:, None, None] == jnp.arange(S)[None, :, None])
                        & (key_pos[None, None, :] <= positions[:, None, None])
