@@ -154,3 +154,19 @@ def test_reserve_ahead_is_all_or_nothing():
     assert not sched.reserve_ahead(plan.seqs, 12)  # a 17 -> 5, b 20 -> 5: 5 more > 3 free
     assert [len(s.block_table) for s in (a, b)] == [2, 3] and pool.num_free == 3
     assert sched.num_preemptions == 0 and len(sched.running) == 2
+
+
+def test_launched_records_computed_tokens_and_placeholders():
+    """Scheduler.launched: after a step sampling n tokens per sequence, each sequence's
+    K/V covers every token but the last sampled one, n PLACEHOLDER outputs stand for the
+    tokens in flight, and the first one's output index is returned."""
+    from jaxserve.engine.scheduler import StepPlan
+    from jaxserve.engine.sequence import PLACEHOLDER
+    pool = PagePool(16, 4)
+    sched = Scheduler(EngineConfig(page_size=4, max_num_seqs=4, max_model_len=32,
+                                   max_prefill_tokens=32), pool)
+    a, b = seq("a", 5), seq("b", 3)
+    b.output_ids = [7, 8]
+    assert sched.launched(StepPlan("decode", [a, b]), 4) == [0, 2]
+    assert a.output_ids == [PLACEHOLDER] * 4 and b.output_ids == [7, 8] + [PLACEHOLDER] * 4
+    assert (a.num_computed, b.num_computed) == (5 + 4 - 1, 5 + 4 - 1)

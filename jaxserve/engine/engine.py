@@ -4,14 +4,16 @@
 and launches the compiled step on device; only then does it read the previous step's
 sampled tokens, detokenise incrementally, check stop conditions and free the pages of
 finished requests, so that host work overlaps the device step. A step's outputs are
-therefore returned by the next `step()` call. Each sequence in a running step carries a
-PLACEHOLDER output token until its value is read; the next decode step takes it from
-device memory. When no request waits, a decode step may sample `decode_steps` tokens per
-sequence in one dispatch (multi-step decode, vLLM's num_scheduler_steps): the sequences
-then carry that many placeholders, and tokens after a stop are dropped. A sequence that
-stops on a token it could not foresee (EOS, stop string)
-has one wasted row in the step after; one that reaches max_tokens / max_model_len sits
-that step out. Source: vLLM v1 async scheduling; JetStream's overlapped detokenisation.
+therefore returned by the next `step()` call. The step in flight is one record
+(`InflightStep`: its plan, tokens per sequence, output indices and device handle); the
+scheduler records its launch in the sequences (`Scheduler.launched`: computed tokens,
+one PLACEHOLDER output per token being sampled), and the next decode step takes those
+tokens from device memory. When no request waits, a decode step may sample
+`decode_steps` tokens per sequence in one dispatch (multi-step decode, vLLM's
+num_scheduler_steps): the sequences then carry that many placeholders, and tokens after
+a stop are dropped. A sequence that stops on a token it could not foresee (EOS, stop
+string) has one wasted row in the step after; one that reaches max_tokens /
+max_model_len sits that step out. Source: vLLM v1 async scheduling; JetStream's overlapped detokenisation.
 Requests join (`add_request`) and leave (finish, `abort_request`) between any two steps.
 
 Not thread-safe: one thread drives it (`AsyncEngine` for the server, a plain loop for
@@ -39,7 +41,7 @@ from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, 
                                      RequestOutput)
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.runner import Runner
-from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler import InflightStep, Scheduler
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
@@ -75,8 +77,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._rng = np.random.default_rng(engine_config.seed)
-        # The launched step whose tokens are not read yet: ([(sequence, output index)], handle).
-        self._inflight: tuple[list[tuple[Sequence, int]], object] | None = None
+        self._inflight: InflightStep | None = None  # the launched step not read yet
         self.num_steps = 0
         self.healthy = True
         self._kv_lost = False         # set by a failed device step, cleared by _reset_kv
@@ -177,16 +178,17 @@ class Engine:
         launched = self._launch()
         wait = 0.0
         if self._inflight is not None:
-            rows, handle = self._inflight
+            step = self._inflight
             t1 = time.perf_counter()
             try:
-                tokens, _ = self.runner.fetch(handle)  # [num_steps, S]
+                tokens, _ = self.runner.fetch(step.handle)  # [num_steps, S]
             except Exception as e:  # the step failed on device
                 tokens = None
-                self._device_failure([seq for seq, _ in rows], e)
+                self._device_failure(step.plan.seqs, e)
             wait = time.perf_counter() - t1
             if tokens is not None:
-                for (seq, index), column in zip(rows, tokens.T.tolist()):
+                for seq, index, column in zip(step.plan.seqs, step.first_index,
+                                              tokens.T.tolist()):
                     self._resolve_alone(seq, index, column)
         self._inflight = launched
         if self._kv_lost:
@@ -200,7 +202,7 @@ class Engine:
         self._host_seconds += dt - wait
         return outputs
 
-    def _launch(self):
+    def _launch(self) -> InflightStep | None:
         """Plan and dispatch the next step; None when there is nothing to run."""
         limit = self.engine_config.max_model_len
         # Sequences whose pending token is their last (length limits) sit the step out.
@@ -210,7 +212,7 @@ class Engine:
         if plan is None:
             return None
         n = self._num_decode_steps(plan) if plan.kind == "decode" else 1
-        prev_rows = {seq: i for i, (seq, _) in enumerate(self._inflight[0])} if self._inflight else {}
+        prev_rows = self._inflight.row_of() if self._inflight else {}
         build = prefill_batch if plan.kind == "prefill" else decode_batch
         try:
             batch, sampling = build(plan.seqs, self.engine_config, prev_rows)
@@ -225,15 +227,11 @@ class Engine:
             self._device_failure(plan.seqs, e)
             return None
         self.num_steps += 1
-        rows = []
-        for seq in plan.seqs:
-            seq.num_computed = seq.num_tokens + n - 1
-            rows.append((seq, len(seq.output_ids)))
-            seq.output_ids.extend([PLACEHOLDER] * n)
+        first_index = self.scheduler.launched(plan, n)
         live = sum(s.num_computed for s in self.scheduler.running)
         self._kv_live_token_steps += live
         self._kv_allocated_token_steps += (self.pool.capacity - self.pool.num_free) * self.pool.page_size
-        return rows, handle
+        return InflightStep(plan, n, first_index, handle)
 
     def _num_decode_steps(self, plan) -> int:
         """Tokens per sequence for a planned decode step: decode_steps when no request

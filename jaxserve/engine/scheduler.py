@@ -24,7 +24,7 @@ from collections import deque
 from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import bucket_for
 from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclasses.dataclass
@@ -33,6 +33,24 @@ class StepPlan:
 
     kind: str
     seqs: list[Sequence]
+
+
+@dataclasses.dataclass
+class InflightStep:
+    """A dispatched step whose sampled tokens are not read yet: its plan, the tokens it
+    samples per sequence (`num_steps`), each sequence's output index of the first of them
+    (`first_index`, batch order) and the runner's handle to fetch them. While it runs,
+    each of its sequences ends in `num_steps` PLACEHOLDER outputs; the next decode step
+    reads the last of them on device, from the row `row_of` gives."""
+
+    plan: StepPlan
+    num_steps: int
+    first_index: list[int]
+    handle: object
+
+    def row_of(self) -> dict[Sequence, int]:
+        """{sequence: its row in this step's batch}."""
+        return {seq: i for i, seq in enumerate(self.plan.seqs)}
 
 
 class Scheduler:
@@ -119,6 +137,18 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and need:
                 seq.block_table += self.pool.allocate(need)
         return [s for s in self.running if s not in hold]
+
+    def launched(self, plan: StepPlan, num_steps: int) -> list[int]:
+        """Record that `plan` was dispatched sampling `num_steps` tokens per sequence:
+        each sequence's K/V now covers all its tokens up to the last sampled one (that one
+        is computed by the next step), and ends in `num_steps` PLACEHOLDER outputs until
+        they are read. Returns each sequence's output index of the first of them."""
+        first = []
+        for seq in plan.seqs:
+            seq.num_computed = seq.num_tokens + num_steps - 1
+            first.append(len(seq.output_ids))
+            seq.output_ids.extend([PLACEHOLDER] * num_steps)
+        return first
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s pages and queue it first for recomputation."""
