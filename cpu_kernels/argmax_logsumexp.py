@@ -4,8 +4,9 @@ argmax_logsumexp.cc behind an FFI call, and its plain-jnp reference.
 Greedy sampling needs the argmax of each row of logits, and the chosen token's logprob needs
 the row's log-sum-exp (logprob = logits[token] - logsumexp). XLA:CPU ran these as several
 separate vocabulary-wide loops (max, compare-select, min, subtract, exp-sum) and wrote the
-whole [B, V] log-softmax to memory: ~8 ms of a 32-row decode step for a 49152-token
-vocabulary; the kernel reads each row twice from cache instead.
+whole [B, V] log-softmax to memory (a visible share of a batched decode step over a large
+vocabulary: PERFORMANCE.md, "Measurements behind the code"); the kernel reads each row
+twice from cache instead.
 
 Source: the two-pass softmax statistics of oneDNN's CPU softmax; Cephes expf.
 """

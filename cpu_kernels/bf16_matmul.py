@@ -5,8 +5,8 @@ y = x @ W with W stored in bf16 (half the bytes of f32: decode is memory-bound) 
 products and the sums in f32: the kernel widens each bf16 weight to f32 in registers and
 runs f32 FMAs. Weights are packed once at load into panels of P output columns with input
 rows paired ([N / P, K / 2, P, 2]). XLA:CPU's own bf16 dot rounds x to bf16 too, is slow
-for 1 row (a matrix-vector product ~8x slower than 2 rows) and reaches a fraction of the
-machine's throughput at decode batch sizes.
+for 1 row (a matrix-vector product several times slower than 2 rows) and reaches a
+fraction of the machine's throughput at decode batch sizes.
 
 Sources: oneDNN's VNNI-style pair packing; GotoBLAS panels.
 """
@@ -98,8 +98,8 @@ def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = Fal
 def bf16_dot_speedup(library) -> float:
     """How many times the f32 FMA rate (in flops) this CPU runs the bf16 dot-product
     instruction at, measured by the loaded kernel `library` (cpu_kernels.build.load_library's
-    result) in ~4 ms of register-only loops: ~2 on AMD Zen 4, ~0.25 measured on Intel
-    Sapphire Rapids; 0 without AVX512-BF16 (or in a portable build)."""
+    result) in a few ms of register-only loops (values seen: PERFORMANCE.md, "Measurements
+    behind the code"); 0 without AVX512-BF16 (or in a portable build)."""
     fn = library.jaxserve_bf16_dot_speedup
     fn.restype = ctypes.c_double
     return float(fn())

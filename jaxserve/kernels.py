@@ -16,7 +16,7 @@ from jaxserve.model.transformer import Kernels
 log = logging.getLogger(__name__)
 
 # bf16 dot products are used (EngineConfig.bf16_matmul_round_x_min_rows) where they run at
-# least this many times the f32 FMA rate in flops (2.0 measured on AMD Zen 4).
+# least this many times the f32 FMA rate in flops (what machines showed: PERFORMANCE.md).
 BF16_DOT_MIN_SPEEDUP = 1.5
 
 
@@ -33,8 +33,8 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
     float32 nor bfloat16; with "auto" a failed build logs a warning and falls back to
     "xla", and another pool dtype picks XLA attention. bf16_matmul_round_x_min_rows is
     kept (as Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16
-    dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (measured
-    here, ~4 ms).
+    dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (probed here,
+    in a few ms).
     """
     attention = resolve_attention_impl(engine_cfg.attention_impl, platform, num_devices)
     if attention == "cpu" and kv_dtype not in ("float32", "bfloat16"):

@@ -8,14 +8,14 @@ Two layouts per layer, K and V each:
       C++ CPU kernel read (one head's page is one contiguous [page_size, head_dim] block).
       Gathering a batch's pages then gives `[kv_heads, B, S, head_dim]`, already in the
       layout of a batched matmul over (kv head, sequence); from the token-major layout
-      XLA:CPU copied and transposed every gathered page (2x the attention time at batch 32).
+      XLA:CPU copied and transposed every gathered page (twice the attention time).
 A token's "slot" is `page * page_size + offset`. Page 0 is the null page: padding tokens
 write there and the host allocator never hands it out.
 
 A bfloat16 pool is stored as its bits, uint16 arrays (`storage_dtype`): XLA:CPU
 float-normalises a bf16 dynamic-update-slice into convert(pool -> f32), update, convert
-back, so every layer's K/V write copied the whole pool twice (a decode step over a 1 GiB
-pool took ~200 ms instead of ~14). On uint16 the write updates the new rows in place.
+back, so every layer's K/V write copied the whole pool twice (PERFORMANCE.md, "Measurements
+behind the code"). On uint16 the write updates the new rows in place.
 `write_kv` rounds the new rows to bf16 and stores their bits; `kernel_ops.kv_values` gives
 readers the bf16 view (a bitcast, no copy); the C++ CPU kernel reads the bits directly.
 """
@@ -130,8 +130,7 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
     bits stored). Returns the updated pool (in place when the pool is donated).
     """
     # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
-    # XLA:CPU copy the whole pool every step once the pool was also read (177 ms vs 0.05 ms
-    # per layer for a 10k-page pool).
+    # XLA:CPU copy the whole pool every step once the pool was also read.
     slots = slot_mapping.reshape(-1)
     K, Dh = new.shape[-2:]
     rows = new.reshape(-1, K, Dh).astype(value_dtype(pages.dtype))

@@ -79,8 +79,8 @@ def argmax_last(x: jax.Array) -> jax.Array:
     x: [..., V] float -> [...] int32.
 
     A max-reduce, then a min-reduce of the indices equal to it: two plain reductions that
-    XLA:CPU vectorises, where jnp.argmax's (value, index) pair reduction is not: 1.6 vs
-    3.6 ms for [32, 49152] f32 on 2 cores."""
+    XLA:CPU vectorises, where jnp.argmax's (value, index) pair reduction is not (about
+    twice as fast: PERFORMANCE.md, "Measurements behind the code")."""
     return _first_index_of(x, jnp.max(x, axis=-1, keepdims=True))
 
 

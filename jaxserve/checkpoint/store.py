@@ -147,7 +147,7 @@ def write_checkpoint(out_dir: str | Path, model_cfg: ModelConfig,
                 tree = make_group(group)
                 _check_tree(tree, group.subtree(abstract), group.leaf_name)
                 # jax Arrays (device_put of host numpy on CPU aliases it) cost orbax less
-                # host memory than numpy leaves: measured on SmolLM2 f32 +270 MB vs +700 MB.
+                # host memory than numpy leaves (PERFORMANCE.md, "Measurements behind the code").
                 ckptr.save(tmp / PARAMS_DIR / group.name, jax.tree.map(jax.device_put, tree))
                 del tree  # before the next group is made
         header = {"format": FORMAT, "version": VERSION, "model": model_cfg.to_dict(),

@@ -55,8 +55,8 @@ def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.
     positions); computed once per step.
 
     XLA:CPU fuses elementwise producers into each consumer, so the cos and sin were
-    recomputed per element of every layer's q and k (~55 ms of a 1024-token prefill step on
-    2 cores); an optimization_barrier is removed before fusion there. A conditional is a
+    recomputed per element of every layer's q and k (a large share of a long prefill step:
+    PERFORMANCE.md, "Measurements behind the code"); an optimization_barrier is removed before fusion there. A conditional is a
     boundary no fusion crosses: the tables are computed inside one. Its predicate (every
     position >= 0) holds for every batch; the other branch only matches the shapes."""
     inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))

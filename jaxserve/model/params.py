@@ -18,8 +18,8 @@ matmul each, wqkv [embed, (q_heads + 2 kv_heads) * head_dim] (wq | wk | wv) and
 w_gate_up [embed, 2 mlp] (w_gate | w_up). Checkpoints always hold LayerParams.
 
 Layers are a tuple of per-layer trees, not one stacked array: on XLA:CPU slicing stacked
-weights inside a scan copies them each step (measured: 27.6 ms unrolled vs 34.0 ms scanned
-per batch-1 step of SmolLM2-135M).
+weights inside a scan copies them each step (a scanned step was slower: PERFORMANCE.md,
+"Measurements behind the code").
 """
 
 from __future__ import annotations

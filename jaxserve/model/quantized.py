@@ -81,10 +81,10 @@ class DualPrecisionWeight:
     accumulation); a packed one the C++ CPU kernel (weights widened to f32, x and the
     arithmetic f32).
 
-    Why: on XLA:CPU (YNNPACK, 2 cores; tools/bench_step.py) a bf16 matmul with f32
-    accumulation beat f32 from 2 rows up (1.3-1.8x per step on an AMD Zen 4 machine),
-    while a 1-row bf16 product takes a slow matrix-vector path (~8x slower than f32): the
-    XLA bf16 path pads 1 row to 2 (BF16_MIN_ROWS). Which copy runs is fixed per compiled
+    Why: on XLA:CPU (YNNPACK; tools/bench_step.py) a bf16 matmul with f32 accumulation
+    beat f32 from 2 rows up on an AMD Zen 4 machine, while a 1-row bf16 product takes a
+    matrix-vector path several times slower than f32 (PERFORMANCE.md, "Measurements behind
+    the code"): the XLA bf16 path pads 1 row to 2 (BF16_MIN_ROWS). Which copy runs is fixed per compiled
     step shape (row counts are static). Costs 1.5x the weights' memory, or 0.5x with
     min_rows = 1 and no max_rows (then `w` is None: every matmul uses the bf16 copy).
     max_rows is for machines where f32 wins again at prefill sizes (XLA's bf16 dot lost to
@@ -123,7 +123,7 @@ class DualPrecisionWeight:
         return self.w_bf16 if self.uses_bf16(rows) else self.w
 
 
-# XLA:CPU runs a 1-row bf16 matmul ~8x slower than a 2-row one: pad to this many rows.
+# XLA:CPU runs a 1-row bf16 matmul several times slower than a 2-row one: pad to this many.
 BF16_MIN_ROWS = 2
 
 
