@@ -71,10 +71,10 @@ def _engine_error(e: EngineError) -> ApiError:
 
 @dataclasses.dataclass
 class Lifecycle:
-    """Whether the server takes traffic: `ready` once it can, `draining` from a shutdown
-    signal on (new requests then get 503). Set by serve.py; read by the handlers."""
+    """Whether the server still takes traffic: `draining` from a shutdown signal on (new
+    requests then get 503). Set by serve.py; read by the handlers. (Ready otherwise:
+    serve.py listens only once the engine is built and its first shapes compiled.)"""
 
-    ready: bool = True
     draining: bool = False
 
 
@@ -185,9 +185,9 @@ class _Routes:
         return JSONResponse(ApiError(why, status=503, type="server_error").body(), status_code=503)
 
     async def ready(self, request: Request) -> Response:
-        """GET /ready (readiness): 200 once the server takes traffic; 503 before, while it
-        drains for shutdown, or when the engine is down."""
-        if self.lifecycle.ready and not self.lifecycle.draining and self.engine.is_running:
+        """GET /ready (readiness): 200 while the server takes traffic; 503 while it drains
+        for shutdown, or when the engine is down."""
+        if not self.lifecycle.draining and self.engine.is_running:
             return JSONResponse({"status": "ready"})
         why = "the server is shutting down" if self.lifecycle.draining else "not ready"
         return JSONResponse(ApiError(why, status=503, type="server_error").body(), status_code=503)
@@ -339,8 +339,8 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, served_model_name
     so that too-long prompts get a 400 naming both lengths. `server`: body size, stop
     string and CORS limits (the engine-side ones are the AsyncEngine's). `api_key`: if
     given, `/v1/*` needs it as a Bearer token. `metrics`: the Metrics to expose (default:
-    the async engine's, else a new one). `lifecycle`: readiness and draining state shared
-    with serve.py (default: ready, not draining)."""
+    the async engine's, else a new one). `lifecycle`: the draining state shared with
+    serve.py (default: not draining)."""
     metrics = metrics or async_engine.metrics or Metrics(async_engine.stats)
     lifecycle = lifecycle or Lifecycle()
     routes = _Routes(async_engine, tokenizer, served_model_name, max_model_len, server,
