@@ -12,7 +12,7 @@ length) is checked after validation, in `jaxserve.openai_protocol`.
 
 Responses (`CompletionResponse`, `CompletionChunk`, `ChatCompletionResponse`,
 `ChatCompletionChunk`, `Usage`, `ErrorResponse`, `ModelList`, `HealthResponse`) document
-what the server sends (`openapi_schema`); `openai_protocol.ResponseShape` builds those
+what the server sends (`jaxserve.openapi.openapi_schema`); `openai_protocol.ResponseShape` builds those
 bodies and the tests check that they validate against these models.
 
 Source: the OpenAI API reference (Completions, Chat Completions, chat completion chunk,

@@ -46,8 +46,9 @@ from jaxserve.engine.async_engine import (AsyncEngine, EngineError, EngineShutdo
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest, RequestLimits,
-                                      ResponseShape, openapi_schema, parse_chat_request,
-                                      parse_completion_request, sse_event, usage)
+                                      ResponseShape, parse_chat_request, parse_completion_request,
+                                      sse_event, usage)
+from jaxserve.openapi import openapi_schema
 from jaxserve.sampling_params import InvalidRequest
 from jaxserve.tokenizer import Tokenizer
 

@@ -17,8 +17,8 @@ from jaxserve.openai_models import (ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, CompletionChunk, CompletionRequest,
                                     CompletionResponse, ErrorResponse, ModelList)
 from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest, RequestLimits,
-                                      openapi_schema, parse_chat_request,
-                                      parse_completion_request, usage)
+                                      parse_chat_request, parse_completion_request, usage)
+from jaxserve.openapi import openapi_schema
 from jaxserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
