@@ -24,7 +24,7 @@ from jaxserve.config import Config, ConfigError, load_config
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
 from jaxserve.kernels import select_kernels
-from jaxserve.kv_cache import init_kv_cache, kv_layout_for, num_pages_for_budget
+from jaxserve.kv_cache import init_kv_cache, num_pages_for_budget
 from jaxserve.model.quantized import dual_precision_params, quantize_params
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
@@ -96,7 +96,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
                                        round_x_min_rows=kernels.round_x_min_rows)
     num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
     cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules,
-                          kv_layout_for(kernels.attention))
+                          kernels.attention.kv_layout)
     runner = Runner(model_cfg, ecfg, params, cache, kernels, rules)
     engine = Engine(model_cfg, ecfg, runner, Tokenizer.from_dir(ckpt))
     log.info("KV page pool: %d pages of %d tokens (%.0f MiB)", num_pages, ecfg.page_size,

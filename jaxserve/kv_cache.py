@@ -37,12 +37,6 @@ KV_LAYOUTS = ("token_major", "head_major")
 _HEAD_MAJOR_AXES = ("kv_heads", "pages", "page_slots", "head_dim")
 
 
-def kv_layout_for(attention_impl: str) -> str:
-    """The pool layout an attention implementation reads best: "head_major" for "xla" and
-    the C++ "cpu" kernel, "token_major" for the Pallas kernels (which only read that one)."""
-    return "head_major" if attention_impl in ("xla", "cpu") else "token_major"
-
-
 @pytree_dataclass(meta=("layout",))
 class KVCache:
     """k, v: tuples (one per layer) of pool arrays in `layout` (see module docstring)."""

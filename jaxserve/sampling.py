@@ -12,6 +12,7 @@ unfiltered batches skip the vocabulary sort.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -84,17 +85,63 @@ def argmax_last(x: jax.Array) -> jax.Array:
     return _first_index_of(x, jnp.max(x, axis=-1, keepdims=True))
 
 
-def argmax_logsumexp(logits: jax.Array, impl: str = "xla") -> tuple[jax.Array, jax.Array]:
-    """What greedy sampling and logprobs need from each row of logits [B, V] f32: (argmax
-    [B] int32 as argmax_last, logsumexp [B] f32). impl "cpu": the C++ kernel of
-    cpu_kernels/argmax_logsumexp (one pass per statistic over each row, needs the kernel
-    library loaded); anything else: XLA ops sharing the row maximum."""
-    if impl == "cpu":
+class SamplerOps:
+    """The vocabulary-wide reductions every sampled row needs, as one implementation chosen
+    when the engine is built (EngineConfig.sampling_impl). Subclasses are frozen
+    dataclasses: hashable, equal by value. name: the sampling_impl it stands for."""
+
+    name: str
+
+    def argmax_logsumexp(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """What greedy sampling and logprobs need from each row of logits [B, V] f32:
+        (argmax [B] int32 as argmax_last, logsumexp [B] f32)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaSamplerOps(SamplerOps):
+    """XLA ops sharing the row maximum."""
+
+    name = "xla"
+
+    def argmax_logsumexp(self, logits):
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        lse = top[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+        return _first_index_of(logits, top), lse
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuSamplerOps(SamplerOps):
+    """The C++ kernel of cpu_kernels/argmax_logsumexp: one pass per statistic over each row
+    (its library must be loaded: jaxserve.kernels.select_kernels)."""
+
+    name = "cpu"
+
+    def argmax_logsumexp(self, logits):
         from cpu_kernels.argmax_logsumexp import argmax_logsumexp as kernel
         return kernel(logits)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    lse = top[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
-    return _first_index_of(logits, top), lse
+
+
+_SAMPLER_OPS = {"xla": XlaSamplerOps(), "cpu": CpuSamplerOps()}
+
+
+def sampler_ops(impl: "str | SamplerOps") -> SamplerOps:
+    """The SamplerOps a sampling_impl name stands for ("xla", "cpu"); a SamplerOps is
+    returned as it is. Raises ValueError for an unknown name."""
+    if isinstance(impl, SamplerOps):
+        return impl
+    try:
+        return _SAMPLER_OPS[impl]
+    except (KeyError, TypeError):
+        raise ValueError(f"sampling impl must be one of {tuple(_SAMPLER_OPS)}, "
+                         f"got {impl!r}") from None
+
+
+def argmax_logsumexp(logits: jax.Array, impl: "str | SamplerOps" = "xla"
+                     ) -> tuple[jax.Array, jax.Array]:
+    """`sampler_ops(impl).argmax_logsumexp(logits)`: (argmax [B] int32, logsumexp [B] f32)
+    of logits [B, V] f32. Raises ValueError for an unknown impl."""
+    return sampler_ops(impl).argmax_logsumexp(logits)
 
 
 def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
@@ -125,13 +172,14 @@ def _filtered_sample(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
-def sample(logits: jax.Array, sb: SamplingBatch, impl: str = "xla") -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, sb: SamplingBatch, impl: "str | SamplerOps" = "xla"
+           ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
     logits: [B, V] f32. Returns (tokens [B] int32, logprobs [B] f32), where logprobs are
     the log-softmax of the raw (unscaled, unfiltered) logits at the chosen token, as
-    vLLM reports by default. impl: how the argmax and log-sum-exp every row needs are
-    computed (see argmax_logsumexp); the temperature scaling, noise and sort run only in
+    vLLM reports by default. impl: the SamplerOps (or its name) that computes the argmax
+    and log-sum-exp every row needs; the temperature scaling, noise and sort run only in
     the branch that needs them.
     """
     B, V = logits.shape

@@ -4,22 +4,23 @@ whole context through its block table.
 
 One interface serves prefill of several prompts, decode (one row per sequence; a static
 `decode` flag lets implementations use their decode specialisation), and later chunked
-prefill, prefix-cache hits and speculative verification. `AttentionMetadata` is built
-once per step (outside the layer loop); each layer calls `paged_attention` with its own
-pool. The "xla" implementation gathers the context pages and runs dense masked softmax
-attention; kernels drop in behind the same function (EngineConfig.attention_impl).
+prefill, prefix-cache hits and speculative verification. The engine picks one `Attention`
+when it is built (EngineConfig.attention_impl -> XlaAttention, CpuAttention or
+PallasAttention); the model builds its `AttentionMetadata` once per step (outside the
+layer loop) and each layer calls it with its own pool. XlaAttention gathers the context
+pages and runs dense masked softmax attention; the kernels drop in behind the same call.
 
 Source: PagedAttention (Kwon et al., SOSP 2023); vLLM v1's unified ragged batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ATTENTION_KERNEL_IMPLS
 from jaxserve.pytree import pytree_dataclass
 from kernel_ops import kv_values, query_sequence
 
@@ -49,71 +50,159 @@ class AttentionMetadata:
     decode: bool = False
 
 
-def make_metadata(block_tables: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
-                  positions: jax.Array, page_size: int, impl: str,
-                  decode: bool = False) -> AttentionMetadata:
-    """Build the step's metadata; the causal + length mask is computed here, once per step
-    (a `jnp.where` inside every layer cost 4-6x on XLA:CPU). Raises ValueError for an
-    unknown impl."""
-    if impl not in ATTENTION_KERNEL_IMPLS:
-        raise ValueError(f"attention impl must be one of {ATTENTION_KERNEL_IMPLS}, got {impl!r}")
-    bias = None
-    if impl == "xla":
-        S, P = block_tables.shape
-        key_pos = jnp.arange(P * page_size, dtype=jnp.int32)
-        if decode:
-            visible = ((key_pos[None, None, :] <= positions[:, None, None])
-                       & (key_pos[None, None, :] < seq_lens[:, None, None]))  # [S, 1, P*ps]
-        else:
-            row_seq = query_sequence(query_start, positions.shape[0])  # [T]
-            visible = ((row_seq[:, None, None] == jnp.arange(S)[None, :, None])
-                       & (key_pos[None, None, :] <= positions[:, None, None])
-                       & (key_pos[None, None, :] < seq_lens[None, :, None]))  # [T, S, P*ps]
-            visible = visible.reshape(positions.shape[0], S * P * page_size)
-        bias = jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
-    return AttentionMetadata(block_tables=block_tables, seq_lens=seq_lens,
-                             query_start=query_start, positions=positions, bias=bias,
-                             decode=decode)
+def _xla_bias(block_tables, seq_lens, query_start, positions, page_size: int,
+              decode: bool) -> jax.Array:
+    """The XLA path's additive causal + length mask (see AttentionMetadata.bias), computed
+    once per step: a `jnp.where` inside every layer cost 4-6x on XLA:CPU."""
+    S, P = block_tables.shape
+    key_pos = jnp.arange(P * page_size, dtype=jnp.int32)
+    if decode:
+        visible = ((key_pos[None, None, :] <= positions[:, None, None])
+                   & (key_pos[None, None, :] < seq_lens[:, None, None]))  # [S, 1, P*ps]
+    else:
+        row_seq = query_sequence(query_start, positions.shape[0])  # [T]
+        visible = ((row_seq[:, None, None] == jnp.arange(S)[None, :, None])
+                   & (key_pos[None, None, :] <= positions[:, None, None])
+                   & (key_pos[None, None, :] < seq_lens[None, :, None]))  # [T, S, P*ps]
+        visible = visible.reshape(positions.shape[0], S * P * page_size)
+    return jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    meta: AttentionMetadata, impl: str = "xla",
-                    layout: str = "token_major") -> jax.Array:
-    """Attention of a flat ragged batch of new queries over paged K/V.
+class Attention:
+    """An attention implementation, chosen once when the engine is built
+    (jaxserve.kernels.select_kernels) and called by the model; no implementation name is
+    compared anywhere else. Subclasses are frozen dataclasses: hashable, equal by value,
+    so a backend can be part of a jitted function's static configuration.
 
-    q: [T, H, Dh]; k_pages, v_pages: one layer's pool (this step's K/V already
-    written) in `layout`: "token_major" [num_pages, page_size, K, Dh] or "head_major"
-    [K, num_pages, page_size, Dh] (see jaxserve.kv_cache), f32, bf16, or uint16 holding
-    bf16 bits (jaxserve.kv_cache.storage_dtype); returns [T, H, Dh] in
-    q.dtype (rows outside every sequence: 0, or for "xla" a harmless finite value). Scale
-    1/sqrt(Dh), softmax in f32. GQA: the H query heads are grouped as [K, H // K]; K/V are
-    never repeated in memory.
-    impl: "xla" (below; either layout); "cpu" (head-major only): the C++ kernel of
-    cpu_kernels.paged_attention, which reads only each sequence's own pages, in place (its
-    library must be loaded: jaxserve.kernels.select_kernels); "pallas" /
-    "pallas_interpret" (token-major only): decode steps call the paged decode kernel,
-    others the ragged flash-prefill kernel over the pool.
-    Raises ValueError for an unknown `impl` or a layout the impl cannot read.
+    name: the EngineConfig.attention_impl it stands for. kv_layout: the KV pool layout it
+    wants allocated (jaxserve.kv_cache); layouts: the layouts it can read.
     """
-    if impl != "cpu":  # the C++ kernel reads a bits pool as bf16 itself
+
+    name: str
+    kv_layout: str
+    layouts: tuple[str, ...]
+
+    def metadata(self, block_tables: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
+                 positions: jax.Array, page_size: int, decode: bool = False
+                 ) -> AttentionMetadata:
+        """The step's AttentionMetadata (shapes there); kernels that mask inside need no
+        bias."""
+        return AttentionMetadata(block_tables=block_tables, seq_lens=seq_lens,
+                                 query_start=query_start, positions=positions, decode=decode)
+
+    def __call__(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                 meta: AttentionMetadata, layout: str = "token_major") -> jax.Array:
+        """Attention of a flat ragged batch of new queries over one layer's paged K/V.
+
+        q: [T, H, Dh]; k_pages, v_pages: the pool (this step's K/V already written) in
+        `layout`: "token_major" [num_pages, page_size, K, Dh] or "head_major"
+        [K, num_pages, page_size, Dh] (jaxserve.kv_cache), f32, bf16, or uint16 holding
+        bf16 bits; returns [T, H, Dh] in q.dtype (rows outside every sequence: 0, or for
+        XLA a harmless finite value). Scale 1/sqrt(Dh), softmax in f32. GQA: the H query
+        heads are grouped as [K, H // K]; K/V are never repeated in memory. Raises
+        ValueError for a layout this implementation cannot read."""
+        if layout not in self.layouts:
+            raise ValueError(f"attention impl {self.name!r} reads only the "
+                             f"{' or '.join(self.layouts)} KV layout, got {layout!r}")
+        return self._attend(q, k_pages, v_pages, meta, layout)
+
+    def _attend(self, q, k_pages, v_pages, meta, layout):
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaAttention(Attention):
+    """Plain XLA ops over either layout: the reference every kernel is checked against.
+    Each sequence's pages are gathered (decode) or every row scores against all the
+    step's sequences under the metadata's additive mask (ragged batches)."""
+
+    name = "xla"
+    kv_layout = "head_major"
+    layouts = ("token_major", "head_major")
+
+    def metadata(self, block_tables, seq_lens, query_start, positions, page_size,
+                 decode=False):
+        meta = super().metadata(block_tables, seq_lens, query_start, positions, page_size,
+                                decode)
+        return dataclasses.replace(meta, bias=_xla_bias(block_tables, seq_lens, query_start,
+                                                        positions, page_size, decode))
+
+    def _attend(self, q, k_pages, v_pages, meta, layout):
         k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
-    if impl == "xla":
         if meta.decode:
             attend = (_paged_attention_xla_head_major if layout == "head_major"
                       else _paged_attention_xla)
             return attend(q[:, None], k_pages, v_pages, meta)[:, 0]
         return _ragged_attention_xla(q, k_pages, v_pages, meta, layout)
-    if impl not in ATTENTION_KERNEL_IMPLS:
-        raise ValueError(f"attention impl must be one of {ATTENTION_KERNEL_IMPLS}, got {impl!r}")
-    want = "head_major" if impl == "cpu" else "token_major"
-    if layout != want:
-        raise ValueError(f"attention impl {impl!r} reads only the {want} KV layout, got {layout!r}")
-    if impl == "cpu":
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuAttention(Attention):
+    """The C++ kernel of cpu_kernels.paged_attention (XLA FFI): reads only each sequence's
+    own pages, in place, up to its own length; a bf16 pool's bits directly. Its library
+    must be loaded (jaxserve.kernels.select_kernels)."""
+
+    name = "cpu"
+    kv_layout = "head_major"
+    layouts = ("head_major",)
+
+    def _attend(self, q, k_pages, v_pages, meta, layout):
         from cpu_kernels.paged_attention import paged_attention as cpu_paged_attention
         out = cpu_paged_attention(q.astype(jnp.float32), k_pages, v_pages, meta.block_tables,
                                   meta.seq_lens, meta.query_start, meta.positions)
         return out.astype(q.dtype)
-    return _paged_attention_pallas(q, k_pages, v_pages, meta, impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasAttention(Attention):
+    """The Pallas kernels (pallas_kernels/): decode steps call the paged decode kernel,
+    other steps the ragged flash-prefill kernel over the pool. interpret: run them in
+    Pallas interpret mode (on CPU, for tests)."""
+
+    interpret: bool = False
+    kv_layout = "token_major"
+    layouts = ("token_major",)
+
+    @property
+    def name(self) -> str:
+        return "pallas_interpret" if self.interpret else "pallas"
+
+    def _attend(self, q, k_pages, v_pages, meta, layout):
+        k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
+        return _paged_attention_pallas(q, k_pages, v_pages, meta, self.name)
+
+
+_ATTENTIONS = {"xla": XlaAttention(), "cpu": CpuAttention(), "pallas": PallasAttention(),
+               "pallas_interpret": PallasAttention(interpret=True)}
+
+
+def attention_backend(impl: "str | Attention") -> Attention:
+    """The Attention an implementation name stands for ("xla", "cpu", "pallas",
+    "pallas_interpret"); an Attention is returned as it is. Raises ValueError for an
+    unknown name."""
+    if isinstance(impl, Attention):
+        return impl
+    try:
+        return _ATTENTIONS[impl]
+    except (KeyError, TypeError):
+        raise ValueError(f"attention impl must be one of {tuple(_ATTENTIONS)}, "
+                         f"got {impl!r}") from None
+
+
+def make_metadata(block_tables: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
+                  positions: jax.Array, page_size: int, impl: "str | Attention",
+                  decode: bool = False) -> AttentionMetadata:
+    """`attention_backend(impl).metadata(...)`. Raises ValueError for an unknown impl."""
+    return attention_backend(impl).metadata(block_tables, seq_lens, query_start, positions,
+                                            page_size, decode)
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    meta: AttentionMetadata, impl: "str | Attention" = "xla",
+                    layout: str = "token_major") -> jax.Array:
+    """`attention_backend(impl)(q, k_pages, v_pages, meta, layout)` (see Attention.__call__).
+    Raises ValueError for an unknown `impl` or a layout it cannot read."""
+    return attention_backend(impl)(q, k_pages, v_pages, meta, layout)
 
 
 def _paged_attention_pallas(q, k_pages, v_pages, meta: AttentionMetadata, impl: str) -> jax.Array:

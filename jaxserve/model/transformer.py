@@ -23,11 +23,12 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
-from jaxserve.model.attention import AttentionMetadata, make_metadata, paged_attention
+from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model.params import FusedLayerParams, LayerParams, Params
 from jaxserve.model.quantized import DualPrecisionWeight, bf16_matmul, dense, packed_bf16_matmul
 from jaxserve.pytree import pytree_dataclass
+from jaxserve.sampling import SamplerOps, sampler_ops
 from jaxserve.sharding import ShardingRules, constrain
 
 ACT_AXES = ("tokens", "embed")
@@ -80,24 +81,36 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
     v = constrain(rules, v, ("tokens", "kv_heads", "head_dim"))
     k_pages = write_kv(k_pages, k, slot_mapping, layout)
     v_pages = write_kv(v_pages, v, slot_mapping, layout)
-    attn = paged_attention(q, k_pages, v_pages, meta, kernels.attention, layout)
+    attn = kernels.attention(q, k_pages, v_pages, meta, layout)
     out = dense(attn, lp.wo, 2, kernels.matmul)  # [T, D]
     return constrain(rules, out, ACT_AXES), k_pages, v_pages
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """Which implementation runs attention (one of ATTENTION_KERNEL_IMPLS: "xla", "cpu",
-    "pallas", "pallas_interpret"), the quantised projections (one of KERNEL_IMPLS) and
-    the sampler's per-row argmax / log-sum-exp ("xla" or "cpu"), already resolved (no
-    "auto"; see jaxserve.kernels.select_kernels). round_x_min_rows: the row count from
-    which the C++ bf16 matmul rounds x to bf16 for the CPU's dot-product instruction, None
-    when not used (resolved: the config asked for it and this CPU runs it fast)."""
+    """The implementations one engine runs, resolved once when it is built
+    (jaxserve.kernels.select_kernels; no "auto"), as the model calls them.
 
-    attention: str = "xla"
+    attention: an Attention (jaxserve.model.attention: XlaAttention, CpuAttention,
+        PallasAttention), which also says the KV layout to allocate; a name ("xla",
+        "cpu", "pallas", "pallas_interpret") is turned into one.
+    matmul: the quantised projections' implementation (one of KERNEL_IMPLS).
+    sampling: the sampler's per-row argmax / log-sum-exp, a SamplerOps
+        (jaxserve.sampling: XlaSamplerOps, CpuSamplerOps); a name ("xla", "cpu") is
+        turned into one.
+    round_x_min_rows: the row count from which the C++ bf16 matmul rounds x to bf16 for
+        the CPU's dot-product instruction, None when not used (resolved: the config asked
+        for it and this CPU runs it fast).
+    Hashable and equal by value (a part of the jitted step's static configuration)."""
+
+    attention: Attention = dataclasses.field(default_factory=lambda: attention_backend("xla"))
     matmul: str = "xla"
-    sampling: str = "xla"
+    sampling: SamplerOps = dataclasses.field(default_factory=lambda: sampler_ops("xla"))
     round_x_min_rows: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "attention", attention_backend(self.attention))
+        object.__setattr__(self, "sampling", sampler_ops(self.sampling))
 
 
 def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
@@ -112,8 +125,8 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
     """
     x = constrain(rules, params.embed[batch.tokens], ACT_AXES)
     cos, sin = rope_tables(batch.positions, cfg)
-    meta = make_metadata(batch.block_tables, batch.seq_lens, batch.query_start,
-                         batch.positions, cache.page_size, kernels.attention, batch.decode)
+    meta = kernels.attention.metadata(batch.block_tables, batch.seq_lens, batch.query_start,
+                                      batch.positions, cache.page_size, batch.decode)
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         a, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], cos, sin,
