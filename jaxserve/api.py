@@ -91,7 +91,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
         params = quantize_params(params, ecfg.weight_quant, ecfg.weight_quant_group_size)
     if ecfg.bf16_matmul_min_rows is not None:
         params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
-                                       packed=kernels.matmul == "cpu",
+                                       packed=kernels.matmul.packs_bf16,
                                        max_rows=ecfg.bf16_matmul_max_rows,
                                        round_x_min_rows=kernels.round_x_min_rows)
     num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)

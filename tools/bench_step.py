@@ -119,7 +119,7 @@ def served(params, ecfg, cache_dir: Path):
     kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
     if ecfg.bf16_matmul_min_rows is not None:
         params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
-                                       packed=kernels.matmul == "cpu",
+                                       packed=kernels.matmul.packs_bf16,
                                        max_rows=ecfg.bf16_matmul_max_rows,
                                        round_x_min_rows=kernels.round_x_min_rows)
     return params, kernels

@@ -211,37 +211,103 @@ def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
     return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16, round_x=round_x)
 
 
-def dense(x: jax.Array, w: Any, n_in: int, impl: str = "xla") -> jax.Array:
-    """x [..., *in] contracted with w [*in, *out] -> [..., *out].
+class Matmul:
+    """The projections' implementation, chosen once when the engine is built
+    (EngineConfig.matmul_impl) and called by the model. The weight's leaf type says what
+    it holds (a float array, a DualPrecisionWeight, a QuantizedWeight); the Matmul says
+    which kernel a quantised weight runs in and whether the bf16 copies are packed for the
+    C++ kernel (`packs_bf16`, at load). Subclasses are frozen dataclasses: hashable, equal
+    by value. name: the matmul_impl it stands for."""
 
-    w: a float array (a plain dot_general in x.dtype), a DualPrecisionWeight (its f32 or
-    bf16 copy by the number of rows of x, prod(x.shape[:-n_in]), a packed bf16 copy in the
-    C++ CPU kernel; result in x.dtype) or a
-    QuantizedWeight (f32 accumulation, result in x.dtype; `impl` picks the Pallas kernel
-    or its reference). Raises ValueError for an unknown impl.
-    """
-    if isinstance(w, DualPrecisionWeight):
-        lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
-        if w.packed and w.uses_bf16(rows):
-            y = packed_bf16_matmul(x.reshape(rows, -1), w)
-            return y.reshape(*lead, *w.shape[n_in:]).astype(x.dtype)
-        wx = w.pick(rows)
-        if wx.dtype == x.dtype:
-            return jnp.tensordot(x, wx, axes=n_in)
-        y = bf16_matmul(x.reshape(rows, -1), wx.reshape(math.prod(wx.shape[:n_in]), -1))
-        return y.reshape(*lead, *wx.shape[n_in:]).astype(x.dtype)
-    if not isinstance(w, QuantizedWeight):
-        return jnp.tensordot(x, w, axes=n_in)
-    from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
+    name: str
+    packs_bf16: bool = False
 
-    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
-    lead = x.shape[:x.ndim - n_in]
-    x2 = x.reshape(-1, math.prod(in_shape))
-    w2 = w.w_q.reshape(x2.shape[1], -1)
-    if impl == "xla":
-        y = quantized_matmul_reference(x2, w2, w.scales)
-    elif impl in KERNEL_IMPLS:
-        y = quantized_matmul(x2, w2, w.scales, impl=impl)
-    else:
-        raise ValueError(f"quantised weights need a matmul impl of {KERNEL_IMPLS}, got {impl!r}")
-    return y.reshape(*lead, *out_shape)
+    def dense(self, x: jax.Array, w: Any, n_in: int) -> jax.Array:
+        """x [..., *in] contracted with w [*in, *out] -> [..., *out].
+
+        w: a float array (a plain dot_general in x.dtype), a DualPrecisionWeight (its f32
+        or bf16 copy by the number of rows of x, prod(x.shape[:-n_in]); a packed bf16 copy
+        runs in the C++ CPU kernel, the only one that reads that layout; result in
+        x.dtype) or a QuantizedWeight (f32 accumulation, result in x.dtype, in this
+        implementation's kernel: `_quantized`)."""
+        if isinstance(w, DualPrecisionWeight):
+            lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
+            if w.packed and w.uses_bf16(rows):
+                y = packed_bf16_matmul(x.reshape(rows, -1), w)
+                return y.reshape(*lead, *w.shape[n_in:]).astype(x.dtype)
+            wx = w.pick(rows)
+            if wx.dtype == x.dtype:
+                return jnp.tensordot(x, wx, axes=n_in)
+            y = bf16_matmul(x.reshape(rows, -1), wx.reshape(math.prod(wx.shape[:n_in]), -1))
+            return y.reshape(*lead, *wx.shape[n_in:]).astype(x.dtype)
+        if not isinstance(w, QuantizedWeight):
+            return jnp.tensordot(x, w, axes=n_in)
+        in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+        lead = x.shape[:x.ndim - n_in]
+        x2 = x.reshape(-1, math.prod(in_shape))
+        y = self._quantized(x2, w.w_q.reshape(x2.shape[1], -1), w.scales)
+        return y.reshape(*lead, *out_shape)
+
+    def _quantized(self, x2: jax.Array, w2: jax.Array, scales: jax.Array) -> jax.Array:
+        """x2 [M, K] times a quantised w2 [K, N] with its scales -> [M, N] in x2.dtype."""
+        raise ValueError(f"quantised weights need a matmul impl of {KERNEL_IMPLS}, "
+                         f"got {self.name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaMatmul(Matmul):
+    """XLA's dot; quantised weights through the plain-jnp reference of the Pallas kernel."""
+
+    name = "xla"
+
+    def _quantized(self, x2, w2, scales):
+        from pallas_kernels.quantized_matmul import quantized_matmul_reference
+        return quantized_matmul_reference(x2, w2, scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuMatmul(Matmul):
+    """bf16 weight copies packed at load for the C++ kernel of cpu_kernels/bf16_matmul (the
+    packed leaves pick that kernel themselves); no quantised weights."""
+
+    name = "cpu"
+    packs_bf16 = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMatmul(Matmul):
+    """Quantised weights in the Pallas kernel of pallas_kernels/quantized_matmul
+    (interpret: in Pallas interpret mode, on CPU, for tests)."""
+
+    interpret: bool = False
+
+    @property
+    def name(self) -> str:
+        return "pallas_interpret" if self.interpret else "pallas"
+
+    def _quantized(self, x2, w2, scales):
+        from pallas_kernels.quantized_matmul import quantized_matmul
+        return quantized_matmul(x2, w2, scales, impl=self.name)
+
+
+_MATMULS = {"xla": XlaMatmul(), "cpu": CpuMatmul(), "pallas": PallasMatmul(),
+            "pallas_interpret": PallasMatmul(interpret=True)}
+
+
+def matmul_backend(impl: "str | Matmul") -> Matmul:
+    """The Matmul a matmul_impl name stands for ("xla", "cpu", "pallas",
+    "pallas_interpret"); a Matmul is returned as it is. Raises ValueError for an unknown
+    name."""
+    if isinstance(impl, Matmul):
+        return impl
+    try:
+        return _MATMULS[impl]
+    except (KeyError, TypeError):
+        raise ValueError(f"quantised weights need a matmul impl of {KERNEL_IMPLS}, "
+                         f"got {impl!r}") from None
+
+
+def dense(x: jax.Array, w: Any, n_in: int, impl: "str | Matmul" = "xla") -> jax.Array:
+    """`matmul_backend(impl).dense(x, w, n_in)` (see Matmul.dense). Raises ValueError for an
+    unknown impl."""
+    return matmul_backend(impl).dense(x, w, n_in)

@@ -26,7 +26,8 @@ from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model.params import FusedLayerParams, LayerParams, Params
-from jaxserve.model.quantized import DualPrecisionWeight, bf16_matmul, dense, packed_bf16_matmul
+from jaxserve.model.quantized import (DualPrecisionWeight, Matmul, bf16_matmul, matmul_backend,
+                                     packed_bf16_matmul)
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling import SamplerOps, sampler_ops
 from jaxserve.sharding import ShardingRules, constrain
@@ -67,13 +68,13 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     if isinstance(lp, FusedLayerParams):  # wq | wk | wv: one matmul, split by columns
         H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = dense(h, lp.wqkv, 1, kernels.matmul)  # [T, (H + 2K) * Dh]
+        qkv = kernels.matmul.dense(h, lp.wqkv, 1)  # [T, (H + 2K) * Dh]
         q, k, v = jnp.split(qkv, [H * Dh, (H + K) * Dh], axis=-1)
         q, k, v = q.reshape(-1, H, Dh), k.reshape(-1, K, Dh), v.reshape(-1, K, Dh)
     else:
-        q = dense(h, lp.wq, 1, kernels.matmul)  # [T, H, Dh]
-        k = dense(h, lp.wk, 1, kernels.matmul)  # [T, K, Dh]
-        v = dense(h, lp.wv, 1, kernels.matmul)
+        q = kernels.matmul.dense(h, lp.wq, 1)  # [T, H, Dh]
+        k = kernels.matmul.dense(h, lp.wk, 1)  # [T, K, Dh]
+        v = kernels.matmul.dense(h, lp.wv, 1)
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = constrain(rules, apply_rope(q, cos, sin), ("tokens", "q_heads", "head_dim"))
@@ -82,7 +83,7 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
     k_pages = write_kv(k_pages, k, slot_mapping, layout)
     v_pages = write_kv(v_pages, v, slot_mapping, layout)
     attn = kernels.attention(q, k_pages, v_pages, meta, layout)
-    out = dense(attn, lp.wo, 2, kernels.matmul)  # [T, D]
+    out = kernels.matmul.dense(attn, lp.wo, 2)  # [T, D]
     return constrain(rules, out, ACT_AXES), k_pages, v_pages
 
 
@@ -94,7 +95,8 @@ class Kernels:
     attention: an Attention (jaxserve.model.attention: XlaAttention, CpuAttention,
         PallasAttention), which also says the KV layout to allocate; a name ("xla",
         "cpu", "pallas", "pallas_interpret") is turned into one.
-    matmul: the quantised projections' implementation (one of KERNEL_IMPLS).
+    matmul: a Matmul (jaxserve.model.quantized: XlaMatmul, CpuMatmul, PallasMatmul), which
+        runs the projections; a name is turned into one.
     sampling: the sampler's per-row argmax / log-sum-exp, a SamplerOps
         (jaxserve.sampling: XlaSamplerOps, CpuSamplerOps); a name ("xla", "cpu") is
         turned into one.
@@ -104,12 +106,13 @@ class Kernels:
     Hashable and equal by value (a part of the jitted step's static configuration)."""
 
     attention: Attention = dataclasses.field(default_factory=lambda: attention_backend("xla"))
-    matmul: str = "xla"
+    matmul: Matmul = dataclasses.field(default_factory=lambda: matmul_backend("xla"))
     sampling: SamplerOps = dataclasses.field(default_factory=lambda: sampler_ops("xla"))
     round_x_min_rows: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "attention", attention_backend(self.attention))
+        object.__setattr__(self, "matmul", matmul_backend(self.matmul))
         object.__setattr__(self, "sampling", sampler_ops(self.sampling))
 
 
