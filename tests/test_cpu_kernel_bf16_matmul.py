@@ -132,9 +132,9 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
     """dual_precision_params(packed=True) through the model: the logits of the f32 model
     whose weights are rounded to bf16 (x, products and sums f32), up to summation order, on
     prefill and decode, with the LM head tied (packed from [vocab, embed])."""
-    from jaxserve.model.params import FusedLayerParams, init_params
-    from jaxserve.model.quantized import (PROJECTIONS, DualPrecisionWeight, dual_precision,
-                                          dual_precision_params)
+    from jaxserve.model.params import init_params
+    from jaxserve.model.quantized import (PROJECTIONS, DualPrecisionWeight, FusedWeight,
+                                          dual_precision, dual_precision_params)
     from jaxserve.model.transformer import Kernels
     from model_utils import PagedDriver, tiny_config
 
@@ -152,9 +152,10 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
     assert head.shape == (cfg.vocab_size, cfg.hidden_size) and head.w_bf16.ndim == 4
     assert packed.layers[0].wo.shape == params.layers[0].wo.shape  # [heads, head_dim, embed]
     lp = packed.layers[0]  # projections sharing an input are fused
-    assert isinstance(lp, FusedLayerParams) and lp.wqkv.packed and lp.w_gate_up.packed
-    assert lp.wqkv.shape == (cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
-    assert lp.w_gate_up.shape == (cfg.hidden_size, 2 * cfg.intermediate_size)
+    assert isinstance(lp.wq, FusedWeight) and isinstance(lp.w_gate, FusedWeight)
+    assert lp.wk is lp.wv is lp.w_up is None and lp.wq.w.packed and lp.w_gate.w.packed
+    assert lp.wq.shape == (cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    assert lp.w_gate.shape == (cfg.hidden_size, 2 * cfg.intermediate_size)
     # the same packed weights, one kernel call per projection
     unfused = dataclasses.replace(packed, layers=tuple(
         dataclasses.replace(p, **{name: dual_precision(getattr(p, name), 1, packed=True, n_in=n_in)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.model.quantized import dense
+from jaxserve.model.quantized import matmul_backend
 from jaxserve.sharding import ShardingRules, constrain
 
 
@@ -78,19 +78,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
-               rules: ShardingRules | None, matmul: Any = "xla",
-               w_gate_up: Any = None) -> jax.Array:
+               rules: ShardingRules | None, matmul: Any = "xla") -> jax.Array:
     """SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down.
 
     x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [T, D]; the weights float
     arrays or QuantizedWeights / DualPrecisionWeights (`matmul`, a
-    jaxserve.model.quantized.Matmul or its name, then picks the kernel). w_gate_up: None, or [D, 2F] = w_gate | w_up fused (one matmul; w_gate and
-    w_up are then ignored). The F axis is the tensor-parallel `mlp` axis.
+    jaxserve.model.quantized.Matmul or its name, then picks the kernel); w_gate may be a
+    FusedWeight of w_gate | w_up (w_up None: one matmul). The F axis is the
+    tensor-parallel `mlp` axis.
     Source: Shazeer 2020, "GLU Variants Improve Transformer".
     """
-    if w_gate_up is not None:
-        gate, up = jnp.split(dense(x, w_gate_up, 1, matmul), 2, axis=-1)
-    else:
-        gate, up = dense(x, w_gate, 1, matmul), dense(x, w_up, 1, matmul)
+    mm = matmul_backend(matmul)
+    gate, up = mm.project(x, (w_gate, w_up))
     h = constrain(rules, jax.nn.silu(gate) * up, ("tokens", "mlp"))
-    return dense(h, w_down, 1, matmul)
+    return mm.dense(h, w_down, 1)

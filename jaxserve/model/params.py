@@ -13,9 +13,9 @@ Layouts (logical axes in brackets), all in `ModelConfig.dtype`:
   final_norm  [embed]
   lm_head     [embed, vocab], None when tied to `embed`
 A tree for the C++ CPU matmul (jaxserve.model.quantized.dual_precision_params, packed)
-has FusedLayerParams layers: the projections that share their input fused into one
-matmul each, wqkv [embed, (q_heads + 2 kv_heads) * head_dim] (wq | wk | wv) and
-w_gate_up [embed, 2 mlp] (w_gate | w_up). Checkpoints always hold LayerParams.
+fuses the projections that share their input into one matmul each: wq holds a
+FusedWeight of wq | wk | wv (wk, wv None) and w_gate one of w_gate | w_up (w_up None);
+jaxserve.model.quantized. Checkpoints always hold them unfused.
 
 Layers are a tuple of per-layer trees, not one stacked array: on XLA:CPU slicing stacked
 weights inside a scan copies them each step (a scanned step was slower: PERFORMANCE.md,
@@ -55,21 +55,6 @@ class LayerParams:
     mlp_norm: Any
     w_gate: Any
     w_up: Any
-    w_down: Any
-    bq: Any = None
-    bk: Any = None
-    bv: Any = None
-
-
-@pytree_dataclass
-class FusedLayerParams:
-    """A layer whose projections sharing an input are fused (see module docstring):
-    wqkv = wq | wk | wv and w_gate_up = w_gate | w_up along their output columns."""
-    attn_norm: Any
-    wqkv: Any
-    wo: Any
-    mlp_norm: Any
-    w_gate_up: Any
     w_down: Any
     bq: Any = None
     bk: Any = None

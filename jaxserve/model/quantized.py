@@ -17,6 +17,7 @@ GPTQ/AWQ's group scales, FP8 e4m3 per-channel as in vLLM's fp8 W8A16 path.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import KERNEL_IMPLS
-from jaxserve.model.params import FusedLayerParams, LayerParams, Params
+from jaxserve.model.params import LayerParams, Params
 from jaxserve.pytree import pytree_dataclass
 
 # The LayerParams fields that are projections, with how many leading axes are inputs.
@@ -172,6 +173,30 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
                                vocab_major=vocab_major, max_rows=max_rows)
 
 
+@pytree_dataclass(meta=("out_shapes",))
+class FusedWeight:
+    """Projections of one input stored as one matrix, so that they run as one matmul:
+    w [in, sum of their output columns] (a float array or a DualPrecisionWeight) and
+    out_shapes, each part's output shape (static; its columns are the product). Held in
+    the first projection's place of a layer (wq for wq | wk | wv, w_gate for
+    w_gate | w_up), the others None; `Matmul.project` runs it and splits the result."""
+
+    w: Any
+    out_shapes: tuple
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w.shape)
+
+
+def fused_weight(ws: list[jax.Array], n_in: int = 1) -> tuple[jax.Array, tuple]:
+    """ws (each [*in, *out_i], the same *in) as one [prod(in), sum(prod(out_i))] matrix
+    and the out_i shapes: what a FusedWeight holds (before any copy or packing)."""
+    k = math.prod(ws[0].shape[:n_in])
+    return (jnp.concatenate([w.reshape(k, -1) for w in ws], axis=1),
+            tuple(tuple(w.shape[n_in:]) for w in ws))
+
+
 def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
                           max_rows: int | None = None, fuse: bool = True,
                           round_x_min_rows: int | None = None) -> Params:
@@ -179,9 +204,9 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
     DualPrecisionWeights over min_rows .. max_rows rows (a tied LM head becomes `lm_head`
     [vocab, embed] over the same f32 embedding array, plus its bf16 copy); embeddings and
     norms unchanged. packed: the bf16 copies in the C++ CPU kernel's layout (matmul_impl
-    "cpu"), and with `fuse` the projections that share an input fused (FusedLayerParams:
-    wqkv = wq | wk | wv, w_gate_up = w_gate | w_up; fewer, larger kernel calls, every
-    output column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight."""
+    "cpu"), and with `fuse` the projections that share an input fused (FusedWeight in wq:
+    wq | wk | wv, in w_gate: w_gate | w_up; fewer, larger kernel calls, every output
+    column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight."""
     def dual(w, **kw):
         return dual_precision(w, min_rows, packed=packed, max_rows=max_rows,
                               round_x_min_rows=round_x_min_rows, **kw)
@@ -190,12 +215,12 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
         if not (packed and fuse):
             return dataclasses.replace(lp, **{name: dual(getattr(lp, name), n_in=n_in)
                                               for name, n_in in PROJECTIONS.items()})
-        D = lp.wq.shape[0]
-        qkv = jnp.concatenate([w.reshape(D, -1) for w in (lp.wq, lp.wk, lp.wv)], axis=1)
-        gate_up = jnp.concatenate([lp.w_gate, lp.w_up], axis=1)
-        return FusedLayerParams(attn_norm=lp.attn_norm, wqkv=dual(qkv), wo=dual(lp.wo, n_in=2),
-                                mlp_norm=lp.mlp_norm, w_gate_up=dual(gate_up),
-                                w_down=dual(lp.w_down), bq=lp.bq, bk=lp.bk, bv=lp.bv)
+        qkv, qkv_shapes = fused_weight([lp.wq, lp.wk, lp.wv])
+        gate_up, gate_up_shapes = fused_weight([lp.w_gate, lp.w_up])
+        return dataclasses.replace(
+            lp, wq=FusedWeight(dual(qkv), qkv_shapes), wk=None, wv=None,
+            wo=dual(lp.wo, n_in=2), w_gate=FusedWeight(dual(gate_up), gate_up_shapes),
+            w_up=None, w_down=dual(lp.w_down))
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
@@ -247,6 +272,20 @@ class Matmul:
         x2 = x.reshape(-1, math.prod(in_shape))
         y = self._quantized(x2, w.w_q.reshape(x2.shape[1], -1), w.scales)
         return y.reshape(*lead, *out_shape)
+
+    def project(self, x: jax.Array, ws: tuple, n_in: int = 1) -> tuple[jax.Array, ...]:
+        """Each of `ws` (weights of the same input x) applied to x: a tuple of `dense`
+        results. A FusedWeight in ws[0] (the rest None) runs as one matmul whose columns
+        are split into its parts, reshaped to their output shapes: the same sums as
+        separate matmuls."""
+        if not isinstance(ws[0], FusedWeight):
+            return tuple(self.dense(x, w, n_in) for w in ws)
+        fused = ws[0]
+        lead = x.shape[:x.ndim - n_in]
+        sizes = [math.prod(s) for s in fused.out_shapes]
+        y = self.dense(x, fused.w, n_in)  # [..., sum(sizes)]
+        parts = jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=-1)
+        return tuple(p.reshape(*lead, *s) for p, s in zip(parts, fused.out_shapes))
 
     def _quantized(self, x2: jax.Array, w2: jax.Array, scales: jax.Array) -> jax.Array:
         """x2 [M, K] times a quantised w2 [K, N] with its scales -> [M, N] in x2.dtype."""

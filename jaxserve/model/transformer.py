@@ -25,7 +25,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
-from jaxserve.model.params import FusedLayerParams, LayerParams, Params
+from jaxserve.model.params import LayerParams, Params
 from jaxserve.model.quantized import (DualPrecisionWeight, Matmul, bf16_matmul, matmul_backend,
                                      packed_bf16_matmul)
 from jaxserve.pytree import pytree_dataclass
@@ -66,15 +66,7 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
                      meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels,
                      layout: str):
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    if isinstance(lp, FusedLayerParams):  # wq | wk | wv: one matmul, split by columns
-        H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = kernels.matmul.dense(h, lp.wqkv, 1)  # [T, (H + 2K) * Dh]
-        q, k, v = jnp.split(qkv, [H * Dh, (H + K) * Dh], axis=-1)
-        q, k, v = q.reshape(-1, H, Dh), k.reshape(-1, K, Dh), v.reshape(-1, K, Dh)
-    else:
-        q = kernels.matmul.dense(h, lp.wq, 1)  # [T, H, Dh]
-        k = kernels.matmul.dense(h, lp.wk, 1)  # [T, K, Dh]
-        v = kernels.matmul.dense(h, lp.wv, 1)
+    q, k, v = kernels.matmul.project(h, (lp.wq, lp.wk, lp.wv))  # [T, H | K | K, Dh]
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = constrain(rules, apply_rope(q, cos, sin), ("tokens", "q_heads", "head_dim"))
@@ -136,10 +128,7 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
                                      batch.slot_mapping, meta, cfg, rules, kernels, cache.layout)
         x = x + a
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        if isinstance(lp, FusedLayerParams):
-            mlp = swiglu_mlp(h, None, None, lp.w_down, rules, kernels.matmul, lp.w_gate_up)
-        else:
-            mlp = swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules, kernels.matmul)
+        mlp = swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules, kernels.matmul)
         x = constrain(rules, x + mlp, ACT_AXES)
         ks.append(kp)
         vs.append(vp)
