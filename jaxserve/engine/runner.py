@@ -45,7 +45,7 @@ def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sam
     """forward -> each sequence's last-token logits -> sample: (tokens [S] int32, logprobs
     [S] f32, cache)."""
     hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
-    logits = last_token_logits(params, hidden, batch.logits_indices, rules)
+    logits = last_token_logits(params, hidden, batch.logits_indices, rules, kernels.matmul)
     tokens, logprobs = sample(logits, sampling, kernels.sampling)
     return tokens, logprobs, cache
 

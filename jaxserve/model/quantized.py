@@ -287,6 +287,27 @@ class Matmul:
         parts = jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=-1)
         return tuple(p.reshape(*lead, *s) for p, s in zip(parts, fused.out_shapes))
 
+    def lm_head(self, hidden: jax.Array, embed: jax.Array, head: Any) -> jax.Array:
+        """LM head: hidden [..., D] -> logits [..., vocab] f32. head: None (tied to `embed`
+        [vocab, D]), an array [D, vocab], or a DualPrecisionWeight, which picks its copy by
+        the rows of hidden and is [vocab, D] when tied, [D, vocab] otherwise (a packed bf16
+        copy runs in the C++ CPU kernel)."""
+        vocab_major, packed = head is None, None
+        rows = math.prod(hidden.shape[:-1])
+        if isinstance(head, DualPrecisionWeight):
+            packed = head if head.packed and head.uses_bf16(rows) else None
+            head, vocab_major = head.pick(rows), head.vocab_major
+        if packed is not None:  # the bf16 copy packed for the C++ CPU kernel
+            logits = packed_bf16_matmul(hidden.reshape(rows, -1), packed)
+            return logits.reshape(*hidden.shape[:-1], -1)
+        if head is not None and head.dtype != hidden.dtype:  # the bf16 copy of a dual head
+            logits = bf16_matmul(hidden.reshape(-1, hidden.shape[-1]), head, vocab_major)
+            return logits.reshape(*hidden.shape[:-1], -1)
+        if vocab_major:
+            return jnp.einsum("...d,vd->...v", hidden, embed if head is None else head,
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+
     def _quantized(self, x2: jax.Array, w2: jax.Array, scales: jax.Array) -> jax.Array:
         """x2 [M, K] times a quantised w2 [K, N] with its scales -> [M, N] in x2.dtype."""
         raise ValueError(f"quantised weights need a matmul impl of {KERNEL_IMPLS}, "

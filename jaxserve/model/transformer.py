@@ -15,19 +15,16 @@ Source: Llama (Touvron et al. 2023) as implemented in HF transformers' `LlamaMod
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model.params import LayerParams, Params
-from jaxserve.model.quantized import (DualPrecisionWeight, Matmul, bf16_matmul, matmul_backend,
-                                     packed_bf16_matmul)
+from jaxserve.model.quantized import Matmul, matmul_backend
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling import SamplerOps, sampler_ops
 from jaxserve.sharding import ShardingRules, constrain
@@ -136,33 +133,17 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
     return x, KVCache(k=tuple(ks), v=tuple(vs), layout=cache.layout)
 
 
-def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | None = None) -> jax.Array:
-    """LM head: hidden [..., D] -> logits [..., vocab] f32 (tied to the embedding when
-    `params.lm_head` is None; a DualPrecisionWeight head picks its copy by the rows of
-    hidden and is [vocab, D] when tied, [D, vocab] otherwise; a packed bf16 copy runs in
-    the C++ CPU kernel)."""
-    head, vocab_major, packed = params.lm_head, params.lm_head is None, None
-    rows = math.prod(hidden.shape[:-1])
-    if isinstance(head, DualPrecisionWeight):
-        packed = head if head.packed and head.uses_bf16(rows) else None
-        head, vocab_major = head.pick(rows), head.vocab_major
-    if packed is not None:  # the bf16 copy packed for the C++ CPU kernel
-        logits = packed_bf16_matmul(hidden.reshape(rows, -1), packed)
-        logits = logits.reshape(*hidden.shape[:-1], -1)
-    elif head is not None and head.dtype != hidden.dtype:  # the bf16 copy of a dual head
-        logits = bf16_matmul(hidden.reshape(-1, hidden.shape[-1]), head, vocab_major)
-        logits = logits.reshape(*hidden.shape[:-1], -1)
-    elif vocab_major:
-        logits = jnp.einsum("...d,vd->...v", hidden, params.embed if head is None else head,
-                            preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("...d,dv->...v", hidden, head,
-                            preferred_element_type=jnp.float32)
+def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | None = None,
+                   matmul: Matmul | str = "xla") -> jax.Array:
+    """LM head: hidden [..., D] -> logits [..., vocab] f32, by `matmul`'s lm_head (tied to
+    the embedding when `params.lm_head` is None)."""
+    logits = matmul_backend(matmul).lm_head(hidden, params.embed, params.lm_head)
     return constrain(rules, logits, (None,) * (logits.ndim - 1) + ("vocab",))
 
 
 def last_token_logits(params: Params, hidden: jax.Array, logits_indices: jax.Array,
-                      rules: ShardingRules | None = None) -> jax.Array:
+                      rules: ShardingRules | None = None,
+                      matmul: Matmul | str = "xla") -> jax.Array:
     """Logits [S, vocab] f32 of hidden [T, D] at the rows `logits_indices` [S] int32 (each
     sequence's last token)."""
-    return compute_logits(params, hidden[logits_indices], rules)
+    return compute_logits(params, hidden[logits_indices], rules, matmul)
