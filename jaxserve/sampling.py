@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.impl_table import lookup
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling_params import SamplingParams
 
@@ -128,13 +129,7 @@ _SAMPLER_OPS = {"xla": XlaSamplerOps(), "cpu": CpuSamplerOps()}
 def sampler_ops(impl: "str | SamplerOps") -> SamplerOps:
     """The SamplerOps a sampling_impl name stands for ("xla", "cpu"); a SamplerOps is
     returned as it is. Raises ValueError for an unknown name."""
-    if isinstance(impl, SamplerOps):
-        return impl
-    try:
-        return _SAMPLER_OPS[impl]
-    except (KeyError, TypeError):
-        raise ValueError(f"sampling impl must be one of {tuple(_SAMPLER_OPS)}, "
-                         f"got {impl!r}") from None
+    return lookup(_SAMPLER_OPS, impl, SamplerOps, "sampling impl")
 
 
 def argmax_logsumexp(logits: jax.Array, impl: "str | SamplerOps" = "xla"

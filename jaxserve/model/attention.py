@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.impl_table import lookup
 from jaxserve.pytree import pytree_dataclass
 from kernel_ops import kv_values, query_sequence
 
@@ -180,13 +181,7 @@ def attention_backend(impl: "str | Attention") -> Attention:
     """The Attention an implementation name stands for ("xla", "cpu", "pallas",
     "pallas_interpret"); an Attention is returned as it is. Raises ValueError for an
     unknown name."""
-    if isinstance(impl, Attention):
-        return impl
-    try:
-        return _ATTENTIONS[impl]
-    except (KeyError, TypeError):
-        raise ValueError(f"attention impl must be one of {tuple(_ATTENTIONS)}, "
-                         f"got {impl!r}") from None
+    return lookup(_ATTENTIONS, impl, Attention, "attention impl")
 
 
 def make_metadata(block_tables: jax.Array, seq_lens: jax.Array, query_start: jax.Array,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import KERNEL_IMPLS
 from jaxserve.model.params import LayerParams, Params
+from jaxserve.impl_table import lookup
 from jaxserve.pytree import pytree_dataclass
 
 # The LayerParams fields that are projections, with how many leading axes are inputs.
@@ -358,13 +359,7 @@ def matmul_backend(impl: "str | Matmul") -> Matmul:
     """The Matmul a matmul_impl name stands for ("xla", "cpu", "pallas",
     "pallas_interpret"); a Matmul is returned as it is. Raises ValueError for an unknown
     name."""
-    if isinstance(impl, Matmul):
-        return impl
-    try:
-        return _MATMULS[impl]
-    except (KeyError, TypeError):
-        raise ValueError(f"quantised weights need a matmul impl of {KERNEL_IMPLS}, "
-                         f"got {impl!r}") from None
+    return lookup(_MATMULS, impl, Matmul, "matmul impl")
 
 
 def dense(x: jax.Array, w: Any, n_in: int, impl: "str | Matmul" = "xla") -> jax.Array:
