@@ -6,7 +6,8 @@ convert a local HF directory (`python tools/convert_hf.py DIR OUT`) and set
 Without a source the config still plans: `python tools/plan_memory.py --config configs/llama3_8b.py`.
 """
 
-from jaxserve.config import Config, EngineConfig, ModelConfig, RopeScaling
+from jaxserve.config import (CacheConfig, Config, EngineConfig, ModelConfig, RopeScaling,
+                             SchedulerConfig)
 
 MODEL = ModelConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -20,6 +21,8 @@ CONFIG = Config(
     name="llama3_8b",
     model=MODEL,
     served_model_name="Meta-Llama-3.1-8B-Instruct",
-    engine=EngineConfig(page_size=16, kv_cache_bytes=40 * 2**30, max_num_seqs=64,
-                        max_model_len=8192, max_prefill_tokens=8192),
+    engine=EngineConfig(
+        max_model_len=8192,
+        cache=CacheConfig(page_size=16, kv_cache_memory_bytes=40 * 2**30),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_prefill_tokens=8192)),
 )

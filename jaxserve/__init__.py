@@ -10,7 +10,9 @@ _EXPORTS = {
     "LLM": "jaxserve.api", "Completion": "jaxserve.api", "build_engine": "jaxserve.api",
     "generate": "jaxserve.api", "load_config": "jaxserve.config",
     "Config": "jaxserve.config", "EngineConfig": "jaxserve.config",
-    "MeshConfig": "jaxserve.config", "ModelConfig": "jaxserve.config",
+    "ParallelConfig": "jaxserve.config", "ModelConfig": "jaxserve.config",
+    "CacheConfig": "jaxserve.config", "SchedulerConfig": "jaxserve.config",
+    "CompilationConfig": "jaxserve.config", "KernelConfig": "jaxserve.config",
     "ModelSource": "jaxserve.config", "RopeScaling": "jaxserve.config",
     "InvalidRequest": "jaxserve.sampling_params", "SamplingParams": "jaxserve.sampling_params",
 }

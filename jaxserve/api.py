@@ -20,12 +20,11 @@ import jax.numpy as jnp
 
 from jaxserve import compile_counter
 from jaxserve.checkpoint import load_model_config, load_params
-from jaxserve.config import Config, ConfigError, load_config
+from jaxserve.config import Config, ConfigError, check_deployment, load_config
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
-from jaxserve.kernels import select_kernels
+from jaxserve.kernels import prepare_params, select_kernels
 from jaxserve.kv_cache import init_kv_cache, num_pages_for_budget
-from jaxserve.model.quantized import dual_precision_params, quantize_params
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
@@ -68,39 +67,25 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     model_cfg = load_model_config(ckpt)
     if config.dtype is not None:
         model_cfg = model_cfg.replace(dtype=config.dtype)
-    rules = None
-    if config.mesh.num_devices > 1:
-        rules = ShardingRules(make_mesh(config.mesh))
     ecfg = config.engine
-    if ecfg.weight_quant is not None and rules is not None:
-        raise ConfigError("EngineConfig.weight_quant is not supported with tensor parallelism yet "
-                          f"(mesh has {config.mesh.num_devices} devices)")
-    if ecfg.bf16_matmul_min_rows is not None:
-        if rules is not None:
-            raise ConfigError("EngineConfig.bf16_matmul_min_rows is not supported with tensor "
-                              f"parallelism yet (mesh has {config.mesh.num_devices} devices)")
-        if model_cfg.dtype != "float32":
-            raise ConfigError("EngineConfig.bf16_matmul_min_rows needs float32 weights, the "
-                              f"model is served in {model_cfg.dtype}")
-    kv_dtype = ecfg.kv_dtype or model_cfg.dtype
+    check_deployment(ecfg, model_cfg, config.parallel)
+    rules = None
+    if config.parallel.num_devices > 1:
+        rules = ShardingRules(make_mesh(config.parallel))
+    kv_dtype = ecfg.cache.cache_dtype or model_cfg.dtype
     platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
-    kernels = select_kernels(ecfg, platform, config.mesh.num_devices, str(jnp.dtype(kv_dtype)),
-                             cache_dir / "kernels")
-    params = load_params(ckpt, model_cfg, rules)
-    if ecfg.weight_quant is not None:
-        params = quantize_params(params, ecfg.weight_quant, ecfg.weight_quant_group_size)
-    if ecfg.bf16_matmul_min_rows is not None:
-        params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
-                                       packed=kernels.matmul.packs_bf16,
-                                       max_rows=ecfg.bf16_matmul_max_rows,
-                                       round_x_min_rows=kernels.round_x_min_rows)
-    num_pages = num_pages_for_budget(model_cfg, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
-    cache = init_kv_cache(model_cfg, num_pages, ecfg.page_size, kv_dtype, rules,
+    kernels = select_kernels(ecfg.kernels, platform, config.parallel.num_devices,
+                             str(jnp.dtype(kv_dtype)), cache_dir / "kernels")
+    params = prepare_params(load_params(ckpt, model_cfg, rules), ecfg.kernels, kernels)
+    page_size = ecfg.cache.page_size
+    num_pages = num_pages_for_budget(model_cfg, page_size, kv_dtype,
+                                     ecfg.cache.kv_cache_memory_bytes)
+    cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules,
                           kernels.attention.kv_layout)
     runner = Runner(model_cfg, ecfg, params, cache, kernels, rules)
     engine = Engine(model_cfg, ecfg, runner, Tokenizer.from_dir(ckpt))
-    log.info("KV page pool: %d pages of %d tokens (%.0f MiB)", num_pages, ecfg.page_size,
-             ecfg.kv_cache_bytes / 2**20)
+    log.info("KV page pool: %d pages of %d tokens (%.0f MiB)", num_pages, page_size,
+             ecfg.cache.kv_cache_memory_bytes / 2**20)
     if warmup == "background":
         runner.warmup_in_background()
     elif warmup:

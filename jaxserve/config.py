@@ -1,4 +1,5 @@
-"""Static configuration: the model's shape, the engine's limits, the mesh, the server.
+"""Static configuration: the model's shape, the engine's groups (cache, scheduler,
+compilation buckets, kernels), the mesh (parallel), the server.
 
 Everything here is a frozen (hashable) dataclass, so a ModelConfig can be a static
 argument of a jitted function. Nothing reads the environment: configuration is explicit.
@@ -145,23 +146,95 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Limits and shape buckets of the serving engine.
+def _positive(group: str, obj, names) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{group}.{name} must be > 0, got {getattr(obj, name)}")
 
-    kv_cache_bytes: bytes of device memory for the KV page pool (K and V, all layers).
-    page_size: tokens per KV page.
-    max_num_seqs: most sequences decoded in one step.
-    max_model_len: most tokens (prompt + output) one sequence may hold.
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV page pool (vLLM's CacheConfig).
+
+    page_size: tokens per KV page. vLLM calls it `block_size`; jaxserve says page, as
+        PagedAttention's paper and the JAX engines' kernels (tpu-inference, sglang-jax) do,
+        and keeps vLLM's "block table" for a sequence's list of page ids.
+    kv_cache_memory_bytes: bytes of device memory for the pool (K and V, all layers), as
+        vLLM's `--kv-cache-memory-bytes`.
+    cache_dtype: dtype K/V are stored in (vLLM's `--kv-cache-dtype`); None = the model's.
+    """
+
+    page_size: int = 16
+    kv_cache_memory_bytes: int = 256 * 2**20
+    cache_dtype: str | None = None
+
+    def __post_init__(self):
+        _positive("CacheConfig", self, ("page_size", "kv_cache_memory_bytes"))
+        if self.cache_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"CacheConfig.cache_dtype must be None, 'float32', 'bfloat16' or "
+                              f"'float16', got {self.cache_dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold (vLLM's SchedulerConfig).
+
+    max_num_seqs: most sequences running (decoded in one step).
     max_prefill_tokens: budget of token rows (the token bucket of the prompts' summed
         lengths) for packing several prompts into one prefill step; a single prompt up to
         max_model_len always gets a step of its own.
     max_prefill_seqs: most prompts prefilled in one step.
-    decode_batch_buckets / prefill_len_buckets / prefill_batch_buckets / page_buckets: the
-        padded shapes the jitted step is compiled for (None = powers of two up to the
-        limit): sequences per decode step, token rows per prefill step (the prompts of a
-        step are packed one after another), sequences per prefill step, block-table pages.
-        Fewer buckets = fewer compilations, more padding.
+    decode_steps: tokens each sequence decodes per dispatched step when no request is
+        waiting and every sequence of the batch has that many tokens left (multi-step
+        decode: the host loop, the dispatch and the output processing run once per
+        decode_steps tokens; tokens then stream in bursts of that many, and a sequence that
+        stops early wastes the rest of its burst). 1 = one token per step. Each decode
+        bucket is then compiled for both. Source: vLLM's num_scheduler_steps.
+    """
+
+    max_num_seqs: int = 32
+    max_prefill_tokens: int = 2048
+    max_prefill_seqs: int = 8
+    decode_steps: int = 1
+
+    def __post_init__(self):
+        _positive("SchedulerConfig", self, ("max_num_seqs", "max_prefill_tokens",
+                                            "max_prefill_seqs", "decode_steps"))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilationConfig:
+    """The padded shapes the jitted step is compiled for (vLLM's CompilationConfig holds the
+    CUDA-graph capture sizes, the same idea). None = powers of two up to the limit.
+
+    decode_batch_buckets: sequences per decode step (up to max_num_seqs).
+    prefill_len_buckets: token rows per prefill step (the prompts of a step are packed one
+        after another; up to max_model_len).
+    prefill_batch_buckets: sequences per prefill step (up to max_prefill_seqs).
+    page_buckets: block-table pages per sequence (up to max_model_len / page_size).
+    Each bucket is one compilation at warm-up: fewer buckets start faster and pad more.
+    """
+
+    decode_batch_buckets: tuple[int, ...] | None = None
+    prefill_len_buckets: tuple[int, ...] | None = None
+    prefill_batch_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            b = getattr(self, f.name)
+            if b is not None:
+                b = tuple(sorted(int(x) for x in b))
+                if not b or b[0] <= 0:
+                    raise ConfigError(f"CompilationConfig.{f.name} must be positive, got {b}")
+                object.__setattr__(self, f.name, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels compute the step, and the weight layouts they read
+    (jaxserve.kernels.select_kernels turns it into a Kernels backend).
+
     attention_impl: "auto" (pallas on GPU, cpu on one CPU device, xla otherwise), "xla",
         "cpu" (the C++ kernel of cpu_kernels/, single device), "pallas", "pallas_interpret"
         (see ATTENTION_KERNEL_IMPLS).
@@ -186,30 +259,11 @@ class EngineConfig:
     bf16_matmul_round_x_min_rows: None, or with the C++ bf16 matmul (matmul_impl "cpu"):
         matmuls over at least this many rows round the activations to bf16 and sum with
         the CPU's bf16 dot-product instruction (AVX512-BF16 vdpbf16ps, f32 accumulation),
-        where it runs faster than f32 FMAs on this CPU (measured when the engine starts:
-        cpu_kernels.bf16_matmul.bf16_dot_speedup() >= BF16_DOT_MIN_SPEEDUP; else
-        ignored). Compute-bound shapes (prefill, large decode batches) then run up to 2x
-        faster on AMD Zen 4; on Intel Sapphire Rapids the instruction was slower than FMAs.
-        The products are those of HF transformers' and llama.cpp's bf16 paths.
-    decode_steps: tokens each sequence decodes per dispatched step when no request is
-        waiting and every sequence of the batch has that many tokens left (multi-step
-        decode: the host loop, the dispatch and the output processing run once per
-        decode_steps tokens; tokens then stream in bursts of that many, and a sequence that
-        stops early wastes the rest of its burst). 1 = one token per step. Each decode
-        bucket is then compiled for both. Source: vLLM's num_scheduler_steps.
+        where the start-up probe finds it faster than f32 FMAs
+        (jaxserve.kernels.BF16_DOT_MIN_SPEEDUP; else ignored). The products are those of
+        HF transformers' and llama.cpp's bf16 paths.
     """
 
-    page_size: int = 16
-    kv_cache_bytes: int = 256 * 2**20
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    max_prefill_tokens: int = 2048
-    max_prefill_seqs: int = 8
-    decode_batch_buckets: tuple[int, ...] | None = None
-    prefill_len_buckets: tuple[int, ...] | None = None
-    prefill_batch_buckets: tuple[int, ...] | None = None
-    page_buckets: tuple[int, ...] | None = None
-    kv_dtype: str | None = None  # None = the model's dtype
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
     sampling_impl: str = "auto"
@@ -218,102 +272,166 @@ class EngineConfig:
     bf16_matmul_min_rows: int | None = None
     bf16_matmul_max_rows: int | None = None
     bf16_matmul_round_x_min_rows: int | None = None
-    decode_steps: int = 1
-    seed: int = 0
 
     def __post_init__(self):
-        for name in ("page_size", "kv_cache_bytes", "max_num_seqs", "max_model_len",
-                     "max_prefill_tokens", "max_prefill_seqs", "decode_steps"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS),
                               ("sampling_impl", SAMPLING_IMPLS)):
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"EngineConfig.{name} must be one of {allowed}, "
+                raise ConfigError(f"KernelConfig.{name} must be one of {allowed}, "
                                   f"got {getattr(self, name)!r}")
         if self.weight_quant not in (None,) + WEIGHT_QUANT_FORMATS:
-            raise ConfigError(f"EngineConfig.weight_quant must be None or one of "
+            raise ConfigError(f"KernelConfig.weight_quant must be None or one of "
                               f"{WEIGHT_QUANT_FORMATS}, got {self.weight_quant!r}")
         if self.bf16_matmul_min_rows is not None:
             if self.bf16_matmul_min_rows < 1:
-                raise ConfigError(f"EngineConfig.bf16_matmul_min_rows must be None or >= 1, "
+                raise ConfigError(f"KernelConfig.bf16_matmul_min_rows must be None or >= 1, "
                                   f"got {self.bf16_matmul_min_rows}")
             if self.weight_quant is not None:
-                raise ConfigError("EngineConfig.bf16_matmul_min_rows and weight_quant exclude each "
+                raise ConfigError("KernelConfig.bf16_matmul_min_rows and weight_quant exclude each "
                                   "other (quantised weights have no bf16 copy)")
             if (self.bf16_matmul_max_rows is not None
                     and self.bf16_matmul_max_rows < self.bf16_matmul_min_rows):
-                raise ConfigError(f"EngineConfig.bf16_matmul_max_rows must be None or >= "
+                raise ConfigError(f"KernelConfig.bf16_matmul_max_rows must be None or >= "
                                   f"bf16_matmul_min_rows ({self.bf16_matmul_min_rows}), got "
                                   f"{self.bf16_matmul_max_rows}")
             r = self.bf16_matmul_round_x_min_rows
             if r is not None and r < 1:
-                raise ConfigError(f"EngineConfig.bf16_matmul_round_x_min_rows must be None or "
+                raise ConfigError(f"KernelConfig.bf16_matmul_round_x_min_rows must be None or "
                                   f">= 1, got {r}")
         elif self.bf16_matmul_max_rows is not None:
-            raise ConfigError("EngineConfig.bf16_matmul_max_rows needs bf16_matmul_min_rows")
+            raise ConfigError("KernelConfig.bf16_matmul_max_rows needs bf16_matmul_min_rows")
         elif self.bf16_matmul_round_x_min_rows is not None:
-            raise ConfigError("EngineConfig.bf16_matmul_round_x_min_rows needs "
+            raise ConfigError("KernelConfig.bf16_matmul_round_x_min_rows needs "
                               "bf16_matmul_min_rows")
         elif self.matmul_impl == "cpu":
-            raise ConfigError("EngineConfig.matmul_impl='cpu' runs the bf16 weight copies: set "
+            raise ConfigError("KernelConfig.matmul_impl='cpu' runs the bf16 weight copies: set "
                               "bf16_matmul_min_rows")
         g = self.weight_quant_group_size
         if g is not None:
             if self.weight_quant != "int8":
-                raise ConfigError("EngineConfig.weight_quant_group_size needs weight_quant='int8' "
+                raise ConfigError("KernelConfig.weight_quant_group_size needs weight_quant='int8' "
                                   f"(fp8 is per-channel only), got weight_quant={self.weight_quant!r}")
             if g < 16 or g & (g - 1):
-                raise ConfigError(f"EngineConfig.weight_quant_group_size must be a power of two "
+                raise ConfigError(f"KernelConfig.weight_quant_group_size must be a power of two "
                                   f">= 16, got {g}")
-        for name, hi in (("decode_batch_buckets", self.max_num_seqs),
-                         ("prefill_len_buckets", self.max_model_len),
-                         ("prefill_batch_buckets", self.max_prefill_seqs),
-                         ("page_buckets", self.max_pages_per_seq)):
-            b = getattr(self, name)
-            if b is not None:
-                b = tuple(sorted(int(x) for x in b))
-                if not b or b[0] <= 0 or b[-1] < hi:
-                    raise ConfigError(f"EngineConfig.{name} must be positive and reach {hi}, got {b}")
-                object.__setattr__(self, name, b)
 
-    @property
-    def max_pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
 
-    @property
-    def decode_batch_sizes(self) -> tuple[int, ...]:
-        return self.decode_batch_buckets or _pow2_buckets(1, self.max_num_seqs)
-
-    @property
-    def prefill_lengths(self) -> tuple[int, ...]:
-        return self.prefill_len_buckets or _pow2_buckets(min(16, self.max_model_len),
-                                                         self.max_model_len)
-
-    @property
-    def prefill_batch_sizes(self) -> tuple[int, ...]:
-        return self.prefill_batch_buckets or _pow2_buckets(1, self.max_prefill_seqs)
-
-    @property
-    def page_counts(self) -> tuple[int, ...]:
-        return self.page_buckets or _pow2_buckets(1, self.max_pages_per_seq)
+_GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig,
+           "compilation": CompilationConfig, "kernels": KernelConfig}
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh: `tensor_parallel` devices on the `model` axis, `data_parallel` on `data`."""
+class EngineConfig:
+    """Everything the serving engine is built with, in the groups a vLLM user knows: the
+    KV `cache`, the `scheduler`'s limits, the `compilation` buckets and the `kernels`;
+    plus max_model_len (vLLM's ModelConfig.max_model_len: jaxserve's ModelConfig is the
+    checkpoint's shape) and the engine's random `seed`.
 
-    tensor_parallel: int = 1
-    data_parallel: int = 1
+    Each group checks its own fields when it is made; this class checks what spans groups
+    (the buckets reach the limits), and `check_deployment` what needs the model and the
+    mesh. `override(**fields)` sets fields by name wherever they live (flags, `LLM(...)`).
+
+    max_model_len: most tokens (prompt + output) one sequence may hold.
+    seed: seeds requests that give none (numpy generator).
+    """
+
+    max_model_len: int = 2048
+    seed: int = 0
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    compilation: CompilationConfig = CompilationConfig()
+    kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "data_parallel"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"MeshConfig.{name} must be > 0, got {getattr(self, name)}")
+        _positive("EngineConfig", self, ("max_model_len",))
+        for name, group in _GROUPS.items():
+            if not isinstance(getattr(self, name), group):
+                raise ConfigError(f"EngineConfig.{name} must be a {group.__name__}, "
+                                  f"got {getattr(self, name)!r}")
+        c = self.compilation
+        for name, hi in (("decode_batch_buckets", self.scheduler.max_num_seqs),
+                         ("prefill_len_buckets", self.max_model_len),
+                         ("prefill_batch_buckets", self.scheduler.max_prefill_seqs),
+                         ("page_buckets", self.max_pages_per_seq)):
+            b = getattr(c, name)
+            if b is not None and b[-1] < hi:
+                raise ConfigError(f"CompilationConfig.{name} must reach {hi}, got {b}")
+
+    def override(self, **fields) -> "EngineConfig":
+        """A copy with `fields` set, each named as in its group (`page_size=8`,
+        `max_num_seqs=4`, `attention_impl="xla"`), or a top-level field or whole group.
+        Raises ConfigError for an unknown name or a value its group refuses."""
+        own = {f.name for f in dataclasses.fields(self)}
+        top, groups = {}, {}
+        for key, value in fields.items():
+            if key in own:
+                top[key] = value
+                continue
+            owner = next((g for g, cls in _GROUPS.items()
+                          if key in {f.name for f in dataclasses.fields(cls)}), None)
+            if owner is None:
+                raise ConfigError(f"EngineConfig has no field {key!r}")
+            groups.setdefault(owner, {})[key] = value
+        for owner, kw in groups.items():
+            top[owner] = dataclasses.replace(top.get(owner, getattr(self, owner)), **kw)
+        return dataclasses.replace(self, **top)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.cache.page_size)
+
+    @property
+    def decode_batch_sizes(self) -> tuple[int, ...]:
+        return self.compilation.decode_batch_buckets or _pow2_buckets(
+            1, self.scheduler.max_num_seqs)
+
+    @property
+    def prefill_lengths(self) -> tuple[int, ...]:
+        return self.compilation.prefill_len_buckets or _pow2_buckets(
+            min(16, self.max_model_len), self.max_model_len)
+
+    @property
+    def prefill_batch_sizes(self) -> tuple[int, ...]:
+        return self.compilation.prefill_batch_buckets or _pow2_buckets(
+            1, self.scheduler.max_prefill_seqs)
+
+    @property
+    def page_counts(self) -> tuple[int, ...]:
+        return self.compilation.page_buckets or _pow2_buckets(1, self.max_pages_per_seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Device mesh (vLLM's ParallelConfig): `tensor_parallel_size` devices on the `model`
+    axis, `data_parallel_size` on `data`."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        _positive("ParallelConfig", self, ("tensor_parallel_size", "data_parallel_size"))
 
     @property
     def num_devices(self) -> int:
-        return self.tensor_parallel * self.data_parallel
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+def check_deployment(engine: EngineConfig, model: ModelConfig,
+                     parallel: ParallelConfig) -> None:
+    """What the engine config needs of the model and the mesh (raises ConfigError): weight
+    quantisation and the bf16 weight copies are single-device for now; the bf16 copies
+    need float32 weights."""
+    k = engine.kernels
+    if k.weight_quant is not None and parallel.num_devices > 1:
+        raise ConfigError("KernelConfig.weight_quant is not supported with tensor parallelism "
+                          f"yet (mesh has {parallel.num_devices} devices)")
+    if k.bf16_matmul_min_rows is not None:
+        if parallel.num_devices > 1:
+            raise ConfigError("KernelConfig.bf16_matmul_min_rows is not supported with tensor "
+                              f"parallelism yet (mesh has {parallel.num_devices} devices)")
+        if model.dtype != "float32":
+            raise ConfigError("KernelConfig.bf16_matmul_min_rows needs float32 weights, the "
+                              f"model is served in {model.dtype}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,7 +518,7 @@ class Config:
     source: ModelSource | None = None
     model: ModelConfig | None = None
     engine: EngineConfig = EngineConfig()
-    mesh: MeshConfig = MeshConfig()
+    parallel: ParallelConfig = ParallelConfig()
     served_model_name: str | None = None
     dtype: str | None = None
     host: str = "127.0.0.1"

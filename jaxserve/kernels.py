@@ -1,5 +1,6 @@
-"""Pick the kernels an engine runs: resolve EngineConfig's "auto" for the device, and load
-(building on first use) the C++ CPU kernels when they are picked.
+"""Pick the kernels an engine runs: resolve KernelConfig's "auto" for the device, load
+(building on first use) the C++ CPU kernels when they are picked, and lay the weights out
+for them (`prepare_params`: quantised or bf16-copied projections).
 
 Source: vLLM's attention-backend selection (an explicit choice wins; "auto" takes the best
 backend the platform supports and falls back with a warning when it cannot be loaded).
@@ -10,19 +11,21 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from jaxserve.config import ConfigError, EngineConfig, resolve_attention_impl, resolve_impl
+from jaxserve.config import ConfigError, KernelConfig, resolve_attention_impl, resolve_impl
+from jaxserve.model.params import Params
+from jaxserve.model.quantized import dual_precision_params, quantize_params
 from jaxserve.model.transformer import Kernels
 
 log = logging.getLogger(__name__)
 
-# bf16 dot products are used (EngineConfig.bf16_matmul_round_x_min_rows) where they run at
+# bf16 dot products are used (KernelConfig.bf16_matmul_round_x_min_rows) where they run at
 # least this many times the f32 FMA rate in flops (what machines showed: PERFORMANCE.md).
 BF16_DOT_MIN_SPEEDUP = 1.5
 
 
-def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv_dtype: str,
+def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype: str,
                    build_dir: Path) -> Kernels:
-    """The resolved Kernels for `engine_cfg` on `num_devices` devices of `platform`
+    """The resolved Kernels for `kcfg` on `num_devices` devices of `platform`
     ("cpu", "gpu", ...) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
     bf16 matmuls builds (once, cached in `build_dir`) and registers the C++ kernels
     (cpu_kernels.build.load_library, ~5 to 20 s the first time). The sampler's argmax /
@@ -36,26 +39,26 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
     dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (probed here,
     in a few ms).
     """
-    attention = resolve_attention_impl(engine_cfg.attention_impl, platform, num_devices)
+    attention = resolve_attention_impl(kcfg.attention_impl, platform, num_devices)
     if attention == "cpu" and kv_dtype not in ("float32", "bfloat16"):
-        if engine_cfg.attention_impl != "auto":
-            raise ConfigError(f"EngineConfig.attention_impl='cpu' reads a float32 or bfloat16 "
+        if kcfg.attention_impl != "auto":
+            raise ConfigError(f"KernelConfig.attention_impl='cpu' reads a float32 or bfloat16 "
                               f"KV pool, kv_dtype is {kv_dtype}")
         attention = "xla"
-    matmul = resolve_impl(engine_cfg.matmul_impl, platform)
-    if (engine_cfg.matmul_impl == "auto" and platform == "cpu" and num_devices == 1
-            and engine_cfg.bf16_matmul_min_rows is not None):
+    matmul = resolve_impl(kcfg.matmul_impl, platform)
+    if (kcfg.matmul_impl == "auto" and platform == "cpu" and num_devices == 1
+            and kcfg.bf16_matmul_min_rows is not None):
         matmul = "cpu"
-    sampling = engine_cfg.sampling_impl
+    sampling = kcfg.sampling_impl
     if sampling == "auto":
         sampling = "cpu" if platform == "cpu" and num_devices == 1 else "xla"
-    chosen = {name: getattr(engine_cfg, f"{name}_impl")
+    chosen = {name: getattr(kcfg, f"{name}_impl")
               for name, impl in (("attention", attention), ("matmul", matmul),
                                  ("sampling", sampling)) if impl == "cpu"}
     if chosen:
         if num_devices != 1:
             name = next(iter(chosen))
-            raise ConfigError(f"EngineConfig.{name}_impl='cpu' runs on one device, the mesh "
+            raise ConfigError(f"KernelConfig.{name}_impl='cpu' runs on one device, the mesh "
                               f"has {num_devices}; use 'xla' with tensor parallelism")
         from cpu_kernels.build import KernelBuildError, load_library
         try:
@@ -63,13 +66,13 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
         except KernelBuildError as e:
             for name, asked in chosen.items():
                 if asked != "auto":
-                    raise ConfigError(f"EngineConfig.{name}_impl='cpu': {e}") from e
+                    raise ConfigError(f"KernelConfig.{name}_impl='cpu': {e}") from e
             log.warning("C++ CPU kernels unavailable, using XLA for %s (slower): %s",
                         " and ".join(chosen), e)
             attention = "xla" if attention == "cpu" else attention
             matmul = "xla" if matmul == "cpu" else matmul
             sampling = "xla"
-    round_x = engine_cfg.bf16_matmul_round_x_min_rows
+    round_x = kcfg.bf16_matmul_round_x_min_rows
     if round_x is not None and matmul == "cpu":
         from cpu_kernels.bf16_matmul import bf16_dot_speedup
         speedup = bf16_dot_speedup(library)
@@ -79,3 +82,19 @@ def select_kernels(engine_cfg: EngineConfig, platform: str, num_devices: int, kv
             round_x = None
     return Kernels(attention=attention, matmul=matmul, sampling=sampling,
                    round_x_min_rows=round_x if matmul == "cpu" else None)
+
+
+def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels) -> Params:
+    """`params` laid out for `kernels` as `kcfg` asks: the layers' projections quantised
+    (weight_quant: int8 / fp8_e4m3 leaves with their scales), or given bf16 copies beside
+    the f32 weights (bf16_matmul_min_rows: DualPrecisionWeight leaves, packed for the C++
+    kernel when kernels.matmul.packs_bf16); otherwise unchanged. Float32 params for the
+    bf16 copies (checked by jaxserve.config.check_deployment)."""
+    if kcfg.weight_quant is not None:
+        return quantize_params(params, kcfg.weight_quant, kcfg.weight_quant_group_size)
+    if kcfg.bf16_matmul_min_rows is not None:
+        return dual_precision_params(params, kcfg.bf16_matmul_min_rows,
+                                     packed=kernels.matmul.packs_bf16,
+                                     max_rows=kcfg.bf16_matmul_max_rows,
+                                     round_x_min_rows=kernels.round_x_min_rows)
+    return params

@@ -67,7 +67,7 @@ def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
 
 
 def plan_memory(config: Config, model: ModelConfig | None = None) -> MemoryPlan:
-    """Plan `config` on an abstract mesh of `config.mesh` (no devices, no allocation).
+    """Plan `config` on an abstract mesh of `config.parallel` (no devices, no allocation).
 
     `model` defaults to `config.model`. Raises ValueError if neither gives a shape.
     """
@@ -77,27 +77,28 @@ def plan_memory(config: Config, model: ModelConfig | None = None) -> MemoryPlan:
     if config.dtype is not None:
         model = model.replace(dtype=config.dtype)
     ecfg = config.engine
-    rules = ShardingRules(make_abstract_mesh(config.mesh))
+    rules = ShardingRules(make_abstract_mesh(config.parallel))
     params = abstract_params(model, rules)
     leaves = jax.tree.leaves_with_path(params)
     weights = sum(_shard_bytes(x) for _, x in leaves)
     weights_total = sum(math.prod(x.shape) * x.dtype.itemsize for _, x in leaves)
     replicated = ()
-    if config.mesh.tensor_parallel > 1:  # matrices that could not be split over `model`
+    if config.parallel.tensor_parallel_size > 1:  # matrices that could not be split over `model`
         replicated = tuple(sorted({jax.tree_util.keystr(p).split(".")[-1] for p, x in leaves
                                    if len(x.shape) > 1 and "model" not in x.sharding.spec}))
 
-    kv_dtype = jnp.dtype(ecfg.kv_dtype or model.dtype)
+    kv_dtype = jnp.dtype(ecfg.cache.cache_dtype or model.dtype)
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_dtype.itemsize
-    pages = num_pages_for_budget(model, ecfg.page_size, kv_dtype, ecfg.kv_cache_bytes)
-    page_shape = (pages, ecfg.page_size, model.num_kv_heads, model.head_dim)
+    page_size = ecfg.cache.page_size
+    pages = num_pages_for_budget(model, page_size, kv_dtype, ecfg.cache.kv_cache_memory_bytes)
+    page_shape = (pages, page_size, model.num_kv_heads, model.head_dim)
     kv_split = math.prod(page_shape) // math.prod(rules.sharding(KV_AXES, page_shape).shard_shape(page_shape))
-    kv_pool = pages * ecfg.page_size * per_token // kv_split
+    kv_pool = pages * page_size * per_token // kv_split
 
     return MemoryPlan(
-        num_devices=config.mesh.num_devices, num_params=sum(math.prod(x.shape) for _, x in leaves),
+        num_devices=config.parallel.num_devices, num_params=sum(math.prod(x.shape) for _, x in leaves),
         weights_total=weights_total, weights=weights, kv_bytes_per_token_total=per_token,
-        kv_pages=pages, kv_tokens=pages * ecfg.page_size, kv_pool=kv_pool,
+        kv_pages=pages, kv_tokens=pages * page_size, kv_pool=kv_pool,
         activations=activation_bytes(model, config, rules), replicated_leaves=replicated)
 
 
@@ -106,7 +107,7 @@ def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -
     ecfg = config.engine
     tp = rules.mesh.shape["model"]
     b = jnp.dtype(model.dtype).itemsize
-    kvb = jnp.dtype(ecfg.kv_dtype or model.dtype).itemsize
+    kvb = jnp.dtype(ecfg.cache.cache_dtype or model.dtype).itemsize
 
     def split(n):  # a head/mlp/vocab axis splits only when divisible, as in ShardingRules
         return n // tp if n % tp == 0 else n
@@ -121,7 +122,8 @@ def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -
                 + B * split(model.vocab_size) * 4)                                      # f32 logits
 
     prefill = step(1, ecfg.max_model_len, ecfg.max_model_len)
-    batched = step(ecfg.max_prefill_seqs, ecfg.max_prefill_tokens // ecfg.max_prefill_seqs,
-                   ecfg.max_prefill_tokens // ecfg.max_prefill_seqs)
-    decode = step(ecfg.max_num_seqs, 1, ecfg.max_model_len)
+    limits = ecfg.scheduler
+    per_prompt = limits.max_prefill_tokens // limits.max_prefill_seqs
+    batched = step(limits.max_prefill_seqs, per_prompt, per_prompt)
+    decode = step(limits.max_num_seqs, 1, ecfg.max_model_len)
     return max(prefill, batched, decode)

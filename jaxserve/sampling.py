@@ -88,7 +88,7 @@ def argmax_last(x: jax.Array) -> jax.Array:
 
 class SamplerOps:
     """The vocabulary-wide reductions every sampled row needs, as one implementation chosen
-    when the engine is built (EngineConfig.sampling_impl). Subclasses are frozen
+    when the engine is built (KernelConfig.sampling_impl). Subclasses are frozen
     dataclasses: hashable, equal by value. name: the sampling_impl it stands for."""
 
     name: str

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.config import MeshConfig
+from jaxserve.config import ParallelConfig
 
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "data"),
@@ -40,24 +40,24 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(cfg: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `(data, model)` mesh over the first `cfg.num_devices` devices.
 
     Raises ValueError when fewer devices exist than the config asks for.
     """
     devices = list(devices if devices is not None else jax.devices())
     if len(devices) < cfg.num_devices:
-        raise ValueError(f"MeshConfig asks for {cfg.num_devices} devices "
-                         f"(data_parallel={cfg.data_parallel} x tensor_parallel="
-                         f"{cfg.tensor_parallel}) but only {len(devices)} exist")
-    arr = np.array(devices[:cfg.num_devices]).reshape(cfg.data_parallel, cfg.tensor_parallel)
+        raise ValueError(f"ParallelConfig asks for {cfg.num_devices} devices "
+                         f"(data_parallel_size={cfg.data_parallel_size} x tensor_parallel_size="
+                         f"{cfg.tensor_parallel_size}) but only {len(devices)} exist")
+    arr = np.array(devices[:cfg.num_devices]).reshape(cfg.data_parallel_size, cfg.tensor_parallel_size)
     return Mesh(arr, ("data", "model"))
 
 
-def make_abstract_mesh(cfg: MeshConfig) -> AbstractMesh:
+def make_abstract_mesh(cfg: ParallelConfig) -> AbstractMesh:
     """The same `(data, model)` mesh without devices: for planning shardings and memory of
     a deployment (70B on 8 GPUs) on a machine that has none of them."""
-    return AbstractMesh((cfg.data_parallel, cfg.tensor_parallel), ("data", "model"))
+    return AbstractMesh((cfg.data_parallel_size, cfg.tensor_parallel_size), ("data", "model"))
 
 
 @dataclasses.dataclass(frozen=True)

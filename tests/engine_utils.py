@@ -3,19 +3,17 @@ engine (byte-level test tokenizer, vocab 258, XLA kernels) for engine-logic test
 
 from __future__ import annotations
 
-import dataclasses
-
 from jaxserve.config import EngineConfig
 from model_utils import tiny_config
 
 TINY_CFG = tiny_config(vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8)
 TINY_PAGE = 4
-TINY_ECFG = EngineConfig(page_size=TINY_PAGE, kv_cache_bytes=65 * 2 * 2 * TINY_PAGE * 2 * 8 * 4,
-                         max_num_seqs=4, max_model_len=64, max_prefill_tokens=64,
-                         max_prefill_seqs=4, decode_batch_buckets=(1, 4),
-                         prefill_len_buckets=(16, 64), prefill_batch_buckets=(1, 4),
-                         page_buckets=(16,))
+TINY_ECFG = EngineConfig(max_model_len=64).override(
+    page_size=TINY_PAGE, kv_cache_memory_bytes=65 * 2 * 2 * TINY_PAGE * 2 * 8 * 4,
+    max_num_seqs=4, max_prefill_tokens=64, max_prefill_seqs=4,
+    decode_batch_buckets=(1, 4), prefill_len_buckets=(16, 64), prefill_batch_buckets=(1, 4),
+    page_buckets=(16,))
 
 
 def tiny_params():
@@ -27,14 +25,14 @@ def tiny_params():
 
 
 def tiny_engine(params, **engine_config):
-    """An Engine over `params` (tiny_params()) with TINY_ECFG (fields replaced by
-    `engine_config`), a 65-page pool and the byte-level test tokenizer."""
+    """An Engine over `params` (tiny_params()) with TINY_ECFG (fields set by
+    `EngineConfig.override(**engine_config)`), a 65-page pool and the byte-level test tokenizer."""
     from fake_engine import tiny_tokenizer
     from jaxserve.engine.engine import Engine
     from jaxserve.engine.runner import Runner
     from jaxserve.kv_cache import init_kv_cache
     from jaxserve.model.transformer import Kernels
-    ecfg = dataclasses.replace(TINY_ECFG, **engine_config)
+    ecfg = TINY_ECFG.override(**engine_config)
     cache = init_kv_cache(TINY_CFG, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major")
     runner = Runner(TINY_CFG, ecfg, params, cache, Kernels("xla", "xla", "xla"))
     return Engine(TINY_CFG, ecfg, runner, tiny_tokenizer())

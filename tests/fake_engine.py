@@ -69,7 +69,7 @@ class FakeEngine:
                  max_model_len: int = 64, page_size: int = 4, num_pages: int = 256,
                  step_delay: float = 0.0, max_num_seqs: int | None = None):
         self.tokenizer = tokenizer
-        self.engine_config = EngineConfig(max_model_len=max_model_len, page_size=page_size)
+        self.engine_config = EngineConfig(max_model_len=max_model_len).override(page_size=page_size)
         self.model_config = SimpleNamespace(vocab_size=tokenizer.vocab_size,
                                             eos_token_ids=tokenizer.eos_token_ids)
         self.reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]

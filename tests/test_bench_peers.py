@@ -220,7 +220,7 @@ def test_weight_bytes_per_token_follow_the_served_format():
     layer = 8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16  # qkv, wo, mlp
     f32 = membw.weight_bytes_per_token(m, EngineConfig())
     assert f32 == {"layers": 2 * layer * 4, "lm_head": 100 * 8 * 4}
-    bf16 = membw.weight_bytes_per_token(m, EngineConfig(bf16_matmul_min_rows=1))
+    bf16 = membw.weight_bytes_per_token(m, EngineConfig().override(bf16_matmul_min_rows=1))
     assert bf16 == {"layers": 2 * layer * 2, "lm_head": 100 * 8 * 2}
-    int8 = membw.weight_bytes_per_token(m, EngineConfig(weight_quant="int8"))
+    int8 = membw.weight_bytes_per_token(m, EngineConfig().override(weight_quant="int8"))
     assert int8 == {"layers": 2 * layer, "lm_head": 100 * 8 * 4}

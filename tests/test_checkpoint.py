@@ -20,7 +20,7 @@ from hf_reference import (assert_checkpoint_equals_hf, expected_leaves, flat_lea
 from jaxserve.checkpoint import (CheckpointError, convert, is_checkpoint, load_model_config,
                                  load_params, model_config_from_hf, save_checkpoint)
 from jaxserve.config import load_config
-from jaxserve.config import MeshConfig, ModelSource, RopeScaling
+from jaxserve.config import ModelSource, ParallelConfig, RopeScaling
 from jaxserve.model.params import init_params
 from jaxserve.model_store import resolve_checkpoint, source_fingerprint
 from jaxserve.sharding import ShardingRules, make_mesh
@@ -143,7 +143,7 @@ def test_store_round_trip_cast_and_rules(tmp_path):
     header = json.loads((out / "config.json").read_text())
     assert (header["format"], header["version"], header["source"]) == \
         ("jaxserve-checkpoint", 2, {"kind": "test"})
-    back = load_params(out, cfg, ShardingRules(make_mesh(MeshConfig())))
+    back = load_params(out, cfg, ShardingRules(make_mesh(ParallelConfig())))
     assert back.lm_head is None and isinstance(back.layers[0].bq, jax.Array)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))

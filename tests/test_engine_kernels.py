@@ -1,4 +1,4 @@
-"""The engine's kernel choice (EngineConfig.attention_impl / matmul_impl / weight_quant).
+"""The engine's kernel choice (KernelConfig.attention_impl / matmul_impl / weight_quant).
 
 - the model with the Pallas kernels in interpret mode gives the XLA path's logits
   (ragged prefill with padding, a continuation over cached pages, decode; quantised
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import (ConfigError, EngineConfig, load_config, resolve_attention_impl,
+from jaxserve.config import (ConfigError, EngineConfig, KernelConfig, load_config,
+                             resolve_attention_impl,
                              resolve_impl)
 from jaxserve.engine.buckets import warmup_shapes
 from jaxserve.kv_cache import abstract_kv_cache, num_pages_for_budget
@@ -117,20 +118,20 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     from cpu_kernels import build
     from jaxserve.kernels import select_kernels
 
-    auto = EngineConfig()
+    auto = KernelConfig()
     assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla", "cpu")
     assert select_kernels(auto, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")  # TP mesh
     assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("cpu", "xla", "cpu")
     assert select_kernels(auto, "cpu", 1, "float16", tmp_path) == Kernels("xla", "xla", "cpu")
     assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
-    bf16 = EngineConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
+    bf16 = KernelConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
     assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu", "cpu")
     assert select_kernels(bf16, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")
-    xla_sampler = EngineConfig(sampling_impl="xla")
+    xla_sampler = KernelConfig(sampling_impl="xla")
     assert select_kernels(xla_sampler, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla")
     with pytest.raises(ConfigError, match="sampling_impl='cpu' runs on one device"):
-        select_kernels(EngineConfig(sampling_impl="cpu"), "cpu", 2, "float32", tmp_path)
-    explicit = EngineConfig(attention_impl="cpu")
+        select_kernels(KernelConfig(sampling_impl="cpu"), "cpu", 2, "float32", tmp_path)
+    explicit = KernelConfig(attention_impl="cpu")
     with pytest.raises(ConfigError, match="runs on one device, the mesh has 2"):
         select_kernels(explicit, "cpu", 2, "float32", tmp_path)
     with pytest.raises(ConfigError, match="reads a float32 or bfloat16 KV pool, kv_dtype is float16"):
@@ -143,9 +144,9 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("xla", "xla")
     assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("xla", "xla")
     with pytest.raises(ConfigError, match="sampling_impl='cpu': no C"):
-        select_kernels(EngineConfig(sampling_impl="cpu"), "cpu", 1, "float32", tmp_path)
+        select_kernels(KernelConfig(sampling_impl="cpu"), "cpu", 1, "float32", tmp_path)
     with pytest.raises(ConfigError, match="matmul_impl='cpu': no C"):
-        select_kernels(EngineConfig(bf16_matmul_min_rows=1, matmul_impl="cpu"), "cpu", 1,
+        select_kernels(KernelConfig(bf16_matmul_min_rows=1, matmul_impl="cpu"), "cpu", 1,
                        "float32", tmp_path)
     with pytest.raises(ConfigError, match="attention_impl='cpu': no C\\+\\+ compiler found"):
         select_kernels(explicit, "cpu", 1, "float32", tmp_path)
@@ -186,7 +187,7 @@ def test_impl_config_validation_and_auto():
                       ({"weight_quant": "fp8_e4m3", "weight_quant_group_size": 128}, "needs weight_quant='int8'"),
                       ({"weight_quant": "int8", "weight_quant_group_size": 48}, "power of two >= 16")]:
         with pytest.raises(ConfigError, match=match):
-            EngineConfig(**kw)
+            KernelConfig(**kw)
 
 
 # --- the real model ------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def test_real_model_pallas_attention_gives_the_xla_greedy_tokens(small_llm, smol
 
     base = load_config(TESTS / "configs" / "smollm2_small.py")
     # Only the two shapes this prompt needs (prefill B=1 Q=32, decode B=1), compiled on use.
-    cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, attention_impl="pallas_interpret"))
+    cfg = dataclasses.replace(base, engine=base.engine.override(attention_impl="pallas_interpret"))
     llm = LLM(engine=build_engine(cfg, cache_dir, warmup=False))
     assert llm.engine.runner.kernels == Kernels("pallas_interpret", "xla", "cpu")
     sp = SamplingParams(temperature=0, max_tokens=5)
@@ -224,8 +225,8 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     from pallas_kernels.paged_attention import paged_attention
 
     S = jax.ShapeDtypeStruct
-    H, K, Dh, ps = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, ecfg.page_size
-    n = num_pages_for_budget(model_cfg, ps, dtype, ecfg.kv_cache_bytes)
+    H, K, Dh, ps = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, ecfg.cache.page_size
+    n = num_pages_for_budget(model_cfg, ps, dtype, ecfg.cache.kv_cache_memory_bytes)
     pages = S((n, ps, K, Dh), dtype)
     i32 = jnp.int32
     calls = {}

@@ -156,7 +156,7 @@ def test_multi_step_decode_gives_the_single_step_outputs(small_llm, cache_dir):
     from jaxserve.config import load_config
 
     config = load_config(SMALL_CONFIG)
-    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, decode_steps=4))
+    config = dataclasses.replace(config, engine=config.engine.override(decode_steps=4))
     multi = LLM(engine=build_engine(config, cache_dir, warmup=False))
     tok = small_llm.tokenizer
     chat = tok.encode(tok.apply_chat_template(

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_llama70b_abstract_tree_and_shardings():
     cfg = load_config(ROOT / "configs/llama70b.py")
     before = len(jax.live_arrays())
-    rules = ShardingRules(make_abstract_mesh(cfg.mesh))
+    rules = ShardingRules(make_abstract_mesh(cfg.parallel))
     params = abstract_params(cfg.model, rules)
     layer = params.layers[0]
     assert len(params.layers) == 80
@@ -44,7 +44,7 @@ def test_llama70b_memory_plan():
     norms = (2 * 80 + 1) * 8192 * 2                                  # RMSNorm weights: replicated
     assert plan.weights == (plan.weights_total - norms) // 8 + norms  # every matrix divides by 8
     assert plan.kv_bytes_per_token_total == 2 * 80 * 8 * 128 * 2     # 320 KiB
-    assert plan.kv_pool == cfg.engine.kv_cache_bytes // 8
+    assert plan.kv_pool == cfg.engine.cache.kv_cache_memory_bytes // 8
     assert plan.kv_tokens == plan.kv_pages * 16
     assert not plan.replicated_leaves
     assert 0 < plan.activations < 8 * GiB
@@ -54,10 +54,10 @@ def test_llama70b_memory_plan():
 
 def test_uneven_heads_fall_back_to_replication():
     cfg = load_config(ROOT / "configs/smollm2_135m.py")
-    from jaxserve.config import MeshConfig, ModelConfig
+    from jaxserve.config import ModelConfig, ParallelConfig
     model = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                         num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
-    plan = plan_memory(cfg.replace(mesh=MeshConfig(tensor_parallel=4)), model)
+    plan = plan_memory(cfg.replace(parallel=ParallelConfig(tensor_parallel_size=4)), model)
     assert set(plan.replicated_leaves) == {"wq", "wk", "wv", "wo"}
     assert plan.weights < plan.weights_total
 

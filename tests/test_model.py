@@ -172,7 +172,7 @@ def test_dual_precision_weights_pick_by_rows():
     the bf16 copy (close to f32, not equal); a 1-row bf16 matmul (padded to 2 rows) gives
     what the same row gives inside a larger batch."""
     import jax.numpy as jnp
-    from jaxserve.config import ConfigError, EngineConfig
+    from jaxserve.config import ConfigError, KernelConfig
     from jaxserve.model.quantized import DualPrecisionWeight, dense, dual_precision_params
 
     cfg = CONFIGS["gqa4_tied"]
@@ -204,15 +204,15 @@ def test_dual_precision_weights_pick_by_rows():
     np.testing.assert_array_equal(big_w, big_f)                           # 8 rows > 4: f32
 
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows"):
-        EngineConfig(bf16_matmul_min_rows=0)
+        KernelConfig(bf16_matmul_min_rows=0)
     with pytest.raises(ConfigError, match=r"bf16_matmul_max_rows must be None or >= bf16_matmul_min_rows \(4\), got 2"):
-        EngineConfig(bf16_matmul_min_rows=4, bf16_matmul_max_rows=2)
+        KernelConfig(bf16_matmul_min_rows=4, bf16_matmul_max_rows=2)
     with pytest.raises(ConfigError, match="bf16_matmul_max_rows needs bf16_matmul_min_rows"):
-        EngineConfig(bf16_matmul_max_rows=8)
+        KernelConfig(bf16_matmul_max_rows=8)
     with pytest.raises(ConfigError, match="matmul_impl='cpu' runs the bf16 weight copies"):
-        EngineConfig(matmul_impl="cpu")
+        KernelConfig(matmul_impl="cpu")
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows and weight_quant"):
-        EngineConfig(bf16_matmul_min_rows=1, weight_quant="int8")
+        KernelConfig(bf16_matmul_min_rows=1, weight_quant="int8")
 
 
 def test_rope_tables_are_computed_once_per_step():

@@ -1,4 +1,4 @@
-"""Multi-step decode (EngineConfig.decode_steps): several tokens per sequence in one
+"""Multi-step decode (SchedulerConfig.decode_steps): several tokens per sequence in one
 dispatched step must change nothing but speed.
 
 - the runner's n-step decode gives the tokens, logprobs and KV pages of n single steps

@@ -136,18 +136,15 @@ def default_precision_llm(small_llm, cache_dir):
     """The small test engine (f32 matmuls) with the default config's matmul precision
     instead (bf16 matmuls), its KV dtype and its multi-step decode; compiles its shapes on
     first use."""
-    import dataclasses
     from jaxserve.api import DEFAULT_CONFIG, LLM, build_engine
     from jaxserve.config import load_config
     from conftest import SMALL_CONFIG
     cfg = load_config(SMALL_CONFIG)
     default = load_config(DEFAULT_CONFIG).engine
-    assert default.bf16_matmul_min_rows is not None, "the default serves bf16 matmuls; update this test if not"
-    cfg = cfg.replace(engine=dataclasses.replace(
-        cfg.engine, bf16_matmul_min_rows=default.bf16_matmul_min_rows,
-        bf16_matmul_max_rows=default.bf16_matmul_max_rows, matmul_impl=default.matmul_impl,
-        bf16_matmul_round_x_min_rows=default.bf16_matmul_round_x_min_rows,
-        kv_dtype=default.kv_dtype, decode_steps=default.decode_steps))
+    assert default.kernels.bf16_matmul_min_rows is not None, "the default serves bf16 matmuls; update this test if not"
+    cfg = cfg.replace(engine=cfg.engine.override(
+        kernels=default.kernels, cache_dtype=default.cache.cache_dtype,
+        decode_steps=default.scheduler.decode_steps))
     return LLM(engine=build_engine(cfg, cache_dir, warmup=False))
 
 
@@ -155,7 +152,7 @@ def default_precision_llm(small_llm, cache_dir):
 def test_greedy_continuations_match_hf(engine, prompts, small_llm, hf_smollm2_model, request):
     from jaxserve import SamplingParams
     llm = request.getfixturevalue("default_precision_llm") if engine == "default" else small_llm
-    precision = "f32" if llm.engine.engine_config.bf16_matmul_min_rows is None else "bf16_matmul"
+    precision = "f32" if llm.engine.engine_config.kernels.bf16_matmul_min_rows is None else "bf16_matmul"
     assert precision == ("bf16_matmul" if engine == "default" else "f32")
     tie_margin = TIE_MARGIN[precision]
     names = list(prompts)

@@ -14,9 +14,10 @@ from jaxserve.sampling_params import SamplingParams
 
 
 def make(num_pages, **kw):
-    cfg = EngineConfig(page_size=4, max_model_len=32, max_num_seqs=kw.pop("max_num_seqs", 8),
-                       max_prefill_tokens=kw.pop("max_prefill_tokens", 64), max_prefill_seqs=4, **kw)
-    pool = PagePool(num_pages, cfg.page_size)
+    cfg = EngineConfig(max_model_len=32).override(
+        page_size=4, max_num_seqs=kw.pop("max_num_seqs", 8),
+        max_prefill_tokens=kw.pop("max_prefill_tokens", 64), max_prefill_seqs=4, **kw)
+    pool = PagePool(num_pages, cfg.cache.page_size)
     return Scheduler(cfg, pool), pool
 
 
@@ -163,8 +164,8 @@ def test_launched_records_computed_tokens_and_placeholders():
     from jaxserve.engine.scheduler import StepPlan
     from jaxserve.engine.sequence import PLACEHOLDER
     pool = PagePool(16, 4)
-    sched = Scheduler(EngineConfig(page_size=4, max_num_seqs=4, max_model_len=32,
-                                   max_prefill_tokens=32), pool)
+    sched = Scheduler(EngineConfig(max_model_len=32).override(
+        page_size=4, max_num_seqs=4, max_prefill_tokens=32), pool)
     a, b = seq("a", 5), seq("b", 3)
     b.output_ids = [7, 8]
     assert sched.launched(StepPlan("decode", [a, b]), 4) == [0, 2]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import MeshConfig
+from jaxserve.config import ParallelConfig
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.model.params import init_params, param_shardings
 from jaxserve.model.transformer import StepBatch, compute_logits, forward
@@ -90,7 +90,7 @@ def main():
     others = [rng.integers(0, cfg.vocab_size, n) for n in (30, 7, 3)]
     diff, sharded, base = {}, {}, None
     for tp in (1, 2, 4):
-        rules = ShardingRules(make_mesh(MeshConfig(tensor_parallel=tp))) if tp > 1 else None
+        rules = ShardingRules(make_mesh(ParallelConfig(tensor_parallel_size=tp))) if tp > 1 else None
         params = host if rules is None else jax.tree.map(jax.device_put, host, param_shardings(cfg, rules))
         logits = run(params, cfg, rules, ids, n_decode=2)
         base = logits if base is None else base

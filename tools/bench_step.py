@@ -1,7 +1,7 @@
 """Time the compiled engine step per shape, for two variants measured in the same run:
 
   --compare precision (default): f32 weights (the baseline) against bf16 weights with f32
-      accumulation, to choose `EngineConfig.bf16_matmul_min_rows` by measurement;
+      accumulation, to choose `KernelConfig.bf16_matmul_min_rows` by measurement;
   --compare attention: attention_impl "xla" (the baseline) against the C++ "cpu" kernel,
       both with the config's weights and a head-major KV pool;
   --compare matmul: f32 weights in XLA's dot (the baseline) against bf16 weights in the
@@ -11,13 +11,13 @@
       against the fused wq | wk | wv and w_gate | w_up calls the engine uses.
   --compare round_x: the C++ bf16 matmul with f32 activations (the baseline) against
       activations rounded to bf16 and the CPU's bf16 dot-product instruction at every row
-      count (EngineConfig.bf16_matmul_round_x_min_rows: where it wins).
+      count (KernelConfig.bf16_matmul_round_x_min_rows: where it wins).
   --compare decode_steps: the config's engine, time per decoded token with one token per
       dispatched step (the baseline) against multi-step decode (`--decode-steps`, default
       the config's decode_steps): 64 tokens per row dispatched back to back, as the engine
       does, then waited for. Decode shapes only.
   --compare kv_dtype: the config's engine with an f32 KV pool (the baseline) against a
-      bf16 pool, each as many pages as the config's kv_cache_bytes holds (the served pool
+      bf16 pool, each as many pages as the config's kv_cache_memory_bytes holds (the served pool
       size: a step that copied the pool would show).
 
     python tools/bench_step.py [--config configs/smollm2_135m.py] [--repeats 7]
@@ -113,16 +113,10 @@ def time_step(runner, batch, sampling, repeats: int) -> float:
 def served(params, ecfg, cache_dir: Path):
     """(params, kernels) as the engine serves f32 `params` with `ecfg` on one CPU device:
     the kernels it selects, the bf16 weight copies of bf16_matmul_min_rows."""
-    from jaxserve.kernels import select_kernels
-    from jaxserve.model.quantized import dual_precision_params
+    from jaxserve.kernels import prepare_params, select_kernels
 
-    kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
-    if ecfg.bf16_matmul_min_rows is not None:
-        params = dual_precision_params(params, ecfg.bf16_matmul_min_rows,
-                                       packed=kernels.matmul.packs_bf16,
-                                       max_rows=ecfg.bf16_matmul_max_rows,
-                                       round_x_min_rows=kernels.round_x_min_rows)
-    return params, kernels
+    kernels = select_kernels(ecfg.kernels, "cpu", 1, "float32", cache_dir / "kernels")
+    return prepare_params(params, ecfg.kernels, kernels), kernels
 
 
 def time_per_token(runner, batch, sampling, num_steps: int, repeats: int,
@@ -176,22 +170,23 @@ def main() -> None:
     ckpt = resolve_checkpoint(cfg.source, cache_dir)
     model_cfg = load_model_config(ckpt).replace(dtype="float32")
     params = load_params(ckpt, model_cfg)
-    ps = cfg.engine.page_size
+    ps = cfg.engine.cache.page_size
     num_pages = 1 + max(B * (L if k == "decode" else -(-L // ps)) for k, B, L in shapes)
     if args.compare == "precision":
-        ecfg = dataclasses.replace(cfg.engine, bf16_matmul_min_rows=None, weight_quant=None)
+        ecfg = cfg.engine.override(bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
+                                   bf16_matmul_round_x_min_rows=None, weight_quant=None)
         xla = Kernels("xla", "xla")
         base, var = "f32", "bf16"
         variants = {base: (params, xla),
                     var: (dual_precision_params(params, min_rows=1), xla)}  # bf16 at every shape
     elif args.compare == "attention":
-        ecfg = dataclasses.replace(cfg.engine, attention_impl="cpu")
+        ecfg = cfg.engine.override(attention_impl="cpu")
         params, kernels = served(params, ecfg, cache_dir)
         base, var = "xla", "cpu"
         variants = {base: (params, dataclasses.replace(kernels, attention="xla")),
                     var: (params, kernels)}
     elif args.compare == "round_x":
-        ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
+        ecfg = cfg.engine.override(matmul_impl="cpu", bf16_matmul_min_rows=1,
                                    bf16_matmul_max_rows=None, bf16_matmul_round_x_min_rows=1)
         params_x, kernels = served(params, ecfg, cache_dir)
         if kernels.round_x_min_rows is None:
@@ -204,21 +199,21 @@ def main() -> None:
     elif args.compare == "decode_steps":
         ecfg = cfg.engine
         params, kernels = served(params, ecfg, cache_dir)
-        n = args.decode_steps or ecfg.decode_steps
+        n = args.decode_steps or ecfg.scheduler.decode_steps
         if n < 2 or any(k != "decode" for k, _, _ in shapes):
             sys.exit("--compare decode_steps: needs --decode-steps >= 2 (or a config with "
                      "decode_steps >= 2) and decode shapes only")
         base, var = "1/step", f"{n}/step"
         variants = {base: (params, kernels)}  # one runner: both step kinds, same pool
     elif args.compare == "kv_dtype":
-        ecfg = dataclasses.replace(cfg.engine, kv_dtype="bfloat16")  # kernels for a bf16 pool
+        ecfg = cfg.engine.override(cache_dtype="bfloat16")  # kernels for a bf16 pool
         params, kernels = served(params, ecfg, cache_dir)
         base, var = "f32kv", "bf16kv"
         variants = {base: (params, kernels), var: (params, kernels)}
     else:  # the C++ bf16 matmul (every shape) against f32 in XLA's dot, or unfused calls
-        ecfg = dataclasses.replace(cfg.engine, matmul_impl="cpu", bf16_matmul_min_rows=1,
+        ecfg = cfg.engine.override(matmul_impl="cpu", bf16_matmul_min_rows=1,
                                    bf16_matmul_max_rows=None)
-        kernels = select_kernels(ecfg, "cpu", 1, "float32", cache_dir / "kernels")
+        kernels = select_kernels(ecfg.kernels, "cpu", 1, "float32", cache_dir / "kernels")
         fused = dual_precision_params(params, 1, packed=True)
         if args.compare == "fusion":
             base, var = "unfused", "fused"
@@ -230,12 +225,12 @@ def main() -> None:
                         var: (fused, kernels)}
     # the served KV dtype where both variants run the config's kernels, else f32 (XLA
     # attention in the precision comparison)
-    kv_dtype = (ecfg.kv_dtype or "float32") if args.compare in ("round_x", "decode_steps") \
+    kv_dtype = (ecfg.cache.cache_dtype or "float32") if args.compare in ("round_x", "decode_steps") \
         else "float32"
     pools = {name: (kv_dtype, num_pages) for name in variants}
     if args.compare == "kv_dtype":
         pools = {name: (dt, max(num_pages, num_pages_for_budget(model_cfg, ps, dt,
-                                                                ecfg.kv_cache_bytes)))
+                                                                ecfg.cache.kv_cache_memory_bytes)))
                  for name, dt in ((base, "float32"), (var, "bfloat16"))}
     runners = {name: Runner(model_cfg, ecfg, p,
                             init_kv_cache(model_cfg, pools[name][1], ps, pools[name][0],

@@ -44,9 +44,9 @@ def weight_bytes_per_token(model, engine) -> dict[str, int]:
     D, V = model.hidden_size, model.vocab_size
     itemsize = 4 if model.dtype == "float32" else 2
     proj = head = itemsize
-    if engine.bf16_matmul_min_rows == 1:  # decode (1 row) uses the bf16 copies
+    if engine.kernels.bf16_matmul_min_rows == 1:  # decode (1 row) uses the bf16 copies
         proj = head = 2
-    elif engine.weight_quant is not None:  # int8 / fp8 projections, head in the model dtype
+    elif engine.kernels.weight_quant is not None:  # int8 / fp8 projections, head in the model dtype
         proj = 1
     return {"layers": model.num_layers * layer * proj, "lm_head": V * D * head}
 

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
         return 1
     plan = plan_memory(cfg)
     print(f"{cfg.name}: {cfg.model.num_layers} layers, dtype {cfg.dtype or cfg.model.dtype}, "
-          f"tensor parallel {cfg.mesh.tensor_parallel}")
+          f"tensor parallel {cfg.parallel.tensor_parallel_size}")
     print(plan.table(int(args.device_gib * 2**30)))
     if plan.replicated_leaves:
         print("replicated (not divisible by the mesh):", ", ".join(plan.replicated_leaves))

@@ -67,7 +67,7 @@ def prefill_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, S
         rows = slice(start, start + n)
         b.tokens[rows] = s.all_ids
         b.positions[rows] = np.arange(n)
-        b.slot_mapping[rows] = _slots(s.block_table, 0, n, cfg.page_size)
+        b.slot_mapping[rows] = _slots(s.block_table, 0, n, cfg.cache.page_size)
         b.block_tables[i, :len(s.block_table)] = s.block_table
         b.seq_lens[i] = n
         b.logits_indices[i] = start + n - 1
@@ -95,7 +95,7 @@ def decode_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, Sa
         else:
             b.tokens[i] = s.last_token
         b.positions[i] = n - 1
-        b.slot_mapping[i] = _slots(s.block_table, n - 1, n, cfg.page_size)[0]
+        b.slot_mapping[i] = _slots(s.block_table, n - 1, n, cfg.cache.page_size)[0]
         b.block_tables[i, :len(s.block_table)] = s.block_table
         b.seq_lens[i] = n
         b.logits_indices[i] = i

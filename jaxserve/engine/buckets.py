@@ -23,7 +23,7 @@ def prefill_shape(lengths: list[int], cfg: EngineConfig) -> tuple[int, int, int]
 
 def _prefill_pages(T: int, cfg: EngineConfig) -> int:
     """The page bucket of a prefill step of T token rows (no prompt is longer than T)."""
-    return bucket_for(-(-T // cfg.page_size), cfg.page_counts)
+    return bucket_for(-(-T // cfg.cache.page_size), cfg.page_counts)
 
 
 def warmup_shapes(cfg: EngineConfig) -> list[tuple[str, int, int, int, int]]:
@@ -35,9 +35,9 @@ def warmup_shapes(cfg: EngineConfig) -> list[tuple[str, int, int, int, int]]:
     for T in cfg.prefill_lengths:
         P = _prefill_pages(T, cfg)
         for S in cfg.prefill_batch_sizes:
-            if S == 1 or T <= cfg.max_prefill_tokens:
+            if S == 1 or T <= cfg.scheduler.max_prefill_tokens:
                 shapes.append(("prefill", T, S, P, 1))
-    steps = sorted({1, cfg.decode_steps})
+    steps = sorted({1, cfg.scheduler.decode_steps})
     for S in cfg.decode_batch_sizes:
         for P in cfg.page_counts:
             shapes.extend(("decode", S, S, P, n) for n in steps)

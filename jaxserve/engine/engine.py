@@ -68,10 +68,10 @@ class Engine:
         self.pool = PagePool(cache.num_pages, cache.page_size)
         if self.pool.capacity < engine_config.max_pages_per_seq:
             raise ConfigError(
-                f"EngineConfig.kv_cache_bytes holds {self.pool.capacity} pages of "
+                f"CacheConfig.kv_cache_memory_bytes holds {self.pool.capacity} pages of "
                 f"{cache.page_size} tokens but one sequence of max_model_len="
                 f"{engine_config.max_model_len} needs {engine_config.max_pages_per_seq}: "
-                f"raise kv_cache_bytes or lower max_model_len")
+                f"raise kv_cache_memory_bytes or lower max_model_len")
         self.scheduler = Scheduler(engine_config, self.pool)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -237,7 +237,7 @@ class Engine:
         """Tokens per sequence for a planned decode step: decode_steps when no request
         waits, every sequence has that many tokens left (max_tokens, max_model_len) and
         the free pages hold them (reserved here); else 1."""
-        n = self.engine_config.decode_steps
+        n = self.engine_config.scheduler.decode_steps
         if n == 1 or self.scheduler.waiting:
             return 1
         limit = self.engine_config.max_model_len

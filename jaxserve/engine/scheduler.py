@@ -98,16 +98,16 @@ class Scheduler:
         return max(0, self.pool.pages_for(seq.num_tokens + extra_tokens) - len(seq.block_table))
 
     def _admit(self) -> list[Sequence]:
-        cfg, batch = self.cfg, []
+        cfg, limits, batch = self.cfg, self.cfg.scheduler, []
         reserve = sum(self._decode_need(s) for s in self.running)
         free = self.pool.num_free
-        while self.waiting and len(self.running) + len(batch) < cfg.max_num_seqs \
-                and len(batch) < cfg.max_prefill_seqs:
+        while self.waiting and len(self.running) + len(batch) < limits.max_num_seqs \
+                and len(batch) < limits.max_prefill_seqs:
             seq = self.waiting[0]
             if batch:  # packed one after another: the step's rows are the summed lengths
                 total = sum(s.num_tokens for s in batch) + seq.num_tokens
                 if (total > cfg.prefill_lengths[-1]
-                        or bucket_for(total, cfg.prefill_lengths) > cfg.max_prefill_tokens):
+                        or bucket_for(total, cfg.prefill_lengths) > limits.max_prefill_tokens):
                     break
             pages = self.pool.pages_for(seq.num_tokens)
             # its first decode writes one more token: it may need one more page

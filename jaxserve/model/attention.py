@@ -5,7 +5,7 @@ whole context through its block table.
 One interface serves prefill of several prompts, decode (one row per sequence; a static
 `decode` flag lets implementations use their decode specialisation), and later chunked
 prefill, prefix-cache hits and speculative verification. The engine picks one `Attention`
-when it is built (EngineConfig.attention_impl -> XlaAttention, CpuAttention or
+when it is built (KernelConfig.attention_impl -> XlaAttention, CpuAttention or
 PallasAttention); the model builds its `AttentionMetadata` once per step (outside the
 layer loop) and each layer calls it with its own pool. XlaAttention gathers the context
 pages and runs dense masked softmax attention; the kernels drop in behind the same call.
@@ -75,7 +75,7 @@ class Attention:
     compared anywhere else. Subclasses are frozen dataclasses: hashable, equal by value,
     so a backend can be part of a jitted function's static configuration.
 
-    name: the EngineConfig.attention_impl it stands for. kv_layout: the KV pool layout it
+    name: the KernelConfig.attention_impl it stands for. kv_layout: the KV pool layout it
     wants allocated (jaxserve.kv_cache); layouts: the layouts it can read.
     """
 

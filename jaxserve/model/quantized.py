@@ -239,7 +239,7 @@ def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
 
 class Matmul:
     """The projections' implementation, chosen once when the engine is built
-    (EngineConfig.matmul_impl) and called by the model. The weight's leaf type says what
+    (KernelConfig.matmul_impl) and called by the model. The weight's leaf type says what
     it holds (a float array, a DualPrecisionWeight, a QuantizedWeight); the Matmul says
     which kernel a quantised weight runs in and whether the bf16 copies are packed for the
     C++ kernel (`packs_bf16`, at load). Subclasses are frozen dataclasses: hashable, equal

@@ -7,7 +7,8 @@ default's precision against HF)."""
 
 import dataclasses
 
-from jaxserve.config import EngineConfig, load_config
+from jaxserve.config import (CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig,
+                             load_config)
 from pathlib import Path
 
 _DEFAULT = load_config(Path(__file__).resolve().parents[2] / "configs" / "smollm2_135m.py")
@@ -18,15 +19,12 @@ CONFIG = dataclasses.replace(
     _DEFAULT,
     name="smollm2_135m_small",
     engine=EngineConfig(
-        page_size=16,
-        kv_cache_bytes=81 * PAGE_BYTES,  # 80 usable pages + the null page
-        max_num_seqs=16,
         max_model_len=512,
-        max_prefill_tokens=512,
-        max_prefill_seqs=4,
-        decode_batch_buckets=(1, 4, 16),
-        prefill_len_buckets=(32, 128, 512),
-        prefill_batch_buckets=(1, 4),
-        page_buckets=(8, 32),
+        cache=CacheConfig(page_size=16,
+                          kv_cache_memory_bytes=81 * PAGE_BYTES),  # 80 usable pages + the null page
+        scheduler=SchedulerConfig(max_num_seqs=16, max_prefill_tokens=512, max_prefill_seqs=4),
+        compilation=CompilationConfig(decode_batch_buckets=(1, 4, 16),
+                                      prefill_len_buckets=(32, 128, 512),
+                                      prefill_batch_buckets=(1, 4), page_buckets=(8, 32)),
     ),
 )

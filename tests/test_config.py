@@ -1,0 +1,63 @@
+"""The engine's configuration groups: each checks its own fields, EngineConfig what spans
+them, check_deployment what needs the model and the mesh; override() routes by name."""
+
+import pytest
+
+from jaxserve.config import (CacheConfig, CompilationConfig, ConfigError, EngineConfig,
+                             KernelConfig, ParallelConfig, SchedulerConfig, check_deployment)
+from model_utils import tiny_config
+
+
+def test_override_routes_each_field_to_its_group():
+    base = EngineConfig(max_model_len=64)
+    cfg = base.override(page_size=8, max_num_seqs=4, attention_impl="xla",
+                        page_buckets=(2, 16), max_model_len=128, seed=7)
+    assert cfg.cache == CacheConfig(page_size=8)
+    assert cfg.scheduler == SchedulerConfig(max_num_seqs=4)
+    assert cfg.kernels == KernelConfig(attention_impl="xla")
+    assert cfg.compilation == CompilationConfig(page_buckets=(2, 16))
+    assert (cfg.max_model_len, cfg.seed) == (128, 7)
+    assert base == EngineConfig(max_model_len=64)  # frozen: the original is unchanged
+    # a whole group, then a field of it on top
+    assert base.override(kernels=KernelConfig(sampling_impl="xla"),
+                         attention_impl="xla").kernels == KernelConfig("xla", "auto", "xla")
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"page_sise": 8}, "EngineConfig has no field 'page_sise'"),
+    ({"page_size": 0}, "CacheConfig.page_size must be > 0, got 0"),
+    ({"cache_dtype": "int4"}, "CacheConfig.cache_dtype must be None, 'float32'"),
+    ({"max_num_seqs": -1}, "SchedulerConfig.max_num_seqs must be > 0"),
+    ({"decode_batch_buckets": (0, 4)}, "CompilationConfig.decode_batch_buckets must be positive"),
+    # a bucket list must reach the limit of another group
+    ({"max_num_seqs": 8, "decode_batch_buckets": (1, 4)},
+     r"CompilationConfig.decode_batch_buckets must reach 8, got \(1, 4\)"),
+    ({"page_size": 4, "page_buckets": (8,)}, "CompilationConfig.page_buckets must reach 16"),
+    ({"matmul_impl": "cpu"}, "KernelConfig.matmul_impl='cpu' runs the bf16 weight copies"),
+    ({"max_model_len": 0}, "EngineConfig.max_model_len must be > 0"),
+])
+def test_each_group_names_the_field_it_refuses(fields, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(max_model_len=64).override(**fields)
+
+
+def test_a_group_must_be_of_its_type():
+    with pytest.raises(ConfigError, match="EngineConfig.cache must be a CacheConfig"):
+        EngineConfig(cache=SchedulerConfig())
+
+
+def test_check_deployment_needs_of_the_model_and_mesh():
+    f32, bf16 = tiny_config(dtype="float32"), tiny_config(dtype="bfloat16")
+    one, tp2 = ParallelConfig(), ParallelConfig(tensor_parallel_size=2)
+    check_deployment(EngineConfig(), bf16, tp2)  # nothing asked that TP or bf16 refuses
+    copies = EngineConfig().override(bf16_matmul_min_rows=1)
+    check_deployment(copies, f32, one)
+    with pytest.raises(ConfigError, match="bf16_matmul_min_rows needs float32 weights"):
+        check_deployment(copies, bf16, one)
+    with pytest.raises(ConfigError, match="bf16_matmul_min_rows is not supported with tensor"):
+        check_deployment(copies, f32, tp2)
+    with pytest.raises(ConfigError, match="weight_quant is not supported with tensor"):
+        check_deployment(EngineConfig().override(weight_quant="int8"), f32, tp2)
+    assert tp2.num_devices == 2
+    with pytest.raises(ConfigError, match="ParallelConfig.tensor_parallel_size must be > 0"):
+        ParallelConfig(tensor_parallel_size=0)
