@@ -22,7 +22,7 @@ import time
 import uvicorn
 
 from jaxserve.api import DEFAULT_CONFIG, build_engine
-from jaxserve.config import ConfigError, ServerConfig, load_config
+from jaxserve.config import ConfigError, EngineConfig, ServerConfig, load_config
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.metrics import Metrics
 from jaxserve.server import Lifecycle, build_app
@@ -88,6 +88,31 @@ def _server_config(base: ServerConfig, args: argparse.Namespace) -> ServerConfig
     return dataclasses.replace(base, **given)
 
 
+# serve.py flags (vLLM's spellings) that set EngineConfig fields (EngineConfig.override).
+ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "enable_chunked_prefill", "kv_cache_memory_bytes")
+
+
+def _engine_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """The config's EngineConfig with the engine flags given on the command line."""
+    return base.override(**{name: getattr(args, name) for name in ENGINE_FLAGS
+                            if getattr(args, name) is not None})
+
+
+def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-model-len", type=int,
+                    help="most tokens (prompt + output) of one request (default: the config's)")
+    ap.add_argument("--max-num-seqs", type=int,
+                    help="most requests running at once (default: the config's)")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="token rows one step computes: decode tokens first, then prompt "
+                         "chunks (default: the config's)")
+    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                    default=None, help="split long prompts across steps (default: the config's, on)")
+    ap.add_argument("--kv-cache-memory-bytes", type=int,
+                    help="device memory for the KV page pool, bytes (default: the config's)")
+
+
 def _add_limit_flags(ap: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     ap.add_argument("--max-request-body-bytes", type=int,
@@ -125,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-background-warmup", dest="background_warmup", action="store_false",
                     help="compile every step shape before serving (default: serve once the "
                          "first shapes are compiled, compile the rest in the background)")
+    _add_engine_flags(ap)
     _add_limit_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
@@ -133,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config)
     try:
         server_config = _server_config(config.server, args)
+        config = config.replace(engine=_engine_config(config.engine, args))
     except ConfigError as e:
         ap.error(str(e))
     host, port = args.host or config.host, args.port or config.port

@@ -24,5 +24,5 @@ CONFIG = Config(
     engine=EngineConfig(
         max_model_len=8192,
         cache=CacheConfig(page_size=16, kv_cache_memory_bytes=40 * 2**30),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_prefill_tokens=8192)),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192)),
 )

@@ -25,8 +25,10 @@ CONFIG = Config(
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=32,
-            max_prefill_tokens=1024,
-            max_prefill_seqs=4,
+            # A step's rows: 32 decode tokens and a prompt chunk of up to 480 tokens, a
+            # step short enough that streams keep flowing while a long prompt is
+            # prefilled, long enough to amortise the weight reads over many rows.
+            max_num_batched_tokens=512,
             # Multi-step decode: up to 8 tokens per sequence per dispatch while no request
             # waits (the host loop, dispatch and output processing once per 8 tokens; they
             # share the 2 cores with the kernels).
@@ -35,12 +37,11 @@ CONFIG = Config(
         # Each bucket is one XLA compilation at warm-up (cached on disk after the first
         # start): fewer buckets start faster and pad more.
         compilation=CompilationConfig(
-            decode_batch_buckets=(1, 4, 8, 16, 32),
+            seq_buckets=(1, 4, 8, 16, 32),
+            # powers of two, and 384: a mixed step's time grows with its padded rows
+            token_buckets=(16, 32, 64, 128, 256, 384, 512),
+            # only for XLA attention (the C++ kernel reads each sequence's own pages)
             page_buckets=(4, 16, 32, 64, 128),
-            # powers of two, plus 1.5x steps from 256 up: prefill time grows faster than
-            # linearly with the padded length
-            prefill_len_buckets=(16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048),
-            prefill_batch_buckets=(1, 4),
         ),
         kernels=KernelConfig(
             # bf16 weights in the C++ kernel for every matmul (faster than f32 weights in

@@ -109,15 +109,23 @@ class LLM:
 
     `config`: a Config, a path to a config file, or None for the default (SmolLM2-135M).
     `engine`: an already built Engine (then config/cache_dir are ignored).
+    `**engine_fields`: EngineConfig fields set over the config's, by their names
+    (`max_num_seqs=8`, `max_num_batched_tokens=256`, `enable_chunked_prefill=False`: see
+    EngineConfig.override, which raises ConfigError for an unknown name or bad value).
     """
 
     def __init__(self, config: Config | str | Path | None = None, *,
                  cache_dir: str | Path | None = None, warmup: bool = True,
-                 engine: Engine | None = None):
+                 engine: Engine | None = None, **engine_fields):
         if engine is None:
             if not isinstance(config, Config):
                 config = load_config(config or DEFAULT_CONFIG)
+            if engine_fields:
+                config = config.replace(engine=config.engine.override(**engine_fields))
             engine = build_engine(config, cache_dir, warmup=warmup)
+        elif engine_fields:
+            raise ConfigError(f"LLM: engine fields {sorted(engine_fields)} need a config, "
+                              "not a built engine")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._ids = itertools.count()

@@ -146,6 +146,13 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _up_to(buckets: tuple[int, ...] | None, lo: int, limit: int) -> tuple[int, ...]:
+    """`buckets` below `limit`, then `limit` (None: powers of two from `lo`)."""
+    if buckets is None:
+        return _pow2_buckets(lo, limit)
+    return tuple(b for b in buckets if b < limit) + (limit,)
+
+
 def _positive(group: str, obj, names) -> None:
     for name in names:
         if getattr(obj, name) <= 0:
@@ -179,11 +186,13 @@ class CacheConfig:
 class SchedulerConfig:
     """What one step may hold (vLLM's SchedulerConfig).
 
-    max_num_seqs: most sequences running (decoded in one step).
-    max_prefill_tokens: budget of token rows (the token bucket of the prompts' summed
-        lengths) for packing several prompts into one prefill step; a single prompt up to
-        max_model_len always gets a step of its own.
-    max_prefill_seqs: most prompts prefilled in one step.
+    max_num_seqs: most sequences running (each decodes one token per step).
+    max_num_batched_tokens: token rows one step computes (its budget: decode tokens
+        first, then prompt chunks; jaxserve.engine.scheduler). At least max_num_seqs, so
+        that every running sequence decodes in every step.
+    enable_chunked_prefill: split a prompt longer than what is left of a step's budget
+        across steps (its last chunk samples). Off: a prompt is prefilled whole, so the
+        budget must hold max_model_len tokens (as in vLLM).
     decode_steps: tokens each sequence decodes per dispatched step when no request is
         waiting and every sequence of the batch has that many tokens left (multi-step
         decode: the host loop, the dispatch and the output processing run once per
@@ -193,31 +202,39 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 32
-    max_prefill_tokens: int = 2048
-    max_prefill_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
     decode_steps: int = 1
 
     def __post_init__(self):
-        _positive("SchedulerConfig", self, ("max_num_seqs", "max_prefill_tokens",
-                                            "max_prefill_seqs", "decode_steps"))
+        _positive("SchedulerConfig", self, ("max_num_seqs", "max_num_batched_tokens",
+                                            "decode_steps"))
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                              f"must be at least max_num_seqs ({self.max_num_seqs}): every "
+                              "running sequence decodes a token in every step")
 
 
 @dataclasses.dataclass(frozen=True)
 class CompilationConfig:
     """The padded shapes the jitted step is compiled for (vLLM's CompilationConfig holds the
-    CUDA-graph capture sizes, the same idea). None = powers of two up to the limit.
+    CUDA-graph capture sizes, the same idea). None = powers of two up to the limit. The
+    limit itself is always the largest bucket, and buckets past it are dropped
+    (EngineConfig.seq_buckets / token_buckets / page_counts), so a flag that raises or
+    lowers a limit needs no new bucket list.
 
-    decode_batch_buckets: sequences per decode step (up to max_num_seqs).
-    prefill_len_buckets: token rows per prefill step (the prompts of a step are packed one
-        after another; up to max_model_len).
-    prefill_batch_buckets: sequences per prefill step (up to max_prefill_seqs).
-    page_buckets: block-table pages per sequence (up to max_model_len / page_size).
-    Each bucket is one compilation at warm-up: fewer buckets start faster and pad more.
+    seq_buckets: sequences per step (up to max_num_seqs).
+    token_buckets: token rows per mixed step (prompt chunks and decode tokens, packed one
+        sequence after another; up to max_num_batched_tokens; a decode step has one row
+        per sequence).
+    page_buckets: block-table pages per sequence (up to max_model_len / page_size), for
+        attention implementations whose cost grows with them (jaxserve.engine.buckets).
+    Each combination is one compilation at warm-up (jaxserve.engine.buckets.StepShapes):
+    fewer buckets start faster and pad more.
     """
 
-    decode_batch_buckets: tuple[int, ...] | None = None
-    prefill_len_buckets: tuple[int, ...] | None = None
-    prefill_batch_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -348,14 +365,12 @@ class EngineConfig:
             if not isinstance(getattr(self, name), group):
                 raise ConfigError(f"EngineConfig.{name} must be a {group.__name__}, "
                                   f"got {getattr(self, name)!r}")
-        c = self.compilation
-        for name, hi in (("decode_batch_buckets", self.scheduler.max_num_seqs),
-                         ("prefill_len_buckets", self.max_model_len),
-                         ("prefill_batch_buckets", self.scheduler.max_prefill_seqs),
-                         ("page_buckets", self.max_pages_per_seq)):
-            b = getattr(c, name)
-            if b is not None and b[-1] < hi:
-                raise ConfigError(f"CompilationConfig.{name} must reach {hi}, got {b}")
+        limits = self.scheduler
+        if (not limits.enable_chunked_prefill
+                and limits.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(f"SchedulerConfig.max_num_batched_tokens ({limits.max_num_batched_tokens}) "
+                              f"must hold max_model_len ({self.max_model_len}) tokens when "
+                              "enable_chunked_prefill is off (a prompt is prefilled whole)")
 
     def override(self, **fields) -> "EngineConfig":
         """A copy with `fields` set, each named as in its group (`page_size=8`,
@@ -381,23 +396,17 @@ class EngineConfig:
         return -(-self.max_model_len // self.cache.page_size)
 
     @property
-    def decode_batch_sizes(self) -> tuple[int, ...]:
-        return self.compilation.decode_batch_buckets or _pow2_buckets(
-            1, self.scheduler.max_num_seqs)
+    def seq_buckets(self) -> tuple[int, ...]:
+        return _up_to(self.compilation.seq_buckets, 1, self.scheduler.max_num_seqs)
 
     @property
-    def prefill_lengths(self) -> tuple[int, ...]:
-        return self.compilation.prefill_len_buckets or _pow2_buckets(
-            min(16, self.max_model_len), self.max_model_len)
-
-    @property
-    def prefill_batch_sizes(self) -> tuple[int, ...]:
-        return self.compilation.prefill_batch_buckets or _pow2_buckets(
-            1, self.scheduler.max_prefill_seqs)
+    def token_buckets(self) -> tuple[int, ...]:
+        budget = self.scheduler.max_num_batched_tokens
+        return _up_to(self.compilation.token_buckets, min(16, budget), budget)
 
     @property
     def page_counts(self) -> tuple[int, ...]:
-        return self.compilation.page_buckets or _pow2_buckets(1, self.max_pages_per_seq)
+        return _up_to(self.compilation.page_buckets, 1, self.max_pages_per_seq)
 
 
 @dataclasses.dataclass(frozen=True)

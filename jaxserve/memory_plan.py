@@ -121,9 +121,9 @@ def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -
                 + 3 * T * split(model.intermediate_size) * b                            # gate, up, product
                 + B * split(model.vocab_size) * 4)                                      # f32 logits
 
-    prefill = step(1, ecfg.max_model_len, ecfg.max_model_len)
     limits = ecfg.scheduler
-    per_prompt = limits.max_prefill_tokens // limits.max_prefill_seqs
-    batched = step(limits.max_prefill_seqs, per_prompt, per_prompt)
+    # a prompt chunk of the whole budget over the longest context, or every sequence's
+    # decode token
+    chunk = step(1, min(limits.max_num_batched_tokens, ecfg.max_model_len), ecfg.max_model_len)
     decode = step(limits.max_num_seqs, 1, ecfg.max_model_len)
-    return max(prefill, batched, decode)
+    return max(chunk, decode)

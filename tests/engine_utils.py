@@ -11,8 +11,7 @@ TINY_CFG = tiny_config(vocab_size=258, hidden_size=32, intermediate_size=48, num
 TINY_PAGE = 4
 TINY_ECFG = EngineConfig(max_model_len=64).override(
     page_size=TINY_PAGE, kv_cache_memory_bytes=65 * 2 * 2 * TINY_PAGE * 2 * 8 * 4,
-    max_num_seqs=4, max_prefill_tokens=64, max_prefill_seqs=4,
-    decode_batch_buckets=(1, 4), prefill_len_buckets=(16, 64), prefill_batch_buckets=(1, 4),
+    max_num_seqs=4, max_num_batched_tokens=64, seq_buckets=(1, 4), token_buckets=(16, 64),
     page_buckets=(16,))
 
 

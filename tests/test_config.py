@@ -28,17 +28,31 @@ def test_override_routes_each_field_to_its_group():
     ({"page_size": 0}, "CacheConfig.page_size must be > 0, got 0"),
     ({"cache_dtype": "int4"}, "CacheConfig.cache_dtype must be None, 'float32'"),
     ({"max_num_seqs": -1}, "SchedulerConfig.max_num_seqs must be > 0"),
-    ({"decode_batch_buckets": (0, 4)}, "CompilationConfig.decode_batch_buckets must be positive"),
-    # a bucket list must reach the limit of another group
-    ({"max_num_seqs": 8, "decode_batch_buckets": (1, 4)},
-     r"CompilationConfig.decode_batch_buckets must reach 8, got \(1, 4\)"),
-    ({"page_size": 4, "page_buckets": (8,)}, "CompilationConfig.page_buckets must reach 16"),
+    ({"seq_buckets": (0, 4)}, "CompilationConfig.seq_buckets must be positive"),
     ({"matmul_impl": "cpu"}, "KernelConfig.matmul_impl='cpu' runs the bf16 weight copies"),
     ({"max_model_len": 0}, "EngineConfig.max_model_len must be > 0"),
+    ({"max_num_seqs": 32, "max_num_batched_tokens": 16},
+     r"SchedulerConfig.max_num_batched_tokens \(16\) must be at least max_num_seqs \(32\)"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 32},
+     r"max_num_batched_tokens \(32\) must hold max_model_len \(64\)"),
 ])
 def test_each_group_names_the_field_it_refuses(fields, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(max_model_len=64).override(**fields)
+
+
+def test_buckets_end_at_their_limit():
+    """The limit is always the largest bucket; buckets past it are dropped (a flag can
+    move a limit without a new bucket list)."""
+    cfg = EngineConfig(max_model_len=64).override(
+        page_size=4, max_num_seqs=8, max_num_batched_tokens=100, seq_buckets=(1, 4, 16),
+        token_buckets=(16, 64, 512), page_buckets=(2, 8))
+    assert cfg.seq_buckets == (1, 4, 8)
+    assert cfg.token_buckets == (16, 64, 100)
+    assert cfg.page_counts == (2, 8, 16)
+    default = EngineConfig(max_model_len=64).override(page_size=4, max_num_seqs=6,
+                                                      max_num_batched_tokens=40)
+    assert default.seq_buckets == (1, 2, 4, 6) and default.token_buckets == (16, 32, 40)
 
 
 def test_a_group_must_be_of_its_type():

@@ -83,6 +83,9 @@ def _delete_cache(runner):
 
 
 def test_failed_dispatch_fails_its_step_then_recovers(params):
+    """A step that fails at dispatch (its donated pool gone) fails the requests in it (a's
+    decode token and b's prompt share the step); the engine makes a fresh pool and serves
+    the next request as if nothing happened."""
     want = reference(params, REQUESTS)
     engine = make_engine(params)
     engine.add_request("a", *REQUESTS[0][1:])
@@ -98,17 +101,16 @@ def test_failed_dispatch_fails_its_step_then_recovers(params):
             raise RuntimeError("injected device failure")
         return run
     engine.runner._executable = failing
-    engine.add_request("b", *REQUESTS[1][1:])  # its prefill is the step that fails
+    engine.add_request("b", *REQUESTS[1][1:])  # its prefill is in the step that fails
     done = {}
     for out in engine.step():
         done[out.request_id] = out
-    assert done["b"].finish_reason == "error"
+    assert done["b"].finish_reason == "error" and done["a"].finish_reason == "error"
     assert engine.num_kv_resets == 1 and engine.healthy
     engine.add_request("c", *REQUESTS[2][1:])
     done.update(drain(engine))
-    assert done["a"].token_ids == want["a"], "recomputed after the reset, same tokens"
     assert done["c"].token_ids == want["c"]
-    assert engine.scheduler.num_preemptions == 1, "a was recomputed in the fresh pool"
+    assert engine.num_failed_requests == 2
     assert_whole(engine)
 
 

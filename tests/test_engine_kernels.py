@@ -25,8 +25,9 @@ import pytest
 from jaxserve.config import (ConfigError, EngineConfig, KernelConfig, load_config,
                              resolve_attention_impl,
                              resolve_impl)
-from jaxserve.engine.buckets import warmup_shapes
+from jaxserve.engine.buckets import StepShapes
 from jaxserve.kv_cache import abstract_kv_cache, num_pages_for_budget
+from jaxserve.model.attention import PallasAttention
 from jaxserve.model.params import abstract_params, init_params
 from jaxserve.model.quantized import PROJECTIONS, QuantizedWeight, quantize_params
 from jaxserve.model.transformer import Kernels
@@ -230,12 +231,13 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     pages = S((n, ps, K, Dh), dtype)
     i32 = jnp.int32
     calls = {}
-    for kind, T, B, P, _ in warmup_shapes(ecfg):
+    shapes = StepShapes(ecfg, bucket_pages=PallasAttention().pads_pages).warmup()
+    for kind, T, B, P, _ in shapes:
         if kind == "decode":
             calls[("decode", B, P)] = (functools.partial(paged_attention, impl="pallas"),
                                        (S((B, H, Dh), dtype), pages, pages, S((B, P), i32), S((B,), i32)))
         else:
-            calls[("prefill", T, B, P)] = (functools.partial(flash_attention, impl="pallas"),
+            calls[("mixed", T, B, P)] = (functools.partial(flash_attention, impl="pallas"),
                                            (S((T, H, Dh), dtype), pages, pages, S((B, P), i32),
                                             S((B + 1,), i32), S((B,), i32)))
     return calls
@@ -246,7 +248,7 @@ def _matmul_calls(model_cfg, ecfg: EngineConfig, dtype):
 
     S = jax.ShapeDtypeStruct
     layer = abstract_params(model_cfg).layers[0]
-    ms = sorted({T for _, T, _, _, _ in warmup_shapes(ecfg)})
+    ms = sorted({T for _, T, _, _, _ in StepShapes(ecfg).warmup()})
     calls = {}
     for fmt, group in (("int8", None), ("int8", 128), ("fp8_e4m3", None)):
         wdt = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn
@@ -292,7 +294,7 @@ def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     """The jitted engine step (forward, logits, sampling) of a SmolLM2-shaped model with
     Pallas attention and int8 Pallas matmuls, bf16, lowered for CUDA."""
@@ -302,7 +304,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
                       num_layers=2, vocab_size=4096, dtype="bfloat16")
     params = jax.eval_shape(lambda p: quantize_params(p, "int8", 64), abstract_params(cfg))
     cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
-    key = StepKey("decode", 8, 8, 16) if kind == "decode" else StepKey("prefill", 128, 2, 8)
+    key = StepKey("decode", 8, 8, 16) if kind == "decode" else StepKey("mixed", 128, 2, 8)
     batch, sampling = _abstract_inputs(key, None)
     step = functools.partial(_step, cfg=cfg, rules=None, kernels=Kernels("pallas", "pallas"))
     prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)

@@ -230,11 +230,10 @@ def test_background_warmup_serves_at_once_and_compiles_each_shape_once(cache_dir
     from conftest import SMALL_CONFIG
     from jaxserve.api import LLM, build_engine
     from jaxserve.config import load_config
-    from jaxserve.engine.buckets import warmup_shapes
 
     engine = build_engine(load_config(SMALL_CONFIG), cache_dir, warmup="background")
     from jaxserve.engine.runner import StepKey
-    all_shapes = {StepKey(*shape) for shape in warmup_shapes(engine.engine_config)}
+    all_shapes = {StepKey(*shape) for shape in engine.runner.shapes.warmup()}
     assert engine.stats()["warmup_pending"] == len(all_shapes) - 2 > 0
     llm = LLM(engine=engine)
     rng = np.random.default_rng(6)

@@ -20,7 +20,7 @@ import pytest
 
 from engine_utils import TINY_CFG as CFG, TINY_ECFG as ECFG, TINY_PAGE as PAGE
 from engine_utils import run_staggered, tiny_engine, tiny_params
-from jaxserve.engine.batch import decode_batch, prefill_batch
+from jaxserve.engine.batch import step_batch
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.scheduler import StepPlan
@@ -68,13 +68,15 @@ def test_runner_multi_step_equals_single_steps(params):
                         Kernels("xla", "xla", "xla"))
         run_seqs = [dataclasses.replace(s, output_ids=[], block_table=list(s.block_table))
                     for s in seqs]
-        b, smp = prefill_batch(run_seqs, ECFG)
+        b, smp = step_batch(StepPlan(run_seqs, [s.num_tokens for s in run_seqs]), runner.shapes)
         first, _ = runner.run(b, smp)
         for j, s in enumerate(run_seqs):
             s.output_ids.append(int(first[0, j]))
         tokens, logprobs, prev = [], [], {}
         for _ in range(4 // n_steps):
-            b, smp = decode_batch(run_seqs, ECFG, prev)
+            for s in run_seqs:  # every token but the last is in the pages
+                s.num_computed = s.num_tokens - 1
+            b, smp = step_batch(StepPlan(run_seqs, [1] * len(run_seqs)), runner.shapes, prev)
             t, lp = runner.run(b, smp, n_steps)
             tokens.append(t[:, :3])
             logprobs.append(lp[:, :3])
@@ -135,13 +137,13 @@ def test_waiting_request_turns_multi_step_off(params):
     engine.step()  # decode: nothing waits -> 4 tokens
     seq = engine._seqs["a"]
     assert seq.output_ids.count(PLACEHOLDER) == 4
-    assert engine._num_decode_steps(StepPlan("decode", [seq])) == 4
+    assert engine._num_decode_steps(StepPlan([seq], [1])) == 4
     engine.add_request("b", [4, 5], sp)
-    assert engine._num_decode_steps(StepPlan("decode", [seq])) == 1
+    assert engine._num_decode_steps(StepPlan([seq], [1])) == 1
     # near max_tokens: fewer than 4 tokens left -> single steps
     engine.abort_request("b")
     seq.params = dataclasses.replace(sp, max_tokens=len(seq.output_ids) + 3)
-    assert engine._num_decode_steps(StepPlan("decode", [seq])) == 1
+    assert engine._num_decode_steps(StepPlan([seq], [1])) == 1
 
 
 def test_abort_inside_a_burst_reports_no_placeholder(params):

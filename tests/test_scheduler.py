@@ -1,22 +1,22 @@
-"""Scheduler: admission, decode page reservation, preemption order (host only, no JAX).
-
-A fake "model" appends token 7 to every scheduled sequence, so the scheduler's page
-accounting is checked step by step without a device.
-"""
+"""Scheduler tests (pure Python, no JAX): the token budget, chunked prefill, preemption,
+and the invariants any workload keeps (budget never exceeded, pages cover the computed
+tokens, no page owned twice, everything finishes, the pool is full again)."""
 
 import random
 
+import pytest
+
 from jaxserve.config import EngineConfig
 from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.scheduler import Scheduler, StepPlan
+from jaxserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxserve.sampling_params import SamplingParams
 
 
 def make(num_pages, **kw):
-    cfg = EngineConfig(max_model_len=32).override(
+    cfg = EngineConfig(max_model_len=kw.pop("max_model_len", 32)).override(
         page_size=4, max_num_seqs=kw.pop("max_num_seqs", 8),
-        max_prefill_tokens=kw.pop("max_prefill_tokens", 64), max_prefill_seqs=4, **kw)
+        max_num_batched_tokens=kw.pop("max_num_batched_tokens", 64), **kw)
     pool = PagePool(num_pages, cfg.cache.page_size)
     return Scheduler(cfg, pool), pool
 
@@ -26,63 +26,103 @@ def seq(rid, n, max_tokens=8):
                     params=SamplingParams(max_tokens=max_tokens), seed=0)
 
 
-def run_to_completion(sched, seqs, max_steps=10_000):
-    """Drive the scheduler like the engine does; returns the kinds of steps taken."""
-    kinds = []
+def check_plan(sched, plan):
+    """What every plan keeps: within the budget, every planned sequence running with the
+    pages of its chunk, no page owned twice, pool accounting exact."""
+    assert plan.num_tokens <= sched.cfg.scheduler.max_num_batched_tokens
+    assert len(sched.running) <= sched.cfg.scheduler.max_num_seqs
+    for s, n in zip(plan.seqs, plan.num_new):
+        assert s.status is SequenceStatus.RUNNING and n >= 1
+        assert s.num_computed + n <= s.num_tokens
+        assert len(s.block_table) * sched.pool.page_size >= s.num_computed + n
+    live = [p for s in sched.running for p in s.block_table]
+    assert len(live) == len(set(live)), "a page is owned twice"
+    assert len(live) + sched.pool.num_free == sched.pool.capacity
+
+
+def advance(sched, plan, token=7):
+    """What the engine does with a launched plan once its tokens are read."""
+    first = sched.launched(plan, 1)
+    for s, index in zip(plan.seqs, first):
+        if index is None:
+            continue
+        s.output_ids[index] = token
+        if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= sched.cfg.max_model_len:
+            sched.finish(s)
+
+
+def run_to_completion(sched, max_steps=10_000, on_plan=None):
+    """Drive the scheduler like the engine does; returns the plans."""
+    plans = []
     for _ in range(max_steps):
         plan = sched.schedule()
         if plan is None:
-            return kinds
-        kinds.append(plan.kind)
-        for s in plan.seqs:
-            # invariants: pages hold every token whose K/V this step writes
-            assert len(s.block_table) * sched.pool.page_size >= s.num_tokens
-            assert len(set(s.block_table)) == len(s.block_table)
-            s.num_computed = s.num_tokens
-            s.output_ids.append(7)
-            if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= sched.cfg.max_model_len:
-                sched.finish(s)
-        live = [p for s in sched.running for p in s.block_table]
-        assert len(live) == len(set(live)), "a page is owned twice"
-        assert len(live) + sched.pool.num_free == sched.pool.capacity
+            return plans
+        check_plan(sched, plan)
+        if on_plan:
+            on_plan(plan)
+        plans.append(plan)
+        advance(sched, plan)
     raise AssertionError("scheduler did not finish: livelock")
 
 
-def test_prefill_batches_then_decodes():
+def test_prompts_share_a_step_then_decode():
     sched, pool = make(num_pages=64)
     for i in range(3):
         sched.add(seq(f"r{i}", 5))
     plan = sched.schedule()
-    assert plan.kind == "prefill" and [s.request_id for s in plan.seqs] == ["r0", "r1", "r2"]
+    assert not plan.decode and [s.request_id for s in plan.seqs] == ["r0", "r1", "r2"]
+    assert plan.num_new == [5, 5, 5] and plan.samples == [True] * 3
     assert all(len(s.block_table) == 2 for s in plan.seqs)
-    for s in plan.seqs:
-        s.output_ids.append(1)
-    assert sched.schedule().kind == "decode"
+    advance(sched, plan)
+    plan = sched.schedule()
+    assert plan.decode and plan.num_new == [1, 1, 1]
 
 
-def test_prefill_token_budget_splits_batches():
-    sched, _ = make(num_pages=64, max_prefill_tokens=32)
-    for i in range(4):
-        sched.add(seq(f"r{i}", 16))
-    assert len(sched.schedule().seqs) == 2  # 2 x 16 = 32 fits; 4 x 16 does not
+def test_decodes_come_first_then_chunks_up_to_the_budget():
+    sched, _ = make(num_pages=64, max_num_batched_tokens=16)
+    a, b = seq("a", 3), seq("b", 30)
+    sched.add(a)
+    advance(sched, sched.schedule())  # a prefilled: it decodes from now on
+    sched.add(b)
+    plan = sched.schedule()
+    # a's decode token first, then 15 of b's 30 prompt tokens (ending mid-page)
+    assert [s.request_id for s in plan.seqs] == ["a", "b"] and plan.num_new == [1, 15]
+    assert plan.samples == [True, False] and not plan.decode
+    assert sched.launched(plan, 1) == [1, None]
+    assert b.num_computed == 15 and b.output_ids == [] and len(b.block_table) == 4
+    a.output_ids[-1] = 7
+    plan = sched.schedule()
+    assert plan.num_new == [1, 15] and plan.samples == [True, True]  # b's last chunk samples
+    assert sched.launched(plan, 1) == [2, 0] and b.num_computed == 30
 
 
-def test_prefill_packs_prompts_by_summed_length():
-    """Prompts share a step by their summed length (packed rows), not by batch x longest:
-    5 + 9 + 10 = 24 tokens fit a 32-row budget (a padded 3 -> 4 x 16 rectangle would not);
-    a fourth prompt would make 30 -> still 32 rows, a fifth 34 > 32."""
-    sched, _ = make(num_pages=64, max_prefill_tokens=32)
-    for i, n in enumerate((5, 9, 10, 6, 4)):
-        sched.add(seq(f"r{i}", n))
-    assert [s.request_id for s in sched.schedule().seqs] == ["r0", "r1", "r2", "r3"]
+def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_holds_it():
+    sched, _ = make(num_pages=64, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    sched.add(seq("a", 20))
+    sched.add(seq("b", 20))
+    plan = sched.schedule()
+    assert plan.num_new == [20]  # b's 20 do not fit in the 12 rows left
+    advance(sched, plan)
+    assert sched.schedule().num_new == [1, 20]
+
+
+def test_no_chunked_prefill_needs_a_budget_of_max_model_len():
+    from jaxserve.config import ConfigError
+    with pytest.raises(ConfigError, match="must hold max_model_len"):
+        make(num_pages=64, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    with pytest.raises(ConfigError, match="at least max_num_seqs"):
+        make(num_pages=64, max_num_batched_tokens=4, max_num_seqs=8)
 
 
 def test_max_num_seqs_caps_running():
     sched, _ = make(num_pages=64, max_num_seqs=2)
     for i in range(5):
         sched.add(seq(f"r{i}", 3))
-    assert len(sched.schedule().seqs) == 2
-    assert sched.schedule().kind == "decode"
+    plan = sched.schedule()
+    assert len(plan.seqs) == 2
+    advance(sched, plan)
+    assert sched.schedule().decode
 
 
 def test_preempts_most_recent_and_completes_everything():
@@ -91,7 +131,7 @@ def test_preempts_most_recent_and_completes_everything():
     seqs = [seq(f"r{i}", 4, max_tokens=12) for i in range(5)]
     for s in seqs:
         sched.add(s)
-    run_to_completion(sched, seqs)
+    run_to_completion(sched)
     assert sched.num_preemptions > 0
     assert all(s.status is SequenceStatus.FINISHED and len(s.output_ids) == 12 for s in seqs)
     assert pool.num_free == pool.capacity
@@ -102,13 +142,10 @@ def test_oldest_is_never_preempted_while_others_run():
     seqs = [seq(f"r{i}", 4, max_tokens=12) for i in range(3)]
     for s in seqs:
         sched.add(s)
-    sched.schedule()
-    for s in seqs:
-        s.output_ids.append(7)
     preempted = []
     orig = sched.preempt
     sched.preempt = lambda s: (preempted.append(s.request_id), orig(s))
-    run_to_completion(sched, seqs)
+    run_to_completion(sched)
     assert "r0" not in preempted
     assert preempted and preempted[0] == "r2"
 
@@ -125,16 +162,58 @@ def test_abort_frees_pages_waiting_or_running():
     assert pool.num_free == pool.capacity and not sched.has_work()
 
 
-def test_random_workloads_finish_with_pool_full_again():
+@pytest.mark.parametrize("chunked", [True, False])
+def test_random_workloads_keep_the_invariants_and_finish(chunked):
     rng = random.Random(0)
-    for trial in range(20):
-        sched, pool = make(num_pages=rng.randint(9, 30))
-        seqs = [seq(f"r{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 12)) for i in range(12)]
-        for s in seqs:
-            sched.add(s)
-        run_to_completion(sched, seqs)
+    for trial in range(40):
+        budget = rng.choice([8, 13, 32, 64]) if chunked else 32
+        sched, pool = make(num_pages=rng.randint(9, 30), max_num_batched_tokens=budget,
+                           max_num_seqs=rng.choice([2, 4, 8]), enable_chunked_prefill=chunked)
+        seqs = [seq(f"r{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 12))
+                for i in range(12)]
+        pending = list(seqs)
+        preempt = sched.preempt
+
+        def checked_preempt(s):  # the oldest running sequence always progresses
+            assert s is not min(sched.running, key=lambda r: r.admitted)
+            preempt(s)
+
+        sched.preempt = checked_preempt
+
+        def arrive(plan):  # requests keep arriving while others run
+            while pending and rng.random() < 0.5:
+                sched.add(pending.pop(0))
+
+        sched.add(pending.pop(0))
+        while pending or sched.has_work():
+            run_to_completion(sched, on_plan=arrive)
+            if pending:
+                sched.add(pending.pop(0))
         assert all(s.status is SequenceStatus.FINISHED for s in seqs)
         assert pool.num_free == pool.capacity
+
+
+def test_a_long_prompt_among_32_decoding_streams_completes():
+    """No starvation: 32 streams decode in every step, and a long prompt's chunks fill the
+    rest of each step's budget until it completes."""
+    sched, pool = make(num_pages=2000, max_num_seqs=33, max_num_batched_tokens=48,
+                       max_model_len=2048)
+    streams = [seq(f"s{i}", 8, max_tokens=1000) for i in range(32)]
+    for s in streams:
+        sched.add(s)
+    while not all(s.output_ids for s in streams):
+        advance(sched, sched.schedule())
+    long = seq("long", 1900, max_tokens=1)
+    sched.add(long)
+    steps = 0
+    while long.status is not SequenceStatus.FINISHED:
+        plan = sched.schedule()
+        check_plan(sched, plan)
+        assert sum(1 for s in plan.seqs if s in streams) == 32  # every stream, every step
+        advance(sched, plan)
+        steps += 1
+    assert steps == -(-1900 // 16)  # 16-row chunks; the last one samples its one token
+    assert sched.num_preemptions == 0
 
 
 def test_reserve_ahead_is_all_or_nothing():
@@ -145,11 +224,10 @@ def test_reserve_ahead_is_all_or_nothing():
     for s in (a, b):
         sched.add(s)
     plan = sched.schedule()
-    assert plan.kind == "prefill" and len(plan.seqs) == 2  # a: 1 page, b: 2 pages
-    for s in plan.seqs:
-        s.output_ids.append(7)
+    assert len(plan.seqs) == 2  # a: 1 page, b: 2 pages
+    advance(sched, plan)
     plan = sched.schedule()  # decode: a 5 tokens -> 2 pages, b 8 -> 2 pages
-    assert plan.kind == "decode" and pool.num_free == 4
+    assert plan.decode and pool.num_free == 4
     assert sched.reserve_ahead(plan.seqs, 3)  # a 8 -> 2 pages, b 11 -> 3: one more page
     assert [len(s.block_table) for s in (a, b)] == [2, 3] and pool.num_free == 3
     assert not sched.reserve_ahead(plan.seqs, 12)  # a 17 -> 5, b 20 -> 5: 5 more > 3 free
@@ -161,13 +239,12 @@ def test_launched_records_computed_tokens_and_placeholders():
     """Scheduler.launched: after a step sampling n tokens per sequence, each sequence's
     K/V covers every token but the last sampled one, n PLACEHOLDER outputs stand for the
     tokens in flight, and the first one's output index is returned."""
-    from jaxserve.engine.scheduler import StepPlan
-    from jaxserve.engine.sequence import PLACEHOLDER
-    pool = PagePool(16, 4)
-    sched = Scheduler(EngineConfig(max_model_len=32).override(
-        page_size=4, max_num_seqs=4, max_prefill_tokens=32), pool)
+    sched, _ = make(num_pages=16)
     a, b = seq("a", 5), seq("b", 3)
     b.output_ids = [7, 8]
-    assert sched.launched(StepPlan("decode", [a, b]), 4) == [0, 2]
+    a.num_computed, b.num_computed = 4, 4
+    plan = StepPlan([a, b], [1, 1])
+    assert plan.decode
+    assert sched.launched(plan, 4) == [0, 2]
     assert a.output_ids == [PLACEHOLDER] * 4 and b.output_ids == [7, 8] + [PLACEHOLDER] * 4
     assert (a.num_computed, b.num_computed) == (5 + 4 - 1, 5 + 4 - 1)

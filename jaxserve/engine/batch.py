@@ -1,21 +1,21 @@
 """StepPlan -> padded numpy arrays of fixed bucketed shapes. Plain Python + numpy.
 
 Every step is a flat ragged batch (jaxserve.model.transformer.StepBatch): T token rows,
-the sequences' new tokens packed one after another, over S sequences with P block-table
-pages each. Prefill: T from `prefill_lengths` (the prompts' summed length), S from
-`prefill_batch_sizes`, P = ceil(T / page_size) rounded up to `page_counts`. Decode:
-T = S from `decode_batch_sizes` (one row per sequence), P the longest block table rounded
-up to `page_counts`. Padding tokens write to the null page; padding sequences have
-seq_len 0 and no token rows.
+each sequence's new tokens (a decode token, or a prompt chunk) packed one after another,
+over S sequences with P block-table pages each; the shapes come from
+jaxserve.engine.buckets.StepShapes. A decode plan (one token per sequence) is a decode
+batch, T = S, row b being sequence b's. Padding tokens write to the null page; padding
+sequences have seq_len 0 and no token rows.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine.buckets import bucket_for, prefill_shape
+from jaxserve.engine.buckets import StepShapes
 from jaxserve.engine.page_pool import NULL_PAGE
+from jaxserve.engine.scheduler import StepPlan
+from jaxserve.engine.sequence import PLACEHOLDER
 from jaxserve.model.transformer import StepBatch
 from jaxserve.sampling import SamplingBatch
 
@@ -46,57 +46,41 @@ def _slots(block_table: list[int], start: int, stop: int, page_size: int) -> np.
     return np.asarray(block_table, np.int32)[pos // page_size] * page_size + pos % page_size
 
 
-def _sampling(seqs, S: int) -> SamplingBatch:
-    return SamplingBatch.from_params([s.params for s in seqs], [s.seed for s in seqs],
-                                     [len(s.output_ids) for s in seqs], S)
+def step_batch(plan: StepPlan, shapes: StepShapes, prev_rows=None
+               ) -> tuple[StepBatch, SamplingBatch]:
+    """The batch of `plan`: sequence i's tokens num_computed .. num_computed + num_new[i]
+    (its pages must hold them), its last row's logits sampled.
 
-
-def prefill_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, SamplingBatch]:
-    """All tokens of each sequence (prompt, plus earlier outputs after a preemption),
-    packed one sequence after another; they must all be known (no PLACEHOLDER: raises
-    ValueError). prev_rows is ignored."""
-    for s in seqs:
-        if s.has_placeholder:
-            raise ValueError(f"request {s.request_id!r}: prefill of a sequence whose last "
-                             "token is still being sampled")
-    T, S, P = prefill_shape([s.num_tokens for s in seqs], cfg)
-    b = empty_batch(T, S, P)
-    start = 0
-    for i, s in enumerate(seqs):
-        n = s.num_tokens
-        rows = slice(start, start + n)
-        b.tokens[rows] = s.all_ids
-        b.positions[rows] = np.arange(n)
-        b.slot_mapping[rows] = _slots(s.block_table, 0, n, cfg.cache.page_size)
-        b.block_tables[i, :len(s.block_table)] = s.block_table
-        b.seq_lens[i] = n
-        b.logits_indices[i] = start + n - 1
-        start += n
-        b.query_start[i + 1:] = start
-    return b, _sampling(seqs, S)
-
-
-def decode_batch(seqs, cfg: EngineConfig, prev_rows=None) -> tuple[StepBatch, SamplingBatch]:
-    """The last token of each sequence, whose K/V are not yet in the pages.
-
-    prev_rows: {sequence: row} of the previous (still running) step; a sequence whose last
-    token is a PLACEHOLDER reads it from that row on device (raises ValueError if it is
-    not there)."""
-    S = bucket_for(len(seqs), cfg.decode_batch_sizes)
-    P = bucket_for(max(len(s.block_table) for s in seqs), cfg.page_counts)
-    b = empty_batch(S, S, P, decode=True)
-    for i, s in enumerate(seqs):
-        n = s.num_tokens
-        if s.has_placeholder:
+    prev_rows: {sequence: row} of the previous (still running) step; a sequence whose token
+    is a PLACEHOLDER reads it from that row on device. Raises ValueError if it is not
+    there, or a PLACEHOLDER is not the one token of a sequence's chunk."""
+    seqs, num_new = plan.seqs, plan.num_new
+    T, S, P = shapes.shape_of(num_new, max(len(s.block_table) for s in seqs), plan.decode)
+    b = empty_batch(T, S, P, decode=plan.decode)
+    page_size = shapes.page_size
+    row = 0
+    for i, (s, n) in enumerate(zip(seqs, num_new)):
+        start, stop = s.num_computed, s.num_computed + n
+        rows = slice(row, row + n)
+        ids = s.all_ids[start:stop]
+        if PLACEHOLDER in ids:
+            if n != 1:
+                raise ValueError(f"request {s.request_id!r}: a chunk of {n} tokens includes "
+                                 "one still being sampled")
             if not prev_rows or s not in prev_rows:
                 raise ValueError(f"request {s.request_id!r}: its last token is pending but "
                                  "was not sampled by the previous step")
-            b.prev_index[i] = prev_rows[s]
+            b.prev_index[row] = prev_rows[s]
         else:
-            b.tokens[i] = s.last_token
-        b.positions[i] = n - 1
-        b.slot_mapping[i] = _slots(s.block_table, n - 1, n, cfg.cache.page_size)[0]
+            b.tokens[rows] = ids
+        b.positions[rows] = np.arange(start, stop)
+        b.slot_mapping[rows] = _slots(s.block_table, start, stop, page_size)
         b.block_tables[i, :len(s.block_table)] = s.block_table
-        b.seq_lens[i] = n
-        b.logits_indices[i] = i
-    return b, _sampling(seqs, S)
+        b.seq_lens[i] = stop
+        b.logits_indices[i] = row + n - 1
+        row += n
+        if not plan.decode:
+            b.query_start[i + 1:] = row
+    sampling = SamplingBatch.from_params([s.params for s in seqs], [s.seed for s in seqs],
+                                         [len(s.output_ids) for s in seqs], S)
+    return b, sampling

@@ -13,32 +13,40 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def prefill_shape(lengths: list[int], cfg: EngineConfig) -> tuple[int, int, int]:
-    """(T, S, P) of a prefill step packing prompts of `lengths` tokens: T the token bucket
-    of their sum, S the sequence bucket of their count, P the page bucket of T tokens
-    (no prompt is longer than T). Raises ValueError past the largest buckets."""
-    T = bucket_for(sum(lengths), cfg.prefill_lengths)
-    return T, bucket_for(len(lengths), cfg.prefill_batch_sizes), _prefill_pages(T, cfg)
+class StepShapes:
+    """The (kind, T, S, P, n) shapes of an engine's steps: T token rows, S sequences, P
+    block-table pages per sequence, n tokens sampled per sequence (multi-step decode).
 
+    A decode step ("decode": one token per sequence, each sampling; T = S) runs with n = 1
+    or decode_steps. A mixed step ("mixed": prompt chunks, and decode tokens beside them)
+    buckets T on token_buckets (up to max_num_batched_tokens). Both bucket S on
+    seq_buckets. P is bucketed on page_buckets only when `bucket_pages`, i.e. when the
+    attention implementation's cost grows with the block-table width
+    (Attention.pads_pages: XLA's gathers, the Pallas grids); otherwise every step takes
+    the widest table (max_model_len / page_size pages), which costs S x P int32 of input
+    and nothing else, and saves a compilation per page bucket.
+    """
 
-def _prefill_pages(T: int, cfg: EngineConfig) -> int:
-    """The page bucket of a prefill step of T token rows (no prompt is longer than T)."""
-    return bucket_for(-(-T // cfg.cache.page_size), cfg.page_counts)
+    def __init__(self, cfg: EngineConfig, bucket_pages: bool = True):
+        self.decode_steps = cfg.scheduler.decode_steps
+        self.page_size = cfg.cache.page_size
+        self.seq_buckets = cfg.seq_buckets
+        self.token_buckets = cfg.token_buckets
+        self.page_buckets = cfg.page_counts if bucket_pages else (cfg.max_pages_per_seq,)
 
+    def shape_of(self, num_new: list[int], max_pages: int, decode: bool
+                 ) -> tuple[int, int, int]:
+        """(T, S, P) of a step computing num_new[i] tokens of each sequence, whose longest
+        block table has `max_pages` pages. Raises ValueError past the largest buckets."""
+        S = bucket_for(len(num_new), self.seq_buckets)
+        T = S if decode else bucket_for(sum(num_new), self.token_buckets)
+        return T, S, bucket_for(max_pages, self.page_buckets)
 
-def warmup_shapes(cfg: EngineConfig) -> list[tuple[str, int, int, int, int]]:
-    """Every (kind, T, S, P, n) the engine can run (T token rows, S sequences, P pages per
-    block table, n tokens per sequence: 1, or decode_steps for multi-step decode): what
-    warm-up compiles. Several prompts share a prefill step only within max_prefill_tokens
-    token rows."""
-    shapes = []
-    for T in cfg.prefill_lengths:
-        P = _prefill_pages(T, cfg)
-        for S in cfg.prefill_batch_sizes:
-            if S == 1 or T <= cfg.scheduler.max_prefill_tokens:
-                shapes.append(("prefill", T, S, P, 1))
-    steps = sorted({1, cfg.scheduler.decode_steps})
-    for S in cfg.decode_batch_sizes:
-        for P in cfg.page_counts:
-            shapes.extend(("decode", S, S, P, n) for n in steps)
-    return shapes
+    def warmup(self) -> list[tuple[str, int, int, int, int]]:
+        """Every (kind, T, S, P, n) the engine can run: what warm-up compiles."""
+        shapes = [("mixed", T, S, P, 1) for T in self.token_buckets
+                  for S in self.seq_buckets for P in self.page_buckets]
+        steps = sorted({1, self.decode_steps})
+        shapes += [("decode", S, S, P, n) for S in self.seq_buckets
+                   for P in self.page_buckets for n in steps]
+        return shapes

@@ -1,14 +1,15 @@
 """The engine loop: continuous batching over a preallocated KV page pool.
 
-`step()` asks the scheduler for a plan (prefill or decode), packs it into bucketed arrays
-and launches the compiled step on device; only then does it read the previous step's
-sampled tokens, detokenise incrementally, check stop conditions and free the pages of
-finished requests, so that host work overlaps the device step. A step's outputs are
+`step()` asks the scheduler for a plan (decode tokens and prompt chunks within a token
+budget), packs it into bucketed arrays and launches the compiled step on device; only
+then does it read the previous step's sampled tokens, detokenise incrementally, check stop
+conditions and free the pages of finished requests, so that host work overlaps the device
+step. A step's outputs are
 therefore returned by the next `step()` call. The step in flight is one record
 (`InflightStep`: its plan, tokens per sequence, output indices and device handle); the
 scheduler records its launch in the sequences (`Scheduler.launched`: computed tokens,
-one PLACEHOLDER output per token being sampled), and the next decode step takes those
-tokens from device memory. When no request waits, a decode step may sample
+one PLACEHOLDER output per token being sampled), and the next step takes those tokens
+from device memory. When no request waits, a decode step may sample
 `decode_steps` tokens per sequence in one dispatch (multi-step decode, vLLM's
 num_scheduler_steps): the sequences then carry that many placeholders, and tokens after
 a stop are dropped. A sequence that stops on a token it could not foresee (EOS, stop
@@ -36,7 +37,7 @@ import time
 import numpy as np
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
-from jaxserve.engine.batch import decode_batch, prefill_batch
+from jaxserve.engine.batch import step_batch
 from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
                                      RequestOutput)
 from jaxserve.engine.page_pool import PagePool
@@ -189,7 +190,8 @@ class Engine:
             if tokens is not None:
                 for seq, index, column in zip(step.plan.seqs, step.first_index,
                                               tokens.T.tolist()):
-                    self._resolve_alone(seq, index, column)
+                    if index is not None:  # None: a prompt chunk that does not sample
+                        self._resolve_alone(seq, index, column)
         self._inflight = launched
         if self._kv_lost:
             # the step launched over the lost pool is abandoned: _reset_kv recomputes its
@@ -211,13 +213,12 @@ class Engine:
         plan = self.scheduler.schedule(hold)
         if plan is None:
             return None
-        n = self._num_decode_steps(plan) if plan.kind == "decode" else 1
+        n = self._num_decode_steps(plan) if plan.decode else 1
         prev_rows = self._inflight.row_of() if self._inflight else {}
-        build = prefill_batch if plan.kind == "prefill" else decode_batch
         try:
-            batch, sampling = build(plan.seqs, self.engine_config, prev_rows)
+            batch, sampling = step_batch(plan, self.runner.shapes, prev_rows)
         except Exception as e:  # a bug: fail the step's requests, not the engine
-            log.exception("building a %s step failed", plan.kind)
+            log.exception("building a step of %d tokens failed", plan.num_tokens)
             for seq in plan.seqs:
                 self._fail(seq, f"building the step failed: {e!r}")
             return None

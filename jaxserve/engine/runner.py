@@ -1,13 +1,13 @@
 """Device side of the engine: holds the params and the KV pool, runs the jitted step.
 
 The step (forward -> last-token logits -> sample) is compiled ahead of time once per
-bucketed shape (kind, T, S, P): "prefill" or "decode", T token rows, S sequences, P
-block-table pages; the executables are kept here, so a shape outside the
+bucketed shape (kind, T, S, P, n: jaxserve.engine.buckets.StepShapes): "mixed" or
+"decode", T token rows, S sequences, P block-table pages; the executables are kept here, so a shape outside the
 buckets is a visible compilation (`num_compilations`), never a silent retrace. The KV
 pool is donated to every step and replaced by the returned one.
 
 Steps are dispatched asynchronously (`dispatch` returns before the device finishes) and
-their sampled tokens stay on device: the next decode step reads its input tokens from
+their sampled tokens stay on device: the next step reads its decode tokens from
 the previous step's output (`StepBatch.prev_index`), so the host can plan and launch
 step n+1 before it has read step n's tokens (`fetch`). Source: vLLM v1's async
 scheduling; JetStream's overlapped generate loop.
@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.batch import empty_batch
-from jaxserve.engine.buckets import warmup_shapes
+from jaxserve.engine.buckets import StepShapes
 from jaxserve.kv_cache import KVCache
 from jaxserve.model.params import Params
 from jaxserve.model.transformer import Kernels, StepBatch, forward, last_token_logits
@@ -104,7 +104,7 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
 
 
 class StepKey(NamedTuple):
-    """A compiled step shape: kind "prefill" or "decode", T token rows, S sequences, P
+    """A compiled step shape: kind "mixed" or "decode", T token rows, S sequences, P
     block-table pages per sequence, n tokens sampled per sequence (multi-step decode)."""
 
     kind: str
@@ -115,7 +115,7 @@ class StepKey(NamedTuple):
 
     @classmethod
     def of(cls, batch: StepBatch, num_steps: int = 1) -> "StepKey":
-        return cls("decode" if batch.decode else "prefill", batch.tokens.shape[0],
+        return cls("decode" if batch.decode else "mixed", batch.tokens.shape[0],
                    *batch.block_tables.shape, num_steps)
 
 
@@ -150,6 +150,7 @@ class Runner:
         self.rules = rules
         self._replicated = NamedSharding(rules.mesh, PartitionSpec()) if rules else None
         self.kernels = kernels  # resolved: jaxserve.kernels.select_kernels
+        self.shapes = StepShapes(engine_cfg, bucket_pages=kernels.attention.pads_pages)
         self._jitted = jax.jit(
             functools.partial(_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
             donate_argnums=(1,), static_argnames=("num_steps",))
@@ -163,7 +164,7 @@ class Runner:
         self.num_compilations = 0
         self.compile_seconds = 0.0
         # The last dispatched step's sampled tokens, on device, padded to max_rows.
-        self.max_rows = max(engine_cfg.decode_batch_sizes + engine_cfg.prefill_batch_sizes)
+        self.max_rows = max(self.shapes.seq_buckets)
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
         self._cache_spec = _abstract(cache)  # to make the pool again (reset_cache)
 
@@ -232,7 +233,7 @@ class Runner:
         first two: the shortest decode and prefill, what a first short request needs;
         multi-step decode after the single steps of the same page count), then the rest
         by size."""
-        shapes = shapes if shapes is not None else warmup_shapes(self.engine_cfg)
+        shapes = shapes if shapes is not None else self.shapes.warmup()
         keys = {StepKey(*shape) for shape in shapes} - set(self._compiled)
         return sorted(keys, key=lambda k: (False, k.P, k.n, k.T, k.kind) if k.S == 1 else
                       (True, k.T * k.P, k.S, k.n, k.kind))

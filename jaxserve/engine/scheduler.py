@@ -1,18 +1,31 @@
-"""Continuous-batching scheduler: which sequences run in the next step. Plain Python.
+"""Continuous-batching scheduler with a token budget: which sequences run in the next step,
+and how many of their tokens. Plain Python.
 
-Each step is either a prefill step (admit waiting sequences, computing all their tokens,
-packed one after another within max_prefill_tokens token rows) or a decode step (one new
-token for every running sequence). Prefill goes first whenever a waiting sequence can be
-admitted without making the following decode step preempt.
-When a decode step needs a page and none is free, the most recently admitted sequence is
-preempted: its pages are freed and it waits (at the front of the queue) to be recomputed.
+Every step is one flat ragged batch of at most `max_num_batched_tokens` token rows. The
+running sequences that decode get their one token first (oldest first); then sequences
+part-way through their prompt get the next chunk of it, then waiting sequences are
+admitted with their first chunk, while the budget lasts (chunked prefill, as vLLM v1 and
+SGLang schedule). A sequence's tokens still to compute are `num_tokens - num_computed`: one
+for a decoding sequence (its last sampled token), the rest of its prompt (and, after a
+preemption, of its earlier outputs) otherwise. Only the chunk that reaches the last token
+samples. With `enable_chunked_prefill` off, a prompt is admitted only whole.
 
-No deadlock, no livelock: a sequence is admitted only with pages for its tokens and for
-the next decode step of everything running, so every admission is followed by at least
-one decode step; the oldest running sequence is never preempted while others run, and the
-pool holds at least one sequence of `max_model_len` tokens (checked by the engine).
+Pages follow the computed tokens: a sequence holds the pages of the tokens up to its
+chunk's end. When a running sequence needs a page and none is free, the most recently
+admitted sequence newer than it is preempted (its pages freed; it waits, first in the queue,
+to be recomputed); a decoding sequence that is itself the newest preempts itself.
+Admission never preempts: a waiting sequence is admitted only while the free pages hold
+its chunk and the page each planned decode may need in the step after, and not in a step
+that preempted.
 
-Source: vLLM's scheduler (recompute preemption, FCFS), nano-vllm's Scheduler.
+No deadlock, no livelock: the oldest running sequence always gets its tokens (it can
+preempt every newer one, and the pool holds one sequence of max_model_len: checked by the
+engine); a budget of at least max_num_seqs rows gives every decoding sequence its token in
+every step (SchedulerConfig checks it), so a prompt's chunks follow the decodes and it
+completes among any number of streams.
+
+Source: vLLM v1's scheduler (token budget, chunked prefill, recompute preemption, FCFS);
+nano-vllm's Scheduler.
 """
 
 from __future__ import annotations
@@ -22,39 +35,56 @@ import itertools
 from collections import deque
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.buckets import bucket_for
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclasses.dataclass
 class StepPlan:
-    """What the next step computes: `kind` "prefill" or "decode" over `seqs` (in batch order)."""
+    """What the next step computes: `num_new[i]` tokens of `seqs[i]` (batch order), from its
+    `num_computed`-th token on. Made before the step launches: `samples[i]` says whether
+    sequence i's chunk reaches its last token (its sampled token is kept), `decode`
+    whether every sequence brings one token and samples (a decode batch, which may sample
+    several tokens per sequence: multi-step decode)."""
 
-    kind: str
     seqs: list[Sequence]
+    num_new: list[int]
+    samples: list[bool] = dataclasses.field(init=False)
+    decode: bool = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.samples = [s.num_computed + n == s.num_tokens
+                        for s, n in zip(self.seqs, self.num_new)]
+        self.decode = all(n == 1 for n in self.num_new) and all(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token rows this step computes."""
+        return sum(self.num_new)
 
 
 @dataclasses.dataclass
 class InflightStep:
     """A dispatched step whose sampled tokens are not read yet: its plan, the tokens it
     samples per sequence (`num_steps`), each sequence's output index of the first of them
-    (`first_index`, batch order) and the runner's handle to fetch them. While it runs,
-    each of its sequences ends in `num_steps` PLACEHOLDER outputs; the next decode step
-    reads the last of them on device, from the row `row_of` gives."""
+    (`first_index`, batch order; None for a prompt chunk that does not sample) and the
+    runner's handle to fetch them. While it runs, each sampling sequence ends in
+    `num_steps` PLACEHOLDER outputs; the next step reads the last of them on device, from
+    the row `row_of` gives."""
 
     plan: StepPlan
     num_steps: int
-    first_index: list[int]
+    first_index: list[int | None]
     handle: object
 
     def row_of(self) -> dict[Sequence, int]:
-        """{sequence: its row in this step's batch}."""
-        return {seq: i for i, seq in enumerate(self.plan.seqs)}
+        """{sequence: its row in this step's batch} for the sequences that sampled."""
+        return {seq: i for i, (seq, first) in enumerate(zip(self.plan.seqs, self.first_index))
+                if first is not None}
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set and their pages."""
+    """Owns the waiting queue, the running set, their pages and their computed tokens."""
 
     def __init__(self, cfg: EngineConfig, pool: PagePool):
         self.cfg = cfg
@@ -71,21 +101,102 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, hold: frozenset | set = frozenset()) -> StepPlan | None:
-        """Plan the next step, allocating pages; None when there is nothing to run.
+        """Plan the next step, allocating its pages (see the module docstring); None when
+        there is nothing to run.
 
-        hold: running sequences that sit this decode step out (the engine knows they
-        finish when their pending token arrives); they keep their pages."""
-        admitted = self._admit()
-        if admitted:
-            return StepPlan("prefill", admitted)
-        decode = self._reserve_decode_pages(hold)
-        return StepPlan("decode", decode) if decode else None
+        hold: running sequences that sit this step out (the engine knows they finish when
+        their pending token arrives); they keep their pages."""
+        limits = self.cfg.scheduler
+        plan: dict[Sequence, int] = {}
+        preemptions = self.num_preemptions
+
+        def left() -> int:  # token rows still free in this step
+            return limits.max_num_batched_tokens - sum(plan.values())
+
+        by_age = sorted(self.running, key=lambda s: s.admitted)
+        for seq in by_age:  # decodes first
+            if (seq in hold or seq.status is not SequenceStatus.RUNNING or _todo(seq) != 1
+                    or left() <= 0):
+                continue
+            if self._take_pages(seq, seq.num_tokens, plan, self_victim=True):
+                plan[seq] = 1
+        for seq in by_age:  # then the prompts part-way through, oldest first
+            if seq in hold or seq.status is not SequenceStatus.RUNNING or _todo(seq) <= 1:
+                continue
+            want = min(_todo(seq), left())
+            if want <= 0:
+                break
+            n = self._chunk(seq, want, self._reserve(plan))
+            if n == 0 and self._take_pages(seq, seq.num_computed + 1, plan, self_victim=False):
+                n = self._chunk(seq, min(_todo(seq), left()), 0)
+            if n:
+                self._grow(seq, seq.num_computed + n)
+                plan[seq] = n
+        while (self.waiting and left() > 0 and self.num_preemptions == preemptions
+               and len(self.running) < limits.max_num_seqs):
+            seq = self.waiting[0]
+            if seq.has_placeholder:  # preempted while its token was being sampled
+                break
+            n = min(_todo(seq), left())
+            n = self._chunk(seq, n, self._reserve(plan) + self._growth(seq, n))
+            if n == 0 or (n < _todo(seq) and not limits.enable_chunked_prefill):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted = next(self._admissions)
+            self.running.append(seq)
+            self._grow(seq, n)
+            plan[seq] = n
+        if not plan:
+            return None
+        return StepPlan(list(plan), list(plan.values()))
+
+    def _chunk(self, seq: Sequence, n: int, reserve: int) -> int:
+        """The most of `n` next tokens of `seq` whose pages fit in the free pages, keeping
+        `reserve` of them free."""
+        have = len(seq.block_table) * self.pool.page_size - seq.num_computed
+        room = have + max(0, self.pool.num_free - reserve) * self.pool.page_size
+        return max(0, min(n, room))
+
+    def _growth(self, seq: Sequence, n: int) -> int:
+        """1 if `seq`'s first decode after a chunk of `n` that completes it needs a new page."""
+        end = seq.num_computed + n
+        return int(end == seq.num_tokens and end % self.pool.page_size == 0)
+
+    def _reserve(self, plan: dict[Sequence, int]) -> int:
+        """Pages the planned decodes may need in the step after this one."""
+        return sum(self._growth(s, n) for s, n in plan.items() if n == 1)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        need = self.pool.pages_for(num_tokens) - len(seq.block_table)
+        if need > 0:
+            seq.block_table += self.pool.allocate(need)
+
+    def _take_pages(self, seq: Sequence, num_tokens: int, plan: dict[Sequence, int],
+                    self_victim: bool) -> bool:
+        """Give `seq` the pages of `num_tokens` tokens, preempting newer running sequences
+        (newest first; planned ones leave the plan) while the free pages are short. If
+        none newer is left: preempt `seq` itself when `self_victim`; returns whether `seq`
+        got its pages."""
+        need = self.pool.pages_for(num_tokens) - len(seq.block_table)
+        while need > self.pool.num_free:
+            newer = [s for s in self.running if s.admitted > seq.admitted]
+            if not newer:
+                if self_victim:
+                    self.preempt(seq)
+                return False
+            victim = max(newer, key=lambda s: s.admitted)
+            plan.pop(victim, None)
+            self.preempt(victim)
+        self._grow(seq, num_tokens)
+        return True
 
     def reserve_ahead(self, seqs: list[Sequence], extra_tokens: int) -> bool:
         """Give each of `seqs` (a planned decode step's) the pages for `extra_tokens` more
         tokens after the step's own (multi-step decode), if the free pages hold them all;
         otherwise allocate nothing (never preempts). Returns whether it allocated."""
-        need = [self._decode_need(s, extra_tokens) for s in seqs]
+        need = [max(0, self.pool.pages_for(s.num_tokens + extra_tokens) - len(s.block_table))
+                for s in seqs]
         if sum(need) > self.pool.num_free:
             return False
         for seq, n in zip(seqs, need):
@@ -93,61 +204,22 @@ class Scheduler:
                 seq.block_table += self.pool.allocate(n)
         return True
 
-    def _decode_need(self, seq: Sequence, extra_tokens: int = 0) -> int:
-        """New pages `seq` needs to hold its tokens (+ extra) in the next decode step."""
-        return max(0, self.pool.pages_for(seq.num_tokens + extra_tokens) - len(seq.block_table))
-
-    def _admit(self) -> list[Sequence]:
-        cfg, limits, batch = self.cfg, self.cfg.scheduler, []
-        reserve = sum(self._decode_need(s) for s in self.running)
-        free = self.pool.num_free
-        while self.waiting and len(self.running) + len(batch) < limits.max_num_seqs \
-                and len(batch) < limits.max_prefill_seqs:
-            seq = self.waiting[0]
-            if batch:  # packed one after another: the step's rows are the summed lengths
-                total = sum(s.num_tokens for s in batch) + seq.num_tokens
-                if (total > cfg.prefill_lengths[-1]
-                        or bucket_for(total, cfg.prefill_lengths) > limits.max_prefill_tokens):
-                    break
-            pages = self.pool.pages_for(seq.num_tokens)
-            # its first decode writes one more token: it may need one more page
-            growth = self.pool.pages_for(seq.num_tokens + 1) - pages
-            if pages + growth + reserve > free:
-                break
-            free -= pages
-            reserve += growth
-            batch.append(self.waiting.popleft())
-        for seq in batch:
-            seq.block_table = self.pool.allocate(self.pool.pages_for(seq.num_tokens))
-            seq.status = SequenceStatus.RUNNING
-            seq.admitted = next(self._admissions)
-            self.running.append(seq)
-        return batch
-
-    def _reserve_decode_pages(self, hold) -> list[Sequence]:
-        for seq in sorted(self.running, key=lambda s: s.admitted):
-            if seq.status is not SequenceStatus.RUNNING or seq in hold:
-                continue  # preempted earlier in this loop, or sitting out
-            need = self._decode_need(seq)
-            while need > self.pool.num_free:
-                victim = max(self.running, key=lambda s: s.admitted)
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING and need:
-                seq.block_table += self.pool.allocate(need)
-        return [s for s in self.running if s not in hold]
-
-    def launched(self, plan: StepPlan, num_steps: int) -> list[int]:
-        """Record that `plan` was dispatched sampling `num_steps` tokens per sequence:
-        each sequence's K/V now covers all its tokens up to the last sampled one (that one
-        is computed by the next step), and ends in `num_steps` PLACEHOLDER outputs until
-        they are read. Returns each sequence's output index of the first of them."""
+    def launched(self, plan: StepPlan, num_steps: int) -> list[int | None]:
+        """Record that `plan` was dispatched sampling `num_steps` tokens per sequence: each
+        sequence's K/V now covers its chunk; a sequence whose chunk reached its last token
+        also covers the first num_steps - 1 sampled tokens (multi-step decode; the last
+        one is computed by the next step) and ends in `num_steps` PLACEHOLDER outputs
+        until they are read. Returns each sequence's output index of the first of them
+        (None for a chunk that does not sample)."""
         first = []
-        for seq in plan.seqs:
-            seq.num_computed = seq.num_tokens + num_steps - 1
-            first.append(len(seq.output_ids))
-            seq.output_ids.extend([PLACEHOLDER] * num_steps)
+        for i, seq in enumerate(plan.seqs):
+            if plan.samples[i]:
+                seq.num_computed = seq.num_tokens + num_steps - 1
+                first.append(len(seq.output_ids))
+                seq.output_ids.extend([PLACEHOLDER] * num_steps)
+            else:
+                seq.num_computed += plan.num_new[i]
+                first.append(None)
         return first
 
     def preempt(self, seq: Sequence) -> None:
@@ -181,3 +253,8 @@ class Scheduler:
         if seq.block_table:
             self.pool.free(seq.block_table)
         seq.block_table = []
+
+
+def _todo(seq: Sequence) -> int:
+    """Tokens of `seq` whose K/V are not in its pages yet."""
+    return seq.num_tokens - seq.num_computed

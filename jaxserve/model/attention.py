@@ -76,12 +76,15 @@ class Attention:
     so a backend can be part of a jitted function's static configuration.
 
     name: the KernelConfig.attention_impl it stands for. kv_layout: the KV pool layout it
-    wants allocated (jaxserve.kv_cache); layouts: the layouts it can read.
+    wants allocated (jaxserve.kv_cache); layouts: the layouts it can read. pads_pages:
+    whether its cost grows with the block-table width P (it reads or masks every page of
+    the padded table), so the engine buckets P (jaxserve.engine.buckets.StepShapes).
     """
 
     name: str
     kv_layout: str
     layouts: tuple[str, ...]
+    pads_pages: bool = True
 
     def metadata(self, block_tables: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
                  positions: jax.Array, page_size: int, decode: bool = False
@@ -146,6 +149,7 @@ class CpuAttention(Attention):
     name = "cpu"
     kv_layout = "head_major"
     layouts = ("head_major",)
+    pads_pages = False  # reads each sequence's pages up to its seq_len only
 
     def _attend(self, q, k_pages, v_pages, meta, layout):
         from cpu_kernels.paged_attention import paged_attention as cpu_paged_attention
@@ -163,6 +167,7 @@ class PallasAttention(Attention):
     interpret: bool = False
     kv_layout = "token_major"
     layouts = ("token_major",)
+    pads_pages = False  # their loops over a sequence's pages stop at its seq_len
 
     @property
     def name(self) -> str:

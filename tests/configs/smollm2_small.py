@@ -22,9 +22,8 @@ CONFIG = dataclasses.replace(
         max_model_len=512,
         cache=CacheConfig(page_size=16,
                           kv_cache_memory_bytes=81 * PAGE_BYTES),  # 80 usable pages + the null page
-        scheduler=SchedulerConfig(max_num_seqs=16, max_prefill_tokens=512, max_prefill_seqs=4),
-        compilation=CompilationConfig(decode_batch_buckets=(1, 4, 16),
-                                      prefill_len_buckets=(32, 128, 512),
-                                      prefill_batch_buckets=(1, 4), page_buckets=(8, 32)),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+        compilation=CompilationConfig(seq_buckets=(1, 4, 16), token_buckets=(32, 128, 512),
+                                      page_buckets=(8, 32)),
     ),
 )
