@@ -116,6 +116,47 @@ inline void accumulate_values(float* acc, float corr, const float* p, const T* v
   }
 }
 
+// s[t] = scale * (q . k[t]) for the n key rows k [n, dh] of a page. With AVX-512 and a
+// compile-time head dim, q stays in registers and each dot product is dh / 16 FMAs and one
+// horizontal sum (a scalar loop is one dependent FMA per element: the scores of a
+// 496-token prompt chunk over a 1,900-token context took ~4x the rest of its attention).
+// k_next / v_next (or null): the next page's rows, prefetched into L2 a key at a time.
+template <int DH, typename T>
+inline void score_keys(float* s, const float* q, const T* k, int64_t n, int64_t dh,
+                       float scale, const char* k_next, const char* v_next) {
+  constexpr int64_t kBytes = sizeof(T);
+  auto prefetch = [&](int64_t t) {
+    if (k_next == nullptr) return;
+    for (int64_t o = t * dh * kBytes; o < (t + 1) * dh * kBytes; o += 64) {
+      __builtin_prefetch(k_next + o, 0, 2);
+      __builtin_prefetch(v_next + o, 0, 2);
+    }
+  };
+#if defined(__AVX512F__)
+  if constexpr (DH > 0 && DH % 16 == 0 && DH <= 256) {
+    constexpr int C = DH / 16;
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch(t);
+      const T* kt = k + t * DH;
+      __m512 a = _mm512_mul_ps(qv[0], load16(kt));
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), a);
+      s[t] = _mm512_reduce_add_ps(a) * scale;
+    }
+    return;
+  }
+#endif
+  if (DH > 0) dh = DH;
+  for (int64_t t = 0; t < n; ++t) {
+    prefetch(t);
+    const T* kt = k + t * dh;
+    float dot = 0.0f;
+    for (int64_t d = 0; d < dh; ++d) dot += q[d] * kv_value(kt[d]);
+    s[t] = dot * scale;
+  }
+}
+
 // One work item. DH > 0: the head dim as a compile-time constant (unrolled, vectorised
 // inner loops); DH == 0: p.Dh at run time. Returns false on a bad page id / context.
 struct Scratch {
@@ -178,22 +219,10 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::min<int64_t>(limit[r] - first, p.ps);
       if (n <= 0) continue;
-      const float* qr = q_row(r);
+      score_keys<DH, T>(s, q_row(r), kp, n, dh, p.scale, r == 0 ? k_next : nullptr,
+                        r == 0 ? v_next : nullptr);
       float mx = m[r];
-      for (int64_t t = 0; t < n; ++t) {
-        if (r == 0 && k_next != nullptr) {
-          constexpr int64_t kBytes = sizeof(T);
-          for (int64_t o = t * dh * kBytes; o < (t + 1) * dh * kBytes; o += 64) {
-            __builtin_prefetch(k_next + o, 0, 2);
-            __builtin_prefetch(v_next + o, 0, 2);
-          }
-        }
-        const T* kt = kp + t * dh;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < dh; ++d) dot += qr[d] * kv_value(kt[d]);
-        s[t] = dot * p.scale;
-        mx = std::max(mx, s[t]);
-      }
+      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
       const float corr = exp_nonpositive(m[r] - mx);  // 0 on the first page (m = -inf)
       float sum = 0.0f;
       for (int64_t t = 0; t < n; ++t) {
