@@ -90,7 +90,7 @@ def _server_config(base: ServerConfig, args: argparse.Namespace) -> ServerConfig
 
 # serve.py flags (vLLM's spellings) that set EngineConfig fields (EngineConfig.override).
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_chunked_prefill", "kv_cache_memory_bytes")
+                "enable_chunked_prefill", "enable_prefix_caching", "kv_cache_memory_bytes")
 
 
 def _engine_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig:
@@ -109,6 +109,9 @@ def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
                          "chunks (default: the config's)")
     ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                     default=None, help="split long prompts across steps (default: the config's, on)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=None, help="reuse the KV pages of earlier prompts with the same "
+                                       "prefix (default: the config's, on)")
     ap.add_argument("--kv-cache-memory-bytes", type=int,
                     help="device memory for the KV page pool, bytes (default: the config's)")
 

@@ -25,10 +25,11 @@ CONFIG = Config(
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=32,
-            # A step's rows: 32 decode tokens and a prompt chunk of up to 480 tokens, a
-            # step short enough that streams keep flowing while a long prompt is
-            # prefilled, long enough to amortise the weight reads over many rows.
-            max_num_batched_tokens=512,
+            # A step's rows: up to 32 decode tokens and a prompt chunk: short enough that
+            # a chunk attending to a ~2k-token context keeps the streams beside it
+            # flowing (attention grows with chunk x context), long enough to amortise
+            # the weight reads over many rows.
+            max_num_batched_tokens=256,
             # Multi-step decode: up to 8 tokens per sequence per dispatch while no request
             # waits (the host loop, dispatch and output processing once per 8 tokens; they
             # share the 2 cores with the kernels).
@@ -38,8 +39,8 @@ CONFIG = Config(
         # start): fewer buckets start faster and pad more.
         compilation=CompilationConfig(
             seq_buckets=(1, 4, 8, 16, 32),
-            # powers of two, and 384: a mixed step's time grows with its padded rows
-            token_buckets=(16, 32, 64, 128, 256, 384, 512),
+            # powers of two, and 192: a mixed step's time grows with its padded rows
+            token_buckets=(16, 32, 64, 128, 192, 256),
             # only for XLA attention (the C++ kernel reads each sequence's own pages)
             page_buckets=(4, 16, 32, 64, 128),
         ),

@@ -169,11 +169,15 @@ class CacheConfig:
     kv_cache_memory_bytes: bytes of device memory for the pool (K and V, all layers), as
         vLLM's `--kv-cache-memory-bytes`.
     cache_dtype: dtype K/V are stored in (vLLM's `--kv-cache-dtype`); None = the model's.
+    enable_prefix_caching: keep the K/V pages of finished and preempted sequences, by
+        chained page hash, for later prompts with the same prefix (jaxserve.engine
+        .page_pool; evicted least recently used first when pages are needed).
     """
 
     page_size: int = 16
     kv_cache_memory_bytes: int = 256 * 2**20
     cache_dtype: str | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         _positive("CacheConfig", self, ("page_size", "kv_cache_memory_bytes"))

@@ -6,6 +6,10 @@ Names follow vLLM's (`vllm:` -> `jaxserve:`) where they mean the same thing:
     jaxserve:kv_cache_usage_perc                  gauge, fraction of KV pages in use (0..1)
     jaxserve:num_preemptions_total                counter, from the engine's counters
     jaxserve:num_compilations_total               counter, step compilations (warm-up too)
+    jaxserve:prefix_cache_queries_total           counter, prompt tokens looked up in the
+                                                  prefix cache
+    jaxserve:prefix_cache_hits_total              counter, those found cached (not computed)
+    jaxserve:prefix_cache_evictions_total         counter, cached pages taken for new content
     jaxserve:prompt_tokens_total                  counter, prompt tokens of accepted requests
     jaxserve:generation_tokens_total              counter, output tokens streamed
     jaxserve:request_success_total{finished_reason}   counter: stop, length, abort
@@ -62,7 +66,13 @@ class _EngineCollector:
         for name, doc, key in (
                 ("num_preemptions", "Preemptions (recompute) since start.", "num_preemptions"),
                 ("num_compilations", "Step compilations since start (warm-up included).",
-                 "num_compilations")):
+                 "num_compilations"),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 "prefix_cache_queries"),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 "prefix_cache_hits"),
+                ("prefix_cache_evictions", "Cached KV pages evicted for new content.",
+                 "prefix_cache_evictions")):
             yield CounterMetricFamily(PREFIX + name, doc, value=s.get(key, 0))
 
 

@@ -2,6 +2,8 @@
 and the invariants any workload keeps (budget never exceeded, pages cover the computed
 tokens, no page owned twice, everything finishes, the pool is full again)."""
 
+import collections
+import itertools
 import random
 
 import pytest
@@ -21,23 +23,31 @@ def make(num_pages, **kw):
     return Scheduler(cfg, pool), pool
 
 
+_prompts = itertools.count()
+
+
 def seq(rid, n, max_tokens=8):
-    return Sequence(request_id=rid, prompt_ids=list(range(1, n + 1)),
+    """A request of an `n`-token prompt shared with no other (no prefix-cache hits)."""
+    base = 10_000 * next(_prompts)
+    return Sequence(request_id=rid, prompt_ids=list(range(base, base + n)),
                     params=SamplingParams(max_tokens=max_tokens), seed=0)
 
 
 def check_plan(sched, plan):
     """What every plan keeps: within the budget, every planned sequence running with the
-    pages of its chunk, no page owned twice, pool accounting exact."""
+    pages of its chunk, each page referenced once per holder, pool accounting exact."""
     assert plan.num_tokens <= sched.cfg.scheduler.max_num_batched_tokens
     assert len(sched.running) <= sched.cfg.scheduler.max_num_seqs
     for s, n in zip(plan.seqs, plan.num_new):
         assert s.status is SequenceStatus.RUNNING and n >= 1
         assert s.num_computed + n <= s.num_tokens
         assert len(s.block_table) * sched.pool.page_size >= s.num_computed + n
-    live = [p for s in sched.running for p in s.block_table]
-    assert len(live) == len(set(live)), "a page is owned twice"
-    assert len(live) + sched.pool.num_free == sched.pool.capacity
+    owners = collections.Counter(p for s in sched.running for p in s.block_table)
+    for s in sched.running:
+        assert len(set(s.block_table)) == len(s.block_table), "a page is in a table twice"
+    for page, n in owners.items():  # shared pages: one reference per holder
+        assert sched.pool.refcount(page) == n
+    assert len(owners) + sched.pool.num_free == sched.pool.capacity
 
 
 def advance(sched, plan, token=7):
@@ -165,12 +175,15 @@ def test_abort_frees_pages_waiting_or_running():
 @pytest.mark.parametrize("chunked", [True, False])
 def test_random_workloads_keep_the_invariants_and_finish(chunked):
     rng = random.Random(0)
+    hits = 0
     for trial in range(40):
         budget = rng.choice([8, 13, 32, 64]) if chunked else 32
         sched, pool = make(num_pages=rng.randint(9, 30), max_num_batched_tokens=budget,
                            max_num_seqs=rng.choice([2, 4, 8]), enable_chunked_prefill=chunked)
         seqs = [seq(f"r{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 12))
                 for i in range(12)]
+        for s in seqs[::2]:  # half of them share a prefix with others (prefix-cache hits)
+            s.prompt_ids[:8] = range(8) if rng.random() < 0.5 else range(50, 58)
         pending = list(seqs)
         preempt = sched.preempt
 
@@ -191,6 +204,8 @@ def test_random_workloads_keep_the_invariants_and_finish(chunked):
                 sched.add(pending.pop(0))
         assert all(s.status is SequenceStatus.FINISHED for s in seqs)
         assert pool.num_free == pool.capacity
+        hits += sched.prefix_cache_hits
+    assert hits > 0
 
 
 def test_a_long_prompt_among_32_decoding_streams_completes():
@@ -239,12 +254,131 @@ def test_launched_records_computed_tokens_and_placeholders():
     """Scheduler.launched: after a step sampling n tokens per sequence, each sequence's
     K/V covers every token but the last sampled one, n PLACEHOLDER outputs stand for the
     tokens in flight, and the first one's output index is returned."""
-    sched, _ = make(num_pages=16)
+    sched, pool = make(num_pages=16)
     a, b = seq("a", 5), seq("b", 3)
     b.output_ids = [7, 8]
     a.num_computed, b.num_computed = 4, 4
+    a.block_table, b.block_table = pool.allocate(3), pool.allocate(3)
     plan = StepPlan([a, b], [1, 1])
     assert plan.decode
     assert sched.launched(plan, 4) == [0, 2]
     assert a.output_ids == [PLACEHOLDER] * 4 and b.output_ids == [7, 8] + [PLACEHOLDER] * 4
     assert (a.num_computed, b.num_computed) == (5 + 4 - 1, 5 + 4 - 1)
+    # the prefix cache holds the full pages of known tokens: a 1 (of 5 known), b 1 (of 5)
+    assert (a.num_registered, b.num_registered) == (1, 1) and pool.num_cached == 2
+
+
+# --- prefix caching ---------------------------------------------------------------------------
+
+def prompt_seq(rid, ids, max_tokens=4):
+    return Sequence(request_id=rid, prompt_ids=list(ids), params=SamplingParams(max_tokens=max_tokens),
+                    seed=0)
+
+
+def finish_all(sched, max_steps=1000):
+    for _ in range(max_steps):
+        plan = sched.schedule()
+        if plan is None:
+            return
+        check_plan(sched, plan)
+        advance(sched, plan)
+    raise AssertionError("did not finish")
+
+
+def test_a_shared_prefix_is_computed_once():
+    """b shares a's first 3 full pages (12 tokens); only its own tail is computed, and the
+    counters say so; the last prompt token is always computed, even on a full match."""
+    sched, pool = make(num_pages=32)
+    system = list(range(100, 112))  # 3 pages of 4
+    a = prompt_seq("a", system + [1, 2])
+    sched.add(a)
+    finish_all(sched)
+    b, c = prompt_seq("b", system + [3, 4, 5]), prompt_seq("c", system)
+    sched.add(b)
+    sched.add(c)
+    plan = sched.schedule()
+    assert plan.num_new == [3, 4]  # b: its 3 own tokens; c: its whole last page again
+    assert b.num_computed == 12 and c.num_computed == 8
+    assert sched.prefix_cache_hits == 12 + 8
+    assert sched.prefix_cache_queries == 14 + 15 + 12
+    shared = b.block_table[:3]
+    assert c.block_table[:2] == shared[:2] and all(pool.refcount(p) == 2 for p in shared[:2])
+    advance(sched, plan)
+    finish_all(sched)
+    assert pool.num_free == pool.capacity  # shared pages freed exactly once
+
+
+def test_prefix_caching_off_computes_everything():
+    sched, pool = make(num_pages=32, enable_prefix_caching=False)
+    for rid in ("a", "b"):
+        sched.add(prompt_seq(rid, range(100, 114)))
+        plan = sched.schedule()
+        assert plan.num_new == [14]
+        finish_all(sched)
+    assert sched.prefix_cache_hits == sched.prefix_cache_queries == 0
+    assert pool.num_cached == 0
+
+
+def test_a_hit_on_pages_a_running_prefill_is_still_writing():
+    """Pages are registered when the step computing them is launched: a request arriving
+    one step later hits them while that step may still run (the engine launches the next
+    step before it reads this one's results; the device runs them in order)."""
+    sched, pool = make(num_pages=32, max_num_batched_tokens=8)
+    ids = list(range(100, 112))  # 3 pages
+    a = prompt_seq("a", ids)
+    sched.add(a)
+    plan = sched.schedule()
+    assert plan.num_new == [8]
+    sched.launched(plan, 1)  # a's first two pages computed (in flight on device)
+    b = prompt_seq("b", ids[:10])
+    sched.add(b)
+    plan = sched.schedule()
+    assert plan.seqs == [a, b] and plan.num_new == [4, 2]
+    assert b.block_table[:2] == a.block_table[:2] and b.num_computed == 8
+    assert sched.prefix_cache_hits == 8
+
+
+def test_eviction_under_a_small_pool_and_abort_of_one_sharer():
+    sched, pool = make(num_pages=9, max_model_len=32)  # 8 usable pages
+    base = list(range(200, 216))  # 4 pages
+    a, b = prompt_seq("a", base + [1]), prompt_seq("b", base + [2])
+    sched.add(a)
+    finish_all(sched)
+    assert pool.num_cached >= 4
+    sched.add(b)
+    plan = sched.schedule()
+    assert plan.num_new == [1] and b.num_computed == 16  # all 4 pages hit
+    c = prompt_seq("c", base + [3])
+    sched.add(c)
+    advance(sched, plan)
+    plan = sched.schedule()
+    assert c in plan.seqs and c.block_table[:4] == b.block_table[:4]
+    assert all(pool.refcount(p) == 2 for p in b.block_table[:4])
+    sched.abort("b")  # one sharer leaves: the pages stay with the other
+    assert all(pool.refcount(p) == 1 for p in c.block_table[:4])
+    advance(sched, plan)
+    finish_all(sched)
+    # different content fills the pool: the cached pages are evicted for it
+    d = prompt_seq("d", range(300, 330), max_tokens=2)
+    sched.add(d)
+    finish_all(sched)
+    assert pool.num_evictions > 0 and d.status is SequenceStatus.FINISHED
+    assert pool.lookup(page_hashes_of(base, 4)) == []  # evicted for d
+    assert pool.num_free == pool.capacity
+
+
+def page_hashes_of(ids, page_size):
+    from jaxserve.engine.page_pool import page_hashes
+    return page_hashes(ids, page_size)
+
+
+def test_preempted_sequence_recomputes_from_its_own_cached_pages():
+    sched, pool = make(num_pages=10, max_model_len=32)
+    seqs = [prompt_seq(f"r{i}", range(10 * i, 10 * i + 8), max_tokens=12) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    finish_all(sched)
+    assert sched.num_preemptions > 0
+    assert sched.prefix_cache_hits > 0, "a recomputed sequence found its pages cached"
+    assert all(len(s.output_ids) == 12 for s in seqs)
+    assert pool.num_free == pool.capacity

@@ -153,7 +153,10 @@ class Engine:
         host_seconds: the part of it not spent waiting for the device (seconds).
         warmup_pending: step shapes a background warm-up has still to compile.
         num_failed_requests: requests finished with "error"; num_kv_resets: fresh KV
-        pools after failed device steps; healthy: False once the engine is dead."""
+        pools after failed device steps; healthy: False once the engine is dead.
+        Prefix cache: prefix_cache_queries / prefix_cache_hits (prompt tokens looked up at
+        admission / found cached), prefix_cache_evictions (cached pages taken for new
+        content), cached_pages (pages registered now; free_pages counts the unheld ones)."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "free_pages": self.pool.num_free, "total_pages": self.pool.capacity,
                 "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
@@ -164,7 +167,11 @@ class Engine:
                 "step_seconds": round(self._step_seconds, 6),
                 "warmup_pending": self.runner.warmup_pending,
                 "num_failed_requests": self.num_failed_requests,
-                "num_kv_resets": self.num_kv_resets, "healthy": self.healthy}
+                "num_kv_resets": self.num_kv_resets, "healthy": self.healthy,
+                "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+                "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+                "prefix_cache_evictions": self.pool.num_evictions,
+                "cached_pages": self.pool.num_cached}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
@@ -273,6 +280,7 @@ class Engine:
             while seq.has_placeholder:  # sampled by the abandoned step
                 seq.output_ids.pop()
             self.scheduler.preempt(seq)
+        self.pool.clear_cache()  # the cached pages' K/V were in the old pool
 
     def _fail(self, seq: Sequence, error: str) -> None:
         """Finish `seq` with finish_reason "error" (its pages freed); its output is

@@ -10,6 +10,13 @@ for a decoding sequence (its last sampled token), the rest of its prompt (and, a
 preemption, of its earlier outputs) otherwise. Only the chunk that reaches the last token
 samples. With `enable_chunked_prefill` off, a prompt is admitted only whole.
 
+Prefix caching (`enable_prefix_caching`): a sequence admitted from the queue first takes
+the cached pages of the longest prefix of its full pages (jaxserve.engine.page_pool: by
+chained page hash, shared by reference count) and computes only the rest; at least its last
+token is always computed, for its logits. Each full page a launched step computes (of
+known tokens) is registered in the cache, so a request arriving one step later already
+hits it: the device runs steps in order, so the K/V are written before they are read.
+
 Pages follow the computed tokens: a sequence holds the pages of the tokens up to its
 chunk's end. When a running sequence needs a page and none is free, the most recently
 admitted sequence newer than it is preempted (its pages freed; it waits, first in the queue,
@@ -35,7 +42,7 @@ import itertools
 from collections import deque
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.page_pool import PagePool, page_hashes
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
@@ -84,15 +91,21 @@ class InflightStep:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set, their pages and their computed tokens."""
+    """Owns the waiting queue, the running set, their pages and their computed tokens.
+
+    Counters: num_preemptions; prefix_cache_queries / prefix_cache_hits: prompt tokens
+    looked up in the prefix cache at admission, and those found (vLLM's names)."""
 
     def __init__(self, cfg: EngineConfig, pool: PagePool):
         self.cfg = cfg
         self.pool = pool
+        self.prefix_caching = cfg.cache.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -137,19 +150,58 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.has_placeholder:  # preempted while its token was being sampled
                 break
+            hit = self._take_cached_prefix(seq)
             n = min(_todo(seq), left())
             n = self._chunk(seq, n, self._reserve(plan) + self._growth(seq, n))
             if n == 0 or (n < _todo(seq) and not limits.enable_chunked_prefill):
+                self._release(seq)  # the cached pages it took stay cached
+                seq.num_computed = seq.num_registered = 0
                 break
+            if self.prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += hit
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.admitted = next(self._admissions)
             self.running.append(seq)
-            self._grow(seq, n)
+            self._grow(seq, seq.num_computed + n)
             plan[seq] = n
         if not plan:
             return None
         return StepPlan(list(plan), list(plan.values()))
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """Give `seq` (waiting, no pages) the cached pages of the longest prefix of its full
+        pages, leaving at least its last token to compute; returns the tokens matched."""
+        if not self.prefix_caching:
+            return 0
+        ps = self.pool.page_size
+        usable = (seq.num_tokens - 1) // ps
+        pages = self.pool.lookup(self._hashes(seq, usable))
+        self.pool.share(pages)
+        seq.block_table = pages
+        seq.num_computed = len(pages) * ps
+        seq.num_registered = len(pages)
+        return seq.num_computed
+
+    def _hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
+        """`seq`'s chained hashes of its first `num_pages` full pages (of known tokens),
+        computed once each."""
+        have = len(seq.page_hashes)
+        if num_pages > have:
+            ps = self.pool.page_size
+            ids = (seq.prompt_ids + seq.output_ids)[:num_pages * ps]
+            seq.page_hashes += page_hashes(ids, ps, have, seq.page_hashes[-1] if have else None)
+        return seq.page_hashes[:num_pages]
+
+    def _register(self, seq: Sequence) -> None:
+        """Register `seq`'s full pages whose K/V are computed (and tokens known)."""
+        full = min(seq.num_computed, seq.num_known) // self.pool.page_size
+        if self.prefix_caching and full > seq.num_registered:
+            for i, h in enumerate(self._hashes(seq, full)[seq.num_registered:],
+                                  start=seq.num_registered):
+                self.pool.register(seq.block_table[i], h)
+            seq.num_registered = full
 
     def _chunk(self, seq: Sequence, n: int, reserve: int) -> int:
         """The most of `n` next tokens of `seq` whose pages fit in the free pages, keeping
@@ -215,10 +267,12 @@ class Scheduler:
         for i, seq in enumerate(plan.seqs):
             if plan.samples[i]:
                 seq.num_computed = seq.num_tokens + num_steps - 1
+                self._register(seq)
                 first.append(len(seq.output_ids))
                 seq.output_ids.extend([PLACEHOLDER] * num_steps)
             else:
                 seq.num_computed += plan.num_new[i]
+                self._register(seq)
                 first.append(None)
         return first
 
@@ -226,7 +280,7 @@ class Scheduler:
         """Free `seq`'s pages and queue it first for recomputation."""
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -251,7 +305,9 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         if seq.block_table:
-            self.pool.free(seq.block_table)
+            # last page first: a sequence's tail pages are evicted before its head, which
+            # other prompts are likelier to share (vLLM does the same)
+            self.pool.free(seq.block_table[::-1])
         seq.block_table = []
 
 

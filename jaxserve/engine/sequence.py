@@ -28,6 +28,9 @@ class Sequence:
     prompt_ids / output_ids: token ids (the last outputs may be PLACEHOLDERs while the
     step that samples them runs: one, or decode_steps of a multi-step decode). block_table: page ids holding its K/V, in order.
     num_computed: tokens whose K/V are in the pages. seed: resolved sampling seed.
+    page_hashes: chained hashes of its full pages of known tokens, as far as computed
+    (jaxserve.engine.page_pool.page_hashes); num_registered: pages of its block table
+    registered in the prefix cache.
     detokenizer / stop_checker: text state (owned by the engine's output processing).
     admitted: a counter value, larger = admitted more recently (preemption order).
     """
@@ -40,6 +43,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_registered: int = 0
     admitted: int = -1
     num_preemptions: int = 0
     finish_reason: str | None = None
@@ -58,6 +63,14 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids are known (all but the trailing PLACEHOLDERs)."""
+        n = len(self.output_ids)
+        while n and self.output_ids[n - 1] == PLACEHOLDER:
+            n -= 1
+        return len(self.prompt_ids) + n
 
     @property
     def has_placeholder(self) -> bool:
