@@ -382,3 +382,25 @@ def test_preempted_sequence_recomputes_from_its_own_cached_pages():
     assert sched.prefix_cache_hits > 0, "a recomputed sequence found its pages cached"
     assert all(len(s.output_ids) == 12 for s in seqs)
     assert pool.num_free == pool.capacity
+
+
+def test_a_request_waits_for_the_prefix_another_is_computing():
+    """Two requests with one 30-token prompt arrive together (budget 8): the second waits
+    while the first computes the shared pages chunk by chunk (an unrelated request is
+    admitted meanwhile), then takes all 7 full pages from the cache."""
+    sched, pool = make(num_pages=64, max_num_batched_tokens=8)
+    ids = list(range(500, 530))
+    first, second, other = prompt_seq("a", ids), prompt_seq("b", ids), seq("c", 3)
+    for s in (first, second, other):
+        sched.add(s)
+    for _ in range(10):
+        plan = sched.schedule()
+        check_plan(sched, plan)
+        if second in plan.seqs:
+            assert plan.num_new[plan.seqs.index(second)] == 2 and second.num_computed == 28
+            break
+        advance(sched, plan)
+    assert other.status is not SequenceStatus.WAITING, "admitted while the second waited"
+    advance(sched, plan)
+    finish_all(sched)
+    assert sched.prefix_cache_hits == 28 and pool.num_free == pool.capacity

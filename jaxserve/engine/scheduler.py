@@ -15,7 +15,10 @@ the cached pages of the longest prefix of its full pages (jaxserve.engine.page_p
 chained page hash, shared by reference count) and computes only the rest; at least its last
 token is always computed, for its logits. Each full page a launched step computes (of
 known tokens) is registered in the cache, so a request arriving one step later already
-hits it: the device runs steps in order, so the K/V are written before they are read.
+hits it: the device runs steps in order, so the K/V are written before they are read. A
+waiting request whose next uncached page another request is computing right now (the same
+prompt, or the same system prompt, arriving together) waits for it instead of computing it
+a second time; requests behind it may be admitted meanwhile.
 
 Pages follow the computed tokens: a sequence holds the pages of the tokens up to its
 chunk's end. When a running sequence needs a page and none is free, the most recently
@@ -145,11 +148,15 @@ class Scheduler:
             if n:
                 self._grow(seq, seq.num_computed + n)
                 plan[seq] = n
+        deferred: list[Sequence] = []
         while (self.waiting and left() > 0 and self.num_preemptions == preemptions
                and len(self.running) < limits.max_num_seqs):
             seq = self.waiting[0]
             if seq.has_placeholder:  # preempted while its token was being sampled
                 break
+            if self._prefix_in_progress(seq):
+                deferred.append(self.waiting.popleft())
+                continue
             hit = self._take_cached_prefix(seq)
             n = min(_todo(seq), left())
             n = self._chunk(seq, n, self._reserve(plan) + self._growth(seq, n))
@@ -166,9 +173,22 @@ class Scheduler:
             self.running.append(seq)
             self._grow(seq, seq.num_computed + n)
             plan[seq] = n
+        self.waiting.extendleft(reversed(deferred))  # first in the queue again, in order
         if not plan:
             return None
         return StepPlan(list(plan), list(plan.values()))
+
+    def _prefix_in_progress(self, seq: Sequence) -> bool:
+        """Whether a running sequence is computing, as a prompt chunk, the first page of
+        waiting `seq`'s prefix that is not cached yet (their page hashes agree there)."""
+        if not self.prefix_caching:
+            return False
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.pool.page_size)
+        cached = len(self.pool.lookup(hashes))
+        if cached == len(hashes):
+            return False
+        return any(len(r.page_hashes) > cached and r.page_hashes[cached] == hashes[cached]
+                   and r.num_computed < r.num_known for r in self.running)
 
     def _take_cached_prefix(self, seq: Sequence) -> int:
         """Give `seq` (waiting, no pages) the cached pages of the longest prefix of its full
