@@ -68,7 +68,8 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = Field(None, description="Must be the served model's name.")
-    n: PositiveInt | None = Field(None, description="Choices per request; only 1 is supported.")
+    n: PositiveInt | None = Field(None, description="Choices per prompt (at most 128 choices "
+                                  "per request); with a seed, choice i samples with seed + i.")
     max_tokens: PositiveInt | None = Field(
         None, description="Most tokens to generate; prompt + max_tokens <= max_model_len.")
     temperature: Temperature | None = Field(None, description="0 is greedy. Default 1.")
@@ -109,7 +110,8 @@ class CompletionRequest(_SamplingRequest):
     """The body of POST /v1/completions.
 
     prompt: a string, a list of token ids (each in [0, vocabulary size)), or a batch of
-    exactly one of those; default max_tokens 16 (OpenAI's), capped at the room left.
+    strings or of token-id lists (each prompt gets n choices, index prompt x n + i);
+    default max_tokens 16 (OpenAI's), capped at the room left.
     `CompletionRequest.model_validate_json(raw)` returns the model or raises
     pydantic.ValidationError (`openai_protocol.parse_completion_request` makes it a 400).
     Source: OpenAI API reference, Completions; vLLM `CompletionRequest`.

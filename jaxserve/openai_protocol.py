@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Most choices one request may ask for: n x the prompts of a batch (OpenAI's limit on n).
+MAX_CHOICES = 128
 
 # Parameters we cannot honour: accepted only at their default (no-op) values, so clients
 # that send defaults explicitly (the openai SDK, vLLM's benchmark client) still work.
@@ -85,12 +87,35 @@ class RequestLimits:
 
 @dataclasses.dataclass(frozen=True)
 class ParsedRequest:
-    """A validated request: prompt token ids, sampling params, and how to answer."""
+    """A validated request: its prompts' token ids (several for a batched completions
+    prompt), sampling params, `n` choices per prompt, and how to answer. Choice
+    `p * n + i` is prompt p's i-th (`choices`)."""
 
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt (a chat request's only one)."""
+        return self.prompts[0]
+
+    def choices(self) -> list[tuple[int, list[int], SamplingParams]]:
+        """(index, prompt token ids, params) of every choice to generate. With a seed,
+        choice i of a prompt samples with seed + i, as vLLM does, so each of the n choices
+        is the one a single request with that seed gets (wrapping around within the
+        signed 64-bit seeds)."""
+        out = []
+        for p, ids in enumerate(self.prompts):
+            for i in range(self.n):
+                params = self.params
+                if i and params.seed is not None:
+                    seed = (params.seed + i + 2**63) % 2**64 - 2**63
+                    params = dataclasses.replace(params, seed=seed)
+                out.append((p * self.n + i, ids, params))
+        return out
 
 
 # -- validation errors --------------------------------------------------------------------
@@ -144,8 +169,6 @@ def _check_common(req: _SamplingRequest, served_model_name: str) -> None:
     if req.model is not None and req.model != served_model_name:
         raise ApiError(f"The model `{req.model[:200]}` does not exist. This server serves "
                        f"`{served_model_name}`.", "model", status=404, code="model_not_found")
-    if req.n is not None and req.n != 1:
-        raise ApiError(f"n: n > 1 is not supported yet (one choice per request), got {req.n}", "n")
     for key, noop in _NOOP_VALUES.items():
         value = getattr(req, key)
         if value is not None and value not in noop:
@@ -176,18 +199,25 @@ def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: 
                     param, code="context_length_exceeded")
 
 
-def _parse(req: _SamplingRequest, prompt_ids: list[int], prompt_param: str,
+def _parse(req: _SamplingRequest, prompts: list[list[int]], prompt_param: str,
            max_tokens_key: str, max_tokens: int | None, default_max_tokens: int,
            tokenizer: Tokenizer, limits: RequestLimits) -> ParsedRequest:
-    """What completions and chat share: lengths, sampling params, stream options."""
-    if not prompt_ids:
-        raise ApiError("the prompt is empty (0 tokens)", prompt_param)
+    """What completions and chat share: lengths, sampling params, choices, stream options."""
+    n = req.n or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise ApiError(f"n: at most {MAX_CHOICES} choices per request (n x prompts), got "
+                       f"{n} x {len(prompts)}", "n")
     max_model_len = limits.max_model_len
-    if len(prompt_ids) >= max_model_len:
-        raise _context_error(prompt_param, max_model_len, len(prompt_ids), None)
-    room = max_model_len - len(prompt_ids)
-    if max_tokens is not None and max_tokens > room:
-        raise _context_error(max_tokens_key, max_model_len, len(prompt_ids), max_tokens)
+    room = max_model_len
+    for p, prompt_ids in enumerate(prompts):
+        param = prompt_param if len(prompts) == 1 else f"{prompt_param}.{p}"
+        if not prompt_ids:
+            raise ApiError("the prompt is empty (0 tokens)", param)
+        if len(prompt_ids) >= max_model_len:
+            raise _context_error(param, max_model_len, len(prompt_ids), None)
+        if max_tokens is not None and max_tokens > max_model_len - len(prompt_ids):
+            raise _context_error(max_tokens_key, max_model_len, len(prompt_ids), max_tokens)
+        room = min(room, max_model_len - len(prompt_ids))
     if req.top_k is not None and req.top_k > tokenizer.vocab_size:
         raise ApiError(f"top_k: must be -1 or 0 (off), or at most the vocabulary size "
                        f"{tokenizer.vocab_size}, got {req.top_k}", "top_k")
@@ -205,7 +235,7 @@ def _parse(req: _SamplingRequest, prompt_ids: list[int], prompt_param: str,
     except InvalidRequest as e:
         field = max_tokens_key if e.field == "max_tokens" else e.field
         raise ApiError(str(e)[:_MAX_MESSAGE_CHARS], field) from None
-    return ParsedRequest(prompt_ids, params, stream, include_usage)
+    return ParsedRequest(prompts, params, stream, include_usage, n)
 
 
 def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
@@ -216,27 +246,32 @@ def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: st
         raise ApiError(f"{param}: the text could not be tokenized", param) from None
 
 
-def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
-    """A completions `prompt`: a string, token ids, or a batch of one of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return _encode(tokenizer, prompt, True, "prompt")
-    if prompt and isinstance(prompt[0], (str, list)):
-        raise ApiError("batched prompts are not supported: send one prompt per request", "prompt")
-    bad = next((t for t in prompt if t >= tokenizer.vocab_size), None)
-    if bad is not None:
-        raise ApiError(f"prompt: token id {bad} is outside the vocabulary "
-                       f"[0, {tokenizer.vocab_size})", "prompt")
-    return list(prompt)
+def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
+    """A completions `prompt` as token ids: a string or token ids (one prompt), or a batch
+    of strings or of token-id lists (OpenAI's and vLLM's batched prompts)."""
+    if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], (str, list)):
+        batch, names = [prompt], ["prompt"]
+    else:
+        batch, names = prompt, [f"prompt.{p}" for p in range(len(prompt))]
+    out = []
+    for one, param in zip(batch, names):
+        if isinstance(one, str):
+            out.append(_encode(tokenizer, one, True, param))
+            continue
+        bad = next((t for t in one if t >= tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ApiError(f"{param}: token id {bad} is outside the vocabulary "
+                           f"[0, {tokenizer.vocab_size})", param)
+        out.append(list(one))
+    return out
 
 
 def _parse_completion(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
                       limits: RequestLimits) -> ParsedRequest:
     req = _validate(CompletionRequest, raw)
     _check_common(req, served_model_name)
-    ids = _completion_prompt_ids(req.prompt, tokenizer)
-    return _parse(req, ids, "prompt", "max_tokens", req.max_tokens,
+    prompts = _completion_prompts(req.prompt, tokenizer)
+    return _parse(req, prompts, "prompt", "max_tokens", req.max_tokens,
                   DEFAULT_COMPLETION_MAX_TOKENS, tokenizer, limits)
 
 
@@ -244,11 +279,13 @@ def parse_completion_request(raw: bytes, tokenizer: Tokenizer, served_model_name
                              limits: RequestLimits) -> ParsedRequest:
     """Validate a `/v1/completions` body (`raw`: the request's bytes; a CompletionRequest).
 
-    Returns the ParsedRequest: prompt token ids (a string prompt encoded with special
-    tokens), SamplingParams (default max_tokens 16, OpenAI's, capped at the room left),
+    Returns the ParsedRequest: each prompt's token ids (a string prompt encoded with
+    special tokens; a batch of strings or token-id lists gives several), SamplingParams
+    (default max_tokens 16, OpenAI's, capped at the room the longest prompt leaves), n,
     stream and include_usage. Raises ApiError: 404 (code model_not_found) if `model` is not
     `served_model_name`; 400 naming the parameter for anything else (malformed JSON, a
-    type or range error, token ids outside the vocabulary, n != 1, an unsupported
+    type or range error, token ids outside the vocabulary ("prompt.2" for a batch's third),
+    more than MAX_CHOICES choices (n x prompts), an unsupported
     parameter, too many or too long stop strings, prompt + max_tokens over
     `limits.max_model_len`: code context_length_exceeded). Never anything else.
     Source: OpenAI API reference, Completions; vLLM `CompletionRequest`.
@@ -276,7 +313,7 @@ def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     ids = _encode(tokenizer, text, False, "messages")
     key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _parse(req, ids, "messages", key, max_tokens, limits.max_model_len, tokenizer, limits)
+    return _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer, limits)
 
 
 def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
@@ -317,25 +354,27 @@ class ResponseShape:
     chunk_object: str
     chat: bool
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        """The single choice of a non-streamed response."""
+    def choice(self, text: str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+        """Choice `index` of a non-streamed response."""
         body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
 
-    def delta_choice(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        """The choice of a streamed chunk; a chat stream's first delta carries the role."""
+    def delta_choice(self, text: str, finish_reason: str | None, first: bool,
+                     index: int = 0) -> dict[str, Any]:
+        """Choice `index` of a streamed chunk; the first delta of a chat choice carries the
+        role."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             body = {"delta": delta}
         else:
             body = {"text": text}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
 
-    def response(self, request_id: str, created: int, model: str, choice: dict,
+    def response(self, request_id: str, created: int, model: str, choices: list[dict],
                  usage_: dict) -> dict[str, Any]:
         """A full (non-streamed) response object."""
         return {"id": request_id, "object": self.object, "created": created, "model": model,
-                "choices": [choice], "usage": usage_}
+                "choices": choices, "usage": usage_}
 
     def chunk(self, request_id: str, created: int, model: str, choices: list[dict],
               include_usage: bool, usage_: dict | None = None) -> dict[str, Any]:

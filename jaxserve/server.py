@@ -84,9 +84,9 @@ class _EventStream(StreamingResponse):
     disconnected (watched for with `receive` on every ASGI version, and a failed `send`
     under ASGI 2.4), or the task cancelled."""
 
-    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream):
+    def __init__(self, events: AsyncIterator[bytes], streams: list[RequestStream]):
         super().__init__(events, media_type="text/event-stream", headers=_EVENT_STREAM_HEADERS)
-        self._stream = stream
+        self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -102,7 +102,8 @@ class _EventStream(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
-            self._stream.abort()
+            for stream in self._streams:
+                stream.abort()
 
 
 async def _wait_disconnect(receive) -> None:
@@ -127,6 +128,44 @@ async def _last_output(stream: RequestStream) -> RequestOutput:
     async for out in stream:
         last = out
     return last
+
+
+async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Each stream's final output; the first failure (EngineError) is raised."""
+    return list(await asyncio.gather(*(_last_output(s) for s in streams)))
+
+
+_DONE = object()
+
+
+async def _merged(streams: list[tuple[int, RequestStream]]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) of several streams as they come (one task per stream); the
+    first failure (EngineError) is raised. Closing it cancels the tasks."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+            await queue.put((index, _DONE))
+        except Exception as e:  # EngineError, or a bug: the merged stream raises it
+            await queue.put((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            index, item = await queue.get()
+            if item is _DONE:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -203,8 +242,10 @@ class _Routes:
 
     async def _serve(self, request: Request, shape: ResponseShape,
                      parse: Callable[..., ParsedRequest]) -> Response:
-        """Read, parse (worker thread), submit, then stream (SSE) or collect the one
-        choice; shared by both APIs. Counts refusals by reason in the metrics."""
+        """Read, parse (worker thread), submit one engine request per choice (n per
+        prompt: they share the prompt's pages through the prefix cache), then stream (SSE)
+        or collect the choices; shared by both APIs. Counts refusals by reason in the
+        metrics."""
         arrival = time.monotonic()
         try:
             if self.lifecycle.draining:
@@ -216,15 +257,23 @@ class _Routes:
             req = await anyio.to_thread.run_sync(parse, raw, self.tokenizer, self.model_name,
                                                  self.limits)
             request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+            choices = req.choices()
+            streams: list[tuple[int, RequestStream]] = []
             try:
-                stream = await self.engine.add_request(request_id, req.prompt_ids, req.params,
-                                                       arrival)
+                for index, prompt_ids, params in choices:
+                    engine_id = request_id if len(choices) == 1 else f"{request_id}-{index}"
+                    streams.append((index, await self.engine.add_request(
+                        engine_id, prompt_ids, params, arrival)))
             except InvalidRequest as e:
                 param = "messages" if shape.chat and e.field == "prompt" else e.field
                 raise ApiError(str(e), param) from None
             except QueueFull as e:
                 raise ApiError(f"the server is overloaded: {e}; retry later", status=503,
                                type="server_error", code="queue_full") from None
+            finally:
+                if len(streams) < len(choices):  # a choice was refused: none runs
+                    for _, stream in streams:
+                        stream.abort()
         except ApiError as e:
             self.metrics.request_rejected(_rejection_reason(e))
             raise
@@ -238,49 +287,70 @@ class _Routes:
             self.metrics.request_rejected("internal_error")
             raise ApiError(INTERNAL_ERROR, status=500, type="server_error") from None
         created = int(time.time())
+        n = req.n
         if req.stream:
-            return _EventStream(self._events(stream, shape, request_id, created,
-                                             req.include_usage), stream)
+            return _EventStream(self._events(streams, n, shape, request_id, created,
+                                             req.include_usage), [s for _, s in streams])
         try:
-            final = await _unless_disconnected(request.receive, _last_output(stream))
+            finals = await _unless_disconnected(request.receive,
+                                                _last_outputs([s for _, s in streams]))
         except EngineError as e:
             raise _engine_error(e) from None
         finally:
-            stream.abort()
-        if final is None:
+            for _, stream in streams:
+                stream.abort()
+        if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        tokens = _usage(finals, n)
         log.info("%s: %d prompt + %d output tokens, %s, %.2f s", request_id,
-                 final.num_prompt_tokens, final.num_output_tokens, final.finish_reason,
-                 time.monotonic() - arrival)
+                 tokens["prompt_tokens"], tokens["completion_tokens"],
+                 ",".join(sorted({f.finish_reason for f in finals})), time.monotonic() - arrival)
         return JSONResponse(shape.response(
-            request_id, created, self.model_name, shape.choice(final.text, final.finish_reason),
-            usage(final.num_prompt_tokens, final.num_output_tokens)))
+            request_id, created, self.model_name,
+            [shape.choice(f.text, f.finish_reason, index)
+             for (index, _), f in zip(streams, finals)], tokens))
 
-    async def _events(self, stream: RequestStream, shape: ResponseShape, request_id: str,
-                      created: int, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks of one request, then the usage chunk (if asked) and `[DONE]`. A
-        failure mid-stream becomes an error event (the status line is already sent)."""
-        first, last = True, None
+    async def _events(self, streams: list[tuple[int, RequestStream]], n: int,
+                      shape: ResponseShape, request_id: str, created: int,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """SSE chunks of every choice as they come (each chunk one choice, with its index),
+        then the usage chunk (if asked) and `[DONE]`. A failure mid-stream becomes an error
+        event (the status line is already sent)."""
+        first = {index for index, _ in streams}  # choices whose first chunk is to come
+        last: dict[int, RequestOutput] = {}
+        merged = _merged(streams)
         try:
-            async for out in stream:
-                last = out
-                if out.new_text or out.finished or (first and shape.chat):
-                    choice = shape.delta_choice(out.new_text, out.finish_reason, first)
+            async for index, out in merged:
+                last[index] = out
+                if out.new_text or out.finished or (index in first and shape.chat):
+                    choice = shape.delta_choice(out.new_text, out.finish_reason,
+                                                index in first, index)
                     yield sse_event(shape.chunk(request_id, created, self.model_name, [choice],
                                                 include_usage))
-                    first = False
-            if include_usage and last is not None:
+                    first.discard(index)
+            if include_usage and last:
                 yield sse_event(shape.chunk(request_id, created, self.model_name, [], True,
-                                            usage(last.num_prompt_tokens, last.num_output_tokens)))
+                                            _usage(list(last.values()), n)))
         except EngineError as e:
             yield sse_event(_engine_error(e).body())
         except Exception:
             log.exception("streaming %s failed", request_id)
             yield sse_event(ApiError(INTERNAL_ERROR, status=500, type="server_error").body())
-        if last is not None and last.finished:
+        finally:
+            await merged.aclose()
+        if len(last) == len(streams) and all(out.finished for out in last.values()):
+            tokens = _usage(list(last.values()), n)
             log.info("%s: %d prompt + %d output tokens, %s (stream)", request_id,
-                     last.num_prompt_tokens, last.num_output_tokens, last.finish_reason)
+                     tokens["prompt_tokens"], tokens["completion_tokens"],
+                     ",".join(sorted({out.finish_reason for out in last.values()})))
         yield sse_event("[DONE]")
+
+
+def _usage(finals: list[RequestOutput], n: int) -> dict[str, int]:
+    """Usage of a request's choices (n per prompt): each prompt's tokens counted once, as
+    OpenAI and vLLM do, and every choice's output tokens."""
+    return usage(sum(f.num_prompt_tokens for f in finals) // n,
+                 sum(f.num_output_tokens for f in finals))
 
 
 def _rejection_reason(e: ApiError) -> str:

@@ -81,6 +81,7 @@ class FakeEngine:
         self.requests: dict[str, SimpleNamespace] = {}
         self.added: list[str] = []
         self.aborted: list[str] = []
+        self.added_params: list[SamplingParams] = []
         self.num_steps = 0
         self._pending: list[RequestOutput] = []
         self._thread: int | None = None
@@ -122,6 +123,7 @@ class FakeEngine:
             raise InvalidRequest("prompt", f"prompt has {len(prompt_token_ids)} tokens; "
                                            f"max_model_len is {self.engine_config.max_model_len}")
         self.added.append(request_id)
+        self.added_params.append(params)
         self.requests[request_id] = SimpleNamespace(
             id=request_id, prompt=list(prompt_token_ids), params=params, out=[], text="",
             pages=[], detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),

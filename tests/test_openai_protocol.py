@@ -16,7 +16,8 @@ from jaxserve.config import ServerConfig
 from jaxserve.openai_models import (ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, CompletionChunk, CompletionRequest,
                                     CompletionResponse, ErrorResponse, ModelList)
-from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest, RequestLimits,
+from jaxserve.openai_protocol import (CHAT, COMPLETION, MAX_CHOICES, ApiError, ParsedRequest,
+                                      RequestLimits,
                                       parse_chat_request, parse_completion_request, usage)
 from jaxserve.openapi import openapi_schema
 from jaxserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
@@ -109,12 +110,31 @@ def test_top_k_refused(top_k, fragment):
     refused(chat, {"messages": MSGS, "top_k": top_k}, "top_k", fragment)
 
 
-def test_n():
+def test_n_choices_and_their_seeds():
     assert comp({"prompt": "Hi", "n": 1}).params.max_tokens == 16
-    refused(comp, {"prompt": "Hi", "n": 2}, "n", "not supported")
-    refused(chat, {"messages": MSGS, "n": 2}, "n", "not supported")
+    r = comp({"prompt": "Hi", "n": 3, "seed": 7, "temperature": 0.5})
+    assert r.n == 3 and r.prompts == [TOK.encode("Hi")]
+    assert [(i, p.seed) for i, _, p in r.choices()] == [(0, 7), (1, 8), (2, 9)]
+    top = comp({"prompt": "Hi", "n": 2, "seed": SEED_MAX})
+    assert [p.seed for _, _, p in top.choices()] == [SEED_MAX, SEED_MIN]
+    unseeded = chat({"messages": MSGS, "n": 2})
+    assert [(i, p.seed) for i, _, p in unseeded.choices()] == [(0, None), (1, None)]
     for n in (0, -1, True, 1.0, "1", 2**64):
         refused(comp, {"prompt": "Hi", "n": n}, "n")
+    refused(comp, {"prompt": "Hi", "n": MAX_CHOICES + 1}, "n", str(MAX_CHOICES))
+    refused(comp, {"prompt": ["a", "b"], "n": MAX_CHOICES // 2 + 1}, "n", "x 2")
+
+
+def test_batched_prompts():
+    r = comp({"prompt": ["Hi", "you there"], "n": 2})
+    assert r.prompts == [TOK.encode("Hi"), TOK.encode("you there")]
+    assert [(i, ids) for i, ids, _ in r.choices()] == [
+        (0, r.prompts[0]), (1, r.prompts[0]), (2, r.prompts[1]), (3, r.prompts[1])]
+    assert comp({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+    assert comp({"prompt": [[1, 2]]}).prompts == [[1, 2]]  # a batch of one
+    refused(comp, {"prompt": [[1, 2], [3, VOCAB]]}, "prompt.1", str(VOCAB))
+    refused(comp, {"prompt": ["a", ""]}, "prompt.1", "empty")
+    refused(comp, {"prompt": ["a", "x" * 70]}, "prompt.1", "64")
 
 
 # -- JSON-level refusals ------------------------------------------------------------------
@@ -275,8 +295,8 @@ def test_completion_prompts():
     ([[]], "prompt", "empty"), (12, "prompt", None), ({"text": "Hi"}, "prompt", None),
     ([1, VOCAB], "prompt", str(VOCAB)), ([1, 99999], "prompt", "99999"),
     ([-1], "prompt.0", None), ([True], "prompt.0", None), ([1.0], "prompt.0", None),
-    ([2**64], "prompt.0", None), (["a", "b"], "prompt", "batched"),
-    ([[1], [2]], "prompt", "batched"), ([1, "a"], "prompt.1", None),
+    ([2**64], "prompt.0", None), (["a", ""], "prompt.1", "empty"),
+    ([[1], []], "prompt.1", "empty"), ([1, "a"], "prompt.1", None),
     ("Hi" * 40, "prompt", "64"), (list(range(64)), "prompt", "context length")])
 def test_bad_completion_prompts(prompt, param, fragment):
     body = {} if prompt is None else {"prompt": prompt}
@@ -307,7 +327,7 @@ def test_valid_requests_give_the_same_parsed_request():
               "min_p": 0.1, "seed": 3, "stop": ["a", "b"], "ignore_eos": True, "stream": True,
               "stream_options": {"include_usage": True}})
     assert r == ParsedRequest(
-        TOK.encode("Hello"), SamplingParams(max_tokens=40, temperature=0.5, top_p=0.9, top_k=5,
+        [TOK.encode("Hello")], SamplingParams(max_tokens=40, temperature=0.5, top_p=0.9, top_k=5,
                                             min_p=0.1, seed=3, stop=("a", "b"), ignore_eos=True),
         stream=True, include_usage=True)
     assert comp({"prompt": "Hi", "temperature": 0, "stop": "x"}).params == \
@@ -318,7 +338,7 @@ def test_valid_requests_give_the_same_parsed_request():
     r = chat({"messages": messages, "max_completion_tokens": 5})
     text = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi\nyou<|im_end|>\n"
             "<|im_start|>assistant\n")
-    assert r == ParsedRequest(TOK.encode(text, add_special_tokens=False),
+    assert r == ParsedRequest([TOK.encode(text, add_special_tokens=False)],
                               SamplingParams(max_tokens=5), stream=False, include_usage=False)
 
 
@@ -411,9 +431,9 @@ def test_response_shapes_match_the_response_models():
     u = usage(5, 3)
     assert u == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     CompletionResponse.model_validate(COMPLETION.response("cmpl-1", 1, MODEL,
-                                                          COMPLETION.choice("x", "stop"), u))
+                                                          [COMPLETION.choice("x", "stop")], u))
     ChatCompletionResponse.model_validate(CHAT.response("chatcmpl-1", 1, MODEL,
-                                                        CHAT.choice("x", "length"), u))
+                                                        [CHAT.choice("x", "length", 1)], u))
     for include_usage in (False, True):
         for first in (True, False):
             for text, finish in (("x", None), ("", "stop"), ("", None)):

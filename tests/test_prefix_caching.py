@@ -92,3 +92,38 @@ def test_real_model_prefix_hit_gives_the_miss_outputs(small_llm, cache_dir):
     page = engine.engine_config.cache.page_size
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 3 * (len(system) // page * page)
     assert after["free_pages"] == after["total_pages"]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_n_choices_fork_from_one_prefill(small_llm):
+    """n = 4 with a seed through the server: 4 choices whose tokens are those of 4 single
+    requests with seeds s .. s+3 (vLLM's seed + i), and the 3 later choices take the
+    prompt's full pages from the first one's prefill instead of computing them."""
+    from starlette.testclient import TestClient
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server import build_app
+
+    engine = small_llm.engine
+    bridge = AsyncEngine(engine)
+    app = build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len)
+    prompt = "A lantern, a harbor and a glacier met one evening. " * 8
+    n_prompt = len(small_llm.tokenizer.encode(prompt))
+    body = {"prompt": prompt, "temperature": 0.9, "max_tokens": 12, "ignore_eos": True}
+    try:
+        with TestClient(app) as client:
+            before = engine.stats()["prefix_cache_hits"]
+            forked = client.post("/v1/completions", json={**body, "n": 4, "seed": 11}).json()
+            hits = engine.stats()["prefix_cache_hits"] - before
+            singles = [client.post("/v1/completions", json={**body, "seed": 11 + i}).json()
+                       for i in range(4)]
+    finally:
+        bridge.shutdown()
+    texts = [c["text"] for c in forked["choices"]]
+    assert [c["index"] for c in forked["choices"]] == [0, 1, 2, 3]
+    assert texts == [s["choices"][0]["text"] for s in singles]
+    assert len(set(texts)) > 1, "seeds s .. s+3 sample different texts"
+    page = engine.engine_config.cache.page_size
+    assert hits >= 3 * ((n_prompt - 1) // page * page)
+    assert forked["usage"]["prompt_tokens"] == n_prompt

@@ -127,6 +127,72 @@ def test_streaming_chat_with_usage(server):
                                    "total_tokens": prompt_tokens + 5}
 
 
+def test_n_choices_and_batched_prompts(server):
+    """n choices per prompt, for each prompt of a batch: one engine request per choice,
+    with seed + i; choices indexed prompt x n + i; usage counts each prompt once."""
+    client, fake, tok, _ = server
+    body = client.post("/v1/completions", json={"prompt": ["Hello", "Hi"], "n": 2, "seed": 5,
+                                                "max_tokens": 4}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == REPLY[:4] for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 5 + 2, "completion_tokens": 16,
+                             "total_tokens": 23}
+    seeds = {fake_id: r for fake_id, r in zip(fake.added[-4:], fake.added_params[-4:])}
+    assert [p.seed for p in seeds.values()] == [5, 6, 5, 6]
+    assert [fake_id.rsplit("-", 1)[1] for fake_id in fake.added[-4:]] == ["0", "1", "2", "3"]
+    chat = client.post("/v1/chat/completions", json={"messages": MSGS, "n": 3,
+                                                     "max_tokens": 2}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in chat["choices"]] == [REPLY[:2]] * 3
+    assert fake.pages_in_use == 0
+
+
+def test_streamed_n_choices_each_carry_their_index(server):
+    client, fake, _, _ = server
+    events = sse_events(client.post("/v1/chat/completions", json={
+        "messages": MSGS, "n": 2, "max_tokens": 5, "stream": True,
+        "stream_options": {"include_usage": True}}))
+    chunks = events[:-1]
+    by_index = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        by_index[choice["index"]].append(choice)
+    for choices in by_index.values():
+        assert choices[0]["delta"]["role"] == "assistant"  # each choice's first delta
+        assert "".join(c["delta"].get("content", "") for c in choices) == REPLY[:5]
+        assert choices[-1]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
+    assert fake.pages_in_use == 0
+
+
+def test_disconnect_aborts_every_choice(server):
+    client, fake, _, app = server
+    fake.step_delay = 0.01
+    body = {"prompt": "Hello", "n": 3, "max_tokens": 50, "ignore_eos": True, "stream": True}
+    asyncio.run(drive(app, COMP, body, disconnect_after_chunks=2))
+    deadline = time.monotonic() + 5
+    while not (len(fake.aborted) == 3 and fake.pages_in_use == 0):
+        assert time.monotonic() < deadline, "choices not aborted after the client left"
+        time.sleep(0.005)
+
+
+def test_a_refused_choice_runs_none():
+    """One request runs and one may wait: of n = 3 choices the third is refused (503), and
+    the two already taken are aborted."""
+    tok = tiny_tokenizer()
+    fake = FakeEngine(tok, REPLY, max_model_len=MAX_LEN, step_delay=0.01, max_num_seqs=1)
+    bridge = AsyncEngine(fake, max_queued_requests=1)
+    with TestClient(build_app(bridge, tok, MODEL, MAX_LEN)) as client:
+        r = client.post("/v1/completions", json={"prompt": "Hello", "n": 3})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        deadline = time.monotonic() + 5
+        while fake.pages_in_use or fake.requests:
+            assert time.monotonic() < deadline, "the first choice still runs"
+            time.sleep(0.005)
+        assert client.post("/v1/completions", json={"prompt": "Hello"}).status_code == 200
+    bridge.shutdown()
+
+
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "Hi"}]
@@ -146,7 +212,7 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "Hi", "top_k": 2.5}, "top_k", None),
     (COMP, {"prompt": "Hi", "min_p": 2}, "min_p", None),
     (COMP, {"prompt": "Hi", "seed": "x"}, "seed", None),
-    (COMP, {"prompt": "Hi", "n": 2}, "n", None),
+    (COMP, {"prompt": "Hi", "n": 0}, "n", None),
     (COMP, {"prompt": "Hi", "stop": 5}, "stop", None),
     (COMP, {"prompt": "Hi", "stop": [""]}, "stop", None),
     (COMP, {"prompt": "Hi", "stream": "yes"}, "stream", None),
@@ -157,7 +223,7 @@ BAD_REQUESTS = [
     (COMP, {"prompt": ""}, "prompt", "empty"),
     (COMP, {"prompt": 12}, "prompt", None),
     (COMP, {"prompt": [1, 99999]}, "prompt", "99999"),
-    (COMP, {"prompt": ["a", "b"]}, "prompt", "batched"),
+    (COMP, {"prompt": ["a", [1]]}, "prompt.0", None),
     (CHAT, {}, "messages", None),
     (CHAT, {"messages": []}, "messages", None),
     (CHAT, {"messages": "Hi"}, "messages", None),
