@@ -12,7 +12,8 @@ Names follow vLLM's (`vllm:` -> `jaxserve:`) where they mean the same thing:
     jaxserve:prefix_cache_evictions_total         counter, cached pages taken for new content
     jaxserve:prompt_tokens_total                  counter, prompt tokens of accepted requests
     jaxserve:generation_tokens_total              counter, output tokens streamed
-    jaxserve:request_success_total{finished_reason}   counter: stop, length, abort
+    jaxserve:request_success_total{finished_reason}   counter: stop, length, abort (one per
+                                                  choice: n per prompt)
     jaxserve:requests_rejected_total{reason}      counter, refused before the engine took them
     jaxserve:requests_failed_total{reason}        counter, taken then failed: engine_error,
                                                   timeout, stream_buffer_full, shutdown

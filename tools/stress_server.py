@@ -50,9 +50,12 @@ class StressReport:
     (what was sent, what came back); connection_errors: resets / early closes;
     bad_expectations: named inputs answered other than expected; streams_lost: long
     streams that did not end with all their tokens; pages_returned: the KV pool was whole
-    again afterwards; probe_before / probe_after: the greedy answer to PROBE."""
+    again afterwards; probe_before / probe_after: the greedy answer to PROBE. choices: the
+    choices of the requests answered 200 (n per prompt; what the server's
+    request_success_total counts)."""
 
     requests: int = 0
+    choices: int = 0
     by_status: dict = dataclasses.field(default_factory=dict)
     server_errors: list = dataclasses.field(default_factory=list)
     connection_errors: list = dataclasses.field(default_factory=list)
@@ -83,9 +86,12 @@ class _Client:
         self._lock = threading.Lock()
         self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=1024))
 
-    def record(self, what: str, status: int | None, error: str | None = None) -> None:
+    def record(self, what: str, status: int | None, error: str | None = None,
+               choices: int = 1) -> None:
         with self._lock:
             self.report.requests += 1
+            if status == 200:
+                self.report.choices += choices
             if status is not None:
                 self.report.by_status[status] = self.report.by_status.get(status, 0) + 1
                 if status >= 500:
@@ -100,11 +106,24 @@ class _Client:
         except httpx.TransportError as e:
             self.record(what, None, repr(e))
             return None
-        self.record(what, r.status_code, r.text if r.status_code >= 500 else None)
+        self.record(what, r.status_code, r.text if r.status_code >= 500 else None,
+                    _num_choices(r) if r.status_code == 200 else 0)
         return r
 
     def get_json(self, path: str) -> dict:
         return self.http.get(self.base + path, headers=self.headers).json()
+
+
+def _num_choices(r: httpx.Response) -> int:
+    """The choices of a 200 response: of the JSON body, or the distinct indices of an SSE
+    stream's chunks."""
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        indices = set()
+        for line in r.text.splitlines():
+            if line.startswith("data: {"):
+                indices.update(c.get("index") for c in json.loads(line[6:]).get("choices", []))
+        return len(indices)
+    return len(r.json().get("choices", []))
 
 
 def named_bad_inputs(model: str) -> list[tuple[str, str, bytes, int]]:
@@ -122,7 +141,7 @@ def named_bad_inputs(model: str) -> list[tuple[str, str, bytes, int]]:
         ("top_k 2**31", comp, body(top_k=2**31), 400),
         ("top_k -1 (valid)", comp, body(top_k=-1, temperature=1.0), 200),
         ("max_tokens 10**30", comp, body(max_tokens=10**30), 400),
-        ("n 2", comp, body(n=2), 400),
+        ("n past the choices limit", comp, body(n=129), 400),
         ("lone surrogate prompt", comp, body(prompt="\ud800"), 400),
         ("lone surrogate message", chat, json.dumps(
             {"messages": [{"role": "user", "content": "a\udfffb"}]}).encode(), 400),

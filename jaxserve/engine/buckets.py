@@ -22,7 +22,7 @@ class StepShapes:
     buckets T on token_buckets (up to max_num_batched_tokens). Both bucket S on
     seq_buckets. P is bucketed on page_buckets only when `bucket_pages`, i.e. when the
     attention implementation's cost grows with the block-table width
-    (Attention.pads_pages: XLA's gathers, the Pallas grids); otherwise every step takes
+    (Attention.pads_pages: XLA's page gathers); otherwise every step takes
     the widest table (max_model_len / page_size pages), which costs S x P int32 of input
     and nothing else, and saves a compilation per page bucket.
     """
