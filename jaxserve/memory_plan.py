@@ -5,7 +5,7 @@ tensor-parallel-8 plan runs on a laptop without allocating anything.
 
 Formulas (the usual serving back-of-envelope, as in vLLM's and the "LLM inference
 memory" guides): weights = sum of each leaf's shard size x dtype bytes; KV per token =
-2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool = kv_cache_bytes split over
+2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool = kv_cache_memory_bytes split over
 the devices that share the kv_heads axis; activations = the largest step's live buffers
 (residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits).
 """
