@@ -60,3 +60,9 @@ def run_staggered(engine, requests, arrivals, check=None, max_steps=5000):
         step += 1
         assert step < max_steps, "engine made no progress"
     return done, max_running
+
+
+def outputs(engine, requests, arrivals, max_steps=2000):
+    """`run_staggered`'s final outputs as {id: (token_ids, text, finish_reason)}."""
+    done, _ = run_staggered(engine, requests, arrivals, max_steps=max_steps)
+    return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in done.items()}

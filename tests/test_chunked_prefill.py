@@ -9,18 +9,13 @@ kernels, f32 matmuls) for prompts of 1 to 3 chunks."""
 import numpy as np
 import pytest
 
-from engine_utils import run_staggered, tiny_engine, tiny_params
+from engine_utils import outputs, tiny_engine, tiny_params
 from jaxserve.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def params():
     return tiny_params()
-
-
-def outputs(engine, requests, arrivals):
-    done, _ = run_staggered(engine, requests, arrivals, max_steps=2000)
-    return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in done.items()}
 
 
 def test_chunked_prefill_equals_whole_prompt_prefill(params):

@@ -7,18 +7,13 @@ model (SmolLM2-135M, f32 matmuls) for the outputs."""
 import numpy as np
 import pytest
 
-from engine_utils import TINY_PAGE, run_staggered, tiny_engine, tiny_params
+from engine_utils import TINY_PAGE, outputs, tiny_engine, tiny_params
 from jaxserve.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def params():
     return tiny_params()
-
-
-def outputs(engine, requests, arrivals):
-    done, _ = run_staggered(engine, requests, arrivals, max_steps=2000)
-    return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in done.items()}
 
 
 def shared_prefix_requests(seed=0, n=6):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
@@ -32,17 +31,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_serving import (BenchRequest, BenchmarkError, DEFAULT_CONFIG, get_model_id,  # noqa: E402
-                           launch, make_client, send_request, wait_ready, wait_warmup_done)
-
-WORDS = ("river mountain quantum bread violin galaxy ledger orchid tensor harbor lantern "
-         "meadow cipher saffron glacier").split()
-
-
-def long_prompt(num_tokens: int, seed: int = 0) -> str:
-    """About `num_tokens` SmolLM2 tokens of words (each word is one token, with its space)."""
-    rng = np.random.default_rng(seed)
-    return " ".join(rng.choice(WORDS, num_tokens - 1))
+from bench_serving import (BenchRequest, BenchmarkError, DEFAULT_CONFIG,  # noqa: E402
+                           get_model_id, launched_server, make_client, run_tool, send_request,
+                           word_prompt)
 
 
 def event_times(result) -> list[float]:
@@ -71,7 +62,7 @@ async def measure(url: str, streams: int, stream_tokens: int, prompt_tokens: int
             for i in range(streams)]
         await asyncio.sleep(settle_s)
         long = await send_request(client, url, model,
-                                  BenchRequest(long_prompt(prompt_tokens), 4))
+                                  BenchRequest(word_prompt(prompt_tokens - 1), 4))
         results = await asyncio.gather(*tasks)
     if not long.success or not all(r.success for r in results):
         errors = [r.error for r in [long, *results] if not r.success]
@@ -91,16 +82,9 @@ async def measure(url: str, streams: int, stream_tokens: int, prompt_tokens: int
 
 
 async def run_mode(args, name: str, extra: list[str]) -> dict:
-    proc, url, _ = launch(args.config, args.cache_dir, extra_args=extra)
-    try:
-        await wait_ready(url, proc)
-        async with make_client() as client:
-            await wait_warmup_done(client, url)
+    async with launched_server(args.config, args.cache_dir, extra) as url:
         result = await measure(url, args.streams, args.stream_tokens, args.prompt_tokens,
                                args.settle)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     print(f"{name:>10}: pause before {result['pause_before_ms']:7.1f} ms, during prefill "
           f"{result['pause_during_ms']:7.1f} ms = {result['ratio']}x; long prompt "
           f"({result['long_prompt_tokens']} tokens) TTFT {result['long_ttft_ms']:.0f} ms; "
@@ -132,15 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=6.0,
                     help="seconds the streams run before the long prompt is sent")
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args(argv)
-    try:
-        out = asyncio.run(main_async(args))
-    except BenchmarkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0
+    return run_tool(main_async, ap.parse_args(argv))
 
 
 if __name__ == "__main__":

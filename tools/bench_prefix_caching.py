@@ -20,32 +20,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_serving import (BenchRequest, BenchmarkError, DEFAULT_CONFIG,  # noqa: E402
-                           fetch_server_counters, get_model_id, launch, make_client,
-                           send_request, wait_ready, wait_warmup_done)
-
-WORDS = ("river mountain quantum bread violin galaxy ledger orchid tensor harbor lantern "
-         "meadow cipher saffron glacier").split()
+                           fetch_server_counters, get_model_id, launched_server, make_client,
+                           run_tool, send_request, word_prompt)
 QUESTIONS = ("What is a river?", "Name a planet.", "Why is the sky blue?", "Count to five.",
              "What is bread made of?", "Describe a violin.", "What is a ledger?",
              "Where do orchids grow?")
 
 
 def system_prompt(num_tokens: int, seed: int) -> str:
-    """About `num_tokens` SmolLM2 tokens (each word is one token with its space)."""
-    rng = np.random.default_rng(seed)
-    return "System: " + " ".join(rng.choice(WORDS, num_tokens - 2)) + "\n"
+    """About `num_tokens` SmolLM2 tokens of words after "System:"."""
+    return "System: " + word_prompt(num_tokens - 2, seed) + "\n"
 
 
 async def ttft(client, url, model, prompt: str) -> float:
@@ -87,15 +80,8 @@ async def measure(url: str, args) -> dict:
 
 
 async def run_mode(args, name: str, flag: str) -> dict:
-    proc, url, _ = launch(args.config, args.cache_dir, extra_args=[flag])
-    try:
-        await wait_ready(url, proc)
-        async with make_client() as client:
-            await wait_warmup_done(client, url)
+    async with launched_server(args.config, args.cache_dir, [flag]) as url:
         result = await measure(url, args)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     print(f"{name:>9}: TTFT miss {result['ttft_miss_ms']:7.1f} ms, second request of a system "
           f"prompt {result['ttft_hit_ms']:7.1f} ms = {result['ttft_hit_ms'] / result['ttft_miss_ms']:.2f}x; "
           f"{args.streams} streams {result['output_tok_s']:.1f} output tok/s (mean TTFT "
@@ -123,15 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--probes", type=int, default=5)
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args(argv)
-    try:
-        out = asyncio.run(main_async(args))
-    except BenchmarkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0
+    return run_tool(main_async, ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -572,6 +572,49 @@ async def wait_ready(url: str, proc: subprocess.Popen | None = None,
             await asyncio.sleep(interval_s)
 
 
+@contextlib.asynccontextmanager
+async def launched_server(config: str | Path, cache_dir: str | Path | None = None,
+                          extra_args: Sequence[str] = ()):
+    """`launch` serve.py, wait until it is ready and its background warm-up is over, and
+    yield its API base URL (…/v1); the server is terminated on exit (killed if it does not
+    stop within 60 s). Raises BenchmarkError as `wait_ready` does."""
+    proc, url, _ = launch(config, cache_dir, extra_args=extra_args)
+    try:
+        await wait_ready(url, proc)
+        async with make_client() as client:
+            await wait_warmup_done(client, url)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_tool(main_async, args: argparse.Namespace) -> int:
+    """A benchmark tool's exit status: run `main_async(args)` (returning a JSON-able
+    result), print a BenchmarkError's message (status 1) instead of a traceback, and write
+    the result to `args.json` if given."""
+    try:
+        out = asyncio.run(main_async(args))
+    except BenchmarkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+WORDS = ("river mountain quantum bread violin galaxy ledger orchid tensor harbor lantern "
+         "meadow cipher saffron glacier").split()
+
+
+def word_prompt(num_words: int, seed: int = 0) -> str:
+    """`num_words` random words (each one SmolLM2 token with its space)."""
+    return " ".join(np.random.default_rng(seed).choice(WORDS, num_words))
+
+
 async def start_to_first_token(url: str, model: str | None, t0: float,
                                endpoint: str = "completions") -> float:
     """Seconds from `t0` (time.perf_counter() at process start, from `launch`) to the first

@@ -62,7 +62,7 @@ def step_batch(plan: StepPlan, shapes: StepShapes, prev_rows=None
     for i, (s, n) in enumerate(zip(seqs, num_new)):
         start, stop = s.num_computed, s.num_computed + n
         rows = slice(row, row + n)
-        ids = s.all_ids[start:stop]
+        ids = s.ids(start, stop)
         if PLACEHOLDER in ids:
             if n != 1:
                 raise ValueError(f"request {s.request_id!r}: a chunk of {n} tokens includes "

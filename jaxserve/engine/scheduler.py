@@ -210,7 +210,7 @@ class Scheduler:
         have = len(seq.page_hashes)
         if num_pages > have:
             ps = self.pool.page_size
-            ids = (seq.prompt_ids + seq.output_ids)[:num_pages * ps]
+            ids = seq.ids(0, num_pages * ps)
             seq.page_hashes += page_hashes(ids, ps, have, seq.page_hashes[-1] if have else None)
         return seq.page_hashes[:num_pages]
 

@@ -56,9 +56,15 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def ids(self, start: int, stop: int) -> list[int]:
+        """Tokens start .. stop - 1 of prompt + outputs, without copying the rest of them
+        (the batch builder asks for a few tokens of long sequences every step)."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n:stop - n]
+        return self.prompt_ids[start:] + self.output_ids[:stop - n]
 
     @property
     def last_token(self) -> int:
