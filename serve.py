@@ -90,7 +90,8 @@ def _server_config(base: ServerConfig, args: argparse.Namespace) -> ServerConfig
 
 # serve.py flags (vLLM's spellings) that set EngineConfig fields (EngineConfig.override).
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_chunked_prefill", "enable_prefix_caching", "kv_cache_memory_bytes")
+                "enable_chunked_prefill", "enable_prefix_caching", "kv_cache_memory_bytes",
+                "speculative_config")
 
 
 def _engine_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig:
@@ -114,6 +115,10 @@ def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
                                        "prefix (default: the config's, on)")
     ap.add_argument("--kv-cache-memory-bytes", type=int,
                     help="device memory for the KV page pool, bytes (default: the config's)")
+    ap.add_argument("--speculative-config",
+                    help="speculative decoding, vLLM's JSON object, e.g. '{\"method\": "
+                         "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
+                         "4, \"prompt_lookup_min\": 2}' (default: the config's, off)")
 
 
 def _add_limit_flags(ap: argparse.ArgumentParser) -> None:

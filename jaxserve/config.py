@@ -337,6 +337,91 @@ class KernelConfig:
                                   f">= 16, got {g}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config`, the same JSON object): a cheap
+    proposer guesses up to `num_speculative_tokens` tokens per decoding sequence, the target
+    model verifies them all in one step, and rejection sampling keeps exactly the target's
+    output distribution (jaxserve.spec_decode). Requests need no change.
+
+    method: "ngram" (prompt lookup over the sequence's own prompt + output), "draft_model"
+        (a smaller model sharing the tokenizer) or "eagle" (a draft head over the target's
+        hidden states).
+    num_speculative_tokens: k, the most draft tokens verified per sequence and step
+        (1..16). A verify step computes k + 1 token rows per sequence.
+    prompt_lookup_max / prompt_lookup_min: ngram only, the longest and shortest suffix
+        n-gram looked up (tokens; the longest that occurs earlier wins). Defaults 4 and 2.
+    model: draft_model / eagle: the draft's checkpoint directory.
+    disable_by_batch_size: speculate only while at most this many sequences run and none
+        waits (vLLM's name; beyond it the batch is compute-bound and verifying k extra rows
+        per sequence costs more than it saves: PERFORMANCE.md, "Speculative decoding").
+        At most max_num_seqs; the verify step is compiled for the sequence buckets up to it.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"SpeculativeConfig.method must be one of {SPECULATIVE_METHODS}, "
+                              f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"SpeculativeConfig.num_speculative_tokens must be an integer in "
+                              f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1:
+            raise ConfigError(f"SpeculativeConfig.disable_by_batch_size must be an integer >= 1, "
+                              f"got {self.disable_by_batch_size!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ConfigError("SpeculativeConfig.model is for draft_model / eagle; ngram "
+                                  "looks up the sequence's own tokens")
+            hi = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
+            lo = min(2, hi) if self.prompt_lookup_min is None else self.prompt_lookup_min
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ConfigError(f"SpeculativeConfig.prompt_lookup_min ({lo!r}) and "
+                                  f"prompt_lookup_max ({hi!r}) must be integers with "
+                                  "1 <= prompt_lookup_min <= prompt_lookup_max")
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            object.__setattr__(self, "prompt_lookup_min", lo)
+        else:
+            if not self.model:
+                raise ConfigError(f"SpeculativeConfig.model is required for method "
+                                  f"{self.method!r} (the draft's checkpoint directory)")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ConfigError("SpeculativeConfig.prompt_lookup_max / prompt_lookup_min "
+                                  "are for method 'ngram'")
+
+    @classmethod
+    def from_dict(cls, d: "dict[str, Any] | str") -> "SpeculativeConfig":
+        """From vLLM's JSON object (a dict, or its JSON text). Raises ConfigError for
+        invalid JSON, an unknown key or a missing / bad value."""
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown key(s) {unknown}; known: "
+                              f"{sorted(known)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in d:
+                raise ConfigError(f"speculative_config needs {key!r}")
+        return cls(**d)
+
+
 _GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig,
            "compilation": CompilationConfig, "kernels": KernelConfig}
 
@@ -354,6 +439,8 @@ class EngineConfig:
 
     max_model_len: most tokens (prompt + output) one sequence may hold.
     seed: seeds requests that give none (numpy generator).
+    speculative: speculative decoding (None = off); `override(speculative_config=...)`
+        takes it as vLLM's JSON object.
     """
 
     max_model_len: int = 2048
@@ -362,9 +449,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     compilation: CompilationConfig = CompilationConfig()
     kernels: KernelConfig = KernelConfig()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         _positive("EngineConfig", self, ("max_model_len",))
+        spec = self.speculative
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ConfigError(f"EngineConfig.speculative must be a SpeculativeConfig or None, "
+                              f"got {spec!r}")
         for name, group in _GROUPS.items():
             if not isinstance(getattr(self, name), group):
                 raise ConfigError(f"EngineConfig.{name} must be a {group.__name__}, "
@@ -375,6 +467,17 @@ class EngineConfig:
             raise ConfigError(f"SchedulerConfig.max_num_batched_tokens ({limits.max_num_batched_tokens}) "
                               f"must hold max_model_len ({self.max_model_len}) tokens when "
                               "enable_chunked_prefill is off (a prompt is prefilled whole)")
+        if spec is not None:
+            if spec.disable_by_batch_size > limits.max_num_seqs:
+                raise ConfigError(f"SpeculativeConfig.disable_by_batch_size "
+                                  f"({spec.disable_by_batch_size}) must be at most "
+                                  f"max_num_seqs ({limits.max_num_seqs})")
+            rows = self.verify_seq_buckets[-1] * (spec.num_speculative_tokens + 1)
+            if rows > limits.max_num_batched_tokens:
+                raise ConfigError(f"SchedulerConfig.max_num_batched_tokens "
+                                  f"({limits.max_num_batched_tokens}) must hold a verify step of "
+                                  f"{rows} rows (disable_by_batch_size x (num_speculative_tokens "
+                                  "+ 1))")
 
     def override(self, **fields) -> "EngineConfig":
         """A copy with `fields` set, each named as in its group (`page_size=8`,
@@ -383,6 +486,10 @@ class EngineConfig:
         own = {f.name for f in dataclasses.fields(self)}
         top, groups = {}, {}
         for key, value in fields.items():
+            if key == "speculative_config":  # vLLM's name: a JSON object, its text, or None
+                top["speculative"] = (None if value is None or isinstance(value, SpeculativeConfig)
+                                      else SpeculativeConfig.from_dict(value))
+                continue
             if key in own:
                 top[key] = value
                 continue
@@ -407,6 +514,14 @@ class EngineConfig:
     def token_buckets(self) -> tuple[int, ...]:
         budget = self.scheduler.max_num_batched_tokens
         return _up_to(self.compilation.token_buckets, min(16, budget), budget)
+
+    @property
+    def verify_seq_buckets(self) -> tuple[int, ...]:
+        """Sequence buckets of the verify step (up to disable_by_batch_size); () when
+        speculative decoding is off."""
+        if self.speculative is None:
+            return ()
+        return _up_to(self.compilation.seq_buckets, 1, self.speculative.disable_by_batch_size)
 
     @property
     def page_counts(self) -> tuple[int, ...]:

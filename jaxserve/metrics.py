@@ -10,6 +10,12 @@ Names follow vLLM's (`vllm:` -> `jaxserve:`) where they mean the same thing:
                                                   prefix cache
     jaxserve:prefix_cache_hits_total              counter, those found cached (not computed)
     jaxserve:prefix_cache_evictions_total         counter, cached pages taken for new content
+    jaxserve:spec_decode_num_drafts_total         counter, draft proposals verified (one per
+                                                  sequence and verify step)
+    jaxserve:spec_decode_num_draft_tokens_total   counter, draft tokens verified
+    jaxserve:spec_decode_num_accepted_tokens_total    counter, draft tokens accepted
+    jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position}  counter, accepted
+                                                  drafts at position 0..k-1 of a proposal
     jaxserve:prompt_tokens_total                  counter, prompt tokens of accepted requests
     jaxserve:generation_tokens_total              counter, output tokens streamed
     jaxserve:request_success_total{finished_reason}   counter: stop, length, abort (one per
@@ -73,8 +79,20 @@ class _EngineCollector:
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  "prefix_cache_hits"),
                 ("prefix_cache_evictions", "Cached KV pages evicted for new content.",
-                 "prefix_cache_evictions")):
+                 "prefix_cache_evictions"),
+                ("spec_decode_num_drafts", "Draft proposals verified (per sequence and step).",
+                 "spec_decode_num_drafts"),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 "spec_decode_num_draft_tokens"),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 "spec_decode_num_accepted_tokens")):
             yield CounterMetricFamily(PREFIX + name, doc, value=s.get(key, 0))
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the proposal.",
+                                      labels=["position"])
+        for pos, value in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+            per_pos.add_metric([str(pos)], value)
+        yield per_pos
 
 
 class Metrics:

@@ -139,16 +139,39 @@ def argmax_logsumexp(logits: jax.Array, impl: "str | SamplerOps" = "xla"
     return sampler_ops(impl).argmax_logsumexp(logits)
 
 
-def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
+def _request_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """The key of one row's draw: threefry key data seed [2] uint32 with the output index
+    `step` folded in."""
+    return jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), step)
+
+
+def gumbel_noise(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     """[B, vocab] f32 Gumbel noise, row b drawn from key (seed[b], step[b]) only.
-    seed: [B, 2] uint32 threefry key data (see SamplingBatch)."""
+    seed: [B, 2] uint32 threefry key data (see SamplingBatch); step: [B] int32."""
     def one(sd, st):
-        key = jax.random.fold_in(jax.random.wrap_key_data(sd, impl="threefry2x32"), st)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)
+        return jax.random.gumbel(_request_key(sd, st), (vocab,), jnp.float32)
     return jax.vmap(one)(seed, step)
 
 
-def _filtered_sample(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
+# Folded into a row's key for the speculative acceptance test's uniform, so that it is
+# independent of the Gumbel noise that samples the same output index.
+_ACCEPT_STREAM = 0x5BEC
+
+
+def uniform_noise(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """[B] f32 uniform in [0, 1), row b drawn from key (seed[b], step[b]) only, independent
+    of `gumbel_noise` for the same key (the rejection sampler's acceptance test)."""
+    def one(sd, st):
+        key = jax.random.fold_in(_request_key(sd, st), _ACCEPT_STREAM)
+        return jax.random.uniform(key, (), jnp.float32)
+    return jax.vmap(one)(seed, step)
+
+
+def _sorted_filter(scaled: jax.Array, sb: SamplingBatch
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-k, top-p and min-p of each row of scaled logits [B, V] f32, in the order vLLM
+    applies them: (order [B, V] int32, the vocabulary by descending logit; sorted_logits
+    [B, V] f32; keep [B, V] bool, in sorted order, a prefix of each row, never empty)."""
     B, V = scaled.shape
     order = jnp.argsort(-scaled, axis=-1)                         # [B, V] descending
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -159,10 +182,25 @@ def _filtered_sample(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
     cum_before = jnp.cumsum(probs, axis=-1) - probs               # mass strictly above
     keep = (cum_before < sb.top_p[:, None]) & (probs >= sb.min_p[:, None] * probs[:, :1])
     keep = keep.at[:, 0].set(True)                               # never drop the top token
+    return order, sorted_logits, keep
+
+
+def filtered_logits(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """Scaled logits [B, V] f32 with the tokens top-k / top-p / min-p drop set to -inf, in
+    vocabulary order: the log-weights of the distribution `sample` draws from (its
+    softmax). sb: B rows (temperature is not read: `scaled` is already divided by it)."""
+    order, _, keep = _sorted_filter(scaled, sb)
+    rows = jnp.arange(scaled.shape[0])[:, None]
+    keep = jnp.zeros(scaled.shape, jnp.bool_).at[rows, order].set(keep)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _filtered_sample(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
+    order, sorted_logits, keep = _sorted_filter(scaled, sb)
     sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
     # each token's noise by its id, as in the unfiltered branch: a row that filters nothing
     # draws the same token whichever branch its batch takes
-    noise = jnp.take_along_axis(_gumbel(sb.seed, sb.step, V), order, axis=-1)
+    noise = jnp.take_along_axis(gumbel_noise(sb.seed, sb.step, scaled.shape[1]), order, axis=-1)
     choice = argmax_last(sorted_logits + noise)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
@@ -188,7 +226,7 @@ def sample(logits: jax.Array, sb: SamplingBatch, impl: "str | SamplerOps" = "xla
 
     sampled = jax.lax.switch(branch, [
         lambda: top,
-        lambda: argmax_last(scaled() + _gumbel(sb.seed, sb.step, V)),
+        lambda: argmax_last(scaled() + gumbel_noise(sb.seed, sb.step, V)),
         lambda: _filtered_sample(scaled(), sb).astype(jnp.int32),
     ])
     tokens = jnp.where(greedy, top, sampled)

@@ -20,11 +20,12 @@ from jaxserve.model.transformer import StepBatch
 from jaxserve.sampling import SamplingBatch
 
 
-def empty_batch(T: int, S: int, P: int, decode: bool = False) -> StepBatch:
+def empty_batch(T: int, S: int, P: int, decode: bool = False, verify: int = 0) -> StepBatch:
     """An all-padding batch of T token rows and S sequences with P pages each: every token
     writes to the null page, every sequence has seq_len 0 (and, for decode, T == S, row b
     belongs to sequence b; otherwise no sequence owns a row); builders fill in the real
-    ones."""
+    ones. verify > 0: a verify batch, logits read at `verify` rows per sequence
+    (logits_indices [S, verify])."""
     if decode and T != S:
         raise ValueError(f"a decode batch has one token row per sequence, got T={T}, S={S}")
     return StepBatch(
@@ -36,7 +37,7 @@ def empty_batch(T: int, S: int, P: int, decode: bool = False) -> StepBatch:
         seq_lens=np.zeros((S,), np.int32),
         query_start=(np.arange(S + 1, dtype=np.int32) if decode
                      else np.zeros((S + 1,), np.int32)),
-        logits_indices=np.zeros((S,), np.int32),
+        logits_indices=np.zeros((S, verify) if verify else (S,), np.int32),
         decode=decode,
     )
 
@@ -49,20 +50,29 @@ def _slots(block_table: list[int], start: int, stop: int, page_size: int) -> np.
 def step_batch(plan: StepPlan, shapes: StepShapes, prev_rows=None
                ) -> tuple[StepBatch, SamplingBatch]:
     """The batch of `plan`: sequence i's tokens num_computed .. num_computed + num_new[i]
-    (its pages must hold them), its last row's logits sampled.
+    (its pages must hold them; for a verify plan, its last token then its drafts), its last
+    row's logits sampled (a verify plan: the logits of each of its 1 + len(drafts[i])
+    rows, logits_indices [S, 1 + num_speculative_tokens], the last row repeated).
 
     prev_rows: {sequence: row} of the previous (still running) step; a sequence whose token
     is a PLACEHOLDER reads it from that row on device. Raises ValueError if it is not
     there, or a PLACEHOLDER is not the one token of a sequence's chunk."""
     seqs, num_new = plan.seqs, plan.num_new
-    T, S, P = shapes.shape_of(num_new, max(len(s.block_table) for s in seqs), plan.decode)
-    b = empty_batch(T, S, P, decode=plan.decode)
+    max_pages = max(len(s.block_table) for s in seqs)
+    if plan.verify:
+        if not all(plan.samples):
+            raise ValueError("a verify step holds decoding sequences only")
+        T, S, P = shapes.verify_shape(len(seqs), max_pages)
+    else:
+        T, S, P = shapes.shape_of(num_new, max_pages, plan.decode)
+    J = shapes.verify_rows if plan.verify else 0
+    b = empty_batch(T, S, P, decode=plan.decode, verify=J)
     page_size = shapes.page_size
     row = 0
-    for i, (s, n) in enumerate(zip(seqs, num_new)):
+    for i, (s, n, drafts) in enumerate(zip(seqs, num_new, plan.drafts)):
         start, stop = s.num_computed, s.num_computed + n
         rows = slice(row, row + n)
-        ids = s.ids(start, stop)
+        ids = s.ids(start, stop - len(drafts)) + drafts
         if PLACEHOLDER in ids:
             if n != 1:
                 raise ValueError(f"request {s.request_id!r}: a chunk of {n} tokens includes "
@@ -77,7 +87,10 @@ def step_batch(plan: StepPlan, shapes: StepShapes, prev_rows=None
         b.slot_mapping[rows] = _slots(s.block_table, start, stop, page_size)
         b.block_tables[i, :len(s.block_table)] = s.block_table
         b.seq_lens[i] = stop
-        b.logits_indices[i] = row + n - 1
+        if J:
+            b.logits_indices[i] = row + np.minimum(np.arange(J), n - 1)
+        else:
+            b.logits_indices[i] = row + n - 1
         row += n
         if not plan.decode:
             b.query_start[i + 1:] = row

@@ -25,6 +25,11 @@ class StepShapes:
     (Attention.pads_pages: XLA's page gathers); otherwise every step takes
     the widest table (max_model_len / page_size pages), which costs S x P int32 of input
     and nothing else, and saves a compilation per page bucket.
+
+    With speculative decoding, a verify step ("verify": decoding sequences, each bringing
+    its last token and up to k drafts; n = verify_rows = k + 1 positions sampled per
+    sequence) has T = S x (k + 1) rows, S on the sequence buckets up to
+    disable_by_batch_size (EngineConfig.verify_seq_buckets).
     """
 
     def __init__(self, cfg: EngineConfig, bucket_pages: bool = True):
@@ -33,6 +38,9 @@ class StepShapes:
         self.seq_buckets = cfg.seq_buckets
         self.token_buckets = cfg.token_buckets
         self.page_buckets = cfg.page_counts if bucket_pages else (cfg.max_pages_per_seq,)
+        self.verify_seq_buckets = cfg.verify_seq_buckets
+        spec = cfg.speculative
+        self.verify_rows = spec.num_speculative_tokens + 1 if spec else 0
 
     def shape_of(self, num_new: list[int], max_pages: int, decode: bool
                  ) -> tuple[int, int, int]:
@@ -42,6 +50,14 @@ class StepShapes:
         T = S if decode else bucket_for(sum(num_new), self.token_buckets)
         return T, S, bucket_for(max_pages, self.page_buckets)
 
+    def verify_shape(self, num_seqs: int, max_pages: int) -> tuple[int, int, int]:
+        """(T, S, P) of a verify step over `num_seqs` sequences. Raises ValueError past
+        the largest buckets (or when speculative decoding is off)."""
+        if not self.verify_rows:
+            raise ValueError("speculative decoding is off: no verify step")
+        S = bucket_for(num_seqs, self.verify_seq_buckets)
+        return S * self.verify_rows, S, bucket_for(max_pages, self.page_buckets)
+
     def warmup(self) -> list[tuple[str, int, int, int, int]]:
         """Every (kind, T, S, P, n) the engine can run: what warm-up compiles."""
         shapes = [("mixed", T, S, P, 1) for T in self.token_buckets
@@ -49,4 +65,6 @@ class StepShapes:
         steps = sorted({1, self.decode_steps})
         shapes += [("decode", S, S, P, n) for S in self.seq_buckets
                    for P in self.page_buckets for n in steps]
+        shapes += [("verify", S * self.verify_rows, S, P, self.verify_rows)
+                   for S in self.verify_seq_buckets for P in self.page_buckets]
         return shapes

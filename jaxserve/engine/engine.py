@@ -46,6 +46,7 @@ from jaxserve.engine.scheduler import InflightStep, Scheduler
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
+from jaxserve.spec_decode.proposers import make_proposer
 from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,15 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._rng = np.random.default_rng(engine_config.seed)
         self._inflight: InflightStep | None = None  # the launched step not read yet
+        self.proposer = make_proposer(engine_config.speculative)
+        # speculative decoding (vLLM's names): sequences' draft proposals verified, their
+        # draft tokens, the accepted ones, and accepted ones by draft position
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        k = engine_config.speculative.num_speculative_tokens if engine_config.speculative else 0
+        self.spec_accepted_per_pos = [0] * k
+        self._propose_seconds = 0.0
         self.num_steps = 0
         self.healthy = True
         self._kv_lost = False         # set by a failed device step, cleared by _reset_kv
@@ -156,7 +166,12 @@ class Engine:
         pools after failed device steps; healthy: False once the engine is dead.
         Prefix cache: prefix_cache_queries / prefix_cache_hits (prompt tokens looked up at
         admission / found cached), prefix_cache_evictions (cached pages taken for new
-        content), cached_pages (pages registered now; free_pages counts the unheld ones)."""
+        content), cached_pages (pages registered now; free_pages counts the unheld ones).
+        Speculative decoding (vLLM's names): spec_decode_num_drafts (a sequence's drafts
+        verified in one step), spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos (accepted drafts at positions 1..k),
+        spec_decode_mean_acceptance_length (tokens per verified proposal: 1 + accepted /
+        drafts; None before the first); spec_decode_propose_seconds: host time proposing."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "free_pages": self.pool.num_free, "total_pages": self.pool.capacity,
                 "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
@@ -171,7 +186,15 @@ class Engine:
                 "prefix_cache_queries": self.scheduler.prefix_cache_queries,
                 "prefix_cache_hits": self.scheduler.prefix_cache_hits,
                 "prefix_cache_evictions": self.pool.num_evictions,
-                "cached_pages": self.pool.num_cached}
+                "cached_pages": self.pool.num_cached,
+                "spec_decode_num_drafts": self.spec_num_drafts,
+                "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
+                "spec_decode_propose_seconds": round(self._propose_seconds, 6),
+                "spec_decode_mean_acceptance_length": (
+                    round(1 + self.spec_num_accepted_tokens / self.spec_num_drafts, 4)
+                    if self.spec_num_drafts else None)}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
@@ -179,26 +202,24 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one: returns the outputs of
         requests that progressed or finished in the previous step (and aborts, and
-        requests failed by a fault). Raises EngineDeadError once the engine is dead."""
+        requests failed by a fault). Raises EngineDeadError once the engine is dead.
+
+        Speculative decoding needs each sequence's tokens before its drafts can be
+        proposed, and a verify step's accepted count before the next step can be planned:
+        while it speculates (and after a verify step) the previous step is finished
+        first, and the host work no longer overlaps the device."""
         if not self.healthy:
             raise EngineDeadError("the engine is dead")
         t0 = time.perf_counter()
-        launched = self._launch()
         wait = 0.0
+        if self._inflight is not None and (self._inflight.plan.verify or self._speculating()):
+            wait += self._finish(self._inflight)
+            self._inflight = None
+            if self._kv_lost:
+                self._reset_kv()
+        launched = self._launch()
         if self._inflight is not None:
-            step = self._inflight
-            t1 = time.perf_counter()
-            try:
-                tokens, _ = self.runner.fetch(step.handle)  # [num_steps, S]
-            except Exception as e:  # the step failed on device
-                tokens = None
-                self._device_failure(step.plan.seqs, e)
-            wait = time.perf_counter() - t1
-            if tokens is not None:
-                for seq, index, column in zip(step.plan.seqs, step.first_index,
-                                              tokens.T.tolist()):
-                    if index is not None:  # None: a prompt chunk that does not sample
-                        self._resolve_alone(seq, index, column)
+            wait += self._finish(self._inflight)
         self._inflight = launched
         if self._kv_lost:
             # the step launched over the lost pool is abandoned: _reset_kv recomputes its
@@ -211,16 +232,97 @@ class Engine:
         self._host_seconds += dt - wait
         return outputs
 
+    def _finish(self, step: InflightStep) -> float:
+        """Wait for `step` and process its tokens; returns the seconds spent waiting."""
+        t1 = time.perf_counter()
+        try:
+            out = self.runner.fetch(step.handle)  # tokens [n, S]
+        except Exception as e:  # the step failed on device
+            out = None
+            self._device_failure(step.plan.seqs, e)
+        wait = time.perf_counter() - t1
+        if out is None:
+            return wait
+        if step.plan.verify:
+            for b, (seq, index, drafts) in enumerate(zip(step.plan.seqs, step.first_index,
+                                                         step.plan.drafts)):
+                m = int(out.num_tokens[b])
+                self._verified_alone(seq, index, len(drafts), out.tokens[:m, b].tolist())
+            return wait
+        for seq, index, column in zip(step.plan.seqs, step.first_index, out.tokens.T.tolist()):
+            if index is not None:  # None: a prompt chunk that does not sample
+                self._resolve_alone(seq, index, column)
+        return wait
+
+    def _speculating(self) -> bool:
+        """Whether the next step may verify drafts: speculative decoding is on, no request
+        waits, and 1..disable_by_batch_size sequences run, all decoding (none part-way
+        through its prompt)."""
+        spec = self.engine_config.speculative
+        if spec is None or self.scheduler.waiting:
+            return False
+        running = self.scheduler.running
+        return (0 < len(running) <= spec.disable_by_batch_size
+                and all(s.num_tokens - s.num_computed == 1 for s in running))
+
+    def _propose(self, hold) -> dict[Sequence, list[int]]:
+        """Draft tokens for each running sequence (none for those in `hold`): at most
+        num_speculative_tokens, and no more than its max_tokens and max_model_len leave
+        room for after the token each step adds."""
+        k = self.engine_config.speculative.num_speculative_tokens
+        limit = self.engine_config.max_model_len
+        drafts = {}
+        for seq in self.scheduler.running:
+            room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
+                       limit - seq.num_tokens - 1)
+            if seq in hold or room <= 0:
+                continue
+            d = self.proposer.propose(seq.ids(0, seq.num_tokens), room)
+            if d:
+                drafts[seq] = d
+        return drafts
+
+    def _verified_alone(self, seq: Sequence, index: int, num_drafts: int,
+                        tokens: list[int]) -> None:
+        """A verify step kept `tokens` of `seq` (its accepted drafts and the token after
+        them, at output index `index`): count them, give back the rejected drafts' pages,
+        process them as any sampled tokens. A fault fails this request alone."""
+        if seq.finish_reason is not None:  # aborted while the step ran
+            return
+        if num_drafts:
+            accepted = len(tokens) - 1
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += num_drafts
+            self.spec_num_accepted_tokens += accepted
+            for j in range(accepted):
+                self.spec_accepted_per_pos[j] += 1
+        try:
+            seq.output_ids.extend(tokens)
+            self.scheduler.verified(seq, len(tokens))
+        except Exception as e:
+            log.exception("recording the verified tokens of request %r failed", seq.request_id)
+            self._fail(seq, f"recording its verified tokens failed: {e!r}")
+            return
+        self._resolve_alone(seq, index, tokens)
+
     def _launch(self) -> InflightStep | None:
         """Plan and dispatch the next step; None when there is nothing to run."""
         limit = self.engine_config.max_model_len
         # Sequences whose pending token is their last (length limits) sit the step out.
         hold = {s for s in self.scheduler.running if s.has_placeholder and (
             len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= limit)}
-        plan = self.scheduler.schedule(hold)
+        drafts = None
+        if self._inflight is None and self._speculating():
+            t0 = time.perf_counter()
+            drafts = self._propose(hold)
+            self._propose_seconds += time.perf_counter() - t0
+        plan = self.scheduler.schedule(hold, drafts)
         if plan is None:
             return None
-        n = self._num_decode_steps(plan) if plan.decode else 1
+        if plan.verify:
+            n = self.runner.shapes.verify_rows
+        else:
+            n = self._num_decode_steps(plan) if plan.decode else 1
         prev_rows = self._inflight.row_of() if self._inflight else {}
         try:
             batch, sampling = step_batch(plan, self.runner.shapes, prev_rows)

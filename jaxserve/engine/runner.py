@@ -36,6 +36,7 @@ from jaxserve.model.params import Params
 from jaxserve.model.transformer import Kernels, StepBatch, forward, last_token_logits
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.sharding import ShardingRules
+from jaxserve.spec_decode.rejection_sampler import rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,30 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
     return last, tokens, logprobs, cache
 
 
+def _verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
+                 *, cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
+    """A verify step (speculative decoding): forward over each sequence's last token and
+    its drafts (the tokens after its first row), logits at every one of its rows
+    (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), rejection sampling
+    (jaxserve.spec_decode.rejection_sampler). Returns (tokens [J, S] int32, logprobs
+    [J, S] f32, num_tokens [S] int32: output tokens kept per sequence, cache)."""
+    hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
+    S, J = batch.logits_indices.shape
+    logits = last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
+                               kernels.matmul).reshape(S, J, -1)
+    start = batch.query_start[:-1]
+    num_drafts = jnp.clip(batch.query_start[1:] - start - 1, 0, J - 1)
+    rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0,
+                    batch.tokens.shape[0] - 1)
+    tokens, logprobs, num = rejection_sample(logits, batch.tokens[rows], num_drafts, sampling,
+                                             impl=kernels.sampling)
+    return tokens.T, logprobs.T, num, cache
+
+
 class StepKey(NamedTuple):
-    """A compiled step shape: kind "mixed" or "decode", T token rows, S sequences, P
-    block-table pages per sequence, n tokens sampled per sequence (multi-step decode)."""
+    """A compiled step shape: kind "mixed", "decode" or "verify", T token rows, S
+    sequences, P block-table pages per sequence, n tokens sampled per sequence (multi-step
+    decode; a verify step: the positions each sequence samples at, 1 + its drafts)."""
 
     kind: str
     T: int
@@ -115,6 +137,9 @@ class StepKey(NamedTuple):
 
     @classmethod
     def of(cls, batch: StepBatch, num_steps: int = 1) -> "StepKey":
+        if batch.logits_indices.ndim == 2:
+            return cls("verify", batch.tokens.shape[0], *batch.block_tables.shape,
+                       batch.logits_indices.shape[1])
         return cls("decode" if batch.decode else "mixed", batch.tokens.shape[0],
                    *batch.block_tables.shape, num_steps)
 
@@ -127,7 +152,8 @@ def _abstract_inputs(key: StepKey, sharding) -> tuple[StepBatch, SamplingBatch]:
     batch = StepBatch(tokens=s((T,), i32), positions=s((T,), i32),
                       slot_mapping=s((T,), i32), block_tables=s((S, P), i32),
                       seq_lens=s((S,), i32), query_start=s((S + 1,), i32),
-                      logits_indices=s((S,), i32), prev_index=s((T,), i32),
+                      logits_indices=s((S, key.n) if key.kind == "verify" else (S,), i32),
+                      prev_index=s((T,), i32),
                       decode=key.kind == "decode")
     sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),
                              min_p=s((S,), f32), seed=s((S, 2), jnp.uint32), step=s((S,), i32))
@@ -154,6 +180,9 @@ class Runner:
         self._jitted = jax.jit(
             functools.partial(_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
             donate_argnums=(1,), static_argnames=("num_steps",))
+        self._jitted_verify = jax.jit(
+            functools.partial(_verify_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
+            donate_argnums=(1,))
         self._compiled: dict[StepKey, object] = {}
         self._futures: dict[StepKey, Future] = {}
         self._lock = threading.Lock()           # compiled shapes, futures, counters
@@ -171,9 +200,13 @@ class Runner:
     def _compile(self, key: StepKey):
         t0 = time.perf_counter()
         batch, sampling = _abstract_inputs(key, self._replicated)
-        exe = self._jitted.trace(_abstract(self.params), _abstract(self.cache), batch,
-                                 sampling, _abstract(self.last_tokens),
-                                 num_steps=key.n).lower().compile()
+        params, cache = _abstract(self.params), _abstract(self.cache)
+        if key.kind == "verify":
+            traced = self._jitted_verify.trace(params, cache, batch, sampling)
+        else:
+            traced = self._jitted.trace(params, cache, batch, sampling,
+                                        _abstract(self.last_tokens), num_steps=key.n)
+        exe = traced.lower().compile()
         return exe, time.perf_counter() - t0
 
     def _executable(self, key: StepKey):
@@ -213,11 +246,15 @@ class Runner:
         """Run `exe` once on an all-padding batch and wait for it (every write goes to the
         null page; the sampled tokens are dropped, `last_tokens` is kept for the engine's
         next step)."""
-        batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode")
+        batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode",
+                            verify=key.n if key.kind == "verify" else 0)
         sampling = SamplingBatch.from_params([], [], [], key.S)
         with self._dispatch_lock:
-            tokens, _, _, self.cache = exe(self.params, self.cache, batch, sampling,
-                                           self.last_tokens)
+            if key.kind == "verify":
+                tokens, _, _, self.cache = exe(self.params, self.cache, batch, sampling)
+            else:
+                tokens, _, _, self.cache = exe(self.params, self.cache, batch, sampling,
+                                               self.last_tokens)
         # wait for it here (not holding the lock): warm-up steps never pile up on the device
         # ahead of the engine's own
         tokens.block_until_ready()
@@ -295,12 +332,19 @@ class Runner:
         None = all tokens from the host). num_steps > 1: multi-step decode (see `_step`;
         the block tables must hold the pages of all num_steps new tokens). Returns a handle
         for `fetch`; the KV pool and `last_tokens` are replaced by the step's (future)
-        outputs at once."""
+        outputs at once. A verify batch (logits_indices [S, J]: speculative decoding) runs
+        the verify step (`_verify_step`) and leaves `last_tokens` as it was: the engine
+        reads its tokens before it plans the next step."""
         if batch.prev_index is None:
             batch = dataclasses.replace(
                 batch, prev_index=np.full(batch.tokens.shape, -1, np.int32))
-        exe = self._executable(StepKey.of(batch, num_steps))
+        key = StepKey.of(batch, num_steps)
+        exe = self._executable(key)
         with self._dispatch_lock:
+            if key.kind == "verify":
+                tokens, logprobs, num, self.cache = exe(self.params, self.cache, batch,
+                                                        sampling)
+                return StepHandle(tokens, logprobs, num)
             self.last_tokens, tokens, logprobs, self.cache = exe(
                 self.params, self.cache, batch, sampling, self.last_tokens)
         return StepHandle(tokens, logprobs)
@@ -317,21 +361,33 @@ class Runner:
             self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
 
     @staticmethod
-    def fetch(handle: "StepHandle") -> tuple[np.ndarray, np.ndarray]:
-        """Wait for a dispatched step: its sampled tokens [num_steps, S] int32 and their
-        logprobs [num_steps, S] f32 (column b: sequence b of the batch, padding included)."""
-        return np.asarray(handle.tokens), np.asarray(handle.logprobs)
+    def fetch(handle: "StepHandle") -> "StepOutput":
+        """Wait for a dispatched step: its sampled tokens [n, S] int32 and their logprobs
+        [n, S] f32 (column b: sequence b of the batch, padding included; n: num_steps, or
+        J for a verify step), and for a verify step num_tokens [S] int32, the tokens of
+        column b that count (the rest were rejected)."""
+        num = None if handle.num_tokens is None else np.asarray(handle.num_tokens)
+        return StepOutput(np.asarray(handle.tokens), np.asarray(handle.logprobs), num)
 
     def run(self, batch: StepBatch, sampling: SamplingBatch,
-            num_steps: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step and wait: `fetch`'s tokens and logprobs."""
+            num_steps: int = 1) -> "StepOutput":
+        """Run one step and wait: `fetch`'s output."""
         return self.fetch(self.dispatch(batch, sampling, num_steps))
 
 
 @dataclasses.dataclass(frozen=True)
 class StepHandle:
-    """A dispatched step's outputs, still on device: tokens [num_steps, S] int32 and
-    logprobs [num_steps, S] f32 (S: the batch's sequence bucket)."""
+    """A dispatched step's outputs, still on device: tokens [n, S] int32, logprobs [n, S]
+    f32 (S: the batch's sequence bucket) and, for a verify step, num_tokens [S] int32."""
 
     tokens: jax.Array
     logprobs: jax.Array
+    num_tokens: jax.Array | None = None
+
+
+class StepOutput(NamedTuple):
+    """A finished step's outputs on the host (see `Runner.fetch`)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    num_tokens: np.ndarray | None = None

@@ -52,19 +52,27 @@ from jaxserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 @dataclasses.dataclass
 class StepPlan:
     """What the next step computes: `num_new[i]` tokens of `seqs[i]` (batch order), from its
-    `num_computed`-th token on. Made before the step launches: `samples[i]` says whether
-    sequence i's chunk reaches its last token (its sampled token is kept), `decode`
-    whether every sequence brings one token and samples (a decode batch, which may sample
-    several tokens per sequence: multi-step decode)."""
+    `num_computed`-th token on; the last `len(drafts[i])` of them are draft tokens to verify
+    (speculative decoding: `drafts` None = none). Made before the step launches:
+    `samples[i]` says whether sequence i's chunk reaches its last token (its sampled token
+    is kept), `decode` whether every sequence brings one token and samples (a decode batch,
+    which may sample several tokens per sequence: multi-step decode), `verify` whether
+    some sequence brings drafts (a verify batch: every sequence samples, at up to
+    1 + len(drafts[i]) positions)."""
 
     seqs: list[Sequence]
     num_new: list[int]
+    drafts: list[list[int]] | None = None
     samples: list[bool] = dataclasses.field(init=False)
     decode: bool = dataclasses.field(init=False)
+    verify: bool = dataclasses.field(init=False)
 
     def __post_init__(self):
-        self.samples = [s.num_computed + n == s.num_tokens
-                        for s, n in zip(self.seqs, self.num_new)]
+        if self.drafts is None:
+            self.drafts = [[] for _ in self.seqs]
+        self.samples = [s.num_computed + n - len(d) == s.num_tokens
+                        for s, n, d in zip(self.seqs, self.num_new, self.drafts)]
+        self.verify = any(self.drafts)
         self.decode = all(n == 1 for n in self.num_new) and all(self.samples)
 
     @property
@@ -116,14 +124,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, hold: frozenset | set = frozenset()) -> StepPlan | None:
+    def schedule(self, hold: frozenset | set = frozenset(),
+                 drafts: dict[Sequence, list[int]] | None = None) -> StepPlan | None:
         """Plan the next step, allocating its pages (see the module docstring); None when
         there is nothing to run.
 
         hold: running sequences that sit this step out (the engine knows they finish when
-        their pending token arrives); they keep their pages."""
+        their pending token arrives); they keep their pages.
+        drafts: {decoding sequence: draft tokens to verify after its last token}. A
+        sequence's drafts are cut to what the step's budget and the free pages hold (drafts
+        never preempt); its pages then cover them until `verified` gives back those of
+        rejected ones."""
         limits = self.cfg.scheduler
+        drafts = drafts or {}
         plan: dict[Sequence, int] = {}
+        taken: dict[Sequence, list[int]] = {}
         preemptions = self.num_preemptions
 
         def left() -> int:  # token rows still free in this step
@@ -136,6 +151,13 @@ class Scheduler:
                 continue
             if self._take_pages(seq, seq.num_tokens, plan, self_victim=True):
                 plan[seq] = 1
+                if drafts.get(seq):
+                    k = min(len(drafts[seq]), left(),
+                            self._chunk(seq, 1 + len(drafts[seq]), 0) - 1)
+                    if k > 0:
+                        self._grow(seq, seq.num_tokens + k)
+                        taken[seq] = list(drafts[seq][:k])
+                        plan[seq] += k
         for seq in by_age:  # then the prompts part-way through, oldest first
             if seq in hold or seq.status is not SequenceStatus.RUNNING or _todo(seq) <= 1:
                 continue
@@ -176,7 +198,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # first in the queue again, in order
         if not plan:
             return None
-        return StepPlan(list(plan), list(plan.values()))
+        taken = {s: d for s, d in taken.items() if s in plan}  # not preempted since
+        return StepPlan(list(plan), list(plan.values()),
+                        [taken.get(s, []) for s in plan] if taken else None)
 
     def _prefix_in_progress(self, seq: Sequence) -> bool:
         """Whether a running sequence is computing, as a prompt chunk, the first page of
@@ -282,7 +306,12 @@ class Scheduler:
         also covers the first num_steps - 1 sampled tokens (multi-step decode; the last
         one is computed by the next step) and ends in `num_steps` PLACEHOLDER outputs
         until they are read. Returns each sequence's output index of the first of them
-        (None for a chunk that does not sample)."""
+        (None for a chunk that does not sample).
+
+        A verify plan changes nothing yet: how many of its tokens count is known when it
+        is read (`verified`); its outputs start at each sequence's current length."""
+        if plan.verify:
+            return [len(seq.output_ids) for seq in plan.seqs]
         first = []
         for i, seq in enumerate(plan.seqs):
             if plan.samples[i]:
@@ -295,6 +324,18 @@ class Scheduler:
                 self._register(seq)
                 first.append(None)
         return first
+
+    def verified(self, seq: Sequence, num_tokens: int) -> None:
+        """Record that a verify step kept `num_tokens` output tokens of running `seq` (its
+        accepted drafts and the token after them, already appended to its outputs): its
+        K/V covers its last token and the accepted drafts; the pages past what its next
+        token needs (those of rejected drafts) go back to the pool."""
+        seq.num_computed += num_tokens
+        keep = self.pool.pages_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:][::-1])
+            del seq.block_table[keep:]
+        self._register(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s pages and queue it first for recomputation."""

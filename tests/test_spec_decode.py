@@ -1,0 +1,355 @@
+"""Speculative decoding in the engine: drafts verified in the ragged step, rejected drafts'
+pages given back, stops inside an accepted run, metrics, no compilation after warm-up.
+
+Engine-logic tests use the tiny random model with an oracle proposer (it knows the
+non-speculative greedy output and proposes it, corrupted where a test says): a random
+model accepts no n-gram draft, and these tests need runs of accepted drafts. The real
+model's tests (n-gram prompt lookup, greedy identity) are at the end."""
+
+import pytest
+
+from engine_utils import outputs, tiny_engine, tiny_params
+from jaxserve.config import ConfigError, EngineConfig, SpeculativeConfig
+from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.sequence import Sequence
+from jaxserve.sampling_params import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tiny_params()
+
+
+class Oracle:
+    """Proposes the reference continuation of each prompt: `wrong(i)` True makes the
+    draft for output index i wrong; `silent(prompt)` True proposes nothing for it."""
+
+    def __init__(self, reference, wrong=lambda i: False, silent=lambda prompt: False):
+        self.reference = reference  # {prompt tuple: output ids}
+        self.wrong, self.silent = wrong, silent
+        self.calls = 0
+
+    def propose(self, context, k):
+        self.calls += 1
+        for prompt, out in self.reference.items():
+            if tuple(context[:len(prompt)]) == prompt:
+                if self.silent(prompt):
+                    return []
+                done = len(context) - len(prompt)
+                return [(t + 1) % 258 if self.wrong(i) else t
+                        for i, t in enumerate(out[done:done + k], start=done)]
+        return []
+
+
+def _requests(max_tokens=24, **sp):
+    return [(f"r{i}", [(5 * i + j) % 50 + 3 for j in range(6 + 3 * i)],
+             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **sp))
+            for i in range(3)]
+
+
+def _spec_engine(params, reference, **oracle):
+    engine = tiny_engine(params, speculative_config=NGRAM)
+    engine.proposer = Oracle(reference, **oracle)
+    return engine
+
+
+def _reference(params, requests, arrivals=(0, 0, 2)):
+    base = outputs(tiny_engine(params), requests, list(arrivals))
+    return base, {tuple(p): base[rid][0] for rid, p, _ in requests}
+
+
+@pytest.mark.parametrize("case", ["all_right", "every_third_wrong", "one_silent"])
+def test_greedy_output_is_unchanged_by_speculation(params, case):
+    requests = _requests()
+    base, ref = _reference(params, requests)
+    oracle = {"all_right": {}, "every_third_wrong": {"wrong": lambda i: i % 3 == 2},
+              "one_silent": {"silent": lambda p: p == tuple(requests[1][1])}}[case]
+    engine = _spec_engine(params, ref, **oracle)
+    got = outputs(engine, requests, [0, 0, 2])
+    assert got == base
+    st = engine.stats()
+    assert st["spec_decode_num_drafts"] > 0
+    assert st["spec_decode_num_accepted_tokens"] <= st["spec_decode_num_draft_tokens"]
+    per_pos = st["spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == st["spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True)  # position j accepted => j - 1 was
+    if case == "all_right":
+        assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+        # 24 tokens in runs of up to 4 per step instead of 1
+        assert engine.num_steps < 3 * 24 / 2
+    if case == "every_third_wrong":
+        assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+    assert not engine.scheduler.running and engine.pool.num_free == engine.pool.capacity
+
+
+def test_rejected_drafts_pages_go_back(params):
+    # one request, every draft wrong: each verify step takes pages for its 3 drafts and
+    # must give back those past its next token
+    requests = _requests(max_tokens=40)[:1]
+    base, ref = _reference(params, requests, (0,))
+    engine = _spec_engine(params, ref, wrong=lambda i: True)
+    verified, tables = engine.scheduler.verified, []
+
+    def spy(seq, n):
+        verified(seq, n)
+        tables.append((len(seq.block_table), engine.pool.pages_for(seq.num_tokens)))
+
+    engine.scheduler.verified = spy
+    assert outputs(engine, requests, [0]) == base
+    assert len(tables) > 10 and all(have == need for have, need in tables)
+    assert engine.stats()["spec_decode_num_accepted_tokens"] == 0
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+@pytest.mark.parametrize("stop", ["token", "max_tokens", "max_model_len", "string"])
+def test_a_stop_inside_an_accepted_run_ends_where_decoding_would(params, stop):
+    prompt = [(7 * j) % 50 + 3 for j in range(9)]
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    free_run = outputs(tiny_engine(params), [("r", prompt, long)], [0])["r"]
+    ids, text = free_run[0], free_run[1]
+    kw = {"token": dict(stop_token_ids=(ids[6],)),
+          "max_tokens": dict(max_tokens=7),
+          "max_model_len": {},
+          "string": dict(stop=(text[5:7],))}[stop]
+    sp = SamplingParams(**{**dict(temperature=0, max_tokens=40, ignore_eos=True), **kw})
+    engine_kw = {"max_model_len": len(prompt) + 7} if stop == "max_model_len" else {}
+    want = outputs(tiny_engine(params, **engine_kw), [("r", prompt, sp)], [0])["r"]
+    engine = tiny_engine(params, speculative_config=NGRAM, **engine_kw)
+    engine.proposer = Oracle({tuple(prompt): ids})
+    got = outputs(engine, [("r", prompt, sp)], [0])["r"]
+    assert got == want
+    assert len(want[0]) < 40
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_seeded_sampling_is_reproducible(params):
+    requests = [(rid, p, SamplingParams(temperature=1.0, top_p=0.9, seed=11 + i,
+                                        max_tokens=20, ignore_eos=True))
+                for i, (rid, p, _) in enumerate(_requests())]
+    _, ref = _reference(params, _requests(max_tokens=20))
+    runs = []
+    for _ in range(2):
+        engine = _spec_engine(params, ref)
+        runs.append(outputs(engine, requests, [0, 1, 2]))
+    assert runs[0] == runs[1]
+    assert all(len(ids) == 20 for ids, _, _ in runs[0].values())
+
+
+def test_no_compilation_after_warmup_and_big_batches_do_not_speculate(params):
+    engine = tiny_engine(params, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    engine.runner.warmup()
+    compiled = engine.num_compilations
+    requests = _requests()
+    _, ref = _reference(params, requests)
+    engine.proposer = Oracle(ref)
+    batch_sizes = []
+    propose = engine._propose
+
+    def spy(hold):
+        batch_sizes.append(len(engine.scheduler.running))
+        return propose(hold)
+
+    engine._propose = spy
+    late = ("r9", [9, 9, 9], SamplingParams(temperature=0, max_tokens=30))
+    got = outputs(engine, requests + [late], [0, 0, 8, 8])
+    assert engine.num_compilations == compiled
+    assert len(got) == 4 and engine.stats()["spec_decode_num_drafts"] > 0
+    # proposals only while at most disable_by_batch_size sequences run
+    assert batch_sizes and max(batch_sizes) <= 2
+
+
+# --- scheduler (pure Python) ---------------------------------------------------------------
+
+def _sched(num_pages, **kw):
+    cfg = EngineConfig(max_model_len=64).override(
+        **{"page_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, **kw})
+    return Scheduler(cfg, PagePool(num_pages, 4))
+
+
+def _running(sched, n_prompt, rid="a"):
+    seq = Sequence(request_id=rid, prompt_ids=list(range(100, 100 + n_prompt)),
+                   params=SamplingParams(max_tokens=50), seed=0)
+    sched.add(seq)
+    plan = sched.schedule()
+    first = sched.launched(plan, 1)
+    seq.output_ids[first[0]] = 1
+    return seq
+
+
+def test_drafts_take_pages_and_budget_and_verified_gives_back_the_rest():
+    sched = _sched(8)
+    seq = _running(sched, 7)   # 8 tokens: 2 pages, 7 computed
+    plan = sched.schedule(drafts={seq: [5, 6, 7, 8, 9]})
+    assert plan.verify and plan.num_new == [6] and plan.drafts == [[5, 6, 7, 8, 9]]
+    assert len(seq.block_table) == 4   # tokens 7..12 -> pages for 13 tokens
+    assert sched.launched(plan, 6) == [1] and seq.num_computed == 7  # nothing moves yet
+    seq.output_ids += [5, 6]           # drafts 5 accepted, then the recovered token 6
+    sched.verified(seq, 2)
+    assert seq.num_computed == 9 and len(seq.block_table) == 3  # 10 tokens: 3 pages
+    assert sched.pool.num_free == sched.pool.capacity - 3
+
+
+def test_drafts_are_cut_to_the_free_pages_and_the_budget_never_preempt():
+    sched = _sched(4)                  # 3 usable pages (+ the null page): 12 tokens
+    seq = _running(sched, 7)
+    plan = sched.schedule(drafts={seq: list(range(10))})
+    assert plan.num_new == [1 + 4]     # the 3rd page holds tokens 8..11: 4 drafts
+    sched2 = _sched(16, max_num_batched_tokens=4, max_num_seqs=2)
+    a = _running(sched2, 3, "a")
+    plan = sched2.schedule(drafts={a: list(range(10))})
+    assert plan.num_new == [4]         # the budget of 4 rows
+    assert sched2.num_preemptions == 0
+
+
+# --- configuration ------------------------------------------------------------------------
+
+def test_speculative_config_from_vllm_json():
+    cfg = EngineConfig().override(speculative_config='{"method": "ngram", '
+                                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                                  '"prompt_lookup_min": 2}')
+    assert cfg.speculative == SpeculativeConfig("ngram", 4, 4, 2)
+    assert EngineConfig().override(speculative_config=None).speculative is None
+    assert cfg.verify_seq_buckets[-1] == cfg.speculative.disable_by_batch_size
+    assert SpeculativeConfig("ngram", 2).prompt_lookup_min == 2
+
+
+@pytest.mark.parametrize("bad, field", [
+    ("{not json", "not valid JSON"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+      "prompt_lookup_max": 3}, "prompt_lookup_min"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 64},
+     "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 16, "disable_by_batch_size": 32},
+     "max_num_batched_tokens"),
+])
+def test_bad_speculative_configs_name_the_field(bad, field):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(max_model_len=512).override(max_num_batched_tokens=256,
+                                                 speculative_config=bad)
+
+
+# --- the real model: n-gram prompt lookup -------------------------------------------------
+
+NGRAM4 = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+          "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def spec_llm(smollm2_checkpoint, cache_dir):
+    """SmolLM2-135M with the small test engine (f32 matmuls: batch-invariant, so greedy
+    tokens can be compared exactly) and n-gram speculation."""
+    from conftest import SMALL_CONFIG
+    from jaxserve.api import LLM
+    from jaxserve.config import load_config
+    return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, speculative_config=NGRAM4)
+
+
+def _copy_prompts(tok):
+    code = open(__file__.replace("test_spec_decode.py", "../jaxserve/spec_decode/ngram.py")).read()
+    text = ("The river rises in the hills, runs west past the mill and the old stone bridge, "
+            "and reaches the sea at the harbour town, where the boats come in each evening.")
+    return [tok.apply_chat_template([{"role": "user", "content": m}]) for m in (
+        "Repeat this sentence word for word, twice:\n" + text,
+        "Rename the class to LookupProposer and give back the whole code:\n\n" + code[-700:],
+        "Name three colours.")]
+
+
+def _accepted_positions(engine):
+    """Spy on the engine's verify results: {prompt ids tuple: output indices of accepted
+    drafts}."""
+    seen = {}
+    verified = engine._verified_alone
+
+    def spy(seq, index, num_drafts, tokens):
+        seen.setdefault(tuple(seq.prompt_ids), set()).update(
+            range(index, index + len(tokens) - 1))
+        verified(seq, index, num_drafts, tokens)
+
+    engine._verified_alone = spy
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_ngram_greedy_is_token_for_token_the_plain_greedy(small_llm, spec_llm):
+    """Alone and batched (a request with no repeats rides along without drafts), and
+    with stops (a stop token, max_tokens) that fall inside an accepted run."""
+    tok = small_llm.tokenizer
+    prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)]
+    sp = SamplingParams(temperature=0, max_tokens=80)
+    want = [c.token_ids for c in small_llm.generate(prompts, sp)]
+    engine = spec_llm.engine
+    before = engine.stats()
+    accepted = _accepted_positions(engine)
+    batched = spec_llm.generate(prompts, sp)
+    alone = [spec_llm.generate([p], sp)[0] for p in prompts[:2]]
+    assert [c.token_ids for c in batched] == want
+    assert [c.token_ids for c in alone] == want[:2]
+    st = engine.stats()
+    drafts = st["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    gained = st["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert drafts > 0 and gained / drafts > 0.5, "the copy prompts should accept drafts"
+    # a stop inside an accepted run: the first accepted draft whose token did not occur
+    # earlier in the output, as a stop token; and a max_tokens that ends a run early
+    # a stop inside an accepted run: the first accepted draft whose token did not occur
+    # earlier in the output, as a stop token; and a max_tokens that ends a run early
+    prompt, ids = prompts[0], want[0]
+    pos = sorted(i for i in accepted[tuple(prompt)]
+                 if 3 < i < len(ids) and ids[i] not in ids[:i])
+    assert pos, "no accepted draft to stop on"
+    for stop in (SamplingParams(temperature=0, max_tokens=80, stop_token_ids=(ids[pos[0]],)),
+                 SamplingParams(temperature=0, max_tokens=pos[0])):
+        got, plain = spec_llm.generate([prompt], stop)[0], small_llm.generate([prompt], stop)[0]
+        assert (got.token_ids, got.finish_reason) == (plain.token_ids, plain.finish_reason)
+        assert len(got.token_ids) <= pos[0] + 1
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_seeded_speculative_sampling_is_reproducible(spec_llm):
+    tok = spec_llm.tokenizer
+    prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)[:2]]
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=48)
+    first = [c.token_ids for c in spec_llm.generate(prompts, sp)]
+    again = [c.token_ids for c in spec_llm.generate(prompts[::-1], sp)][::-1]
+    assert first == again and all(len(t) > 8 for t in first)
+
+
+def test_flag_and_metrics():
+    """serve.py --speculative-config takes vLLM's JSON; /metrics carries the counters."""
+    import argparse
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import serve
+    from jaxserve.metrics import Metrics
+
+    ap = argparse.ArgumentParser()
+    serve._add_engine_flags(ap)
+    args = ap.parse_args(["--speculative-config", '{"method": "ngram", '
+                          '"num_speculative_tokens": 3}'])
+    cfg = serve._engine_config(EngineConfig(), args)
+    assert cfg.speculative == SpeculativeConfig("ngram", 3)
+    with pytest.raises(ConfigError, match="unknown key"):
+        serve._engine_config(EngineConfig(), ap.parse_args(["--speculative-config", '{"k": 1}']))
+    stats = {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12,
+             "spec_decode_num_accepted_tokens": 7,
+             "spec_decode_num_accepted_tokens_per_pos": [4, 2, 1]}
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for f in text_string_to_metric_families(Metrics(lambda: stats).render().decode())
+               for s in f.samples}
+    assert samples[("jaxserve:spec_decode_num_drafts_total", ())] == 4
+    assert samples[("jaxserve:spec_decode_num_draft_tokens_total", ())] == 12
+    assert samples[("jaxserve:spec_decode_num_accepted_tokens_total", ())] == 7
+    assert [samples[("jaxserve:spec_decode_num_accepted_tokens_per_pos_total",
+                     (("position", str(j)),))] for j in range(3)] == [4, 2, 1]
