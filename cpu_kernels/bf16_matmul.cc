@@ -17,9 +17,10 @@
 // panel's rows of x are walked in blocks of up to 8 rows x 32 columns (16 zmm
 // accumulators, 4 widened weight registers: per pair of input rows 4 widening ops feed 32
 // FMAs; 4 x 64 blocks measured 15-25% slower at 32 rows), so the panel (<= 200 KB)
-// streams from memory once and stays in L2 for the later row blocks. 1-2 rows (decode of
-// one stream) are load-bound instead: all 64 columns in one pass, with software prefetch
-// 4 KB ahead. Measured on a Sapphire Rapids VM (2 cores) for the 56 MB LM head streamed
+// streams from memory once and stays in L2 for the later row blocks. 1-6 rows (decode of
+// a few streams, a speculative verify step of one) are load-bound instead: all 64 columns
+// in one pass, with software prefetch 4 KB ahead (5 rows: 1.06x the time of 1, against
+// 1.37x in two strided 32-column passes; tools/bench_step.py, prefill:1x5 vs decode:1x13). Measured on a Sapphire Rapids VM (2 cores) for the 56 MB LM head streamed
 // from DRAM at 1 row: 16 GB/s before these two changes, 19-24 after (XLA's own f32 sum
 // reads 24-27 GB/s there). Without AVX-512 (the library is built with -march=native) a
 // portable loop does the same arithmetic for the compiler to vectorise.
@@ -61,6 +62,9 @@ constexpr int64_t kPrefetchPairs = 16;  // k pairs ahead (16 x 256 B = 4 KB at P
 constexpr int64_t kItemsPerCall = 16;
 constexpr int64_t kMinSplitRows = 128;  // rows per item when a call is also split by rows
 constexpr int64_t kMaxRows = 8;  // rows of x per register block (8 x 32 columns: 16 zmm)
+// Up to this many rows, a panel's 64 columns are taken in one streaming pass (R x 4
+// accumulators + 8 widened weights <= 32 zmm; x is an FMA's broadcast memory operand).
+constexpr int kStreamRows = 6;
 
 
 struct Problem {
@@ -89,9 +93,10 @@ inline void block_avx512(const Problem& p, const uint16_t* panel, int64_t m0, in
   const uint16_t* wk = panel + c0 * 2;
   const int64_t stride = p.P * 2;  // bf16 elements per k pair
   for (int64_t k = 0; k < p.K2; ++k, wk += stride) {
-    // Fetch ahead of the hardware prefetcher (it stops at 4 KB pages): 1-2 rows are
-    // load-bound; more rows wait on DRAM in a panel's first block only.
-    if (R <= 2) {
+    // Fetch ahead of the hardware prefetcher (it stops at 4 KB pages): the one-pass
+    // blocks (1-6 rows) are load-bound; more rows wait on DRAM in a panel's first block
+    // only.
+    if (R <= kStreamRows && J == 4) {
       for (int j = 0; j < J; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchPairs * stride + 32 * j),
                      _MM_HINT_T0);
@@ -174,7 +179,7 @@ inline void rows_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int
 #if defined(__AVX512BF16__)
     if (p.xb != nullptr) return block_dot<R, J>(p, panel, m0, c0, n0, first);
 #endif
-    block_avx512<R, J>(p, panel, m0, c0, n0, first);  // 1-2 rows ignore `first`
+    block_avx512<R, J>(p, panel, m0, c0, n0, first);
   });
 }
 #endif
@@ -209,13 +214,19 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 #if !defined(__AVX512BF16__)
   if (p.xb != nullptr) return panel_portable(p, pi, m_begin, m_end);
 #endif
-  if (p.M <= 2 && p.P % 64 == 0 && p.xb == nullptr) {
-    // 1-2 rows (decode of one or two streams) are load-bound: take the panel's 64 columns
-    // in one contiguous pass (4 widened weight registers per k pair, 8 FMAs a row)
-    // instead of two strided 32-column passes.
+  if (p.M <= kStreamRows && p.P % 64 == 0 && p.xb == nullptr) {
+    // 1-6 rows (decode of a few streams, a verify step of one) are load-bound: take the
+    // panel's 64 columns in one contiguous pass (4 widened weight registers per k pair, 8
+    // FMAs a row) instead of two strided 32-column passes.
     for (int64_t c0 = 0; c0 < p.P; c0 += 64) {
-      if (p.M == 2) block_avx512<2, 4>(p, panel, 0, c0, n0);
-      else block_avx512<1, 4>(p, panel, 0, c0, n0);
+      switch (p.M) {
+        case 6: block_avx512<6, 4>(p, panel, 0, c0, n0); break;
+        case 5: block_avx512<5, 4>(p, panel, 0, c0, n0); break;
+        case 4: block_avx512<4, 4>(p, panel, 0, c0, n0); break;
+        case 3: block_avx512<3, 4>(p, panel, 0, c0, n0); break;
+        case 2: block_avx512<2, 4>(p, panel, 0, c0, n0); break;
+        default: block_avx512<1, 4>(p, panel, 0, c0, n0);
+      }
     }
     return;
   }

@@ -217,6 +217,16 @@ def test_speculative_config_from_vllm_json():
     assert SpeculativeConfig("ngram", 2).prompt_lookup_min == 2
 
 
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    from jaxserve.config import load_config
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
+    loaded = {c.name: load_config(c) for c in configs if c.name != "__init__.py"}
+    spec = loaded["smollm2_135m_ngram.py"].engine.speculative
+    assert spec.method == "ngram" and spec.disable_by_batch_size == 2
+
+
 @pytest.mark.parametrize("bad, field", [
     ("{not json", "not valid JSON"),
     ({"method": "ngram"}, "num_speculative_tokens"),

@@ -2,7 +2,7 @@
 tokens per second of each, their ratio, and the acceptance that explains it.
 
     python tools/bench_speculative.py [--config configs/smollm2_135m.py]
-        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']
+        [--speculative-config JSON (default: configs/smollm2_135m_ngram.py's n-gram)]
         [--workload copy|chat] [--num-prompts 12] [--streams 1] [--json out.json]
 
 Two engines of the config are built in this process, one plain and one with
@@ -13,8 +13,9 @@ too), so drift hits both alike. Decode tok/s of a request = (output tokens - 1) 
 of its last token - time of its first): the prefill is not decoding. Also checked: each
 prompt's greedy tokens under both engines (the same unless the kernels round a verify
 step's rows differently from a decode step's; the count is printed).
---streams N > 1: all prompts submitted at once (N at most running), aggregate output
-tokens per second of the whole run, plain vs speculative.
+--streams N > 1: both engines with max_num_seqs = N, all prompts submitted at once,
+aggregate output tokens per second of the whole run, plain vs speculative (with
+disable_by_batch_size as the JSON says, cut to N: where speculation switches itself off).
 Workloads: copy = tools/data/copy_prompts.jsonl (edit / quote tasks,
 tools/make_copy_prompts.py), chat = tools/data/bench_prompts.jsonl (the serving
 benchmark's prompts); both rendered with the model's chat template.
@@ -36,7 +37,7 @@ from bench_serving import DEFAULT_CONFIG, DEFAULT_DATASET, read_dataset  # noqa:
 
 WORKLOADS = {"copy": ROOT / "tools" / "data" / "copy_prompts.jsonl", "chat": DEFAULT_DATASET}
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ' \
-               '"prompt_lookup_min": 2}'
+               '"prompt_lookup_min": 1}'  # configs/smollm2_135m_ngram.py's
 
 
 def run_one(engine, rid: str, prompt_ids: list[int], params) -> dict:
@@ -102,9 +103,14 @@ def main(argv=None) -> int:
 
     config = load_config(args.config)
     entries = read_dataset(WORKLOADS[args.workload])[:args.num_prompts]
-    base = jaxserve.LLM(config, cache_dir=args.cache_dir)
-    spec = jaxserve.LLM(config, cache_dir=args.cache_dir,
-                        speculative_config=args.speculative_config)
+    fields = {"max_num_seqs": args.streams} if args.streams > 1 else {}
+    spec_config = json.loads(args.speculative_config)
+    if args.streams > 1:
+        spec_config["disable_by_batch_size"] = min(
+            args.streams, spec_config.get("disable_by_batch_size", args.streams))
+    base = jaxserve.LLM(config, cache_dir=args.cache_dir, **fields)
+    spec = jaxserve.LLM(config, cache_dir=args.cache_dir, speculative_config=spec_config,
+                        **fields)
     tok = base.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": e.prompt}]),
                           add_special_tokens=False) for e in entries]
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
               for e in entries]
     before = spec.engine.stats()
     result = {"config": args.config, "workload": args.workload, "streams": args.streams,
-              "speculative_config": json.loads(args.speculative_config),
+              "speculative_config": spec_config,
               "num_prompts": len(prompts)}
     if args.streams == 1:
         rows, same = [], 0
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
     result["spec"] = spec_counters(spec.engine, before)
     c = result["spec"]
     print(f"workload {args.workload}, {len(prompts)} prompts, streams {args.streams}, "
-          f"spec {args.speculative_config}")
+          f"spec {json.dumps(spec_config)}")
     for k, v in (result.get("decode_tok_s") or result["throughput_tok_s"]).items():
         print(f"  {k:5s} {v:8.1f} tok/s")
     print(f"  ratio spec / base: {result['ratio']:.2f}x")

@@ -255,13 +255,14 @@ class Engine:
         return wait
 
     def _speculating(self) -> bool:
-        """Whether the next step may verify drafts: speculative decoding is on, no request
-        waits, and 1..disable_by_batch_size sequences run, all decoding (none part-way
-        through its prompt)."""
+        """Whether the next step may verify drafts: speculative decoding is on, no waiting
+        request could start (none waits, or max_num_seqs run), and 1..disable_by_batch_size
+        sequences run, all decoding (none part-way through its prompt)."""
         spec = self.engine_config.speculative
-        if spec is None or self.scheduler.waiting:
-            return False
         running = self.scheduler.running
+        if spec is None or (self.scheduler.waiting and
+                            len(running) < self.engine_config.scheduler.max_num_seqs):
+            return False
         return (0 < len(running) <= spec.disable_by_batch_size
                 and all(s.num_tokens - s.num_computed == 1 for s in running))
 
@@ -346,9 +347,11 @@ class Engine:
     def _num_decode_steps(self, plan) -> int:
         """Tokens per sequence for a planned decode step: decode_steps when no request
         waits, every sequence has that many tokens left (max_tokens, max_model_len) and
-        the free pages hold them (reserved here); else 1."""
+        the free pages hold them (reserved here); else 1. While speculative decoding is
+        on for this batch (a step without drafts: nothing matched), 1: the next step may
+        find drafts again."""
         n = self.engine_config.scheduler.decode_steps
-        if n == 1 or self.scheduler.waiting:
+        if n == 1 or self.scheduler.waiting or self._speculating():
             return 1
         limit = self.engine_config.max_model_len
         if any(s.params.max_tokens - len(s.output_ids) < n or limit - s.num_tokens < n
