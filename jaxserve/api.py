@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import compile_counter
-from jaxserve.checkpoint import load_model_config, load_params
-from jaxserve.config import Config, ConfigError, check_deployment, load_config
+from jaxserve.checkpoint import is_checkpoint, load_model_config, load_params
+from jaxserve.config import Config, ConfigError, ModelConfig, check_deployment, load_config
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
 from jaxserve.kernels import prepare_params, select_kernels
-from jaxserve.kv_cache import init_kv_cache, num_pages_for_budget
+from jaxserve.kv_cache import init_kv_cache, page_bytes
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
@@ -77,20 +77,54 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     kernels = select_kernels(ecfg.kernels, platform, config.parallel.num_devices,
                              str(jnp.dtype(kv_dtype)), cache_dir / "kernels")
     params = prepare_params(load_params(ckpt, model_cfg, rules), ecfg.kernels, kernels)
+    tokenizer = Tokenizer.from_dir(ckpt)
+    draft_cfg = draft_params = None
+    spec = ecfg.speculative
+    if spec is not None and spec.method == "draft_model":
+        draft_cfg, draft_params = _load_draft(Path(spec.model), model_cfg, tokenizer,
+                                              config.dtype, rules, ecfg, kernels)
     page_size = ecfg.cache.page_size
-    num_pages = num_pages_for_budget(model_cfg, page_size, kv_dtype,
-                                     ecfg.cache.kv_cache_memory_bytes)
-    cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules,
-                          kernels.attention.kv_layout)
-    runner = Runner(model_cfg, ecfg, params, cache, kernels, rules)
-    engine = Engine(model_cfg, ecfg, runner, Tokenizer.from_dir(ckpt))
-    log.info("KV page pool: %d pages of %d tokens (%.0f MiB)", num_pages, page_size,
-             ecfg.cache.kv_cache_memory_bytes / 2**20)
+    # the draft model's pool has the same pages: one page costs both
+    per_page = page_bytes(model_cfg, page_size, kv_dtype) + (
+        page_bytes(draft_cfg, page_size, kv_dtype) if draft_cfg else 0)
+    num_pages = ecfg.cache.kv_cache_memory_bytes // per_page
+    layout = kernels.attention.kv_layout
+    cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout)
+    draft = None
+    if draft_cfg is not None:
+        draft = (draft_cfg, draft_params,
+                 init_kv_cache(draft_cfg, num_pages, page_size, kv_dtype, rules, layout))
+    runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft)
+    engine = Engine(model_cfg, ecfg, runner, tokenizer)
+    log.info("KV page pool: %d pages of %d tokens (%.0f MiB%s)", num_pages, page_size,
+             ecfg.cache.kv_cache_memory_bytes / 2**20,
+             ", the draft model's pages included" if draft else "")
     if warmup == "background":
         runner.warmup_in_background()
     elif warmup:
         runner.warmup()
     return engine
+
+
+def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,
+                rules: ShardingRules | None, ecfg, kernels):
+    """The draft model of speculative decoding ("draft_model"): a jaxserve checkpoint at
+    `path` with the target's vocabulary (its token ids must mean the same tokens), served
+    in the target's dtype override and with the same kernels. Returns (ModelConfig,
+    prepared Params). Raises ConfigError naming SpeculativeConfig.model when it is not a
+    checkpoint or its tokenizer differs."""
+    if not is_checkpoint(path):
+        raise ConfigError(f"SpeculativeConfig.model: {path} is not a jaxserve checkpoint "
+                          "(convert one with tools/convert_hf.py)")
+    cfg = load_model_config(path)
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    if cfg.vocab_size != target.vocab_size or (
+            Tokenizer.from_dir(path).backend.get_vocab() != tokenizer.backend.get_vocab()):
+        raise ConfigError(f"SpeculativeConfig.model: {path} has another tokenizer than the "
+                          f"target (vocabulary {cfg.vocab_size} vs {target.vocab_size}); a draft "
+                          "model must share the target's")
+    return cfg, prepare_params(load_params(path, cfg, rules), ecfg.kernels, kernels)
 
 
 @dataclasses.dataclass

@@ -23,9 +23,11 @@ def tiny_params():
     return init_params(TINY_CFG, jax.random.key(3), scale=1.0)
 
 
-def tiny_engine(params, **engine_config):
+def tiny_engine(params, draft_params=None, **engine_config):
     """An Engine over `params` (tiny_params()) with TINY_ECFG (fields set by
-    `EngineConfig.override(**engine_config)`), a 65-page pool and the byte-level test tokenizer."""
+    `EngineConfig.override(**engine_config)`), a 65-page pool and the byte-level test
+    tokenizer. draft_params: a draft model (speculative decoding, method "draft_model"):
+    tiny params of any number of layers, with its own 65-page pool."""
     from fake_engine import tiny_tokenizer
     from jaxserve.engine.engine import Engine
     from jaxserve.engine.runner import Runner
@@ -33,7 +35,12 @@ def tiny_engine(params, **engine_config):
     from jaxserve.model.transformer import Kernels
     ecfg = TINY_ECFG.override(**engine_config)
     cache = init_kv_cache(TINY_CFG, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major")
-    runner = Runner(TINY_CFG, ecfg, params, cache, Kernels("xla", "xla", "xla"))
+    draft = None
+    if draft_params is not None:
+        dcfg = TINY_CFG.replace(num_layers=len(draft_params.layers))
+        draft = (dcfg, draft_params,
+                 init_kv_cache(dcfg, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major"))
+    runner = Runner(TINY_CFG, ecfg, params, cache, Kernels("xla", "xla", "xla"), draft=draft)
     return Engine(TINY_CFG, ecfg, runner, tiny_tokenizer())
 
 

@@ -297,21 +297,28 @@ def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "verify"])
 def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
-    """The jitted engine step (forward, logits, sampling) of a SmolLM2-shaped model with
-    Pallas attention and int8 Pallas matmuls, bf16, lowered for CUDA."""
-    from jaxserve.engine.runner import StepKey, _abstract_inputs, _step
+    """The jitted engine step (forward, logits, sampling; a verify step: logits at every
+    row, rejection sampling) of a SmolLM2-shaped model with Pallas attention and int8
+    Pallas matmuls, bf16, lowered for CUDA."""
+    from jaxserve.engine.runner import StepKey, _abstract_inputs, _step, _verify_step
 
     cfg = tiny_config(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       num_layers=2, vocab_size=4096, dtype="bfloat16")
     params = jax.eval_shape(lambda p: quantize_params(p, "int8", 64), abstract_params(cfg))
     cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
-    key = StepKey("decode", 8, 8, 16) if kind == "decode" else StepKey("mixed", 128, 2, 8)
+    key = {"decode": StepKey("decode", 8, 8, 16), "mixed": StepKey("mixed", 128, 2, 8),
+           "verify": StepKey("verify", 10, 2, 8, 5)}[kind]
     batch, sampling = _abstract_inputs(key, None)
-    step = functools.partial(_step, cfg=cfg, rules=None, kernels=Kernels("pallas", "pallas"))
-    prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
-    text = _lower(step, params, cache, batch, sampling, prev_tokens)
+    static = dict(cfg=cfg, draft_cfg=None, rules=None, kernels=Kernels("pallas", "pallas"))
+    if kind == "verify":
+        text = _lower(functools.partial(_verify_step, **static), params, cache, batch, sampling,
+                      None, None)
+    else:
+        prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
+        text = _lower(functools.partial(_step, **static), params, cache, batch, sampling,
+                      prev_tokens, None, None)
     # identical kernel calls are lowered once and shared: attention + the 4 distinct
     # projection shapes (576x576, 576x192, 576x1536, 1536x576)
     assert text.count("xla.gpu.triton") == 1 + 4

@@ -27,6 +27,8 @@ class Oracle:
     """Proposes the reference continuation of each prompt: `wrong(i)` True makes the
     draft for output index i wrong; `silent(prompt)` True proposes nothing for it."""
 
+    needs_context = True
+
     def __init__(self, reference, wrong=lambda i: False, silent=lambda prompt: False):
         self.reference = reference  # {prompt tuple: output ids}
         self.wrong, self.silent = wrong, silent
@@ -160,6 +162,49 @@ def test_no_compilation_after_warmup_and_big_batches_do_not_speculate(params):
     assert len(got) == 4 and engine.stats()["spec_decode_num_drafts"] > 0
     # proposals only while at most disable_by_batch_size sequences run
     assert batch_sizes and max(batch_sizes) <= 2
+
+
+# --- a draft model (tiny) ------------------------------------------------------------------
+
+DRAFT = {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 3}
+
+
+def test_a_draft_that_is_the_target_has_every_draft_accepted(params):
+    """The draft model's K/V kept in step with the target's through prefill chunks,
+    verify steps and rejections, and its proposals read through the same numbers: a draft
+    identical to the target proposes the target's own tokens (greedy), and with sampling
+    p == q accepts every draft (probability min(1, p / q) = 1)."""
+    requests = _requests(max_tokens=20)
+    base = outputs(tiny_engine(params), requests, [0, 0, 2])
+    engine = tiny_engine(params, draft_params=params, speculative_config=DRAFT)
+    assert outputs(engine, requests, [0, 0, 2]) == base
+    st = engine.stats()
+    assert st["spec_decode_num_draft_tokens"] > 20
+    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+    sampled = [(rid, p, SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=20,
+                                       ignore_eos=True)) for rid, p, _ in requests]
+    engine = tiny_engine(params, draft_params=params, speculative_config=DRAFT)
+    first = outputs(engine, sampled, [0, 0, 2])
+    st = engine.stats()
+    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"] > 20
+    again = outputs(tiny_engine(params, draft_params=params, speculative_config=DRAFT),
+                    sampled, [0, 0, 2])
+    assert again == first  # seeded: reproducible
+
+
+def test_a_truncated_draft_keeps_greedy_output_and_frees_its_pages(params):
+    """A one-layer draft of the two-layer target: some drafts rejected, output unchanged,
+    stops inside runs included, every page back in the pool."""
+    import dataclasses as dc
+    draft = dc.replace(params, layers=params.layers[:1])
+    requests = _requests(max_tokens=24) + [
+        ("stop", [3, 4, 5, 6, 7], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))]
+    base = outputs(tiny_engine(params), requests, [0, 0, 2, 3])
+    engine = tiny_engine(params, draft_params=draft, speculative_config=DRAFT)
+    assert outputs(engine, requests, [0, 0, 2, 3]) == base
+    st = engine.stats()
+    assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+    assert engine.pool.num_free == engine.pool.capacity
 
 
 # --- scheduler (pure Python) ---------------------------------------------------------------
@@ -333,6 +378,43 @@ def test_real_model_seeded_speculative_sampling_is_reproducible(spec_llm):
     first = [c.token_ids for c in spec_llm.generate(prompts, sp)]
     again = [c.token_ids for c in spec_llm.generate(prompts[::-1], sp)][::-1]
     assert first == again and all(len(t) > 8 for t in first)
+
+
+@pytest.fixture(scope="module")
+def draft_llm(smollm2_checkpoint, cache_dir, tmp_path_factory):
+    """SmolLM2-135M (small test engine, f32) with a draft model: its own first 4 layers
+    (jaxserve.checkpoint.truncate_checkpoint, what tools/make_draft_model.py writes)."""
+    from conftest import SMALL_CONFIG
+    from jaxserve.api import LLM
+    from jaxserve.checkpoint import truncate_checkpoint
+    from jaxserve.config import load_config
+    draft = truncate_checkpoint(smollm2_checkpoint, tmp_path_factory.mktemp("draft") / "d4", 4)
+    return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, speculative_config={
+        "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_draft_model_greedy_is_the_plain_greedy(small_llm, draft_llm):
+    """A 4-layer truncated copy as the draft: token for token the plain greedy output,
+    alone and batched; its proposals are accepted often enough to be the target's."""
+    tok = small_llm.tokenizer
+    prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)]
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    want = [c.token_ids for c in small_llm.generate(prompts, sp)]
+    assert [c.token_ids for c in draft_llm.generate(prompts, sp)] == want
+    assert draft_llm.generate([prompts[1]], sp)[0].token_ids == want[1]
+    st = draft_llm.engine.stats()
+    assert st["spec_decode_num_drafts"] > 10 and st["spec_decode_num_accepted_tokens"] > 0
+    assert st["free_pages"] == st["total_pages"]
+
+
+def test_a_draft_that_is_not_a_checkpoint_is_refused(tmp_path, smollm2_config):
+    from jaxserve.api import build_engine
+    with pytest.raises(ConfigError, match="not a jaxserve checkpoint"):
+        build_engine(smollm2_config.replace(engine=smollm2_config.engine.override(
+            speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                "num_speculative_tokens": 2})), warmup=False)
 
 
 def test_flag_and_metrics():

@@ -6,6 +6,7 @@ checkpoint format (orbax params + tokenizer + config), and load them.
     load_params(ckpt, model_cfg, rules=None) -> Params
     is_checkpoint(path) -> bool
     save_checkpoint(out, model_cfg, params, tokenizer_json, tokenizer_config, source_info)
+    truncate_checkpoint(src, out, num_layers)           # the first layers: a draft model
     write_checkpoint(out, model_cfg, make_group, ...)   # the streaming form, group by group
     CHECKPOINT_VERSION                                  # the format version written/read
 
@@ -21,11 +22,12 @@ from jaxserve.checkpoint.gguf_tokenizer import build_gguf_tokenizer, gguf_tokeni
 from jaxserve.checkpoint.groups import ParamGroup, param_groups
 from jaxserve.checkpoint.store import VERSION as CHECKPOINT_VERSION
 from jaxserve.checkpoint.store import (is_checkpoint, load_model_config, load_params, save_checkpoint,
-                                       write_checkpoint)
+                                       truncate_checkpoint, write_checkpoint)
 
 __all__ = [
     "CHECKPOINT_VERSION", "CheckpointError", "GGUF_ARCHITECTURES", "HF_ARCHITECTURES", "ParamGroup",
     "build_gguf_tokenizer", "convert", "gguf_tokenizer_config", "is_checkpoint",
     "load_model_config", "load_params", "model_config_from_hf", "open_source", "param_groups",
-    "reverse_permute", "save_checkpoint", "tensor_plan", "write_checkpoint",
+    "reverse_permute", "save_checkpoint", "tensor_plan", "truncate_checkpoint",
+    "write_checkpoint",
 ]

@@ -19,6 +19,7 @@ into place last, so an interrupted conversion never leaves a directory that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -213,3 +214,26 @@ def load_params(ckpt_dir: str | Path, model_cfg: ModelConfig,
     with ocp.StandardCheckpointer() as ckptr:
         return assemble_params((g, ckptr.restore(d / PARAMS_DIR / g.name, g.subtree(target)))
                                for g in groups)
+
+
+def truncate_checkpoint(src: str | Path, out: str | Path, num_layers: int) -> Path:
+    """Write a copy of checkpoint `src` keeping its first `num_layers` decoder layers (and
+    its embedding, final norm and LM head, config and tokenizer): a draft model for
+    speculative decoding that shares the model's tokenizer when no smaller sibling is at
+    hand (the layers' output is read through the full model's head, as in early-exit /
+    self-speculative drafting: Elhoushi et al. 2024, "LayerSkip"). Returns its path.
+    Raises CheckpointError for a `src` that is not a checkpoint; ValueError unless
+    1 <= num_layers <= its layers."""
+    src = Path(src)
+    cfg = load_model_config(src)
+    if not 1 <= num_layers <= cfg.num_layers:
+        raise ValueError(f"num_layers must be in 1..{cfg.num_layers}, got {num_layers}")
+    params = load_params(src, cfg)
+    small = cfg.replace(num_layers=num_layers)
+    params = dataclasses.replace(params, layers=tuple(params.layers[:num_layers]))
+    tok_config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+    header = _read_header(src)
+    info = {"truncated_from": str(src.resolve()), "num_layers": num_layers,
+            "of": cfg.num_layers, "source": header.get("source", {})}
+    return save_checkpoint(out, small, jax.device_get(params),
+                           (src / "tokenizer.json").read_text(encoding="utf-8"), tok_config, info)

@@ -278,7 +278,8 @@ class Engine:
                        limit - seq.num_tokens - 1)
             if seq in hold or room <= 0:
                 continue
-            d = self.proposer.propose(seq.ids(0, seq.num_tokens), room)
+            context = seq.ids(0, seq.num_tokens) if self.proposer.needs_context else None
+            d = self.proposer.propose(context, room)
             if d:
                 drafts[seq] = d
         return drafts

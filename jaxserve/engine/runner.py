@@ -36,19 +36,25 @@ from jaxserve.model.params import Params
 from jaxserve.model.transformer import Kernels, StepBatch, forward, last_token_logits
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.sharding import ShardingRules
+from jaxserve.spec_decode import draft_model
+from jaxserve.spec_decode.draft_model import DraftState
 from jaxserve.spec_decode.rejection_sampler import rejection_sample
 
 log = logging.getLogger(__name__)
 
 
-def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch, *,
-                 cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
+def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
+                 draft: DraftState | None, *, cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                 rules: ShardingRules | None, kernels: Kernels):
     """forward -> each sequence's last-token logits -> sample: (tokens [S] int32, logprobs
-    [S] f32, cache)."""
+    [S] f32, cache, draft). A draft model (speculative decoding) runs over the same rows,
+    so that its K/V keep up with the target's."""
     hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
+    if draft is not None:
+        draft = draft_model.sync(draft, batch, draft_cfg, rules, kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules, kernels.matmul)
     tokens, logprobs = sample(logits, sampling, kernels.sampling)
-    return tokens, logprobs, cache
+    return tokens, logprobs, cache, draft
 
 
 def _next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int) -> StepBatch:
@@ -65,10 +71,12 @@ def _next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int) -> S
 
 
 def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-          prev_tokens: jax.Array, *, cfg: ModelConfig, rules: ShardingRules | None,
+          prev_tokens: jax.Array, draft_params: Params | None, draft_cache: KVCache | None,
+          *, cfg: ModelConfig, draft_cfg: ModelConfig | None, rules: ShardingRules | None,
           kernels: Kernels, num_steps: int = 1):
     """One engine step: `num_steps` tokens per sequence. prev_tokens: [max_rows] int32, the
-    previous step's last sampled tokens.
+    previous step's last sampled tokens; draft_params / draft_cache: the draft model's
+    (speculative decoding; None without one), its pool donated like the target's.
 
     num_steps > 1 (decode batches only): multi-step decode, a `fori_loop` in which each
     iteration samples one token per sequence and feeds it back as the next iteration's
@@ -78,50 +86,65 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
     scheduling (num_scheduler_steps).
 
     Returns (last [max_rows] int32: the last sub-step's tokens padded with 0, tokens
-    [num_steps, S] int32, logprobs [num_steps, S] f32, cache)."""
+    [num_steps, S] int32, logprobs [num_steps, S] f32, cache, draft_cache)."""
     S = batch.seq_lens.shape[0]
+    draft = None if draft_params is None else DraftState(draft_params, draft_cache)
     from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
     batch = dataclasses.replace(
         batch, tokens=jnp.where(batch.prev_index >= 0, from_prev, batch.tokens))
-    run = functools.partial(_sample_step, params, cfg=cfg, rules=rules, kernels=kernels)
+    run = functools.partial(_sample_step, params, cfg=cfg, draft_cfg=draft_cfg, rules=rules,
+                            kernels=kernels)
     if num_steps == 1:
-        tokens, logprobs, cache = run(cache, batch, sampling)
+        tokens, logprobs, cache, draft = run(cache, batch, sampling, draft)
         tokens, logprobs = tokens[None], logprobs[None]
     else:
         if not batch.decode:
             raise ValueError(f"num_steps={num_steps} > 1 needs a decode batch")
 
         def body(i, carry):
-            b, cache, tokens, logprobs = carry
-            t, lp, cache = run(cache, b, dataclasses.replace(sampling, step=sampling.step + i))
+            b, cache, draft, tokens, logprobs = carry
+            t, lp, cache, draft = run(cache, b, dataclasses.replace(sampling, step=sampling.step + i),
+                                      draft)
             b = _next_decode_batch(b, t, cache.page_size)
-            return b, cache, tokens.at[i].set(t), logprobs.at[i].set(lp)
+            return b, cache, draft, tokens.at[i].set(t), logprobs.at[i].set(lp)
 
-        init = (batch, cache, jnp.zeros((num_steps, S), jnp.int32),
+        init = (batch, cache, draft, jnp.zeros((num_steps, S), jnp.int32),
                 jnp.zeros((num_steps, S), jnp.float32))
-        _, cache, tokens, logprobs = jax.lax.fori_loop(0, num_steps, body, init)
+        _, cache, draft, tokens, logprobs = jax.lax.fori_loop(0, num_steps, body, init)
     last = jnp.zeros(prev_tokens.shape, jnp.int32).at[:S].set(tokens[-1])
-    return last, tokens, logprobs, cache
+    return last, tokens, logprobs, cache, None if draft is None else draft.cache
 
 
 def _verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-                 *, cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
+                 draft_params: Params | None, draft_cache: KVCache | None, *,
+                 cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                 rules: ShardingRules | None, kernels: Kernels):
     """A verify step (speculative decoding): forward over each sequence's last token and
     its drafts (the tokens after its first row), logits at every one of its rows
     (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), rejection sampling
-    (jaxserve.spec_decode.rejection_sampler). Returns (tokens [J, S] int32, logprobs
-    [J, S] f32, num_tokens [S] int32: output tokens kept per sequence, cache)."""
-    hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
+    (jaxserve.spec_decode.rejection_sampler). With a draft model the drafts are proposed
+    here first (jaxserve.spec_decode.draft_model.propose; the batch's draft rows are
+    placeholders), and the draft runs over the verify rows too. Returns (tokens [J, S]
+    int32, logprobs [J, S] f32, num_tokens [S] int32: output tokens kept per sequence,
+    cache, draft_cache)."""
     S, J = batch.logits_indices.shape
-    logits = last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
-                               kernels.matmul).reshape(S, J, -1)
+    draft = None if draft_params is None else DraftState(draft_params, draft_cache)
     start = batch.query_start[:-1]
     num_drafts = jnp.clip(batch.query_start[1:] - start - 1, 0, J - 1)
+    draft_logits = None
+    if draft is not None:
+        drafts, draft_logits, draft = draft_model.propose(
+            draft, batch, sampling, num_drafts, J - 1, cache.page_size, draft_cfg, rules, kernels)
+        batch = draft_model.fill_drafts(batch, drafts, num_drafts)
+        draft = draft_model.sync(draft, batch, draft_cfg, rules, kernels)
+    hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
+    logits = last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
+                               kernels.matmul).reshape(S, J, -1)
     rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0,
                     batch.tokens.shape[0] - 1)
     tokens, logprobs, num = rejection_sample(logits, batch.tokens[rows], num_drafts, sampling,
-                                             impl=kernels.sampling)
-    return tokens.T, logprobs.T, num, cache
+                                             draft_logits=draft_logits, impl=kernels.sampling)
+    return tokens.T, logprobs.T, num, cache, None if draft is None else draft.cache
 
 
 class StepKey(NamedTuple):
@@ -168,21 +191,24 @@ class Runner:
     """Params + KV pool on device, and one compiled step per bucketed shape."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params: Params,
-                 cache: KVCache, kernels: Kernels, rules: ShardingRules | None = None):
+                 cache: KVCache, kernels: Kernels, rules: ShardingRules | None = None,
+                 draft: tuple[ModelConfig, Params, KVCache] | None = None):
+        """draft: (config, params, KV pool) of a draft model (speculative decoding with
+        method "draft_model"): its pool has the target's pages and page size."""
         self.model_cfg = model_cfg
         self.engine_cfg = engine_cfg
         self.params = params
         self.cache = cache
+        self.draft_cfg, self.draft_params, self.draft_cache = draft or (None, None, None)
         self.rules = rules
         self._replicated = NamedSharding(rules.mesh, PartitionSpec()) if rules else None
         self.kernels = kernels  # resolved: jaxserve.kernels.select_kernels
         self.shapes = StepShapes(engine_cfg, bucket_pages=kernels.attention.pads_pages)
-        self._jitted = jax.jit(
-            functools.partial(_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
-            donate_argnums=(1,), static_argnames=("num_steps",))
-        self._jitted_verify = jax.jit(
-            functools.partial(_verify_step, cfg=model_cfg, rules=rules, kernels=self.kernels),
-            donate_argnums=(1,))
+        static = dict(cfg=model_cfg, draft_cfg=self.draft_cfg, rules=rules, kernels=self.kernels)
+        self._jitted = jax.jit(functools.partial(_step, **static), donate_argnums=(1, 6),
+                               static_argnames=("num_steps",))
+        self._jitted_verify = jax.jit(functools.partial(_verify_step, **static),
+                                      donate_argnums=(1, 5))
         self._compiled: dict[StepKey, object] = {}
         self._futures: dict[StepKey, Future] = {}
         self._lock = threading.Lock()           # compiled shapes, futures, counters
@@ -195,17 +221,20 @@ class Runner:
         # The last dispatched step's sampled tokens, on device, padded to max_rows.
         self.max_rows = max(self.shapes.seq_buckets)
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
-        self._cache_spec = _abstract(cache)  # to make the pool again (reset_cache)
+        # to make the pools again (reset_cache)
+        self._cache_spec = _abstract(cache)
+        self._draft_cache_spec = _abstract(self.draft_cache)
 
     def _compile(self, key: StepKey):
         t0 = time.perf_counter()
         batch, sampling = _abstract_inputs(key, self._replicated)
         params, cache = _abstract(self.params), _abstract(self.cache)
+        draft = _abstract(self.draft_params), self._draft_cache_spec
         if key.kind == "verify":
-            traced = self._jitted_verify.trace(params, cache, batch, sampling)
+            traced = self._jitted_verify.trace(params, cache, batch, sampling, *draft)
         else:
             traced = self._jitted.trace(params, cache, batch, sampling,
-                                        _abstract(self.last_tokens), num_steps=key.n)
+                                        _abstract(self.last_tokens), *draft, num_steps=key.n)
         exe = traced.lower().compile()
         return exe, time.perf_counter() - t0
 
@@ -249,15 +278,27 @@ class Runner:
         batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode",
                             verify=key.n if key.kind == "verify" else 0)
         sampling = SamplingBatch.from_params([], [], [], key.S)
-        with self._dispatch_lock:
-            if key.kind == "verify":
-                tokens, _, _, self.cache = exe(self.params, self.cache, batch, sampling)
-            else:
-                tokens, _, _, self.cache = exe(self.params, self.cache, batch, sampling,
-                                               self.last_tokens)
+        handle = self._call(exe, key, batch, sampling, keep_last=True)
         # wait for it here (not holding the lock): warm-up steps never pile up on the device
         # ahead of the engine's own
-        tokens.block_until_ready()
+        handle.tokens.block_until_ready()
+
+    def _call(self, exe, key: StepKey, batch: StepBatch, sampling: SamplingBatch,
+              keep_last: bool = False) -> "StepHandle":
+        """Run `exe` on the pools (donated, replaced by its outputs) and return its handle;
+        a non-verify step also replaces `last_tokens` unless `keep_last`."""
+        with self._dispatch_lock:
+            if key.kind == "verify":
+                tokens, logprobs, num, self.cache, self.draft_cache = exe(
+                    self.params, self.cache, batch, sampling, self.draft_params,
+                    self.draft_cache)
+                return StepHandle(tokens, logprobs, num)
+            last, tokens, logprobs, self.cache, self.draft_cache = exe(
+                self.params, self.cache, batch, sampling, self.last_tokens, self.draft_params,
+                self.draft_cache)
+            if not keep_last:
+                self.last_tokens = last
+        return StepHandle(tokens, logprobs)
 
     def _add(self, key, exe, dt):
         with self._lock:
@@ -339,25 +380,21 @@ class Runner:
             batch = dataclasses.replace(
                 batch, prev_index=np.full(batch.tokens.shape, -1, np.int32))
         key = StepKey.of(batch, num_steps)
-        exe = self._executable(key)
-        with self._dispatch_lock:
-            if key.kind == "verify":
-                tokens, logprobs, num, self.cache = exe(self.params, self.cache, batch,
-                                                        sampling)
-                return StepHandle(tokens, logprobs, num)
-            self.last_tokens, tokens, logprobs, self.cache = exe(
-                self.params, self.cache, batch, sampling, self.last_tokens)
-        return StepHandle(tokens, logprobs)
+        return self._call(self._executable(key), key, batch, sampling)
 
     def reset_cache(self) -> None:
-        """Replace the KV pool and `last_tokens` by fresh zeroed arrays of the same shapes,
-        dtypes and shardings: after a failed step, whose donated pool may be deleted or
-        hold an error. The old pool is dropped first, so peak memory stays one pool.
+        """Replace the KV pool (and a draft model's) and `last_tokens` by fresh zeroed arrays
+        of the same shapes, dtypes and shardings: after a failed step, whose donated pools
+        may be deleted or hold an error. The old pool is dropped first, so peak memory
+        stays one pool.
         Raises whatever the allocation raises (then the engine is dead)."""
+        def zeros(spec):
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), spec)
+
         with self._dispatch_lock:
-            self.cache = self.last_tokens = None
-            self.cache = jax.tree.map(
-                lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), self._cache_spec)
+            self.cache = self.last_tokens = self.draft_cache = None
+            self.cache = zeros(self._cache_spec)
+            self.draft_cache = zeros(self._draft_cache_spec)
             self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
 
     @staticmethod

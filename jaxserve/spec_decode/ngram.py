@@ -22,6 +22,8 @@ class NgramProposer:
     min_n > max_n.
     """
 
+    needs_context = True  # propose() reads the sequence's tokens
+
     def __init__(self, min_n: int, max_n: int):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")

@@ -1,4 +1,4 @@
-"""The proposer a SpeculativeConfig stands for."""
+"""The proposer a SpeculativeConfig stands for, as the engine's host side sees it."""
 
 from __future__ import annotations
 
@@ -6,12 +6,26 @@ from jaxserve.config import ConfigError, SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer
 
 
-def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
+class DeviceProposer:
+    """Drafts proposed on device inside the verify step (a draft model:
+    jaxserve.spec_decode.draft_model): the host plans `k` draft rows per sequence, whose
+    tokens the step fills in."""
+
+    needs_context = False
+
+    def propose(self, context, k: int) -> list[int]:
+        """k placeholder draft tokens (the step overwrites them)."""
+        return [0] * max(0, k)
+
+
+def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | DeviceProposer | None:
     """The host-side proposer of `spec` (None when speculative decoding is off). Raises
     ConfigError for a method this build cannot run yet."""
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        return DeviceProposer()
     raise ConfigError(f"SpeculativeConfig.method {spec.method!r} is not available yet "
-                      "(implemented: 'ngram')")
+                      "(implemented: 'ngram', 'draft_model')")
