@@ -28,6 +28,8 @@ from jaxserve.kv_cache import init_kv_cache, page_bytes
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
+from jaxserve.spec_decode.draft_model import DraftModel
+from jaxserve.spec_decode.eagle import EagleHead, load_head
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -76,34 +78,64 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
     kernels = select_kernels(ecfg.kernels, platform, config.parallel.num_devices,
                              str(jnp.dtype(kv_dtype)), cache_dir / "kernels")
-    params = prepare_params(load_params(ckpt, model_cfg, rules), ecfg.kernels, kernels)
+    raw = load_params(ckpt, model_cfg, rules)
     tokenizer = Tokenizer.from_dir(ckpt)
-    draft_cfg = draft_params = None
-    spec = ecfg.speculative
-    if spec is not None and spec.method == "draft_model":
-        draft_cfg, draft_params = _load_draft(Path(spec.model), model_cfg, tokenizer,
-                                              config.dtype, rules, ecfg, kernels)
     page_size = ecfg.cache.page_size
-    # the draft model's pool has the same pages: one page costs both
-    per_page = page_bytes(model_cfg, page_size, kv_dtype) + (
-        page_bytes(draft_cfg, page_size, kv_dtype) if draft_cfg else 0)
-    num_pages = ecfg.cache.kv_cache_memory_bytes // per_page
+    spec = ecfg.speculative
     layout = kernels.attention.kv_layout
+    # a drafter (speculative decoding with a draft model or head): its bytes per page, and
+    # a function making (drafter, its params, its cache) for a pool of n pages
+    draft_page_bytes, make_draft = 0, None
+    if spec is not None and spec.method == "draft_model":
+        draft_page_bytes, make_draft = _draft_model(spec, model_cfg, tokenizer, config.dtype,
+                                                    rules, ecfg, kernels, kv_dtype, layout)
+    elif spec is not None and spec.method == "eagle":
+        draft_page_bytes, make_draft = _eagle_head(spec, model_cfg, raw, rules, ecfg, kernels,
+                                                   kv_dtype, layout)
+    params = prepare_params(raw, ecfg.kernels, kernels)
+    del raw
+    # the drafter's pool has the same pages: one page costs both
+    per_page = page_bytes(model_cfg, page_size, kv_dtype) + draft_page_bytes
+    num_pages = ecfg.cache.kv_cache_memory_bytes // per_page
     cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout)
-    draft = None
-    if draft_cfg is not None:
-        draft = (draft_cfg, draft_params,
-                 init_kv_cache(draft_cfg, num_pages, page_size, kv_dtype, rules, layout))
+    draft = make_draft(num_pages) if make_draft else None
     runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft)
     engine = Engine(model_cfg, ecfg, runner, tokenizer)
     log.info("KV page pool: %d pages of %d tokens (%.0f MiB%s)", num_pages, page_size,
              ecfg.cache.kv_cache_memory_bytes / 2**20,
-             ", the draft model's pages included" if draft else "")
+             ", the drafter's pages included" if draft else "")
     if warmup == "background":
         runner.warmup_in_background()
     elif warmup:
         runner.warmup()
     return engine
+
+
+def _draft_model(spec, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,
+                 rules: ShardingRules | None, ecfg, kernels, kv_dtype, layout):
+    """(bytes per page, make(num_pages) -> (drafter, params, cache)) of a draft model."""
+    cfg, params = _load_draft(Path(spec.model), target, tokenizer, dtype, rules, ecfg, kernels)
+    page_size = ecfg.cache.page_size
+
+    def make(n):
+        return (DraftModel(cfg), params,
+                init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout))
+    return page_bytes(cfg, page_size, kv_dtype), make
+
+
+def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules | None,
+                ecfg, kernels, kv_dtype, layout):
+    """(bytes per page, make(num_pages) -> (drafter, params, cache)) of an EAGLE head: its
+    layer's K/V and the target's f32 feature of each token slot."""
+    cfg, head = load_head(spec.model, target, target_params)
+    head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels))
+    page_size, D = ecfg.cache.page_size, target.hidden_size
+
+    def make(n):
+        feats = jnp.zeros((n * page_size, D), jnp.float32)
+        return (EagleHead(cfg), head,
+                (init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout), feats))
+    return page_bytes(cfg, page_size, kv_dtype) + page_size * D * 4, make
 
 
 def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,

@@ -23,11 +23,12 @@ def tiny_params():
     return init_params(TINY_CFG, jax.random.key(3), scale=1.0)
 
 
-def tiny_engine(params, draft_params=None, **engine_config):
+def tiny_engine(params, draft_params=None, eagle=None, **engine_config):
     """An Engine over `params` (tiny_params()) with TINY_ECFG (fields set by
     `EngineConfig.override(**engine_config)`), a 65-page pool and the byte-level test
     tokenizer. draft_params: a draft model (speculative decoding, method "draft_model"):
-    tiny params of any number of layers, with its own 65-page pool."""
+    tiny params of any number of layers, with its own 65-page pool. eagle: (head config,
+    EagleParams) of an EAGLE head (method "eagle"), with its pool and feature pool."""
     from fake_engine import tiny_tokenizer
     from jaxserve.engine.engine import Engine
     from jaxserve.engine.runner import Runner
@@ -38,8 +39,16 @@ def tiny_engine(params, draft_params=None, **engine_config):
     draft = None
     if draft_params is not None:
         dcfg = TINY_CFG.replace(num_layers=len(draft_params.layers))
-        draft = (dcfg, draft_params,
+        from jaxserve.spec_decode.draft_model import DraftModel
+        draft = (DraftModel(dcfg), draft_params,
                  init_kv_cache(dcfg, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major"))
+    if eagle is not None:
+        import jax.numpy as jnp
+        from jaxserve.spec_decode.eagle import EagleHead
+        hcfg, hp = eagle
+        draft = (EagleHead(hcfg), hp,
+                 (init_kv_cache(hcfg, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major"),
+                  jnp.zeros((65 * TINY_PAGE, TINY_CFG.hidden_size), jnp.float32)))
     runner = Runner(TINY_CFG, ecfg, params, cache, Kernels("xla", "xla", "xla"), draft=draft)
     return Engine(TINY_CFG, ecfg, runner, tiny_tokenizer())
 

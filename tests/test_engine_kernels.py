@@ -311,7 +311,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     key = {"decode": StepKey("decode", 8, 8, 16), "mixed": StepKey("mixed", 128, 2, 8),
            "verify": StepKey("verify", 10, 2, 8, 5)}[kind]
     batch, sampling = _abstract_inputs(key, None)
-    static = dict(cfg=cfg, draft_cfg=None, rules=None, kernels=Kernels("pallas", "pallas"))
+    static = dict(cfg=cfg, drafter=None, rules=None, kernels=Kernels("pallas", "pallas"))
     if kind == "verify":
         text = _lower(functools.partial(_verify_step, **static), params, cache, batch, sampling,
                       None, None)

@@ -207,6 +207,80 @@ def test_a_truncated_draft_keeps_greedy_output_and_frees_its_pages(params):
     assert engine.pool.num_free == engine.pool.capacity
 
 
+# --- an EAGLE head (tiny) ------------------------------------------------------------------
+
+EAGLE = {"method": "eagle", "model": "tiny-head", "num_speculative_tokens": 3}
+
+
+def _tiny_head(params, n_vocab=64, seed=0):
+    import jax
+    import numpy as np
+
+    from engine_utils import TINY_CFG
+    from jaxserve.spec_decode.eagle import head_config, init_head
+    vocab = np.sort(np.random.default_rng(seed).choice(258, n_vocab, replace=False))
+    return head_config(TINY_CFG), init_head(TINY_CFG, params, vocab, jax.random.key(seed),
+                                            scale=0.5)
+
+
+def test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step(params):
+    """A random head over a 64-token draft vocabulary: drafts mostly rejected, output the
+    plain greedy's (stops, chunked prompts, batches), pages back; and its proposals are
+    exactly what the head computes from the target's features (checked by a head whose
+    draft vocabulary is one token: every draft is that token)."""
+    import jax
+    import numpy as np
+    requests = _requests(max_tokens=24)
+    base = outputs(tiny_engine(params), requests, [0, 0, 2])
+    engine = tiny_engine(params, eagle=_tiny_head(params), speculative_config=EAGLE)
+    assert outputs(engine, requests, [0, 0, 2]) == base
+    st = engine.stats()
+    assert st["spec_decode_num_draft_tokens"] > 20
+    assert engine.pool.num_free == engine.pool.capacity
+    # a one-token draft vocabulary: the head can only propose that token
+    from jaxserve.spec_decode.eagle import draft_lm_head
+    hcfg, hp = _tiny_head(params)
+    tok = base["r0"][0][3]   # a token greedy decoding produces
+    one = np.array([tok])
+    hp = type(hp)(fc=hp.fc, body=type(hp.body)(embed=None, layers=hp.body.layers,
+                                               final_norm=hp.body.final_norm,
+                                               lm_head=draft_lm_head(params, one)),
+                  vocab=jax.numpy.asarray(one, jax.numpy.int32))
+    engine = tiny_engine(params, eagle=(hcfg, hp), speculative_config=EAGLE)
+    seen = []
+    verified = engine._verified_alone
+
+    def spy(seq, index, num_drafts, tokens):
+        seen.append((num_drafts, tokens))
+        verified(seq, index, num_drafts, tokens)
+
+    engine._verified_alone = spy
+    assert outputs(engine, requests[:1], [0]) == {"r0": base["r0"]}
+    # greedy: each accepted draft is `tok`, and a run stops at the first non-`tok` target
+    assert any(len(t) > 1 for _, t in seen)
+    assert all(x == tok for _, t in seen for x in t[:-1])
+
+
+def test_eagle_head_files_round_trip(params, tmp_path):
+    import numpy as np
+
+    from engine_utils import TINY_CFG
+    from jaxserve.spec_decode.eagle import load_head, save_head
+    hcfg, hp = _tiny_head(params)
+    save_head(tmp_path / "h", hp, TINY_CFG, {"note": "test"})
+    cfg2, hp2 = load_head(tmp_path / "h", TINY_CFG, params)
+    assert cfg2 == hcfg
+    np.testing.assert_array_equal(np.asarray(hp2.vocab), np.asarray(hp.vocab))
+    # stored in float16: 11 significant bits, a relative rounding of at most 2**-11
+    np.testing.assert_allclose(np.asarray(hp2.body.layers[0].wq), np.asarray(hp.body.layers[0].wq),
+                               rtol=2 ** -11, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(hp2.body.lm_head), np.asarray(hp.body.lm_head))
+    with pytest.raises(ConfigError, match="trained for a target"):
+        load_head(tmp_path / "h", TINY_CFG.replace(hidden_size=64, num_heads=8), params)
+    with pytest.raises(ConfigError, match="not an EAGLE head"):
+        load_head(tmp_path, TINY_CFG, params)
+
+
 # --- scheduler (pure Python) ---------------------------------------------------------------
 
 def _sched(num_pages, **kw):
@@ -407,6 +481,37 @@ def test_real_model_draft_model_greedy_is_the_plain_greedy(small_llm, draft_llm)
     st = draft_llm.engine.stats()
     assert st["spec_decode_num_drafts"] > 10 and st["spec_decode_num_accepted_tokens"] > 0
     assert st["free_pages"] == st["total_pages"]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, smollm2_checkpoint,
+                                                          cache_dir, tmp_path):
+    """An (untrained) EAGLE head file loaded through the config: token for token the
+    plain greedy output, batched and alone, every page back."""
+    import jax
+    import numpy as np
+
+    from conftest import SMALL_CONFIG
+    from jaxserve.api import LLM
+    from jaxserve.checkpoint import load_model_config, load_params
+    from jaxserve.config import load_config
+    from jaxserve.spec_decode.eagle import init_head, save_head
+
+    target = load_model_config(smollm2_checkpoint)
+    raw = load_params(smollm2_checkpoint, target)
+    head = init_head(target, raw, np.arange(2048), jax.random.key(0), intermediate_size=256)
+    save_head(tmp_path / "head", head, target)
+    llm = LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, warmup=False, speculative_config={
+        "method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3})
+    tok = small_llm.tokenizer
+    prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    want = [c.token_ids for c in small_llm.generate(prompts, sp)]
+    assert [c.token_ids for c in llm.generate(prompts, sp)] == want
+    assert llm.generate([prompts[2]], sp)[0].token_ids == want[2]
+    st = llm.engine.stats()
+    assert st["spec_decode_num_drafts"] > 10 and st["free_pages"] == st["total_pages"]
 
 
 def test_a_draft_that_is_not_a_checkpoint_is_refused(tmp_path, smollm2_config):

@@ -37,24 +37,25 @@ from jaxserve.model.transformer import Kernels, StepBatch, forward, last_token_l
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.sharding import ShardingRules
 from jaxserve.spec_decode import draft_model
-from jaxserve.spec_decode.draft_model import DraftState
+from jaxserve.spec_decode.draft_model import Drafter
 from jaxserve.spec_decode.rejection_sampler import rejection_sample
 
 log = logging.getLogger(__name__)
 
 
 def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-                 draft: DraftState | None, *, cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                 draft_params, draft_cache, *, cfg: ModelConfig, drafter: Drafter | None,
                  rules: ShardingRules | None, kernels: Kernels):
     """forward -> each sequence's last-token logits -> sample: (tokens [S] int32, logprobs
-    [S] f32, cache, draft). A draft model (speculative decoding) runs over the same rows,
-    so that its K/V keep up with the target's."""
+    [S] f32, cache, draft_cache). A drafter (speculative decoding) runs over the same
+    rows, so that its K/V keep up with the target's."""
     hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
-    if draft is not None:
-        draft = draft_model.sync(draft, batch, draft_cfg, rules, kernels)
+    if drafter is not None:
+        draft_cache = drafter.sync(params, draft_params, draft_cache, batch, hidden, rules,
+                                   kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules, kernels.matmul)
     tokens, logprobs = sample(logits, sampling, kernels.sampling)
-    return tokens, logprobs, cache, draft
+    return tokens, logprobs, cache, draft_cache
 
 
 def _next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int) -> StepBatch:
@@ -71,12 +72,13 @@ def _next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int) -> S
 
 
 def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-          prev_tokens: jax.Array, draft_params: Params | None, draft_cache: KVCache | None,
-          *, cfg: ModelConfig, draft_cfg: ModelConfig | None, rules: ShardingRules | None,
-          kernels: Kernels, num_steps: int = 1):
+          prev_tokens: jax.Array, draft_params, draft_cache, *, cfg: ModelConfig,
+          drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
+          num_steps: int = 1):
     """One engine step: `num_steps` tokens per sequence. prev_tokens: [max_rows] int32, the
-    previous step's last sampled tokens; draft_params / draft_cache: the draft model's
-    (speculative decoding; None without one), its pool donated like the target's.
+    previous step's last sampled tokens; draft_params / draft_cache: the drafter's arrays
+    (speculative decoding with a draft model or head; None without one), its cache donated
+    like the target's.
 
     num_steps > 1 (decode batches only): multi-step decode, a `fori_loop` in which each
     iteration samples one token per sequence and feeds it back as the next iteration's
@@ -88,63 +90,65 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
     Returns (last [max_rows] int32: the last sub-step's tokens padded with 0, tokens
     [num_steps, S] int32, logprobs [num_steps, S] f32, cache, draft_cache)."""
     S = batch.seq_lens.shape[0]
-    draft = None if draft_params is None else DraftState(draft_params, draft_cache)
     from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
     batch = dataclasses.replace(
         batch, tokens=jnp.where(batch.prev_index >= 0, from_prev, batch.tokens))
-    run = functools.partial(_sample_step, params, cfg=cfg, draft_cfg=draft_cfg, rules=rules,
+    run = functools.partial(_sample_step, params, cfg=cfg, drafter=drafter, rules=rules,
                             kernels=kernels)
     if num_steps == 1:
-        tokens, logprobs, cache, draft = run(cache, batch, sampling, draft)
+        tokens, logprobs, cache, draft_cache = run(cache, batch, sampling, draft_params,
+                                                   draft_cache)
         tokens, logprobs = tokens[None], logprobs[None]
     else:
         if not batch.decode:
             raise ValueError(f"num_steps={num_steps} > 1 needs a decode batch")
 
         def body(i, carry):
-            b, cache, draft, tokens, logprobs = carry
-            t, lp, cache, draft = run(cache, b, dataclasses.replace(sampling, step=sampling.step + i),
-                                      draft)
+            b, cache, dcache, tokens, logprobs = carry
+            t, lp, cache, dcache = run(
+                cache, b, dataclasses.replace(sampling, step=sampling.step + i), draft_params,
+                dcache)
             b = _next_decode_batch(b, t, cache.page_size)
-            return b, cache, draft, tokens.at[i].set(t), logprobs.at[i].set(lp)
+            return b, cache, dcache, tokens.at[i].set(t), logprobs.at[i].set(lp)
 
-        init = (batch, cache, draft, jnp.zeros((num_steps, S), jnp.int32),
+        init = (batch, cache, draft_cache, jnp.zeros((num_steps, S), jnp.int32),
                 jnp.zeros((num_steps, S), jnp.float32))
-        _, cache, draft, tokens, logprobs = jax.lax.fori_loop(0, num_steps, body, init)
+        _, cache, draft_cache, tokens, logprobs = jax.lax.fori_loop(0, num_steps, body, init)
     last = jnp.zeros(prev_tokens.shape, jnp.int32).at[:S].set(tokens[-1])
-    return last, tokens, logprobs, cache, None if draft is None else draft.cache
+    return last, tokens, logprobs, cache, draft_cache
 
 
 def _verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-                 draft_params: Params | None, draft_cache: KVCache | None, *,
-                 cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                 draft_params, draft_cache, *, cfg: ModelConfig, drafter: Drafter | None,
                  rules: ShardingRules | None, kernels: Kernels):
     """A verify step (speculative decoding): forward over each sequence's last token and
     its drafts (the tokens after its first row), logits at every one of its rows
     (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), rejection sampling
-    (jaxserve.spec_decode.rejection_sampler). With a draft model the drafts are proposed
-    here first (jaxserve.spec_decode.draft_model.propose; the batch's draft rows are
-    placeholders), and the draft runs over the verify rows too. Returns (tokens [J, S]
+    (jaxserve.spec_decode.rejection_sampler). With a drafter (a draft model or head) the
+    drafts are proposed here first (jaxserve.spec_decode.draft_model.propose; the batch's
+    draft rows are placeholders), and the drafter runs over the verify rows too. Returns (tokens [J, S]
     int32, logprobs [J, S] f32, num_tokens [S] int32: output tokens kept per sequence,
     cache, draft_cache)."""
     S, J = batch.logits_indices.shape
-    draft = None if draft_params is None else DraftState(draft_params, draft_cache)
     start = batch.query_start[:-1]
     num_drafts = jnp.clip(batch.query_start[1:] - start - 1, 0, J - 1)
     draft_logits = None
-    if draft is not None:
-        drafts, draft_logits, draft = draft_model.propose(
-            draft, batch, sampling, num_drafts, J - 1, cache.page_size, draft_cfg, rules, kernels)
+    if drafter is not None:
+        drafts, draft_logits, draft_cache = draft_model.propose(
+            drafter, params, draft_params, draft_cache, batch, sampling, num_drafts, J - 1,
+            cache.page_size, cfg.vocab_size, rules, kernels)
         batch = draft_model.fill_drafts(batch, drafts, num_drafts)
-        draft = draft_model.sync(draft, batch, draft_cfg, rules, kernels)
     hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
+    if drafter is not None:
+        draft_cache = drafter.sync(params, draft_params, draft_cache, batch, hidden, rules,
+                                   kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
                                kernels.matmul).reshape(S, J, -1)
     rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0,
                     batch.tokens.shape[0] - 1)
     tokens, logprobs, num = rejection_sample(logits, batch.tokens[rows], num_drafts, sampling,
                                              draft_logits=draft_logits, impl=kernels.sampling)
-    return tokens.T, logprobs.T, num, cache, None if draft is None else draft.cache
+    return tokens.T, logprobs.T, num, cache, draft_cache
 
 
 class StepKey(NamedTuple):
@@ -192,19 +196,20 @@ class Runner:
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params: Params,
                  cache: KVCache, kernels: Kernels, rules: ShardingRules | None = None,
-                 draft: tuple[ModelConfig, Params, KVCache] | None = None):
-        """draft: (config, params, KV pool) of a draft model (speculative decoding with
-        method "draft_model"): its pool has the target's pages and page size."""
+                 draft: tuple[Drafter, object, object] | None = None):
+        """draft: (drafter, its params, its cache) for speculative decoding with a draft
+        model or head (jaxserve.spec_decode.draft_model): its KV pool has the target's
+        pages and page size."""
         self.model_cfg = model_cfg
         self.engine_cfg = engine_cfg
         self.params = params
         self.cache = cache
-        self.draft_cfg, self.draft_params, self.draft_cache = draft or (None, None, None)
+        self.drafter, self.draft_params, self.draft_cache = draft or (None, None, None)
         self.rules = rules
         self._replicated = NamedSharding(rules.mesh, PartitionSpec()) if rules else None
         self.kernels = kernels  # resolved: jaxserve.kernels.select_kernels
         self.shapes = StepShapes(engine_cfg, bucket_pages=kernels.attention.pads_pages)
-        static = dict(cfg=model_cfg, draft_cfg=self.draft_cfg, rules=rules, kernels=self.kernels)
+        static = dict(cfg=model_cfg, drafter=self.drafter, rules=rules, kernels=self.kernels)
         self._jitted = jax.jit(functools.partial(_step, **static), donate_argnums=(1, 6),
                                static_argnames=("num_steps",))
         self._jitted_verify = jax.jit(functools.partial(_verify_step, **static),

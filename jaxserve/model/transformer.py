@@ -116,11 +116,22 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
     may be in either layout for "xla" attention, token-major for the Pallas kernels.
     """
     x = constrain(rules, params.embed[batch.tokens], ACT_AXES)
+    x, cache = decoder_layers(x, params.layers, cache, batch, cfg, rules, kernels)
+    return rms_norm(x, params.final_norm, cfg.rms_norm_eps), cache
+
+
+def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
+                   rules: ShardingRules | None = None,
+                   kernels: Kernels = Kernels()) -> tuple[jax.Array, KVCache]:
+    """The decoder layers `layers` (a sequence of LayerParams, one KV pool layer each) over
+    the batch's input activations x [T, D]: the residual stream after the last layer
+    [T, D] (no final norm) and the cache with their K/V written. `forward` runs the model's
+    layers on its token embeddings; a draft head (jaxserve.spec_decode.eagle) its own."""
     cos, sin = rope_tables(batch.positions, cfg)
     meta = kernels.attention.metadata(batch.block_tables, batch.seq_lens, batch.query_start,
                                       batch.positions, cache.page_size, batch.decode)
     ks, vs = [], []
-    for i, lp in enumerate(params.layers):
+    for i, lp in enumerate(layers):
         a, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], cos, sin,
                                      batch.slot_mapping, meta, cfg, rules, kernels, cache.layout)
         x = x + a
@@ -129,7 +140,6 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
         x = constrain(rules, x + mlp, ACT_AXES)
         ks.append(kp)
         vs.append(vp)
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     return x, KVCache(k=tuple(ks), v=tuple(vs), layout=cache.layout)
 
 

@@ -1,57 +1,80 @@
-"""A draft model on device: its own KV pool under the target's block tables, kept in step
-with the target by running over every step's tokens, and k proposals per sequence in the
-verify step's dispatch.
+"""Drafters on device: a draft model's or draft head's state kept in step with the target,
+and k proposals per sequence in the verify step's dispatch.
 
-The draft (any jaxserve checkpoint sharing the target's tokenizer: a smaller sibling, or
-a truncated copy of the target) has a KV pool of the same pages as the target's: page p
-holds the draft's K/V for the tokens whose target K/V are in page p, so the scheduler's
-block tables, prefix cache and preemption serve both. Every step runs the draft over the
-step's token rows as well (its K/V only; no logits), so the draft's K/V cover what the
-target's cover. A verify step first proposes: k draft decode iterations from each
-sequence's last token (`propose`), each sampling with the request's own parameters from a
-key independent of the target's; the proposals and the draft's logits for them go to the
-rejection sampler (jaxserve.spec_decode.rejection_sampler). Source: Leviathan et al. 2023
-(draft-model speculative decoding); vLLM's draft-model proposer, whose draft runs over
-the target's accepted tokens the same way.
+A drafter's KV pool has the target's pages: page p holds the drafter's K/V for the tokens
+whose target K/V are in page p, so the scheduler's block tables, prefix cache and
+preemption serve both. Every step runs the drafter over the step's token rows as well
+(`Drafter.sync`: its K/V only, no logits), so its K/V cover what the target's cover. A
+verify step first proposes (`propose`): k drafter iterations from each sequence's last
+token, each sampling with the request's own parameters from a key independent of the
+target's; the proposals and the drafter's logits for them go to the rejection sampler
+(jaxserve.spec_decode.rejection_sampler).
+
+`DraftModel`: a whole smaller model sharing the target's tokenizer (any jaxserve
+checkpoint; Leviathan et al. 2023). `jaxserve.spec_decode.eagle.EagleHead`: one decoder
+layer over the target's hidden states (Li et al. 2024). Source: vLLM's draft-model and
+EAGLE proposers, whose drafts run over the target's accepted tokens the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache
 from jaxserve.model.params import Params
 from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, forward
-from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.sharding import ShardingRules
 
-# XOR'ed into each request's key data for the draft's own draws, so that a proposal is
+# XOR'ed into each request's key data for the drafter's own draws, so that a proposal is
 # independent of the target's acceptance test and residual draw at the same output index
 # (the rejection sampler's correctness needs the draft's randomness to be separate).
 _DRAFT_KEY_SALT = 0x0D4AF7ED
 
 
-@pytree_dataclass
-class DraftState:
-    """The draft's device state: params and KV pool (the target's pages and page size)."""
+class Drafter:
+    """What a drafter does on device (static: hashable, part of the compiled step's
+    configuration; its arrays are passed in: `dparams`, and `dcache`, donated).
 
-    params: Params
-    cache: KVCache
+    sync: run over a step's rows (the target's hidden states [T, D] at them given), writing
+        the drafter's K/V; returns the new dcache.
+    start: the carry of the first proposal iteration for the decode batch `pb` of each
+        sequence's last token.
+    step: one proposal iteration on decode batch `pb`: (logits [S, V] f32 over the target's
+        vocabulary, the next carry, dcache)."""
+
+    def sync(self, params: Params, dparams, dcache, batch: StepBatch, hidden: jax.Array,
+             rules: ShardingRules | None, kernels: Kernels):
+        raise NotImplementedError
+
+    def start(self, params: Params, dparams, dcache, pb: StepBatch) -> Any:
+        return ()
+
+    def step(self, params: Params, dparams, dcache, pb: StepBatch, carry,
+             rules: ShardingRules | None, kernels: Kernels):
+        raise NotImplementedError
 
 
-def sync(draft: DraftState, batch: StepBatch, cfg: ModelConfig, rules: ShardingRules | None,
-         kernels: Kernels) -> DraftState:
-    """Run the draft over `batch`'s token rows: its K/V written where the target's are."""
-    _, cache = forward(draft.params, draft.cache, batch, cfg, rules, kernels)
-    return dataclasses.replace(draft, cache=cache)
+@dataclasses.dataclass(frozen=True)
+class DraftModel(Drafter):
+    """A draft model of config `cfg`: dparams its Params, dcache its KVCache."""
+
+    cfg: ModelConfig
+
+    def sync(self, params, dparams, dcache, batch, hidden, rules, kernels):
+        _, dcache = forward(dparams, dcache, batch, self.cfg, rules, kernels)
+        return dcache
+
+    def step(self, params, dparams, dcache, pb, carry, rules, kernels):
+        h, dcache = forward(dparams, dcache, pb, self.cfg, rules, kernels)
+        return compute_logits(dparams, h, rules, kernels.matmul), carry, dcache
 
 
-def _first_rows(batch: StepBatch) -> StepBatch:
+def first_rows(batch: StepBatch) -> StepBatch:
     """A decode batch ([S] rows) of each sequence's first row of a verify batch: its last
     token at its position (padding sequences: null slot, seq_len 0)."""
     S = batch.seq_lens.shape[0]
@@ -65,29 +88,28 @@ def _first_rows(batch: StepBatch) -> StepBatch:
                      logits_indices=jnp.arange(S, dtype=jnp.int32), decode=True)
 
 
-def propose(draft: DraftState, batch: StepBatch, sampling: SamplingBatch,
-            num_drafts: jax.Array, k: int, page_size: int, cfg: ModelConfig,
-            rules: ShardingRules | None, kernels: Kernels
-            ) -> tuple[jax.Array, jax.Array, DraftState]:
+def propose(drafter: Drafter, params: Params, dparams, dcache, batch: StepBatch,
+            sampling: SamplingBatch, num_drafts: jax.Array, k: int, page_size: int,
+            vocab_size: int, rules: ShardingRules | None, kernels: Kernels):
     """k draft tokens per sequence of a verify batch.
 
     batch: the verify batch (each sequence's last token in its first row, at position
-    num_computed); num_drafts: [S] int32, the proposals each sequence takes (<= k); the
+    num_computed); vocab_size: the target's (the logits' width); num_drafts: [S] int32, the proposals each sequence takes (<= k); the
     pages of positions up to num_computed + num_drafts must be in its block table.
-    Iteration j feeds the last token (j = 0) or draft j, writes its draft K/V at position
-    num_computed + j (the null page once j >= num_drafts) and samples draft j + 1 from the
-    draft's logits with the request's parameters (greedy: the argmax; output index
-    sampling.step + j, the draft's own key).
+    Iteration j feeds the last token (j = 0) or draft j, writes the drafter's K/V at
+    position num_computed + j (the null page once j >= num_drafts) and samples draft
+    j + 1 from the drafter's logits with the request's parameters (greedy: the argmax;
+    output index sampling.step + j, the drafter's own key).
     Returns (drafts [S, k] int32, draft logits [S, k, V] f32 (raw: the rejection sampler
-    applies the request's parameters), the draft state)."""
+    applies the request's parameters), dcache)."""
     S = batch.seq_lens.shape[0]
     seed = sampling.seed ^ jnp.asarray([0, _DRAFT_KEY_SALT], jnp.uint32)
     dsb = dataclasses.replace(sampling, seed=seed)
+    pb0 = first_rows(batch)
 
-    def body(j, carry):
-        pb, cache, drafts, logits = carry
-        hidden, cache = forward(draft.params, cache, pb, cfg, rules, kernels)
-        lg = compute_logits(draft.params, hidden, rules, kernels.matmul)   # [S, V]
+    def body(j, state):
+        pb, carry, dcache, drafts, logits = state
+        lg, carry, dcache = drafter.step(params, dparams, dcache, pb, carry, rules, kernels)
         tok, _ = sample(lg, dataclasses.replace(dsb, step=dsb.step + j), kernels.sampling)
         more = (j + 1 < num_drafts) & (pb.seq_lens > 0)
         pos = jnp.where(more, pb.positions + 1, pb.positions)
@@ -97,12 +119,12 @@ def propose(draft: DraftState, batch: StepBatch, sampling: SamplingBatch,
                                  slot_mapping=jnp.where(more, page * page_size + pos % page_size,
                                                         0),
                                  seq_lens=jnp.where(more, pb.seq_lens + 1, pb.seq_lens))
-        return pb, cache, drafts.at[:, j].set(tok), logits.at[:, j].set(lg)
+        return pb, carry, dcache, drafts.at[:, j].set(tok), logits.at[:, j].set(lg)
 
-    init = (_first_rows(batch), draft.cache, jnp.zeros((S, k), jnp.int32),
-            jnp.zeros((S, k, cfg.vocab_size), jnp.float32))
-    _, cache, drafts, logits = jax.lax.fori_loop(0, k, body, init)
-    return drafts, logits, dataclasses.replace(draft, cache=cache)
+    init = (pb0, drafter.start(params, dparams, dcache, pb0), dcache,
+            jnp.zeros((S, k), jnp.int32), jnp.zeros((S, k, vocab_size), jnp.float32))
+    _, _, dcache, drafts, logits = jax.lax.fori_loop(0, k, body, init)
+    return drafts, logits, dcache
 
 
 def fill_drafts(batch: StepBatch, drafts: jax.Array, num_drafts: jax.Array) -> StepBatch:

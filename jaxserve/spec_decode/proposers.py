@@ -7,9 +7,9 @@ from jaxserve.spec_decode.ngram import NgramProposer
 
 
 class DeviceProposer:
-    """Drafts proposed on device inside the verify step (a draft model:
-    jaxserve.spec_decode.draft_model): the host plans `k` draft rows per sequence, whose
-    tokens the step fills in."""
+    """Drafts proposed on device inside the verify step (a draft model or an EAGLE head:
+    jaxserve.spec_decode.draft_model / eagle): the host plans `k` draft rows per sequence,
+    whose tokens the step fills in."""
 
     needs_context = False
 
@@ -20,12 +20,11 @@ class DeviceProposer:
 
 def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | DeviceProposer | None:
     """The host-side proposer of `spec` (None when speculative decoding is off). Raises
-    ConfigError for a method this build cannot run yet."""
+    ConfigError for an unknown method."""
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "draft_model":
+    if spec.method in ("draft_model", "eagle"):
         return DeviceProposer()
-    raise ConfigError(f"SpeculativeConfig.method {spec.method!r} is not available yet "
-                      "(implemented: 'ngram', 'draft_model')")
+    raise ConfigError(f"SpeculativeConfig.method {spec.method!r} is not known")

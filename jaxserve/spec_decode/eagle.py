@@ -1,0 +1,210 @@
+"""An EAGLE-style draft head: one decoder layer over the target's hidden states.
+
+The head reads, at position p, the embedding of token p (the target's own embedding
+table) and the target's final hidden state ("feature", after its final norm) at p - 1,
+fused by a linear layer `fc` [2D -> D]; one decoder layer with its own KV pool (the
+target's pages: jaxserve.spec_decode.draft_model) and a norm give its guess of the
+target's feature at p, read out through the target's LM head restricted to a draft
+vocabulary of N frequent tokens (the head's logits over the other tokens are -inf). While
+proposing, the head feeds its own guessed feature forward in place of the target's.
+Source: EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty"), indexed one position later (the head's element p pairs token p with feature
+p - 1, which both exist once the target has computed p - 1); the reduced vocabulary as
+EAGLE-3 / FR-Spec (Zhao et al. 2025) read the head out.
+
+The target's features are kept per token slot in a feature pool [num_pages * page_size, D]
+beside the head's KV pool (the drafter's cache: (KVCache, features)), written by every
+step, so that a step's first row finds the feature of the position before it.
+
+Files (`save_head` / `load_head`): `config.json` (format, the head layer's shape, the
+target's shape it was trained for) and `head.safetensors` (fc, the layer, norm, vocab ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.kv_cache import KVCache
+from jaxserve.model.layers import rms_norm
+from jaxserve.model.params import LayerParams, Params, init_params
+from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, decoder_layers
+from jaxserve.pytree import pytree_dataclass
+from jaxserve.sharding import ShardingRules
+from jaxserve.spec_decode.draft_model import Drafter
+
+FORMAT = "jaxserve-eagle-head"
+
+
+@pytree_dataclass
+class EagleParams:
+    """fc: [2D, D] (input: concat(token embedding, previous feature)); body: Params of one
+    layer (`layers`), its output norm (`final_norm`) and the draft vocabulary's LM head
+    (`lm_head` [D, N]: the target's head columns of those tokens; `embed` None); vocab:
+    [N] int32, the target token id of each draft logit."""
+
+    fc: Any
+    body: Params
+    vocab: Any
+
+
+def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
+    """The shape of the head's layer: the target's, one layer (and its own MLP width)."""
+    return target.replace(num_layers=1,
+                          intermediate_size=intermediate_size or target.intermediate_size)
+
+
+def init_head(target: ModelConfig, target_params: Params, vocab: np.ndarray, key: jax.Array,
+              intermediate_size: int | None = None, scale: float = 0.02) -> EagleParams:
+    """A random head (normal(scale) matrices, unit norms) for the draft vocabulary `vocab`
+    ([N] token ids), its LM head taken from the target's."""
+    cfg = head_config(target, intermediate_size)
+    layer = init_params(cfg, key, scale=scale).layers[0]
+    D = target.hidden_size
+    fc = scale * jax.random.normal(jax.random.fold_in(key, 99), (2 * D, D), jnp.float32)
+    return EagleParams(fc=fc.astype(cfg.dtype),
+                       body=Params(embed=None, layers=(layer,),
+                                   final_norm=jnp.ones((D,), cfg.dtype),
+                                   lm_head=draft_lm_head(target_params, vocab)),
+                       vocab=jnp.asarray(vocab, jnp.int32))
+
+
+def draft_lm_head(target_params: Params, vocab: np.ndarray) -> jax.Array:
+    """[D, N]: the target's LM head columns of the draft vocabulary (the embedding rows
+    when tied)."""
+    ids = jnp.asarray(vocab, jnp.int32)
+    if target_params.lm_head is None:
+        return jnp.asarray(target_params.embed)[ids].T
+    return jnp.asarray(target_params.lm_head)[:, ids]
+
+
+def head_features(hp: EagleParams, embed: jax.Array, kv: KVCache, batch: StepBatch,
+                  prev: jax.Array, cfg: ModelConfig, rules: ShardingRules | None,
+                  kernels: Kernels) -> tuple[jax.Array, KVCache]:
+    """The head over a batch: token embeddings (`embed[batch.tokens]`) and the previous
+    position's features prev [T, D] -> its guessed features [T, D] (normed) and its KV
+    pool with the rows' K/V written."""
+    x = jnp.concatenate([embed[batch.tokens].astype(jnp.float32), prev.astype(jnp.float32)],
+                        axis=-1)
+    x = jnp.dot(x, hp.fc.astype(jnp.float32)).astype(embed.dtype)
+    x, kv = decoder_layers(x, hp.body.layers, kv, batch, cfg, rules, kernels)
+    return rms_norm(x, hp.body.final_norm, cfg.rms_norm_eps), kv
+
+
+def prev_slots(batch: StepBatch, page_size: int) -> jax.Array:
+    """[T] int32: the slot of the position before each row's (its sequence's block
+    table), -1 where the row is at position 0."""
+    T = batch.tokens.shape[0]
+    S = batch.seq_lens.shape[0]
+    rows = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(batch.query_start[1:], rows, side="right"), 0, S - 1)
+    if batch.decode:
+        seq = jnp.minimum(rows, S - 1)
+    p = jnp.maximum(batch.positions - 1, 0)
+    page = batch.block_tables[seq, p // page_size]
+    return jnp.where(batch.positions > 0, page * page_size + p % page_size, -1)
+
+
+def _gather(features: jax.Array, slots: jax.Array) -> jax.Array:
+    return jnp.where((slots >= 0)[:, None], features[jnp.maximum(slots, 0)], 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHead(Drafter):
+    """The drafter of an EAGLE head whose layer has shape `cfg` (head_config). Its cache:
+    (KVCache of one layer, features [num_slots, D] of the target)."""
+
+    cfg: ModelConfig
+
+    def sync(self, params, hp, dcache, batch, hidden, rules, kernels):
+        kv, feats = dcache
+        feats = feats.at[batch.slot_mapping].set(hidden.astype(feats.dtype))
+        prev = _gather(feats, prev_slots(batch, kv.page_size))
+        _, kv = head_features(hp, params.embed, kv, batch, prev, self.cfg, rules, kernels)
+        return kv, feats
+
+    def start(self, params, hp, dcache, pb):
+        kv, feats = dcache
+        return _gather(feats, prev_slots(pb, kv.page_size)).astype(jnp.float32)
+
+    def step(self, params, hp, dcache, pb, carry, rules, kernels):
+        kv, feats = dcache
+        f, kv = head_features(hp, params.embed, kv, pb, carry, self.cfg, rules, kernels)
+        reduced = compute_logits(hp.body, f, rules, kernels.matmul)            # [S, N]
+        V = params.embed.shape[0]
+        logits = jnp.full((reduced.shape[0], V), -jnp.inf, jnp.float32)
+        logits = logits.at[:, hp.vocab].set(reduced)
+        return logits, f.astype(jnp.float32), (kv, feats)
+
+
+# --- files -----------------------------------------------------------------------------
+
+def _flat(hp: EagleParams) -> dict[str, np.ndarray]:
+    lp = hp.body.layers[0]
+    out = {"fc": hp.fc, "norm": hp.body.final_norm, "vocab": hp.vocab}
+    for f in dataclasses.fields(LayerParams):
+        v = getattr(lp, f.name)
+        if v is not None:
+            out[f"layer.{f.name}"] = v
+    return {k: np.asarray(jax.device_get(v)) for k, v in out.items()}
+
+
+def save_head(out_dir: str | Path, hp: EagleParams, target: ModelConfig,
+              info: dict | None = None) -> Path:
+    """Write the head (not its LM head: taken from the target at load) to `out_dir`, its
+    weights in float16; returns the directory."""
+    from safetensors.numpy import save_file
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lp = hp.body.layers[0]
+    header = {"format": FORMAT, "version": 1,
+              "intermediate_size": int(lp.w_gate.shape[-1]),
+              "draft_vocab_size": int(hp.vocab.shape[0]),
+              "target": {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
+                         "num_heads": target.num_heads, "num_kv_heads": target.num_kv_heads,
+                         "head_dim": target.head_dim},
+              "info": info or {}}
+    # float16: half the bytes of f32 in the repository, ample for weights of this size
+    save_file({k: np.ascontiguousarray(v.astype(np.float16) if v.dtype.kind == "f" else v)
+               for k, v in _flat(hp).items()}, str(out / "head.safetensors"))
+    (out / "config.json").write_text(json.dumps(header, indent=2), encoding="utf-8")
+    return out
+
+
+def load_head(path: str | Path, target: ModelConfig, target_params: Params
+              ) -> tuple[ModelConfig, EagleParams]:
+    """The head at `path` for `target` (its LM head taken from `target_params`), in the
+    target's dtype. Raises ConfigError naming SpeculativeConfig.model when `path` is not
+    a head or was made for another target shape."""
+    from safetensors.numpy import load_file
+    d = Path(path)
+    try:
+        header = json.loads((d / "config.json").read_text(encoding="utf-8"))
+        tensors = load_file(str(d / "head.safetensors"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"SpeculativeConfig.model: {d} is not an EAGLE head ({e})") from None
+    if header.get("format") != FORMAT:
+        raise ConfigError(f"SpeculativeConfig.model: {d}/config.json is not a {FORMAT}")
+    want = {k: getattr(target, k) for k in header["target"]}
+    if header["target"] != want:
+        raise ConfigError(f"SpeculativeConfig.model: {d} was trained for a target of shape "
+                          f"{header['target']}, this one is {want}")
+    cfg = head_config(target, header["intermediate_size"])
+    dt = jnp.dtype(target.dtype)
+    layer = LayerParams(**{f.name: jnp.asarray(tensors[f"layer.{f.name}"], dt)
+                           for f in dataclasses.fields(LayerParams)
+                           if f"layer.{f.name}" in tensors})
+    vocab = tensors["vocab"].astype(np.int32)
+    hp = EagleParams(fc=jnp.asarray(tensors["fc"], dt),
+                     body=Params(embed=None, layers=(layer,),
+                                 final_norm=jnp.asarray(tensors["norm"], dt),
+                                 lm_head=draft_lm_head(target_params, vocab).astype(dt)),
+                     vocab=jnp.asarray(vocab))
+    return cfg, hp

@@ -1,0 +1,71 @@
+"""The EAGLE head's training side: its windowed forward is the serving path's computation,
+and a short optax run lowers the loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from engine_utils import TINY_CFG, tiny_params
+from jaxserve.kv_cache import init_kv_cache
+from jaxserve.model.transformer import Kernels, StepBatch
+from jaxserve.spec_decode.eagle import head_config, head_features, init_head
+from jaxserve.spec_decode.eagle_train import head_forward, loss_fn, shifted_features, split
+
+PAGE = 4
+
+
+def _head(params, seed=0):
+    vocab = np.arange(0, 258, 3)
+    return head_config(TINY_CFG, 32), init_head(TINY_CFG, params, vocab, jax.random.key(seed),
+                                                intermediate_size=32, scale=0.3)
+
+
+def test_windowed_forward_is_the_paged_serving_computation():
+    params = tiny_params()
+    cfg, hp = _head(params)
+    rng = np.random.default_rng(0)
+    L = 11
+    tokens = rng.integers(0, 258, L).astype(np.int32)
+    feats = rng.standard_normal((L, TINY_CFG.hidden_size)).astype(np.float32)
+    prev = np.asarray(shifted_features(jnp.asarray(feats)[None]))[0]
+    pages = np.arange(1, 1 + -(-L // PAGE)).astype(np.int32)
+    pos = np.arange(L, dtype=np.int32)
+    batch = StepBatch(tokens=tokens, positions=pos, slot_mapping=pages[pos // PAGE] * PAGE + pos % PAGE,
+                      block_tables=pages[None, :], seq_lens=np.array([L], np.int32),
+                      query_start=np.array([0, L], np.int32), logits_indices=np.array([L - 1], np.int32))
+    kv = init_kv_cache(cfg, 8, PAGE, cfg.dtype)
+    paged, _ = head_features(hp, params.embed, kv, batch, jnp.asarray(prev), cfg, None,
+                             Kernels("xla", "xla", "xla"))
+    windowed = head_forward(hp, params.embed, tokens[None], prev[None], pos[None], cfg)[0]
+    np.testing.assert_allclose(np.asarray(windowed), np.asarray(paged), rtol=2e-5, atol=2e-5)
+
+
+def test_a_short_run_lowers_the_loss():
+    params = tiny_params()
+    cfg, hp = _head(params, seed=1)
+    trainable, frozen = split(hp, params.embed)
+    rng = np.random.default_rng(1)
+    B, W, D = 4, 16, TINY_CFG.hidden_size
+    # features with structure to learn: a fixed function of the token and the previous one
+    tokens = rng.integers(0, 258, (B, W)).astype(np.int32)
+    table = rng.standard_normal((258, D)).astype(np.float32)
+    feats = np.tanh(table[tokens] + 0.5 * np.roll(table[tokens], 1, axis=1))
+    batch = {"tokens": tokens, "features": feats, "positions": np.tile(np.arange(W), (B, 1)),
+             "mask": np.ones((B, W), np.float32)}
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
+    state = opt.init(trainable)
+
+    @jax.jit
+    def step(trainable, state, key):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, batch,
+                                                                        cfg, key)
+        updates, state = opt.update(grads, state, trainable)
+        return optax.apply_updates(trainable, updates), state, loss
+
+    losses = []
+    for i in range(60):
+        trainable, state, loss = step(trainable, state, jax.random.key(i))
+        losses.append(float(loss))
+    assert np.isfinite(losses).all()
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
