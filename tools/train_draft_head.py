@@ -270,8 +270,8 @@ def main(argv=None) -> int:
 
     ds = (grain.MapDataset.source(train).shuffle(seed=args.seed).repeat()
           .batch(batch_size=args.batch))
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps,
-                                               args.lr * 0.05)
+    warmup = min(args.warmup, max(1, args.steps // 5))
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr * 0.05)
     opt = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.adamw(sched, weight_decay=0.01))
     opt_state = opt.init(trainable)
