@@ -15,6 +15,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling_params import SamplingParams
 
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
@@ -485,33 +486,27 @@ def test_real_model_draft_model_greedy_is_the_plain_greedy(small_llm, draft_llm)
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, smollm2_checkpoint,
-                                                          cache_dir, tmp_path):
-    """An (untrained) EAGLE head file loaded through the config: token for token the
-    plain greedy output, batched and alone, every page back."""
-    import jax
-    import numpy as np
-
+def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, cache_dir):
+    """The EAGLE head that ships (configs/smollm2_135m_eagle.py's), loaded through the
+    config: token for token the plain greedy output, batched and alone, every page back;
+    and its drafts are accepted (a random head's over a 4k-token draft vocabulary next to
+    never are; the trained one had about half its first drafts accepted on held-out text)."""
     from conftest import SMALL_CONFIG
     from jaxserve.api import LLM
-    from jaxserve.checkpoint import load_model_config, load_params
     from jaxserve.config import load_config
-    from jaxserve.spec_decode.eagle import init_head, save_head
 
-    target = load_model_config(smollm2_checkpoint)
-    raw = load_params(smollm2_checkpoint, target)
-    head = init_head(target, raw, np.arange(2048), jax.random.key(0), intermediate_size=256)
-    save_head(tmp_path / "head", head, target)
-    llm = LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, warmup=False, speculative_config={
-        "method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3})
+    spec = load_config(ROOT / "configs" / "smollm2_135m_eagle.py").engine.speculative
+    llm = LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, warmup=False,
+              speculative=spec)
     tok = small_llm.tokenizer
     prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)]
-    sp = SamplingParams(temperature=0, max_tokens=24)
+    sp = SamplingParams(temperature=0, max_tokens=32)
     want = [c.token_ids for c in small_llm.generate(prompts, sp)]
     assert [c.token_ids for c in llm.generate(prompts, sp)] == want
     assert llm.generate([prompts[2]], sp)[0].token_ids == want[2]
     st = llm.engine.stats()
     assert st["spec_decode_num_drafts"] > 10 and st["free_pages"] == st["total_pages"]
+    assert st["spec_decode_num_accepted_tokens"] > 0.1 * st["spec_decode_num_draft_tokens"]
 
 
 def test_a_draft_that_is_not_a_checkpoint_is_refused(tmp_path, smollm2_config):

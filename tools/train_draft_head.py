@@ -2,7 +2,7 @@
 
     python tools/train_draft_head.py [--config configs/smollm2_135m.py]
         [--out jaxserve/spec_decode/heads/smollm2_135m] [--work ~/.cache/jaxserve/eagle-train]
-        [--num-prompts 640] [--steps 600] [--seed 0] ...
+        [--num-prompts 640] [--steps 1600] [--seed 0] ...
 
 1. Prompts: English prompts built like the benchmark's (tools/make_bench_prompts.py: the
    same offline sources, other seeds), every benchmark prompt excluded.
@@ -201,11 +201,11 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate-size", type=int, default=768)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=1600)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=400)
+    ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--k", type=int, default=4, help="chain length of the acceptance estimate")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
