@@ -325,6 +325,25 @@ def test_drafts_are_cut_to_the_free_pages_and_the_budget_never_preempt():
     assert sched2.num_preemptions == 0
 
 
+def test_drafts_take_only_pages_no_decode_needs():
+    """An older sequence's drafts never take the page a newer sequence's decode needs
+    (which would make it preempt itself)."""
+    sched = _sched(6)                  # 5 usable pages
+    a = Sequence(request_id="a", prompt_ids=list(range(100, 107)),
+                 params=SamplingParams(max_tokens=50), seed=0)
+    b = Sequence(request_id="b", prompt_ids=list(range(200, 208)),
+                 params=SamplingParams(max_tokens=50), seed=0)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    for seq, i in zip(plan.seqs, sched.launched(plan, 1)):
+        seq.output_ids[i] = 1
+    assert sched.pool.num_free == 1    # a: 8 tokens in 2 pages, b: 9 tokens, 2 pages + 1 more
+    plan = sched.schedule(drafts={a: [1, 2, 3, 4, 5]})
+    assert sched.num_preemptions == 0 and plan.num_new == [1, 1] and not plan.verify
+    assert len(b.block_table) == 3
+
+
 # --- configuration ------------------------------------------------------------------------
 
 def test_speculative_config_from_vllm_json():

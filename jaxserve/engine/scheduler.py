@@ -151,13 +151,14 @@ class Scheduler:
                 continue
             if self._take_pages(seq, seq.num_tokens, plan, self_victim=True):
                 plan[seq] = 1
-                if drafts.get(seq):
-                    k = min(len(drafts[seq]), left(),
-                            self._chunk(seq, 1 + len(drafts[seq]), 0) - 1)
-                    if k > 0:
-                        self._grow(seq, seq.num_tokens + k)
-                        taken[seq] = list(drafts[seq][:k])
-                        plan[seq] += k
+        for seq in by_age:  # then drafts, with the pages every decode left
+            if plan.get(seq) == 1 and drafts.get(seq):
+                k = min(len(drafts[seq]), left(),
+                        self._chunk(seq, 1 + len(drafts[seq]), 0) - 1)
+                if k > 0:
+                    self._grow(seq, seq.num_tokens + k)
+                    taken[seq] = list(drafts[seq][:k])
+                    plan[seq] += k
         for seq in by_age:  # then the prompts part-way through, oldest first
             if seq in hold or seq.status is not SequenceStatus.RUNNING or _todo(seq) <= 1:
                 continue
@@ -198,7 +199,6 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # first in the queue again, in order
         if not plan:
             return None
-        taken = {s: d for s, d in taken.items() if s in plan}  # not preempted since
         return StepPlan(list(plan), list(plan.values()),
                         [taken.get(s, []) for s in plan] if taken else None)
 
