@@ -487,18 +487,24 @@ def draft_llm(smollm2_checkpoint, cache_dir, tmp_path_factory):
         "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
 
 
+def _same_greedy_as_plain(small_llm, llm, max_tokens, alone):
+    """The copy prompts batched, and prompt `alone` by itself, through `llm`: their greedy
+    tokens must be small_llm's (plain decoding). Returns llm's engine stats."""
+    tok = small_llm.tokenizer
+    prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    want = [c.token_ids for c in small_llm.generate(prompts, sp)]
+    assert [c.token_ids for c in llm.generate(prompts, sp)] == want
+    assert llm.generate([prompts[alone]], sp)[0].token_ids == want[alone]
+    return llm.engine.stats()
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_real_model_draft_model_greedy_is_the_plain_greedy(small_llm, draft_llm):
     """A 4-layer truncated copy as the draft: token for token the plain greedy output,
     alone and batched; its proposals are accepted often enough to be the target's."""
-    tok = small_llm.tokenizer
-    prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)]
-    sp = SamplingParams(temperature=0, max_tokens=48)
-    want = [c.token_ids for c in small_llm.generate(prompts, sp)]
-    assert [c.token_ids for c in draft_llm.generate(prompts, sp)] == want
-    assert draft_llm.generate([prompts[1]], sp)[0].token_ids == want[1]
-    st = draft_llm.engine.stats()
+    st = _same_greedy_as_plain(small_llm, draft_llm, 48, alone=1)
     assert st["spec_decode_num_drafts"] > 10 and st["spec_decode_num_accepted_tokens"] > 0
     assert st["free_pages"] == st["total_pages"]
 
@@ -517,13 +523,7 @@ def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, cache_dir):
     spec = load_config(ROOT / "configs" / "smollm2_135m_eagle.py").engine.speculative
     llm = LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, warmup=False,
               speculative=spec)
-    tok = small_llm.tokenizer
-    prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)]
-    sp = SamplingParams(temperature=0, max_tokens=32)
-    want = [c.token_ids for c in small_llm.generate(prompts, sp)]
-    assert [c.token_ids for c in llm.generate(prompts, sp)] == want
-    assert llm.generate([prompts[2]], sp)[0].token_ids == want[2]
-    st = llm.engine.stats()
+    st = _same_greedy_as_plain(small_llm, llm, 32, alone=2)
     assert st["spec_decode_num_drafts"] > 10 and st["free_pages"] == st["total_pages"]
     assert st["spec_decode_num_accepted_tokens"] > 0.1 * st["spec_decode_num_draft_tokens"]
 

@@ -14,8 +14,6 @@ windows with a causal mask (tested equal).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -69,7 +67,7 @@ def loss_fn(trainable, frozen, batch, cfg: ModelConfig, key: jax.Array | None = 
     trainable: {"fc", "layer", "norm"}; frozen: {"embed" [V, D], "lm_head" [D, N]}.
     key: noise on the input features (None: none). Returns (loss, {"reg", "cls", "top1"})
     where top1 is the share of positions whose head argmax is the target's."""
-    hp = _params(trainable, frozen)
+    hp = join(trainable, frozen)
     feats = batch["features"].astype(jnp.float32)
     prev = shifted_features(feats)
     if key is not None:
@@ -95,14 +93,10 @@ def split(hp: EagleParams, embed: jax.Array) -> tuple[dict, dict]:
             {"embed": embed, "lm_head": hp.body.lm_head, "vocab": hp.vocab})
 
 
-def _params(trainable, frozen) -> EagleParams:
+def join(trainable, frozen) -> EagleParams:
+    """The EagleParams of (trainable, frozen) (the inverse of `split`)."""
     from jaxserve.model.params import Params
     return EagleParams(fc=trainable["fc"],
                        body=Params(embed=None, layers=(trainable["layer"],),
                                    final_norm=trainable["norm"], lm_head=frozen["lm_head"]),
                        vocab=frozen["vocab"])
-
-
-def join(trainable, frozen) -> EagleParams:
-    """The EagleParams of (trainable, frozen)."""
-    return dataclasses.replace(_params(trainable, frozen))
