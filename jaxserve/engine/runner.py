@@ -33,7 +33,8 @@ from jaxserve.engine.batch import empty_batch
 from jaxserve.engine.buckets import StepShapes
 from jaxserve.kv_cache import KVCache
 from jaxserve.model.params import Params
-from jaxserve.model.transformer import Kernels, StepBatch, forward, last_token_logits
+from jaxserve.model.transformer import (Kernels, StepBatch, forward, last_token_logits,
+                                        next_decode_batch)
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.sharding import ShardingRules
 from jaxserve.spec_decode import draft_model
@@ -56,19 +57,6 @@ def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sam
     logits = last_token_logits(params, hidden, batch.logits_indices, rules, kernels.matmul)
     tokens, logprobs = sample(logits, sampling, kernels.sampling)
     return tokens, logprobs, cache, draft_cache
-
-
-def _next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int) -> StepBatch:
-    """The decode batch one token later: each live sequence (seq_len > 0) feeds its sampled
-    token at the next position, written to the slot its block table gives for it; padding
-    sequences stay as they were (null page, seq_len 0)."""
-    live = batch.seq_lens > 0
-    positions = batch.positions + live
-    page = jnp.take_along_axis(batch.block_tables, (positions // page_size)[:, None], axis=1,
-                               mode="clip")[:, 0]
-    slots = jnp.where(live, page * page_size + positions % page_size, batch.slot_mapping)
-    return dataclasses.replace(batch, tokens=tokens, positions=positions, slot_mapping=slots,
-                               seq_lens=batch.seq_lens + live)
 
 
 def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
@@ -108,7 +96,7 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
             t, lp, cache, dcache = run(
                 cache, b, dataclasses.replace(sampling, step=sampling.step + i), draft_params,
                 dcache)
-            b = _next_decode_batch(b, t, cache.page_size)
+            b = next_decode_batch(b, t, cache.page_size)
             return b, cache, dcache, tokens.at[i].set(t), logprobs.at[i].set(lp)
 
         init = (batch, cache, draft_cache, jnp.zeros((num_steps, S), jnp.int32),

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
@@ -57,6 +58,22 @@ class StepBatch:
     logits_indices: Any
     prev_index: Any = None
     decode: bool = False
+
+
+def next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int,
+                      live: jax.Array | None = None) -> StepBatch:
+    """The decode batch one token later (multi-step decode, a drafter's proposal loop):
+    each `live` row ([S] bool; default: the real sequences, seq_len > 0) feeds tokens [S]
+    int32 at its next position, written to the slot its block table gives for it (those
+    pages must be there); the other rows write to the null page (slot 0) and keep their
+    position and length."""
+    live = batch.seq_lens > 0 if live is None else live
+    positions = batch.positions + live
+    page = jnp.take_along_axis(batch.block_tables, (positions // page_size)[:, None], axis=1,
+                               mode="clip")[:, 0]
+    slots = jnp.where(live, page * page_size + positions % page_size, 0)
+    return dataclasses.replace(batch, tokens=tokens, positions=positions, slot_mapping=slots,
+                               seq_lens=batch.seq_lens + live)
 
 
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.params import Params
-from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, forward
+from jaxserve.model.transformer import (Kernels, StepBatch, compute_logits, forward,
+                                        next_decode_batch)
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.sharding import ShardingRules
 
@@ -111,14 +112,7 @@ def propose(drafter: Drafter, params: Params, dparams, dcache, batch: StepBatch,
         pb, carry, dcache, drafts, logits = state
         lg, carry, dcache = drafter.step(params, dparams, dcache, pb, carry, rules, kernels)
         tok, _ = sample(lg, dataclasses.replace(dsb, step=dsb.step + j), kernels.sampling)
-        more = (j + 1 < num_drafts) & (pb.seq_lens > 0)
-        pos = jnp.where(more, pb.positions + 1, pb.positions)
-        page = jnp.take_along_axis(pb.block_tables, (pos // page_size)[:, None], axis=1,
-                                   mode="clip")[:, 0]
-        pb = dataclasses.replace(pb, tokens=tok, positions=pos,
-                                 slot_mapping=jnp.where(more, page * page_size + pos % page_size,
-                                                        0),
-                                 seq_lens=jnp.where(more, pb.seq_lens + 1, pb.seq_lens))
+        pb = next_decode_batch(pb, tok, page_size, (j + 1 < num_drafts) & (pb.seq_lens > 0))
         return pb, carry, dcache, drafts.at[:, j].set(tok), logits.at[:, j].set(lg)
 
     init = (pb0, drafter.start(params, dparams, dcache, pb0), dcache,
