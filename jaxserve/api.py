@@ -29,7 +29,7 @@ from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
 from jaxserve.spec_decode.draft_model import DraftModel
-from jaxserve.spec_decode.eagle import EagleHead, load_head
+from jaxserve.spec_decode.eagle import EagleHead, eagle_page_bytes, load_head
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules |
         feats = jnp.zeros((n * page_size, D), jnp.float32)
         return (EagleHead(cfg), head,
                 (init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout), feats))
-    return page_bytes(cfg, page_size, kv_dtype) + page_size * D * 4, make
+    return eagle_page_bytes(target, page_size, kv_dtype), make
 
 
 def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,

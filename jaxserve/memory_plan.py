@@ -7,21 +7,28 @@ Formulas (the usual serving back-of-envelope, as in vLLM's and the "LLM inferenc
 memory" guides): weights = sum of each leaf's shard size x dtype bytes; KV per token =
 2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool = kv_cache_memory_bytes split over
 the devices that share the kv_heads axis; activations = the largest step's live buffers
-(residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits).
+(residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits). A drafter
+of speculative decoding (a draft model, an EAGLE head) keeps its own pool over the same
+pages: each page of the budget pays for both (as jaxserve.api.build_engine sizes them), so
+fewer pages fit; its weights are not counted (a few MB for a head; a draft model's
+checkpoint says).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import Config, ModelConfig
-from jaxserve.kv_cache import KV_AXES, num_pages_for_budget
+from jaxserve.checkpoint import is_checkpoint, load_model_config
+from jaxserve.config import Config, ConfigError, ModelConfig, SpeculativeConfig
+from jaxserve.kv_cache import KV_AXES, page_bytes
 from jaxserve.model.params import abstract_params
 from jaxserve.sharding import ShardingRules, make_abstract_mesh
+from jaxserve.spec_decode.eagle import eagle_page_bytes
 
 GiB = 2**30
 
@@ -40,10 +47,13 @@ class MemoryPlan:
     kv_pool: int
     activations: int
     replicated_leaves: tuple[str, ...]
+    # the drafter's pools over the same pages (speculative decoding), split over the
+    # devices like the target's pool (an EAGLE head's feature pool is not: a few % low)
+    draft_pool: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_pool + self.activations
+        return self.weights + self.kv_pool + self.draft_pool + self.activations
 
     def table(self, device_bytes: int | None = None) -> str:
         rows = [("devices", f"{self.num_devices}"),
@@ -53,6 +63,9 @@ class MemoryPlan:
                 ("KV / token (all devices)", f"{self.kv_bytes_per_token_total / 2**10:.1f} KiB"),
                 ("KV pool / device", f"{self.kv_pool / GiB:.2f} GiB "
                                      f"({self.kv_pages} pages, {self.kv_tokens} tokens)"),
+                *([("drafter pool / device", f"{self.draft_pool / GiB:.2f} GiB "
+                                             "(speculative decoding, same pages)")]
+                  if self.draft_pool else []),
                 ("activations / device", f"{self.activations / GiB:.2f} GiB"),
                 ("total / device", f"{self.total / GiB:.2f} GiB")]
         if device_bytes:
@@ -90,7 +103,8 @@ def plan_memory(config: Config, model: ModelConfig | None = None) -> MemoryPlan:
     kv_dtype = jnp.dtype(ecfg.cache.cache_dtype or model.dtype)
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_dtype.itemsize
     page_size = ecfg.cache.page_size
-    pages = num_pages_for_budget(model, page_size, kv_dtype, ecfg.cache.kv_cache_memory_bytes)
+    draft_page = drafter_page_bytes(ecfg.speculative, model, page_size, kv_dtype)
+    pages = ecfg.cache.kv_cache_memory_bytes // (page_bytes(model, page_size, kv_dtype) + draft_page)
     page_shape = (pages, page_size, model.num_kv_heads, model.head_dim)
     kv_split = math.prod(page_shape) // math.prod(rules.sharding(KV_AXES, page_shape).shard_shape(page_shape))
     kv_pool = pages * page_size * per_token // kv_split
@@ -99,7 +113,24 @@ def plan_memory(config: Config, model: ModelConfig | None = None) -> MemoryPlan:
         num_devices=config.parallel.num_devices, num_params=sum(math.prod(x.shape) for _, x in leaves),
         weights_total=weights_total, weights=weights, kv_bytes_per_token_total=per_token,
         kv_pages=pages, kv_tokens=pages * page_size, kv_pool=kv_pool,
-        activations=activation_bytes(model, config, rules), replicated_leaves=replicated)
+        activations=activation_bytes(model, config, rules), replicated_leaves=replicated,
+        draft_pool=pages * draft_page // kv_split)
+
+
+def drafter_page_bytes(spec: SpeculativeConfig | None, target: ModelConfig, page_size: int,
+                       kv_dtype) -> int:
+    """Bytes (all devices) the drafter of `spec` adds to each page of the target's pool: a
+    draft model's K/V (its shape read from the checkpoint at spec.model), an EAGLE head's
+    (jaxserve.spec_decode.eagle.eagle_page_bytes); 0 for n-gram lookup or no speculation.
+    Raises ConfigError naming SpeculativeConfig.model when a draft model's is not a
+    checkpoint."""
+    if spec is None or spec.method == "ngram":
+        return 0
+    if spec.method == "eagle":
+        return eagle_page_bytes(target, page_size, kv_dtype)
+    if not is_checkpoint(Path(spec.model)):
+        raise ConfigError(f"SpeculativeConfig.model: {spec.model} is not a jaxserve checkpoint")
+    return page_bytes(load_model_config(Path(spec.model)), page_size, kv_dtype)
 
 
 def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -> int:

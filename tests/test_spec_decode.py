@@ -507,6 +507,24 @@ def test_real_model_draft_model_greedy_is_the_plain_greedy(small_llm, draft_llm)
     st = _same_greedy_as_plain(small_llm, draft_llm, 48, alone=1)
     assert st["spec_decode_num_drafts"] > 10 and st["spec_decode_num_accepted_tokens"] > 0
     assert st["free_pages"] == st["total_pages"]
+    _planned_as_built(draft_llm)
+
+
+def _planned_as_built(llm):
+    """The memory plan of llm's config counts the drafter's pages as build_engine does:
+    the same number of pages (fewer than without the drafter), its pool beside the
+    target's."""
+    from conftest import SMALL_CONFIG
+    from jaxserve.config import load_config
+    from jaxserve.memory_plan import plan_memory
+    eng = llm.engine
+    config = load_config(SMALL_CONFIG).replace(engine=eng.engine_config)
+    plan = plan_memory(config, eng.model_config)
+    plain = plan_memory(config.replace(engine=eng.engine_config.override(speculative_config=None)),
+                        eng.model_config)
+    assert plan.kv_pages == eng.runner.cache.num_pages < plain.kv_pages
+    assert plan.draft_pool > 0 and plan.total > plan.weights + plan.kv_pool + plan.activations
+    assert "drafter pool" in plan.table()
 
 
 @pytest.mark.slow
@@ -526,6 +544,7 @@ def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, cache_dir):
     st = _same_greedy_as_plain(small_llm, llm, 32, alone=2)
     assert st["spec_decode_num_drafts"] > 10 and st["free_pages"] == st["total_pages"]
     assert st["spec_decode_num_accepted_tokens"] > 0.1 * st["spec_decode_num_draft_tokens"]
+    _planned_as_built(llm)
 
 
 def test_a_draft_that_is_not_a_checkpoint_is_refused(tmp_path, smollm2_config):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ConfigError, ModelConfig
-from jaxserve.kv_cache import KVCache
+from jaxserve.kv_cache import KVCache, page_bytes
 from jaxserve.model.layers import rms_norm
 from jaxserve.model.params import LayerParams, Params, init_params
 from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, decoder_layers
@@ -59,6 +59,14 @@ def head_config(target: ModelConfig, intermediate_size: int | None = None) -> Mo
     """The shape of the head's layer: the target's, one layer (and its own MLP width)."""
     return target.replace(num_layers=1,
                           intermediate_size=intermediate_size or target.intermediate_size)
+
+
+def eagle_page_bytes(target: ModelConfig, page_size: int, kv_dtype: Any) -> int:
+    """Bytes an EAGLE head adds to each page of the target's pool (its pools share the
+    target's pages): its one layer's K and V, and the target's f32 feature of each of the
+    page's token slots."""
+    return (page_bytes(head_config(target), page_size, kv_dtype)
+            + page_size * target.hidden_size * 4)
 
 
 def init_head(target: ModelConfig, target_params: Params, vocab: np.ndarray, key: jax.Array,
