@@ -1,5 +1,6 @@
 """The EAGLE head's training side: its windowed forward is the serving path's computation,
-and a short optax run lowers the loss."""
+each deeper draft depth is the chain the serving path runs (the head reading its own
+guesses), and a short optax run lowers the loss."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ from engine_utils import TINY_CFG, tiny_params
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.model.transformer import Kernels, StepBatch
 from jaxserve.spec_decode.eagle import head_config, head_features, init_head
-from jaxserve.spec_decode.eagle_train import head_forward, loss_fn, shifted_features, split
+from jaxserve.spec_decode.eagle_train import (head_forward, head_forward_depths, loss_fn,
+                                              shifted_features, split)
 
 PAGE = 4
 
@@ -41,6 +43,34 @@ def test_windowed_forward_is_the_paged_serving_computation():
     np.testing.assert_allclose(np.asarray(windowed), np.asarray(paged), rtol=2e-5, atol=2e-5)
 
 
+def test_each_depth_is_the_draft_chain_the_head_runs_when_serving():
+    """Depth j at position q = the head run causally over the window where elements
+    q - j + 1 .. q read the previous element's guess instead of the target's feature (what
+    proposing j + 1 tokens after position q - j does); an off-by-one in the depth masks or
+    shifts fails it."""
+    params = tiny_params()
+    cfg, hp = _head(params, seed=2)
+    rng = np.random.default_rng(2)
+    W, D = 12, TINY_CFG.hidden_size
+    tokens = rng.integers(0, 258, W).astype(np.int32)
+    feats = rng.standard_normal((W, D)).astype(np.float32)
+    prev = np.asarray(shifted_features(jnp.asarray(feats)[None]))[0]
+    pos = np.arange(W, dtype=np.int32)
+    g = [np.asarray(x)[0] for x in head_forward_depths(hp, params.embed, tokens[None],
+                                                        prev[None], pos[None], cfg, 3)]
+    np.testing.assert_allclose(g[0], np.asarray(head_forward(
+        hp, params.embed, tokens[None], prev[None], pos[None], cfg))[0], rtol=1e-6, atol=1e-6)
+    for q in (2, 7, W - 1):
+        for j in (1, 2):
+            chain_prev = prev[:q + 1].copy()
+            for d in range(1, j + 1):  # element q - j + d reads the depth d - 1 guess before it
+                chain_prev[q - j + d] = g[d - 1][q - j + d - 1]
+            out = np.asarray(head_forward(hp, params.embed, tokens[None, :q + 1], chain_prev[None],
+                                          pos[None, :q + 1], cfg))[0]
+            np.testing.assert_allclose(g[j][q], out[q], rtol=2e-5, atol=2e-5)
+            assert not np.allclose(g[j][q], g[0][q], atol=1e-3)  # the depth matters
+
+
 def test_a_short_run_lowers_the_loss():
     params = tiny_params()
     cfg, hp = _head(params, seed=1)
@@ -59,7 +89,7 @@ def test_a_short_run_lowers_the_loss():
     @jax.jit
     def step(trainable, state, key):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, batch,
-                                                                        cfg, key)
+                                                                        cfg, key, depths=2)
         updates, state = opt.update(grads, state, trainable)
         return optax.apply_updates(trainable, updates), state, loss
 

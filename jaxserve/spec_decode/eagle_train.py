@@ -23,6 +23,7 @@ from jaxserve.spec_decode.eagle import EagleParams
 
 REG_WEIGHT, CLS_WEIGHT = 1.0, 0.1   # EAGLE's loss weights
 NOISE = 0.1                          # half-width of the uniform noise on input features (x RMS)
+DEPTH_DECAY = 0.8                    # loss weight of draft depth j: DEPTH_DECAY ** j
 
 
 def head_forward(hp: EagleParams, embed: jax.Array, tokens: jax.Array, prev: jax.Array,
@@ -30,30 +31,67 @@ def head_forward(hp: EagleParams, embed: jax.Array, tokens: jax.Array, prev: jax
     """The head over windows: tokens [B, W] int32, prev [B, W, D] (the feature of the
     position before each), positions [B, W] int32 -> guessed features [B, W, D] f32, each
     attending causally within its window (all f32, XLA ops)."""
+    return head_forward_depths(hp, embed, tokens, prev, positions, cfg, 1)[0]
+
+
+def head_forward_depths(hp: EagleParams, embed: jax.Array, tokens: jax.Array, prev: jax.Array,
+                        positions: jax.Array, cfg: ModelConfig, depths: int) -> list[jax.Array]:
+    """The head over windows at draft depths 0 .. depths - 1, as serving runs it while it
+    proposes a chain: depth 0 is `head_forward` (element q reads the target's feature of
+    q - 1 and attends to depth-0 elements 0 .. q); at depth j element q reads the depth
+    j - 1 guess of q - 1 and attends to the depth-0 elements 0 .. q - j and to the chain's
+    own elements: depth d at q - j + d for d = 1 .. j (what the head's KV pool holds when
+    it proposes the (j + 1)-th draft). EAGLE-3's "training-time test" (Li et al. 2025,
+    section 3.2); the fed-back guesses are held constant (stop_gradient).
+    tokens [B, W] int32, prev [B, W, D], positions [B, W] int32 -> `depths` guesses
+    [B, W, D] f32 (all f32, XLA ops)."""
     B, W = tokens.shape
     D = embed.shape[1]
-    x = jnp.concatenate([embed[tokens].astype(jnp.float32), prev.astype(jnp.float32)], -1)
-    x = (x @ hp.fc.astype(jnp.float32)).reshape(B * W, D)
-    lp = hp.body.layers[0]
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    q = jnp.einsum("td,dhk->thk", h, lp.wq.astype(jnp.float32))
-    k = jnp.einsum("td,dhk->thk", h, lp.wk.astype(jnp.float32))
-    v = jnp.einsum("td,dhk->thk", h, lp.wv.astype(jnp.float32))
-    cos, sin = rope_tables(positions.reshape(-1), cfg)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     H, KH, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = q.reshape(B, W, KH, H // KH, Dh)
-    k, v = k.reshape(B, W, KH, Dh), v.reshape(B, W, KH, Dh)
-    scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k) / jnp.sqrt(jnp.float32(Dh))
-    causal = jnp.tril(jnp.ones((W, W), bool))
-    scores = jnp.where(causal, scores, -jnp.inf)
-    attn = jnp.einsum("bgrqk,bkgd->bqgrd", jax.nn.softmax(scores, axis=-1), v)
-    attn = attn.reshape(B * W, H, Dh)
-    x = x + jnp.einsum("thk,hkd->td", attn, lp.wo.astype(jnp.float32))
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    x = x + swiglu_mlp(h, lp.w_gate.astype(jnp.float32), lp.w_up.astype(jnp.float32),
-                       lp.w_down.astype(jnp.float32), None)
-    return rms_norm(x, hp.body.final_norm.astype(jnp.float32), cfg.rms_norm_eps).reshape(B, W, D)
+    lp = hp.body.layers[0]
+    cos, sin = rope_tables(positions.reshape(-1), cfg)
+    idx = jnp.arange(W)
+    keys, values, guesses = [], [], []
+    feed = prev
+    for j in range(depths):
+        x = jnp.concatenate([embed[tokens].astype(jnp.float32), feed.astype(jnp.float32)], -1)
+        x = (x @ hp.fc.astype(jnp.float32)).reshape(B * W, D)
+        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+        q = jnp.einsum("td,dhk->thk", h, lp.wq.astype(jnp.float32))
+        k = jnp.einsum("td,dhk->thk", h, lp.wk.astype(jnp.float32))
+        v = jnp.einsum("td,dhk->thk", h, lp.wv.astype(jnp.float32))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q.reshape(B, W, KH, H // KH, Dh)
+        keys.append(k.reshape(B, W, KH, Dh))
+        values.append(v.reshape(B, W, KH, Dh))
+        scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, keys[0]) / jnp.sqrt(jnp.float32(Dh))
+        scores = jnp.where(idx[None, :] <= idx[:, None] - j, scores, -jnp.inf)
+        if j:  # the chain's own elements: depth d at q - j + d
+            own_k = jnp.stack([_shift(keys[d], j - d) for d in range(1, j + 1)], -1)
+            own_v = jnp.stack([_shift(values[d], j - d) for d in range(1, j + 1)], -1)
+            own = jnp.einsum("bqgrd,bqgdn->bgrqn", q, own_k) / jnp.sqrt(jnp.float32(Dh))
+            real = idx[:, None] - j + jnp.arange(1, j + 1)[None, :] >= 0  # [q, d - 1]
+            scores = jnp.concatenate([scores, jnp.where(real, own, -jnp.inf)], -1)
+        p = jax.nn.softmax(scores, axis=-1)
+        attn = jnp.einsum("bgrqk,bkgd->bqgrd", p[..., :W], values[0])
+        if j:
+            attn = attn + jnp.einsum("bgrqn,bqgdn->bqgrd", p[..., W:], own_v)
+        attn = attn.reshape(B * W, H, Dh)
+        x = x + jnp.einsum("thk,hkd->td", attn, lp.wo.astype(jnp.float32))
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        x = x + swiglu_mlp(h, lp.w_gate.astype(jnp.float32), lp.w_up.astype(jnp.float32),
+                           lp.w_down.astype(jnp.float32), None)
+        g = rms_norm(x, hp.body.final_norm.astype(jnp.float32), cfg.rms_norm_eps).reshape(B, W, D)
+        guesses.append(g)
+        feed = shifted_features(jax.lax.stop_gradient(g))
+    return guesses
+
+
+def _shift(a: jax.Array, n: int) -> jax.Array:
+    """a [B, W, ...] moved n positions later along W, zeros first: out[:, q] = a[:, q - n]."""
+    if n == 0:
+        return a
+    return jnp.pad(a, [(0, 0), (n, 0)] + [(0, 0)] * (a.ndim - 2))[:, :a.shape[1]]
 
 
 def shifted_features(features: jax.Array) -> jax.Array:
@@ -61,30 +99,46 @@ def shifted_features(features: jax.Array) -> jax.Array:
     return jnp.pad(features, ((0, 0), (1, 0), (0, 0)))[:, :-1]
 
 
-def loss_fn(trainable, frozen, batch, cfg: ModelConfig, key: jax.Array | None = None):
+def loss_fn(trainable, frozen, batch, cfg: ModelConfig, key: jax.Array | None = None,
+            depths: int = 1):
     """EAGLE's loss on a batch {tokens [B, W], features [B, W, D], positions [B, W],
-    mask [B, W] (1 where the position counts: real tokens after the window's first)}.
+    mask [B, W] (1 where the position counts)}, over draft depths 0 .. depths - 1
+    (`head_forward_depths`; depth j weighs DEPTH_DECAY ** j; at depth j > 0 a window's
+    first j + 1 positions do not count: the guesses they would read lie before it).
     trainable: {"fc", "layer", "norm"}; frozen: {"embed" [V, D], "lm_head" [D, N]}.
-    key: noise on the input features (None: none). Returns (loss, {"reg", "cls", "top1"})
-    where top1 is the share of positions whose head argmax is the target's."""
+    key: noise on the target's input features (None: none). Returns (loss, {"reg", "cls",
+    "top1", "top1_<j>"}) where reg / cls / top1 are depth 0's and top1 is the share of
+    positions whose head argmax is the target's."""
     hp = join(trainable, frozen)
     feats = batch["features"].astype(jnp.float32)
     prev = shifted_features(feats)
     if key is not None:
         scale = jnp.sqrt(jnp.mean(prev ** 2, axis=-1, keepdims=True))
         prev = prev + NOISE * scale * jax.random.uniform(key, prev.shape, minval=-1, maxval=1)
-    guess = head_forward(hp, frozen["embed"], batch["tokens"], prev, batch["positions"], cfg)
-    mask = batch["mask"].astype(jnp.float32)
-    denom = jnp.maximum(mask.sum(), 1.0)
-    diff = jnp.abs(guess - feats)
-    smooth_l1 = jnp.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5).mean(-1)
-    reg = (smooth_l1 * mask).sum() / denom
+    guesses = head_forward_depths(hp, frozen["embed"], batch["tokens"], prev,
+                                  batch["positions"], cfg, depths)
     head = frozen["lm_head"].astype(jnp.float32)
     target_logp = jax.nn.log_softmax(feats @ head, -1)
-    guess_logits = guess @ head
-    cls = (-(jnp.exp(target_logp) * jax.nn.log_softmax(guess_logits, -1)).sum(-1) * mask).sum() / denom
-    top1 = ((guess_logits.argmax(-1) == target_logp.argmax(-1)) * mask).sum() / denom
-    return REG_WEIGHT * reg + CLS_WEIGHT * cls, {"reg": reg, "cls": cls, "top1": top1}
+    target_top = target_logp.argmax(-1)
+    idx = jnp.arange(feats.shape[1])
+    total, aux = 0.0, {}
+    for j, guess in enumerate(guesses):
+        mask = batch["mask"].astype(jnp.float32)
+        if j:
+            mask = mask * (idx > j)
+        denom = jnp.maximum(mask.sum(), 1.0)
+        diff = jnp.abs(guess - feats)
+        smooth_l1 = jnp.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5).mean(-1)
+        reg = (smooth_l1 * mask).sum() / denom
+        guess_logits = guess @ head
+        cls = (-(jnp.exp(target_logp) * jax.nn.log_softmax(guess_logits, -1)).sum(-1)
+               * mask).sum() / denom
+        top1 = ((guess_logits.argmax(-1) == target_top) * mask).sum() / denom
+        total = total + DEPTH_DECAY ** j * (REG_WEIGHT * reg + CLS_WEIGHT * cls)
+        aux[f"top1_{j}"] = top1
+        if j == 0:
+            aux.update(reg=reg, cls=cls, top1=top1)
+    return total, aux
 
 
 def split(hp: EagleParams, embed: jax.Array) -> tuple[dict, dict]:
