@@ -64,6 +64,39 @@ def _reference(params, requests, arrivals=(0, 0, 2)):
     return base, {tuple(p): base[rid][0] for rid, p, _ in requests}
 
 
+def test_steps_without_drafts_back_off_to_multi_step_bursts(params):
+    """While the proposer finds nothing: one token per step for SPEC_BURST_AFTER_MISSES
+    (3) misses, then decode_steps bursts (the only other compiled size); a step with
+    drafts verifies them and the next miss starts over at 1; the greedy tokens are plain
+    decoding's."""
+    rid, prompt, sp = _requests(max_tokens=48)[0]
+    base = outputs(tiny_engine(params, decode_steps=8), [(rid, prompt, sp)], [0])
+    ref = base[rid][0]
+
+    class Bursty:
+        needs_context = True
+
+        def propose(self, context, k):  # right drafts only at output indices 19..20
+            done = len(context) - len(prompt)
+            return ref[done:done + k] if 19 <= done < 21 else []
+
+    engine = tiny_engine(params, decode_steps=8, speculative_config=NGRAM)
+    engine.proposer = Bursty()
+    sizes = []
+    dispatch = engine.runner.dispatch
+
+    def record(batch, sampling, n):
+        sizes.append("v" if batch.logits_indices.ndim == 2 else n)
+        return dispatch(batch, sampling, n)
+
+    engine.runner.dispatch = record
+    assert outputs(engine, [(rid, prompt, sp)], [0]) == base
+    # prefill (token 0), tokens 1 and 2 alone, bursts 3-10 and 11-18, verify, then 1, ...
+    assert sizes[:7] == [1, 1, 1, 8, 8, "v", 1], sizes
+    assert set(sizes) == {1, 8, "v"}  # no shape that warm-up does not compile
+    assert engine.stats()["spec_decode_num_drafts"] >= 1
+
+
 @pytest.mark.parametrize("case", ["all_right", "every_third_wrong", "one_silent"])
 def test_greedy_output_is_unchanged_by_speculation(params, case):
     requests = _requests()

@@ -50,6 +50,10 @@ from jaxserve.spec_decode.proposers import make_proposer
 from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
+# Speculating steps in a row whose proposer found no drafts before the engine decodes in
+# multi-step bursts until it finds some (Engine._num_decode_steps; PERFORMANCE.md,
+# "Speculative decoding").
+SPEC_BURST_AFTER_MISSES = 3
 
 
 class EngineDeadError(RuntimeError):
@@ -89,6 +93,7 @@ class Engine:
         k = engine_config.speculative.num_speculative_tokens if engine_config.speculative else 0
         self.spec_accepted_per_pos = [0] * k
         self._propose_seconds = 0.0
+        self._spec_misses = 0  # speculating steps in a row whose proposer found no drafts
         self.num_steps = 0
         self.healthy = True
         self._kv_lost = False         # set by a failed device step, cleared by _reset_kv
@@ -318,6 +323,7 @@ class Engine:
             t0 = time.perf_counter()
             drafts = self._propose(hold)
             self._propose_seconds += time.perf_counter() - t0
+            self._spec_misses = 0 if drafts else self._spec_misses + 1
         plan = self.scheduler.schedule(hold, drafts)
         if plan is None:
             return None
@@ -349,10 +355,17 @@ class Engine:
         """Tokens per sequence for a planned decode step: decode_steps when no request
         waits, every sequence has that many tokens left (max_tokens, max_model_len) and
         the free pages hold them (reserved here); else 1. While speculative decoding is
-        on for this batch (a step without drafts: nothing matched), 1: the next step may
-        find drafts again."""
+        on for this batch (a step without drafts: the proposer found none), 1 token per
+        step until the proposer has found nothing SPEC_BURST_AFTER_MISSES times in a row,
+        then decode_steps bursts until it finds drafts again (each burst's tokens are
+        looked up before the next step): on text without repeats an n-gram proposer then
+        costs little against plain multi-step decoding, and it still speculates soon
+        after repeats begin. (Only 1 and decode_steps are compiled: no burst size
+        between.)"""
         n = self.engine_config.scheduler.decode_steps
-        if n == 1 or self.scheduler.waiting or self._speculating():
+        if self._speculating() and self._spec_misses < SPEC_BURST_AFTER_MISSES:
+            return 1
+        if n == 1 or self.scheduler.waiting:
             return 1
         limit = self.engine_config.max_model_len
         if any(s.params.max_tokens - len(s.output_ids) < n or limit - s.num_tokens < n
