@@ -224,3 +224,43 @@ def test_weight_bytes_per_token_follow_the_served_format():
     assert bf16 == {"layers": 2 * layer * 2, "lm_head": 100 * 8 * 2}
     int8 = membw.weight_bytes_per_token(m, EngineConfig().override(weight_quant="int8"))
     assert int8 == {"layers": 2 * layer, "lm_head": 100 * 8 * 4}
+
+
+def test_llama_ngram_flags_follow_help_text():
+    help_text = ("--spec-type none,draft-simple,ngram-simple,ngram-cache\n"
+                 "--spec-ngram-simple-size-n N   ngram size N\n"
+                 "--spec-draft-n-max N   number of tokens to draft")
+    flags = llamacpp.llama_ngram_flags(help_text, lookup=3, draft=4)
+
+    def val(flag):
+        return flags[flags.index(flag) + 1]
+
+    assert val("--spec-type") == "ngram-simple"
+    assert val("--spec-ngram-simple-size-n") == "3" and val("--spec-ngram-simple-size-m") == "4"
+    assert val("--spec-draft-n-max") == "4"
+    old = "--draft-max N   number of tokens to draft\n-md, --model-draft FNAME"
+    with pytest.raises(common.SetupError, match="ngram-simple"):
+        llamacpp.llama_ngram_flags(old, 3, 4)
+
+
+def test_speculation_rows_pair_each_speculative_peer_with_its_plain_sibling():
+    results = {
+        "jaxserve": {"single_decode_tok_s": 100.0, "concurrent_output_tok_s": 300.0},
+        "jaxserve-eagle": {"single_decode_tok_s": 130.0, "concurrent_output_tok_s": 297.0},
+        "llamacpp-bf16-ngram": {"single_decode_tok_s": 90.0},  # its sibling did not run
+    }
+    rows = report.speculation_rows(results)
+    assert len(rows) == 2  # header + jaxserve-eagle only
+    assert rows[1] == ["jaxserve-eagle", "jaxserve", "130", "100", "1.30x", "297", "300", "0.99x"]
+    assert report.speculation_rows({"jaxserve": results["jaxserve"]}) == []
+    text = report.format_speculation(results)
+    assert "1.30x" in text and "llamacpp-bf16-ngram" not in text
+    assert report.format_speculation({}) == ""
+
+
+def test_every_speculative_peer_is_a_peer_with_a_plain_sibling():
+    for peer, plain in common.SPEC_PEERS.items():
+        assert peer in common.ALL_PEERS and plain in common.ALL_PEERS
+    for peer, config in common.SPEC_CONFIGS.items():
+        assert peer in common.SPEC_PEERS and (common.ROOT / config).is_file()
+    assert bp.parse_peers("jaxserve-eagle,jaxserve") == ["jaxserve", "jaxserve-eagle"]

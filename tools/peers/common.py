@@ -26,8 +26,16 @@ Q4_1_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BF16_GGUF = "SmolLM2-135M-Instruct.BF16.gguf"
 SERVED_MODEL = "SmolLM2-135M-Instruct"
 LLAMA_TARGETS = ("llama-server", "llama-quantize", "llama-bench", "llama-batched-bench")
-ALL_PEERS = ("jaxserve", "llamacpp-bf16", "llamacpp-q4_1", "hf-bf16", "hf-f32")
-DEFAULT_PEERS = ("jaxserve", "llamacpp-bf16", "llamacpp-q4_1", "hf-bf16")
+ALL_PEERS = ("jaxserve", "jaxserve-eagle", "jaxserve-ngram", "llamacpp-bf16",
+             "llamacpp-bf16-ngram", "llamacpp-q4_1", "hf-bf16", "hf-f32")
+DEFAULT_PEERS = ("jaxserve", "jaxserve-eagle", "llamacpp-bf16", "llamacpp-q4_1", "hf-bf16")
+# Speculative peers: the plain peer each is measured against, and what it adds.
+# jaxserve-*: serve.py with that config (its speculative_config); llamacpp-bf16-ngram:
+# llama-server's own n-gram self-speculation (--spec-type ngram-simple), no draft model.
+SPEC_PEERS = {"jaxserve-eagle": "jaxserve", "jaxserve-ngram": "jaxserve",
+              "llamacpp-bf16-ngram": "llamacpp-bf16"}
+SPEC_CONFIGS = {"jaxserve-eagle": "configs/smollm2_135m_eagle.py",
+                "jaxserve-ngram": "configs/smollm2_135m_ngram.py"}
 BASELINE = "jaxserve"
 TTFT_PROMPT_TOKENS = 512
 TTFT_REPEATS = 3

@@ -58,6 +58,21 @@ def llama_server_flags(help_text: str) -> dict[str, list[str]]:
     return flags
 
 
+def llama_ngram_flags(help_text: str, lookup: int, draft: int) -> list[str]:
+    """llama-server flags for its n-gram self-speculation (`--spec-type ngram-simple`:
+    the last `lookup` tokens matched earlier in the context, the `draft` tokens after the
+    match proposed), from its --help text. Raises SetupError when this llama-server has
+    no n-gram speculation."""
+    if "ngram-simple" not in help_text or "--spec-ngram-simple-size-n" not in help_text:
+        raise SetupError("this llama-server has no --spec-type ngram-simple (n-gram "
+                         "speculation without a draft model)")
+    flags = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(lookup),
+             "--spec-ngram-simple-size-m", str(draft)]
+    if "--spec-draft-n-max" in help_text:
+        flags += ["--spec-draft-n-max", str(draft)]
+    return flags
+
+
 def llama_server_cmd(binary: Path | str, model: Path | str, port: int, slots: int,
                      ctx_per_slot: int, threads: int, flags: dict[str, list[str]] | None = None,
                      alias: str = SERVED_MODEL) -> list[str]:

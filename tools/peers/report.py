@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
-from peers.common import BASELINE, METRICS, ROOT, TOOLS
+from peers.common import BASELINE, METRICS, ROOT, SPEC_PEERS, TOOLS
 
 
 def ratio(jax_value: float | None, peer_value: float | None, higher_is_better: bool) -> float | None:
@@ -64,6 +64,42 @@ def format_ratio_table(results: dict[str, dict[str, Any]], metrics=METRICS,
     for n, r in enumerate(rows):
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
         lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def speculation_rows(results: dict[str, dict[str, Any]],
+                     spec_peers: dict[str, str] = SPEC_PEERS) -> list[list[str]]:
+    """Each speculative peer of `results` against its plain sibling measured in the same
+    run (SPEC_PEERS): rows [peer, plain peer, single-stream decode tok/s of each and the
+    ratio speculative/plain, then the same for the N-stream output tok/s] as strings, after
+    a header row; [] when no speculative peer has its sibling."""
+    rows = [["speculative peer", "vs", "1 stream decode tok/s", "plain", "speedup",
+             "N streams output tok/s", "plain", "speedup"]]
+    for peer, plain in spec_peers.items():
+        if peer not in results or plain not in results:
+            continue
+        row = [peer, plain]
+        for key in ("single_decode_tok_s", "concurrent_output_tok_s"):
+            s_val, p_val = results[peer].get(key), results[plain].get(key)
+            r = ratio(s_val, p_val, higher_is_better=True)
+            row += [fmt_value(s_val), fmt_value(p_val), "-" if r is None else f"{r:.2f}x"]
+        rows.append(row)
+    return rows if len(rows) > 1 else []
+
+
+def format_speculation(results: dict[str, dict[str, Any]]) -> str:
+    """speculation_rows as an aligned text table ("" when there is none)."""
+    rows = speculation_rows(results)
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["speculative decoding: each speculative peer against its plain sibling in this run "
+             "(speedup > 1: speculation helps)"]
+    for n, r in enumerate(rows):
+        lines.append("  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1])] +
+                               [c.rjust(w) for c, w in zip(r[2:], widths[2:])]).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
