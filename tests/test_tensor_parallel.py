@@ -52,3 +52,24 @@ def test_real_model_tp2_tp4_match_tp1(smollm2_checkpoint):
         # moves logits as much as batching the sequence beside others does on one device.
         assert r["diff"][tp] <= 1e-5 * r["max_abs_logit"], r
         assert r["diff"][tp] <= 2 * max(r["noise_floor"], 1e-6), r
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_engine_greedy_is_the_same_under_tp2_and_tp3(cache_dir):
+    """The whole engine (jaxserve.LLM: scheduler, runner, sampler) on 4 simulated devices:
+    TP 3 splits SmolLM2's 9 query / 3 KV heads and the KV pool over the devices, TP 2
+    replicates the heads (3 KV heads do not split over 2) and splits the MLP; both give TP
+    1's greedy tokens for a batch of prompts."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(TP_CHECK.parent / "tp_engine_check.py"),
+                           str(cache_dir)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["devices"] == 4
+    assert all(r["tokens"]["1"]) and sum(map(len, r["tokens"]["1"])) >= 48
+    assert r["tokens"]["2"] == r["tokens"]["1"] and r["tokens"]["3"] == r["tokens"]["1"]
+    assert "model" in r["wq"]["3"] and "model" in r["kv"]["3"]   # heads and pool split
+    assert "model" not in r["wq"]["2"] and "model" not in r["kv"]["2"]  # replicated

@@ -1,0 +1,43 @@
+"""Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: the whole
+engine (scheduler, runner, sampler; jaxserve.LLM) on SmolLM2-135M (tests/configs/
+smollm2_small.py, XLA attention and matmuls) under tensor parallel 1, 2 and 3, the same
+prompts batched, greedy; prints JSON {"tokens": {tp: [token ids per prompt]}, "wq": {tp:
+layer 0's wq sharding spec}, "kv": {tp: the KV pool's sharding spec}, "devices": n}.
+
+    python tests/tp_engine_check.py CACHE_DIR
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+from jaxserve.api import LLM
+from jaxserve.config import ParallelConfig, load_config
+from jaxserve.sampling_params import SamplingParams
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_small.py"
+PROMPTS = ["The capital of France is", "Write a haiku about rain.",
+           "List three prime numbers and explain why each is prime.",
+           "def fibonacci(n):"]
+
+
+def main(cache_dir: str) -> None:
+    base = load_config(CONFIG)
+    engine = base.engine.override(attention_impl="xla", matmul_impl="xla")
+    out = {"tokens": {}, "wq": {}, "kv": {}, "devices": len(jax.devices())}
+    for tp in (1, 2, 3):
+        cfg = base.replace(parallel=ParallelConfig(tensor_parallel_size=tp), engine=engine)
+        llm = LLM(cfg, cache_dir=cache_dir, warmup=False)
+        got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+        runner = llm.engine.runner
+        out["tokens"][tp] = [c.token_ids for c in got]
+        out["wq"][tp] = str(getattr(runner.params.layers[0].wq.sharding, "spec", None))
+        out["kv"][tp] = str(getattr(runner.cache.k[0].sharding, "spec", None))
+        del llm
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
