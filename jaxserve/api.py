@@ -25,11 +25,12 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
 from jaxserve.kernels import prepare_params, select_kernels
 from jaxserve.kv_cache import init_kv_cache, page_bytes
+from jaxserve.memory_plan import drafter_page_bytes
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
 from jaxserve.spec_decode.draft_model import DraftModel
-from jaxserve.spec_decode.eagle import EagleHead, eagle_page_bytes, load_head
+from jaxserve.spec_decode.eagle import EagleHead, load_head
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,19 +84,19 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     page_size = ecfg.cache.page_size
     spec = ecfg.speculative
     layout = kernels.attention.kv_layout
-    # a drafter (speculative decoding with a draft model or head): its bytes per page, and
-    # a function making (drafter, its params, its cache) for a pool of n pages
-    draft_page_bytes, make_draft = 0, None
+    # a drafter (speculative decoding with a draft model or head): a function making
+    # (drafter, its params, its cache) for a pool of n pages
+    make_draft = None
     if spec is not None and spec.method == "draft_model":
-        draft_page_bytes, make_draft = _draft_model(spec, model_cfg, tokenizer, config.dtype,
-                                                    rules, ecfg, kernels, kv_dtype, layout)
+        make_draft = _draft_model(spec, model_cfg, tokenizer, config.dtype, rules, ecfg,
+                                  kernels, kv_dtype, layout)
     elif spec is not None and spec.method == "eagle":
-        draft_page_bytes, make_draft = _eagle_head(spec, model_cfg, raw, rules, ecfg, kernels,
-                                                   kv_dtype, layout)
+        make_draft = _eagle_head(spec, model_cfg, raw, rules, ecfg, kernels, kv_dtype, layout)
     params = prepare_params(raw, ecfg.kernels, kernels)
     del raw
-    # the drafter's pool has the same pages: one page costs both
-    per_page = page_bytes(model_cfg, page_size, kv_dtype) + draft_page_bytes
+    # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
+    per_page = (page_bytes(model_cfg, page_size, kv_dtype)
+                + drafter_page_bytes(spec, model_cfg, page_size, kv_dtype))
     num_pages = ecfg.cache.kv_cache_memory_bytes // per_page
     cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout)
     draft = make_draft(num_pages) if make_draft else None
@@ -113,20 +114,20 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
 
 def _draft_model(spec, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,
                  rules: ShardingRules | None, ecfg, kernels, kv_dtype, layout):
-    """(bytes per page, make(num_pages) -> (drafter, params, cache)) of a draft model."""
+    """make(num_pages) -> (drafter, params, cache) of a draft model."""
     cfg, params = _load_draft(Path(spec.model), target, tokenizer, dtype, rules, ecfg, kernels)
     page_size = ecfg.cache.page_size
 
     def make(n):
         return (DraftModel(cfg), params,
                 init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout))
-    return page_bytes(cfg, page_size, kv_dtype), make
+    return make
 
 
 def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules | None,
                 ecfg, kernels, kv_dtype, layout):
-    """(bytes per page, make(num_pages) -> (drafter, params, cache)) of an EAGLE head: its
-    layer's K/V and the target's f32 feature of each token slot."""
+    """make(num_pages) -> (drafter, params, cache) of an EAGLE head: its layer's K/V and
+    the target's f32 feature of each token slot."""
     cfg, head = load_head(spec.model, target, target_params)
     head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels))
     page_size, D = ecfg.cache.page_size, target.hidden_size
@@ -135,7 +136,7 @@ def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules |
         feats = jnp.zeros((n * page_size, D), jnp.float32)
         return (EagleHead(cfg), head,
                 (init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout), feats))
-    return eagle_page_bytes(target, page_size, kv_dtype), make
+    return make
 
 
 def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,

@@ -17,15 +17,20 @@ import pytest
 TP_CHECK = Path(__file__).resolve().parent / "tp_check.py"
 
 
-def tp_check(source: str) -> dict:
+def on_4_devices(script: Path, arg: str) -> dict:
+    """The JSON last line of `script arg` run in a subprocess on 4 simulated CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(TP_CHECK), source], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), arg], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4
     return result
+
+
+def tp_check(source: str) -> dict:
+    return on_4_devices(TP_CHECK, source)
 
 
 @pytest.mark.slow
@@ -61,14 +66,7 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_and_tp3(cache_dir):
     TP 3 splits SmolLM2's 9 query / 3 KV heads and the KV pool over the devices, TP 2
     replicates the heads (3 KV heads do not split over 2) and splits the MLP; both give TP
     1's greedy tokens for a batch of prompts."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(TP_CHECK.parent / "tp_engine_check.py"),
-                           str(cache_dir)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["devices"] == 4
+    r = on_4_devices(TP_CHECK.parent / "tp_engine_check.py", str(cache_dir))
     assert all(r["tokens"]["1"]) and sum(map(len, r["tokens"]["1"])) >= 48
     assert r["tokens"]["2"] == r["tokens"]["1"] and r["tokens"]["3"] == r["tokens"]["1"]
     assert "model" in r["wq"]["3"] and "model" in r["kv"]["3"]   # heads and pool split
