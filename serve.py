@@ -1,7 +1,9 @@
 """Serve a model over the OpenAI API.
 
     python serve.py [--config configs/smollm2_135m.py] [--host H] [--port P] [--cache-dir DIR]
-                    [--api-key KEY] [--allowed-origins O ...] [limits: see --help]
+                    [--model PATH] [--load-format dummy] [--num-layers N]
+                    [--tensor-parallel-size N] [--api-key KEY] [--allowed-origins O ...]
+                    [engine settings, limits: see --help]
 
 Loads the config file's CONFIG, builds and warms up the engine, and serves
 /v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics and
@@ -22,9 +24,11 @@ import time
 import uvicorn
 
 from jaxserve.api import DEFAULT_CONFIG, build_engine
-from jaxserve.config import ConfigError, EngineConfig, ServerConfig, load_config
+from jaxserve.checkpoint import CheckpointError
+from jaxserve.config import LOAD_FORMATS, ConfigError, EngineConfig, ServerConfig, load_config
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.metrics import Metrics
+from jaxserve.model_store import source_from_path
 from jaxserve.server import Lifecycle, build_app
 
 log = logging.getLogger("jaxserve.serve")
@@ -100,6 +104,29 @@ def _engine_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig
                             if getattr(args, name) is not None})
 
 
+def _deployment_overrides(args: argparse.Namespace) -> dict:
+    """Config.override fields from the model / load / parallel flags that were given."""
+    given = {name: getattr(args, name) for name in
+             ("load_format", "num_layers", "tokenizer", "tensor_parallel_size")
+             if getattr(args, name) is not None}
+    if args.model is not None:
+        given["source"] = source_from_path(args.model)
+    return given
+
+
+def _add_model_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="weights to serve: a local Hugging Face directory, .gguf "
+                                    "file or jaxserve checkpoint (default: the config's source)")
+    ap.add_argument("--tokenizer", help="a directory with tokenizer.json (default: the model's)")
+    ap.add_argument("--load-format", choices=LOAD_FORMATS,
+                    help="'dummy': random weights made on the devices, for benchmarks and "
+                         "tests (default 'auto': the model's weights)")
+    ap.add_argument("--num-layers", type=int,
+                    help="serve only the first N decoder layers (tests of deep configs)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int,
+                    help="devices the model is split over, Megatron-style (default: the config's)")
+
+
 def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-model-len", type=int,
                     help="most tokens (prompt + output) of one request (default: the config's)")
@@ -158,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-background-warmup", dest="background_warmup", action="store_false",
                     help="compile every step shape before serving (default: serve once the "
                          "first shapes are compiled, compile the rest in the background)")
+    _add_model_flags(ap)
     _add_engine_flags(ap)
     _add_limit_flags(ap)
     args = ap.parse_args(argv)
@@ -168,13 +196,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server_config = _server_config(config.server, args)
         config = config.replace(engine=_engine_config(config.engine, args))
-    except ConfigError as e:
+        config = config.override(**_deployment_overrides(args))
+    except (ConfigError, CheckpointError) as e:
         ap.error(str(e))
     host, port = args.host or config.host, args.port or config.port
     # Serve as soon as the first shapes are compiled; the rest compile in the background
     # (from the on-disk compilation cache after the first start: seconds to first token).
-    engine = build_engine(config, cache_dir=args.cache_dir,
-                          warmup="background" if args.background_warmup else True)
+    try:
+        engine = build_engine(config, cache_dir=args.cache_dir,
+                              warmup="background" if args.background_warmup else True)
+    except (ConfigError, CheckpointError) as e:  # no weights, a bad deployment: one line
+        raise SystemExit(f"serve.py: error: {e}") from None
     metrics = Metrics(engine.stats)
     async_engine = AsyncEngine(engine, request_timeout_s=server_config.request_timeout_s,
                                max_stream_buffer_bytes=server_config.max_stream_buffer_bytes,

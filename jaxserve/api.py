@@ -26,12 +26,13 @@ from jaxserve.engine.runner import Runner
 from jaxserve.kernels import prepare_params, select_kernels
 from jaxserve.kv_cache import init_kv_cache, page_bytes
 from jaxserve.memory_plan import drafter_page_bytes
-from jaxserve.model_store import default_cache_dir, resolve_checkpoint
+from jaxserve.model.params import dummy_params
+from jaxserve.model_store import default_cache_dir, resolve_checkpoint, source_from_path
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
 from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead, load_head
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import Tokenizer, placeholder_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if compilation_cache:
         enable_compilation_cache(cache_dir)
-    if config.source is None:
-        raise ConfigError(f"Config {config.name!r} has no weights (source); it can only be planned")
-    ckpt = resolve_checkpoint(config.source, cache_dir)
-    model_cfg = load_model_config(ckpt)
-    if config.dtype is not None:
-        model_cfg = model_cfg.replace(dtype=config.dtype)
+    model_cfg, ckpt = _model_config(config, cache_dir)
     ecfg = config.engine
     check_deployment(ecfg, model_cfg, config.parallel)
     rules = None
@@ -79,8 +75,19 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
     kernels = select_kernels(ecfg.kernels, platform, config.parallel.num_devices,
                              str(jnp.dtype(kv_dtype)), cache_dir / "kernels")
-    raw = load_params(ckpt, model_cfg, rules)
-    tokenizer = Tokenizer.from_dir(ckpt)
+    if config.load_format == "dummy":
+        raw = dummy_params(model_cfg, rules)
+    else:
+        raw = load_params(ckpt, model_cfg, rules)
+    if config.tokenizer is not None:
+        tokenizer = Tokenizer.from_dir(config.tokenizer)
+    elif ckpt is not None:
+        tokenizer = Tokenizer.from_dir(ckpt)
+    else:
+        log.warning("no tokenizer: a placeholder over the %d ids serves the dummy weights "
+                    "(text in bytes; give --tokenizer DIR for the model's own)", model_cfg.vocab_size)
+        tokenizer = placeholder_tokenizer(model_cfg.vocab_size, model_cfg.bos_token_id,
+                                          model_cfg.eos_token_ids)
     page_size = ecfg.cache.page_size
     spec = ecfg.speculative
     layout = kernels.attention.kv_layout
@@ -110,6 +117,31 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     elif warmup:
         runner.warmup()
     return engine
+
+
+def _model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, Path | None]:
+    """The served model's shape and its checkpoint (None for dummy weights of a config
+    that gives the shape): the source's checkpoint config, with Config.dtype and
+    Config.num_layers applied. Raises ConfigError when there are no weights to load, or
+    num_layers exceeds the model's."""
+    ckpt = None
+    if config.source is not None and (config.load_format == "auto" or config.model is None):
+        ckpt = resolve_checkpoint(config.source, cache_dir)
+    elif config.load_format == "auto":
+        raise ConfigError(
+            f"Config {config.name!r} has no weights: give --model PATH (a Hugging Face "
+            "directory with safetensors, a .gguf file or a jaxserve checkpoint from "
+            "tools/convert_hf.py; or name it in the config's `source`), or "
+            "--load-format dummy for random weights (benchmarks, tests)")
+    model_cfg = load_model_config(ckpt) if ckpt is not None else config.model
+    if config.dtype is not None:
+        model_cfg = model_cfg.replace(dtype=config.dtype)
+    if config.num_layers is not None:
+        if config.num_layers > model_cfg.num_layers:
+            raise ConfigError(f"Config.num_layers={config.num_layers} exceeds the model's "
+                              f"{model_cfg.num_layers} layers")
+        model_cfg = model_cfg.replace(num_layers=config.num_layers)
+    return model_cfg, ckpt
 
 
 def _draft_model(spec, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,
@@ -175,24 +207,29 @@ class LLM:
     """A loaded engine for repeated `generate` calls (like vLLM's `LLM`).
 
     `config`: a Config, a path to a config file, or None for the default (SmolLM2-135M).
+    `model`: a local path (HF directory, .gguf file or jaxserve checkpoint) whose weights
+    replace the config's source (vLLM's `model`; jaxserve.model_store.source_from_path).
     `engine`: an already built Engine (then config/cache_dir are ignored).
-    `**engine_fields`: EngineConfig fields set over the config's, by their names
+    `**fields`: overrides by name (Config.override): `tensor_parallel_size=2`,
+    `load_format="dummy"`, `num_layers=2`, `tokenizer=DIR`, and EngineConfig fields
     (`max_num_seqs=8`, `max_num_batched_tokens=256`, `enable_chunked_prefill=False`: see
-    EngineConfig.override, which raises ConfigError for an unknown name or bad value).
+    EngineConfig.override). Raises ConfigError for an unknown name or bad value.
     """
 
-    def __init__(self, config: Config | str | Path | None = None, *,
+    def __init__(self, config: Config | str | Path | None = None, *, model: str | Path | None = None,
                  cache_dir: str | Path | None = None, warmup: bool = True,
-                 engine: Engine | None = None, **engine_fields):
+                 engine: Engine | None = None, **fields):
         if engine is None:
             if not isinstance(config, Config):
                 config = load_config(config or DEFAULT_CONFIG)
-            if engine_fields:
-                config = config.replace(engine=config.engine.override(**engine_fields))
+            if model is not None:
+                fields["source"] = source_from_path(model)
+            if fields:
+                config = config.override(**fields)
             engine = build_engine(config, cache_dir, warmup=warmup)
-        elif engine_fields:
-            raise ConfigError(f"LLM: engine fields {sorted(engine_fields)} need a config, "
-                              "not a built engine")
+        elif fields or model is not None:
+            raise ConfigError(f"LLM: overrides {sorted(fields) + (['model'] if model else [])} "
+                              "need a config, not a built engine")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._ids = itertools.count()

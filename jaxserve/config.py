@@ -531,17 +531,21 @@ class EngineConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """Device mesh (vLLM's ParallelConfig): `tensor_parallel_size` devices on the `model`
-    axis, `data_parallel_size` on `data`."""
+    axis (Megatron-style: attention heads, MLP columns and the vocabulary split; the
+    output projections reduce).
+
+    There is no data-parallel size: replicas of a model that fits on fewer devices are
+    separate servers behind a load balancer (one scheduler each), not a mesh axis that
+    would only hold copies of the weights."""
 
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
 
     def __post_init__(self):
-        _positive("ParallelConfig", self, ("tensor_parallel_size", "data_parallel_size"))
+        _positive("ParallelConfig", self, ("tensor_parallel_size",))
 
     @property
     def num_devices(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
+        return self.tensor_parallel_size
 
 
 def check_deployment(engine: EngineConfig, model: ModelConfig,
@@ -632,6 +636,9 @@ class ModelSource:
                               f"pypi_gguf; got {given or 'none'}")
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """A whole deployment: what `configs/NAME.py` binds to `CONFIG`.
@@ -640,6 +647,14 @@ class Config:
     70B on a laptop); otherwise it is read from the checkpoint. `dtype` overrides the dtype
     the weights are served in (None = the checkpoint's). `host` / `port`: where `serve.py`
     listens; `server`: its per-request limits.
+    load_format: "auto" (the weights of `source`) or "dummy" (vLLM's name: random weights
+        made on the devices, already sharded, in the shape of `model` or of the source's
+        checkpoint; for benchmarks and tests; outputs are meaningless).
+    num_layers: serve only the first N decoder layers (None = all): a deep config made
+        cheap for tests (with real weights, the first N layers of the checkpoint).
+    tokenizer: a directory with tokenizer.json (vLLM's `--tokenizer`); None = the
+        checkpoint's, or with dummy weights and no source a placeholder tokenizer over the
+        vocabulary (jaxserve.tokenizer.placeholder_tokenizer).
     """
 
     name: str
@@ -652,15 +667,45 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     server: ServerConfig = ServerConfig()
+    load_format: str = "auto"
+    num_layers: int | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self):
         if self.source is None and self.model is None:
             raise ConfigError(f"Config {self.name!r}: give a source (weights) or a model shape")
         if not (0 < self.port < 65536):
             raise ConfigError(f"Config.port must be in 1..65535, got {self.port}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"Config.load_format must be one of {LOAD_FORMATS}, "
+                              f"got {self.load_format!r}")
+        if self.num_layers is not None:
+            if not isinstance(self.num_layers, int) or self.num_layers < 1:
+                raise ConfigError(f"Config.num_layers must be None or an integer >= 1, "
+                                  f"got {self.num_layers!r}")
+            if self.model is not None and self.num_layers > self.model.num_layers:
+                raise ConfigError(f"Config.num_layers={self.num_layers} exceeds the model's "
+                                  f"{self.model.num_layers} layers")
 
     def replace(self, **kw) -> "Config":
         return dataclasses.replace(self, **kw)
+
+    def override(self, **fields) -> "Config":
+        """A copy with `fields` set: this class's own fields by name (`load_format`,
+        `num_layers`, `tokenizer`, `source`, ...), `tensor_parallel_size` (the mesh), and
+        any other name as an EngineConfig field (EngineConfig.override: `max_num_seqs`,
+        `attention_impl`, ...). The command line's and `jaxserve.LLM`'s overrides. Raises
+        ConfigError for an unknown name or a value its group refuses."""
+        own = {f.name for f in dataclasses.fields(self)}
+        top = {k: v for k, v in fields.items() if k in own}
+        parallel = {k: v for k, v in fields.items()
+                    if k in {f.name for f in dataclasses.fields(ParallelConfig)}}
+        engine = {k: v for k, v in fields.items() if k not in top and k not in parallel}
+        if parallel:
+            top["parallel"] = dataclasses.replace(top.get("parallel", self.parallel), **parallel)
+        if engine:
+            top["engine"] = top.get("engine", self.engine).override(**engine)
+        return dataclasses.replace(self, **top)
 
 
 def load_config(path: str | Path) -> Config:

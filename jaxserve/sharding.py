@@ -4,7 +4,7 @@ Model code names the axes of every weight and activation with logical names (`ba
 `sequence`, `embed`, `q_heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`, `pages`);
 one `ShardingRules` object maps them to mesh axes. Code never names mesh axes directly.
 Tensor parallelism is the `model` mesh axis (Megatron-style: heads and MLP columns split,
-the output projections reduce), data parallelism the `data` axis.
+the output projections reduce).
 
 A dimension whose size is not a multiple of its mesh axis is replicated instead (SmolLM2's
 9 query / 3 KV heads on 2 or 4 devices, for instance): the layout stays correct, only less
@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxserve.config import ParallelConfig
 
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", "data"),
+    ("batch", None),
     ("sequence", None),
     ("tokens", None),  # the flat token rows of a ragged step (sequences packed one after another)
     ("embed", None),
@@ -41,23 +41,23 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
 
 
 def make_mesh(cfg: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `(data, model)` mesh over the first `cfg.num_devices` devices.
+    """A `(model,)` mesh over the first `cfg.num_devices` devices (default: jax.devices(),
+    every process's devices in a multi-process run).
 
     Raises ValueError when fewer devices exist than the config asks for.
     """
     devices = list(devices if devices is not None else jax.devices())
     if len(devices) < cfg.num_devices:
         raise ValueError(f"ParallelConfig asks for {cfg.num_devices} devices "
-                         f"(data_parallel_size={cfg.data_parallel_size} x tensor_parallel_size="
-                         f"{cfg.tensor_parallel_size}) but only {len(devices)} exist")
-    arr = np.array(devices[:cfg.num_devices]).reshape(cfg.data_parallel_size, cfg.tensor_parallel_size)
-    return Mesh(arr, ("data", "model"))
+                         f"(tensor_parallel_size={cfg.tensor_parallel_size}) but only "
+                         f"{len(devices)} exist")
+    return Mesh(np.array(devices[:cfg.num_devices]), ("model",))
 
 
 def make_abstract_mesh(cfg: ParallelConfig) -> AbstractMesh:
-    """The same `(data, model)` mesh without devices: for planning shardings and memory of
-    a deployment (70B on 8 GPUs) on a machine that has none of them."""
-    return AbstractMesh((cfg.data_parallel_size, cfg.tensor_parallel_size), ("data", "model"))
+    """The same mesh without devices: for planning shardings and memory of a deployment
+    (70B on 8 GPUs) on a machine that has none of them."""
+    return AbstractMesh((cfg.tensor_parallel_size,), ("model",))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -181,3 +181,48 @@ class Tokenizer:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
                                          **kwargs)
+
+
+def _byte_chars() -> list[str]:
+    """The byte-level alphabet: the printable character standing for each byte 0..255
+    (GPT-2's `bytes_to_unicode`, which `tokenizers`' ByteLevel decoder inverts)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def placeholder_tokenizer(vocab_size: int, bos_token_id: int | None = None,
+                          eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """A tokenizer over `vocab_size` ids for a model served without one (dummy weights of
+    a config that names no tokenizer: `--load-format dummy`): text encodes byte by byte
+    (ids 0..255 are the bytes), every other id decodes to " t<id>"; `bos_token_id` is
+    "<|bos|>", eos_token_ids[0] "<|eos|>" and the rest "<|eos_<id>|>" (special tokens).
+    No chat template. Raises ValueError for vocab_size < 256 or a special id outside it."""
+    if vocab_size < 256:
+        raise ValueError(f"a placeholder tokenizer needs vocab_size >= 256, got {vocab_size}")
+    specials = {}
+    if bos_token_id is not None:
+        specials[int(bos_token_id)] = "<|bos|>"
+    for k, i in enumerate(eos_token_ids):
+        specials[int(i)] = "<|eos|>" if k == 0 else f"<|eos_{int(i)}|>"
+    bad = [i for i in specials if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"special token ids {bad} are outside the vocabulary of {vocab_size}")
+    space = _byte_chars()[ord(" ")]
+    vocab = {c: b for b, c in enumerate(_byte_chars())}
+    vocab.update({specials.get(i, f"{space}t{i}"): i for i in range(256, vocab_size)})
+    vocab.update({name: i for i, name in specials.items()})
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.add_special_tokens(list(specials.values()))
+    eos = [int(i) for i in eos_token_ids]
+    return Tokenizer(backend, bos_token="<|bos|>" if bos_token_id is not None else None,
+                     eos_token="<|eos|>" if eos else None, extra_eos_token_ids=eos[1:])

@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
@@ -321,3 +323,38 @@ def test_cli_one_line_error_and_success(hf_src, tmp_path):
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert load_model_config(tmp_path / "out").dtype == "bfloat16"
+
+
+def test_load_params_first_layers_only(tmp_path, monkeypatch):
+    """Config.num_layers with real weights: the checkpoint's first layers, and the groups
+    past them are not read."""
+    from jaxserve.checkpoint import groups as groups_mod
+    monkeypatch.setattr(groups_mod, "GROUP_BYTES", 1)  # one layer per group
+    cfg, params, out = _tiny_saved(tmp_path, num_layers=3)
+    read = []
+    real_restore = ocp.StandardCheckpointer.restore
+    monkeypatch.setattr(ocp.StandardCheckpointer, "restore",
+                        lambda self, path, *a, **k: read.append(Path(path).name)
+                        or real_restore(self, path, *a, **k))
+    two = load_params(out, cfg.replace(num_layers=2))
+    assert len(two.layers) == 2 and read == ["top", "layers_000-000", "layers_001-001"]
+    for a, b in zip(jax.tree.leaves(params.layers[:2]), jax.tree.leaves(two.layers), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    with pytest.raises(CheckpointError, match="other param shapes"):
+        load_params(out, cfg.replace(num_layers=4))
+
+
+def test_source_from_path_tells_the_kinds_apart(tmp_path):
+    from jaxserve.model_store import source_from_path
+    cfg, params, ckpt = _tiny_saved(tmp_path)
+    assert source_from_path(ckpt) == ModelSource(checkpoint=str(ckpt))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert source_from_path(hf) == ModelSource(hf_dir=str(hf))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert source_from_path(tmp_path / "m.gguf") == ModelSource(gguf=str(tmp_path / "m.gguf"))
+    with pytest.raises(CheckpointError, match="neither a jaxserve checkpoint nor a Hugging Face"):
+        source_from_path(tmp_path / "ckpt" / "params")
+    with pytest.raises(CheckpointError, match="no such model directory or .gguf file"):
+        source_from_path(tmp_path / "missing")

@@ -75,3 +75,21 @@ def test_check_deployment_needs_of_the_model_and_mesh():
     assert tp2.num_devices == 2
     with pytest.raises(ConfigError, match="ParallelConfig.tensor_parallel_size must be > 0"):
         ParallelConfig(tensor_parallel_size=0)
+
+
+def test_config_override_routes_deployment_parallel_and_engine_fields():
+    from jaxserve.config import Config
+    base = Config(name="t", model=tiny_config(num_layers=4))
+    cfg = base.override(tensor_parallel_size=4, load_format="dummy", num_layers=2,
+                        tokenizer="/tok", max_num_seqs=3)
+    assert cfg.parallel == ParallelConfig(tensor_parallel_size=4)
+    assert (cfg.load_format, cfg.num_layers, cfg.tokenizer) == ("dummy", 2, "/tok")
+    assert cfg.engine.scheduler.max_num_seqs == 3 and base.parallel.num_devices == 1
+    with pytest.raises(ConfigError, match="Config.load_format must be one of"):
+        base.override(load_format="pt")
+    with pytest.raises(ConfigError, match="Config.num_layers=5 exceeds the model's 4 layers"):
+        base.override(num_layers=5)
+    with pytest.raises(ConfigError, match="Config.num_layers must be None or an integer >= 1"):
+        base.override(num_layers=0)
+    with pytest.raises(ConfigError, match="EngineConfig has no field 'tensor_parallel'"):
+        base.override(tensor_parallel=2)

@@ -228,3 +228,20 @@ def test_rope_tables_are_computed_once_per_step():
     cache = init_kv_cache(cfg, 8, 4, cfg.dtype)
     text = _fwd.lower(params, cache, empty_batch(16, 2, 4), cfg, Kernels()).compile().as_text()
     assert text.count(" cosine(") == 1 and text.count(" sine(") == 1
+
+
+def test_dummy_params_shapes_spread_and_determinism():
+    from jaxserve.model.params import dummy_params
+    cfg = tiny_config(num_layers=2, attention_bias=True)
+    a, b = dummy_params(cfg), dummy_params(cfg)
+    for want, x, y in zip(jax.tree.leaves(abstract_params(cfg)), jax.tree.leaves(a),
+                          jax.tree.leaves(b), strict=True):
+        assert (x.shape, x.dtype) == (want.shape, want.dtype)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # deterministic
+    wq = np.asarray(a.layers[0].wq, np.float32)
+    assert abs(wq.std() - 0.02) < 0.002 and abs(wq.mean()) < 0.002
+    assert np.abs(wq).max() <= 0.02 * 3 ** 0.5
+    # leaves differ from each other and from another seed; norms are ones, biases zeros
+    assert not np.array_equal(np.asarray(a.layers[0].wk), np.asarray(a.layers[1].wk))
+    assert not np.array_equal(wq, np.asarray(dummy_params(cfg, seed=1).layers[0].wq))
+    assert (np.asarray(a.layers[0].attn_norm) == 1).all() and (np.asarray(a.layers[0].bq) == 0).all()

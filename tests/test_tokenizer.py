@@ -102,3 +102,17 @@ def test_template_errors():
     # the sandbox refuses attribute access to Python internals
     with pytest.raises(ChatTemplateError):
         make("{{ messages.__class__.__mro__[1].__subclasses__() }}").apply_chat_template([])
+
+
+def test_placeholder_tokenizer_bytes_specials_and_every_id():
+    from jaxserve.tokenizer import placeholder_tokenizer
+    tok = placeholder_tokenizer(1000, bos_token_id=998, eos_token_ids=(999, 997))
+    text = "héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert ids == list(text.encode()) and tok.decode(ids) == text  # byte by byte
+    assert tok.vocab_size == 1000 and tok.bos_token_id == 998 and tok.eos_token_ids == (999, 997)
+    assert tok.decode([300, 998, 999, 997, 301]) == " t300 t301"  # specials skipped
+    assert tok.decode([999], skip_special_tokens=False) == "<|eos|>"
+    assert [tok.id_to_token(i) is not None for i in range(1000)] == [True] * 1000
+    with pytest.raises(ValueError, match="outside the vocabulary of 1000"):
+        placeholder_tokenizer(1000, eos_token_ids=(1000,))

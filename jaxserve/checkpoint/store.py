@@ -192,7 +192,9 @@ def load_params(ckpt_dir: str | Path, model_cfg: ModelConfig,
     """Restore the Params tree of a checkpoint as jax Arrays in `model_cfg.dtype` (cast on
     restore if the checkpoint was saved in another dtype), placed on the shardings of
     `abstract_params(model_cfg, rules)` (the default device when `rules` is None). Each
-    group is restored straight onto its target shardings.
+    group is restored straight onto its target shardings (each device reads its shard).
+    A `model_cfg` with fewer layers than the checkpoint (Config.num_layers) gets its
+    first layers; the groups past them are not read.
 
     Raises CheckpointError if the directory is not a checkpoint of this version, its
     param_groups are invalid, or `model_cfg`'s shapes differ from the saved ones.
@@ -200,20 +202,26 @@ def load_params(ckpt_dir: str | Path, model_cfg: ModelConfig,
     d = Path(ckpt_dir).resolve()
     header = _read_header(d)
     saved = load_model_config(d)
-    if abstract_params(saved.replace(dtype=model_cfg.dtype)) != abstract_params(model_cfg):
+    n = model_cfg.num_layers
+    if n > saved.num_layers or abstract_params(saved.replace(dtype=model_cfg.dtype, num_layers=n)) \
+            != abstract_params(model_cfg):
         raise CheckpointError(f"{d}: the ModelConfig asked for has other param shapes than the "
                               f"checkpoint's ({model_cfg} vs {saved})")
     try:
         groups = decode_groups(header.get("param_groups"), saved.num_layers)
     except ValueError as e:
         raise CheckpointError(f"{d}/{CONFIG_FILE}: invalid param_groups ({e})") from None
-    target = abstract_params(model_cfg, rules)
+    groups = [g for g in groups if g.layers is None or g.layers.start < n]
+    # the last group read may hold layers past n: restore it whole, keep the first n
+    target = abstract_params(model_cfg.replace(num_layers=groups[-1].layers.stop)
+                             if len(groups) > 1 else model_cfg, rules)
     if rules is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), target)
     with ocp.StandardCheckpointer() as ckptr:
-        return assemble_params((g, ckptr.restore(d / PARAMS_DIR / g.name, g.subtree(target)))
-                               for g in groups)
+        params = assemble_params((g, ckptr.restore(d / PARAMS_DIR / g.name, g.subtree(target)))
+                                 for g in groups)
+    return dataclasses.replace(params, layers=params.layers[:n])
 
 
 def truncate_checkpoint(src: str | Path, out: str | Path, num_layers: int) -> Path:
