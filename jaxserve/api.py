@@ -99,7 +99,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
                                   kernels, kv_dtype, layout)
     elif spec is not None and spec.method == "eagle":
         make_draft = _eagle_head(spec, model_cfg, raw, rules, ecfg, kernels, kv_dtype, layout)
-    params = prepare_params(raw, ecfg.kernels, kernels)
+    params = prepare_params(raw, ecfg.kernels, kernels, rules)
     del raw
     # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
     per_page = (page_bytes(model_cfg, page_size, kv_dtype)
@@ -161,7 +161,7 @@ def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules |
     """make(num_pages) -> (drafter, params, cache) of an EAGLE head: its layer's K/V and
     the target's f32 feature of each token slot."""
     cfg, head = load_head(spec.model, target, target_params)
-    head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels))
+    head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels, rules))
     page_size, D = ecfg.cache.page_size, target.hidden_size
 
     def make(n):
@@ -189,7 +189,7 @@ def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: st
         raise ConfigError(f"SpeculativeConfig.model: {path} has another tokenizer than the "
                           f"target (vocabulary {cfg.vocab_size} vs {target.vocab_size}); a draft "
                           "model must share the target's")
-    return cfg, prepare_params(load_params(path, cfg, rules), ecfg.kernels, kernels)
+    return cfg, prepare_params(load_params(path, cfg, rules), ecfg.kernels, kernels, rules)
 
 
 @dataclasses.dataclass

@@ -125,15 +125,15 @@ def resolve_impl(impl: str, platform: str) -> str:
     return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
 
 
-def resolve_attention_impl(impl: str, platform: str, num_devices: int = 1) -> str:
+def resolve_attention_impl(impl: str, platform: str) -> str:
     """The attention implementation `impl` ("auto" or one of ATTENTION_KERNEL_IMPLS) stands
-    for: "auto" -> "pallas" on GPU, "cpu" on a single CPU device, else "xla" (the C++
-    kernel is not partitioned over a mesh). Whether "cpu" can be built is checked where
-    it is loaded (jaxserve.kernels.select_kernels)."""
+    for: "auto" -> "pallas" on GPU, "cpu" on CPU (under tensor parallelism each device
+    runs it on its own heads). Whether "cpu" can be built is checked where it is loaded
+    (jaxserve.kernels.select_kernels)."""
     if impl != "auto":
         return impl
     if platform == "cpu":
-        return "cpu" if num_devices == 1 else "xla"
+        return "cpu"
     return resolve_impl(impl, platform)
 
 
@@ -550,17 +550,16 @@ class ParallelConfig:
 
 def check_deployment(engine: EngineConfig, model: ModelConfig,
                      parallel: ParallelConfig) -> None:
-    """What the engine config needs of the model and the mesh (raises ConfigError): weight
-    quantisation and the bf16 weight copies are single-device for now; the bf16 copies
-    need float32 weights."""
-    k = engine.kernels
-    if k.weight_quant is not None and parallel.num_devices > 1:
-        raise ConfigError("KernelConfig.weight_quant is not supported with tensor parallelism "
-                          f"yet (mesh has {parallel.num_devices} devices)")
+    """What the engine config needs of the model and the mesh (raises ConfigError): the
+    tensor-parallel size splits the query and KV heads alike (both or neither); the bf16
+    weight copies need float32 weights."""
+    k, tp = engine.kernels, parallel.tensor_parallel_size
+    if tp > 1 and (model.num_heads % tp == 0) != (model.num_kv_heads % tp == 0):
+        raise ConfigError(
+            f"ParallelConfig.tensor_parallel_size={tp} divides only one of num_heads="
+            f"{model.num_heads} and num_kv_heads={model.num_kv_heads}: the query and KV heads "
+            "are split together or replicated together; use a size that divides both or neither")
     if k.bf16_matmul_min_rows is not None:
-        if parallel.num_devices > 1:
-            raise ConfigError("KernelConfig.bf16_matmul_min_rows is not supported with tensor "
-                              f"parallelism yet (mesh has {parallel.num_devices} devices)")
         if model.dtype != "float32":
             raise ConfigError("KernelConfig.bf16_matmul_min_rows needs float32 weights, the "
                               f"model is served in {model.dtype}")

@@ -14,7 +14,9 @@ from pathlib import Path
 from jaxserve.config import ConfigError, KernelConfig, resolve_attention_impl, resolve_impl
 from jaxserve.model.params import Params
 from jaxserve.model.quantized import dual_precision_params, quantize_params
+from jaxserve.model.tensor_parallel import shard_params, tp_axis
 from jaxserve.model.transformer import Kernels
+from jaxserve.sharding import ShardingRules
 
 log = logging.getLogger(__name__)
 
@@ -28,38 +30,41 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
     """The resolved Kernels for `kcfg` on `num_devices` devices of `platform`
     ("cpu", "gpu", ...) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
     bf16 matmuls builds (once, cached in `build_dir`) and registers the C++ kernels
-    (cpu_kernels.build.load_library, ~5 to 20 s the first time). The sampler's argmax /
-    log-sum-exp ("auto") is the C++ kernel on one CPU device.
+    (cpu_kernels.build.load_library, ~5 to 20 s the first time). Under tensor
+    parallelism (num_devices > 1) every device runs the attention and matmul kernels on
+    its own shard (jaxserve.model.tensor_parallel); the sampler's argmax / log-sum-exp
+    ("auto") is the C++ kernel on one CPU device only (its logits are whole there; over
+    a mesh they are split over the vocabulary and XLA reduces them).
 
     Raises ConfigError when "cpu" is asked for explicitly and the kernels cannot be built
-    or loaded, or the mesh has more than one device, or (attention) the KV pool is neither
-    float32 nor bfloat16; with "auto" a failed build logs a warning and falls back to
-    "xla", and another pool dtype picks XLA attention. bf16_matmul_round_x_min_rows is
+    or loaded, when sampling_impl="cpu" meets a mesh, or (attention) the KV pool is
+    neither float32 nor bfloat16; with "auto" a failed build logs a warning and falls back
+    to "xla", and another pool dtype picks XLA attention. bf16_matmul_round_x_min_rows is
     kept (as Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16
     dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (probed here,
     in a few ms).
     """
-    attention = resolve_attention_impl(kcfg.attention_impl, platform, num_devices)
+    attention = resolve_attention_impl(kcfg.attention_impl, platform)
     if attention == "cpu" and kv_dtype not in ("float32", "bfloat16"):
         if kcfg.attention_impl != "auto":
             raise ConfigError(f"KernelConfig.attention_impl='cpu' reads a float32 or bfloat16 "
                               f"KV pool, kv_dtype is {kv_dtype}")
         attention = "xla"
     matmul = resolve_impl(kcfg.matmul_impl, platform)
-    if (kcfg.matmul_impl == "auto" and platform == "cpu" and num_devices == 1
+    if (kcfg.matmul_impl == "auto" and platform == "cpu"
             and kcfg.bf16_matmul_min_rows is not None):
         matmul = "cpu"
     sampling = kcfg.sampling_impl
     if sampling == "auto":
         sampling = "cpu" if platform == "cpu" and num_devices == 1 else "xla"
+    if sampling == "cpu" and num_devices != 1:
+        raise ConfigError(f"KernelConfig.sampling_impl='cpu' reads whole logits rows on one "
+                          f"device; the mesh has {num_devices} (logits split over the "
+                          "vocabulary): use 'xla' or 'auto'")
     chosen = {name: getattr(kcfg, f"{name}_impl")
               for name, impl in (("attention", attention), ("matmul", matmul),
                                  ("sampling", sampling)) if impl == "cpu"}
     if chosen:
-        if num_devices != 1:
-            name = next(iter(chosen))
-            raise ConfigError(f"KernelConfig.{name}_impl='cpu' runs on one device, the mesh "
-                              f"has {num_devices}; use 'xla' with tensor parallelism")
         from cpu_kernels.build import KernelBuildError, load_library
         try:
             library = load_library(build_dir)
@@ -84,17 +89,22 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
                    round_x_min_rows=round_x if matmul == "cpu" else None)
 
 
-def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels) -> Params:
+def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
+                   rules: ShardingRules | None = None) -> Params:
     """`params` laid out for `kernels` as `kcfg` asks: the layers' projections quantised
     (weight_quant: int8 / fp8_e4m3 leaves with their scales), or given bf16 copies beside
     the f32 weights (bf16_matmul_min_rows: DualPrecisionWeight leaves, packed for the C++
     kernel when kernels.matmul.packs_bf16); otherwise unchanged. Float32 params for the
-    bf16 copies (checked by jaxserve.config.check_deployment)."""
+    bf16 copies (checked by jaxserve.config.check_deployment). Under a tensor-parallel
+    mesh (`rules`) each device's shard is laid out on its own (packing and fusion per
+    shard) and every leaf placed where the model's shard_map reads it."""
     if kcfg.weight_quant is not None:
-        return quantize_params(params, kcfg.weight_quant, kcfg.weight_quant_group_size)
-    if kcfg.bf16_matmul_min_rows is not None:
-        return dual_precision_params(params, kcfg.bf16_matmul_min_rows,
-                                     packed=kernels.matmul.packs_bf16,
-                                     max_rows=kcfg.bf16_matmul_max_rows,
-                                     round_x_min_rows=kernels.round_x_min_rows)
+        params = quantize_params(params, kcfg.weight_quant, kcfg.weight_quant_group_size, rules)
+    elif kcfg.bf16_matmul_min_rows is not None:
+        params = dual_precision_params(params, kcfg.bf16_matmul_min_rows,
+                                       packed=kernels.matmul.packs_bf16,
+                                       max_rows=kcfg.bf16_matmul_max_rows,
+                                       round_x_min_rows=kernels.round_x_min_rows, rules=rules)
+    if tp_axis(rules) is not None:
+        params = shard_params(params, rules)
     return params

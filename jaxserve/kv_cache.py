@@ -59,6 +59,16 @@ class KVCache:
         return value_dtype(self.k[0].dtype)
 
 
+def kv_axes(layout: str) -> tuple[str, ...]:
+    """The logical axes of a pool array in `layout`. Raises ValueError for an unknown
+    layout (one of KV_LAYOUTS)."""
+    if layout == "token_major":
+        return KV_AXES
+    if layout == "head_major":
+        return _HEAD_MAJOR_AXES
+    raise ValueError(f"KV cache layout must be one of {KV_LAYOUTS}, got {layout!r}")
+
+
 def storage_dtype(dtype: Any) -> jnp.dtype:
     """The array dtype a pool of `dtype` values is stored in: uint16 (the bits) for
     bfloat16, `dtype` itself otherwise."""
@@ -87,12 +97,10 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: A
                       layout: str = "token_major") -> KVCache:
     """ShapeDtypeStructs of the pool (allocates nothing), in `storage_dtype(dtype)`.
     Raises ValueError for an unknown `layout` (one of KV_LAYOUTS)."""
-    if layout == "token_major":
-        shape, axes = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), KV_AXES
-    elif layout == "head_major":
-        shape, axes = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), _HEAD_MAJOR_AXES
-    else:
-        raise ValueError(f"KV cache layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    axes = kv_axes(layout)
+    dims = {"pages": num_pages, "page_slots": page_size, "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim}
+    shape = tuple(dims[a] for a in axes)
     sharding = rules.sharding(axes, shape) if rules is not None else None
     one = jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
     return KVCache(k=(one,) * cfg.num_layers, v=(one,) * cfg.num_layers, layout=layout)

@@ -68,10 +68,12 @@ def test_check_deployment_needs_of_the_model_and_mesh():
     check_deployment(copies, f32, one)
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows needs float32 weights"):
         check_deployment(copies, bf16, one)
-    with pytest.raises(ConfigError, match="bf16_matmul_min_rows is not supported with tensor"):
-        check_deployment(copies, f32, tp2)
-    with pytest.raises(ConfigError, match="weight_quant is not supported with tensor"):
-        check_deployment(EngineConfig().override(weight_quant="int8"), f32, tp2)
+    check_deployment(copies, f32, tp2)  # kernels run per device under TP
+    check_deployment(EngineConfig().override(weight_quant="int8"), f32, tp2)
+    # tiny_config: 4 query / 2 KV heads; 4 devices would split the query heads only
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 divides only one of "
+                                          "num_heads=4 and num_kv_heads=2"):
+        check_deployment(EngineConfig(), f32, ParallelConfig(tensor_parallel_size=4))
     assert tp2.num_devices == 2
     with pytest.raises(ConfigError, match="ParallelConfig.tensor_parallel_size must be > 0"):
         ParallelConfig(tensor_parallel_size=0)

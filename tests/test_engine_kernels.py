@@ -124,20 +124,22 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
 
     auto = KernelConfig()
     assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla", "cpu")
-    assert select_kernels(auto, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")  # TP mesh
+    # a TP mesh: each device runs the C++ attention on its heads; logits are split over
+    # the vocabulary there, so the sampler's reductions are XLA's
+    assert select_kernels(auto, "cpu", 2, "float32", tmp_path) == Kernels("cpu", "xla", "xla")
     assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("cpu", "xla", "cpu")
     assert select_kernels(auto, "cpu", 1, "float16", tmp_path) == Kernels("xla", "xla", "cpu")
     assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
     bf16 = KernelConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
     assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu", "cpu")
-    assert select_kernels(bf16, "cpu", 2, "float32", tmp_path) == Kernels("xla", "xla")
+    assert select_kernels(bf16, "cpu", 2, "float32", tmp_path) == Kernels("cpu", "cpu", "xla")
     xla_sampler = KernelConfig(sampling_impl="xla")
     assert select_kernels(xla_sampler, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla")
-    with pytest.raises(ConfigError, match="sampling_impl='cpu' runs on one device"):
+    with pytest.raises(ConfigError, match="sampling_impl='cpu' reads whole logits rows on one "
+                                          "device; the mesh has 2"):
         select_kernels(KernelConfig(sampling_impl="cpu"), "cpu", 2, "float32", tmp_path)
     explicit = KernelConfig(attention_impl="cpu")
-    with pytest.raises(ConfigError, match="runs on one device, the mesh has 2"):
-        select_kernels(explicit, "cpu", 2, "float32", tmp_path)
+    assert select_kernels(explicit, "cpu", 2, "float32", tmp_path) == Kernels("cpu", "xla", "xla")
     with pytest.raises(ConfigError, match="reads a float32 or bfloat16 KV pool, kv_dtype is float16"):
         select_kernels(explicit, "cpu", 1, "float16", tmp_path)
 
@@ -182,7 +184,6 @@ def test_impl_config_validation_and_auto():
     assert resolve_impl("auto", "cpu") == "xla" and resolve_impl("auto", "gpu") == "pallas"
     assert resolve_impl("pallas_interpret", "cpu") == "pallas_interpret"
     assert resolve_attention_impl("auto", "cpu") == "cpu"
-    assert resolve_attention_impl("auto", "cpu", num_devices=2) == "xla"
     assert resolve_attention_impl("auto", "gpu") == "pallas"
     assert resolve_attention_impl("xla", "cpu") == "xla"
     for kw, match in [({"attention_impl": "triton"}, "attention_impl must be one of"),

@@ -17,11 +17,11 @@ import pytest
 TP_CHECK = Path(__file__).resolve().parent / "tp_check.py"
 
 
-def on_4_devices(script: Path, arg: str) -> dict:
-    """The JSON last line of `script arg` run in a subprocess on 4 simulated CPU devices."""
+def on_4_devices(script: Path, *args: str) -> dict:
+    """The JSON last line of `script args` run in a subprocess on 4 simulated CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(script), arg], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -29,29 +29,44 @@ def on_4_devices(script: Path, arg: str) -> dict:
     return result
 
 
-def tp_check(source: str) -> dict:
-    return on_4_devices(TP_CHECK, source)
+def tp_check(source: str, variant: str, tps: str, cache_dir, reference: str | None = None) -> dict:
+    return on_4_devices(TP_CHECK, source, variant, tps, str(cache_dir), *([reference] if reference else []))
 
 
 @pytest.mark.slow
-def test_tiny_model_tp2_tp4_match_tp1():
-    r = tp_check("tiny")  # 8 query / 4 KV heads, every axis divisible by 4
+@pytest.mark.parametrize("variant", ["xla", "cpu", "int8"])
+def test_tiny_model_tp2_tp4_match_tp1(variant, cache_dir):
+    """Each kernel family under shard_map (XLA; the C++ attention and packed bf16 matmuls,
+    fused per shard; int8 weights) on 8 query / 4 KV heads, every axis divisible by 4."""
+    r = tp_check("tiny", variant, "2,4", cache_dir)
     for tp in ("2", "4"):
-        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        for name in ("wq", "wo", "w_gate", "w_down"):
             assert f"layers.0.{name}" in r["sharded"][tp], (tp, name)
         # f32 reduction order only (YNNPACK's split of a dot over threads can vary run to
-        # run): measured up to 1.1e-5 on logits of |5.5|, i.e. a few ulp; a sharding bug
-        # moves them by O(1)
+        # run, TP adds partial sums): measured up to 1.1e-5 on logits of |5.5|, i.e. a few
+        # ulp; a sharding bug moves them by O(1)
+        assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
+
+
+@pytest.mark.slow
+def test_pallas_kernels_in_interpret_mode_under_shard_map_equal_the_xla_path(cache_dir):
+    """Pallas attention (flash prefill, paged decode) and the Pallas int8 matmul, in
+    interpret mode, each device on its own heads and columns, against the XLA path (int8
+    reference matmul) on one device."""
+    r = tp_check("tiny", "pallas", "2,4", cache_dir, reference="int8")
+    for tp in ("2", "4"):
+        assert "layers.0.wq" in r["sharded"][tp] and "layers.0.w_down" in r["sharded"][tp]
         assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
 
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_real_model_tp2_tp4_match_tp1(smollm2_checkpoint):
-    r = tp_check(str(smollm2_checkpoint))
-    # SmolLM2's 9 query / 3 KV heads do not split over 2 or 4 devices (replicated); the MLP,
-    # the embedding and the LM head do.
-    for tp in ("2", "4"):
+def test_real_model_tp2_tp3_tp4_match_tp1(smollm2_checkpoint, cache_dir):
+    r = tp_check(str(smollm2_checkpoint), "xla", "2,3,4", cache_dir)
+    # SmolLM2's 9 query / 3 KV heads split over 3 devices and stay replicated over 2 or 4;
+    # the MLP, the embedding and the LM head split over all three sizes.
+    assert {"layers.0.wq", "layers.0.wo"} <= set(r["sharded"]["3"])
+    for tp in ("2", "3", "4"):
         assert {"embed", "layers.0.w_gate", "layers.0.w_up", "layers.0.w_down"} <= set(r["sharded"][tp])
         # |logits| reach ~32 here, where one f32 ulp is 3.8e-6: TP's changed reduction order
         # moves logits as much as batching the sequence beside others does on one device.
@@ -61,13 +76,31 @@ def test_real_model_tp2_tp4_match_tp1(smollm2_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_real_model_engine_greedy_is_the_same_under_tp2_and_tp3(cache_dir):
+def test_real_model_cpp_kernels_per_device_under_tp3(smollm2_checkpoint, cache_dir):
+    """The C++ attention kernel and packed bf16 matmuls, each device running its own 3
+    query heads / KV head and MLP columns, against the same kernels on one device. They
+    are batch-invariant (noise floor 0), so the bound is the f32 one of the XLA test:
+    measured 2.2e-4 on |logits| of 32 (30 layers of partial sums)."""
+    r = tp_check(str(smollm2_checkpoint), "cpu", "3", cache_dir)
+    assert {"layers.0.wq", "layers.0.wo", "layers.0.w_down"} <= set(r["sharded"]["3"])
+    assert r["diff"]["3"] <= 1e-5 * r["max_abs_logit"], r
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_tp4(cache_dir):
     """The whole engine (jaxserve.LLM: scheduler, runner, sampler) on 4 simulated devices:
-    TP 3 splits SmolLM2's 9 query / 3 KV heads and the KV pool over the devices, TP 2
-    replicates the heads (3 KV heads do not split over 2) and splits the MLP; both give TP
-    1's greedy tokens for a batch of prompts."""
+    TP 3 splits SmolLM2's 9 query / 3 KV heads and the KV pool over the devices, TP 2 and
+    4 replicate the heads (3 KV heads do not split over them) and split the MLP and the
+    vocabulary; all give TP 1's greedy tokens for a batch of prompts, with XLA kernels
+    and with the default ones (the C++ attention kernel, each device on its own heads)."""
     r = on_4_devices(TP_CHECK.parent / "tp_engine_check.py", str(cache_dir))
-    assert all(r["tokens"]["1"]) and sum(map(len, r["tokens"]["1"])) >= 48
-    assert r["tokens"]["2"] == r["tokens"]["1"] and r["tokens"]["3"] == r["tokens"]["1"]
-    assert "model" in r["wq"]["3"] and "model" in r["kv"]["3"]   # heads and pool split
-    assert "model" not in r["wq"]["2"] and "model" not in r["kv"]["2"]  # replicated
+    t = r["tokens"]
+    assert all(t["xla-1"]) and sum(map(len, t["xla-1"])) >= 48
+    assert t["xla-2"] == t["xla-1"] and t["xla-3"] == t["xla-1"] and t["xla-4"] == t["xla-1"]
+    assert t["auto-3"] == t["auto-1"]
+    assert r["attention"]["auto-3"] == "cpu" and r["attention"]["xla-3"] == "xla"
+    assert "model" in r["wq"]["xla-3"] and "model" in r["kv"]["xla-3"]  # heads and pool split
+    assert "model" in r["kv"]["auto-3"]
+    for name in ("xla-2", "xla-4"):  # replicated heads
+        assert "model" not in r["wq"][name] and "model" not in r["kv"][name]

@@ -1,28 +1,43 @@
 """Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=N: the paged
-forward (a prefill, then decode steps) under tensor parallel 1, 2 and 4 over the same
-weights; prints JSON {"diff": {tp: max |logits - logits_tp1|}, "max_abs_logit",
-"noise_floor": max |diff| of TP 1 against itself with the sequence batched beside others
-(f32 reduction order alone), "sharded": {tp: names of the weights split across devices}}.
+forward (a prefill, then decode steps) under tensor parallel sizes TPS over the same
+weights, with the kernels of VARIANT (each device runs them on its shard, in shard_map);
+prints JSON {"diff": {tp: max |logits - reference|}, "max_abs_logit",
+"noise_floor": max |diff| of the reference against itself with the sequence batched
+beside others (f32 reduction order alone), "sharded": {tp: names of the weights split
+across devices}}. The reference is REFERENCE's kernels (default VARIANT's) at TP 1.
 
-    python tests/tp_check.py tiny          # random weights, every axis divisible
-    python tests/tp_check.py CHECKPOINT    # a jaxserve checkpoint (the real model)
+    python tests/tp_check.py SRC VARIANT TPS CACHE_DIR [REFERENCE]
+    SRC: "tiny" (random weights, every axis divisible by 4) or a jaxserve checkpoint
+    VARIANT: xla | cpu (C++ attention and packed bf16 matmuls) | int8 (quantised weights,
+    XLA) | pallas (Pallas attention and int8 matmul, interpret mode); TPS: e.g. 1,2,4
 """
 
 import json
 import sys
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ParallelConfig
+from jaxserve.config import KernelConfig, ParallelConfig
+from jaxserve.kernels import prepare_params, select_kernels
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.model.params import init_params, param_shardings
 from jaxserve.model.transformer import StepBatch, compute_logits, forward
 from jaxserve.sharding import ShardingRules, make_mesh
 
+VARIANTS = {
+    "xla": KernelConfig(attention_impl="xla", matmul_impl="xla", sampling_impl="xla"),
+    "cpu": KernelConfig(attention_impl="cpu", matmul_impl="cpu", sampling_impl="xla",
+                        bf16_matmul_min_rows=1),
+    "int8": KernelConfig(attention_impl="xla", matmul_impl="xla", sampling_impl="xla",
+                         weight_quant="int8"),
+    "pallas": KernelConfig(attention_impl="pallas_interpret", matmul_impl="pallas_interpret",
+                           sampling_impl="xla", weight_quant="int8"),
+}
 
-def run(params, cfg, rules, ids, n_decode, others=()):
+
+def run(params, cfg, rules, kernels, ids, n_decode, others=()):
     """Logits [len(ids) + n_decode, vocab] of `ids` (one prefill step, then n_decode greedy
     decode steps); `others`: token lists prefilled and decoded in the same batch after it."""
     ps, per_seq = 16, 4
@@ -31,9 +46,9 @@ def run(params, cfg, rules, ids, n_decode, others=()):
     T = max(64, sum(len(r) for r in rows))  # token rows of the packed prefill
     rng = np.random.default_rng(7)
     tables = rng.permutation(np.arange(1, 1 + B * per_seq)).reshape(B, per_seq).astype(np.int32)
-    cache = init_kv_cache(cfg, 1 + B * per_seq, ps, cfg.dtype, rules)
-    fwd = jax.jit(lambda p, c, b: (lambda h, c: (compute_logits(p, h, rules), c))(
-        *forward(p, c, b, cfg, rules)), donate_argnums=1)
+    cache = init_kv_cache(cfg, 1 + B * per_seq, ps, cfg.dtype, rules, kernels.attention.kv_layout)
+    fwd = jax.jit(lambda p, c, b: (lambda h, c: (compute_logits(p, h, rules, kernels.matmul), c))(
+        *forward(p, c, b, cfg, rules, kernels)), donate_argnums=1)
 
     def batch(chunks, starts, T, decode=False):
         z = lambda: np.zeros(T, np.int32)  # noqa: E731
@@ -71,11 +86,12 @@ def sharded_weights(params) -> list[str]:
     named = {"embed": params.embed, **{f"layers.0.{k}": v for k, v in
                                         vars(params.layers[0]).items() if v is not None}}
     return sorted(k for k, v in named.items()
-                  if not v.sharding.is_fully_replicated)
+                  if any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(v)))
 
 
 def main():
-    src = sys.argv[1]
+    src, variant, tps, cache_dir = sys.argv[1:5]
+    reference = sys.argv[5] if len(sys.argv) > 5 else variant
     if src == "tiny":
         from jaxserve.config import ModelConfig
         cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -88,15 +104,21 @@ def main():
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 40)
     rng = np.random.default_rng(1)
     others = [rng.integers(0, cfg.vocab_size, n) for n in (30, 7, 3)]
-    diff, sharded, base = {}, {}, None
-    for tp in (1, 2, 4):
+
+    def logits_of(name, tp, **kw):
         rules = ShardingRules(make_mesh(ParallelConfig(tensor_parallel_size=tp))) if tp > 1 else None
         params = host if rules is None else jax.tree.map(jax.device_put, host, param_shardings(cfg, rules))
-        logits = run(params, cfg, rules, ids, n_decode=2)
-        base = logits if base is None else base
+        kernels = select_kernels(VARIANTS[name], "cpu", tp, cfg.dtype, Path(cache_dir) / "kernels")
+        params = prepare_params(params, VARIANTS[name], kernels, rules)
+        return run(params, cfg, rules, kernels, ids, n_decode=2, **kw), params
+
+    base, _ = logits_of(reference, 1)
+    beside, _ = logits_of(reference, 1, others=others)
+    diff, sharded = {}, {}
+    for tp in map(int, tps.split(",")):
+        logits, params = logits_of(variant, tp)
         diff[tp] = float(np.abs(logits - base).max())
-        sharded[tp] = sharded_weights(params) if rules is not None else []
-    beside = run(host, cfg, None, ids, n_decode=2, others=others)
+        sharded[tp] = sharded_weights(params) if tp > 1 else []
     print(json.dumps({"diff": diff, "max_abs_logit": float(np.abs(base).max()),
                       "noise_floor": float(np.abs(beside - base).max()), "sharded": sharded,
                       "devices": len(jax.devices())}))

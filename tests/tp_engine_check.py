@@ -1,8 +1,10 @@
 """Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: the whole
 engine (scheduler, runner, sampler; jaxserve.LLM) on SmolLM2-135M (tests/configs/
-smollm2_small.py, XLA attention and matmuls) under tensor parallel 1, 2 and 3, the same
-prompts batched, greedy; prints JSON {"tokens": {tp: [token ids per prompt]}, "wq": {tp:
-layer 0's wq sharding spec}, "kv": {tp: the KV pool's sharding spec}, "devices": n}.
+smollm2_small.py) under tensor parallel 1 to 4 with XLA attention and matmuls
+("xla-TP"), and 1 and 3 with the default kernels ("auto-TP": the C++ attention kernel,
+per device under TP), the same prompts batched, greedy; prints JSON {"tokens": {run:
+[token ids per prompt]}, "wq": {run: layer 0's wq sharding spec}, "kv": {run: the KV
+pool's sharding spec}, "attention": {run: the attention kernel}, "devices": n}.
 
     python tests/tp_engine_check.py CACHE_DIR
 """
@@ -25,16 +27,19 @@ PROMPTS = ["The capital of France is", "Write a haiku about rain.",
 
 def main(cache_dir: str) -> None:
     base = load_config(CONFIG)
-    engine = base.engine.override(attention_impl="xla", matmul_impl="xla")
-    out = {"tokens": {}, "wq": {}, "kv": {}, "devices": len(jax.devices())}
-    for tp in (1, 2, 3):
+    xla = base.engine.override(attention_impl="xla", matmul_impl="xla")
+    out = {"tokens": {}, "wq": {}, "kv": {}, "attention": {}, "devices": len(jax.devices())}
+    runs = [(f"xla-{tp}", tp, xla) for tp in (1, 2, 3, 4)] + [
+        (f"auto-{tp}", tp, base.engine) for tp in (1, 3)]
+    for name, tp, engine in runs:
         cfg = base.replace(parallel=ParallelConfig(tensor_parallel_size=tp), engine=engine)
         llm = LLM(cfg, cache_dir=cache_dir, warmup=False)
         got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
         runner = llm.engine.runner
-        out["tokens"][tp] = [c.token_ids for c in got]
-        out["wq"][tp] = str(getattr(runner.params.layers[0].wq.sharding, "spec", None))
-        out["kv"][tp] = str(getattr(runner.cache.k[0].sharding, "spec", None))
+        out["tokens"][name] = [c.token_ids for c in got]
+        out["wq"][name] = str(getattr(runner.params.layers[0].wq.sharding, "spec", None))
+        out["kv"][name] = str(getattr(runner.cache.k[0].sharding, "spec", None))
+        out["attention"][name] = runner.kernels.attention.name
         del llm
     print(json.dumps(out))
 

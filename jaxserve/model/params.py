@@ -74,33 +74,38 @@ def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
+# The logical axes of each LayerParams field (biases: the heads of their projection).
+LAYER_AXES = {
+    "attn_norm": ("embed",), "wq": ("embed", "q_heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"), "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("q_heads", "head_dim", "embed"), "mlp_norm": ("embed",),
+    "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+    "bq": ("q_heads", "head_dim"), "bk": ("kv_heads", "head_dim"), "bv": ("kv_heads", "head_dim"),
+}
+EMBED_AXES = ("vocab", "embed")
+LM_HEAD_AXES = ("embed", "vocab")
+
+
 def param_specs(cfg: ModelConfig) -> Params:
     """The param tree of `cfg` with a ParamSpec at every leaf."""
     D, H, K, Dh, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                          cfg.intermediate_size, cfg.vocab_size)
+    shapes = {"attn_norm": (D,), "wq": (D, H, Dh), "wk": (D, K, Dh), "wv": (D, K, Dh),
+              "wo": (H, Dh, D), "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F),
+              "w_down": (F, D), "bq": (H, Dh), "bk": (K, Dh), "bv": (K, Dh)}
+    inits = {"attn_norm": "ones", "mlp_norm": "ones", "bq": "zeros", "bk": "zeros", "bv": "zeros"}
 
     def layer() -> LayerParams:
-        bias = cfg.attention_bias
-        return LayerParams(
-            attn_norm=ParamSpec((D,), ("embed",), "ones"),
-            wq=ParamSpec((D, H, Dh), ("embed", "q_heads", "head_dim")),
-            wk=ParamSpec((D, K, Dh), ("embed", "kv_heads", "head_dim")),
-            wv=ParamSpec((D, K, Dh), ("embed", "kv_heads", "head_dim")),
-            wo=ParamSpec((H, Dh, D), ("q_heads", "head_dim", "embed")),
-            mlp_norm=ParamSpec((D,), ("embed",), "ones"),
-            w_gate=ParamSpec((D, F), ("embed", "mlp")),
-            w_up=ParamSpec((D, F), ("embed", "mlp")),
-            w_down=ParamSpec((F, D), ("mlp", "embed")),
-            bq=ParamSpec((H, Dh), ("q_heads", "head_dim"), "zeros") if bias else None,
-            bk=ParamSpec((K, Dh), ("kv_heads", "head_dim"), "zeros") if bias else None,
-            bv=ParamSpec((K, Dh), ("kv_heads", "head_dim"), "zeros") if bias else None,
-        )
+        return LayerParams(**{
+            name: ParamSpec(shape, LAYER_AXES[name], inits.get(name, "normal"))
+            for name, shape in shapes.items()
+            if cfg.attention_bias or name not in ("bq", "bk", "bv")})
 
     return Params(
-        embed=ParamSpec((V, D), ("vocab", "embed")),
+        embed=ParamSpec((V, D), EMBED_AXES),
         layers=tuple(layer() for _ in range(cfg.num_layers)),
         final_norm=ParamSpec((D,), ("embed",), "ones"),
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((D, V), LM_HEAD_AXES),
     )
 
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import KERNEL_IMPLS
-from jaxserve.model.params import LayerParams, Params
+from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.impl_table import lookup
 from jaxserve.pytree import pytree_dataclass
 
@@ -62,14 +62,30 @@ def quantize_weight(w: jax.Array, n_in: int, fmt: str, group_size: int | None = 
     return QuantizedWeight(w_q=w_q.reshape(w.shape), scales=scales, fmt=fmt, n_in=n_in)
 
 
-def quantize_params(params: Params, fmt: str, group_size: int | None = None) -> Params:
+def quantize_params(params: Params, fmt: str, group_size: int | None = None,
+                    rules: Any = None) -> Params:
     """`params` with every layer projection (PROJECTIONS) replaced by a QuantizedWeight;
     everything else unchanged. Runs one small jitted quantisation per weight, so peak
-    memory stays near the float weights plus one quantised copy."""
+    memory stays near the float weights plus one quantised copy. rules: the ShardingRules
+    of a tensor-parallel mesh (None: one device); each device's input rows of a row-split
+    weight must hold whole groups. Raises ValueError when they do not."""
     quantize = jax.jit(quantize_weight, static_argnums=(1, 2, 3))
+    if rules is not None and group_size is not None:
+        for name, n_in in PROJECTIONS.items():
+            w = getattr(params.layers[0], name)
+            spec = tuple(rules.spec(LAYER_AXES[name], w.shape))
+            shards = math.prod(rules.mesh.shape[a] for a in spec[:n_in] if a is not None)
+            if (math.prod(w.shape[:n_in]) // shards) % group_size:
+                raise ValueError(f"weight_quant_group_size={group_size} does not divide the "
+                                 f"{math.prod(w.shape[:n_in]) // shards} input rows of {name} "
+                                 f"each of {shards} devices holds")
 
+    # one weight at a time, each finished before the next is dispatched: bounds memory,
+    # and on simulated CPU devices many queued sharded programs with collectives
+    # deadlocked XLA:CPU's rendezvous (threads of 2 cores all waiting in earlier ones)
     def layer(lp: LayerParams) -> LayerParams:
-        return dataclasses.replace(lp, **{name: quantize(getattr(lp, name), n_in, fmt, group_size)
+        return dataclasses.replace(lp, **{name: jax.block_until_ready(
+                                              quantize(getattr(lp, name), n_in, fmt, group_size))
                                           for name, n_in in PROJECTIONS.items()})
 
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
@@ -144,13 +160,17 @@ def bf16_matmul(x2: jax.Array, w: jax.Array, w_vocab_major: bool = False) -> jax
 
 def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in: int = 1,
                    packed: bool = False, max_rows: int | None = None,
-                   round_x_min_rows: int | None = None) -> DualPrecisionWeight:
+                   round_x_min_rows: int | None = None,
+                   split: tuple[int, int] = (1, 1)) -> DualPrecisionWeight:
     """`w` (f32) with its bf16 copy for matmuls over min_rows .. max_rows rows (only the
     copy when min_rows is 1 and max_rows None). packed: store the bf16 copy in the C++
     kernel's layout (cpu_kernels.bf16_matmul.pack_weight, over the first `n_in` axes as
     input rows) where its shape allows (even K, N % 16 == 0), else plain; round_x_min_rows:
-    see DualPrecisionWeight (packed copies only). Raises
-    ValueError if w is not f32, min_rows < 1 or max_rows < min_rows."""
+    see DualPrecisionWeight (packed copies only). split: (input, output) shards of a
+    tensor-parallel weight: the packed layout is blockwise over N and pairwise over K, so
+    the global packing split over devices is each shard's own packing when every shard's
+    K and N pack (checked; else plain). Raises ValueError if w is not f32, min_rows < 1
+    or max_rows < min_rows."""
     if w.dtype != jnp.float32:
         raise ValueError(f"dual precision needs f32 weights, got {w.dtype}")
     if min_rows < 1:
@@ -165,7 +185,7 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
         else:
             k = math.prod(w.shape[:n_in])
             n, w2 = w.size // k, w.reshape(k, -1)
-        if can_pack(k, n):
+        if k % split[0] == 0 and n % split[1] == 0 and can_pack(k // split[0], n // split[1]):
             w_packed = jax.jit(pack_weight, static_argnums=1)(w2, vocab_major)
             return DualPrecisionWeight(w=keep, w_bf16=w_packed, min_rows=min_rows,
                                        vocab_major=vocab_major, logical_shape=tuple(w.shape),
@@ -174,58 +194,98 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
                                vocab_major=vocab_major, max_rows=max_rows)
 
 
-@pytree_dataclass(meta=("out_shapes",))
+@pytree_dataclass(meta=("out_shapes", "shards"))
 class FusedWeight:
     """Projections of one input stored as one matrix, so that they run as one matmul:
     w [in, sum of their output columns] (a float array or a DualPrecisionWeight) and
     out_shapes, each part's output shape (static; its columns are the product). Held in
     the first projection's place of a layer (wq for wq | wk | wv, w_gate for
-    w_gate | w_up), the others None; `Matmul.project` runs it and splits the result."""
+    w_gate | w_up), the others None; `Matmul.project` runs it and splits the result.
+    shards: under tensor parallelism, the parts are fused per shard (the columns of shard
+    0's parts, then shard 1's, ...) and out_shapes are one shard's: a contiguous split of
+    the columns over `shards` devices gives each its own parts. 1 otherwise."""
 
     w: Any
     out_shapes: tuple
+    shards: int = 1
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.w.shape)
 
 
-def fused_weight(ws: list[jax.Array], n_in: int = 1) -> tuple[jax.Array, tuple]:
+def fused_weight(ws: list[jax.Array], n_in: int = 1, shards: int = 1) -> tuple[jax.Array, tuple]:
     """ws (each [*in, *out_i], the same *in) as one [prod(in), sum(prod(out_i))] matrix
-    and the out_i shapes: what a FusedWeight holds (before any copy or packing)."""
+    and the out_i shapes: what a FusedWeight holds (before any copy or packing). With
+    `shards` > 1 the columns are grouped per shard (each part split over its first output
+    axis) and the shapes are one shard's. Raises ValueError when a part's first output
+    axis does not divide by `shards`."""
     k = math.prod(ws[0].shape[:n_in])
-    return (jnp.concatenate([w.reshape(k, -1) for w in ws], axis=1),
-            tuple(tuple(w.shape[n_in:]) for w in ws))
+    bad = [tuple(w.shape) for w in ws if w.shape[n_in] % shards]
+    if bad:
+        raise ValueError(f"cannot fuse weights {bad} per {shards} shards: their first output "
+                         "axis does not divide")
+    parts = [w.reshape(k, shards, -1) for w in ws]
+    shapes = tuple((w.shape[n_in] // shards, *w.shape[n_in + 1:]) for w in ws)
+    return jnp.concatenate(parts, axis=2).reshape(k, -1), shapes
 
 
 def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
                           max_rows: int | None = None, fuse: bool = True,
-                          round_x_min_rows: int | None = None) -> Params:
+                          round_x_min_rows: int | None = None, rules: Any = None) -> Params:
     """`params` (f32) with every layer projection (PROJECTIONS) and the LM head as
     DualPrecisionWeights over min_rows .. max_rows rows (a tied LM head becomes `lm_head`
     [vocab, embed] over the same f32 embedding array, plus its bf16 copy); embeddings and
     norms unchanged. packed: the bf16 copies in the C++ CPU kernel's layout (matmul_impl
     "cpu"), and with `fuse` the projections that share an input fused (FusedWeight in wq:
     wq | wk | wv, in w_gate: w_gate | w_up; fewer, larger kernel calls, every output
-    column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight."""
-    def dual(w, **kw):
-        return dual_precision(w, min_rows, packed=packed, max_rows=max_rows,
-                              round_x_min_rows=round_x_min_rows, **kw)
+    column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight.
+    rules: the ShardingRules of a tensor-parallel mesh (None: one device): packing and
+    fusion are then done per shard of each weight's split (jaxserve.model.tensor_parallel)."""
+    def split(shape, axes, n_in) -> tuple[int, int]:
+        if rules is None:
+            return 1, 1
+        spec = tuple(rules.spec(axes, shape))
+        size = lambda ax: rules.mesh.shape[ax] if ax is not None else 1
+        ins = [a for a in spec[:n_in] if a is not None]
+        outs = [a for a in spec[n_in:] if a is not None]
+        return size(ins[0] if ins else None), size(outs[0] if outs else None)
+
+    def dual(w, n_in=1, axes=None, **kw):
+        return dual_precision(w, min_rows, packed=packed, max_rows=max_rows, n_in=n_in,
+                              round_x_min_rows=round_x_min_rows,
+                              split=split(w.shape, axes, n_in) if axes else (1, 1), **kw)
 
     def layer(lp: LayerParams) -> LayerParams:
         if not (packed and fuse):
-            return dataclasses.replace(lp, **{name: dual(getattr(lp, name), n_in=n_in)
+            return dataclasses.replace(lp, **{name: dual(getattr(lp, name), n_in, LAYER_AXES[name])
                                               for name, n_in in PROJECTIONS.items()})
-        qkv, qkv_shapes = fused_weight([lp.wq, lp.wk, lp.wv])
-        gate_up, gate_up_shapes = fused_weight([lp.w_gate, lp.w_up])
+        q_shards = split(lp.wq.shape, LAYER_AXES["wq"], 1)[1]
+        mlp_shards = split(lp.w_gate.shape, LAYER_AXES["w_gate"], 1)[1]
+        qkv, qkv_shapes = fused_weight([lp.wq, lp.wk, lp.wv], shards=q_shards)
+        gate_up, gate_up_shapes = fused_weight([lp.w_gate, lp.w_up], shards=mlp_shards)
+        fused_split = lambda shards: (1, shards)
         return dataclasses.replace(
-            lp, wq=FusedWeight(dual(qkv), qkv_shapes), wk=None, wv=None,
-            wo=dual(lp.wo, n_in=2), w_gate=FusedWeight(dual(gate_up), gate_up_shapes),
-            w_up=None, w_down=dual(lp.w_down))
+            lp, wq=FusedWeight(dual_precision(qkv, min_rows, packed=packed, max_rows=max_rows,
+                                              round_x_min_rows=round_x_min_rows,
+                                              split=fused_split(q_shards)),
+                               qkv_shapes, q_shards),
+            wk=None, wv=None, wo=dual(lp.wo, 2, LAYER_AXES["wo"]),
+            w_gate=FusedWeight(dual_precision(gate_up, min_rows, packed=packed,
+                                              max_rows=max_rows,
+                                              round_x_min_rows=round_x_min_rows,
+                                              split=fused_split(mlp_shards)),
+                               gate_up_shapes, mlp_shards),
+            w_up=None, w_down=dual(lp.w_down, 1, LAYER_AXES["w_down"]))
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
+    head_split = (split(head.shape, EMBED_AXES, 1)[::-1] if tied
+                  else split(head.shape, LM_HEAD_AXES, 1))
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
-                               lm_head=dual(head, vocab_major=tied))
+                               lm_head=dual_precision(head, min_rows, vocab_major=tied,
+                                                      packed=packed, max_rows=max_rows,
+                                                      round_x_min_rows=round_x_min_rows,
+                                                      split=head_split))
 
 
 def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
@@ -235,6 +295,14 @@ def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
     from cpu_kernels.bf16_matmul import bf16_matmul as cpu_bf16_matmul
     round_x = w.round_x_min_rows is not None and x2.shape[0] >= w.round_x_min_rows
     return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16, round_x=round_x)
+
+
+def _out_shape(logical: tuple[int, ...], cols: int) -> tuple[int, ...]:
+    """The output dims of a packed weight whose kernel gave `cols` columns: its logical
+    output dims, or one device's part of them under tensor parallelism (the logical
+    shape is the whole weight's; the columns split over the first output axis)."""
+    rest = math.prod(logical[1:])
+    return logical if math.prod(logical) == cols else (cols // rest, *logical[1:])
 
 
 class Matmul:
@@ -260,7 +328,7 @@ class Matmul:
             lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
             if w.packed and w.uses_bf16(rows):
                 y = packed_bf16_matmul(x.reshape(rows, -1), w)
-                return y.reshape(*lead, *w.shape[n_in:]).astype(x.dtype)
+                return y.reshape(*lead, *_out_shape(w.shape[n_in:], y.shape[-1])).astype(x.dtype)
             wx = w.pick(rows)
             if wx.dtype == x.dtype:
                 return jnp.tensordot(x, wx, axes=n_in)

@@ -15,17 +15,21 @@ Source: Llama (Touvron et al. 2023) as implemented in HF transformers' `LlamaMod
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
-from jaxserve.model.params import LayerParams, Params
+from jaxserve.model import tensor_parallel as tp
+from jaxserve.model.params import EMBED_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.model.quantized import Matmul, matmul_backend
+from jaxserve.model.tensor_parallel import embed_tokens, tp_axis
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling import SamplerOps, sampler_ops
 from jaxserve.sharding import ShardingRules, constrain
@@ -78,7 +82,10 @@ def next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int,
 
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,
                      meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels,
-                     layout: str):
+                     layout: str, reduce_heads: str | None = None):
+    """Attention with its residual input x [T, D] -> (output [T, D], K pool, V pool).
+    reduce_heads: the mesh axis to psum wo's partial sums over (inside shard_map, the
+    heads split), else None."""
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     q, k, v = kernels.matmul.project(h, (lp.wq, lp.wk, lp.wv))  # [T, H | K | K, Dh]
     if lp.bq is not None:
@@ -90,6 +97,8 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
     v_pages = write_kv(v_pages, v, slot_mapping, layout)
     attn = kernels.attention(q, k_pages, v_pages, meta, layout)
     out = kernels.matmul.dense(attn, lp.wo, 2)  # [T, D]
+    if reduce_heads is not None:
+        out = jax.lax.psum(out, reduce_heads)
     return constrain(rules, out, ACT_AXES), k_pages, v_pages
 
 
@@ -131,8 +140,10 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
     with this step's K/V written at `batch.slot_mapping`. `kernels` picks the attention
     and matmul implementations; params may hold QuantizedWeight projections. The cache
     may be in either layout for "xla" attention, token-major for the Pallas kernels.
+    Under a tensor-parallel mesh (`rules`) the embedding and the layers run per device
+    (jaxserve.model.tensor_parallel); the hidden states come back replicated.
     """
-    x = constrain(rules, params.embed[batch.tokens], ACT_AXES)
+    x = constrain(rules, embed_tokens(params.embed, batch.tokens, rules), ACT_AXES)
     x, cache = decoder_layers(x, params.layers, cache, batch, cfg, rules, kernels)
     return rms_norm(x, params.final_norm, cfg.rms_norm_eps), cache
 
@@ -143,17 +154,42 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
     """The decoder layers `layers` (a sequence of LayerParams, one KV pool layer each) over
     the batch's input activations x [T, D]: the residual stream after the last layer
     [T, D] (no final norm) and the cache with their K/V written. `forward` runs the model's
-    layers on its token embeddings; a draft head (jaxserve.spec_decode.eagle) its own."""
+    layers on its token embeddings; a draft head (jaxserve.spec_decode.eagle) its own.
+    Under a tensor-parallel mesh all of them run in one `jax.shard_map`, each device on
+    its own heads, MLP columns and KV pool shard, with a psum after wo and w_down where
+    their inputs are split (x in and out replicated)."""
+    axis = tp_axis(rules)
+    if axis is None:
+        return _decoder_layers(x, layers, cache, batch, cfg, rules, kernels)
+    heads, mlp = tp.splits(layers[0], rules)
+    local = functools.partial(_decoder_layers, cfg=cfg, rules=None, kernels=kernels,
+                              reduce_heads=axis if heads else None,
+                              reduce_mlp=axis if mlp else None)
+    layer_specs = tuple(tp.layer_specs(lp, rules) for lp in layers)
+    kv_specs = tp.cache_specs(cache, rules)
+    rep = tp.REPLICATED
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(rep, layer_specs, kv_specs, rep),
+                         out_specs=(rep, kv_specs), check_vma=False)(x, tuple(layers), cache, batch)
+
+
+def _decoder_layers(x, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
+                    rules: ShardingRules | None, kernels: Kernels,
+                    reduce_heads: str | None = None, reduce_mlp: str | None = None):
+    """decoder_layers on one device (or under GSPMD with `rules`); reduce_heads /
+    reduce_mlp: mesh axes to psum the wo / w_down outputs over (inside shard_map)."""
     cos, sin = rope_tables(batch.positions, cfg)
     meta = kernels.attention.metadata(batch.block_tables, batch.seq_lens, batch.query_start,
                                       batch.positions, cache.page_size, batch.decode)
     ks, vs = [], []
     for i, lp in enumerate(layers):
         a, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], cos, sin,
-                                     batch.slot_mapping, meta, cfg, rules, kernels, cache.layout)
+                                     batch.slot_mapping, meta, cfg, rules, kernels, cache.layout,
+                                     reduce_heads)
         x = x + a
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         mlp = swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules, kernels.matmul)
+        if reduce_mlp is not None:
+            mlp = jax.lax.psum(mlp, reduce_mlp)
         x = constrain(rules, x + mlp, ACT_AXES)
         ks.append(kp)
         vs.append(vp)
@@ -163,9 +199,20 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
 def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | None = None,
                    matmul: Matmul | str = "xla") -> jax.Array:
     """LM head: hidden [..., D] -> logits [..., vocab] f32, by `matmul`'s lm_head (tied to
-    the embedding when `params.lm_head` is None)."""
-    logits = matmul_backend(matmul).lm_head(hidden, params.embed, params.lm_head)
-    return constrain(rules, logits, (None,) * (logits.ndim - 1) + ("vocab",))
+    the embedding when `params.lm_head` is None). Under a tensor-parallel mesh each device
+    computes its own vocabulary columns (in shard_map, any kernel); the logits come back
+    split over the vocabulary (the sampler's reductions run on that split)."""
+    mm = matmul_backend(matmul)
+    axis = tp_axis(rules)
+    if axis is None:
+        logits = mm.lm_head(hidden, params.embed, params.lm_head)
+        return constrain(rules, logits, (None,) * (logits.ndim - 1) + ("vocab",))
+    embed_spec = tp.node_spec(params.embed, EMBED_AXES, 1, rules)
+    head_spec = tp.node_spec(params.lm_head, LM_HEAD_AXES, 1, rules)
+    out = PartitionSpec(*(None,) * (hidden.ndim - 1), tp.vocab_axis(params, rules))
+    return jax.shard_map(lambda h, e, w: mm.lm_head(h, e, w), mesh=rules.mesh,
+                         in_specs=(tp.REPLICATED, embed_spec, head_spec), out_specs=out,
+                         check_vma=False)(hidden, params.embed, params.lm_head)
 
 
 def last_token_logits(params: Params, hidden: jax.Array, logits_indices: jax.Array,

@@ -35,6 +35,7 @@ from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes
 from jaxserve.model.layers import rms_norm
 from jaxserve.model.params import LayerParams, Params, init_params
+from jaxserve.model.tensor_parallel import embed_tokens
 from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, decoder_layers
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sharding import ShardingRules
@@ -99,7 +100,8 @@ def head_features(hp: EagleParams, embed: jax.Array, kv: KVCache, batch: StepBat
     """The head over a batch: token embeddings (`embed[batch.tokens]`) and the previous
     position's features prev [T, D] -> its guessed features [T, D] (normed) and its KV
     pool with the rows' K/V written."""
-    x = jnp.concatenate([embed[batch.tokens].astype(jnp.float32), prev.astype(jnp.float32)],
+    x = jnp.concatenate([embed_tokens(embed, batch.tokens, rules).astype(jnp.float32),
+                         prev.astype(jnp.float32)],
                         axis=-1)
     x = jnp.dot(x, hp.fc.astype(jnp.float32)).astype(embed.dtype)
     x, kv = decoder_layers(x, hp.body.layers, kv, batch, cfg, rules, kernels)

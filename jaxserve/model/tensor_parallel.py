@@ -1,0 +1,170 @@
+"""Tensor parallelism as explicit SPMD: the decoder layers, the token embedding and the LM
+head run inside `jax.shard_map` over the `model` mesh axis.
+
+Each device holds its own query / KV heads, MLP columns and vocabulary rows (the param and
+KV pool shardings of jaxserve.sharding's rules) and runs every kernel (XLA, the C++ CPU
+kernels, Pallas, the quantised matmuls) on its shard only. The reductions are explicit: a
+`psum` after the attention output projection (wo) when the heads are split, after the MLP
+down projection (w_down) when the MLP is split, and after the vocab-parallel embedding
+lookup. Activations between these blocks are replicated, so no weight and no KV page ever
+crosses devices: a step moves two [tokens, hidden] all-reduces per layer, and the logits
+leave split over the vocabulary for the sampler.
+
+A dimension that does not divide over the axis stays replicated (SmolLM2's 9 query / 3 KV
+heads on 2 or 4 devices): every device then computes all of it, and its projection needs
+no reduction. The query and KV heads split together or not at all
+(jaxserve.config.check_deployment).
+
+The param tree's prepared leaves (QuantizedWeight, DualPrecisionWeight, FusedWeight) get
+their PartitionSpecs from the logical axes of the weight they hold (`node_spec`); a fused
+projection is fused per shard (FusedWeight.shards), so that a contiguous split of its
+columns gives each device its own parts.
+
+Source: Shoeybi et al. 2019, "Megatron-LM" (column- and row-parallel linear layers,
+vocab-parallel embedding); JAX's shard_map (explicit collectives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.kv_cache import KVCache, kv_axes
+from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
+from jaxserve.model.quantized import (PROJECTIONS, DualPrecisionWeight, FusedWeight,
+                                      QuantizedWeight)
+from jaxserve.sharding import ShardingRules
+
+REPLICATED = PartitionSpec()
+
+
+def tp_axis(rules: ShardingRules | None) -> str | None:
+    """The mesh axis tensor parallelism splits over (the `mlp` rule's), or None when there
+    is no mesh or that axis has one device (then the model runs without shard_map)."""
+    if rules is None:
+        return None
+    axis = rules.mesh_axis("mlp")
+    return axis if axis is not None and rules.mesh.shape[axis] > 1 else None
+
+
+def _split_axes(spec: PartitionSpec, n_in: int) -> tuple[str | None, str | None]:
+    """(mesh axis of the input dims, mesh axis of the output dims) of a weight's spec."""
+    ins = [a for a in tuple(spec)[:n_in] if a is not None]
+    outs = [a for a in tuple(spec)[n_in:] if a is not None]
+    return (ins[0] if ins else None), (outs[0] if outs else None)
+
+
+def node_spec(node: Any, axes: tuple, n_in: int, rules: ShardingRules) -> Any:
+    """The PartitionSpec tree (node's structure) of one param: a float array of logical
+    `axes` (its first `n_in` contracted), or a QuantizedWeight, DualPrecisionWeight or
+    FusedWeight standing for such a weight. None stays None."""
+    if node is None:
+        return None
+    if isinstance(node, FusedWeight):  # [in, parts' columns], fused per shard
+        out = rules.mesh_axis(axes[n_in]) if node.shards > 1 else None
+        fused = PartitionSpec(None, out)
+        if isinstance(node.w, DualPrecisionWeight):
+            w = node.w
+            inner = DualPrecisionWeight(
+                w=None if w.w is None else fused,
+                w_bf16=PartitionSpec(out, None, None, None) if w.packed else fused,
+                min_rows=w.min_rows, vocab_major=w.vocab_major, logical_shape=w.logical_shape,
+                max_rows=w.max_rows, round_x_min_rows=w.round_x_min_rows)
+        else:
+            inner = fused
+        return FusedWeight(w=inner, out_shapes=node.out_shapes, shards=node.shards)
+    if isinstance(node, QuantizedWeight):
+        spec = rules.spec(axes, node.shape)
+        ax_in, ax_out = _split_axes(spec, n_in)
+        scales = (PartitionSpec(ax_out) if node.scales.ndim == 1
+                  else PartitionSpec(ax_in, ax_out))
+        return QuantizedWeight(w_q=spec, scales=scales, fmt=node.fmt, n_in=node.n_in)
+    if isinstance(node, DualPrecisionWeight):
+        # a tied head is held vocab-major: [vocab, embed], its input the last axis
+        w_axes = EMBED_AXES if node.vocab_major else axes
+        spec = rules.spec(w_axes, node.shape)
+        if node.vocab_major:
+            ax_out, ax_in = spec[0], spec[1]
+        else:
+            ax_in, ax_out = _split_axes(spec, n_in)
+        return DualPrecisionWeight(
+            w=None if node.w is None else spec,
+            w_bf16=PartitionSpec(ax_out, ax_in, None, None) if node.packed else spec,
+            min_rows=node.min_rows, vocab_major=node.vocab_major,
+            logical_shape=node.logical_shape, max_rows=node.max_rows,
+            round_x_min_rows=node.round_x_min_rows)
+    return rules.spec(axes, node.shape)
+
+
+def layer_specs(lp: LayerParams, rules: ShardingRules) -> LayerParams:
+    """PartitionSpec trees of one layer's params (any prepared form)."""
+    return LayerParams(**{f.name: node_spec(getattr(lp, f.name), LAYER_AXES[f.name],
+                                            PROJECTIONS.get(f.name, 1), rules)
+                          for f in dataclasses.fields(LayerParams)})
+
+
+def params_specs(params: Params, rules: ShardingRules) -> Params:
+    """PartitionSpec trees of a whole Params tree (any prepared form)."""
+    return Params(embed=node_spec(params.embed, EMBED_AXES, 1, rules),
+                  layers=tuple(layer_specs(lp, rules) for lp in params.layers),
+                  final_norm=node_spec(params.final_norm, ("embed",), 1, rules),
+                  lm_head=node_spec(params.lm_head, LM_HEAD_AXES, 1, rules))
+
+
+def cache_specs(cache: KVCache, rules: ShardingRules) -> KVCache:
+    """PartitionSpecs of a KV pool's arrays (KV heads split when they divide)."""
+    spec = lambda a: rules.spec(kv_axes(cache.layout), a.shape)
+    return KVCache(k=tuple(map(spec, cache.k)), v=tuple(map(spec, cache.v)), layout=cache.layout)
+
+
+def shard_params(params: Params, rules: ShardingRules) -> Params:
+    """`params` placed on the shardings shard_map reads them in (params_specs): after
+    prepare_params, whose jitted quantisation / packing leaves other layouts."""
+    specs = params_specs(params, rules)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(rules.mesh, s)),
+                        params, specs)
+
+
+def splits(lp: LayerParams, rules: ShardingRules) -> tuple[bool, bool]:
+    """(heads split, MLP split) of a layer: whether the inputs of wo and w_down are split
+    over devices, i.e. whether their outputs need a psum (from their logical shapes:
+    every prepared form's `.shape` is the whole weight's)."""
+    heads = rules.spec(LAYER_AXES["wo"], lp.wo.shape)[0] is not None
+    mlp = rules.spec(LAYER_AXES["w_down"], lp.w_down.shape)[0] is not None
+    return heads, mlp
+
+
+def vocab_axis(params: Params, rules: ShardingRules) -> str | None:
+    """The mesh axis the LM head's vocabulary columns are split over, or None."""
+    if params.lm_head is None:
+        return rules.spec(EMBED_AXES, params.embed.shape)[0]
+    head = params.lm_head
+    if isinstance(head, DualPrecisionWeight):  # [V, D] when tied or packed: vocab first
+        spec = node_spec(head, LM_HEAD_AXES, 1, rules).w_bf16
+        return spec[0] if head.packed or head.vocab_major else spec[1]
+    return rules.spec(LM_HEAD_AXES, head.shape)[1]
+
+
+def embed_tokens(embed: jax.Array, tokens: jax.Array, rules: ShardingRules | None) -> jax.Array:
+    """embed [vocab, D] rows of tokens [T] int32 -> [T, D]. Under tensor parallelism with
+    the vocabulary split, each device looks up the ids in its own rows (others give
+    zeros) and a psum assembles them (Megatron's vocab-parallel embedding): the table is
+    never gathered."""
+    axis = tp_axis(rules)
+    spec = rules.spec(EMBED_AXES, embed.shape) if axis else None
+    if axis is None or spec[0] is None:
+        return embed[tokens]
+
+    def local(e, ids):
+        rows = e.shape[0]
+        ids = ids - jax.lax.axis_index(axis) * rows
+        mine = (ids >= 0) & (ids < rows)
+        x = jnp.where(mine[:, None], e[jnp.clip(ids, 0, rows - 1)], 0)
+        return jax.lax.psum(x, axis)
+
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(spec, REPLICATED),
+                         out_specs=REPLICATED, check_vma=False)(embed, tokens)
