@@ -40,17 +40,21 @@ def can_pack(k: int, n: int) -> bool:
     return k % 2 == 0 and panel_width(n) is not None
 
 
-def pack_weight(w: jax.Array, transposed: bool = False) -> jax.Array:
+def pack_weight(w: jax.Array, transposed: bool = False, panel: int | None = None) -> jax.Array:
     """Pack W [K, N] (or [N, K] when `transposed`, e.g. a tied LM head [vocab, embed]), any
     float dtype, into the kernel's layout: [N / P, K / 2, P, 2] bf16 with element
-    [n // P, k // 2, n % P, k % 2] = bf16(W[k, n]) (round to nearest even), P =
-    panel_width(N). Raises ValueError if K is odd or N not a multiple of 16."""
+    [n // P, k // 2, n % P, k % 2] = bf16(W[k, n]) (round to nearest even), P = `panel`
+    (a multiple of 16 dividing N; default panel_width(N): a split of the panels over
+    devices may need a narrower one). Raises ValueError if K is odd or N not a multiple
+    of 16, or of `panel`."""
     w = w.T if transposed else w
     check_array("pack_weight", "w", w, (None, None))
     K, N = w.shape
     check("pack_weight", can_pack(K, N),
           f"w [K, N] needs an even K and N a multiple of {LANES}, got [{K}, {N}]")
-    P = panel_width(N)
+    P = panel or panel_width(N)
+    check("pack_weight", P % LANES == 0 and N % P == 0,
+          f"panel must be a multiple of {LANES} dividing N={N}, got {P}")
     wb = w.astype(jnp.bfloat16).reshape(K // 2, 2, N // P, P)
     return wb.transpose(2, 0, 3, 1)
 

@@ -23,7 +23,7 @@ from jaxserve.checkpoint import is_checkpoint, load_model_config, load_params
 from jaxserve.config import Config, ConfigError, ModelConfig, check_deployment, load_config
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
-from jaxserve.kernels import prepare_params, select_kernels
+from jaxserve.kernels import prepare_params, resolve_kernel_config, select_kernels
 from jaxserve.kv_cache import init_kv_cache, page_bytes
 from jaxserve.memory_plan import drafter_page_bytes
 from jaxserve.model.params import dummy_params
@@ -66,13 +66,16 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     if compilation_cache:
         enable_compilation_cache(cache_dir)
     model_cfg, ckpt = _model_config(config, cache_dir)
-    ecfg = config.engine
-    check_deployment(ecfg, model_cfg, config.parallel)
     rules = None
     if config.parallel.num_devices > 1:
         rules = ShardingRules(make_mesh(config.parallel))
-    kv_dtype = ecfg.cache.cache_dtype or model_cfg.dtype
+        log.info("tensor parallel %d over %s devices", config.parallel.tensor_parallel_size,
+                 rules.mesh.devices.flat[0].platform)
     platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
+    ecfg = dataclasses.replace(config.engine, kernels=resolve_kernel_config(
+        config.engine.kernels, platform, model_cfg.dtype))
+    check_deployment(ecfg, model_cfg, config.parallel)
+    kv_dtype = ecfg.cache.cache_dtype or model_cfg.dtype
     kernels = select_kernels(ecfg.kernels, platform, config.parallel.num_devices,
                              str(jnp.dtype(kv_dtype)), cache_dir / "kernels")
     if config.load_format == "dummy":

@@ -256,11 +256,13 @@ class KernelConfig:
     """Which kernels compute the step, and the weight layouts they read
     (jaxserve.kernels.select_kernels turns it into a Kernels backend).
 
-    attention_impl: "auto" (pallas on GPU, cpu on one CPU device, xla otherwise), "xla",
-        "cpu" (the C++ kernel of cpu_kernels/, single device), "pallas", "pallas_interpret"
+    attention_impl: "auto" (pallas on GPU, cpu on CPU), "xla", "cpu" (the C++ kernel of
+        cpu_kernels/, per device under TP), "pallas", "pallas_interpret"
         (see ATTENTION_KERNEL_IMPLS).
-    matmul_impl: "auto" (pallas on GPU; on one CPU device "cpu" when bf16_matmul_min_rows
-        is set; xla otherwise), "xla", "pallas", "pallas_interpret" (the quantised
+    matmul_impl: "auto" (pallas on GPU; on CPU "cpu" when bf16_matmul_min_rows is set or
+        the model is bfloat16 (then bf16_matmul_min_rows resolves to 1: its weights packed
+        for the C++ kernel as they are, jaxserve.kernels.resolve_kernel_config); xla
+        otherwise), "xla", "pallas", "pallas_interpret" (the quantised
         projections of weight_quant), "cpu" (the bf16 weight copies of bf16_matmul_min_rows
         in the C++ kernel of cpu_kernels/, AVX512-BF16 where the CPU has it).
     sampling_impl: "auto" ("cpu" on one CPU device, xla otherwise), "xla", "cpu": what
@@ -274,7 +276,8 @@ class KernelConfig:
         matmuls over at least this many activation rows (B x Q for the projections, B for
         the LM head) use a bf16 copy of the weights with f32 accumulation, smaller ones the
         f32 weights (jaxserve.model.quantized.DualPrecisionWeight; 1.5x weight memory).
-        Pick it by measurement: tools/bench_step.py. Not with weight_quant or TP.
+        Pick it by measurement: tools/bench_step.py. Not with weight_quant. For bfloat16
+        models only 1 (no bf16_matmul_max_rows): the weights themselves, repacked.
     bf16_matmul_max_rows: None, or with bf16_matmul_min_rows: matmuls over more rows than
         this use the f32 weights again (tools/bench_step.py --compare matmul suggests both).
     bf16_matmul_round_x_min_rows: None, or with the C++ bf16 matmul (matmul_impl "cpu"):
@@ -552,7 +555,7 @@ def check_deployment(engine: EngineConfig, model: ModelConfig,
                      parallel: ParallelConfig) -> None:
     """What the engine config needs of the model and the mesh (raises ConfigError): the
     tensor-parallel size splits the query and KV heads alike (both or neither); the bf16
-    weight copies need float32 weights."""
+    weight copies need float32 weights, or bfloat16 ones used for every row count."""
     k, tp = engine.kernels, parallel.tensor_parallel_size
     if tp > 1 and (model.num_heads % tp == 0) != (model.num_kv_heads % tp == 0):
         raise ConfigError(
@@ -560,9 +563,11 @@ def check_deployment(engine: EngineConfig, model: ModelConfig,
             f"{model.num_heads} and num_kv_heads={model.num_kv_heads}: the query and KV heads "
             "are split together or replicated together; use a size that divides both or neither")
     if k.bf16_matmul_min_rows is not None:
-        if model.dtype != "float32":
-            raise ConfigError("KernelConfig.bf16_matmul_min_rows needs float32 weights, the "
-                              f"model is served in {model.dtype}")
+        whole = k.bf16_matmul_min_rows == 1 and k.bf16_matmul_max_rows is None
+        if model.dtype != "float32" and not (model.dtype == "bfloat16" and whole):
+            raise ConfigError("KernelConfig.bf16_matmul_min_rows needs float32 weights (or "
+                              "bfloat16 ones with min_rows 1 and no max_rows), the model is "
+                              f"served in {model.dtype}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,24 +169,28 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
     see DualPrecisionWeight (packed copies only). split: (input, output) shards of a
     tensor-parallel weight: the packed layout is blockwise over N and pairwise over K, so
     the global packing split over devices is each shard's own packing when every shard's
-    K and N pack (checked; else plain). Raises ValueError if w is not f32, min_rows < 1
-    or max_rows < min_rows."""
-    if w.dtype != jnp.float32:
-        raise ValueError(f"dual precision needs f32 weights, got {w.dtype}")
+    K and N pack (checked; else plain). A bf16 `w` used for every row count (min_rows 1,
+    no max_rows) is its own copy: packing it is lossless. Raises ValueError if w is not
+    f32 (or such a bf16), min_rows < 1 or max_rows < min_rows."""
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if max_rows is not None and max_rows < min_rows:
         raise ValueError(f"max_rows must be >= min_rows ({min_rows}), got {max_rows}")
     keep = w if min_rows > 1 or max_rows is not None else None
+    if w.dtype != jnp.float32 and not (w.dtype == jnp.bfloat16 and keep is None):
+        raise ValueError(f"dual precision needs f32 weights (or bf16 ones with min_rows 1 "
+                         f"and no max_rows), got {w.dtype} with min_rows {min_rows}")
     if packed:
-        from cpu_kernels.bf16_matmul import can_pack, pack_weight
+        from cpu_kernels.bf16_matmul import LANES, PANEL, can_pack, pack_weight
         if vocab_major:  # [vocab, embed] = W^T of the [K = embed, N = vocab] product
             k, n, w2 = w.shape[1], w.shape[0], w
         else:
             k = math.prod(w.shape[:n_in])
             n, w2 = w.size // k, w.reshape(k, -1)
-        if k % split[0] == 0 and n % split[1] == 0 and can_pack(k // split[0], n // split[1]):
-            w_packed = jax.jit(pack_weight, static_argnums=1)(w2, vocab_major)
+        # the widest panel whose blocks split evenly over the output shards
+        panel = next((p for p in (PANEL, LANES) if n % (p * split[1]) == 0), None)
+        if panel is not None and k % split[0] == 0 and can_pack(k // split[0], n // split[1]):
+            w_packed = jax.jit(pack_weight, static_argnums=(1, 2))(w2, vocab_major, panel)
             return DualPrecisionWeight(w=keep, w_bf16=w_packed, min_rows=min_rows,
                                        vocab_major=vocab_major, logical_shape=tuple(w.shape),
                                        max_rows=max_rows, round_x_min_rows=round_x_min_rows)

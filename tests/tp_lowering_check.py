@@ -1,0 +1,113 @@
+"""Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: the engine's
+step (jaxserve.engine.runner._step: forward, LM head, sampler) for configs/llama70b.py at
+tensor parallel 8, on abstract shapes (nothing allocated), a decode and a mixed bucket:
+
+- lowered for CUDA with all 80 layers and the Pallas attention kernels: every weight and
+  KV pool argument enters its shard_map with the sharding it already has (so the SPMD
+  partitioner has nothing to gather), and the program has no all-gather, only the
+  all-reduces of the explicit psums;
+- compiled for these 8 CPU devices with 2 layers and XLA kernels, where the partitioner
+  runs: the shapes of every all-gather of the compiled program.
+
+Prints JSON {"cuda": {kind: {"layers", "all_reduce", "all_gather", "args_checked",
+"mismatched": [...]}}, "cpu": {kind: {"all_gather_shapes": [...]}}, "control_mismatched":
+[...] (the check run on a program that does read a split argument whole), "vocab",
+"devices"}.
+"""
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.config import load_config
+from jaxserve.engine.runner import StepKey, _abstract_inputs, _step
+from jaxserve.kv_cache import abstract_kv_cache
+from jaxserve.model.params import abstract_params
+from jaxserve.model.transformer import Kernels
+from jaxserve.sharding import ShardingRules, make_mesh
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = (StepKey("decode", 64, 64, 32, 1), StepKey("mixed", 512, 16, 32, 1))
+
+
+def lowered(cfg, rules, kernels, key, platform):
+    params = abstract_params(cfg, rules)
+    cache = abstract_kv_cache(cfg, 4096, 16, "bfloat16", rules, kernels.attention.kv_layout)
+    rep = NamedSharding(rules.mesh, PartitionSpec())
+    batch, sampling = _abstract_inputs(key, rep)
+    fn = jax.jit(functools.partial(_step, cfg=cfg, drafter=None, rules=rules, kernels=kernels),
+                 donate_argnums=(1,), static_argnames=("num_steps",))
+    traced = fn.trace(params, cache, batch, sampling,
+                      jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep), None, None)
+    return traced.lower(lowering_platforms=(platform,)) if platform != "cpu" else traced.lower()
+
+
+def _split_top(text: str) -> list[str]:
+    """Split `text` at the commas outside brackets / braces / angle brackets."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[{<(" and 1 or 0
+        depth -= ch in "]}>)" and 1 or 0
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return out + ([cur.strip()] if cur.strip() else [])
+
+
+def check_manual_inputs(text: str) -> tuple[int, list[str]]:
+    """(argument operands checked, mismatches): for each sdy.manual_computation of the
+    lowered module, each operand that is an argument of @main must carry in the
+    computation's in_shardings the sharding the argument already has."""
+    sig = re.search(r"func\.func public @main\((.*?)\)\s*->", text, re.S).group(1)
+    arg_sharding = {m.group(1): m.group(2) for m in re.finditer(
+        r"%(arg\d+): tensor<[^>]*> \{[^}]*?sdy\.sharding = #sdy\.sharding<@mesh, (\[[^>]*\])>", sig)}
+    checked, bad = 0, []
+    for m in re.finditer(r"sdy\.manual_computation\(([^)]*)\) in_shardings=\[(.*?)\] out_shardings",
+                         text, re.S):
+        operands = [o.strip().lstrip("%") for o in m.group(1).split(",")]
+        shardings = [re.sub(r"^<@mesh, (.*)>$", r"\1", s) for s in _split_top(m.group(2))]
+        for op, sh in zip(operands, shardings, strict=True):
+            if op in arg_sharding:
+                checked += 1
+                if arg_sharding[op] != sh:
+                    bad.append(f"{op}: argument {arg_sharding[op]} vs shard_map {sh}")
+    return checked, bad
+
+
+def main() -> None:
+    base = load_config(ROOT / "configs" / "llama70b.py")
+    rules = ShardingRules(make_mesh(base.parallel))
+    out = {"cuda": {}, "cpu": {}, "vocab": base.model.vocab_size, "devices": len(jax.devices())}
+    pallas = Kernels(attention="pallas", matmul="pallas", sampling="xla")
+    for key in KEYS:
+        text = lowered(base.model, rules, pallas, key, "cuda").as_text()
+        checked, bad = check_manual_inputs(text)
+        out["cuda"][key.kind] = {"layers": base.model.num_layers, "args_checked": checked,
+                                 "mismatched": bad, "all_gather": text.count("all_gather"),
+                                 "all_reduce": text.count("all_reduce"),
+                                 "triton": text.count("xla.gpu.triton")}
+    # the check's own control: an argument split over `model` read whole by a shard_map
+    split = jax.ShapeDtypeStruct((8, 4), jnp.float32,
+                                 sharding=NamedSharding(rules.mesh, PartitionSpec("model")))
+    gathered = jax.jit(jax.shard_map(lambda x: x * 2, mesh=rules.mesh, in_specs=PartitionSpec(),
+                                     out_specs=PartitionSpec()))
+    out["control_mismatched"] = check_manual_inputs(
+        gathered.trace(split).lower(lowering_platforms=("cuda",)).as_text())[1]
+    small = base.model.replace(num_layers=2)
+    xla = Kernels(attention="xla", matmul="xla", sampling="xla")
+    for key in KEYS:
+        hlo = lowered(small, rules, xla, key, "cpu").compile().as_text()
+        shapes = re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} all-gather\(", hlo)
+        out["cpu"][key.kind] = {"all_gather_shapes": shapes}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
