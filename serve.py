@@ -95,7 +95,7 @@ def _server_config(base: ServerConfig, args: argparse.Namespace) -> ServerConfig
 # serve.py flags (vLLM's spellings) that set EngineConfig fields (EngineConfig.override).
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_chunked_prefill", "enable_prefix_caching", "kv_cache_memory_bytes",
-                "speculative_config")
+                "gpu_memory_utilization", "speculative_config")
 
 
 def _engine_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig:
@@ -142,6 +142,9 @@ def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
                                        "prefix (default: the config's, on)")
     ap.add_argument("--kv-cache-memory-bytes", type=int,
                     help="device memory for the KV page pool, bytes (default: the config's)")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="with a config whose kv_cache_memory_bytes is None: the fraction of "
+                         "each device's memory the engine may use (default 0.9)")
     ap.add_argument("--speculative-config",
                     help="speculative decoding, vLLM's JSON object, e.g. '{\"method\": "
                          "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "

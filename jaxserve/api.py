@@ -25,7 +25,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import Runner
 from jaxserve.kernels import prepare_params, resolve_kernel_config, select_kernels
 from jaxserve.kv_cache import init_kv_cache, page_bytes
-from jaxserve.memory_plan import drafter_page_bytes
+from jaxserve.memory_plan import drafter_page_bytes, plan_memory
 from jaxserve.model.params import dummy_params
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint, source_from_path
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
@@ -107,13 +107,19 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
     per_page = (page_bytes(model_cfg, page_size, kv_dtype)
                 + drafter_page_bytes(spec, model_cfg, page_size, kv_dtype))
-    num_pages = ecfg.cache.kv_cache_memory_bytes // per_page
+    if ecfg.cache.kv_cache_memory_bytes is not None:
+        num_pages = ecfg.cache.kv_cache_memory_bytes // per_page
+    else:  # what gpu_memory_utilization of a device leaves after weights and activations
+        device = (rules.mesh.devices.flat[0] if rules else jax.devices()[0])
+        device_bytes = (device.memory_stats() or {}).get("bytes_limit")
+        num_pages = plan_memory(config.replace(engine=ecfg), model_cfg, platform,
+                                device_bytes).kv_pages
     cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout)
     draft = make_draft(num_pages) if make_draft else None
     runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft)
     engine = Engine(model_cfg, ecfg, runner, tokenizer)
     log.info("KV page pool: %d pages of %d tokens (%.0f MiB%s)", num_pages, page_size,
-             ecfg.cache.kv_cache_memory_bytes / 2**20,
+             num_pages * per_page / 2**20,
              ", the drafter's pages included" if draft else "")
     if warmup == "background":
         runner.warmup_in_background()

@@ -166,8 +166,13 @@ class CacheConfig:
     page_size: tokens per KV page. vLLM calls it `block_size`; jaxserve says page, as
         PagedAttention's paper and the JAX engines' kernels (tpu-inference, sglang-jax) do,
         and keeps vLLM's "block table" for a sequence's list of page ids.
-    kv_cache_memory_bytes: bytes of device memory for the pool (K and V, all layers), as
-        vLLM's `--kv-cache-memory-bytes`.
+    kv_cache_memory_bytes: bytes of device memory for the pool (K and V, all layers, all
+        devices together), as vLLM's `--kv-cache-memory-bytes`; None: sized from the
+        devices' memory by gpu_memory_utilization.
+    gpu_memory_utilization: with kv_cache_memory_bytes None, the fraction of each device's
+        memory the engine may use (vLLM's `--gpu-memory-utilization`): the pool gets what
+        the weights and the largest step's activations (jaxserve.memory_plan) leave of
+        it. Devices that report no memory size (CPU) need kv_cache_memory_bytes.
     cache_dtype: dtype K/V are stored in (vLLM's `--kv-cache-dtype`); None = the model's.
     enable_prefix_caching: keep the K/V pages of finished and preempted sequences, by
         chained page hash, for later prompts with the same prefix (jaxserve.engine
@@ -175,12 +180,18 @@ class CacheConfig:
     """
 
     page_size: int = 16
-    kv_cache_memory_bytes: int = 256 * 2**20
+    kv_cache_memory_bytes: int | None = 256 * 2**20
     cache_dtype: str | None = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
-        _positive("CacheConfig", self, ("page_size", "kv_cache_memory_bytes"))
+        _positive("CacheConfig", self, ("page_size",))
+        if self.kv_cache_memory_bytes is not None:
+            _positive("CacheConfig", self, ("kv_cache_memory_bytes",))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], "
+                              f"got {self.gpu_memory_utilization!r}")
         if self.cache_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"CacheConfig.cache_dtype must be None, 'float32', 'bfloat16' or "
                               f"'float16', got {self.cache_dtype!r}")

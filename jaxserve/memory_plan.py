@@ -4,9 +4,11 @@ Computed from the abstract param tree and its shardings on an abstract mesh, so 
 tensor-parallel-8 plan runs on a laptop without allocating anything.
 
 Formulas (the usual serving back-of-envelope, as in vLLM's and the "LLM inference
-memory" guides): weights = sum of each leaf's shard size x dtype bytes; KV per token =
-2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool = kv_cache_memory_bytes split over
-the devices that share the kv_heads axis; activations = the largest step's live buffers
+memory" guides): weights = sum of each leaf's shard size x dtype bytes, for the leaves
+the engine holds (quantised values and scales, bf16 copies: prepared_weight_bytes); KV
+per token = 2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool =
+kv_cache_memory_bytes split over the devices that share the kv_heads axis (or, without it,
+gpu_memory_utilization of each device less the weights and activations); activations = the largest step's live buffers
 (residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits). A drafter
 of speculative decoding (a draft model, an EAGLE head) keeps its own pool over the same
 pages: each page of the budget pays for both (as jaxserve.api.build_engine sizes them), so
@@ -24,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.checkpoint import is_checkpoint, load_model_config
-from jaxserve.config import Config, ConfigError, ModelConfig, SpeculativeConfig
+from jax.sharding import PartitionSpec
+
+from jaxserve.config import Config, ConfigError, KernelConfig, ModelConfig, SpeculativeConfig
 from jaxserve.kv_cache import KV_AXES, page_bytes
 from jaxserve.model.params import abstract_params
 from jaxserve.sharding import ShardingRules, make_abstract_mesh
@@ -79,11 +83,48 @@ def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
     return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
-def plan_memory(config: Config, model: ModelConfig | None = None) -> MemoryPlan:
-    """Plan `config` on an abstract mesh of `config.parallel` (no devices, no allocation).
+def _spec_bytes(x, spec: PartitionSpec, mesh) -> int:
+    """Bytes of one device's shard of `x` (shape, dtype) under `spec` on `mesh`."""
+    shape = list(x.shape)
+    for i, axis in enumerate(tuple(spec)):
+        if axis is not None:
+            shape[i] //= mesh.shape[axis]
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
 
-    `model` defaults to `config.model`. Raises ValueError if neither gives a shape.
+
+def prepared_weight_bytes(model: ModelConfig, kcfg: KernelConfig,
+                          rules: ShardingRules) -> tuple[int, int]:
+    """(bytes on one device, bytes in all) of the weights as the engine holds them: after
+    jaxserve.kernels.prepare_params (int8 / fp8 values and their scales, bf16 copies beside
+    or instead of the weights), traced abstractly (jax.eval_shape: nothing allocated) and
+    split by the shard_map specs of jaxserve.model.tensor_parallel."""
+    from jaxserve.kernels import prepare_params
+    from jaxserve.model.tensor_parallel import params_specs
+    from jaxserve.model.transformer import Kernels
+
+    # the XLA layout: a packed or fused copy holds the same bytes as a plain one
+    prepared = jax.eval_shape(lambda p: prepare_params(p, kcfg, Kernels()), abstract_params(model))
+    specs = params_specs(prepared, rules)
+    leaves = jax.tree.leaves(prepared)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    per_device = sum(_spec_bytes(x, s, rules.mesh) for x, s in zip(leaves, spec_leaves, strict=True))
+    return per_device, sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
+def plan_memory(config: Config, model: ModelConfig | None = None, platform: str = "gpu",
+                device_bytes: int | None = None) -> MemoryPlan:
+    """Plan `config` on an abstract mesh of `config.parallel` (no devices, no allocation),
+    for devices of `platform` ("gpu", "cpu": what "auto" kernels resolve to) with
+    `device_bytes` of memory each.
+
+    `model` defaults to `config.model`. With CacheConfig.kv_cache_memory_bytes None the
+    pool gets gpu_memory_utilization x device_bytes less the weights and activations of
+    one device, on every device. Raises ValueError if neither gives a shape; ConfigError
+    when the pool is to be sized from device memory and `device_bytes` is None, or
+    nothing is left for it.
     """
+    from jaxserve.kernels import resolve_kernel_config
+
     model = model or config.model
     if model is None:
         raise ValueError(f"Config {config.name!r} has no model shape to plan (config.model)")
@@ -93,8 +134,8 @@ def plan_memory(config: Config, model: ModelConfig | None = None) -> MemoryPlan:
     rules = ShardingRules(make_abstract_mesh(config.parallel))
     params = abstract_params(model, rules)
     leaves = jax.tree.leaves_with_path(params)
-    weights = sum(_shard_bytes(x) for _, x in leaves)
-    weights_total = sum(math.prod(x.shape) * x.dtype.itemsize for _, x in leaves)
+    kcfg = resolve_kernel_config(ecfg.kernels, platform, model.dtype)
+    weights, weights_total = prepared_weight_bytes(model, kcfg, rules)
     replicated = ()
     if config.parallel.tensor_parallel_size > 1:  # matrices that could not be split over `model`
         replicated = tuple(sorted({jax.tree_util.keystr(p).split(".")[-1] for p, x in leaves
@@ -104,16 +145,32 @@ def plan_memory(config: Config, model: ModelConfig | None = None) -> MemoryPlan:
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_dtype.itemsize
     page_size = ecfg.cache.page_size
     draft_page = drafter_page_bytes(ecfg.speculative, model, page_size, kv_dtype)
-    pages = ecfg.cache.kv_cache_memory_bytes // (page_bytes(model, page_size, kv_dtype) + draft_page)
-    page_shape = (pages, page_size, model.num_kv_heads, model.head_dim)
-    kv_split = math.prod(page_shape) // math.prod(rules.sharding(KV_AXES, page_shape).shard_shape(page_shape))
+    per_page = page_bytes(model, page_size, kv_dtype) + draft_page
+    probe = (1, page_size, model.num_kv_heads, model.head_dim)
+    kv_split = math.prod(probe) // math.prod(rules.sharding(KV_AXES, probe).shard_shape(probe))
+    activations = activation_bytes(model, config, rules)
+    budget = ecfg.cache.kv_cache_memory_bytes
+    if budget is None:
+        if device_bytes is None:
+            raise ConfigError("CacheConfig.kv_cache_memory_bytes is None and the device memory "
+                              "is unknown: give kv_cache_memory_bytes (CPU devices report no "
+                              "memory size)")
+        free = int(ecfg.cache.gpu_memory_utilization * device_bytes) - weights - activations
+        if free <= 0:
+            raise ConfigError(
+                f"gpu_memory_utilization={ecfg.cache.gpu_memory_utilization} of "
+                f"{device_bytes / GiB:.1f} GiB leaves no room for the KV pool: the weights take "
+                f"{weights / GiB:.2f} GiB and the largest step's activations "
+                f"{activations / GiB:.2f} GiB per device")
+        budget = free * kv_split
+    pages = budget // per_page
     kv_pool = pages * page_size * per_token // kv_split
 
     return MemoryPlan(
         num_devices=config.parallel.num_devices, num_params=sum(math.prod(x.shape) for _, x in leaves),
         weights_total=weights_total, weights=weights, kv_bytes_per_token_total=per_token,
         kv_pages=pages, kv_tokens=pages * page_size, kv_pool=kv_pool,
-        activations=activation_bytes(model, config, rules), replicated_leaves=replicated,
+        activations=activations, replicated_leaves=replicated,
         draft_pool=pages * draft_page // kv_split)
 
 
@@ -150,7 +207,8 @@ def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -
                 + 2 * B * S * split(model.num_kv_heads) * model.head_dim * kvb         # gathered K, V
                 + B * split(model.num_heads) * Q * S * 4                                # f32 scores
                 + 3 * T * split(model.intermediate_size) * b                            # gate, up, product
-                + B * split(model.vocab_size) * 4)                                      # f32 logits
+                + B * split(model.vocab_size) * 4                                       # f32 logits
+                + (B * model.vocab_size * 4 if tp > 1 else 0))  # gathered whole for the sampler
 
     limits = ecfg.scheduler
     # a prompt chunk of the whole budget over the longest context, or every sequence's

@@ -66,8 +66,11 @@ def test_check_deployment_needs_of_the_model_and_mesh():
     check_deployment(EngineConfig(), bf16, tp2)  # nothing asked that TP or bf16 refuses
     copies = EngineConfig().override(bf16_matmul_min_rows=1)
     check_deployment(copies, f32, one)
+    check_deployment(copies, bf16, one)  # bf16 weights used for every row: packed as they are
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows needs float32 weights"):
-        check_deployment(copies, bf16, one)
+        check_deployment(EngineConfig().override(bf16_matmul_min_rows=8), bf16, one)
+    with pytest.raises(ConfigError, match="bf16_matmul_min_rows needs float32 weights"):
+        check_deployment(copies.override(bf16_matmul_max_rows=64), bf16, one)
     check_deployment(copies, f32, tp2)  # kernels run per device under TP
     check_deployment(EngineConfig().override(weight_quant="int8"), f32, tp2)
     # tiny_config: 4 query / 2 KV heads; 4 devices would split the query heads only

@@ -323,3 +323,33 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     # identical kernel calls are lowered once and shared: attention + the 4 distinct
     # projection shapes (576x576, 576x192, 576x1536, 1536x576)
     assert text.count("xla.gpu.triton") == 1 + 4
+
+
+def test_bf16_models_on_cpu_resolve_to_the_packed_cpp_matmul():
+    from jaxserve.kernels import resolve_kernel_config
+    auto = KernelConfig()
+    assert resolve_kernel_config(auto, "cpu", "bfloat16").bf16_matmul_min_rows == 1
+    for platform, dtype in (("cpu", "float32"), ("gpu", "bfloat16")):
+        assert resolve_kernel_config(auto, platform, dtype) == auto
+    for kept in (KernelConfig(matmul_impl="xla"), KernelConfig(weight_quant="int8"),
+                 KernelConfig(bf16_matmul_min_rows=4)):
+        assert resolve_kernel_config(kept, "cpu", "bfloat16") == kept
+
+
+def test_bf16_weights_pack_losslessly_and_panels_split_over_shards(cpu_kernels_library):
+    from cpu_kernels.bf16_matmul import unpack_weight
+    from jaxserve.model.quantized import dual_precision
+
+    w = jax.random.normal(jax.random.key(0), (64, 96)).astype(jnp.bfloat16)
+    d = dual_precision(w, 1, packed=True)
+    assert d.packed and d.w is None
+    np.testing.assert_array_equal(np.asarray(unpack_weight(d.w_bf16)), np.asarray(w))
+    with pytest.raises(ValueError, match="needs f32 weights"):
+        dual_precision(w, 8, packed=True)
+    # N = 96: panels of 64 do not tile it, 16 does; over 2 shards 48 columns each -> 16
+    assert dual_precision(w, 1, packed=True, split=(1, 2)).w_bf16.shape == (6, 32, 16, 2)
+    # 3 shards of 32 columns: panels of 16 (2 per shard)
+    assert dual_precision(w, 1, packed=True, split=(1, 3)).w_bf16.shape == (6, 32, 16, 2)
+    w128 = jnp.zeros((64, 128), jnp.bfloat16)
+    assert dual_precision(w128, 1, packed=True, split=(1, 2)).w_bf16.shape[2] == 64
+    assert dual_precision(w128, 1, packed=True, split=(1, 4)).w_bf16.shape[2] == 16

@@ -1,6 +1,10 @@
 """Print the per-device memory plan of a config (no devices needed, nothing allocated).
 
     python tools/plan_memory.py --config configs/llama70b.py [--device-gib 80]
+        [--tensor-parallel-size N] [--platform gpu|cpu]
+
+With a config whose CacheConfig.kv_cache_memory_bytes is None the KV pool is what
+gpu_memory_utilization of --device-gib leaves after the weights and activations.
 """
 
 import argparse
@@ -14,13 +18,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="a configs/NAME.py file")
     ap.add_argument("--device-gib", type=float, default=80.0, help="memory of one device (GiB)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, help="override the config's")
+    ap.add_argument("--platform", default="gpu", choices=("gpu", "cpu"),
+                    help="the devices (what 'auto' kernels and weight layouts resolve to)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
+    if args.tensor_parallel_size:
+        cfg = cfg.override(tensor_parallel_size=args.tensor_parallel_size)
     if cfg.model is None:
         print(f"error: {args.config} gives no model shape (Config.model); a checkpoint's "
               f"config.json holds it", file=sys.stderr)
         return 1
-    plan = plan_memory(cfg)
+    plan = plan_memory(cfg, platform=args.platform, device_bytes=int(args.device_gib * 2**30))
     print(f"{cfg.name}: {cfg.model.num_layers} layers, dtype {cfg.dtype or cfg.model.dtype}, "
           f"tensor parallel {cfg.parallel.tensor_parallel_size}")
     print(plan.table(int(args.device_gib * 2**30)))
