@@ -23,6 +23,7 @@ import time
 
 import uvicorn
 
+from jaxserve import distributed
 from jaxserve.api import DEFAULT_CONFIG, build_engine
 from jaxserve.checkpoint import CheckpointError
 from jaxserve.config import LOAD_FORMATS, ConfigError, EngineConfig, ServerConfig, load_config
@@ -188,6 +189,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-background-warmup", dest="background_warmup", action="store_false",
                     help="compile every step shape before serving (default: serve once the "
                          "first shapes are compiled, compile the rest in the background)")
+    ap.add_argument("--dist-init-addr",
+                    help="multi-process: process 0's HOST:PORT for jax.distributed (sglang's flag)")
+    ap.add_argument("--nnodes", type=int, default=1,
+                    help="multi-process: how many processes (each with its local devices)")
+    ap.add_argument("--node-rank", type=int, default=0,
+                    help="multi-process: this process's rank; 0 serves HTTP and schedules")
     _add_model_flags(ap)
     _add_engine_flags(ap)
     _add_limit_flags(ap)
@@ -203,13 +210,30 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, CheckpointError) as e:
         ap.error(str(e))
     host, port = args.host or config.host, args.port or config.port
+    multi = args.nnodes > 1
+    if multi:
+        if not args.dist_init_addr:
+            ap.error("--nnodes > 1 needs --dist-init-addr HOST:PORT (process 0's address)")
+        try:
+            distributed.initialize(args.dist_init_addr, args.nnodes, args.node_rank)
+        except ValueError as e:
+            ap.error(str(e))
     # Serve as soon as the first shapes are compiled; the rest compile in the background
     # (from the on-disk compilation cache after the first start: seconds to first token).
+    warmup = "background" if args.background_warmup else True
     try:
-        engine = build_engine(config, cache_dir=args.cache_dir,
-                              warmup="background" if args.background_warmup else True)
+        engine = build_engine(config, cache_dir=args.cache_dir, warmup=False if multi else warmup)
     except (ConfigError, CheckpointError) as e:  # no weights, a bad deployment: one line
         raise SystemExit(f"serve.py: error: {e}") from None
+    channel = None
+    if multi:
+        channel = _join_processes(engine, args)
+        if channel is None:  # a follower: it ran process 0's steps until told to stop
+            return
+        if warmup == "background":
+            engine.runner.warmup_in_background()
+        else:
+            engine.runner.warmup()
     metrics = Metrics(engine.stats)
     async_engine = AsyncEngine(engine, request_timeout_s=server_config.request_timeout_s,
                                max_stream_buffer_bytes=server_config.max_stream_buffer_bytes,
@@ -227,6 +251,38 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         async_engine.shutdown()
         engine.runner.stop_warmup()
+        if channel is not None:
+            channel.stop()
+
+
+def _join_processes(engine, args: argparse.Namespace):
+    """Multi-process: process 0 opens the step channel and returns it (its runner sends
+    every step through it); a follower runs process 0's steps until it says stop, then
+    returns None, or exits with an error naming what is gone. When a follower dies,
+    process 0 logs it and exits (status 3): no step can run without its devices."""
+    rank = args.node_rank
+    if rank == 0:
+        def lost(r: int) -> None:
+            log.error("process %d of %d is gone: stopping (its devices hold part of the "
+                      "model)", r, args.nnodes)
+            logging.shutdown()
+            os._exit(3)
+
+        host = args.dist_init_addr.rpartition(":")[0]
+        try:
+            channel = distributed.StepChannel.lead(args.nnodes, host, lost)
+        except distributed.DistributedError as e:
+            raise SystemExit(f"serve.py: error: {e}") from None
+        engine.runner.mirror = channel
+        return channel
+    try:
+        engine.runner.follow(distributed.StepChannel.follow(rank))
+    except distributed.DistributedError as e:
+        log.error("process %d: %s", rank, e)
+        logging.shutdown()
+        os._exit(3)  # the runtime's own shutdown would wait on the dead process
+    log.info("process %d: process 0 stopped; exiting", rank)
+    return None
 
 
 if __name__ == "__main__":

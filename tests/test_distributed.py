@@ -45,6 +45,13 @@ def test_bad_deployment_flags_are_one_line_errors(tmp_path):
     assert proc.returncode == 2 and "Config.num_layers=81 exceeds the model's 80 layers" in proc.stderr
     proc = _serve("--config", "configs/llama70b.py", "--model", str(tmp_path / "nothing"))
     assert proc.returncode == 2 and "no such model directory or .gguf file" in proc.stderr
+    proc = _serve("--config", "configs/llama70b.py", "--nnodes", "2")
+    assert proc.returncode == 2 and "--nnodes > 1 needs --dist-init-addr HOST:PORT" in proc.stderr
+    proc = _serve("--config", "configs/llama70b.py", "--nnodes", "2", "--node-rank", "2",
+                  "--dist-init-addr", "127.0.0.1:1")
+    assert proc.returncode == 2 and "--node-rank must be in 0..1" in proc.stderr
+    proc = _serve("--config", "configs/llama70b.py", "--nnodes", "2", "--dist-init-addr", "nohost")
+    assert proc.returncode == 2 and "--dist-init-addr must be HOST:PORT" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -114,3 +121,128 @@ def test_llama70b_tp8_step_lowers_for_cuda_without_gathering_weights_or_kv():
         assert c["all_gather_shapes"], kind
         for shape in c["all_gather_shapes"]:
             assert re.fullmatch(rf"f32\[\d+,{r['vocab']}\]", shape), (kind, shape)
+
+
+# --- several processes (jax.distributed over gloo, the step channel) ------------------------
+
+SMALL = ROOT / "tests" / "configs" / "smollm2_small.py"
+PROMPTS = ["The capital of France is", "Write a haiku about rain.",
+           "List three prime numbers and explain why each is prime.", "def fibonacci(n):"]
+
+
+def _launch_pair(tmp_path, cache_dir, extra=()):
+    """serve.py as 2 processes x 2 simulated CPU devices (TP 4 over both) on localhost;
+    returns (processes, API base URL, logs) once process 0 is ready."""
+    import httpx
+
+    bench_serving = _tool("bench_serving")
+    port, coord = bench_serving.free_port(), bench_serving.free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    procs, logs = [], []
+    for rank in (0, 1):
+        logs.append(tmp_path / f"rank{rank}.log")
+        with logs[-1].open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / "serve.py"), "--config", str(SMALL), "--port",
+                 str(port), "--cache-dir", str(cache_dir), "--tensor-parallel-size", "4",
+                 "--dist-init-addr", f"127.0.0.1:{coord}", "--nnodes", "2", "--node-rank",
+                 str(rank), *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        for p, log in zip(procs, logs):
+            assert p.poll() is None, f"a process exited:\n{log.read_text()[-4000:]}"
+        try:
+            if httpx.get(base + "/ready", timeout=5).status_code == 200:
+                return procs, base + "/v1", logs
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"not ready:\n{logs[0].read_text()[-4000:]}"
+        time.sleep(0.5)
+
+
+def _stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _exit_within(proc, seconds: float) -> int | None:
+    try:
+        return proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
+        tmp_path, cache_dir, small_llm):
+    """2 processes x 2 devices, TP 4 over all of them: process 0 serves HTTP and schedules,
+    process 1 runs each step process 0 sends it. Greedy completions of a batch of
+    concurrent requests equal one process's (jaxserve.LLM, TP 1); when process 1 is killed
+    process 0 exits within seconds, saying which process is gone."""
+    import concurrent.futures
+
+    import httpx
+
+    from jaxserve.sampling_params import SamplingParams
+
+    want = [c.text for c in small_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
+    procs, url, logs = _launch_pair(tmp_path, cache_dir)
+    try:
+        def complete(prompt):
+            r = httpx.post(url + "/completions", timeout=300, json={
+                "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 24,
+                "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(complete, PROMPTS))
+        assert got == want
+        assert "step channel: 1 followers connected" in logs[0].read_text()
+        procs[1].kill()
+        t0 = time.monotonic()
+        assert _exit_within(procs[0], 15) == 3, logs[0].read_text()[-2000:]
+        assert time.monotonic() - t0 < 15
+        assert "process 1 of 2 is gone: stopping" in logs[0].read_text()
+    finally:
+        _stop(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_a_follower_exits_when_process_0_dies(tmp_path, cache_dir):
+    """Process 0 hosts jax.distributed's coordination service too: whichever notices
+    first, the step channel's EOF (our error, status 3) or the coordination service's
+    health check (JAX aborts the process: "another task died"), the follower is gone
+    within seconds with a message that says why."""
+    procs, url, logs = _launch_pair(tmp_path, cache_dir)
+    try:
+        procs[0].kill()
+        code = _exit_within(procs[1], 15)
+        text = logs[1].read_text()
+        assert code is not None and code != 0, text[-2000:]
+        assert ("process 0 closed the step channel" in text
+                or "This most likely indicates that another task died" in text), text[-2000:]
+    finally:
+        _stop(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_sigterm_to_process_0_stops_both_cleanly(tmp_path, cache_dir):
+    import signal
+
+    procs, url, logs = _launch_pair(tmp_path, cache_dir)
+    try:
+        procs[0].send_signal(signal.SIGTERM)
+        codes = (_exit_within(procs[0], 30), _exit_within(procs[1], 30))
+        assert codes == (0, 0), (codes, logs[0].read_text()[-1500:], logs[1].read_text()[-1500:])
+        assert "process 1: process 0 stopped; exiting" in logs[1].read_text()
+    finally:
+        _stop(procs)

@@ -214,6 +214,9 @@ class Runner:
         # The last dispatched step's sampled tokens, on device, padded to max_rows.
         self.max_rows = max(self.shapes.seq_buckets)
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
+        # multi-process (jaxserve.distributed): process 0's channel to the others, which
+        # launch every step it launches (Runner.follow); None in one process
+        self.mirror = None
         # to make the pools again (reset_cache)
         self._cache_spec = _abstract(cache)
         self._draft_cache_spec = _abstract(self.draft_cache)
@@ -281,6 +284,9 @@ class Runner:
         """Run `exe` on the pools (donated, replaced by its outputs) and return its handle;
         a non-verify step also replaces `last_tokens` unless `keep_last`."""
         with self._dispatch_lock:
+            if self.mirror is not None:  # the other processes launch the same step
+                self.mirror.send(("call", key, jax.tree.map(np.asarray, batch),
+                                  jax.tree.map(np.asarray, sampling), keep_last))
             if key.kind == "verify":
                 tokens, logprobs, num, self.cache, self.draft_cache = exe(
                     self.params, self.cache, batch, sampling, self.draft_params,
@@ -385,10 +391,32 @@ class Runner:
             return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), spec)
 
         with self._dispatch_lock:
+            if self.mirror is not None:
+                self.mirror.send(("reset",))
             self.cache = self.last_tokens = self.draft_cache = None
             self.cache = zeros(self._cache_spec)
             self.draft_cache = zeros(self._draft_cache_spec)
             self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
+
+    def follow(self, channel) -> None:
+        """A follower process of a multi-process deployment: launch every step process 0
+        launches, in its order, on this process's devices, until it says stop (returns)
+        or is gone (jaxserve.distributed.DistributedError). Shapes compile on first use
+        here (process 0's warm-up runs reach this process as steps too); each step is
+        waited for before the next is read, so nothing piles up."""
+        while True:
+            record = channel.recv()
+            if record[0] == "stop":
+                return
+            if record[0] == "reset":
+                self.reset_cache()
+                continue
+            _, key, batch, sampling, keep_last = record
+            exe = self._compiled.get(key)
+            if exe is None:
+                exe, dt = self._compile(key)
+                self._add(key, exe, dt)
+            self._call(exe, key, batch, sampling, keep_last).tokens.block_until_ready()
 
     @staticmethod
     def fetch(handle: "StepHandle") -> "StepOutput":
