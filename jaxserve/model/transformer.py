@@ -29,7 +29,6 @@ from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.params import EMBED_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.model.quantized import Matmul, matmul_backend
-from jaxserve.model.tensor_parallel import embed_tokens, tp_axis
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling import SamplerOps, sampler_ops
 from jaxserve.sharding import ShardingRules, constrain
@@ -143,7 +142,7 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
     Under a tensor-parallel mesh (`rules`) the embedding and the layers run per device
     (jaxserve.model.tensor_parallel); the hidden states come back replicated.
     """
-    x = constrain(rules, embed_tokens(params.embed, batch.tokens, rules), ACT_AXES)
+    x = constrain(rules, tp.embed_tokens(params.embed, batch.tokens, rules), ACT_AXES)
     x, cache = decoder_layers(x, params.layers, cache, batch, cfg, rules, kernels)
     return rms_norm(x, params.final_norm, cfg.rms_norm_eps), cache
 
@@ -158,7 +157,7 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
     Under a tensor-parallel mesh all of them run in one `jax.shard_map`, each device on
     its own heads, MLP columns and KV pool shard, with a psum after wo and w_down where
     their inputs are split (x in and out replicated)."""
-    axis = tp_axis(rules)
+    axis = tp.tp_axis(rules)
     if axis is None:
         return _decoder_layers(x, layers, cache, batch, cfg, rules, kernels)
     heads, mlp = tp.splits(layers[0], rules)
@@ -203,7 +202,7 @@ def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | Non
     computes its own vocabulary columns (in shard_map, any kernel); the logits come back
     split over the vocabulary (the sampler's reductions run on that split)."""
     mm = matmul_backend(matmul)
-    axis = tp_axis(rules)
+    axis = tp.tp_axis(rules)
     if axis is None:
         logits = mm.lm_head(hidden, params.embed, params.lm_head)
         return constrain(rules, logits, (None,) * (logits.ndim - 1) + ("vocab",))
