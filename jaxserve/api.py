@@ -17,6 +17,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import compile_counter
 from jaxserve.checkpoint import is_checkpoint, load_model_config, load_params
@@ -170,11 +171,15 @@ def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules |
     """make(num_pages) -> (drafter, params, cache) of an EAGLE head: its layer's K/V and
     the target's f32 feature of each token slot."""
     cfg, head = load_head(spec.model, target, target_params)
-    head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels, rules))
+    # on a mesh: the head's layer split like the model's, its fc, draft vocabulary and
+    # feature pool replicated (a few MB)
+    rep = NamedSharding(rules.mesh, PartitionSpec()) if rules is not None else None
+    head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels, rules),
+                               fc=jax.device_put(head.fc, rep), vocab=jax.device_put(head.vocab, rep))
     page_size, D = ecfg.cache.page_size, target.hidden_size
 
     def make(n):
-        feats = jnp.zeros((n * page_size, D), jnp.float32)
+        feats = jnp.zeros((n * page_size, D), jnp.float32, device=rep)
         return (EagleHead(cfg), head,
                 (init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout), feats))
     return make

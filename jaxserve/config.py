@@ -501,7 +501,7 @@ class EngineConfig:
         top, groups = {}, {}
         for key, value in fields.items():
             if key == "speculative_config":  # vLLM's name: a JSON object, its text, or None
-                top["speculative"] = (None if value is None or isinstance(value, SpeculativeConfig)
+                top["speculative"] = (value if value is None or isinstance(value, SpeculativeConfig)
                                       else SpeculativeConfig.from_dict(value))
                 continue
             if key in own:

@@ -98,3 +98,12 @@ def test_config_override_routes_deployment_parallel_and_engine_fields():
         base.override(num_layers=0)
     with pytest.raises(ConfigError, match="EngineConfig has no field 'tensor_parallel'"):
         base.override(tensor_parallel=2)
+
+
+def test_override_speculative_config_takes_an_object_a_dict_or_none():
+    from jaxserve.config import SpeculativeConfig
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert EngineConfig().override(speculative_config=spec).speculative == spec
+    assert EngineConfig().override(speculative_config={"method": "ngram",
+                                                       "num_speculative_tokens": 3}).speculative == spec
+    assert EngineConfig(speculative=spec).override(speculative_config=None).speculative is None

@@ -104,3 +104,13 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_tp4(cache_dir):
     assert "model" in r["kv"]["auto-3"]
     for name in ("xla-2", "xla-4"):  # replicated heads
         assert "model" not in r["wq"][name] and "model" not in r["kv"][name]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_eagle_speculation_under_tp3_gives_tp1_greedy_tokens(cache_dir):
+    """Speculative decoding with the EAGLE head at TP 3 (its layer, KV pool, embedding
+    lookup and draft LM head per device): TP 1's greedy tokens, drafts accepted."""
+    r = on_4_devices(TP_CHECK.parent / "tp_spec_check.py", str(cache_dir))
+    assert r["tokens"]["3"] == r["tokens"]["1"] and sum(map(len, r["tokens"]["1"])) == 48
+    assert r["accepted"]["3"] > 0 and r["accepted"]["1"] > 0
