@@ -28,6 +28,7 @@ from jaxserve.kernels import prepare_params, resolve_kernel_config, select_kerne
 from jaxserve.kv_cache import init_kv_cache, page_bytes
 from jaxserve.memory_plan import drafter_page_bytes, plan_memory
 from jaxserve.model.params import dummy_params
+from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint, source_from_path
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sharding import ShardingRules, make_mesh
@@ -103,6 +104,9 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
                                   kernels, kv_dtype, layout)
     elif spec is not None and spec.method == "eagle":
         make_draft = _eagle_head(spec, model_cfg, raw, rules, ecfg, kernels, kv_dtype, layout)
+    # fewer KV heads than devices: each repeated over the devices that read it (the
+    # drafters above expand their own from the loaded shapes)
+    raw, model_cfg = expand_kv_heads(raw, model_cfg, config.parallel.tensor_parallel_size)
     params = prepare_params(raw, ecfg.kernels, kernels, rules)
     del raw
     # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
@@ -171,6 +175,9 @@ def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules |
     """make(num_pages) -> (drafter, params, cache) of an EAGLE head: its layer's K/V and
     the target's f32 feature of each token slot."""
     cfg, head = load_head(spec.model, target, target_params)
+    tp = rules.mesh.size if rules is not None else 1
+    body, cfg = expand_kv_heads(head.body, cfg, tp)
+    head = dataclasses.replace(head, body=body)
     # on a mesh: the head's layer split like the model's, its fc, draft vocabulary and
     # feature pool replicated (a few MB)
     rep = NamedSharding(rules.mesh, PartitionSpec()) if rules is not None else None
@@ -203,7 +210,9 @@ def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: st
         raise ConfigError(f"SpeculativeConfig.model: {path} has another tokenizer than the "
                           f"target (vocabulary {cfg.vocab_size} vs {target.vocab_size}); a draft "
                           "model must share the target's")
-    return cfg, prepare_params(load_params(path, cfg, rules), ecfg.kernels, kernels, rules)
+    params, cfg = expand_kv_heads(load_params(path, cfg, rules), cfg,
+                                  rules.mesh.size if rules is not None else 1)
+    return cfg, prepare_params(params, ecfg.kernels, kernels, rules)
 
 
 @dataclasses.dataclass

@@ -565,14 +565,19 @@ class ParallelConfig:
 def check_deployment(engine: EngineConfig, model: ModelConfig,
                      parallel: ParallelConfig) -> None:
     """What the engine config needs of the model and the mesh (raises ConfigError): the
-    tensor-parallel size splits the query and KV heads alike (both or neither); the bf16
+    tensor-parallel size splits the query and KV heads alike (both or neither, or the KV
+    heads repeated when fewer than the devices); the bf16
     weight copies need float32 weights, or bfloat16 ones used for every row count."""
     k, tp = engine.kernels, parallel.tensor_parallel_size
-    if tp > 1 and (model.num_heads % tp == 0) != (model.num_kv_heads % tp == 0):
+    H, K = model.num_heads, model.num_kv_heads
+    repeated = H % tp == 0 and K < tp and tp % K == 0  # each KV head over tp / K devices
+    if tp > 1 and (H % tp == 0) != (K % tp == 0) and not repeated:
         raise ConfigError(
             f"ParallelConfig.tensor_parallel_size={tp} divides only one of num_heads="
-            f"{model.num_heads} and num_kv_heads={model.num_kv_heads}: the query and KV heads "
-            "are split together or replicated together; use a size that divides both or neither")
+            f"{H} and num_kv_heads={K}: the query and KV heads are split together or "
+            "replicated together (or, with fewer KV heads than devices, each KV head repeated "
+            "over tp / num_kv_heads devices); use a size that divides both or neither, or a "
+            "multiple of num_kv_heads dividing num_heads")
     if k.bf16_matmul_min_rows is not None:
         whole = k.bf16_matmul_min_rows == 1 and k.bf16_matmul_max_rows is None
         if model.dtype != "float32" and not (model.dtype == "bfloat16" and whole):

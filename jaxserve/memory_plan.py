@@ -124,12 +124,15 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     nothing is left for it.
     """
     from jaxserve.kernels import resolve_kernel_config
+    from jaxserve.model.tensor_parallel import served_kv_heads
 
     model = model or config.model
     if model is None:
         raise ValueError(f"Config {config.name!r} has no model shape to plan (config.model)")
     if config.dtype is not None:
         model = model.replace(dtype=config.dtype)
+    # fewer KV heads than devices: each repeated over tp / K devices (weights and pool)
+    model = model.replace(num_kv_heads=served_kv_heads(model, config.parallel.tensor_parallel_size))
     ecfg = config.engine
     rules = ShardingRules(make_abstract_mesh(config.parallel))
     params = abstract_params(model, rules)

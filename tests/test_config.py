@@ -73,10 +73,13 @@ def test_check_deployment_needs_of_the_model_and_mesh():
         check_deployment(copies.override(bf16_matmul_max_rows=64), bf16, one)
     check_deployment(copies, f32, tp2)  # kernels run per device under TP
     check_deployment(EngineConfig().override(weight_quant="int8"), f32, tp2)
-    # tiny_config: 4 query / 2 KV heads; 4 devices would split the query heads only
-    with pytest.raises(ConfigError, match="tensor_parallel_size=4 divides only one of "
-                                          "num_heads=4 and num_kv_heads=2"):
-        check_deployment(EngineConfig(), f32, ParallelConfig(tensor_parallel_size=4))
+    # 4 query / 2 KV heads on 4 devices: each KV head repeated over 2 of them
+    check_deployment(EngineConfig(), f32, ParallelConfig(tensor_parallel_size=4))
+    # 6 query / 2 KV heads on 3 devices: the query heads split, the KV heads cannot follow
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 divides only one of "
+                                          "num_heads=6 and num_kv_heads=2"):
+        check_deployment(EngineConfig(), tiny_config(num_heads=6, num_kv_heads=2),
+                         ParallelConfig(tensor_parallel_size=3))
     assert tp2.num_devices == 2
     with pytest.raises(ConfigError, match="ParallelConfig.tensor_parallel_size must be > 0"):
         ParallelConfig(tensor_parallel_size=0)

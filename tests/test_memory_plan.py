@@ -133,3 +133,13 @@ def test_plan_matches_the_built_engine_on_this_machine(tp, smollm2_checkpoint, c
     plan, got = r["plan"], r["measured"]
     assert plan["weights"] == got["weights"] and plan["kv_pool"] == got["kv_pool"], r
     assert abs(plan["total"] - got["step_peak"]) <= 0.10 * got["step_peak"], r
+
+
+def test_tp16_repeats_llama70b_kv_heads_in_the_plan():
+    """8 KV heads over 16 devices: each repeated over 2 (one per device), so the KV bytes
+    per token double and every device holds one head's share of the pool."""
+    cfg = load_config(ROOT / "configs/llama70b.py").override(tensor_parallel_size=16)
+    plan = plan_memory(cfg)
+    assert plan.kv_bytes_per_token_total == 2 * 80 * 16 * 128 * 2
+    assert plan.kv_pool == plan.kv_pages * 16 * plan.kv_bytes_per_token_total // 16
+    assert not plan.replicated_leaves

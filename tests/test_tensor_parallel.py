@@ -49,6 +49,20 @@ def test_tiny_model_tp2_tp4_match_tp1(variant, cache_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", ["xla", "cpu"])
+def test_fewer_kv_heads_than_devices_are_repeated(variant, cache_dir):
+    """8 query / 2 KV heads at TP 4: each KV head repeated over the 2 devices whose query
+    heads read it (vLLM's replication), so wk / wv and the KV pool split one head per
+    device; at TP 2 they split as usual. Both give TP 1's logits."""
+    r = tp_check("tiny-gqa", variant, "2,4", cache_dir)
+    for tp in ("2", "4"):
+        assert {"layers.0.wo", "layers.0.w_down"} <= set(r["sharded"][tp])
+        assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
+    if variant == "xla":  # unfused: the KV projections are their own leaves
+        assert {"layers.0.wk", "layers.0.wv"} <= set(r["sharded"]["4"])
+
+
+@pytest.mark.slow
 def test_pallas_kernels_in_interpret_mode_under_shard_map_equal_the_xla_path(cache_dir):
     """Pallas attention (flash prefill, paged decode) and the Pallas int8 matmul, in
     interpret mode, each device on its own heads and columns, against the XLA path (int8

@@ -7,7 +7,8 @@ beside others (f32 reduction order alone), "sharded": {tp: names of the weights 
 across devices}}. The reference is REFERENCE's kernels (default VARIANT's) at TP 1.
 
     python tests/tp_check.py SRC VARIANT TPS CACHE_DIR [REFERENCE]
-    SRC: "tiny" (random weights, every axis divisible by 4) or a jaxserve checkpoint
+    SRC: "tiny" (random weights, every axis divisible by 4), "tiny-gqa" (8 query / 2 KV
+    heads: at TP 4 each KV head repeated over 2 devices) or a jaxserve checkpoint
     VARIANT: xla | cpu (C++ attention and packed bf16 matmuls) | int8 (quantised weights,
     XLA) | pallas (Pallas attention and int8 matmul, interpret mode); TPS: e.g. 1,2,4
 """
@@ -23,6 +24,7 @@ from jaxserve.config import KernelConfig, ParallelConfig
 from jaxserve.kernels import prepare_params, select_kernels
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.model.params import init_params, param_shardings
+from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.model.transformer import StepBatch, compute_logits, forward
 from jaxserve.sharding import ShardingRules, make_mesh
 
@@ -92,10 +94,11 @@ def sharded_weights(params) -> list[str]:
 def main():
     src, variant, tps, cache_dir = sys.argv[1:5]
     reference = sys.argv[5] if len(sys.argv) > 5 else variant
-    if src == "tiny":
+    if src in ("tiny", "tiny-gqa"):
         from jaxserve.config import ModelConfig
         cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                          num_heads=8, num_kv_heads=4, head_dim=16, attention_bias=True)
+                          num_heads=8, num_kv_heads=4 if src == "tiny" else 2, head_dim=16,
+                          attention_bias=True)
         host = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0), scale=0.2))
     else:
         from jaxserve.checkpoint import load_model_config, load_params
@@ -107,10 +110,12 @@ def main():
 
     def logits_of(name, tp, **kw):
         rules = ShardingRules(make_mesh(ParallelConfig(tensor_parallel_size=tp))) if tp > 1 else None
-        params = host if rules is None else jax.tree.map(jax.device_put, host, param_shardings(cfg, rules))
+        params, served = expand_kv_heads(host, cfg, tp)  # KV heads fewer than devices
+        if rules is not None:
+            params = jax.tree.map(jax.device_put, params, param_shardings(served, rules))
         kernels = select_kernels(VARIANTS[name], "cpu", tp, cfg.dtype, Path(cache_dir) / "kernels")
         params = prepare_params(params, VARIANTS[name], kernels, rules)
-        return run(params, cfg, rules, kernels, ids, n_decode=2, **kw), params
+        return run(params, served, rules, kernels, ids, n_decode=2, **kw), params
 
     base, _ = logits_of(reference, 1)
     beside, _ = logits_of(reference, 1, others=others)

@@ -13,7 +13,9 @@ leave split over the vocabulary for the sampler.
 A dimension that does not divide over the axis stays replicated (SmolLM2's 9 query / 3 KV
 heads on 2 or 4 devices): every device then computes all of it, and its projection needs
 no reduction. The query and KV heads split together or not at all
-(jaxserve.config.check_deployment).
+(jaxserve.config.check_deployment), except that with fewer KV heads than devices each KV
+head is repeated over the devices whose query heads read it, as vLLM does
+(`expand_kv_heads`: one KV head per device, the pool tp / num_kv_heads times larger).
 
 The param tree's prepared leaves (QuantizedWeight, DualPrecisionWeight, FusedWeight) get
 their PartitionSpecs from the logical axes of the weight they hold (`node_spec`); a fused
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, kv_axes
 from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.model.quantized import (PROJECTIONS, DualPrecisionWeight, FusedWeight,
@@ -168,3 +171,32 @@ def embed_tokens(embed: jax.Array, tokens: jax.Array, rules: ShardingRules | Non
 
     return jax.shard_map(local, mesh=rules.mesh, in_specs=(spec, REPLICATED),
                          out_specs=REPLICATED, check_vma=False)(embed, tokens)
+
+
+def served_kv_heads(cfg: ModelConfig, tp: int) -> int:
+    """The KV heads the model is served with over `tp` devices: its own, or `tp` when the
+    query heads split over the devices but the fewer KV heads do not (each then repeated
+    over tp / num_kv_heads devices; check_deployment asks that it divides)."""
+    if tp > 1 and cfg.num_heads % tp == 0 and cfg.num_kv_heads < tp:
+        return tp
+    return cfg.num_kv_heads
+
+
+def expand_kv_heads(params: Params, cfg: ModelConfig, tp: int) -> tuple[Params, ModelConfig]:
+    """`params` and `cfg` with each KV head repeated tp / num_kv_heads times (wk, wv and
+    their biases) when `served_kv_heads` says so; unchanged otherwise. Query head h reads
+    KV head h // (H / K); after the repeat it reads head h // (H / tp), the copy on its own
+    device: the same K and V, so the same attention (source: vLLM's KV-head replication
+    for tensor parallel sizes above the KV head count)."""
+    k2 = served_kv_heads(cfg, tp)
+    if k2 == cfg.num_kv_heads:
+        return params, cfg
+    rep = k2 // cfg.num_kv_heads
+
+    def layer(lp: LayerParams) -> LayerParams:
+        grow = lambda w, axis: None if w is None else jnp.repeat(w, rep, axis=axis)  # noqa: E731
+        return dataclasses.replace(lp, wk=grow(lp.wk, 1), wv=grow(lp.wv, 1),
+                                   bk=grow(lp.bk, 0), bv=grow(lp.bv, 0))
+
+    return (dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers)),
+            cfg.replace(num_kv_heads=k2))
