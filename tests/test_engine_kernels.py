@@ -353,3 +353,21 @@ def test_bf16_weights_pack_losslessly_and_panels_split_over_shards(cpu_kernels_l
     w128 = jnp.zeros((64, 128), jnp.bfloat16)
     assert dual_precision(w128, 1, packed=True, split=(1, 2)).w_bf16.shape[2] == 64
     assert dual_precision(w128, 1, packed=True, split=(1, 4)).w_bf16.shape[2] == 16
+
+
+def test_quant_groups_must_fit_each_devices_rows():
+    """Under TP a row-split weight's groups must lie within one device's rows: wo's 64
+    input rows over 4 devices are 16 each, which a group of 32 would straddle."""
+    from jaxserve.config import ParallelConfig
+    from jaxserve.model.params import abstract_params
+    from jaxserve.model.quantized import quantize_params
+    from jaxserve.sharding import ShardingRules, make_abstract_mesh
+    from model_utils import tiny_config
+
+    cfg = tiny_config(num_heads=4, num_kv_heads=4, head_dim=16, hidden_size=64,
+                      intermediate_size=128)
+    rules = ShardingRules(make_abstract_mesh(ParallelConfig(tensor_parallel_size=4)))
+    with pytest.raises(ConfigError, match="weight_quant_group_size=32 does not divide the 16 "
+                                          "input rows of wo each of 4 devices holds"):
+        jax.eval_shape(lambda p: quantize_params(p, "int8", 32, rules), abstract_params(cfg))
+    jax.eval_shape(lambda p: quantize_params(p, "int8", 16, rules), abstract_params(cfg))

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import KERNEL_IMPLS
+from jaxserve.config import KERNEL_IMPLS, ConfigError
 from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.impl_table import lookup
 from jaxserve.pytree import pytree_dataclass
@@ -68,7 +68,7 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None,
     everything else unchanged. Runs one small jitted quantisation per weight, so peak
     memory stays near the float weights plus one quantised copy. rules: the ShardingRules
     of a tensor-parallel mesh (None: one device); each device's input rows of a row-split
-    weight must hold whole groups. Raises ValueError when they do not."""
+    weight must hold whole groups. Raises ConfigError (a ValueError) when they do not."""
     quantize = jax.jit(quantize_weight, static_argnums=(1, 2, 3))
     if rules is not None and group_size is not None:
         for name, n_in in PROJECTIONS.items():
@@ -76,7 +76,7 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None,
             spec = tuple(rules.spec(LAYER_AXES[name], w.shape))
             shards = math.prod(rules.mesh.shape[a] for a in spec[:n_in] if a is not None)
             if (math.prod(w.shape[:n_in]) // shards) % group_size:
-                raise ValueError(f"weight_quant_group_size={group_size} does not divide the "
+                raise ConfigError(f"KernelConfig.weight_quant_group_size={group_size} does not divide the "
                                  f"{math.prod(w.shape[:n_in]) // shards} input rows of {name} "
                                  f"each of {shards} devices holds")
 
