@@ -79,10 +79,6 @@ class MemoryPlan:
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
-def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
-    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-
-
 def _spec_bytes(x, spec: PartitionSpec, mesh) -> int:
     """Bytes of one device's shard of `x` (shape, dtype) under `spec` on `mesh`."""
     shape = list(x.shape)

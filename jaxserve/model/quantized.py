@@ -255,41 +255,32 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
         outs = [a for a in spec[n_in:] if a is not None]
         return size(ins[0] if ins else None), size(outs[0] if outs else None)
 
-    def dual(w, n_in=1, axes=None, **kw):
+    def dual(w, split_, n_in=1, **kw):
         return dual_precision(w, min_rows, packed=packed, max_rows=max_rows, n_in=n_in,
-                              round_x_min_rows=round_x_min_rows,
-                              split=split(w.shape, axes, n_in) if axes else (1, 1), **kw)
+                              round_x_min_rows=round_x_min_rows, split=split_, **kw)
+
+    def proj(lp: LayerParams, name: str):
+        w, n_in = getattr(lp, name), PROJECTIONS[name]
+        return dual(w, split(w.shape, LAYER_AXES[name], n_in), n_in)
 
     def layer(lp: LayerParams) -> LayerParams:
         if not (packed and fuse):
-            return dataclasses.replace(lp, **{name: dual(getattr(lp, name), n_in, LAYER_AXES[name])
-                                              for name, n_in in PROJECTIONS.items()})
+            return dataclasses.replace(lp, **{name: proj(lp, name) for name in PROJECTIONS})
         q_shards = split(lp.wq.shape, LAYER_AXES["wq"], 1)[1]
         mlp_shards = split(lp.w_gate.shape, LAYER_AXES["w_gate"], 1)[1]
         qkv, qkv_shapes = fused_weight([lp.wq, lp.wk, lp.wv], shards=q_shards)
         gate_up, gate_up_shapes = fused_weight([lp.w_gate, lp.w_up], shards=mlp_shards)
-        fused_split = lambda shards: (1, shards)
         return dataclasses.replace(
-            lp, wq=FusedWeight(dual_precision(qkv, min_rows, packed=packed, max_rows=max_rows,
-                                              round_x_min_rows=round_x_min_rows,
-                                              split=fused_split(q_shards)),
-                               qkv_shapes, q_shards),
-            wk=None, wv=None, wo=dual(lp.wo, 2, LAYER_AXES["wo"]),
-            w_gate=FusedWeight(dual_precision(gate_up, min_rows, packed=packed,
-                                              max_rows=max_rows,
-                                              round_x_min_rows=round_x_min_rows,
-                                              split=fused_split(mlp_shards)),
-                               gate_up_shapes, mlp_shards),
-            w_up=None, w_down=dual(lp.w_down, 1, LAYER_AXES["w_down"]))
+            lp, wq=FusedWeight(dual(qkv, (1, q_shards)), qkv_shapes, q_shards),
+            wk=None, wv=None, wo=proj(lp, "wo"),
+            w_gate=FusedWeight(dual(gate_up, (1, mlp_shards)), gate_up_shapes, mlp_shards),
+            w_up=None, w_down=proj(lp, "w_down"))
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
     head_split = (split(head.shape, EMBED_AXES, 1)[::-1] if tied
                   else split(head.shape, LM_HEAD_AXES, 1))
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
-                               lm_head=dual_precision(head, min_rows, vocab_major=tied,
-                                                      packed=packed, max_rows=max_rows,
-                                                      round_x_min_rows=round_x_min_rows,
-                                                      split=head_split))
+                               lm_head=dual(head, head_split, vocab_major=tied))
 
 
 def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:

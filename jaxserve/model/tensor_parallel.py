@@ -70,37 +70,30 @@ def node_spec(node: Any, axes: tuple, n_in: int, rules: ShardingRules) -> Any:
     if isinstance(node, FusedWeight):  # [in, parts' columns], fused per shard
         out = rules.mesh_axis(axes[n_in]) if node.shards > 1 else None
         fused = PartitionSpec(None, out)
-        if isinstance(node.w, DualPrecisionWeight):
-            w = node.w
-            inner = DualPrecisionWeight(
-                w=None if w.w is None else fused,
-                w_bf16=PartitionSpec(out, None, None, None) if w.packed else fused,
-                min_rows=w.min_rows, vocab_major=w.vocab_major, logical_shape=w.logical_shape,
-                max_rows=w.max_rows, round_x_min_rows=w.round_x_min_rows)
-        else:
-            inner = fused
-        return FusedWeight(w=inner, out_shapes=node.out_shapes, shards=node.shards)
+        inner = (_dual_spec(node.w, fused, None, out) if isinstance(node.w, DualPrecisionWeight)
+                 else fused)
+        return dataclasses.replace(node, w=inner)
     if isinstance(node, QuantizedWeight):
         spec = rules.spec(axes, node.shape)
         ax_in, ax_out = _split_axes(spec, n_in)
         scales = (PartitionSpec(ax_out) if node.scales.ndim == 1
                   else PartitionSpec(ax_in, ax_out))
-        return QuantizedWeight(w_q=spec, scales=scales, fmt=node.fmt, n_in=node.n_in)
+        return dataclasses.replace(node, w_q=spec, scales=scales)
     if isinstance(node, DualPrecisionWeight):
         # a tied head is held vocab-major: [vocab, embed], its input the last axis
-        w_axes = EMBED_AXES if node.vocab_major else axes
-        spec = rules.spec(w_axes, node.shape)
-        if node.vocab_major:
-            ax_out, ax_in = spec[0], spec[1]
-        else:
-            ax_in, ax_out = _split_axes(spec, n_in)
-        return DualPrecisionWeight(
-            w=None if node.w is None else spec,
-            w_bf16=PartitionSpec(ax_out, ax_in, None, None) if node.packed else spec,
-            min_rows=node.min_rows, vocab_major=node.vocab_major,
-            logical_shape=node.logical_shape, max_rows=node.max_rows,
-            round_x_min_rows=node.round_x_min_rows)
+        spec = rules.spec(EMBED_AXES if node.vocab_major else axes, node.shape)
+        ax_in, ax_out = (spec[1], spec[0]) if node.vocab_major else _split_axes(spec, n_in)
+        return _dual_spec(node, spec, ax_in, ax_out)
     return rules.spec(axes, node.shape)
+
+
+def _dual_spec(node: DualPrecisionWeight, spec: PartitionSpec, ax_in: str | None,
+               ax_out: str | None) -> DualPrecisionWeight:
+    """A DualPrecisionWeight's specs: its f32 copy and a plain bf16 copy split as the
+    weight (`spec`); a packed copy [N / P, K / 2, P, 2] by output then input axis."""
+    return dataclasses.replace(
+        node, w=None if node.w is None else spec,
+        w_bf16=PartitionSpec(ax_out, ax_in, None, None) if node.packed else spec)
 
 
 def layer_specs(lp: LayerParams, rules: ShardingRules) -> LayerParams:
