@@ -108,7 +108,8 @@ def _engine_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig
 def _deployment_overrides(args: argparse.Namespace) -> dict:
     """Config.override fields from the model / load / parallel flags that were given."""
     given = {name: getattr(args, name) for name in
-             ("load_format", "num_layers", "tokenizer", "tensor_parallel_size")
+             ("load_format", "num_layers", "tokenizer", "tensor_parallel_size",
+              "pipeline_parallel_size", "pipeline_microbatches")
              if getattr(args, name) is not None}
     if args.model is not None:
         given["source"] = source_from_path(args.model)
@@ -126,6 +127,11 @@ def _add_model_flags(ap: argparse.ArgumentParser) -> None:
                     help="serve only the first N decoder layers (tests of deep configs)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int,
                     help="devices the model is split over, Megatron-style (default: the config's)")
+    ap.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                    help="pipeline stages the decoder layers are split into, each on its own "
+                         "tensor-parallel group (default: the config's)")
+    ap.add_argument("--pipeline-microbatches", type=int,
+                    help="microbatches a pipelined step is split into (default: the stages)")
 
 
 def _add_engine_flags(ap: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ from jaxserve.kernels import prepare_params, resolve_kernel_config, select_kerne
 from jaxserve.kv_cache import init_kv_cache, page_bytes
 from jaxserve.memory_plan import drafter_page_bytes, plan_memory
 from jaxserve.model.params import dummy_params
+from jaxserve.model.pipeline import stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.model_store import default_cache_dir, resolve_checkpoint, source_from_path
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
@@ -71,7 +72,8 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     rules = None
     if config.parallel.num_devices > 1:
         rules = ShardingRules(make_mesh(config.parallel))
-        log.info("tensor parallel %d over %s devices", config.parallel.tensor_parallel_size,
+        log.info("tensor parallel %d x pipeline parallel %d over %s devices",
+                 config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
                  rules.mesh.devices.flat[0].platform)
     platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
     ecfg = dataclasses.replace(config.engine, kernels=resolve_kernel_config(
@@ -109,6 +111,8 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     raw, model_cfg = expand_kv_heads(raw, model_cfg, config.parallel.tensor_parallel_size)
     params = prepare_params(raw, ecfg.kernels, kernels, rules)
     del raw
+    if config.parallel.pipeline_parallel_size > 1:  # each stage's layers on its devices
+        params = stage_params(params, rules, config.parallel.microbatches)
     # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
     per_page = (page_bytes(model_cfg, page_size, kv_dtype)
                 + drafter_page_bytes(spec, model_cfg, page_size, kv_dtype))

@@ -546,20 +546,34 @@ class EngineConfig:
 class ParallelConfig:
     """Device mesh (vLLM's ParallelConfig): `tensor_parallel_size` devices on the `model`
     axis (Megatron-style: attention heads, MLP columns and the vocabulary split; the
-    output projections reduce).
+    output projections reduce), times `pipeline_parallel_size` on the `stage` axis (the
+    decoder layers split into that many consecutive stages, jaxserve.model.pipeline).
+
+    pipeline_microbatches: how many microbatches a step's batch is split into so that the
+        stages work at once (stage utilisation M / (M + PP - 1)); None = the number of
+        stages. A step whose bucket does not divide takes the largest divisor below it.
 
     There is no data-parallel size: replicas of a model that fits on fewer devices are
     separate servers behind a load balancer (one scheduler each), not a mesh axis that
     would only hold copies of the weights."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_microbatches: int | None = None
 
     def __post_init__(self):
-        _positive("ParallelConfig", self, ("tensor_parallel_size",))
+        _positive("ParallelConfig", self, ("tensor_parallel_size", "pipeline_parallel_size"))
+        if self.pipeline_microbatches is not None:
+            _positive("ParallelConfig", self, ("pipeline_microbatches",))
 
     @property
     def num_devices(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def microbatches(self) -> int:
+        """The microbatches a pipelined step aims for (1 without pipeline stages)."""
+        return self.pipeline_microbatches or self.pipeline_parallel_size
 
 
 def check_deployment(engine: EngineConfig, model: ModelConfig,
@@ -584,6 +598,13 @@ def check_deployment(engine: EngineConfig, model: ModelConfig,
             raise ConfigError("KernelConfig.bf16_matmul_min_rows needs float32 weights (or "
                               "bfloat16 ones with min_rows 1 and no max_rows), the model is "
                               f"served in {model.dtype}")
+    pp = parallel.pipeline_parallel_size
+    if pp > model.num_layers:
+        raise ConfigError(f"ParallelConfig.pipeline_parallel_size={pp} exceeds the model's "
+                          f"{model.num_layers} layers (each stage needs at least one)")
+    if pp > 1 and engine.speculative is not None:
+        raise ConfigError("speculative decoding (EngineConfig.speculative_config) does not run "
+                          "with pipeline stages yet: set pipeline_parallel_size=1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -712,7 +733,8 @@ class Config:
 
     def override(self, **fields) -> "Config":
         """A copy with `fields` set: this class's own fields by name (`load_format`,
-        `num_layers`, `tokenizer`, `source`, ...), `tensor_parallel_size` (the mesh), and
+        `num_layers`, `tokenizer`, `source`, ...), ParallelConfig's fields
+        (`tensor_parallel_size`, `pipeline_parallel_size`: the mesh), and
         any other name as an EngineConfig field (EngineConfig.override: `max_num_seqs`,
         `attention_impl`, ...). The command line's and `jaxserve.LLM`'s overrides. Raises
         ConfigError for an unknown name or a value its group refuses."""

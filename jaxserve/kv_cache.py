@@ -39,19 +39,24 @@ _HEAD_MAJOR_AXES = ("kv_heads", "pages", "page_slots", "head_dim")
 
 @pytree_dataclass(meta=("layout",))
 class KVCache:
-    """k, v: tuples (one per layer) of pool arrays in `layout` (see module docstring)."""
+    """k, v: tuples (one per layer) of pool arrays in `layout` (see module docstring); a
+    pipeline's pool holds one stage-stacked array [PP, ...] per stage-local layer."""
 
     k: tuple
     v: tuple
     layout: str = "token_major"
 
     @property
+    def staged(self) -> bool:
+        return self.k[0].ndim == 5
+
+    @property
     def num_pages(self) -> int:
-        return self.k[0].shape[1 if self.layout == "head_major" else 0]
+        return self.k[0].shape[(1 if self.layout == "head_major" else 0) + self.staged]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2 if self.layout == "head_major" else 1]
+        return self.k[0].shape[(2 if self.layout == "head_major" else 1) + self.staged]
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -59,13 +64,15 @@ class KVCache:
         return value_dtype(self.k[0].dtype)
 
 
-def kv_axes(layout: str) -> tuple[str, ...]:
-    """The logical axes of a pool array in `layout`. Raises ValueError for an unknown
+def kv_axes(layout: str, staged: bool = False) -> tuple[str, ...]:
+    """The logical axes of a pool array in `layout`; `staged`: of a pipeline's
+    stage-stacked array (a leading `stages` axis). Raises ValueError for an unknown
     layout (one of KV_LAYOUTS)."""
+    stage = ("stages",) if staged else ()
     if layout == "token_major":
-        return KV_AXES
+        return stage + KV_AXES
     if layout == "head_major":
-        return _HEAD_MAJOR_AXES
+        return stage + _HEAD_MAJOR_AXES
     raise ValueError(f"KV cache layout must be one of {KV_LAYOUTS}, got {layout!r}")
 
 
@@ -95,15 +102,20 @@ def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: Any, budget_by
 def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
                       rules: ShardingRules | None = None,
                       layout: str = "token_major") -> KVCache:
-    """ShapeDtypeStructs of the pool (allocates nothing), in `storage_dtype(dtype)`.
-    Raises ValueError for an unknown `layout` (one of KV_LAYOUTS)."""
-    axes = kv_axes(layout)
-    dims = {"pages": num_pages, "page_slots": page_size, "kv_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim}
+    """ShapeDtypeStructs of the pool (allocates nothing), in `storage_dtype(dtype)`: one
+    array per layer; on a mesh with pipeline stages (a `stage` axis of PP devices), one
+    per stage-local layer, Lp = ceil(num_layers / PP) arrays of [PP, ...] split over
+    `stage` (jaxserve.model.pipeline). Raises ValueError for an unknown `layout` (one of
+    KV_LAYOUTS)."""
+    stages = rules.size("stages") if rules is not None else 1
+    axes = kv_axes(layout, staged=stages > 1)
+    dims = {"stages": stages, "pages": num_pages, "page_slots": page_size,
+            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
     shape = tuple(dims[a] for a in axes)
     sharding = rules.sharding(axes, shape) if rules is not None else None
     one = jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
-    return KVCache(k=(one,) * cfg.num_layers, v=(one,) * cfg.num_layers, layout=layout)
+    n = -(-cfg.num_layers // stages)
+    return KVCache(k=(one,) * n, v=(one,) * n, layout=layout)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,

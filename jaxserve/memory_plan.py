@@ -13,7 +13,10 @@ gpu_memory_utilization of each device less the weights and activations); activat
 of speculative decoding (a draft model, an EAGLE head) keeps its own pool over the same
 pages: each page of the budget pays for both (as jaxserve.api.build_engine sizes them), so
 fewer pages fit; its weights are not counted (a few MB for a head; a draft model's
-checkpoint says).
+checkpoint says). With pipeline stages a device holds its stage's ceil(layers / PP)
+layer slots (weights and pool; the last stage's spare slots are zero layers) and the
+embedding, final norm and LM head, which every stage keeps; the activations are counted
+for the whole step (microbatching only lowers them).
 """
 
 from __future__ import annotations
@@ -54,13 +57,18 @@ class MemoryPlan:
     # the drafter's pools over the same pages (speculative decoding), split over the
     # devices like the target's pool (an EAGLE head's feature pool is not: a few % low)
     draft_pool: int = 0
+    tensor_parallel: int = 1
+    pipeline_stages: int = 1
+    layers_per_device: int = 0
 
     @property
     def total(self) -> int:
         return self.weights + self.kv_pool + self.draft_pool + self.activations
 
     def table(self, device_bytes: int | None = None) -> str:
-        rows = [("devices", f"{self.num_devices}"),
+        rows = [("devices", f"{self.num_devices} (tensor parallel {self.tensor_parallel} x "
+                            f"pipeline stages {self.pipeline_stages})"),
+                ("layers / device", f"{self.layers_per_device}"),
                 ("parameters", f"{self.num_params / 1e9:.2f} B"),
                 ("weights (all devices)", f"{self.weights_total / GiB:.2f} GiB"),
                 ("weights / device", f"{self.weights / GiB:.2f} GiB"),
@@ -93,7 +101,8 @@ def prepared_weight_bytes(model: ModelConfig, kcfg: KernelConfig,
     """(bytes on one device, bytes in all) of the weights as the engine holds them: after
     jaxserve.kernels.prepare_params (int8 / fp8 values and their scales, bf16 copies beside
     or instead of the weights), traced abstractly (jax.eval_shape: nothing allocated) and
-    split by the shard_map specs of jaxserve.model.tensor_parallel."""
+    split by the shard_map specs of jaxserve.model.tensor_parallel; with pipeline stages
+    (a `stage` mesh axis) one device holds ceil(layers / stages) of the layers."""
     from jaxserve.kernels import prepare_params
     from jaxserve.model.tensor_parallel import params_specs
     from jaxserve.model.transformer import Kernels
@@ -104,6 +113,14 @@ def prepared_weight_bytes(model: ModelConfig, kcfg: KernelConfig,
     leaves = jax.tree.leaves(prepared)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     per_device = sum(_spec_bytes(x, s, rules.mesh) for x, s in zip(leaves, spec_leaves, strict=True))
+    stages = rules.size("stages")
+    if stages > 1:  # every device holds its stage's layer slots, not all layers
+        layer = sum(_spec_bytes(x, s, rules.mesh) for x, s in zip(
+            jax.tree.leaves(prepared.layers[0]),
+            jax.tree.leaves(specs.layers[0], is_leaf=lambda x: isinstance(x, PartitionSpec)),
+            strict=True))
+        L = model.num_layers
+        per_device += (-(-L // stages) - L) * layer
     return per_device, sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
@@ -147,6 +164,10 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     per_page = page_bytes(model, page_size, kv_dtype) + draft_page
     probe = (1, page_size, model.num_kv_heads, model.head_dim)
     kv_split = math.prod(probe) // math.prod(rules.sharding(KV_AXES, probe).shard_shape(probe))
+    # with pipeline stages a device holds the pool of its stage's layer slots only
+    stages = config.parallel.pipeline_parallel_size
+    slots = -(-model.num_layers // stages)
+    kv_split = kv_split * model.num_layers / slots
     activations = activation_bytes(model, config, rules)
     budget = ecfg.cache.kv_cache_memory_bytes
     if budget is None:
@@ -161,16 +182,18 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
                 f"{device_bytes / GiB:.1f} GiB leaves no room for the KV pool: the weights take "
                 f"{weights / GiB:.2f} GiB and the largest step's activations "
                 f"{activations / GiB:.2f} GiB per device")
-        budget = free * kv_split
+        budget = int(free * kv_split)
     pages = budget // per_page
-    kv_pool = pages * page_size * per_token // kv_split
+    kv_pool = int(pages * page_size * per_token // kv_split)
 
     return MemoryPlan(
         num_devices=config.parallel.num_devices, num_params=sum(math.prod(x.shape) for _, x in leaves),
         weights_total=weights_total, weights=weights, kv_bytes_per_token_total=per_token,
         kv_pages=pages, kv_tokens=pages * page_size, kv_pool=kv_pool,
         activations=activations, replicated_leaves=replicated,
-        draft_pool=pages * draft_page // kv_split)
+        draft_pool=int(pages * draft_page // kv_split),
+        tensor_parallel=config.parallel.tensor_parallel_size, pipeline_stages=stages,
+        layers_per_device=slots)
 
 
 def drafter_page_bytes(spec: SpeculativeConfig | None, target: ModelConfig, page_size: int,

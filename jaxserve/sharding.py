@@ -4,7 +4,9 @@ Model code names the axes of every weight and activation with logical names (`ba
 `sequence`, `embed`, `q_heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`, `pages`);
 one `ShardingRules` object maps them to mesh axes. Code never names mesh axes directly.
 Tensor parallelism is the `model` mesh axis (Megatron-style: heads and MLP columns split,
-the output projections reduce).
+the output projections reduce); pipeline parallelism the `stage` axis (the logical
+`stages` axis of stage-stacked layers and KV pools, jaxserve.model.pipeline). A rule
+naming an axis the mesh lacks (`stage` on a tensor-parallel-only mesh) maps to nothing.
 
 A dimension whose size is not a multiple of its mesh axis is replicated instead (SmolLM2's
 9 query / 3 KV heads on 2 or 4 devices, for instance): the layout stays correct, only less
@@ -35,6 +37,7 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("mlp", "model"),
     ("vocab", "model"),
     ("layers", None),
+    ("stages", "stage"),
     ("pages", None),
     ("page_slots", None),
 )
@@ -42,22 +45,32 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
 
 def make_mesh(cfg: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `(model,)` mesh over the first `cfg.num_devices` devices (default: jax.devices(),
-    every process's devices in a multi-process run).
+    every process's devices in a multi-process run); `(stage, model)` with pipeline
+    stages, each stage's tensor-parallel group on consecutive devices (one host's GPUs
+    per stage when a host holds tensor_parallel_size of them).
 
     Raises ValueError when fewer devices exist than the config asks for.
     """
     devices = list(devices if devices is not None else jax.devices())
     if len(devices) < cfg.num_devices:
         raise ValueError(f"ParallelConfig asks for {cfg.num_devices} devices "
-                         f"(tensor_parallel_size={cfg.tensor_parallel_size}) but only "
+                         f"(tensor_parallel_size={cfg.tensor_parallel_size} x "
+                         f"pipeline_parallel_size={cfg.pipeline_parallel_size}) but only "
                          f"{len(devices)} exist")
-    return Mesh(np.array(devices[:cfg.num_devices]), ("model",))
+    shape, names = _mesh_shape(cfg)
+    return Mesh(np.array(devices[:cfg.num_devices]).reshape(shape), names)
 
 
 def make_abstract_mesh(cfg: ParallelConfig) -> AbstractMesh:
     """The same mesh without devices: for planning shardings and memory of a deployment
     (70B on 8 GPUs) on a machine that has none of them."""
-    return AbstractMesh((cfg.tensor_parallel_size,), ("model",))
+    return AbstractMesh(*_mesh_shape(cfg))
+
+
+def _mesh_shape(cfg: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    if cfg.pipeline_parallel_size > 1:
+        return (cfg.pipeline_parallel_size, cfg.tensor_parallel_size), ("stage", "model")
+    return (cfg.tensor_parallel_size,), ("model",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +88,18 @@ class ShardingRules:
                 return axis
         raise KeyError(f"no sharding rule for logical axis {logical!r}")
 
+    def size(self, logical: str) -> int:
+        """Devices along the mesh axis `logical` maps to (1 when none, or the mesh lacks it)."""
+        axis = self.mesh_axis(logical)
+        return self.mesh.shape.get(axis, 1) if axis is not None else 1
+
     def spec(self, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> PartitionSpec:
         """PartitionSpec for logical `axes`; with `shape`, dims not divisible are replicated."""
         out, used = [], set()
         for i, logical in enumerate(axes):
             axis = self.mesh_axis(logical)
+            if axis is not None and axis not in self.mesh.shape:
+                axis = None
             if axis is not None:
                 size = self.mesh.shape[axis]
                 if axis in used or size == 1 or (shape is not None and shape[i] % size):

@@ -5,12 +5,16 @@ prints JSON {"diff": {tp: max |logits - reference|}, "max_abs_logit",
 "noise_floor": max |diff| of the reference against itself with the sequence batched
 beside others (f32 reduction order alone), "sharded": {tp: names of the weights split
 across devices}}. The reference is REFERENCE's kernels (default VARIANT's) at TP 1.
+A mesh "TPxPP" or "TPxPPmM" (e.g. 2x2, 1x4m4) runs PP pipeline stages (M microbatches,
+default PP) with TP devices each, on the sequence batched beside the others (so that a
+step splits into microbatches, the prompt cut between two), against the reference run
+the same way.
 
     python tests/tp_check.py SRC VARIANT TPS CACHE_DIR [REFERENCE]
     SRC: "tiny" (random weights, every axis divisible by 4), "tiny-gqa" (8 query / 2 KV
     heads: at TP 4 each KV head repeated over 2 devices) or a jaxserve checkpoint
     VARIANT: xla | cpu (C++ attention and packed bf16 matmuls) | int8 (quantised weights,
-    XLA) | pallas (Pallas attention and int8 matmul, interpret mode); TPS: e.g. 1,2,4
+    XLA) | pallas (Pallas attention and int8 matmul, interpret mode); TPS: e.g. 1,2,4,2x2
 """
 
 import json
@@ -24,6 +28,7 @@ from jaxserve.config import KernelConfig, ParallelConfig
 from jaxserve.kernels import prepare_params, select_kernels
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.model.params import init_params, param_shardings
+from jaxserve.model.pipeline import stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.model.transformer import StepBatch, compute_logits, forward
 from jaxserve.sharding import ShardingRules, make_mesh
@@ -96,7 +101,7 @@ def main():
     reference = sys.argv[5] if len(sys.argv) > 5 else variant
     if src in ("tiny", "tiny-gqa"):
         from jaxserve.config import ModelConfig
-        cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+        cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
                           num_heads=8, num_kv_heads=4 if src == "tiny" else 2, head_dim=16,
                           attention_bias=True)
         host = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0), scale=0.2))
@@ -108,22 +113,35 @@ def main():
     rng = np.random.default_rng(1)
     others = [rng.integers(0, cfg.vocab_size, n) for n in (30, 7, 3)]
 
-    def logits_of(name, tp, **kw):
-        rules = ShardingRules(make_mesh(ParallelConfig(tensor_parallel_size=tp))) if tp > 1 else None
+    def logits_of(name, mesh, **kw):
+        tp, _, rest = mesh.partition("x")
+        pp, _, m = rest.partition("m")
+        par = ParallelConfig(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp or 1),
+                             pipeline_microbatches=int(m) if m else None)
+        tp = par.tensor_parallel_size
+        rules = ShardingRules(make_mesh(par)) if par.num_devices > 1 else None
         params, served = expand_kv_heads(host, cfg, tp)  # KV heads fewer than devices
         if rules is not None:
             params = jax.tree.map(jax.device_put, params, param_shardings(served, rules))
-        kernels = select_kernels(VARIANTS[name], "cpu", tp, cfg.dtype, Path(cache_dir) / "kernels")
+        kernels = select_kernels(VARIANTS[name], "cpu", par.num_devices, cfg.dtype,
+                                 Path(cache_dir) / "kernels")
         params = prepare_params(params, VARIANTS[name], kernels, rules)
+        if par.pipeline_parallel_size > 1:
+            params = stage_params(params, rules, par.microbatches)
         return run(params, served, rules, kernels, ids, n_decode=2, **kw), params
 
-    base, _ = logits_of(reference, 1)
-    beside, _ = logits_of(reference, 1, others=others)
+    base, _ = logits_of(reference, "1")
+    beside, _ = logits_of(reference, "1", others=others)
     diff, sharded = {}, {}
-    for tp in map(int, tps.split(",")):
-        logits, params = logits_of(variant, tp)
-        diff[tp] = float(np.abs(logits - base).max())
-        sharded[tp] = sharded_weights(params) if tp > 1 else []
+    for mesh in tps.split(","):
+        if "x" in mesh:
+            logits, params = logits_of(variant, mesh, others=others)
+            diff[mesh] = float(np.abs(logits - beside).max())
+            sharded[mesh] = []
+            continue
+        logits, params = logits_of(variant, mesh)
+        diff[mesh] = float(np.abs(logits - base).max())
+        sharded[mesh] = sharded_weights(params) if int(mesh) > 1 else []
     print(json.dumps({"diff": diff, "max_abs_logit": float(np.abs(base).max()),
                       "noise_floor": float(np.abs(beside - base).max()), "sharded": sharded,
                       "devices": len(jax.devices())}))

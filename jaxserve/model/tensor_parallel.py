@@ -112,8 +112,9 @@ def params_specs(params: Params, rules: ShardingRules) -> Params:
 
 
 def cache_specs(cache: KVCache, rules: ShardingRules) -> KVCache:
-    """PartitionSpecs of a KV pool's arrays (KV heads split when they divide)."""
-    spec = lambda a: rules.spec(kv_axes(cache.layout), a.shape)
+    """PartitionSpecs of a KV pool's arrays (KV heads split when they divide; a pipeline's
+    stage-stacked pool, jaxserve.kv_cache.abstract_kv_cache, also over `stage`)."""
+    spec = lambda a: rules.spec(kv_axes(cache.layout, cache.staged), a.shape)  # noqa: E731
     return KVCache(k=tuple(map(spec, cache.k)), v=tuple(map(spec, cache.v)), layout=cache.layout)
 
 

@@ -26,6 +26,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
+from jaxserve.model import pipeline
 from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.params import EMBED_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.model.quantized import Matmul, matmul_backend
@@ -156,7 +157,13 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
     layers on its token embeddings; a draft head (jaxserve.spec_decode.eagle) its own.
     Under a tensor-parallel mesh all of them run in one `jax.shard_map`, each device on
     its own heads, MLP columns and KV pool shard, with a psum after wo and w_down where
-    their inputs are split (x in and out replicated)."""
+    their inputs are split (x in and out replicated). Stage-stacked layers
+    (jaxserve.model.pipeline.StagedLayers) run as a pipeline over the `stage` mesh axis,
+    each stage's layers so on its tensor-parallel group."""
+    if isinstance(layers, pipeline.StagedLayers):
+        def local(x, lps, pool, b, reduce_heads, reduce_mlp):
+            return _decoder_layers(x, lps, pool, b, cfg, None, kernels, reduce_heads, reduce_mlp)
+        return pipeline.pipeline_layers(x, layers, cache, batch, rules, local)
     axis = tp.tp_axis(rules)
     if axis is None:
         return _decoder_layers(x, layers, cache, batch, cfg, rules, kernels)
