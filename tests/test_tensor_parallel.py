@@ -50,6 +50,17 @@ def test_tiny_model_tp2_tp4_match_tp1(variant, cache_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["xla", "cpu"])
+def test_tiny_model_pipeline_stages_match_tp1(variant, cache_dir):
+    """TP 2 x PP 2 on 3 layers (stage 1's second slot a zero layer), with 1, 2 and 4
+    microbatches (the 80-row prefill in 20-row pieces cuts the 40-token prompt; decode
+    splits the 4 sequences), against TP 1 running the same batch."""
+    r = tp_check("tiny", variant, "2x2m1,2x2,2x2m4", cache_dir)
+    for mesh in ("2x2m1", "2x2", "2x2m4"):
+        assert r["diff"][mesh] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["xla", "cpu"])
 def test_fewer_kv_heads_than_devices_are_repeated(variant, cache_dir):
     """8 query / 2 KV heads at TP 4: each KV head repeated over the 2 devices whose query
     heads read it (vLLM's replication), so wk / wv and the KV pool split one head per
@@ -76,7 +87,8 @@ def test_pallas_kernels_in_interpret_mode_under_shard_map_equal_the_xla_path(cac
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_real_model_tp2_tp3_tp4_match_tp1(smollm2_checkpoint, cache_dir):
-    r = tp_check(str(smollm2_checkpoint), "xla", "2,3,4", cache_dir)
+    """And 4 pipeline stages (TP 1 x PP 4, 4 microbatches) on the batch of 4 sequences."""
+    r = tp_check(str(smollm2_checkpoint), "xla", "2,3,4,1x4m4", cache_dir)
     # SmolLM2's 9 query / 3 KV heads split over 3 devices and stay replicated over 2 or 4;
     # the MLP, the embedding and the LM head split over all three sizes.
     assert {"layers.0.wq", "layers.0.wo"} <= set(r["sharded"]["3"])
@@ -86,6 +98,8 @@ def test_real_model_tp2_tp3_tp4_match_tp1(smollm2_checkpoint, cache_dir):
         # moves logits as much as batching the sequence beside others does on one device.
         assert r["diff"][tp] <= 1e-5 * r["max_abs_logit"], r
         assert r["diff"][tp] <= 2 * max(r["noise_floor"], 1e-6), r
+    # the pipeline splits the batch differently, which is the noise floor's own change
+    assert r["diff"]["1x4m4"] <= 2 * max(r["noise_floor"], 1e-6), r
 
 
 @pytest.mark.slow
@@ -107,7 +121,10 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_tp4(cache_dir):
     TP 3 splits SmolLM2's 9 query / 3 KV heads and the KV pool over the devices, TP 2 and
     4 replicate the heads (3 KV heads do not split over them) and split the MLP and the
     vocabulary; all give TP 1's greedy tokens for a batch of prompts, with XLA kernels
-    and with the default ones (the C++ attention kernel, each device on its own heads)."""
+    and with the default ones (the C++ attention kernel, each device on its own heads).
+    Pipeline stages: TP 2 x PP 2 and TP 1 x PP 4 (30 layers as 4 stages of 8 slots, the
+    last two zero layers; a step split into 2 or 4 microbatches, the prompts cut between
+    them) give the same tokens, each device holding its stage's layers and pool."""
     r = on_4_devices(TP_CHECK.parent / "tp_engine_check.py", str(cache_dir))
     t = r["tokens"]
     assert all(t["xla-1"]) and sum(map(len, t["xla-1"])) >= 48
@@ -118,6 +135,11 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_tp4(cache_dir):
     assert "model" in r["kv"]["auto-3"]
     for name in ("xla-2", "xla-4"):  # replicated heads
         assert "model" not in r["wq"][name] and "model" not in r["kv"][name]
+    assert t["xla-2x2"] == t["xla-1"] and t["xla-1x4"] == t["xla-1"] and t["auto-1x4"] == t["auto-1"]
+    for name in ("xla-2x2", "xla-1x4", "auto-1x4"):
+        assert r["wq"][name].startswith("P('stage'"), r["wq"]
+        assert r["kv"][name].startswith("P('stage'"), r["kv"]
+    assert r["attention"]["auto-1x4"] == "cpu"
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 engine (scheduler, runner, sampler; jaxserve.LLM) on SmolLM2-135M (tests/configs/
 smollm2_small.py) under tensor parallel 1 to 4 with XLA attention and matmuls
 ("xla-TP"), and 1 and 3 with the default kernels ("auto-TP": the C++ attention kernel,
-per device under TP), the same prompts batched, greedy; prints JSON {"tokens": {run:
+per device under TP), and pipeline stages "TPxPP" (xla-2x2, xla-1x4, auto-1x4: 30 layers
+in 4 stages of 8 slots, the last 2 zero layers), the same prompts batched, greedy; prints JSON {"tokens": {run:
 [token ids per prompt]}, "wq": {run: layer 0's wq sharding spec}, "kv": {run: the KV
 pool's sharding spec}, "attention": {run: the attention kernel}, "devices": n}.
 
@@ -29,15 +30,19 @@ def main(cache_dir: str) -> None:
     base = load_config(CONFIG)
     xla = base.engine.override(attention_impl="xla", matmul_impl="xla")
     out = {"tokens": {}, "wq": {}, "kv": {}, "attention": {}, "devices": len(jax.devices())}
-    runs = [(f"xla-{tp}", tp, xla) for tp in (1, 2, 3, 4)] + [
-        (f"auto-{tp}", tp, base.engine) for tp in (1, 3)]
-    for name, tp, engine in runs:
-        cfg = base.replace(parallel=ParallelConfig(tensor_parallel_size=tp), engine=engine)
+    runs = [(f"xla-{tp}", tp, 1, xla) for tp in (1, 2, 3, 4)] + [
+        (f"auto-{tp}", tp, 1, base.engine) for tp in (1, 3)] + [
+        ("xla-2x2", 2, 2, xla), ("xla-1x4", 1, 4, xla), ("auto-1x4", 1, 4, base.engine)]
+    for name, tp, pp, engine in runs:
+        cfg = base.replace(parallel=ParallelConfig(tensor_parallel_size=tp,
+                                                   pipeline_parallel_size=pp), engine=engine)
         llm = LLM(cfg, cache_dir=cache_dir, warmup=False)
         got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
         runner = llm.engine.runner
         out["tokens"][name] = [c.token_ids for c in got]
-        out["wq"][name] = str(getattr(runner.params.layers[0].wq.sharding, "spec", None))
+        layers = runner.params.layers
+        layer0 = layers.layers[0] if pp > 1 else layers[0]  # a stage-stacked pipeline's
+        out["wq"][name] = str(getattr(layer0.wq.sharding, "spec", None))
         out["kv"][name] = str(getattr(runner.cache.k[0].sharding, "spec", None))
         out["attention"][name] = runner.kernels.attention.name
         del llm
