@@ -130,9 +130,9 @@ PROMPTS = ["The capital of France is", "Write a haiku about rain.",
            "List three prime numbers and explain why each is prime.", "def fibonacci(n):"]
 
 
-def _launch_pair(tmp_path, cache_dir, extra=()):
-    """serve.py as 2 processes x 2 simulated CPU devices (TP 4 over both) on localhost;
-    returns (processes, API base URL, logs) once process 0 is ready."""
+def _launch_pair(tmp_path, cache_dir, parallel=("--tensor-parallel-size", "4")):
+    """serve.py as 2 processes x 2 simulated CPU devices (default TP 4 over both) on
+    localhost; returns (processes, API base URL, logs) once process 0 is ready."""
     import httpx
 
     bench_serving = _tool("bench_serving")
@@ -145,9 +145,9 @@ def _launch_pair(tmp_path, cache_dir, extra=()):
         with logs[-1].open("w") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, str(ROOT / "serve.py"), "--config", str(SMALL), "--port",
-                 str(port), "--cache-dir", str(cache_dir), "--tensor-parallel-size", "4",
+                 str(port), "--cache-dir", str(cache_dir), *parallel,
                  "--dist-init-addr", f"127.0.0.1:{coord}", "--nnodes", "2", "--node-rank",
-                 str(rank), *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                 str(rank)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -177,6 +177,23 @@ def _exit_within(proc, seconds: float) -> int | None:
         return None
 
 
+def _complete_all(url: str) -> list[str]:
+    """Greedy completions of PROMPTS, sent concurrently."""
+    import concurrent.futures
+
+    import httpx
+
+    def complete(prompt):
+        r = httpx.post(url + "/completions", timeout=300, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 24,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(complete, PROMPTS))
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
@@ -185,25 +202,12 @@ def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
     process 1 runs each step process 0 sends it. Greedy completions of a batch of
     concurrent requests equal one process's (jaxserve.LLM, TP 1); when process 1 is killed
     process 0 exits within seconds, saying which process is gone."""
-    import concurrent.futures
-
-    import httpx
-
     from jaxserve.sampling_params import SamplingParams
 
     want = [c.text for c in small_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
     procs, url, logs = _launch_pair(tmp_path, cache_dir)
     try:
-        def complete(prompt):
-            r = httpx.post(url + "/completions", timeout=300, json={
-                "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 24,
-                "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(complete, PROMPTS))
-        assert got == want
+        assert _complete_all(url) == want
         assert "step channel: 1 followers connected" in logs[0].read_text()
         procs[1].kill()
         t0 = time.monotonic()
@@ -216,13 +220,21 @@ def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_a_follower_exits_when_process_0_dies(tmp_path, cache_dir):
-    """Process 0 hosts jax.distributed's coordination service too: whichever notices
-    first, the step channel's EOF (our error, status 3) or the coordination service's
-    health check (JAX aborts the process: "another task died"), the follower is gone
-    within seconds with a message that says why."""
-    procs, url, logs = _launch_pair(tmp_path, cache_dir)
+def test_two_processes_tp2_pp2_serve_and_a_follower_exits_when_process_0_dies(
+        tmp_path, cache_dir, small_llm):
+    """TP 2 x PP 2 over 2 processes x 2 devices: one pipeline stage per process (15
+    layers and their pool each), as on 2 hosts; the greedy completions equal one
+    process's. Then process 0 dies. It hosts jax.distributed's coordination service too:
+    whichever notices first, the step channel's EOF (our error, status 3) or the
+    coordination service's health check (JAX aborts the process: "another task died"),
+    the follower is gone within seconds with a message that says why."""
+    from jaxserve.sampling_params import SamplingParams
+
+    want = [c.text for c in small_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
+    procs, url, logs = _launch_pair(tmp_path, cache_dir, ("-tp", "2", "-pp", "2"))
     try:
+        assert _complete_all(url) == want
+        assert "tensor parallel 2 x pipeline parallel 2" in logs[0].read_text()
         procs[0].kill()
         code = _exit_within(procs[1], 15)
         text = logs[1].read_text()
