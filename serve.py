@@ -109,7 +109,8 @@ def _deployment_overrides(args: argparse.Namespace) -> dict:
     """Config.override fields from the model / load / parallel flags that were given."""
     given = {name: getattr(args, name) for name in
              ("load_format", "num_layers", "tokenizer", "tensor_parallel_size",
-              "pipeline_parallel_size", "pipeline_microbatches")
+              "pipeline_parallel_size", "pipeline_microbatches",
+              "pipeline_decode_microbatches")
              if getattr(args, name) is not None}
     if args.model is not None:
         given["source"] = source_from_path(args.model)
@@ -131,7 +132,10 @@ def _add_model_flags(ap: argparse.ArgumentParser) -> None:
                     help="pipeline stages the decoder layers are split into, each on its own "
                          "tensor-parallel group (default: the config's)")
     ap.add_argument("--pipeline-microbatches", type=int,
-                    help="microbatches a pipelined step is split into (default: the stages)")
+                    help="microbatches a pipelined prefill / mixed step is split into "
+                         "(default: 2 x the stages)")
+    ap.add_argument("--pipeline-decode-microbatches", type=int,
+                    help="microbatches a pipelined decode step is split into (default 1)")
 
 
 def _add_engine_flags(ap: argparse.ArgumentParser) -> None:

@@ -112,7 +112,8 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     params = prepare_params(raw, ecfg.kernels, kernels, rules)
     del raw
     if config.parallel.pipeline_parallel_size > 1:  # each stage's layers on its devices
-        params = stage_params(params, rules, config.parallel.microbatches)
+        params = stage_params(params, rules, config.parallel.microbatches,
+                              config.parallel.pipeline_decode_microbatches)
     # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
     per_page = (page_bytes(model_cfg, page_size, kv_dtype)
                 + drafter_page_bytes(spec, model_cfg, page_size, kv_dtype))

@@ -549,9 +549,16 @@ class ParallelConfig:
     output projections reduce), times `pipeline_parallel_size` on the `stage` axis (the
     decoder layers split into that many consecutive stages, jaxserve.model.pipeline).
 
-    pipeline_microbatches: how many microbatches a step's batch is split into so that the
-        stages work at once (stage utilisation M / (M + PP - 1)); None = the number of
-        stages. A step whose bucket does not divide takes the largest divisor below it.
+    pipeline_microbatches: how many microbatches a prefill / mixed step's tokens are split
+        into so that the stages work at once (stage utilisation M / (M + PP - 1), less
+        what smaller microbatches cost); None = 2 x the stages.
+    pipeline_decode_microbatches: the same for decode steps; default 1. A decode step
+        reads every stage's weights once per tick whatever its rows, so splitting it
+        adds ticks that cost as much as whole ones (measured with
+        tools/measure_pipeline.py, PERFORMANCE.md "Pipeline parallel"); raise it for
+        decode batches large enough to be compute-bound.
+    A step whose rows (sequences, for decode) the count does not divide takes the
+    largest divisor below it.
 
     There is no data-parallel size: replicas of a model that fits on fewer devices are
     separate servers behind a load balancer (one scheduler each), not a mesh axis that
@@ -560,9 +567,11 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_microbatches: int | None = None
+    pipeline_decode_microbatches: int = 1
 
     def __post_init__(self):
-        _positive("ParallelConfig", self, ("tensor_parallel_size", "pipeline_parallel_size"))
+        _positive("ParallelConfig", self, ("tensor_parallel_size", "pipeline_parallel_size",
+                                           "pipeline_decode_microbatches"))
         if self.pipeline_microbatches is not None:
             _positive("ParallelConfig", self, ("pipeline_microbatches",))
 
@@ -572,8 +581,8 @@ class ParallelConfig:
 
     @property
     def microbatches(self) -> int:
-        """The microbatches a pipelined step aims for (1 without pipeline stages)."""
-        return self.pipeline_microbatches or self.pipeline_parallel_size
+        """The microbatches a pipelined prefill / mixed step aims for."""
+        return self.pipeline_microbatches or 2 * self.pipeline_parallel_size
 
 
 def check_deployment(engine: EngineConfig, model: ModelConfig,

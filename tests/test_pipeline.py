@@ -147,8 +147,10 @@ def test_deployment_checks_name_the_field():
         ParallelConfig(pipeline_parallel_size=0)
     with pytest.raises(ConfigError, match="ParallelConfig.pipeline_microbatches must be > 0"):
         ParallelConfig(pipeline_microbatches=0)
+    with pytest.raises(ConfigError, match="pipeline_decode_microbatches must be > 0"):
+        ParallelConfig(pipeline_decode_microbatches=0)
     p = ParallelConfig(tensor_parallel_size=8, pipeline_parallel_size=2)
-    assert p.num_devices == 16 and p.microbatches == 2
+    assert p.num_devices == 16 and p.microbatches == 4 and p.pipeline_decode_microbatches == 1
     assert dict(make_abstract_mesh(p).shape) == {"stage": 2, "model": 8}
 
 

@@ -51,9 +51,10 @@ def test_tiny_model_tp2_tp4_match_tp1(variant, cache_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["xla", "cpu"])
 def test_tiny_model_pipeline_stages_match_tp1(variant, cache_dir):
-    """TP 2 x PP 2 on 3 layers (stage 1's second slot a zero layer), with 1, 2 and 4
-    microbatches (the 80-row prefill in 20-row pieces cuts the 40-token prompt; decode
-    splits the 4 sequences), against TP 1 running the same batch."""
+    """TP 2 x PP 2 on 3 layers (stage 1's second slot a zero layer), with 1 and 4
+    microbatches for every step (the 80-row prefill in 20-row pieces cuts the 40-token
+    prompt; decode splits the 4 sequences) and the defaults (4 for the prefill, 1 for
+    decode), against TP 1 running the same batch."""
     r = tp_check("tiny", variant, "2x2m1,2x2,2x2m4", cache_dir)
     for mesh in ("2x2m1", "2x2", "2x2m4"):
         assert r["diff"][mesh] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
@@ -123,8 +124,8 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_tp4(cache_dir):
     vocabulary; all give TP 1's greedy tokens for a batch of prompts, with XLA kernels
     and with the default ones (the C++ attention kernel, each device on its own heads).
     Pipeline stages: TP 2 x PP 2 and TP 1 x PP 4 (30 layers as 4 stages of 8 slots, the
-    last two zero layers; a step split into 2 or 4 microbatches, the prompts cut between
-    them) give the same tokens, each device holding its stage's layers and pool."""
+    last two zero layers; the default microbatches: a prefill split in 4 or 8, the
+    prompts cut between them, decode whole) give the same tokens, each device holding its stage's layers and pool."""
     r = on_4_devices(TP_CHECK.parent / "tp_engine_check.py", str(cache_dir))
     t = r["tokens"]
     assert all(t["xla-1"]) and sum(map(len, t["xla-1"])) >= 48

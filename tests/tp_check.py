@@ -5,8 +5,8 @@ prints JSON {"diff": {tp: max |logits - reference|}, "max_abs_logit",
 "noise_floor": max |diff| of the reference against itself with the sequence batched
 beside others (f32 reduction order alone), "sharded": {tp: names of the weights split
 across devices}}. The reference is REFERENCE's kernels (default VARIANT's) at TP 1.
-A mesh "TPxPP" or "TPxPPmM" (e.g. 2x2, 1x4m4) runs PP pipeline stages (M microbatches,
-default PP) with TP devices each, on the sequence batched beside the others (so that a
+A mesh "TPxPP" or "TPxPPmM" (e.g. 2x2, 1x4m4) runs PP pipeline stages (M microbatches
+for prefill and decode steps alike; default ParallelConfig's) with TP devices each, on the sequence batched beside the others (so that a
 step splits into microbatches, the prompt cut between two), against the reference run
 the same way.
 
@@ -117,7 +117,8 @@ def main():
         tp, _, rest = mesh.partition("x")
         pp, _, m = rest.partition("m")
         par = ParallelConfig(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp or 1),
-                             pipeline_microbatches=int(m) if m else None)
+                             pipeline_microbatches=int(m) if m else None,
+                             pipeline_decode_microbatches=int(m) if m else 1)
         tp = par.tensor_parallel_size
         rules = ShardingRules(make_mesh(par)) if par.num_devices > 1 else None
         params, served = expand_kv_heads(host, cfg, tp)  # KV heads fewer than devices
@@ -127,7 +128,8 @@ def main():
                                  Path(cache_dir) / "kernels")
         params = prepare_params(params, VARIANTS[name], kernels, rules)
         if par.pipeline_parallel_size > 1:
-            params = stage_params(params, rules, par.microbatches)
+            params = stage_params(params, rules, par.microbatches,
+                                  par.pipeline_decode_microbatches)
         return run(params, served, rules, kernels, ids, n_decode=2, **kw), params
 
     base, _ = logits_of(reference, "1")

@@ -52,18 +52,20 @@ from jaxserve.sharding import ShardingRules
 STAGE_AXES = ("stages",)  # the logical axis of the stacked leading dimension
 
 
-@pytree_dataclass(meta=("num_layers", "microbatches"))
+@pytree_dataclass(meta=("num_layers", "microbatches", "decode_microbatches"))
 class StagedLayers:
     """A model's decoder layers stacked by stage: `layers` is a tuple of Lp LayerParams
     whose every leaf has a leading [PP] axis (split over `stage`); local layer j of stage
     s is layer s * Lp + j of the model, all zeros past `num_layers` (the identity).
-    microbatches: the microbatches a step aims for (ParallelConfig.microbatches).
+    microbatches / decode_microbatches: the microbatches a prefill / mixed step and a
+    decode step aim for (ParallelConfig.microbatches, .pipeline_decode_microbatches).
     Params.layers holds one of these instead of a tuple of LayerParams when the engine
     runs pipeline stages."""
 
     layers: tuple
     num_layers: int
     microbatches: int = 1
+    decode_microbatches: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -97,7 +99,8 @@ def staged_specs(staged: StagedLayers, rules: ShardingRules) -> StagedLayers:
     return dataclasses.replace(staged, layers=(specs,) * len(staged.layers))
 
 
-def stage_params(params: Params, rules: ShardingRules, microbatches: int = 1) -> Params:
+def stage_params(params: Params, rules: ShardingRules, microbatches: int = 1,
+                 decode_microbatches: int = 1) -> Params:
     """`params` with its layers stacked by stage (`StagedLayers`), each stacked leaf
     placed on `stage` x its tensor-parallel spec, so that a device keeps only its stage's
     layers. The input layers (prepared: quantised, packed, fused) may be replicated over
@@ -123,7 +126,8 @@ def stage_params(params: Params, rules: ShardingRules, microbatches: int = 1) ->
         real = [params.layers[s * lp + j] for s in range(pp) if s * lp + j < L]
         stacked.append(stack(len(real), *real))
     return dataclasses.replace(params, layers=StagedLayers(
-        layers=tuple(stacked), num_layers=L, microbatches=microbatches))
+        layers=tuple(stacked), num_layers=L, microbatches=microbatches,
+        decode_microbatches=decode_microbatches))
 
 
 def split_microbatches(batch, M: int):
@@ -176,12 +180,13 @@ def pipeline_layers(x: jax.Array, staged: StagedLayers, cache: KVCache, batch,
     """The staged decoder layers over the batch's input activations x [T, D] (replicated):
     the residual stream after the last layer [T, D] (replicated) and the staged cache
     (each array [PP, ...]) with this step's K/V written, run as the module docstring's
-    schedule with `staged.microbatches` (reduced to a divisor of the step:
-    microbatches_for).
+    schedule with `staged.microbatches` (`.decode_microbatches` for a decode batch;
+    reduced to a divisor of the step: microbatches_for).
     layers_fn(x, layers, cache, batch, reduce_heads, reduce_mlp): one device's run of its
     local layers (transformer._decoder_layers)."""
     pp = staged.num_stages
-    M = microbatches_for(batch, staged.microbatches)
+    M = microbatches_for(batch, staged.decode_microbatches if batch.decode
+                         else staged.microbatches)
     mb = split_microbatches(batch, M)
     T, D = x.shape
     x_mb = x.reshape(M, T // M, D)
