@@ -105,18 +105,26 @@ def test_llama70b_tp8_step_lowers_for_cuda_without_gathering_weights_or_kv():
     sharding it has (nothing for the partitioner to gather), no all-gather, two
     all-reduces per layer (after wo and w_down) and one for the embedding. Compiled for 8
     CPU devices (2 layers, XLA kernels), the partitioner adds all-gathers only of the
-    [rows, vocab] logits, for the sampler's top-k / top-p over whole rows."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    [rows, vocab] logits, for the sampler's top-k / top-p over whole rows. At TP 8 x PP 2
+    (16 devices) the decode step's stage-stacked weights and pool enter likewise, with
+    one loop body of 40 layers (two all-reduces each), the stage hand-off a
+    collective permute."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=16",
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_lowering_check.py")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["devices"] == 8 and r["control_mismatched"]  # the check can fail
+    assert r["devices"] == 16 and r["control_mismatched"]  # the check can fail
     for kind, c in r["cuda"].items():
         assert c["layers"] == 80 and c["triton"] >= 1, (kind, c)
         assert c["args_checked"] >= 80 * 9 + 2 * 80 and c["mismatched"] == [], (kind, c)
         assert c["all_gather"] == 0 and c["all_reduce"] == 2 * 80 + 1, (kind, c)
+    pp = r["cuda_pp"]
+    assert pp["args_checked"] >= 40 * 9 + 2 * 40 and pp["mismatched"] == [], pp
+    # 40 local layers x 2, the embedding's, and the sum of the last stage's outputs
+    assert pp["all_gather"] == 0 and pp["all_reduce"] == 2 * 40 + 2, pp
+    assert pp["collective_permute"] >= 1 and pp["triton"] >= 1, pp
     for kind, c in r["cpu"].items():
         assert c["all_gather_shapes"], kind
         for shape in c["all_gather_shapes"]:

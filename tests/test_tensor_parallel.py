@@ -35,10 +35,15 @@ def tp_check(source: str, variant: str, tps: str, cache_dir, reference: str | No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["xla", "cpu", "int8"])
-def test_tiny_model_tp2_tp4_match_tp1(variant, cache_dir):
+def test_tiny_model_tp2_tp4_and_pipeline_stages_match_tp1(variant, cache_dir):
     """Each kernel family under shard_map (XLA; the C++ attention and packed bf16 matmuls,
-    fused per shard; int8 weights) on 8 query / 4 KV heads, every axis divisible by 4."""
-    r = tp_check("tiny", variant, "2,4", cache_dir)
+    fused per shard; int8 weights) on 8 query / 4 KV heads, every axis divisible by 4.
+    And TP 2 x PP 2 on the 3 layers (stage 1's second slot a zero layer) with 1 and 4
+    microbatches for every step (the 80-row prefill in 20-row pieces cuts the 40-token
+    prompt; decode splits the 4 sequences) and the defaults (4 for the prefill, 1 for
+    decode), against TP 1 running the same batch."""
+    pipelines = ("2x2m1", "2x2", "2x2m4")
+    r = tp_check("tiny", variant, ",".join(("2", "4") + pipelines), cache_dir)
     for tp in ("2", "4"):
         for name in ("wq", "wo", "w_gate", "w_down"):
             assert f"layers.0.{name}" in r["sharded"][tp], (tp, name)
@@ -46,17 +51,8 @@ def test_tiny_model_tp2_tp4_match_tp1(variant, cache_dir):
         # run, TP adds partial sums): measured up to 1.1e-5 on logits of |5.5|, i.e. a few
         # ulp; a sharding bug moves them by O(1)
         assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["xla", "cpu"])
-def test_tiny_model_pipeline_stages_match_tp1(variant, cache_dir):
-    """TP 2 x PP 2 on 3 layers (stage 1's second slot a zero layer), with 1 and 4
-    microbatches for every step (the 80-row prefill in 20-row pieces cuts the 40-token
-    prompt; decode splits the 4 sequences) and the defaults (4 for the prefill, 1 for
-    decode), against TP 1 running the same batch."""
-    r = tp_check("tiny", variant, "2x2m1,2x2,2x2m4", cache_dir)
-    for mesh in ("2x2m1", "2x2", "2x2m4"):
+    for mesh in pipelines:
+        assert {"layers.0.wo", "layers.0.w_down"} <= set(r["sharded"][mesh])  # by stage
         assert r["diff"][mesh] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
 
 

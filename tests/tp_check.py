@@ -28,7 +28,7 @@ from jaxserve.config import KernelConfig, ParallelConfig
 from jaxserve.kernels import prepare_params, select_kernels
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.model.params import init_params, param_shardings
-from jaxserve.model.pipeline import stage_params
+from jaxserve.model.pipeline import StagedLayers, stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.model.transformer import StepBatch, compute_logits, forward
 from jaxserve.sharding import ShardingRules, make_mesh
@@ -89,9 +89,11 @@ def run(params, cfg, rules, kernels, ids, n_decode, others=()):
 
 
 def sharded_weights(params) -> list[str]:
-    """Names of the weights of layer 0 (and the embedding) split across devices."""
+    """Names of the weights of layer 0 (and the embedding) split across devices (a
+    pipeline's: of every stage's local layer 0, stacked)."""
+    layer0 = params.layers.layers[0] if isinstance(params.layers, StagedLayers) else params.layers[0]
     named = {"embed": params.embed, **{f"layers.0.{k}": v for k, v in
-                                        vars(params.layers[0]).items() if v is not None}}
+                                        vars(layer0).items() if v is not None}}
     return sorted(k for k, v in named.items()
                   if any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(v)))
 
@@ -139,7 +141,7 @@ def main():
         if "x" in mesh:
             logits, params = logits_of(variant, mesh, others=others)
             diff[mesh] = float(np.abs(logits - beside).max())
-            sharded[mesh] = []
+            sharded[mesh] = sharded_weights(params)
             continue
         logits, params = logits_of(variant, mesh)
         diff[mesh] = float(np.abs(logits - base).max())

@@ -1,13 +1,17 @@
-"""Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8: the engine's
-step (jaxserve.engine.runner._step: forward, LM head, sampler) for configs/llama70b.py at
-tensor parallel 8, on abstract shapes (nothing allocated), a decode and a mixed bucket:
+"""Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=16: the
+engine's step (jaxserve.engine.runner._step: forward, LM head, sampler) for
+configs/llama70b.py at tensor parallel 8, on abstract shapes (nothing allocated), a decode
+and a mixed bucket:
 
 - lowered for CUDA with all 80 layers and the Pallas attention kernels: every weight and
   KV pool argument enters its shard_map with the sharding it already has (so the SPMD
   partitioner has nothing to gather), and the program has no all-gather, only the
   all-reduces of the explicit psums;
-- compiled for these 8 CPU devices with 2 layers and XLA kernels, where the partitioner
-  runs: the shapes of every all-gather of the compiled program.
+- compiled for 8 of these CPU devices with 2 layers and XLA kernels, where the
+  partitioner runs: the shapes of every all-gather of the compiled program;
+- at tensor parallel 8 x pipeline parallel 2 (16 devices, 2 hosts' worth), the decode
+  step lowered for CUDA the same way ("cuda_pp"), the layers stage-stacked
+  (jaxserve.model.pipeline).
 
 Prints JSON {"cuda": {kind: {"layers", "all_reduce", "all_gather", "args_checked",
 "mismatched": [...]}}, "cpu": {kind: {"all_gather_shapes": [...]}}, "control_mismatched":
@@ -24,10 +28,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.config import load_config
+from jaxserve.config import ParallelConfig, load_config
 from jaxserve.engine.runner import StepKey, _abstract_inputs, _step
 from jaxserve.kv_cache import abstract_kv_cache
 from jaxserve.model.params import abstract_params
+from jaxserve.model.pipeline import StagedLayers, layers_per_stage
+from jaxserve.model.tensor_parallel import layer_specs
 from jaxserve.model.transformer import Kernels
 from jaxserve.sharding import ShardingRules, make_mesh
 
@@ -35,8 +41,22 @@ ROOT = Path(__file__).resolve().parent.parent
 KEYS = (StepKey("decode", 64, 64, 32, 1), StepKey("mixed", 512, 16, 32, 1))
 
 
-def lowered(cfg, rules, kernels, key, platform):
+def staged(params, rules, stages: int):
+    """Abstract params with their layers stacked by stage, as stage_params places them."""
+    lp = layers_per_stage(len(params.layers), stages)
+    specs = layer_specs(params.layers[0], rules)
+    layer = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct((stages, *x.shape), x.dtype, sharding=NamedSharding(
+            rules.mesh, PartitionSpec("stage", *s))), params.layers[0], specs)
+    return params.__class__(embed=params.embed, final_norm=params.final_norm,
+                            lm_head=params.lm_head,
+                            layers=StagedLayers(layers=(layer,) * lp, num_layers=len(params.layers)))
+
+
+def lowered(cfg, rules, kernels, key, platform, stages: int = 1):
     params = abstract_params(cfg, rules)
+    if stages > 1:
+        params = staged(params, rules, stages)
     cache = abstract_kv_cache(cfg, 4096, 16, "bfloat16", rules, kernels.attention.kv_layout)
     rep = NamedSharding(rules.mesh, PartitionSpec())
     batch, sampling = _abstract_inputs(key, rep)
@@ -81,18 +101,26 @@ def check_manual_inputs(text: str) -> tuple[int, list[str]]:
     return checked, bad
 
 
+def summary(text: str, layers: int) -> dict:
+    checked, bad = check_manual_inputs(text)
+    return {"layers": layers, "args_checked": checked, "mismatched": bad,
+            "all_gather": text.count("all_gather"), "all_reduce": text.count("all_reduce"),
+            "collective_permute": text.count("collective_permute"),
+            "triton": text.count("xla.gpu.triton")}
+
+
 def main() -> None:
     base = load_config(ROOT / "configs" / "llama70b.py")
     rules = ShardingRules(make_mesh(base.parallel))
     out = {"cuda": {}, "cpu": {}, "vocab": base.model.vocab_size, "devices": len(jax.devices())}
     pallas = Kernels(attention="pallas", matmul="pallas", sampling="xla")
     for key in KEYS:
-        text = lowered(base.model, rules, pallas, key, "cuda").as_text()
-        checked, bad = check_manual_inputs(text)
-        out["cuda"][key.kind] = {"layers": base.model.num_layers, "args_checked": checked,
-                                 "mismatched": bad, "all_gather": text.count("all_gather"),
-                                 "all_reduce": text.count("all_reduce"),
-                                 "triton": text.count("xla.gpu.triton")}
+        out["cuda"][key.kind] = summary(lowered(base.model, rules, pallas, key, "cuda").as_text(),
+                                        base.model.num_layers)
+    pp_rules = ShardingRules(make_mesh(ParallelConfig(tensor_parallel_size=8,
+                                                      pipeline_parallel_size=2)))
+    out["cuda_pp"] = summary(lowered(base.model, pp_rules, pallas, KEYS[0], "cuda", 2).as_text(),
+                             base.model.num_layers)
     # the check's own control: an argument split over `model` read whole by a shard_map
     split = jax.ShapeDtypeStruct((8, 4), jnp.float32,
                                  sharding=NamedSharding(rules.mesh, PartitionSpec("model")))
