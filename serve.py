@@ -2,7 +2,8 @@
 
     python serve.py [--config configs/smollm2_135m.py] [--host H] [--port P] [--cache-dir DIR]
                     [--model PATH] [--load-format dummy] [--num-layers N]
-                    [--tensor-parallel-size N] [--api-key KEY] [--allowed-origins O ...]
+                    [--tensor-parallel-size N] [--pipeline-parallel-size M]
+                    [--api-key KEY] [--allowed-origins O ...]
                     [engine settings, limits: see --help]
 
 Loads the config file's CONFIG, builds and warms up the engine, and serves

@@ -111,9 +111,9 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     raw, model_cfg = expand_kv_heads(raw, model_cfg, config.parallel.tensor_parallel_size)
     params = prepare_params(raw, ecfg.kernels, kernels, rules)
     del raw
-    if config.parallel.pipeline_parallel_size > 1:  # each stage's layers on its devices
+    if config.parallel.pipeline_parallel_size > 1:  # loaded on their stages: stack them
         params = stage_params(params, rules, config.parallel.microbatches,
-                              config.parallel.pipeline_decode_microbatches)
+                              config.parallel.pipeline_decode_microbatches, donate=True)
     # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
     per_page = (page_bytes(model_cfg, page_size, kv_dtype)
                 + drafter_page_bytes(spec, model_cfg, page_size, kv_dtype))

@@ -18,6 +18,7 @@ Source: the logical-axis rules of jax-llm-examples / MaxText.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -88,6 +89,25 @@ class ShardingRules:
                 return axis
         raise KeyError(f"no sharding rule for logical axis {logical!r}")
 
+    def for_layer(self, layer: int, num_layers: int) -> "ShardingRules":
+        """The rules decoder layer `layer` of `num_layers` is placed by: with pipeline
+        stages, those of its stage's own devices (a `(model,)` mesh of the stage's row of
+        the mesh: the layer lives only there until jaxserve.model.pipeline stacks it),
+        else these. Layers past num_layers go with the last stage.
+
+        Over several processes the layers are placed on the whole mesh instead (replicated
+        over `stage`, stacked afterwards): orbax cannot restore an array that a process
+        holds no shard of, and a stage is one host's devices."""
+        stages = self.size("stages")
+        if stages == 1 or (isinstance(self.mesh, Mesh) and jax.process_count() > 1):
+            return self
+        return self.stage(min(layer // layers_per_stage(num_layers, stages), stages - 1))
+
+    def stage(self, s: int) -> "ShardingRules":
+        """The rules of pipeline stage s's own devices: a `(model,)` mesh of the mesh's
+        row s (the same rules); these rules when the mesh has no stages."""
+        return self if self.size("stages") == 1 else _stage_rules(self, s)
+
     def size(self, logical: str) -> int:
         """Devices along the mesh axis `logical` maps to (1 when none, or the mesh lacks it)."""
         axis = self.mesh_axis(logical)
@@ -115,6 +135,24 @@ class ShardingRules:
     def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         """`with_sharding_constraint` of an activation by its logical axes."""
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
+
+
+def layers_per_stage(num_layers: int, stages: int) -> int:
+    """Each pipeline stage's layer slots: ceil(num_layers / stages) (stage s holds layers
+    s * that .. on; the last may hold fewer)."""
+    return -(-num_layers // stages)
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_rules(rules: ShardingRules, stage: int) -> ShardingRules:
+    axis = rules.mesh_axis("stages")
+    i = rules.mesh.axis_names.index(axis)
+    names = tuple(n for n in rules.mesh.axis_names if n != axis)
+    if isinstance(rules.mesh, AbstractMesh):
+        shape = tuple(rules.mesh.shape[n] for n in names)
+        return ShardingRules(AbstractMesh(shape, names), rules.rules)
+    devices = np.take(rules.mesh.devices, stage, axis=i)
+    return ShardingRules(Mesh(devices, names), rules.rules)
 
 
 def constrain(rules: ShardingRules | None, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

@@ -41,6 +41,8 @@ def test_config_without_weights_says_how_to_get_them():
 def test_bad_deployment_flags_are_one_line_errors(tmp_path):
     proc = _serve("--config", "configs/llama70b.py", "--tensor-parallel-size", "0")
     assert proc.returncode == 2 and "ParallelConfig.tensor_parallel_size must be > 0" in proc.stderr
+    proc = _serve("--config", "configs/llama70b.py", "-pp", "0")
+    assert proc.returncode == 2 and "ParallelConfig.pipeline_parallel_size must be > 0" in proc.stderr
     proc = _serve("--config", "configs/llama70b.py", "--num-layers", "81")
     assert proc.returncode == 2 and "Config.num_layers=81 exceeds the model's 80 layers" in proc.stderr
     proc = _serve("--config", "configs/llama70b.py", "--model", str(tmp_path / "nothing"))
@@ -89,7 +91,7 @@ def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cac
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["text"].strip()
-        assert "tensor parallel 8 over cpu devices" in log.read_text()
+        assert "tensor parallel 8 x pipeline parallel 1 over cpu devices" in log.read_text()
     finally:
         proc.terminate()
         try:

@@ -137,6 +137,11 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_tp4(cache_dir):
         assert r["wq"][name].startswith("P('stage'"), r["wq"]
         assert r["kv"][name].startswith("P('stage'"), r["kv"]
     assert r["attention"]["auto-1x4"] == "cpu"
+    # loaded on its stage's device only (layer i on device i // 8), and after stacking
+    # device 0 holds the embedding and its 8 layer slots, not all 30 layers
+    assert r["loaded_on"] == [[i // 8] for i in range(30)]
+    b = r["device0_bytes"]
+    assert b["xla-1x4"] == b["xla-1"] - (30 - 8) * r["layer_bytes"], (b, r["layer_bytes"])
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ smollm2_small.py) under tensor parallel 1 to 4 with XLA attention and matmuls
 per device under TP), and pipeline stages "TPxPP" (xla-2x2, xla-1x4, auto-1x4: 30 layers
 in 4 stages of 8 slots, the last 2 zero layers), the same prompts batched, greedy; prints JSON {"tokens": {run:
 [token ids per prompt]}, "wq": {run: layer 0's wq sharding spec}, "kv": {run: the KV
-pool's sharding spec}, "attention": {run: the attention kernel}, "devices": n}.
+pool's sharding spec}, "attention": {run: the attention kernel}, "device0_bytes": {run:
+bytes of the params' shards on device 0}, "layer_bytes": one layer's bytes (XLA layout),
+"loaded_on": [device ids of each layer as load_params places it at PP 4], "devices": n}.
 
     python tests/tp_engine_check.py CACHE_DIR
 """
@@ -16,9 +18,11 @@ from pathlib import Path
 
 import jax
 
-from jaxserve.api import LLM
+from jaxserve.api import LLM, _model_config
+from jaxserve.checkpoint import load_params
 from jaxserve.config import ParallelConfig, load_config
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sharding import ShardingRules, make_mesh
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_small.py"
 PROMPTS = ["The capital of France is", "Write a haiku about rain.",
@@ -29,7 +33,8 @@ PROMPTS = ["The capital of France is", "Write a haiku about rain.",
 def main(cache_dir: str) -> None:
     base = load_config(CONFIG)
     xla = base.engine.override(attention_impl="xla", matmul_impl="xla")
-    out = {"tokens": {}, "wq": {}, "kv": {}, "attention": {}, "devices": len(jax.devices())}
+    out = {"tokens": {}, "wq": {}, "kv": {}, "attention": {}, "device0_bytes": {},
+           "devices": len(jax.devices())}
     runs = [(f"xla-{tp}", tp, 1, xla) for tp in (1, 2, 3, 4)] + [
         (f"auto-{tp}", tp, 1, base.engine) for tp in (1, 3)] + [
         ("xla-2x2", 2, 2, xla), ("xla-1x4", 1, 4, xla), ("auto-1x4", 1, 4, base.engine)]
@@ -45,7 +50,16 @@ def main(cache_dir: str) -> None:
         out["wq"][name] = str(getattr(layer0.wq.sharding, "spec", None))
         out["kv"][name] = str(getattr(runner.cache.k[0].sharding, "spec", None))
         out["attention"][name] = runner.kernels.attention.name
-        del llm
+        dev0 = jax.devices()[0]
+        out["device0_bytes"][name] = sum(s.data.nbytes for x in jax.tree.leaves(runner.params)
+                                         for s in x.addressable_shards if s.device == dev0)
+        del llm, runner
+    cfg, ckpt = _model_config(base, Path(cache_dir))
+    rules = ShardingRules(make_mesh(ParallelConfig(pipeline_parallel_size=4)))
+    loaded = load_params(ckpt, cfg, rules)
+    out["layer_bytes"] = sum(x.nbytes for x in jax.tree.leaves(loaded.layers[0]))
+    out["loaded_on"] = [sorted({d.id for x in jax.tree.leaves(lp) for d in x.sharding.device_set})
+                        for lp in loaded.layers]
     print(json.dumps(out))
 
 

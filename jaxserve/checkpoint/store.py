@@ -191,8 +191,9 @@ def load_params(ckpt_dir: str | Path, model_cfg: ModelConfig,
                 rules: ShardingRules | None = None) -> Params:
     """Restore the Params tree of a checkpoint as jax Arrays in `model_cfg.dtype` (cast on
     restore if the checkpoint was saved in another dtype), placed on the shardings of
-    `abstract_params(model_cfg, rules)` (the default device when `rules` is None). Each
-    group is restored straight onto its target shardings (each device reads its shard).
+    `abstract_params(model_cfg, rules)` (the default device when `rules` is None; with
+    pipeline stages each layer on its stage's devices only). Each group is restored
+    straight onto its target shardings (each device reads its shard).
     A `model_cfg` with fewer layers than the checkpoint (Config.num_layers) gets its
     first layers; the groups past them are not read.
 
@@ -214,7 +215,7 @@ def load_params(ckpt_dir: str | Path, model_cfg: ModelConfig,
     groups = [g for g in groups if g.layers is None or g.layers.start < n]
     # the last group read may hold layers past n: restore it whole, keep the first n
     target = abstract_params(model_cfg.replace(num_layers=groups[-1].layers.stop)
-                             if len(groups) > 1 else model_cfg, rules)
+                             if len(groups) > 1 else model_cfg, rules, staged_layers=n)
     if rules is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), target)

@@ -113,20 +113,38 @@ def map_specs(fn: Callable[[ParamSpec], Any], specs: Params) -> Params:
     return jax.tree.map(fn, specs, is_leaf=_is_spec)
 
 
-def param_shardings(cfg: ModelConfig, rules: ShardingRules) -> Params:
-    """NamedSharding for every leaf (dims not divisible by their mesh axis replicate)."""
-    return map_specs(lambda s: rules.sharding(s.axes, s.shape), param_specs(cfg))
+def map_placed(fn: Callable[[ParamSpec, ShardingRules], Any], cfg: ModelConfig,
+               rules: ShardingRules, staged_layers: int | None = None) -> Params:
+    """fn(spec, rules of its placement) at every leaf: decoder layer i's by
+    rules.for_layer(i, staged_layers or cfg.num_layers) (its pipeline stage's devices),
+    the rest by `rules`."""
+    specs = param_specs(cfg)
+    n = staged_layers or cfg.num_layers
+    place = lambda tree, r: map_specs(lambda s: fn(s, r), tree)  # noqa: E731
+    return Params(embed=place(specs.embed, rules),
+                  layers=tuple(place(lp, rules.for_layer(i, n)) for i, lp in enumerate(specs.layers)),
+                  final_norm=place(specs.final_norm, rules),
+                  lm_head=None if specs.lm_head is None else place(specs.lm_head, rules))
 
 
-def abstract_params(cfg: ModelConfig, rules: ShardingRules | None = None) -> Params:
-    """ShapeDtypeStructs of the param tree (with shardings if `rules`); allocates nothing."""
+def param_shardings(cfg: ModelConfig, rules: ShardingRules,
+                    staged_layers: int | None = None) -> Params:
+    """NamedSharding for every leaf (dims not divisible by their mesh axis replicate; with
+    pipeline stages, each decoder layer on its stage's devices: map_placed)."""
+    return map_placed(lambda s, r: r.sharding(s.axes, s.shape), cfg, rules, staged_layers)
+
+
+def abstract_params(cfg: ModelConfig, rules: ShardingRules | None = None,
+                    staged_layers: int | None = None) -> Params:
+    """ShapeDtypeStructs of the param tree (with shardings if `rules`: param_shardings);
+    allocates nothing. staged_layers: the layer count pipeline stages are computed for
+    (default cfg.num_layers; a checkpoint group read past the served layers)."""
     dtype = jnp.dtype(cfg.dtype)
-
-    def one(s: ParamSpec):
-        sharding = rules.sharding(s.axes, s.shape) if rules is not None else None
-        return jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding)
-
-    return map_specs(one, param_specs(cfg))
+    if rules is None:
+        return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(cfg))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                        param_specs(cfg), param_shardings(cfg, rules, staged_layers),
+                        is_leaf=_is_spec)
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -197,9 +215,10 @@ def dummy_params(cfg: ModelConfig, rules: ShardingRules | None = None, seed: int
     are meaningless."""
     dtype = jnp.dtype(cfg.dtype)
     leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_spec)
+    shardings = (jax.tree.leaves(param_shardings(cfg, rules)) if rules is not None
+                 else [None] * len(leaves))
     out = []
-    for i, s in enumerate(leaves):
-        sharding = rules.sharding(s.axes, s.shape) if rules is not None else None
+    for i, (s, sharding) in enumerate(zip(leaves, shardings, strict=True)):
         make = _dummy_maker(tuple(s.shape), dtype, s.init, sharding)
         out.append(make(jnp.uint32((seed * 1_000_003 + i) % 2**32), jnp.float32(scale)))
     return jax.tree.unflatten(treedef, out)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +46,7 @@ from jaxserve.kv_cache import KVCache
 from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.params import LayerParams, Params
 from jaxserve.pytree import pytree_dataclass
-from jaxserve.sharding import ShardingRules
+from jaxserve.sharding import ShardingRules, layers_per_stage
 
 STAGE_AXES = ("stages",)  # the logical axis of the stacked leading dimension
 
@@ -82,11 +81,6 @@ def num_stages(rules: ShardingRules | None) -> int:
     return 1 if rules is None else rules.size("stages")
 
 
-def layers_per_stage(num_layers: int, stages: int) -> int:
-    """Lp = ceil(num_layers / stages): each stage's layer slots."""
-    return math.ceil(num_layers / stages)
-
-
 def _stacked_spec(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec("stage", *spec)
 
@@ -100,34 +94,84 @@ def staged_specs(staged: StagedLayers, rules: ShardingRules) -> StagedLayers:
 
 
 def stage_params(params: Params, rules: ShardingRules, microbatches: int = 1,
-                 decode_microbatches: int = 1) -> Params:
-    """`params` with its layers stacked by stage (`StagedLayers`), each stacked leaf
-    placed on `stage` x its tensor-parallel spec, so that a device keeps only its stage's
-    layers. The input layers (prepared: quantised, packed, fused) may be replicated over
-    `stage`; they are dropped when the caller drops `params`. Raises ValueError when the
-    mesh has more stages than the model has layers."""
+                 decode_microbatches: int = 1, donate: bool = False) -> Params:
+    """`params` with its layers stacked by stage (`StagedLayers`), each stacked leaf on
+    `stage` x its tensor-parallel spec, so that a device keeps only its stage's layers.
+
+    When every layer sits on its own stage's devices (the shardings of param_shardings /
+    rules.for_layer, which load_params and dummy_params use in one process), each
+    device's part of a stacked leaf is its copy of its own stage's layer: no layer
+    crosses devices, and with `donate` each input layer's arrays are deleted once
+    stacked (the engine's build keeps only the staged tree), so stacking costs one leaf.
+    Otherwise (layers on the whole mesh, as over several processes) one jitted stack per
+    local layer index gathers nothing either: every device already holds every layer.
+    Raises ValueError when the mesh has more stages than the model has layers."""
     pp = num_stages(rules)
     L = len(params.layers)
     if pp > L:
         raise ValueError(f"{pp} pipeline stages for {L} layers: each stage needs one")
     lp = layers_per_stage(L, pp)
-    specs = jax.tree.map(_stacked_spec, tp.layer_specs(params.layers[0], rules),
-                         is_leaf=lambda x: isinstance(x, PartitionSpec))
-    shardings = jax.tree.map(lambda s: NamedSharding(rules.mesh, s), specs,
-                             is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-    @functools.partial(jax.jit, static_argnums=0, out_shardings=shardings)
-    def stack(n_real, *layers):
-        pad = [jax.tree.map(jnp.zeros_like, layers[0])] * (pp - n_real)
-        return jax.tree.map(lambda *xs: jnp.stack(xs), *layers, *pad)
-
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    specs = tp.layer_specs(params.layers[0], rules)  # the same for every layer
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    placed = all(
+        x.sharding.is_equivalent_to(NamedSharding(rules.stage(i // lp).mesh, s), x.ndim)
+        for i, layer in enumerate(params.layers)
+        for x, s in zip(jax.tree.leaves(layer), spec_leaves, strict=True))
+    if not placed:
+        stacked = _stack_whole(params.layers, rules, specs, pp, lp)
+        return dataclasses.replace(params, layers=StagedLayers(
+            layers=stacked, num_layers=L, microbatches=microbatches,
+            decode_microbatches=decode_microbatches))
+    first = jax.tree.leaves(params.layers[0])
+    shapes, dtypes = [x.shape for x in first], [x.dtype for x in first]
+    treedef = jax.tree.structure(params.layers[0])
     stacked = []
     for j in range(lp):
-        real = [params.layers[s * lp + j] for s in range(pp) if s * lp + j < L]
-        stacked.append(stack(len(real), *real))
+        sources = [s * lp + j for s in range(pp)]
+        leaves = [jax.tree.leaves(params.layers[i]) if i < L else None for i in sources]
+        out = []
+        for k, spec in enumerate(spec_leaves):
+            parts = {}
+            for s, i in enumerate(sources):
+                target = NamedSharding(rules.stage(s).mesh, spec)
+                if i >= L:  # a short last stage: zero layers (the identity)
+                    shard = target.shard_shape(shapes[k])
+                    for d in target.addressable_devices:
+                        parts[d] = jnp.zeros((1, *shard), dtypes[k], device=d)
+                    continue
+                x = leaves[s][k]
+                for shard in x.addressable_shards:
+                    parts[shard.device] = shard.data[None]
+                if donate and not leaves[s][k].is_deleted():
+                    leaves[s][k].delete()
+            shape = (pp, *shapes[k])
+            sharding = NamedSharding(rules.mesh, PartitionSpec("stage", *spec))
+            out.append(jax.make_array_from_single_device_arrays(
+                shape, sharding, [parts[d] for d in sharding.addressable_devices]))
+        stacked.append(jax.tree.unflatten(treedef, out))
     return dataclasses.replace(params, layers=StagedLayers(
         layers=tuple(stacked), num_layers=L, microbatches=microbatches,
         decode_microbatches=decode_microbatches))
+
+
+def _stack_whole(layers, rules: ShardingRules, specs, pp: int, lp: int) -> tuple:
+    """stage_params for layers held on the whole mesh: a jitted stack per local layer
+    index, out on `stage` x the layer's spec (each device keeps its stage's slice)."""
+    L = len(layers)
+    shardings = jax.tree.map(lambda s: NamedSharding(rules.mesh, PartitionSpec("stage", *s)),
+                             specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    @functools.partial(jax.jit, static_argnums=0, out_shardings=shardings)
+    def stack(n_real, *real):
+        pad = [jax.tree.map(jnp.zeros_like, real[0])] * (pp - n_real)
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *real, *pad)
+
+    out = []
+    for j in range(lp):
+        real = [layers[s * lp + j] for s in range(pp) if s * lp + j < L]
+        out.append(stack(len(real), *real))
+    return tuple(out)
 
 
 def split_microbatches(batch, M: int):

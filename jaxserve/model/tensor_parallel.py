@@ -120,10 +120,17 @@ def cache_specs(cache: KVCache, rules: ShardingRules) -> KVCache:
 
 def shard_params(params: Params, rules: ShardingRules) -> Params:
     """`params` placed on the shardings shard_map reads them in (params_specs): after
-    prepare_params, whose jitted quantisation / packing leaves other layouts."""
+    prepare_params, whose jitted quantisation / packing leaves other layouts. With
+    pipeline stages each decoder layer stays on its stage's devices (rules.for_layer)."""
     specs = params_specs(params, rules)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(rules.mesh, s)),
-                        params, specs)
+    put = lambda tree, spec, r: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.device_put(x, NamedSharding(r.mesh, s)), tree, spec)
+    n = len(params.layers)
+    return Params(embed=put(params.embed, specs.embed, rules),
+                  layers=tuple(put(lp, sp, rules.for_layer(i, n))
+                               for i, (lp, sp) in enumerate(zip(params.layers, specs.layers))),
+                  final_norm=put(params.final_norm, specs.final_norm, rules),
+                  lm_head=put(params.lm_head, specs.lm_head, rules))
 
 
 def splits(lp: LayerParams, rules: ShardingRules) -> tuple[bool, bool]:
