@@ -6,9 +6,9 @@ Layout. With PP stages and L layers, stage s holds layers s * Lp .. s * Lp + Lp 
 split over `stage` (`StagedLayers`), and so is its KV pool ([PP, pages, ...]): each
 device holds only its stage's layers and their pages, split further over `model` by
 tensor parallelism inside the stage. When PP does not divide L the last stage's extra
-slots hold all-zero layers, which are exactly the identity on the residual stream (their
-RMSNorm weight, projections and biases are zero, so attention and MLP add 0) for every
-kernel and weight format.
+slots hold all-zero layers, which are exactly the identity on the residual stream: their
+RMSNorm weight, projections and biases are zero (quantised ones: zero values and
+scales), so attention and MLP add 0 (tested with the XLA and C++ kernels).
 
 Schedule (GPipe's, per step). The step's flat ragged batch is split into M microbatches
 of equal shape (`split_microbatches`: a decode batch by sequences, a prefill / mixed
