@@ -10,6 +10,7 @@ Source: vLLM's `LLM.generate` (offline batched inference).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from pathlib import Path
@@ -300,8 +301,18 @@ class LLM:
 
 def generate(prompts, sampling_params=None, config: Config | str | Path | None = None,
              cache_dir: str | Path | None = None) -> list[Completion]:
-    """One-shot: build an engine from `config` (default SmolLM2-135M), generate, return.
+    """Generate with the engine of `config` (default SmolLM2-135M): `LLM.generate`'s
+    arguments and result. The engine is built on the first call and kept for the next
+    calls with the same config and cache_dir (one engine: a call with another config
+    replaces it); `LLM` holds one explicitly, and jaxserve.functional.generate is the pure
+    function for research code. Raises what LLM and LLM.generate raise."""
+    if not isinstance(config, Config):
+        config = load_config(config or DEFAULT_CONFIG)
+    return _kept_llm(config, None if cache_dir is None else Path(cache_dir)).generate(
+        prompts, sampling_params)
 
-    For repeated calls build an `LLM` once instead (loading and compiling take seconds).
-    """
-    return LLM(config, cache_dir=cache_dir).generate(prompts, sampling_params)
+
+@functools.lru_cache(maxsize=1)
+def _kept_llm(config: Config, cache_dir: Path | None) -> LLM:
+    """The LLM `generate` reuses (Config is frozen and hashable: equal configs, one engine)."""
+    return LLM(config, cache_dir=cache_dir)

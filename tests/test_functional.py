@@ -157,3 +157,33 @@ def test_readme_policy_gradient_example_runs(smollm2_checkpoint, monkeypatch):
     assert out.shape == (3, 8) and np.all(np.asarray(logprobs) <= 0)
     moved = [float(jnp.abs(u).max()) for u in jax.tree.leaves(ns["updates"])]
     assert all(np.isfinite(moved)) and max(moved) > 0
+
+
+def test_jaxserve_generate_keeps_its_engine_between_calls(monkeypatch):
+    """jaxserve.generate builds the engine of a config once and reuses it for the next
+    calls with an equal config; another config replaces it (an LLM stand-in counts the
+    builds: building the real one is what this avoids)."""
+    from pathlib import Path
+
+    from jaxserve import api
+    from jaxserve.config import load_config
+
+    built = []
+
+    class Counting:
+        def __init__(self, config, cache_dir=None):
+            built.append(config)
+
+        def generate(self, prompts, sampling_params=None):
+            return [f"{len(built)}:{p}" for p in prompts]
+
+    monkeypatch.setattr(api, "LLM", Counting)
+    api._kept_llm.cache_clear()
+    try:
+        root = Path(__file__).resolve().parent.parent
+        assert api.generate(["a"]) == ["1:a"] and api.generate(["b"]) == ["1:b"]
+        assert api.generate(["c"], config=load_config(root / "configs/smollm2_135m.py")) == ["1:c"]
+        assert api.generate(["d"], config=root / "tests/configs/smollm2_small.py") == ["2:d"]
+        assert len(built) == 2
+    finally:
+        api._kept_llm.cache_clear()
