@@ -159,7 +159,7 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
     its own heads, MLP columns and KV pool shard, with a psum after wo and w_down where
     their inputs are split (x in and out replicated). Stage-stacked layers
     (jaxserve.model.pipeline.StagedLayers) run as a pipeline over the `stage` mesh axis,
-    each stage's layers so on its tensor-parallel group."""
+    each stage running its layers on its own tensor-parallel group as above."""
     if isinstance(layers, pipeline.StagedLayers):
         def local(x, lps, pool, b, reduce_heads, reduce_mlp):
             return _decoder_layers(x, lps, pool, b, cfg, None, kernels, reduce_heads, reduce_mlp)
