@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.pytree import pytree_dataclass
-from jaxserve.sharding import ShardingRules
+from jaxserve.sharding import ShardingRules, layers_per_stage
 from kernel_ops import BF16_BITS
 
 KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
@@ -114,7 +114,7 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: A
     shape = tuple(dims[a] for a in axes)
     sharding = rules.sharding(axes, shape) if rules is not None else None
     one = jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
-    n = -(-cfg.num_layers // stages)
+    n = layers_per_stage(cfg.num_layers, stages)
     return KVCache(k=(one,) * n, v=(one,) * n, layout=layout)
 
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 from jaxserve.config import Config, ConfigError, KernelConfig, ModelConfig, SpeculativeConfig
 from jaxserve.kv_cache import KV_AXES, page_bytes
 from jaxserve.model.params import abstract_params
-from jaxserve.sharding import ShardingRules, make_abstract_mesh
+from jaxserve.sharding import ShardingRules, layers_per_stage, make_abstract_mesh
 from jaxserve.spec_decode.eagle import eagle_page_bytes
 
 GiB = 2**30
@@ -110,17 +110,18 @@ def prepared_weight_bytes(model: ModelConfig, kcfg: KernelConfig,
     # the XLA layout: a packed or fused copy holds the same bytes as a plain one
     prepared = jax.eval_shape(lambda p: prepare_params(p, kcfg, Kernels()), abstract_params(model))
     specs = params_specs(prepared, rules)
-    leaves = jax.tree.leaves(prepared)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    per_device = sum(_spec_bytes(x, s, rules.mesh) for x, s in zip(leaves, spec_leaves, strict=True))
+    def device_bytes(tree, spec_tree) -> int:
+        spec_leaves = jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return sum(_spec_bytes(x, s, rules.mesh)
+                   for x, s in zip(jax.tree.leaves(tree), spec_leaves, strict=True))
+
+    per_device = device_bytes(prepared, specs)
     stages = rules.size("stages")
     if stages > 1:  # every device holds its stage's layer slots, not all layers
-        layer = sum(_spec_bytes(x, s, rules.mesh) for x, s in zip(
-            jax.tree.leaves(prepared.layers[0]),
-            jax.tree.leaves(specs.layers[0], is_leaf=lambda x: isinstance(x, PartitionSpec)),
-            strict=True))
         L = model.num_layers
-        per_device += (-(-L // stages) - L) * layer
+        per_device += ((layers_per_stage(L, stages) - L)
+                       * device_bytes(prepared.layers[0], specs.layers[0]))
+    leaves = jax.tree.leaves(prepared)
     return per_device, sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
@@ -166,7 +167,7 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     kv_split = math.prod(probe) // math.prod(rules.sharding(KV_AXES, probe).shard_shape(probe))
     # with pipeline stages a device holds the pool of its stage's layer slots only
     stages = config.parallel.pipeline_parallel_size
-    slots = -(-model.num_layers // stages)
+    slots = layers_per_stage(model.num_layers, stages)
     kv_split = kv_split * model.num_layers / slots
     activations = activation_bytes(model, config, rules)
     budget = ecfg.cache.kv_cache_memory_bytes
