@@ -52,6 +52,16 @@ def _prefill_batch(tokens: jax.Array, lengths: jax.Array, tables: jax.Array) -> 
                      query_start=starts, logits_indices=starts[1:] - 1, decode=False)
 
 
+def _page_pool(cfg: ModelConfig, B: int, num_tokens: int, kernels: Kernels):
+    """(block tables [B, pages] int32, zeroed KV pool): each of B sequences its own pages
+    for num_tokens tokens, in order; page 0 is the null page."""
+    pages = -(-num_tokens // PAGE_SIZE)
+    tables = (1 + jnp.arange(B * pages, dtype=jnp.int32)).reshape(B, pages)
+    cache = init_kv_cache(cfg, 1 + B * pages, PAGE_SIZE, cfg.dtype, None,
+                          kernels.attention.kv_layout)
+    return tables, cache
+
+
 def _check(prompt_tokens, prompt_lengths, max_new_tokens: int) -> None:
     if prompt_tokens.ndim != 2 or prompt_lengths.shape != prompt_tokens.shape[:1]:
         raise ValueError(f"prompt_tokens must be [batch, max_prompt_len] and prompt_lengths "
@@ -86,10 +96,7 @@ def generate(params: Params, cfg: ModelConfig, prompt_tokens: jax.Array,
     """
     _check(prompt_tokens, prompt_lengths, max_new_tokens)
     B, P = prompt_tokens.shape
-    pages = -(-(P + max_new_tokens) // PAGE_SIZE)
-    tables = (1 + jnp.arange(B * pages, dtype=jnp.int32)).reshape(B, pages)  # page 0: null
-    cache = init_kv_cache(cfg, 1 + B * pages, PAGE_SIZE, cfg.dtype, None,
-                          kernels.attention.kv_layout)
+    tables, cache = _page_pool(cfg, B, P + max_new_tokens, kernels)
     lengths = prompt_lengths.astype(jnp.int32)
     seeds = jax.vmap(lambda b: jax.random.bits(jax.random.fold_in(key, b), (2,), jnp.uint32))(
         jnp.arange(B))
@@ -136,10 +143,7 @@ def score(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arra
     policy-gradient loss is -sum(score * advantage); a bfloat16 pool stores bits). Raises ValueError for mismatched shapes (at trace time)."""
     _check(tokens, lengths, 1)
     B, L = tokens.shape
-    pages = -(-L // PAGE_SIZE)
-    tables = (1 + jnp.arange(B * pages, dtype=jnp.int32)).reshape(B, pages)
-    cache = init_kv_cache(cfg, 1 + B * pages, PAGE_SIZE, cfg.dtype, None,
-                          kernels.attention.kv_layout)
+    tables, cache = _page_pool(cfg, B, L, kernels)
     lengths = lengths.astype(jnp.int32)
     batch = _prefill_batch(tokens.astype(jnp.int32), lengths, tables)
     hidden, _ = forward(params, cache, batch, cfg, None, kernels)  # [B * L, D] packed
