@@ -223,13 +223,17 @@ def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: st
 
 @dataclasses.dataclass
 class Completion:
-    """One prompt's result: generated text and token ids, why it stopped, prompt length."""
+    """One prompt's result: generated text and token ids, why it stopped, prompt length;
+    with SamplingParams.logprobs / prompt_logprobs, a TokenLogprobs per output / prompt
+    token (jaxserve.engine.sequence; the first prompt token's is None), else None."""
 
     prompt: str | list[int]
     text: str
     token_ids: list[int]
     finish_reason: str
     num_prompt_tokens: int
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -295,7 +299,8 @@ class LLM:
                 if rid not in done:
                     self.engine.abort_request(rid)
         return [Completion(prompt=p, text=done[r].text, token_ids=done[r].token_ids,
-                           finish_reason=done[r].finish_reason, num_prompt_tokens=len(t))
+                           finish_reason=done[r].finish_reason, num_prompt_tokens=len(t),
+                           logprobs=done[r].logprobs, prompt_logprobs=done[r].prompt_logprobs)
                 for p, r, t in zip(prompts, rids, ids)]
 
 

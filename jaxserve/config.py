@@ -231,6 +231,29 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """What a request may ask of the sampler (sizes of the step's sampling outputs).
+
+    max_logprobs: most top logprobs a request may ask for per token (vLLM's max_logprobs,
+        and its default 20, OpenAI's limit for chat). The step computes this many only when
+        a row asks for any (jaxserve.sampling.top_logprobs); 0 compiles none.
+    max_logit_bias: entries of the per-row logit-bias table (OpenAI accepts 300 logit_bias
+        tokens): a request's logit_bias tokens, plus, with min_tokens, its stop token ids
+        and EOS ids (masked until min_tokens). Transferred only in steps where a row uses
+        one (jaxserve.logits_processors).
+    """
+
+    max_logprobs: int = 20
+    max_logit_bias: int = 300
+
+    def __post_init__(self):
+        _positive("SamplerConfig", self, ("max_logit_bias",))
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ConfigError(f"SamplerConfig.max_logprobs must be an integer >= 0, "
+                              f"got {self.max_logprobs!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class CompilationConfig:
     """The padded shapes the jitted step is compiled for (vLLM's CompilationConfig holds the
     CUDA-graph capture sizes, the same idea). None = powers of two up to the limit. The
@@ -437,13 +460,14 @@ class SpeculativeConfig:
 
 
 _GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig,
-           "compilation": CompilationConfig, "kernels": KernelConfig}
+           "compilation": CompilationConfig, "kernels": KernelConfig, "sampler": SamplerConfig}
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the serving engine is built with, in the groups a vLLM user knows: the
-    KV `cache`, the `scheduler`'s limits, the `compilation` buckets and the `kernels`;
+    KV `cache`, the `scheduler`'s limits, the `compilation` buckets, the `kernels` and the
+    `sampler`'s output sizes;
     plus max_model_len (vLLM's ModelConfig.max_model_len: jaxserve's ModelConfig is the
     checkpoint's shape) and the engine's random `seed`.
 
@@ -464,6 +488,7 @@ class EngineConfig:
     compilation: CompilationConfig = CompilationConfig()
     kernels: KernelConfig = KernelConfig()
     speculative: SpeculativeConfig | None = None
+    sampler: SamplerConfig = SamplerConfig()
 
     def __post_init__(self):
         _positive("EngineConfig", self, ("max_model_len",))

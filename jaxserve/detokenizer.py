@@ -93,13 +93,14 @@ class StopChecker:
         """Text received but not yet emitted (a possible start of a stop string)."""
         return self._held
 
-    def feed(self, delta: str) -> tuple[str, bool]:
+    def feed(self, delta: str, check: bool = True) -> tuple[str, bool]:
         """Take the next text delta; return (text to emit now, stopped). After a stop, further
-        feeds return ("", True)."""
+        feeds return ("", True). check False: emit it all, matching nothing (the output is
+        shorter than its min_tokens, vLLM's rule)."""
         if self._done:
             return "", True
         text = self._held + delta
-        if not self._stops:
+        if not self._stops or not check:
             self._held = ""
             return text, False
         match = self._first_match(text)

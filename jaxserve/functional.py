@@ -134,13 +134,12 @@ def generate(params: Params, cfg: ModelConfig, prompt_tokens: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
-def score(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-          kernels: Kernels = Kernels()) -> jax.Array:
-    """Teacher-forced log-probabilities of sequences: one forward over tokens [B, L] int32
-    (sequence b in its first lengths[b] entries, each >= 1) -> [B, L] f32 whose entry
-    [b, t] (t >= 1) is log p(tokens[b, t] | tokens[b, :t]) (log-softmax of the raw logits),
-    0 at t = 0 and past lengths[b]. Differentiable in `params` for float32 models (a
-    policy-gradient loss is -sum(score * advantage); a bfloat16 pool stores bits). Raises ValueError for mismatched shapes (at trace time)."""
+def logits(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+           kernels: Kernels = Kernels()) -> jax.Array:
+    """Teacher-forced logits of sequences: one forward over tokens [B, L] int32 (sequence
+    b in its first lengths[b] entries, each >= 1) -> [B, L, vocab] f32, entry [b, t] the
+    raw logits of the token after tokens[b, :t + 1] (garbage past lengths[b]). Raises
+    ValueError for mismatched shapes (at trace time)."""
     _check(tokens, lengths, 1)
     B, L = tokens.shape
     tables, cache = _page_pool(cfg, B, L, kernels)
@@ -148,8 +147,20 @@ def score(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arra
     batch = _prefill_batch(tokens.astype(jnp.int32), lengths, tables)
     hidden, _ = forward(params, cache, batch, cfg, None, kernels)  # [B * L, D] packed
     rows = jnp.clip(batch.query_start[:-1, None] + jnp.arange(L)[None, :], 0, B * L - 1)
-    logits = compute_logits(params, hidden[rows], None, kernels.matmul)  # [B, L, V]
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    return compute_logits(params, hidden[rows], None, kernels.matmul)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
+def score(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+          kernels: Kernels = Kernels()) -> jax.Array:
+    """Teacher-forced log-probabilities of sequences: one forward over tokens [B, L] int32
+    (sequence b in its first lengths[b] entries, each >= 1) -> [B, L] f32 whose entry
+    [b, t] (t >= 1) is log p(tokens[b, t] | tokens[b, :t]) (log-softmax of the raw logits),
+    0 at t = 0 and past lengths[b]. Differentiable in `params` for float32 models (a
+    policy-gradient loss is -sum(score * advantage); a bfloat16 pool stores bits). Raises
+    ValueError for mismatched shapes (at trace time)."""
+    B, L = tokens.shape
+    logp = jax.nn.log_softmax(logits(params, cfg, tokens, lengths, kernels)[:, :-1], axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     valid = jnp.arange(1, L)[None, :] < lengths[:, None]
     return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), jnp.where(valid, picked, 0.0)],

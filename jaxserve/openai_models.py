@@ -17,7 +17,9 @@ bodies and the tests check that they validate against these models.
 
 Source: the OpenAI API reference (Completions, Chat Completions, chat completion chunk,
 Models, error objects) and vLLM's `vllm/entrypoints/openai/protocol.py` (the extensions
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, and `max_model_len` in the model card).
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+`skip_special_tokens`, `include_stop_str_in_output`, `prompt_logprobs`, and
+`max_model_len` in the model card).
 """
 
 from __future__ import annotations
@@ -87,17 +89,29 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool | None = Field(None, description="Generate past EOS (vLLM extension).")
     user: StrictStr | None = None
-    # Not supported: only their no-op values are accepted.
-    presence_penalty: Penalty | None = Field(None, description="In [-2, 2]; only 0 is supported.")
-    frequency_penalty: Penalty | None = Field(None, description="In [-2, 2]; only 0 is supported.")
+    presence_penalty: Penalty | None = Field(
+        None, description="In [-2, 2]: subtracted from the logit of each token already in "
+                          "the output. Default 0.")
+    frequency_penalty: Penalty | None = Field(
+        None, description="In [-2, 2]: times its count in the output, subtracted from each "
+                          "token's logit. Default 0.")
     repetition_penalty: RepetitionPenalty | None = Field(
-        None, description="> 0; only 1 is supported (vLLM extension).")
-    logprobs: StrictBool | NonNegativeInt | None = Field(
-        None, description="Only false / 0 is supported.")
-    top_logprobs: NonNegativeInt | None = Field(None, description="Only 0 is supported.")
-    echo: StrictBool | None = Field(None, description="Only false is supported.")
+        None, description="> 0: the logit of a token in the prompt or output is divided by "
+                          "it (positive) or multiplied (negative). Default 1 (vLLM extension).")
+    logit_bias: dict[str, LogitBias] | None = Field(
+        None, description="{token id: bias in [-100, 100]} added to the logits.")
+    min_tokens: NonNegativeInt | None = Field(
+        None, description="No EOS, stop token or stop string before this many tokens "
+                          "(vLLM extension).")
+    stop_token_ids: list[TokenId] | None = Field(
+        None, description="Token ids that end generation (vLLM extension).")
+    skip_special_tokens: StrictBool | None = Field(
+        None, description="Leave special tokens out of the text. Default true (vLLM "
+                          "extension).")
+    include_stop_str_in_output: StrictBool | None = Field(
+        None, description="Return the matched stop string (vLLM extension).")
+    # Not supported: only their no-op values are accepted.
     best_of: PositiveInt | None = Field(None, description="Only 1 is supported.")
-    logit_bias: dict[str, LogitBias] | None = Field(None, description="Only {} is supported.")
     suffix: StrictStr | None = Field(None, description='Only "" is supported.')
     tools: list[JsonObject] | None = Field(None, description="Only [] is supported.")
     tool_choice: Literal["none", "auto", "required"] | JsonObject | None = Field(
@@ -118,6 +132,14 @@ class CompletionRequest(_SamplingRequest):
     """
 
     prompt: StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
+    logprobs: NonNegativeInt | None = Field(
+        None, description="Report the logprob of each token and of this many most likely "
+                          "tokens at its position (at most the server's max_logprobs, 20 by "
+                          "default). Log-softmax of the raw logits, before logit_bias, "
+                          "penalties, temperature and filters (vLLM's default).")
+    echo: StrictBool | None = Field(
+        None, description="Return the prompt before the completion, with its tokens' logprobs "
+                          "when `logprobs` is set (the first token's is null).")
 
 
 class TextPart(BaseModel):
@@ -151,6 +173,11 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = Field(
         None, description="Most tokens to generate (wins over max_tokens).")
+    logprobs: StrictBool | None = Field(
+        None, description="Report each output token's logprob (log-softmax of the raw logits).")
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = Field(
+        None, description="With logprobs: the most likely tokens at each position, 0-20.")
+    echo: StrictBool | None = Field(None, description="Only false is supported.")
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
@@ -167,12 +194,25 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Logprobs of a completion choice's tokens (OpenAI's legacy shape, as vLLM returns
+    it): each token's text, its logprob (null for the first prompt token under echo),
+    {token text: logprob} of the sampled token and the most likely ones (null where the
+    logprob is), and each token's character offset in the returned text. A logprob of
+    -inf is sent as -9999.0 (JSON has no infinity; vLLM's value)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     """The one choice of a completion (or of a streamed chunk: `text` is the new text)."""
 
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -209,12 +249,32 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """A most likely token at a position: its text, logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """An output token's logprob and the most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Logprobs of a chat choice's tokens (OpenAI's chat shape)."""
+
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     """The one choice of a non-streamed chat completion."""
 
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -230,7 +290,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
 
 

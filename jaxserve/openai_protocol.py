@@ -40,11 +40,12 @@ MAX_CHOICES = 128
 # Parameters we cannot honour: accepted only at their default (no-op) values, so clients
 # that send defaults explicitly (the openai SDK, vLLM's benchmark client) still work.
 _NOOP_VALUES = {
-    "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},),
 }
+_CHAT_NOOP_VALUES = {**_NOOP_VALUES, "echo": (False,)}
+# A logprob of -inf in a response (JSON has no infinity): vLLM's value.
+MIN_LOGPROB = -9999.0
 _MAX_MESSAGE_CHARS = 400  # an error message never echoes more of the request than this
 
 
@@ -96,6 +97,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     n: int = 1
+    echo: bool = False
+    prompt_texts: list[str] | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -165,11 +168,12 @@ def _validate(model: type[_Request], raw: bytes) -> _Request:
 
 # -- checks that need the tokenizer or the limits ------------------------------------------
 
-def _check_common(req: _SamplingRequest, served_model_name: str) -> None:
+def _check_common(req: _SamplingRequest, served_model_name: str,
+                  noops: dict = _NOOP_VALUES) -> None:
     if req.model is not None and req.model != served_model_name:
         raise ApiError(f"The model `{req.model[:200]}` does not exist. This server serves "
                        f"`{served_model_name}`.", "model", status=404, code="model_not_found")
-    for key, noop in _NOOP_VALUES.items():
+    for key, noop in noops.items():
         value = getattr(req, key)
         if value is not None and value not in noop:
             raise ApiError(f"'{key}' is not supported by this server (only "
@@ -199,9 +203,25 @@ def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: 
                     param, code="context_length_exceeded")
 
 
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` with its keys (token ids as JSON strings) as integers in the
+    vocabulary, or ApiError naming "logit_bias"."""
+    out = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
+        if token is None or token >= vocab_size:
+            raise ApiError(f"logit_bias: keys must be token ids in [0, {vocab_size}), got "
+                           f"{json.dumps(key[:40])}", "logit_bias")
+        if token in out:
+            raise ApiError(f"logit_bias: token {token} appears twice", "logit_bias")
+        out[token] = value
+    return out
+
+
 def _parse(req: _SamplingRequest, prompts: list[list[int]], prompt_param: str,
            max_tokens_key: str, max_tokens: int | None, default_max_tokens: int,
-           tokenizer: Tokenizer, limits: RequestLimits) -> ParsedRequest:
+           tokenizer: Tokenizer, limits: RequestLimits, logprobs: int | None = None,
+           echo: bool = False) -> ParsedRequest:
     """What completions and chat share: lengths, sampling params, choices, stream options."""
     n = req.n or 1
     if n * len(prompts) > MAX_CHOICES:
@@ -226,16 +246,25 @@ def _parse(req: _SamplingRequest, prompts: list[list[int]], prompt_param: str,
     if req.stream_options is not None and not stream:
         raise ApiError("'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")
-             if getattr(req, name) is not None}
+    given = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "min_tokens", "skip_special_tokens",
+        "include_stop_str_in_output") if getattr(req, name) is not None}
+    bad = next((t for t in req.stop_token_ids or () if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"stop_token_ids: token id {bad} is outside the vocabulary "
+                       f"[0, {tokenizer.vocab_size})", "stop_token_ids")
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
-            stop=stop, ignore_eos=bool(req.ignore_eos), **given)
+            stop=stop, ignore_eos=bool(req.ignore_eos),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            logit_bias=_logit_bias(req.logit_bias, tokenizer.vocab_size),
+            logprobs=logprobs, prompt_logprobs=logprobs if echo else None, **given)
     except InvalidRequest as e:
         field = max_tokens_key if e.field == "max_tokens" else e.field
         raise ApiError(str(e)[:_MAX_MESSAGE_CHARS], field) from None
-    return ParsedRequest(prompts, params, stream, include_usage, n)
+    return ParsedRequest(prompts, params, stream, include_usage, n, echo)
 
 
 def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
@@ -271,8 +300,17 @@ def _parse_completion(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     req = _validate(CompletionRequest, raw)
     _check_common(req, served_model_name)
     prompts = _completion_prompts(req.prompt, tokenizer)
-    return _parse(req, prompts, "prompt", "max_tokens", req.max_tokens,
-                  DEFAULT_COMPLETION_MAX_TOKENS, tokenizer, limits)
+    parsed = _parse(req, prompts, "prompt", "max_tokens", req.max_tokens,
+                    DEFAULT_COMPLETION_MAX_TOKENS, tokenizer, limits, req.logprobs,
+                    bool(req.echo))
+    if parsed.echo:
+        texts = ([req.prompt] if isinstance(req.prompt, str) else
+                 [p if isinstance(p, str) else None for p in req.prompt]
+                 if req.prompt and isinstance(req.prompt[0], (str, list)) else [None])
+        texts = [t if t is not None else tokenizer.decode(ids, skip_special_tokens=False)
+                 for t, ids in zip(texts, prompts)]
+        parsed = dataclasses.replace(parsed, prompt_texts=texts)
+    return parsed
 
 
 def parse_completion_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
@@ -296,7 +334,9 @@ def parse_completion_request(raw: bytes, tokenizer: Tokenizer, served_model_name
 def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
                 limits: RequestLimits) -> ParsedRequest:
     req = _validate(ChatCompletionRequest, raw)
-    _check_common(req, served_model_name)
+    _check_common(req, served_model_name, _CHAT_NOOP_VALUES)
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs: requires 'logprobs': true", "top_logprobs")
     messages = []
     for m in req.messages:
         content = m.content
@@ -313,7 +353,8 @@ def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     ids = _encode(tokenizer, text, False, "messages")
     key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer, limits)
+    return _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer,
+                  limits, (req.top_logprobs or 0) if req.logprobs else None)
 
 
 def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
@@ -339,6 +380,65 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+class LogprobsFormatter:
+    """Token logprobs (jaxserve.engine.sequence.TokenLogprobs) in OpenAI's response shapes.
+    A token's text is its own decoding (special tokens included), cached by id; a logprob
+    of -inf is sent as MIN_LOGPROB. Source: OpenAI API reference (the legacy completions
+    `logprobs` object; chat `logprobs.content`), vLLM's serving_completion /
+    serving_chat (the sampled token is always in the completions top_logprobs dict, so it
+    may hold logprobs + 1 entries; the first prompt token's entries are null)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        t = self._texts.get(token_id)
+        if t is None:
+            if len(self._texts) > 65536:
+                self._texts.clear()
+            t = self._texts[token_id] = self.tokenizer.decode([token_id],
+                                                              skip_special_tokens=False)
+        return t
+
+    def completion(self, token_ids: list[int], entries: list, offset: int = 0
+                   ) -> dict[str, Any]:
+        """The completions `logprobs` object of these tokens (entries[i]: token_ids[i]'s
+        TokenLogprobs, or None for a token without one: the first prompt token);
+        text_offset counts characters from `offset`."""
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            text = self.text(token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if entry is None:
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(_clamp(entry.logprob))
+            top = {self.text(t): _clamp(lp) for t, lp in entry.top}
+            top.setdefault(text, _clamp(entry.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def chat(self, entries: list) -> dict[str, Any]:
+        """The chat `logprobs` object ({"content": [...]}) of these TokenLogprobs."""
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.text(token_id)
+            return {"token": text, "logprob": _clamp(logprob),
+                    "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**one(e.token_id, e.logprob),
+                             "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+
+def _clamp(logprob: float) -> float:
+    return max(float(logprob), MIN_LOGPROB)
+
+
 @dataclasses.dataclass(frozen=True)
 class ResponseShape:
     """How one endpoint words its answers (OpenAI's completion vs chat.completion objects).
@@ -354,13 +454,15 @@ class ResponseShape:
     chunk_object: str
     chat: bool
 
-    def choice(self, text: str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
-        """Choice `index` of a non-streamed response."""
+    def choice(self, text: str, finish_reason: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict[str, Any]:
+        """Choice `index` of a non-streamed response (logprobs: its `LogprobsFormatter`
+        object, or None)."""
         body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choice(self, text: str, finish_reason: str | None, first: bool,
-                     index: int = 0) -> dict[str, Any]:
+                     index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
         """Choice `index` of a streamed chunk; the first delta of a chat choice carries the
         role."""
         if self.chat:
@@ -368,7 +470,7 @@ class ResponseShape:
             body = {"delta": delta}
         else:
             body = {"text": text}
-        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def response(self, request_id: str, created: int, model: str, choices: list[dict],
                  usage_: dict) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.impl_table import lookup
+from jaxserve.logits_processors import apply_controls, controls_active
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling_params import SamplingParams
 
@@ -33,6 +34,12 @@ class SamplingBatch:
     (high, low) words: the threefry key data of `jax.random.key(seed)` (the same key for
     0 <= seed < 2**32, and distinct keys for distinct 64-bit seeds); step: [B] int32 index
     of the token being sampled within the request's output (folded into the key).
+
+    Optional (None: not computed; the engine always gives them, `jaxserve.functional`
+    does not): num_logprobs: [B] int32, the top logprobs each row's request asked for (0:
+    none); controls: the rows' LogitsControls (jaxserve.logits_processors);
+    prompt_targets: [T] int32, one per token row of a mixed step, the prompt token after
+    that row's whose logprob the request asked for (-1: none; `echo` / prompt_logprobs).
     """
 
     temperature: Any
@@ -41,11 +48,16 @@ class SamplingBatch:
     min_p: Any
     seed: Any
     step: Any
+    num_logprobs: Any = None
+    controls: Any = None
+    prompt_targets: Any = None
 
     @staticmethod
     def from_params(params: list[SamplingParams | None], seeds: list[int], steps: list[int],
                     batch_size: int) -> "SamplingBatch":
-        """Host-side packing into numpy arrays, padded to `batch_size` rows (greedy).
+        """Host-side packing into numpy arrays, padded to `batch_size` rows (greedy), with
+        num_logprobs (controls and prompt_targets are left None: the batch builder adds
+        them when a row uses them).
 
         seeds: Python ints, any 64-bit value (signed or not; taken mod 2**64). Raises
         OverflowError / ValueError for a value that does not fit its array (a top_k beyond
@@ -58,15 +70,18 @@ class SamplingBatch:
         m = np.zeros(batch_size, np.float32)
         s = np.zeros((batch_size, 2), np.uint32)
         st = np.zeros(batch_size, np.int32)
+        nl = np.zeros(batch_size, np.int32)
         for i, sp in enumerate(params):
             if sp is None:
                 continue
             t[i], k[i], p[i], m[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+            nl[i] = sp.logprobs or 0
         for i, seed in enumerate(seeds):
             word = int(seed) % 2**64
             s[i] = word >> 32, word & 0xFFFFFFFF
         st[:n] = steps
-        return SamplingBatch(temperature=t, top_k=k, top_p=p, min_p=m, seed=s, step=st)
+        return SamplingBatch(temperature=t, top_k=k, top_p=p, min_p=m, seed=s, step=st,
+                             num_logprobs=nl)
 
 
 def _first_index_of(x: jax.Array, top: jax.Array) -> jax.Array:
@@ -232,3 +247,44 @@ def sample(logits: jax.Array, sb: SamplingBatch, impl: "str | SamplerOps" = "xla
     tokens = jnp.where(greedy, top, sampled)
     logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     return tokens, logprobs
+
+
+def sample_controlled(logits: jax.Array, sb: SamplingBatch, impl: "str | SamplerOps",
+                      context) -> tuple[jax.Array, jax.Array]:
+    """`sample` after each row's logits controls (sb.controls: logit_bias, min_tokens,
+    penalties; jaxserve.logits_processors). The logprobs stay those of the raw logits
+    (vLLM's default "raw_logprobs"). A batch without controls (sb.controls None, or no
+    row using one: decided on device) samples exactly as `sample`.
+
+    context: a function returning (tokens [B, L] int32, num_context [B] int32), each row's
+    sequence by position and how many of those precede the sampled token (see
+    `apply_controls`); called only in the branch that needs it."""
+    if sb.controls is None:
+        return sample(logits, sb, impl)
+
+    def controlled():
+        tokens, num_context = context()
+        processed = apply_controls(logits, sb.controls, sb.step, tokens, num_context)
+        chosen, _ = sample(processed, sb, impl)
+        return chosen, token_logprobs(logits, chosen, impl)
+
+    return jax.lax.cond(controls_active(sb.controls), controlled,
+                        lambda: sample(logits, sb, impl))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, impl: "str | SamplerOps" = "xla"
+                   ) -> jax.Array:
+    """Log-softmax of logits [R, V] f32 at tokens [R] int32 -> [R] f32."""
+    _, lse = argmax_logsumexp(logits, impl)
+    return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+
+
+def top_logprobs(logits: jax.Array, k: int, impl: "str | SamplerOps" = "xla"
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The k most likely tokens of each row of logits [R, V] f32 and their log-softmax:
+    (ids [R, k] int32, logprobs [R, k] f32), most likely first (ties: the lower id
+    first, as `jax.lax.top_k`). Source: vLLM's Sampler.gather_logprobs (top-k of the
+    log-softmax of the raw logits)."""
+    _, lse = argmax_logsumexp(logits, impl)
+    values, ids = jax.lax.top_k(logits, k)
+    return ids.astype(jnp.int32), values - lse[:, None]

@@ -45,7 +45,8 @@ from jaxserve.engine.async_engine import (AsyncEngine, EngineError, EngineShutdo
                                           RequestStream, RequestTimeout)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
-from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, ParsedRequest, RequestLimits,
+from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, LogprobsFormatter,
+                                      ParsedRequest, RequestLimits,
                                       ResponseShape, parse_chat_request, parse_completion_request,
                                       sse_event, usage)
 from jaxserve.openapi import openapi_schema
@@ -196,6 +197,7 @@ class _Routes:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.server, self.metrics, self.lifecycle = server, metrics, lifecycle
         self.limits = RequestLimits.of(server, max_model_len)
+        self.logprobs = LogprobsFormatter(tokenizer)
         self.created = int(time.time())
         self._openapi = openapi_schema(model_name)
 
@@ -290,7 +292,7 @@ class _Routes:
         n = req.n
         if req.stream:
             return _EventStream(self._events(streams, n, shape, request_id, created,
-                                             req.include_usage), [s for _, s in streams])
+                                             req.include_usage, req), [s for _, s in streams])
         try:
             finals = await _unless_disconnected(request.receive,
                                                 _last_outputs([s for _, s in streams]))
@@ -305,26 +307,66 @@ class _Routes:
         log.info("%s: %d prompt + %d output tokens, %s, %.2f s", request_id,
                  tokens["prompt_tokens"], tokens["completion_tokens"],
                  ",".join(sorted({f.finish_reason for f in finals})), time.monotonic() - arrival)
-        return JSONResponse(shape.response(
-            request_id, created, self.model_name,
-            [shape.choice(f.text, f.finish_reason, index)
-             for (index, _), f in zip(streams, finals)], tokens))
+        choices = []
+        for (index, _), f in zip(streams, finals):
+            prompt = index // n
+            text = req.prompt_texts[prompt] + f.text if req.echo else f.text
+            logprobs = self._logprobs(shape, req, prompt, f.token_ids, f.logprobs,
+                                      req.echo, f.prompt_logprobs)[0]
+            choices.append(shape.choice(text, f.finish_reason, index, logprobs))
+        return JSONResponse(shape.response(request_id, created, self.model_name, choices,
+                                           tokens))
+
+    def _logprobs(self, shape: ResponseShape, req: ParsedRequest, prompt: int,
+                  token_ids: list[int], entries: list | None, with_prompt: bool,
+                  prompt_entries: list | None, offset: int = 0) -> tuple[dict | None, int]:
+        """(The `logprobs` object of these output tokens, preceded by prompt `prompt`'s
+        tokens when `with_prompt` (echo); the text offset after them), or (None, offset)
+        when the request asked for no logprobs. entries / prompt_entries: their
+        TokenLogprobs (None: a request that failed before any, reported as nulls)."""
+        if req.params.logprobs is None:
+            return None, offset
+        entries = list(entries) if entries is not None else [None] * len(token_ids)
+        if shape.chat:
+            return self.logprobs.chat([e for e in entries if e is not None]), offset
+        ids = list(token_ids)
+        if with_prompt:
+            ids = req.prompts[prompt] + ids
+            entries = list(prompt_entries or [None] * len(req.prompts[prompt])) + entries
+        body = self.logprobs.completion(ids, entries, offset)
+        return body, offset + sum(len(t) for t in body["tokens"])
 
     async def _events(self, streams: list[tuple[int, RequestStream]], n: int,
                       shape: ResponseShape, request_id: str, created: int,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks of every choice as they come (each chunk one choice, with its index),
-        then the usage chunk (if asked) and `[DONE]`. A failure mid-stream becomes an error
-        event (the status line is already sent)."""
+                      include_usage: bool, req: ParsedRequest) -> AsyncIterator[bytes]:
+        """SSE chunks of every choice as they come (each chunk one choice, with its index,
+        its new text and, if asked, the new tokens' logprobs; under echo the first chunk
+        starts with the prompt), then the usage chunk (if asked) and `[DONE]`. A failure
+        mid-stream becomes an error event (the status line is already sent)."""
         first = {index for index, _ in streams}  # choices whose first chunk is to come
         last: dict[int, RequestOutput] = {}
+        offsets: dict[int, int] = {}
+        reported: dict[int, int] = {}  # output tokens whose logprobs were sent, by choice
+        want_logprobs = req.params.logprobs is not None
         merged = _merged(streams)
         try:
             async for index, out in merged:
                 last[index] = out
-                if out.new_text or out.finished or (index in first and shape.chat):
-                    choice = shape.delta_choice(out.new_text, out.finish_reason,
-                                                index in first, index)
+                new = len(out.token_ids) - reported.get(index, 0)
+                if (out.new_text or out.finished or (index in first and (shape.chat or req.echo))
+                        or (want_logprobs and new > 0)):
+                    text, logprobs = out.new_text, None
+                    echo = req.echo and index in first
+                    if echo:
+                        text = req.prompt_texts[index // n] + text
+                    if want_logprobs:
+                        entries = out.logprobs[len(out.logprobs) - new:] if out.logprobs else None
+                        logprobs, offsets[index] = self._logprobs(
+                            shape, req, index // n, out.token_ids[len(out.token_ids) - new:],
+                            entries, echo, out.prompt_logprobs, offsets.get(index, 0))
+                        reported[index] = len(out.token_ids)
+                    choice = shape.delta_choice(text, out.finish_reason, index in first, index,
+                                                logprobs)
                     yield sse_event(shape.chunk(request_id, created, self.model_name, [choice],
                                                 include_usage))
                     first.discard(index)

@@ -69,7 +69,7 @@ def test_runner_multi_step_equals_single_steps(params):
         run_seqs = [dataclasses.replace(s, output_ids=[], block_table=list(s.block_table))
                     for s in seqs]
         b, smp = step_batch(StepPlan(run_seqs, [s.num_tokens for s in run_seqs]), runner.shapes)
-        first, _, _ = runner.run(b, smp)
+        first = runner.run(b, smp).tokens
         for j, s in enumerate(run_seqs):
             s.output_ids.append(int(first[0, j]))
         tokens, logprobs, prev = [], [], {}
@@ -77,7 +77,7 @@ def test_runner_multi_step_equals_single_steps(params):
             for s in run_seqs:  # every token but the last is in the pages
                 s.num_computed = s.num_tokens - 1
             b, smp = step_batch(StepPlan(run_seqs, [1] * len(run_seqs)), runner.shapes, prev)
-            t, lp, _ = runner.run(b, smp, n_steps)
+            t, lp = runner.run(b, smp, n_steps)[:2]
             tokens.append(t[:, :3])
             logprobs.append(lp[:, :3])
             for j, s in enumerate(run_seqs):  # the next step reads them from the device

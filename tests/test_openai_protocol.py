@@ -215,14 +215,52 @@ def test_non_finite_floats(raw):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 1), ("presence_penalty", -2), ("frequency_penalty", 0.5),
-    ("repetition_penalty", 1.2), ("logprobs", 5), ("logprobs", True), ("top_logprobs", 2),
-    ("echo", True), ("best_of", 2), ("logit_bias", {"1": 5}), ("suffix", "x"),
-    ("tools", [{"type": "function"}]), ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"})])
+    ("best_of", 2), ("suffix", "x"), ("tools", [{"type": "function"}]),
+    ("tool_choice", "required"), ("response_format", {"type": "json_object"})])
 def test_in_range_but_not_supported(field, value):
     refused(comp, {"prompt": "Hi", field: value}, field, "not supported")
     refused(chat, {"messages": MSGS, field: value}, field, "not supported")
+
+
+def test_echo_is_refused_in_chat():
+    refused(chat, {"messages": MSGS, "echo": True}, "echo", "not supported")
+
+
+def test_sampling_controls_and_logprobs_reach_the_params():
+    p = comp({"prompt": "Hi", "presence_penalty": 1, "frequency_penalty": -0.5,
+              "repetition_penalty": 1.2, "logit_bias": {"7": 5, "0": -100}, "min_tokens": 3,
+              "stop_token_ids": [9, 10], "skip_special_tokens": False, "logprobs": 2,
+              "include_stop_str_in_output": True}).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1, -0.5, 1.2)
+    assert p.logit_bias == ((0, -100), (7, 5)) and p.min_tokens == 3
+    assert p.stop_token_ids == (9, 10) and not p.skip_special_tokens
+    assert p.include_stop_str_in_output and p.logprobs == 2 and p.prompt_logprobs is None
+    r = comp({"prompt": [72, 105], "logprobs": 1, "echo": True, "max_tokens": 1})
+    assert r.echo and r.prompt_texts == ["Hi"] and r.params.prompt_logprobs == 1
+    assert comp({"prompt": ["a", "b"], "echo": True}).prompt_texts == ["a", "b"]
+    assert comp({"prompt": [[72], [105]], "echo": True}).prompt_texts == ["H", "i"]
+    assert chat({"messages": MSGS, "logprobs": True, "top_logprobs": 3}).params.logprobs == 3
+    assert chat({"messages": MSGS, "logprobs": True}).params.logprobs == 0
+    assert chat({"messages": MSGS}).params.logprobs is None
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"999": 1}}, "logit_bias", "[0, 258)"),
+    ({"logit_bias": {"1": 101}}, "logit_bias", "100"),
+    ({"stop_token_ids": [300]}, "stop_token_ids", "outside the vocabulary"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "max_tokens=10"),
+    ({"presence_penalty": 2.5}, "presence_penalty", None),
+    ({"repetition_penalty": 0}, "repetition_penalty", None),
+    ({"logprobs": -1}, "logprobs", None),
+])
+def test_sampling_control_errors_name_the_field(body, param, fragment):
+    refused(comp, {"prompt": "Hi", **body}, param, fragment)
+
+
+def test_top_logprobs_needs_logprobs_in_chat():
+    refused(chat, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs", "logprobs")
+    refused(chat, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None)
 
 
 def test_no_op_values_accepted():
@@ -232,6 +270,7 @@ def test_no_op_values_accepted():
             "user": "me", "n": 1, "model": MODEL, "seed": None, "stop": None}
     assert comp({"prompt": "Hi", **body}).params == SamplingParams(max_tokens=16)
     assert chat({"messages": MSGS, **body, "logprobs": False, "tool_choice": "none"}).params.seed is None
+    assert chat({"messages": MSGS, "top_logprobs": 0}).params.logprobs is None
     assert comp({"prompt": "Hi", "logprobs": 0}).prompt_ids == [72, 105]
 
 

@@ -218,7 +218,7 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "Hi", "stream": "yes"}, "stream", None),
     (COMP, {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options", None),
     (COMP, {"prompt": "Hi", "ignore_eos": 1}, "ignore_eos", None),
-    (COMP, {"prompt": "Hi", "logprobs": 5}, "logprobs", None),
+    (COMP, {"prompt": "Hi", "logit_bias": {"x": 5}}, "logit_bias", "token ids"),
     (COMP, {}, "prompt", None),
     (COMP, {"prompt": ""}, "prompt", "empty"),
     (COMP, {"prompt": 12}, "prompt", None),

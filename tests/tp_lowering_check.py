@@ -59,11 +59,13 @@ def lowered(cfg, rules, kernels, key, platform, stages: int = 1):
         params = staged(params, rules, stages)
     cache = abstract_kv_cache(cfg, 4096, 16, "bfloat16", rules, kernels.attention.kv_layout)
     rep = NamedSharding(rules.mesh, PartitionSpec())
-    batch, sampling = _abstract_inputs(key, rep)
-    fn = jax.jit(functools.partial(_step, cfg=cfg, drafter=None, rules=rules, kernels=kernels),
-                 donate_argnums=(1,), static_argnames=("num_steps",))
+    batch, sampling = _abstract_inputs(key, rep, 300)
+    fn = jax.jit(functools.partial(_step, cfg=cfg, drafter=None, rules=rules, kernels=kernels,
+                                   num_top=20),
+                 donate_argnums=(1, 7), static_argnames=("num_steps",))
     traced = fn.trace(params, cache, batch, sampling,
-                      jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep), None, None)
+                      jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep), None, None,
+                      jax.ShapeDtypeStruct((4096 * 16,), jnp.int32, sharding=rep))
     return traced.lower(lowering_platforms=(platform,)) if platform != "cpu" else traced.lower()
 
 

@@ -10,12 +10,15 @@ sequences have seq_len 0 and no token rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxserve.engine.buckets import StepShapes
 from jaxserve.engine.page_pool import NULL_PAGE
 from jaxserve.engine.scheduler import StepPlan
 from jaxserve.engine.sequence import PLACEHOLDER
+from jaxserve.logits_processors import LogitsControls
 from jaxserve.model.transformer import StepBatch
 from jaxserve.sampling import SamplingBatch
 
@@ -56,7 +59,11 @@ def step_batch(plan: StepPlan, shapes: StepShapes, prev_rows=None
 
     prev_rows: {sequence: row} of the previous (still running) step; a sequence whose token
     is a PLACEHOLDER reads it from that row on device. Raises ValueError if it is not
-    there, or a PLACEHOLDER is not the one token of a sequence's chunk."""
+    there, or a PLACEHOLDER is not the one token of a sequence's chunk.
+
+    The sampling batch carries the sequences' logits controls (`Sequence.controls`) and,
+    for a sequence still needing prompt logprobs, the prompt token after each of its
+    prompt rows (`SamplingBatch.prompt_targets`), only when some sequence has them."""
     seqs, num_new = plan.seqs, plan.num_new
     max_pages = max(len(s.block_table) for s in seqs)
     if plan.verify:
@@ -96,4 +103,38 @@ def step_batch(plan: StepPlan, shapes: StepShapes, prev_rows=None
             b.query_start[i + 1:] = row
     sampling = SamplingBatch.from_params([s.params for s in seqs], [s.seed for s in seqs],
                                          [len(s.output_ids) for s in seqs], S)
+    controls = _controls(seqs, S)
+    targets = None if plan.decode or plan.verify else _prompt_targets(seqs, num_new, T)
+    if controls is not None or targets is not None:
+        sampling = dataclasses.replace(sampling, controls=controls, prompt_targets=targets)
     return b, sampling
+
+
+def _controls(seqs, S: int) -> LogitsControls | None:
+    """The logits-controls table of a step's sequences (row i: seqs[i]'s packed row), or
+    None when none uses a control."""
+    rows = [(i, s) for i, s in enumerate(seqs) if s.controls is not None]
+    if not rows:
+        return None
+    c = LogitsControls.neutral(S, len(rows[0][1].controls.bias_ids))
+    for i, s in rows:
+        for name, value in dataclasses.asdict(s.controls).items():
+            getattr(c, name)[i] = value
+    return c
+
+
+def _prompt_targets(seqs, num_new: list[int], T: int) -> np.ndarray | None:
+    """[T] int32: at each prompt row of a sequence whose prompt logprobs are not all
+    computed, the prompt token after it (-1 elsewhere); None when no sequence needs any."""
+    if not any(s.needs_prompt_logprobs for s in seqs):
+        return None
+    targets = np.full(T, -1, np.int32)
+    row = 0
+    for s, n in zip(seqs, num_new):
+        if s.needs_prompt_logprobs:
+            start = s.num_computed
+            stop = min(start + n, len(s.prompt_ids) - 1)  # the last prompt row samples
+            if stop > start:
+                targets[row:row + stop - start] = s.prompt_ids[start + 1:stop + 1]
+        row += n
+    return targets

@@ -31,6 +31,7 @@ engine is dead: `healthy` turns False and `step()` raises EngineDeadError.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -43,7 +44,8 @@ from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, 
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.scheduler import InflightStep, Scheduler
-from jaxserve.engine.sequence import PLACEHOLDER, Sequence
+from jaxserve.engine.sequence import PLACEHOLDER, Sequence, TokenLogprobs
+from jaxserve.logits_processors import LogitsControls, bias_entries
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.spec_decode.proposers import make_proposer
@@ -135,11 +137,14 @@ class Engine:
         if params.top_k > vocab:
             raise InvalidRequest("top_k", f"must be at most the vocabulary size {vocab} "
                                           f"(0 or -1: off), got {params.top_k}")
+        self._check_sampler_limits(params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, seed=seed)
         try:  # what every step does for this request on the host, tried once, alone
             SamplingBatch.from_params([params], [seed], [0], 1)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+            seq.controls = self._controls_row(params, len(ids))
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids,
+                                                     params.skip_special_tokens)
             seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         except Exception as e:
             log.warning("request %r refused: %r", request_id, e)
@@ -147,6 +152,51 @@ class Engine:
                                             "parameters or this prompt") from e
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_sampler_limits(self, params: SamplingParams) -> None:
+        """What only the engine knows about a request's sampler fields: token ids against
+        the vocabulary, logprobs against SamplerConfig.max_logprobs, the bias table's size
+        against max_logit_bias. Raises InvalidRequest naming the field and the limit."""
+        vocab = self.model_config.vocab_size
+        limit = self.engine_config.sampler.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise InvalidRequest(name, f"at most {limit} (the server's max_logprobs), "
+                                           f"got {value}")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequest(name, f"token id {bad} is outside the vocabulary "
+                                           f"[0, {vocab})")
+        if params.uses_controls:
+            n = len(self._bias_entries(params))
+            size = self.engine_config.sampler.max_logit_bias
+            if n > size:
+                raise InvalidRequest("logit_bias", f"at most {size} entries (the server's "
+                                     f"max_logit_bias; with min_tokens, the stop token ids and "
+                                     f"EOS ids count too), got {n}")
+
+    def _bias_entries(self, params: SamplingParams) -> list[tuple]:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return bias_entries(dict(params.logit_bias), params.min_tokens, stop_ids)
+
+    def _controls_row(self, params: SamplingParams, prompt_len: int) -> LogitsControls | None:
+        """The request's row of the logits-controls table (None if it uses none)."""
+        if not params.uses_controls:
+            return None
+        c = LogitsControls.neutral(1, self.engine_config.sampler.max_logit_bias)
+        entries = self._bias_entries(params)
+        for j, (token, value, until) in enumerate(entries):
+            c.bias_ids[0, j], c.bias_values[0, j], c.bias_until[0, j] = token, value, until
+        c.presence_penalty[0] = params.presence_penalty
+        c.frequency_penalty[0] = params.frequency_penalty
+        c.repetition_penalty[0] = params.repetition_penalty
+        c.prompt_len[0] = prompt_len
+        return LogitsControls(**{k: v[0] for k, v in dataclasses.asdict(c).items()})
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request and free its pages; its final output (finish_reason "abort")
@@ -240,8 +290,9 @@ class Engine:
     def _finish(self, step: InflightStep) -> float:
         """Wait for `step` and process its tokens; returns the seconds spent waiting."""
         t1 = time.perf_counter()
+        wants = any(s.logprobs is not None or s.needs_prompt_logprobs for s in step.plan.seqs)
         try:
-            out = self.runner.fetch(step.handle)  # tokens [n, S]
+            out = self.runner.fetch(step.handle, logprobs=wants)  # tokens [n, S]
         except Exception as e:  # the step failed on device
             out = None
             self._device_failure(step.plan.seqs, e)
@@ -252,12 +303,50 @@ class Engine:
             for b, (seq, index, drafts) in enumerate(zip(step.plan.seqs, step.first_index,
                                                          step.plan.drafts)):
                 m = int(out.num_tokens[b])
-                self._verified_alone(seq, index, len(drafts), out.tokens[:m, b].tolist())
+                self._verified_alone(seq, index, len(drafts), out.tokens[:m, b].tolist(),
+                                     self._token_logprobs(seq, out, b, m))
             return wait
-        for seq, index, column in zip(step.plan.seqs, step.first_index, out.tokens.T.tolist()):
+        if wants and not step.plan.decode:
+            self._record_prompt_logprobs(step, out)
+        for b, (seq, index) in enumerate(zip(step.plan.seqs, step.first_index)):
             if index is not None:  # None: a prompt chunk that does not sample
-                self._resolve_alone(seq, index, column)
+                n = out.tokens.shape[0]
+                self._resolve_alone(seq, index, out.tokens[:, b].tolist(),
+                                    self._token_logprobs(seq, out, b, n))
         return wait
+
+    @staticmethod
+    def _token_logprobs(seq: Sequence, out, b: int, m: int) -> list[TokenLogprobs] | None:
+        """TokenLogprobs of the first m tokens of column b of a fetched step, for a
+        sequence that asked for logprobs (else None)."""
+        if seq.logprobs is None:
+            return None
+        k = seq.params.logprobs
+        tokens, lps = out.tokens[:m, b].tolist(), out.logprobs[:m, b].tolist()
+        if not k:
+            return [TokenLogprobs(t, lp) for t, lp in zip(tokens, lps)]
+        ids = out.extra["top_ids"][:m, b, :k].tolist()
+        tops = out.extra["top_logprobs"][:m, b, :k].tolist()
+        return [TokenLogprobs(t, lp, tuple(zip(i, p)))
+                for t, lp, i, p in zip(tokens, lps, ids, tops)]
+
+    @staticmethod
+    def _record_prompt_logprobs(step: InflightStep, out) -> None:
+        """Put the prompt logprobs a mixed step computed into its sequences (each prompt
+        row r of a sequence at position p gives token p + 1's)."""
+        row = 0
+        for seq, n, start in zip(step.plan.seqs, step.plan.num_new, step.chunk_starts):
+            if seq.prompt_logprobs is not None:
+                k = seq.params.prompt_logprobs
+                stop = min(start + n, len(seq.prompt_ids) - 1)
+                for i, pos in enumerate(range(start, stop), start=row):
+                    top = ()
+                    if k:
+                        top = tuple(zip(out.extra["prompt_top_ids"][i, :k].tolist(),
+                                        out.extra["prompt_top_logprobs"][i, :k].tolist()))
+                    seq.prompt_logprobs[pos + 1] = TokenLogprobs(
+                        seq.prompt_ids[pos + 1], float(out.extra["prompt_logprobs"][i]), top)
+            row += n
 
     def _speculating(self) -> bool:
         """Whether the next step may verify drafts: speculative decoding is on, no waiting
@@ -290,7 +379,7 @@ class Engine:
         return drafts
 
     def _verified_alone(self, seq: Sequence, index: int, num_drafts: int,
-                        tokens: list[int]) -> None:
+                        tokens: list[int], logprobs: list[TokenLogprobs] | None) -> None:
         """A verify step kept `tokens` of `seq` (its accepted drafts and the token after
         them, at output index `index`): count them, give back the rejected drafts' pages,
         process them as any sampled tokens. A fault fails this request alone."""
@@ -310,7 +399,7 @@ class Engine:
             log.exception("recording the verified tokens of request %r failed", seq.request_id)
             self._fail(seq, f"recording its verified tokens failed: {e!r}")
             return
-        self._resolve_alone(seq, index, tokens)
+        self._resolve_alone(seq, index, tokens, logprobs)
 
     def _launch(self) -> InflightStep | None:
         """Plan and dispatch the next step; None when there is nothing to run."""
@@ -345,11 +434,12 @@ class Engine:
             self._device_failure(plan.seqs, e)
             return None
         self.num_steps += 1
+        starts = [s.num_computed for s in plan.seqs]
         first_index = self.scheduler.launched(plan, n)
         live = sum(s.num_computed for s in self.scheduler.running)
         self._kv_live_token_steps += live
         self._kv_allocated_token_steps += (self.pool.capacity - self.pool.num_free) * self.pool.page_size
-        return InflightStep(plan, n, first_index, handle)
+        return InflightStep(plan, n, first_index, handle, starts)
 
     def _num_decode_steps(self, plan) -> int:
         """Tokens per sequence for a planned decode step: decode_steps when no request
@@ -416,10 +506,11 @@ class Engine:
         out.error = error
         self._pending.append(out)
 
-    def _resolve_alone(self, seq: Sequence, index: int, tokens: list[int]) -> None:
+    def _resolve_alone(self, seq: Sequence, index: int, tokens: list[int],
+                       logprobs: list[TokenLogprobs] | None = None) -> None:
         """`_resolve`, with a fault in this request's host work failing it alone."""
         try:
-            out = self._resolve(seq, index, tokens)
+            out = self._resolve(seq, index, tokens, logprobs)
         except Exception as e:
             log.exception("processing the output of request %r failed", seq.request_id)
             self._fail(seq, f"processing its output failed: {e!r}")
@@ -427,23 +518,30 @@ class Engine:
         if out is not None:
             self._pending.append(out)
 
-    def _resolve(self, seq: Sequence, index: int, tokens: list[int]) -> RequestOutput | None:
+    def _resolve(self, seq: Sequence, index: int, tokens: list[int],
+                 logprobs: list[TokenLogprobs] | None = None) -> RequestOutput | None:
         """Put the sampled `tokens` at output positions `index`, `index + 1`, ... and
         process them in order up to the first that finishes the sequence (the rest are
-        dropped); one output for all of them. None if the sequence already finished
-        (aborted, or stopped on an earlier token)."""
+        dropped); one output for all of them. logprobs: the tokens' TokenLogprobs, for a
+        request that asked. None if the sequence already finished (aborted, or stopped on
+        an earlier token). Stop strings are matched from min_tokens output tokens on (EOS
+        and stop token ids cannot be sampled before: they are masked on device)."""
         if seq.finish_reason is not None:
             return None
         p = seq.params
         new_ids, new_text = [], ""
-        for i, token in enumerate(tokens, start=index):
+        for j, (i, token) in enumerate(enumerate(tokens, start=index)):
             seq.output_ids[i] = token
             new_ids.append(token)
+            if seq.logprobs is not None:
+                del seq.logprobs[i:]  # a recomputed sequence's
+                seq.logprobs.append(logprobs[j])
             stopped_by_string = False
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 seq.finish_reason = FINISH_STOP  # the stop token's text is not returned
             else:
-                text, stopped_by_string = seq.stop_checker.feed(seq.detokenizer.add([token]))
+                text, stopped_by_string = seq.stop_checker.feed(seq.detokenizer.add([token]),
+                                                                i + 1 > p.min_tokens)
                 new_text += text
                 if stopped_by_string:
                     seq.finish_reason = FINISH_STOP
@@ -454,6 +552,8 @@ class Engine:
                 if not stopped_by_string:
                     new_text += seq.stop_checker.flush()  # held back for a stop string that never came
                 del seq.output_ids[i + 1:]  # tokens sampled in vain (this or the running step)
+                if seq.logprobs is not None:
+                    del seq.logprobs[i + 1:]
                 self.scheduler.finish(seq)
                 del self._seqs[seq.request_id]
                 break
@@ -472,4 +572,6 @@ class Engine:
             request_id=seq.request_id, num_prompt_tokens=len(seq.prompt_ids),
             token_ids=seq.output_ids[:num_known], new_token_ids=new_ids, text=seq.text,
             new_text=new_text, finished=seq.finish_reason is not None,
-            finish_reason=seq.finish_reason)
+            finish_reason=seq.finish_reason,
+            logprobs=None if seq.logprobs is None else seq.logprobs[:num_known],
+            prompt_logprobs=seq.prompt_logprobs)

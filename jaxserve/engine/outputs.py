@@ -20,6 +20,11 @@ class RequestOutput:
     finish_reason: None while running; "stop", "length", "abort" or "error" once finished.
     error: with finish_reason "error", what failed (for logs; clients get a generic
         message, never this text).
+    logprobs: with SamplingParams.logprobs, one TokenLogprobs per token of token_ids
+        (jaxserve.engine.sequence.TokenLogprobs; the new tokens' are the last
+        len(new_token_ids)); else None.
+    prompt_logprobs: with SamplingParams.prompt_logprobs, one per prompt token, None for
+        the first (complete from the first output with a token on); else None.
     """
 
     request_id: str
@@ -31,6 +36,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -35,7 +35,9 @@ from jaxserve.kv_cache import KVCache
 from jaxserve.model.params import Params
 from jaxserve.model.transformer import (Kernels, StepBatch, forward, last_token_logits,
                                         next_decode_batch)
-from jaxserve.sampling import SamplingBatch, sample
+from jaxserve.logits_processors import (LogitsControls, apply_controls, controls_active,
+                                        history, write_token_pool)
+from jaxserve.sampling import SamplingBatch, sample_controlled, token_logprobs, top_logprobs
 from jaxserve.sharding import ShardingRules
 from jaxserve.spec_decode import draft_model
 from jaxserve.spec_decode.draft_model import Drafter
@@ -44,29 +46,91 @@ from jaxserve.spec_decode.rejection_sampler import rejection_sample
 log = logging.getLogger(__name__)
 
 
+def _top(logits: jax.Array, sampling: SamplingBatch, num_top: int, impl) -> dict:
+    """{"top_ids": [R, num_top] int32, "top_logprobs": [R, num_top] f32} of logits [R, V]
+    (jaxserve.sampling.top_logprobs), computed only when a row asks for any (zeros
+    otherwise); {} when the engine reports none (num_top 0)."""
+    if not num_top or sampling.num_logprobs is None:
+        return {}
+    R = logits.shape[0]
+    ids, lps = jax.lax.cond(
+        jnp.any(sampling.num_logprobs > 0), lambda: top_logprobs(logits, num_top, impl),
+        lambda: (jnp.zeros((R, num_top), jnp.int32), jnp.zeros((R, num_top), jnp.float32)))
+    return {"top_ids": ids, "top_logprobs": lps}
+
+
+# Rows of one block of the prompt-logprobs LM head (bounds its [rows, vocab] logits).
+PROMPT_LOGPROBS_BLOCK = 256
+
+
+def _prompt_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
+                     rules: ShardingRules | None, kernels: Kernels, num_top: int) -> dict:
+    """Prompt logprobs of a mixed step, computed only when a row asks (zeros otherwise).
+    hidden: [T, D]; targets: [T] int32, the token after each row whose logprob is asked
+    (-1: none). Returns {"prompt_logprobs": [T] f32, and with num_top "prompt_top_ids"
+    [T, num_top] int32, "prompt_top_logprobs" [T, num_top] f32}. The LM head runs over
+    blocks of PROMPT_LOGPROBS_BLOCK rows, never [T, vocab] at once; the blocks are
+    unrolled rather than a loop, so that the vocabulary-split LM head weights reach each
+    block's shard_map as placed (a loop body would take them unannotated)."""
+    T = hidden.shape[0]
+
+    def block(start):
+        rows = jnp.arange(start, min(start + PROMPT_LOGPROBS_BLOCK, T), dtype=jnp.int32)
+        logits = last_token_logits(params, hidden, rows, rules, kernels.matmul)
+        out = {"prompt_logprobs": token_logprobs(logits, jnp.maximum(targets[rows], 0),
+                                                 kernels.sampling)}
+        if num_top:
+            out["prompt_top_ids"], out["prompt_top_logprobs"] = top_logprobs(
+                logits, num_top, kernels.sampling)
+        return out
+
+    def compute():
+        blocks = [block(start) for start in range(0, T, PROMPT_LOGPROBS_BLOCK)]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *blocks)
+
+    shapes = jax.eval_shape(compute)
+    return jax.lax.cond(jnp.any(targets >= 0), compute,
+                        lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
+
+
 def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-                 draft_params, draft_cache, *, cfg: ModelConfig, drafter: Drafter | None,
-                 rules: ShardingRules | None, kernels: Kernels):
-    """forward -> each sequence's last-token logits -> sample: (tokens [S] int32, logprobs
-    [S] f32, cache, draft_cache). A drafter (speculative decoding) runs over the same
-    rows, so that its K/V keep up with the target's."""
+                 draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
+                 drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
+                 num_top: int):
+    """forward -> each sequence's last-token logits -> controls (logit bias, penalties) ->
+    sample: (tokens [S] int32, logprobs [S] f32, extra, cache, draft_cache, token_pool).
+    extra: `_top` of the sampled rows, and in a mixed step `_prompt_logprobs`. The
+    batch's tokens are written to the token pool first (the penalties' history). A
+    drafter (speculative decoding) runs over the same rows, so that its K/V keep up with
+    the target's."""
+    token_pool = write_token_pool(token_pool, batch.slot_mapping, batch.tokens)
     hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
     if drafter is not None:
         draft_cache = drafter.sync(params, draft_params, draft_cache, batch, hidden, rules,
                                    kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules, kernels.matmul)
-    tokens, logprobs = sample(logits, sampling, kernels.sampling)
-    return tokens, logprobs, cache, draft_cache
+
+    def context():
+        return (history(token_pool, batch.block_tables, cache.page_size),
+                batch.positions[batch.logits_indices] + 1)
+
+    tokens, logprobs = sample_controlled(logits, sampling, kernels.sampling, context)
+    extra = _top(logits, sampling, num_top, kernels.sampling)
+    if sampling.prompt_targets is not None:
+        extra.update(_prompt_logprobs(params, hidden, sampling.prompt_targets, rules=rules,
+                                      kernels=kernels, num_top=num_top))
+    return tokens, logprobs, extra, cache, draft_cache, token_pool
 
 
 def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-          prev_tokens: jax.Array, draft_params, draft_cache, *, cfg: ModelConfig,
+          prev_tokens: jax.Array, draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
           drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
-          num_steps: int = 1):
+          num_top: int = 0, num_steps: int = 1):
     """One engine step: `num_steps` tokens per sequence. prev_tokens: [max_rows] int32, the
     previous step's last sampled tokens; draft_params / draft_cache: the drafter's arrays
     (speculative decoding with a draft model or head; None without one), its cache donated
-    like the target's.
+    like the target's; token_pool: [num_pages * page_size] int32, every sequence's tokens
+    at their KV slots (donated; jaxserve.logits_processors).
 
     num_steps > 1 (decode batches only): multi-step decode, a `fori_loop` in which each
     iteration samples one token per sequence and feeds it back as the next iteration's
@@ -76,47 +140,58 @@ def _step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBa
     scheduling (num_scheduler_steps).
 
     Returns (last [max_rows] int32: the last sub-step's tokens padded with 0, tokens
-    [num_steps, S] int32, logprobs [num_steps, S] f32, cache, draft_cache)."""
+    [num_steps, S] int32, logprobs [num_steps, S] f32, extra (`_sample_step`'s, the top
+    logprobs with a leading [num_steps] axis), cache, draft_cache, token_pool)."""
     S = batch.seq_lens.shape[0]
     from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
     batch = dataclasses.replace(
         batch, tokens=jnp.where(batch.prev_index >= 0, from_prev, batch.tokens))
     run = functools.partial(_sample_step, params, cfg=cfg, drafter=drafter, rules=rules,
-                            kernels=kernels)
+                            kernels=kernels, num_top=num_top)
     if num_steps == 1:
-        tokens, logprobs, cache, draft_cache = run(cache, batch, sampling, draft_params,
-                                                   draft_cache)
+        tokens, logprobs, extra, cache, draft_cache, token_pool = run(
+            cache, batch, sampling, draft_params, draft_cache, token_pool)
         tokens, logprobs = tokens[None], logprobs[None]
+        extra = {k: v[None] if k.startswith("top") else v for k, v in extra.items()}
     else:
         if not batch.decode:
             raise ValueError(f"num_steps={num_steps} > 1 needs a decode batch")
 
         def body(i, carry):
-            b, cache, dcache, tokens, logprobs = carry
-            t, lp, cache, dcache = run(
+            b, cache, dcache, pool, tokens, logprobs, extra = carry
+            t, lp, ex, cache, dcache, pool = run(
                 cache, b, dataclasses.replace(sampling, step=sampling.step + i), draft_params,
-                dcache)
+                dcache, pool)
             b = next_decode_batch(b, t, cache.page_size)
-            return b, cache, dcache, tokens.at[i].set(t), logprobs.at[i].set(lp)
+            extra = {k: extra[k].at[i].set(ex[k]) for k in extra}
+            return b, cache, dcache, pool, tokens.at[i].set(t), logprobs.at[i].set(lp), extra
 
-        init = (batch, cache, draft_cache, jnp.zeros((num_steps, S), jnp.int32),
-                jnp.zeros((num_steps, S), jnp.float32))
-        _, cache, draft_cache, tokens, logprobs = jax.lax.fori_loop(0, num_steps, body, init)
+        top = {}
+        if num_top and sampling.num_logprobs is not None:
+            top = {"top_ids": jnp.zeros((num_steps, S, num_top), jnp.int32),
+                   "top_logprobs": jnp.zeros((num_steps, S, num_top), jnp.float32)}
+        init = (batch, cache, draft_cache, token_pool, jnp.zeros((num_steps, S), jnp.int32),
+                jnp.zeros((num_steps, S), jnp.float32), top)
+        _, cache, draft_cache, token_pool, tokens, logprobs, extra = jax.lax.fori_loop(
+            0, num_steps, body, init)
     last = jnp.zeros(prev_tokens.shape, jnp.int32).at[:S].set(tokens[-1])
-    return last, tokens, logprobs, cache, draft_cache
+    return last, tokens, logprobs, extra, cache, draft_cache, token_pool
 
 
 def _verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-                 draft_params, draft_cache, *, cfg: ModelConfig, drafter: Drafter | None,
-                 rules: ShardingRules | None, kernels: Kernels):
+                 draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
+                 drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
+                 num_top: int = 0):
     """A verify step (speculative decoding): forward over each sequence's last token and
     its drafts (the tokens after its first row), logits at every one of its rows
-    (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), rejection sampling
-    (jaxserve.spec_decode.rejection_sampler). With a drafter (a draft model or head) the
-    drafts are proposed here first (jaxserve.spec_decode.draft_model.propose; the batch's
-    draft rows are placeholders), and the drafter runs over the verify rows too. Returns (tokens [J, S]
-    int32, logprobs [J, S] f32, num_tokens [S] int32: output tokens kept per sequence,
-    cache, draft_cache)."""
+    (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), the rows' logits
+    controls (jaxserve.logits_processors, each position with the drafts before it in its
+    history), rejection sampling (jaxserve.spec_decode.rejection_sampler). With a drafter
+    (a draft model or head) the drafts are proposed here first
+    (jaxserve.spec_decode.draft_model.propose; the batch's draft rows are placeholders),
+    and the drafter runs over the verify rows too. Returns (tokens [J, S] int32, logprobs
+    [J, S] f32 (of the raw logits), num_tokens [S] int32: output tokens kept per sequence,
+    extra: the top logprobs [J, S, num_top] as `_top`, cache, draft_cache, token_pool)."""
     S, J = batch.logits_indices.shape
     start = batch.query_start[:-1]
     num_drafts = jnp.clip(batch.query_start[1:] - start - 1, 0, J - 1)
@@ -126,17 +201,42 @@ def _verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sam
             drafter, params, draft_params, draft_cache, batch, sampling, num_drafts, J - 1,
             cache.page_size, cfg.vocab_size, rules, kernels)
         batch = draft_model.fill_drafts(batch, drafts, num_drafts)
+    token_pool = write_token_pool(token_pool, batch.slot_mapping, batch.tokens)
     hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
     if drafter is not None:
         draft_cache = drafter.sync(params, draft_params, draft_cache, batch, hidden, rules,
                                    kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
-                               kernels.matmul).reshape(S, J, -1)
+                               kernels.matmul)                            # [S * J, V]
     rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0,
                     batch.tokens.shape[0] - 1)
-    tokens, logprobs, num = rejection_sample(logits, batch.tokens[rows], num_drafts, sampling,
-                                             draft_logits=draft_logits, impl=kernels.sampling)
-    return tokens.T, logprobs.T, num, cache, draft_cache
+    verify = functools.partial(rejection_sample, draft_ids=batch.tokens[rows],
+                               num_drafts=num_drafts, sb=sampling, draft_logits=draft_logits,
+                               impl=kernels.sampling)
+
+    def plain():
+        return verify(logits.reshape(S, J, -1))
+
+    def controlled():
+        steps = (sampling.step[:, None] + jnp.arange(J, dtype=jnp.int32)[None, :]).reshape(-1)
+        context = jnp.repeat(history(token_pool, batch.block_tables, cache.page_size), J, 0)
+        num_context = batch.positions[batch.logits_indices.reshape(-1)] + 1
+        processed = apply_controls(logits, sampling.controls.repeat(J), steps, context,
+                                   num_context)
+        tokens, _, num = verify(processed.reshape(S, J, -1))
+        raw = token_logprobs(logits, tokens.reshape(-1), kernels.sampling).reshape(S, J)
+        return tokens, raw, num
+
+    if sampling.controls is None:
+        tokens, logprobs, num = plain()
+    else:
+        tokens, logprobs, num = jax.lax.cond(controls_active(sampling.controls), controlled,
+                                             plain)
+    extra = _top(logits, dataclasses.replace(
+        sampling, num_logprobs=None if sampling.num_logprobs is None
+        else jnp.repeat(sampling.num_logprobs, J)), num_top, kernels.sampling)
+    extra = {k: v.reshape(S, J, -1).transpose(1, 0, 2) for k, v in extra.items()}
+    return tokens.T, logprobs.T, num, extra, cache, draft_cache, token_pool
 
 
 class StepKey(NamedTuple):
@@ -159,7 +259,8 @@ class StepKey(NamedTuple):
                    *batch.block_tables.shape, num_steps)
 
 
-def _abstract_inputs(key: StepKey, sharding) -> tuple[StepBatch, SamplingBatch]:
+def _abstract_inputs(key: StepKey, sharding, max_logit_bias: int
+                     ) -> tuple[StepBatch, SamplingBatch]:
     def s(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     i32, f32 = jnp.int32, jnp.float32
@@ -170,8 +271,12 @@ def _abstract_inputs(key: StepKey, sharding) -> tuple[StepBatch, SamplingBatch]:
                       logits_indices=s((S, key.n) if key.kind == "verify" else (S,), i32),
                       prev_index=s((T,), i32),
                       decode=key.kind == "decode")
+    controls = jax.tree.map(lambda a: s(a.shape, a.dtype),
+                            LogitsControls.neutral(S, max_logit_bias))
     sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),
-                             min_p=s((S,), f32), seed=s((S, 2), jnp.uint32), step=s((S,), i32))
+                             min_p=s((S,), f32), seed=s((S, 2), jnp.uint32), step=s((S,), i32),
+                             num_logprobs=s((S,), i32), controls=controls,
+                             prompt_targets=s((T,), i32) if key.kind == "mixed" else None)
     return batch, sampling
 
 
@@ -197,11 +302,14 @@ class Runner:
         self._replicated = NamedSharding(rules.mesh, PartitionSpec()) if rules else None
         self.kernels = kernels  # resolved: jaxserve.kernels.select_kernels
         self.shapes = StepShapes(engine_cfg, bucket_pages=kernels.attention.pads_pages)
-        static = dict(cfg=model_cfg, drafter=self.drafter, rules=rules, kernels=self.kernels)
-        self._jitted = jax.jit(functools.partial(_step, **static), donate_argnums=(1, 6),
+        self.num_top = engine_cfg.sampler.max_logprobs
+        self.max_logit_bias = engine_cfg.sampler.max_logit_bias
+        static = dict(cfg=model_cfg, drafter=self.drafter, rules=rules, kernels=self.kernels,
+                      num_top=self.num_top)
+        self._jitted = jax.jit(functools.partial(_step, **static), donate_argnums=(1, 6, 7),
                                static_argnames=("num_steps",))
         self._jitted_verify = jax.jit(functools.partial(_verify_step, **static),
-                                      donate_argnums=(1, 5))
+                                      donate_argnums=(1, 5, 6))
         self._compiled: dict[StepKey, object] = {}
         self._futures: dict[StepKey, Future] = {}
         self._lock = threading.Lock()           # compiled shapes, futures, counters
@@ -214,6 +322,11 @@ class Runner:
         # The last dispatched step's sampled tokens, on device, padded to max_rows.
         self.max_rows = max(self.shapes.seq_buckets)
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
+        # every sequence's tokens at their KV slots (jaxserve.logits_processors)
+        self.token_pool = self._zero_token_pool()
+        # device-resident inputs of steps whose rows use no logits controls / ask no prompt
+        # logprobs, by S / T (nothing to transfer for them)
+        self._neutral: dict[tuple, object] = {}
         # multi-process (jaxserve.distributed): process 0's channel to the others, which
         # launch every step it launches (Runner.follow); None in one process
         self.mirror = None
@@ -221,16 +334,46 @@ class Runner:
         self._cache_spec = _abstract(cache)
         self._draft_cache_spec = _abstract(self.draft_cache)
 
+    def _zero_token_pool(self):
+        return jnp.zeros((self.cache.num_pages * self.cache.page_size,), jnp.int32,
+                         device=self._replicated)
+
+    def _complete(self, key: StepKey, sampling: SamplingBatch) -> SamplingBatch:
+        """`sampling` with its optional inputs the compiled step takes filled in: neutral
+        logits controls and no prompt-logprob targets (cached device arrays), num_logprobs
+        0; prompt_targets dropped from a step that is not mixed."""
+        def cached(name, size, make):
+            value = self._neutral.get((name, size))
+            if value is None:
+                value = self._neutral[(name, size)] = jax.device_put(make(), self._replicated)
+            return value
+
+        S, T = key.S, key.T
+        fill = {}
+        if sampling.num_logprobs is None:
+            fill["num_logprobs"] = cached("num_logprobs", S, lambda: np.zeros(S, np.int32))
+        if sampling.controls is None:
+            fill["controls"] = cached("controls", S,
+                                      lambda: LogitsControls.neutral(S, self.max_logit_bias))
+        if key.kind != "mixed":
+            fill["prompt_targets"] = None
+        elif sampling.prompt_targets is None:
+            fill["prompt_targets"] = cached("prompt_targets", T,
+                                            lambda: np.full(T, -1, np.int32))
+        return dataclasses.replace(sampling, **fill) if fill else sampling
+
     def _compile(self, key: StepKey):
         t0 = time.perf_counter()
-        batch, sampling = _abstract_inputs(key, self._replicated)
+        batch, sampling = _abstract_inputs(key, self._replicated, self.max_logit_bias)
         params, cache = _abstract(self.params), _abstract(self.cache)
         draft = _abstract(self.draft_params), self._draft_cache_spec
+        pool = _abstract(self.token_pool)
         if key.kind == "verify":
-            traced = self._jitted_verify.trace(params, cache, batch, sampling, *draft)
+            traced = self._jitted_verify.trace(params, cache, batch, sampling, *draft, pool)
         else:
             traced = self._jitted.trace(params, cache, batch, sampling,
-                                        _abstract(self.last_tokens), *draft, num_steps=key.n)
+                                        _abstract(self.last_tokens), *draft, pool,
+                                        num_steps=key.n)
         exe = traced.lower().compile()
         return exe, time.perf_counter() - t0
 
@@ -283,21 +426,22 @@ class Runner:
               keep_last: bool = False) -> "StepHandle":
         """Run `exe` on the pools (donated, replaced by its outputs) and return its handle;
         a non-verify step also replaces `last_tokens` unless `keep_last`."""
+        sampling = self._complete(key, sampling)
         with self._dispatch_lock:
             if self.mirror is not None:  # the other processes launch the same step
                 self.mirror.send(("call", key, jax.tree.map(np.asarray, batch),
                                   jax.tree.map(np.asarray, sampling), keep_last))
             if key.kind == "verify":
-                tokens, logprobs, num, self.cache, self.draft_cache = exe(
+                tokens, logprobs, num, extra, self.cache, self.draft_cache, self.token_pool = exe(
                     self.params, self.cache, batch, sampling, self.draft_params,
-                    self.draft_cache)
-                return StepHandle(tokens, logprobs, num)
-            last, tokens, logprobs, self.cache, self.draft_cache = exe(
+                    self.draft_cache, self.token_pool)
+                return StepHandle(tokens, logprobs, num, extra)
+            last, tokens, logprobs, extra, self.cache, self.draft_cache, self.token_pool = exe(
                 self.params, self.cache, batch, sampling, self.last_tokens, self.draft_params,
-                self.draft_cache)
+                self.draft_cache, self.token_pool)
             if not keep_last:
                 self.last_tokens = last
-        return StepHandle(tokens, logprobs)
+        return StepHandle(tokens, logprobs, None, extra)
 
     def _add(self, key, exe, dt):
         with self._lock:
@@ -393,10 +537,11 @@ class Runner:
         with self._dispatch_lock:
             if self.mirror is not None:
                 self.mirror.send(("reset",))
-            self.cache = self.last_tokens = self.draft_cache = None
+            self.cache = self.last_tokens = self.draft_cache = self.token_pool = None
             self.cache = zeros(self._cache_spec)
             self.draft_cache = zeros(self._draft_cache_spec)
             self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
+            self.token_pool = self._zero_token_pool()
 
     def follow(self, channel) -> None:
         """A follower process of a multi-process deployment: launch every step process 0
@@ -419,28 +564,34 @@ class Runner:
             self._call(exe, key, batch, sampling, keep_last).tokens.block_until_ready()
 
     @staticmethod
-    def fetch(handle: "StepHandle") -> "StepOutput":
+    def fetch(handle: "StepHandle", logprobs: bool = False) -> "StepOutput":
         """Wait for a dispatched step: its sampled tokens [n, S] int32 and their logprobs
         [n, S] f32 (column b: sequence b of the batch, padding included; n: num_steps, or
         J for a verify step), and for a verify step num_tokens [S] int32, the tokens of
-        column b that count (the rest were rejected)."""
+        column b that count (the rest were rejected). logprobs: also read its top and
+        prompt logprobs (`StepOutput.extra`; else {})."""
         num = None if handle.num_tokens is None else np.asarray(handle.num_tokens)
-        return StepOutput(np.asarray(handle.tokens), np.asarray(handle.logprobs), num)
+        extra = ({k: np.asarray(v) for k, v in handle.extra.items()} if logprobs else {})
+        return StepOutput(np.asarray(handle.tokens), np.asarray(handle.logprobs), num, extra)
 
     def run(self, batch: StepBatch, sampling: SamplingBatch,
-            num_steps: int = 1) -> "StepOutput":
+            num_steps: int = 1, logprobs: bool = False) -> "StepOutput":
         """Run one step and wait: `fetch`'s output."""
-        return self.fetch(self.dispatch(batch, sampling, num_steps))
+        return self.fetch(self.dispatch(batch, sampling, num_steps), logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepHandle:
     """A dispatched step's outputs, still on device: tokens [n, S] int32, logprobs [n, S]
-    f32 (S: the batch's sequence bucket) and, for a verify step, num_tokens [S] int32."""
+    f32 (S: the batch's sequence bucket), for a verify step num_tokens [S] int32, and
+    extra: top_ids / top_logprobs [n, S, max_logprobs] (with max_logprobs > 0) and, for a
+    mixed step, prompt_logprobs [T] (and prompt_top_ids / prompt_top_logprobs [T,
+    max_logprobs]): zeros unless a row asked."""
 
     tokens: jax.Array
     logprobs: jax.Array
     num_tokens: jax.Array | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
 
 
 class StepOutput(NamedTuple):
@@ -449,3 +600,4 @@ class StepOutput(NamedTuple):
     tokens: np.ndarray
     logprobs: np.ndarray
     num_tokens: np.ndarray | None = None
+    extra: dict = {}

@@ -94,6 +94,7 @@ class InflightStep:
     num_steps: int
     first_index: list[int | None]
     handle: object
+    chunk_starts: list[int] | None = None  # each sequence's first position in the step
 
     def row_of(self) -> dict[Sequence, int]:
         """{sequence: its row in this step's batch} for the sequences that sampled."""
@@ -205,7 +206,7 @@ class Scheduler:
     def _prefix_in_progress(self, seq: Sequence) -> bool:
         """Whether a running sequence is computing, as a prompt chunk, the first page of
         waiting `seq`'s prefix that is not cached yet (their page hashes agree there)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.needs_prompt_logprobs:
             return False
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.pool.page_size)
         cached = len(self.pool.lookup(hashes))
@@ -216,8 +217,9 @@ class Scheduler:
 
     def _take_cached_prefix(self, seq: Sequence) -> int:
         """Give `seq` (waiting, no pages) the cached pages of the longest prefix of its full
-        pages, leaving at least its last token to compute; returns the tokens matched."""
-        if not self.prefix_caching:
+        pages, leaving at least its last token to compute; returns the tokens matched. A
+        sequence still needing prompt logprobs takes none (they come from computing)."""
+        if not self.prefix_caching or seq.needs_prompt_logprobs:
             return 0
         ps = self.pool.page_size
         usable = (seq.num_tokens - 1) // ps

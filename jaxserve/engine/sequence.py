@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -13,6 +13,16 @@ from jaxserve.sampling_params import SamplingParams
 # per token the step samples at dispatch (so the next step is planned with the right
 # length) and overwrites them when it reads the step's results.
 PLACEHOLDER = -1
+
+
+class TokenLogprobs(NamedTuple):
+    """One token's logprob and the most likely tokens at its position: top ((token id,
+    logprob), ...), most likely first, as many as the request asked for. Log-softmax of
+    the raw logits."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +43,11 @@ class Sequence:
     registered in the prefix cache.
     detokenizer / stop_checker: text state (owned by the engine's output processing).
     admitted: a counter value, larger = admitted more recently (preemption order).
+    controls: its row of the logits-controls table, packed once at admission
+        (`Engine.add_request`; None: it uses none).
+    logprobs: with params.logprobs, one TokenLogprobs per output token read back.
+    prompt_logprobs: with params.prompt_logprobs, one per prompt token (None for the first,
+        and for those not computed yet).
     """
 
     request_id: str
@@ -51,6 +66,22 @@ class Sequence:
     detokenizer: Any = None
     stop_checker: Any = None
     text: str = ""
+    controls: Any = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt token's logprobs are still to compute (then the whole prompt
+        is computed: no cached prefix)."""
+        return self.prompt_logprobs is not None and any(
+            lp is None for lp in self.prompt_logprobs[1:])
 
     @property
     def num_tokens(self) -> int:
