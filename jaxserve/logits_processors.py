@@ -1,5 +1,5 @@
-"""Per-request logits controls, on device, batched: logit_bias, min_tokens, and the
-repetition, frequency and presence penalties.
+"""Per-request logits controls, on device, batched: logit_bias, min_tokens, the
+repetition, frequency and presence penalties, and structured output's token bitmask.
 
 Applied to each sampled row's raw logits before temperature and the top-k / top-p / min-p
 filters, in vLLM v1's order (`vllm/v1/sample/sampler.py`): first the logit bias and the
@@ -10,7 +10,8 @@ min_tokens mask (its built-in logits processors), then the penalties
         or the output so far has its logit divided by the penalty if positive, multiplied
         by it if not;
     frequency (OpenAI): logit -= frequency_penalty * (times the token is in the output);
-    presence (OpenAI): logit -= presence_penalty * (1 if the token is in the output).
+    presence (OpenAI): logit -= presence_penalty * (1 if the token is in the output);
+then the grammar's bitmask (tokens it does not allow: -inf).
 
 The token history the penalties count is read on device from the token pool
 (`write_token_pool`): every step writes its input tokens at their KV slots, so a sequence's
@@ -45,7 +46,9 @@ class LogitsControls:
     there on are output). bias_ids: [K] entries per row [S, K] int32 (-1 = unused);
     bias_values: [S, K] f32 added to the logit (-inf masks the token); bias_until: [S, K]
     int32, the entry applies while the output index being sampled is below it (NO_LIMIT:
-    always; min_tokens' masks of EOS and stop token ids: min_tokens).
+    always; min_tokens' masks of EOS and stop token ids: min_tokens). allowed: [S, W]
+    int32, W = ceil(vocab / 32): the tokens a structured-output grammar allows, bit t % 32
+    of word t // 32 (-1: all; jaxserve.structured_output).
     """
 
     presence_penalty: Any
@@ -55,19 +58,35 @@ class LogitsControls:
     bias_ids: Any
     bias_values: Any
     bias_until: Any
+    allowed: Any
 
     @staticmethod
-    def neutral(S: int, K: int) -> "LogitsControls":
+    def neutral(S: int, K: int, vocab_size: int) -> "LogitsControls":
         """Numpy arrays for S rows that control nothing."""
         return LogitsControls(
             presence_penalty=np.zeros(S, np.float32), frequency_penalty=np.zeros(S, np.float32),
             repetition_penalty=np.ones(S, np.float32), prompt_len=np.zeros(S, np.int32),
             bias_ids=np.full((S, K), -1, np.int32), bias_values=np.zeros((S, K), np.float32),
-            bias_until=np.zeros((S, K), np.int32))
+            bias_until=np.zeros((S, K), np.int32),
+            allowed=np.full((S, bitmask_words(vocab_size)), -1, np.int32))
 
     def repeat(self, J: int) -> "LogitsControls":
         """Each row repeated J times ([S * J] rows), for a verify step's positions."""
         return jax.tree.map(lambda x: jnp.repeat(x, J, axis=0), self)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a packed token bitmask over the vocabulary."""
+    return -(-vocab_size // 32)
+
+
+def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits [R, V] f32 with the tokens whose bit is clear in allowed [R, W] int32 set to
+    -inf (bit t % 32 of word t // 32; xgrammar's and llguidance's packed layout)."""
+    V = logits.shape[1]
+    t = jnp.arange(V, dtype=jnp.int32)
+    bits = (allowed[:, t // 32] >> (t % 32)[None, :]) & 1
+    return jnp.where(bits == 1, logits, -jnp.inf)
 
 
 def bias_entries(logit_bias: dict[int, float], min_tokens: int, stop_ids) -> list[tuple]:
@@ -83,7 +102,8 @@ def bias_entries(logit_bias: dict[int, float], min_tokens: int, stop_ids) -> lis
 def controls_active(c: LogitsControls) -> jax.Array:
     """Scalar bool: whether any row of `c` changes its logits."""
     return (jnp.any(c.bias_ids >= 0) | jnp.any(c.presence_penalty != 0)
-            | jnp.any(c.frequency_penalty != 0) | jnp.any(c.repetition_penalty != 1))
+            | jnp.any(c.frequency_penalty != 0) | jnp.any(c.repetition_penalty != 1)
+            | jnp.any(c.allowed != -1))
 
 
 def write_token_pool(token_pool: jax.Array, slot_mapping: jax.Array,
@@ -109,7 +129,7 @@ def apply_controls(logits: jax.Array, c: LogitsControls, step: jax.Array,
     (its tokens out so far). tokens: [R, L] int32, each row's sequence by position
     (`history`); num_context: [R] int32, how many of them precede the sampled token
     (positions 0 .. num_context - 1: prompt, then output from c.prompt_len on).
-    Returns [R, V] f32."""
+    Returns [R, V] f32 (a structured-output mask last: its -inf stays -inf)."""
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
     on = (c.bias_ids >= 0) & (step[:, None] < c.bias_until)
@@ -124,4 +144,5 @@ def apply_controls(logits: jax.Array, c: LogitsControls, step: jax.Array,
     rep = c.repetition_penalty[:, None]
     logits = jnp.where(in_context, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - c.frequency_penalty[:, None] * counts
-    return logits - c.presence_penalty[:, None] * (counts > 0)
+    logits = logits - c.presence_penalty[:, None] * (counts > 0)
+    return apply_bitmask(logits, c.allowed)

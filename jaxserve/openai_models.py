@@ -62,6 +62,69 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the output follows (OpenAI)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format` (OpenAI): "text" (free), "json_object" (any JSON object) or
+    "json_schema" (its json_schema.schema)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """`structured_outputs` (vLLM): exactly one constraint. json: a JSON schema (object or
+    its text); regex: matched whole; choice: one of these strings exactly; grammar: a Lark
+    (llguidance dialect) or GBNF grammar; json_object: any JSON object."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: JsonObject | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name and the JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: JsonObject | None = None
+
+
+class Tool(BaseModel):
+    """A tool the model may call (chat `tools`; OpenAI)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming a function: the reply is a call of it, its arguments matching
+    the function's parameters schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _SamplingRequest(BaseModel):
     """Fields both endpoints share: model, sampling, stop, streaming, and the OpenAI
     parameters this server cannot honour, accepted only at their default (no-op) values
@@ -113,11 +176,17 @@ class _SamplingRequest(BaseModel):
     # Not supported: only their no-op values are accepted.
     best_of: PositiveInt | None = Field(None, description="Only 1 is supported.")
     suffix: StrictStr | None = Field(None, description='Only "" is supported.')
-    tools: list[JsonObject] | None = Field(None, description="Only [] is supported.")
-    tool_choice: Literal["none", "auto", "required"] | JsonObject | None = Field(
-        None, description='Only "none" / "auto" is supported.')
-    response_format: JsonObject | None = Field(
-        None, description='Only {"type": "text"} is supported.')
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} (any JSON object) or '
+                          '{"type": "json_schema", "json_schema": {"name", "schema"}}.')
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="vLLM's structured outputs: exactly one of json, regex, choice, "
+                          "grammar, json_object.")
+    guided_json: JsonObject | StrictStr | None = Field(
+        None, description="A JSON schema the output follows (vLLM's older name).")
+    guided_regex: StrictStr | None = Field(None, description="vLLM's older name.")
+    guided_choice: list[StrictStr] | None = Field(None, description="vLLM's older name.")
+    guided_grammar: StrictStr | None = Field(None, description="vLLM's older name.")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -178,10 +247,17 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = Field(
         None, description="With logprobs: the most likely tokens at each position, 0-20.")
     echo: StrictBool | None = Field(None, description="Only false is supported.")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto"] | NamedToolChoice | None = Field(
+        None, description='"none", "auto" (the model answers in text: no tool-call parser '
+                          'runs) or {"type": "function", "function": {"name"}}: the reply '
+                          "is a call of that function with arguments matching its schema.")
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
+    ResponseFormat, JsonSchemaFormat, StructuredOutputsParams, Tool, FunctionDefinition,
+    NamedToolChoice, NamedFunction)
 
 
 # -- responses ----------------------------------------------------------------------------
@@ -242,11 +318,25 @@ class CompletionChunk(_Envelope):
     usage: Usage | None = Field(None, description="Present only with include_usage.")
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments, as JSON text.")
+
+
+class ToolCall(BaseModel):
+    """A call of a tool (named tool_choice)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """The generated chat message."""
+    """The generated chat message: its text, or (a named tool_choice) the tool call."""
 
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -278,11 +368,22 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
+class ToolCallDelta(BaseModel):
+    """A streamed tool call: the first delta has its id, type and name, the rest the
+    arguments' next text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None
+
+
 class ChatDelta(BaseModel):
     """New text of a chat stream; the first delta also has the role, a final one may be {}."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -26,6 +26,7 @@ import pydantic
 from jaxserve.openai_models import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest,
                                     _SamplingRequest)
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
+from jaxserve.structured_output import StructuredOutput
 from jaxserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -39,10 +40,7 @@ MAX_CHOICES = 128
 
 # Parameters we cannot honour: accepted only at their default (no-op) values, so clients
 # that send defaults explicitly (the openai SDK, vLLM's benchmark client) still work.
-_NOOP_VALUES = {
-    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-}
+_NOOP_VALUES = {"best_of": (1,), "suffix": ("",)}
 _CHAT_NOOP_VALUES = {**_NOOP_VALUES, "echo": (False,)}
 # A logprob of -inf in a response (JSON has no infinity): vLLM's value.
 MIN_LOGPROB = -9999.0
@@ -90,7 +88,11 @@ class RequestLimits:
 class ParsedRequest:
     """A validated request: its prompts' token ids (several for a batched completions
     prompt), sampling params, `n` choices per prompt, and how to answer. Choice
-    `p * n + i` is prompt p's i-th (`choices`)."""
+    `p * n + i` is prompt p's i-th (`choices`). echo: completions' `echo` (each choice's
+    text starts with its prompt's, prompt_texts[p], and its logprobs with the prompt's);
+    the response reports logprobs when params.logprobs is not None. tool_call: the
+    function a chat request's named tool_choice calls (the reply is that call, its
+    arguments the generated text), or None."""
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -99,6 +101,7 @@ class ParsedRequest:
     n: int = 1
     echo: bool = False
     prompt_texts: list[str] | None = None
+    tool_call: str | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -218,10 +221,65 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
+def _structured_output(req: _SamplingRequest, tool_schema: dict | None = None
+                       ) -> StructuredOutput | None:
+    """The one output constraint a request asks for, from OpenAI's `response_format`,
+    vLLM's `structured_outputs` or its older `guided_*` fields, or a named tool_choice's
+    function schema (tool_schema); compiled here once to check it. Raises ApiError naming
+    the field: two constraints, an empty one, or one the grammar engine refuses."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(StructuredOutput("json_object", "", "response_format"))
+        else:
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ApiError("response_format: type json_schema needs json_schema.schema",
+                               "response_format")
+            found.append(StructuredOutput("json", json.dumps(rf.json_schema.schema_),
+                                          "response_format"))
+    so = req.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex),
+                                     ("choice", so.choice), ("grammar", so.grammar),
+                                     ("json_object", so.json_object or None))
+                 if v is not None]
+        if len(given) != 1:
+            raise ApiError("structured_outputs: give exactly one of json, regex, choice, "
+                           "grammar, json_object", "structured_outputs")
+        found.append(_spec(*given[0], "structured_outputs"))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{key}")
+        if value is not None:
+            found.append(_spec(key, value, f"guided_{key}"))
+    if tool_schema is not None:
+        found.append(StructuredOutput("json", json.dumps(tool_schema), "tool_choice"))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ApiError(f"{found[1].field}: only one output constraint per request (also "
+                       f"given: {found[0].field})", found[1].field)
+    spec = found[0]
+    try:
+        spec.validate()
+    except InvalidRequest as e:
+        raise ApiError(str(e)[:_MAX_MESSAGE_CHARS], e.field) from None
+    return spec
+
+
+def _spec(kind: str, value, field: str) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput("json", value if isinstance(value, str) else json.dumps(value),
+                                field)
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(value), field)
+    return StructuredOutput(kind, "" if kind == "json_object" else value, field)
+
+
 def _parse(req: _SamplingRequest, prompts: list[list[int]], prompt_param: str,
            max_tokens_key: str, max_tokens: int | None, default_max_tokens: int,
            tokenizer: Tokenizer, limits: RequestLimits, logprobs: int | None = None,
-           echo: bool = False) -> ParsedRequest:
+           echo: bool = False, structured: StructuredOutput | None = None) -> ParsedRequest:
     """What completions and chat share: lengths, sampling params, choices, stream options."""
     n = req.n or 1
     if n * len(prompts) > MAX_CHOICES:
@@ -260,7 +318,8 @@ def _parse(req: _SamplingRequest, prompts: list[list[int]], prompt_param: str,
             stop=stop, ignore_eos=bool(req.ignore_eos),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             logit_bias=_logit_bias(req.logit_bias, tokenizer.vocab_size),
-            logprobs=logprobs, prompt_logprobs=logprobs if echo else None, **given)
+            logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+            structured_outputs=structured, **given)
     except InvalidRequest as e:
         field = max_tokens_key if e.field == "max_tokens" else e.field
         raise ApiError(str(e)[:_MAX_MESSAGE_CHARS], field) from None
@@ -302,7 +361,7 @@ def _parse_completion(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     prompts = _completion_prompts(req.prompt, tokenizer)
     parsed = _parse(req, prompts, "prompt", "max_tokens", req.max_tokens,
                     DEFAULT_COMPLETION_MAX_TOKENS, tokenizer, limits, req.logprobs,
-                    bool(req.echo))
+                    bool(req.echo), _structured_output(req))
     if parsed.echo:
         texts = ([req.prompt] if isinstance(req.prompt, str) else
                  [p if isinstance(p, str) else None for p in req.prompt]
@@ -337,6 +396,7 @@ def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     _check_common(req, served_model_name, _CHAT_NOOP_VALUES)
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: requires 'logprobs': true", "top_logprobs")
+    tool_name, tool_schema = _tool_choice(req)
     messages = []
     for m in req.messages:
         content = m.content
@@ -353,8 +413,29 @@ def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     ids = _encode(tokenizer, text, False, "messages")
     key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer,
-                  limits, (req.top_logprobs or 0) if req.logprobs else None)
+    parsed = _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer,
+                    limits, (req.top_logprobs or 0) if req.logprobs else None,
+                    structured=_structured_output(req, tool_schema))
+    return dataclasses.replace(parsed, tool_call=tool_name)
+
+
+def _tool_choice(req: ChatCompletionRequest) -> tuple[str | None, dict | None]:
+    """(name, arguments schema) of the function a named tool_choice calls, or (None,
+    None). "auto" with tools needs a tool-call parser, which this server does not have:
+    refused, as vLLM does without one."""
+    choice, tools = req.tool_choice, req.tools or []
+    if choice is None or isinstance(choice, str):
+        if tools and choice in (None, "auto"):
+            raise ApiError("tool_choice: \"auto\" (the default with tools) needs a tool-call "
+                           "parser, which this server does not run; name a function "
+                           "({\"type\": \"function\", \"function\": {\"name\": ...}}) or "
+                           "send \"none\"", "tool_choice")
+        return None, None
+    for tool in tools:
+        if tool.function.name == choice.function.name:
+            return tool.function.name, tool.function.parameters or {"type": "object"}
+    raise ApiError(f"tool_choice: no tool named {json.dumps(choice.function.name[:100])} in "
+                   "tools", "tool_choice")
 
 
 def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
@@ -455,21 +536,40 @@ class ResponseShape:
     chat: bool
 
     def choice(self, text: str, finish_reason: str | None, index: int = 0,
-               logprobs: dict | None = None) -> dict[str, Any]:
+               logprobs: dict | None = None, tool_call: tuple[str, str] | None = None
+               ) -> dict[str, Any]:
         """Choice `index` of a non-streamed response (logprobs: its `LogprobsFormatter`
-        object, or None)."""
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        object, or None). tool_call: (call id, function name) of a named tool_choice: the
+        chat message is that call, `text` its arguments."""
+        if not self.chat:
+            body = {"text": text}
+        elif tool_call is not None:
+            call_id, name = tool_call
+            body = {"message": {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function",
+                 "function": {"name": name, "arguments": text}}]}}
+        else:
+            body = {"message": {"role": "assistant", "content": text}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choice(self, text: str, finish_reason: str | None, first: bool,
-                     index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
+                     index: int = 0, logprobs: dict | None = None,
+                     tool_call: tuple[str, str] | None = None) -> dict[str, Any]:
         """Choice `index` of a streamed chunk; the first delta of a chat choice carries the
-        role."""
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        role (and, for a tool call, its id and name; later deltas the arguments' text)."""
+        if not self.chat:
+            body = {"text": text}
+        elif tool_call is not None:
+            call = {"index": 0, "function": {"arguments": text}}
+            if first:
+                call = {"index": 0, "id": tool_call[0], "type": "function",
+                        "function": {"name": tool_call[1], "arguments": text}}
+            delta = {"role": "assistant", "tool_calls": [call]} if first else (
+                {"tool_calls": [call]} if text else {})
             body = {"delta": delta}
         else:
-            body = {"text": text}
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            body = {"delta": delta}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def response(self, request_id: str, created: int, model: str, choices: list[dict],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,8 @@ class SamplingParams:
         computes its whole prompt (it takes no cached prefix).
     skip_special_tokens: leave special tokens' text out of the output text (HF decode's
         flag; default on, as vLLM).
+    structured_outputs: a jaxserve.structured_output.StructuredOutput the output must
+        match (a JSON schema, any JSON object, a regex, a choice, a grammar), or None.
     Logprobs are the log-softmax of the model's raw logits, before logit_bias, penalties,
     temperature or filters (vLLM's default).
     """
@@ -79,6 +82,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: Any = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -141,9 +145,10 @@ class SamplingParams:
     @property
     def uses_controls(self) -> bool:
         """Whether sampling changes the logits before temperature (logit_bias, min_tokens,
-        penalties): `jaxserve.logits_processors`."""
+        penalties, a structured-output mask): `jaxserve.logits_processors`."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty
-                    or self.frequency_penalty or self.repetition_penalty != 1)
+                    or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.structured_outputs is not None)
 
     @property
     def greedy(self) -> bool:

@@ -313,7 +313,8 @@ class _Routes:
             text = req.prompt_texts[prompt] + f.text if req.echo else f.text
             logprobs = self._logprobs(shape, req, prompt, f.token_ids, f.logprobs,
                                       req.echo, f.prompt_logprobs)[0]
-            choices.append(shape.choice(text, f.finish_reason, index, logprobs))
+            choices.append(shape.choice(text, f.finish_reason, index, logprobs,
+                                        _tool_call(req, request_id, index)))
         return JSONResponse(shape.response(request_id, created, self.model_name, choices,
                                            tokens))
 
@@ -366,7 +367,7 @@ class _Routes:
                             entries, echo, out.prompt_logprobs, offsets.get(index, 0))
                         reported[index] = len(out.token_ids)
                     choice = shape.delta_choice(text, out.finish_reason, index in first, index,
-                                                logprobs)
+                                                logprobs, _tool_call(req, request_id, index))
                     yield sse_event(shape.chunk(request_id, created, self.model_name, [choice],
                                                 include_usage))
                     first.discard(index)
@@ -386,6 +387,13 @@ class _Routes:
                      tokens["prompt_tokens"], tokens["completion_tokens"],
                      ",".join(sorted({out.finish_reason for out in last.values()})))
         yield sse_event("[DONE]")
+
+
+def _tool_call(req: ParsedRequest, request_id: str, index: int) -> tuple[str, str] | None:
+    """(call id, function name) of choice `index`'s tool call (a named tool_choice)."""
+    if req.tool_call is None:
+        return None
+    return f"call_{request_id.rsplit('-', 1)[-1][:24]}_{index}", req.tool_call
 
 
 def _usage(finals: list[RequestOutput], n: int) -> dict[str, int]:

@@ -97,6 +97,26 @@ def small_llm(smollm2_checkpoint, cache_dir):
     return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir)
 
 
+@pytest.fixture(scope="module")
+def small_llm_client(small_llm):
+    """A Starlette TestClient of the OpenAI server over `small_llm`'s engine (in this
+    process, model name "smollm2"); the engine's thread stops at the end of the module, so
+    that nothing else drives the engine meanwhile (do not call small_llm.generate while
+    it runs)."""
+    from starlette.testclient import TestClient
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server import build_app
+    engine = small_llm.engine
+    bridge = AsyncEngine(engine)
+    app = build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len)
+    try:
+        with TestClient(app) as client:
+            yield client
+    finally:
+        bridge.shutdown()
+
+
 # --- fuzzing ------------------------------------------------------------------------------
 
 def pytest_addoption(parser):

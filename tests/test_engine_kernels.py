@@ -311,7 +311,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
     key = {"decode": StepKey("decode", 8, 8, 16), "mixed": StepKey("mixed", 128, 2, 8),
            "verify": StepKey("verify", 10, 2, 8, 5)}[kind]
-    batch, sampling = _abstract_inputs(key, None, 300)
+    batch, sampling = _abstract_inputs(key, None, 300, cfg.vocab_size)
     static = dict(cfg=cfg, drafter=None, rules=None, kernels=Kernels("pallas", "pallas"),
                   num_top=20)
     pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)

@@ -22,7 +22,7 @@ EOS = 257  # the tiny tokenizer's <|im_end|>
 
 
 def controls(S=1, K=4, **rows):
-    c = LogitsControls.neutral(S, K)
+    c = LogitsControls.neutral(S, K, V)
     for name, value in rows.items():
         getattr(c, name)[...] = value
     return c

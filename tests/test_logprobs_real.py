@@ -18,19 +18,8 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
 @pytest.fixture(scope="module")
-def client(small_llm):
-    from starlette.testclient import TestClient
-
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server import build_app
-    engine = small_llm.engine
-    bridge = AsyncEngine(engine)
-    app = build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len)
-    try:
-        with TestClient(app) as c:
-            yield c
-    finally:
-        bridge.shutdown()
+def client(small_llm_client):
+    return small_llm_client
 
 
 def hf_log_softmax(hf_model, ids):
@@ -86,11 +75,10 @@ def test_completion_echo_logprobs_match_hf(client, small_llm, hf_smollm2_model):
         assert lp["token_logprobs"][pos] == max(lp["top_logprobs"][pos].values())
 
 
-def test_chat_logprobs_streamed_equal_non_streamed_and_engine(client, small_llm):
+def test_chat_logprobs_streamed_equal_non_streamed_and_completions(client, small_llm):
     """Chat `logprobs` + `top_logprobs` (OpenAI's chat shape): the streamed chunks' entries,
-    joined, equal the non-streamed response's; the tokens and values are the engine's own
-    (LLM.generate with SamplingParams.logprobs on the same prompt ids)."""
-    from jaxserve.sampling_params import SamplingParams
+    joined, equal the non-streamed response's; the tokens and values are those a
+    completions request of the same prompt token ids reports."""
     messages = [{"role": "user", "content": "Name three colours."}]
     body = {"messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": True,
             "top_logprobs": 3}
@@ -113,11 +101,14 @@ def test_chat_logprobs_streamed_equal_non_streamed_and_engine(client, small_llm)
     tok = small_llm.tokenizer
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
                      add_special_tokens=False)
-    [ref] = small_llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, logprobs=3))
-    assert [e["token"] for e in streamed] == [tok.decode([t], skip_special_tokens=False)
-                                             for t in ref.token_ids]
-    np.testing.assert_allclose([e["logprob"] for e in streamed],
-                               [t.logprob for t in ref.logprobs], rtol=0, atol=1e-4)
+    ref = client.post("/v1/completions", json={
+        "prompt": ids, "max_tokens": 8, "temperature": 0, "logprobs": 3}).json()
+    ref = ref["choices"][0]["logprobs"]
+    assert [e["token"] for e in streamed] == ref["tokens"]
+    np.testing.assert_allclose([e["logprob"] for e in streamed], ref["token_logprobs"],
+                               rtol=0, atol=1e-4)
+    for e, top in zip(streamed, ref["top_logprobs"]):
+        assert {t["token"] for t in e["top_logprobs"]} <= set(top)
     no = client.post("/v1/chat/completions", json={**body, "logprobs": False,
                                                    "top_logprobs": 0}).json()
     assert no["choices"][0]["logprobs"] is None

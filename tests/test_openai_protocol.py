@@ -214,12 +214,68 @@ def test_non_finite_floats(raw):
     assert info.value.status == 400 and info.value.param in (None, "temperature", "top_p")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("best_of", 2), ("suffix", "x"), ("tools", [{"type": "function"}]),
-    ("tool_choice", "required"), ("response_format", {"type": "json_object"})])
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("suffix", "x")])
 def test_in_range_but_not_supported(field, value):
     refused(comp, {"prompt": "Hi", field: value}, field, "not supported")
     refused(chat, {"messages": MSGS, field: value}, field, "not supported")
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_structured_output_fields_become_one_constraint():
+    def spec(parse, body):
+        so = parse(body).params.structured_outputs
+        return so if so is None else (so.kind, so.value, so.field)
+    assert spec(chat, {"messages": MSGS, "response_format": {"type": "text"}}) is None
+    assert spec(chat, {"messages": MSGS, "response_format": {"type": "json_object"}}) == \
+        ("json_object", "", "response_format")
+    assert spec(comp, {"prompt": "Hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}) == \
+        ("json", json.dumps(SCHEMA), "response_format")
+    assert spec(comp, {"prompt": "Hi", "structured_outputs": {"regex": "[a-z]+"}}) == \
+        ("regex", "[a-z]+", "structured_outputs")
+    assert spec(comp, {"prompt": "Hi", "structured_outputs": {"choice": ["a", "b"]}}) == \
+        ("choice", '["a", "b"]', "structured_outputs")
+    assert spec(comp, {"prompt": "Hi", "guided_json": json.dumps(SCHEMA)})[0] == "json"
+    assert spec(comp, {"prompt": "Hi", "guided_grammar": 'start: "x"+'})[0] == "grammar"
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", None),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"guided_regex": "(("}, "guided_regex", "invalid regex"),
+    ({"guided_json": "{nope"}, "guided_json", "invalid json"),
+    ({"guided_grammar": "start: (("}, "guided_grammar", "invalid grammar"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "only one"),
+])
+def test_structured_output_errors_name_the_field(body, param, fragment):
+    refused(comp, {"prompt": "Hi", **body}, param, fragment)
+
+
+def test_named_tool_choice_constrains_to_the_function_schema():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+             {"type": "function", "function": {"name": "noop"}}]
+    r = chat({"messages": MSGS, "tools": tools,
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert r.tool_call == "get_weather"
+    so = r.params.structured_outputs
+    assert (so.kind, json.loads(so.value), so.field) == ("json", SCHEMA, "tool_choice")
+    r = chat({"messages": MSGS, "tools": tools,
+              "tool_choice": {"type": "function", "function": {"name": "noop"}}})
+    assert json.loads(r.params.structured_outputs.value) == {"type": "object"}
+    assert chat({"messages": MSGS, "tools": tools, "tool_choice": "none"}).tool_call is None
+    refused(chat, {"messages": MSGS, "tools": tools}, "tool_choice", "tool-call parser")
+    refused(chat, {"messages": MSGS, "tools": tools, "tool_choice": "auto"}, "tool_choice",
+            "tool-call parser")
+    refused(chat, {"messages": MSGS, "tools": tools, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice", "no tool named")
+    refused(chat, {"messages": MSGS, "tool_choice": "required"}, "tool_choice", None)
 
 
 def test_echo_is_refused_in_chat():

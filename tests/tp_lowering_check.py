@@ -59,7 +59,7 @@ def lowered(cfg, rules, kernels, key, platform, stages: int = 1):
         params = staged(params, rules, stages)
     cache = abstract_kv_cache(cfg, 4096, 16, "bfloat16", rules, kernels.attention.kv_layout)
     rep = NamedSharding(rules.mesh, PartitionSpec())
-    batch, sampling = _abstract_inputs(key, rep, 300)
+    batch, sampling = _abstract_inputs(key, rep, 300, cfg.vocab_size)
     fn = jax.jit(functools.partial(_step, cfg=cfg, drafter=None, rules=rules, kernels=kernels,
                                    num_top=20),
                  donate_argnums=(1, 7), static_argnames=("num_steps",))

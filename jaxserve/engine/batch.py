@@ -111,15 +111,19 @@ def step_batch(plan: StepPlan, shapes: StepShapes, prev_rows=None
 
 
 def _controls(seqs, S: int) -> LogitsControls | None:
-    """The logits-controls table of a step's sequences (row i: seqs[i]'s packed row), or
-    None when none uses a control."""
+    """The logits-controls table of a step's sequences (row i: seqs[i]'s packed row, and
+    its grammar's bitmask for the token it samples next), or None when none uses a
+    control."""
     rows = [(i, s) for i, s in enumerate(seqs) if s.controls is not None]
     if not rows:
         return None
-    c = LogitsControls.neutral(S, len(rows[0][1].controls.bias_ids))
+    row = rows[0][1].controls
+    c = LogitsControls.neutral(S, len(row.bias_ids), 32 * len(row.allowed))
     for i, s in rows:
         for name, value in dataclasses.asdict(s.controls).items():
             getattr(c, name)[i] = value
+        if s.matcher is not None:  # structured output: the grammar's next-token bitmask
+            s.matcher.fill_bitmask(c.allowed[i])
     return c
 
 

@@ -86,6 +86,7 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._rng = np.random.default_rng(engine_config.seed)
         self._inflight: InflightStep | None = None  # the launched step not read yet
+        self._grammar_tok = None  # structured output's tokenizer (_grammar_tokenizer)
         self.proposer = make_proposer(engine_config.speculative)
         # speculative decoding (vLLM's names): sequences' draft proposals verified, their
         # draft tokens, the accepted ones, and accepted ones by draft position
@@ -143,9 +144,13 @@ class Engine:
         try:  # what every step does for this request on the host, tried once, alone
             SamplingBatch.from_params([params], [seed], [0], 1)
             seq.controls = self._controls_row(params, len(ids))
+            if params.structured_outputs is not None:
+                seq.matcher = self._grammar_tokenizer().matcher(params.structured_outputs)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids,
                                                      params.skip_special_tokens)
             seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        except InvalidRequest:
+            raise
         except Exception as e:
             log.warning("request %r refused: %r", request_id, e)
             raise InvalidRequest("request", "the engine cannot take these sampling "
@@ -178,6 +183,16 @@ class Engine:
                                      f"max_logit_bias; with min_tokens, the stop token ids and "
                                      f"EOS ids count too), got {n}")
 
+    def _grammar_tokenizer(self):
+        """The tokenizer's grammar-engine view, built at the first constrained request (~1 s
+        for a 50k vocabulary) and kept."""
+        if self._grammar_tok is None:
+            from jaxserve.structured_output import GrammarTokenizer
+            self._grammar_tok = GrammarTokenizer(self.tokenizer.backend,
+                                                 self.model_config.vocab_size,
+                                                 sorted(self.eos_token_ids))
+        return self._grammar_tok
+
     def _bias_entries(self, params: SamplingParams) -> list[tuple]:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -188,7 +203,8 @@ class Engine:
         """The request's row of the logits-controls table (None if it uses none)."""
         if not params.uses_controls:
             return None
-        c = LogitsControls.neutral(1, self.engine_config.sampler.max_logit_bias)
+        c = LogitsControls.neutral(1, self.engine_config.sampler.max_logit_bias,
+                                   self.model_config.vocab_size)
         entries = self._bias_entries(params)
         for j, (token, value, until) in enumerate(entries):
             c.bias_ids[0, j], c.bias_values[0, j], c.bias_until[0, j] = token, value, until
@@ -370,7 +386,7 @@ class Engine:
         for seq in self.scheduler.running:
             room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
                        limit - seq.num_tokens - 1)
-            if seq in hold or room <= 0:
+            if seq in hold or room <= 0 or seq.matcher is not None:
                 continue
             context = seq.ids(0, seq.num_tokens) if self.proposer.needs_context else None
             d = self.proposer.propose(context, room)
@@ -404,9 +420,13 @@ class Engine:
     def _launch(self) -> InflightStep | None:
         """Plan and dispatch the next step; None when there is nothing to run."""
         limit = self.engine_config.max_model_len
-        # Sequences whose pending token is their last (length limits) sit the step out.
+        # Sequences whose pending token is their last (length limits) sit the step out, and
+        # so do constrained ones whose last token is not read yet: their grammar's mask
+        # for the next token needs it. Their mask is then computed while this step runs,
+        # and they join the next one; the others are never held up by them.
         hold = {s for s in self.scheduler.running if s.has_placeholder and (
-            len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= limit)}
+            len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= limit
+            or s.matcher is not None)}
         drafts = None
         if self._inflight is None and self._speculating():
             t0 = time.perf_counter()
@@ -455,7 +475,7 @@ class Engine:
         n = self.engine_config.scheduler.decode_steps
         if self._speculating() and self._spec_misses < SPEC_BURST_AFTER_MISSES:
             return 1
-        if n == 1 or self.scheduler.waiting:
+        if n == 1 or self.scheduler.waiting or any(s.matcher is not None for s in plan.seqs):
             return 1
         limit = self.engine_config.max_model_len
         if any(s.params.max_tokens - len(s.output_ids) < n or limit - s.num_tokens < n
@@ -537,6 +557,9 @@ class Engine:
                 del seq.logprobs[i:]  # a recomputed sequence's
                 seq.logprobs.append(logprobs[j])
             stopped_by_string = False
+            if seq.matcher is not None and not seq.matcher.accept(token):
+                raise RuntimeError(f"the grammar refused sampled token {token}: "
+                                   f"{seq.matcher.error}")
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 seq.finish_reason = FINISH_STOP  # the stop token's text is not returned
             else:

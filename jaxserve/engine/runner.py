@@ -259,7 +259,7 @@ class StepKey(NamedTuple):
                    *batch.block_tables.shape, num_steps)
 
 
-def _abstract_inputs(key: StepKey, sharding, max_logit_bias: int
+def _abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
                      ) -> tuple[StepBatch, SamplingBatch]:
     def s(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -272,7 +272,7 @@ def _abstract_inputs(key: StepKey, sharding, max_logit_bias: int
                       prev_index=s((T,), i32),
                       decode=key.kind == "decode")
     controls = jax.tree.map(lambda a: s(a.shape, a.dtype),
-                            LogitsControls.neutral(S, max_logit_bias))
+                            LogitsControls.neutral(S, max_logit_bias, vocab_size))
     sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),
                              min_p=s((S,), f32), seed=s((S, 2), jnp.uint32), step=s((S,), i32),
                              num_logprobs=s((S,), i32), controls=controls,
@@ -354,7 +354,8 @@ class Runner:
             fill["num_logprobs"] = cached("num_logprobs", S, lambda: np.zeros(S, np.int32))
         if sampling.controls is None:
             fill["controls"] = cached("controls", S,
-                                      lambda: LogitsControls.neutral(S, self.max_logit_bias))
+                                      lambda: LogitsControls.neutral(
+                                          S, self.max_logit_bias, self.model_cfg.vocab_size))
         if key.kind != "mixed":
             fill["prompt_targets"] = None
         elif sampling.prompt_targets is None:
@@ -364,7 +365,8 @@ class Runner:
 
     def _compile(self, key: StepKey):
         t0 = time.perf_counter()
-        batch, sampling = _abstract_inputs(key, self._replicated, self.max_logit_bias)
+        batch, sampling = _abstract_inputs(key, self._replicated, self.max_logit_bias,
+                                           self.model_cfg.vocab_size)
         params, cache = _abstract(self.params), _abstract(self.cache)
         draft = _abstract(self.draft_params), self._draft_cache_spec
         pool = _abstract(self.token_pool)
@@ -426,11 +428,12 @@ class Runner:
               keep_last: bool = False) -> "StepHandle":
         """Run `exe` on the pools (donated, replaced by its outputs) and return its handle;
         a non-verify step also replaces `last_tokens` unless `keep_last`."""
-        sampling = self._complete(key, sampling)
         with self._dispatch_lock:
-            if self.mirror is not None:  # the other processes launch the same step
+            if self.mirror is not None:  # the other processes launch the same step (each
+                # fills in the inputs left None from its own device-resident defaults)
                 self.mirror.send(("call", key, jax.tree.map(np.asarray, batch),
                                   jax.tree.map(np.asarray, sampling), keep_last))
+            sampling = self._complete(key, sampling)
             if key.kind == "verify":
                 tokens, logprobs, num, extra, self.cache, self.draft_cache, self.token_pool = exe(
                     self.params, self.cache, batch, sampling, self.draft_params,

@@ -48,6 +48,8 @@ class Sequence:
     logprobs: with params.logprobs, one TokenLogprobs per output token read back.
     prompt_logprobs: with params.prompt_logprobs, one per prompt token (None for the first,
         and for those not computed yet).
+    matcher: with params.structured_outputs, its grammar state
+        (jaxserve.structured_output.GrammarMatcher), advanced by each token read back.
     """
 
     request_id: str
@@ -69,6 +71,7 @@ class Sequence:
     controls: Any = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    matcher: Any = None
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:

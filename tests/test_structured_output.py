@@ -1,0 +1,141 @@
+"""Structured output: the packed bitmask on device, the grammar matcher (llguidance), and
+constrained requests through the tiny engine beside free ones."""
+
+import json
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_utils import tiny_engine, tiny_params
+from jaxserve.logits_processors import apply_bitmask, bitmask_words
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
+from jaxserve.structured_output import GrammarTokenizer, StructuredOutput
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
+                                           "tag": {"enum": ["red", "blue"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+
+
+def test_apply_bitmask_keeps_exactly_the_set_bits():
+    V = 70
+    allowed = {0, 5, 31, 32, 63, 69}
+    words = np.zeros((1, bitmask_words(V)), np.uint32)
+    for t in allowed:
+        words[0, t // 32] |= np.uint32(1 << (t % 32))
+    logits = np.arange(V, dtype=np.float32)[None]
+    out = np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(words.view(np.int32))))
+    assert set(np.flatnonzero(np.isfinite(out[0]))) == allowed
+    np.testing.assert_array_equal(out[0, sorted(allowed)], sorted(allowed))
+    everything = np.full((1, bitmask_words(V)), -1, np.int32)
+    np.testing.assert_array_equal(apply_bitmask(jnp.asarray(logits), jnp.asarray(everything)),
+                                  logits)
+
+
+@pytest.fixture(scope="module")
+def grammar_tok():
+    from fake_engine import tiny_tokenizer
+    return GrammarTokenizer(tiny_tokenizer().backend, 258, [257])
+
+
+def allowed_ids(matcher, words):
+    mask = np.zeros(words, np.int32)
+    matcher.fill_bitmask(mask)
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_matcher_masks_follow_the_grammar(grammar_tok):
+    m = grammar_tok.matcher(StructuredOutput("regex", "[ab]c"))
+    assert allowed_ids(m, grammar_tok.words) == {97, 98}
+    assert m.accept(98)
+    assert allowed_ids(m, grammar_tok.words) == {99}
+    assert m.accept(99) and allowed_ids(m, grammar_tok.words) == {257}  # only EOS now
+    m = grammar_tok.matcher(StructuredOutput("choice", json.dumps(["yes", "no"])))
+    assert allowed_ids(m, grammar_tok.words) == {ord("y"), ord("n")}
+    assert not m.accept(ord("x")) and m.error
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    (StructuredOutput("json", "{not json"), "invalid json"),
+    (StructuredOutput("regex", "(("), "invalid regex"),
+    (StructuredOutput("grammar", "start: (("), "invalid grammar"),
+    (StructuredOutput("xml", "<a/>"), "unknown kind"),
+])
+def test_bad_grammars_are_invalid_requests(spec, fragment, grammar_tok):
+    with pytest.raises(InvalidRequest) as info:
+        spec.validate()
+    assert info.value.field == "structured_outputs" and fragment in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tiny_params()
+
+
+def run_counting_steps(engine, requests):
+    """Add requests, step until all finish: ({id: final output}, {id: engine steps until
+    its final output came back})."""
+    for rid, prompt, sp in requests:
+        engine.add_request(rid, prompt, sp)
+    done, steps, n = {}, {}, 0
+    while len(done) < len(requests):
+        n += 1
+        assert n < 1000
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id], steps[out.request_id] = out, n
+    return done, steps
+
+
+def test_constrained_and_free_requests_share_steps(params):
+    """Regex, choice and JSON-schema requests (sampled, temperature 1) beside a free one:
+    every constrained output matches its constraint; the free request's tokens are those
+    it gets alone, and it finishes after as many engine steps (a constrained request
+    waits for its last token before its next step; nobody else waits for it); some steps
+    held constrained and free rows together."""
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone, alone_steps = run_counting_steps(tiny_engine(params), [("free", [65, 66], free)])
+
+    engine = tiny_engine(params)
+    mixed_steps = []
+    dispatch = engine.runner.dispatch
+
+    def spy(batch, sampling, num_steps=1):
+        c = sampling.controls
+        if c is not None:
+            constrained = int(np.sum(np.any(np.asarray(c.allowed) != -1, axis=1)))
+            live = int(np.sum(np.asarray(batch.seq_lens) > 0))
+            mixed_steps.append((constrained, live))
+        return dispatch(batch, sampling, num_steps)
+
+    engine.runner.dispatch = spy
+    so = {
+        "regex": StructuredOutput("regex", "[a-c]{3}-[0-9]{2}"),
+        "choice": StructuredOutput("choice", json.dumps(["alpha", "beta gamma"])),
+        "json": StructuredOutput("json", json.dumps(SCHEMA)),
+    }
+    reqs = [(k, [65, 66], SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                                         structured_outputs=v))
+            for i, (k, v) in enumerate(so.items())]
+    done, steps = run_counting_steps(engine, [("free", [65, 66], free)] + reqs)
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", done["regex"].text)
+    assert done["choice"].text in ("alpha", "beta gamma")
+    value = json.loads(done["json"].text)
+    assert set(value) == {"n", "tag"} and isinstance(value["n"], int)
+    assert value["tag"] in ("red", "blue")
+    for k in so:
+        assert done[k].finish_reason == "stop", k
+    assert done["free"].token_ids == alone["free"].token_ids
+    assert steps["free"] == alone_steps["free"], "the free request was never held up"
+    assert any(0 < c < live for c, live in mixed_steps), "a step held both kinds"
+
+
+def test_constrained_request_refused_by_the_engine_fails_alone(params):
+    engine = tiny_engine(params)
+    with pytest.raises(InvalidRequest) as info:
+        engine.add_request("bad", [65], SamplingParams(
+            structured_outputs=StructuredOutput("regex", "((", "guided_regex")))
+    assert info.value.field == "guided_regex"
+    assert not engine.has_unfinished_requests()

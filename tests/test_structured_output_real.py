@@ -1,0 +1,111 @@
+"""Structured output on the real model through the OpenAI API: outputs for several JSON
+schemas parse and validate (jsonschema), json_object gives an object, a regex holds, a
+named tool_choice gives a call whose arguments validate, streamed as they are whole.
+
+The schemas bound their fields (maxLength, integer ranges): a grammar allows a JSON number
+any number of digits, and the 135M model, greedy, can repeat a digit until max_tokens
+(seen with an unbounded "number": "0.8888..."), which no grammar engine prevents."""
+
+import json
+import re
+
+import pytest
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+jsonschema = pytest.importorskip("jsonschema")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                      "minItems": 1, "maxItems": 3},
+        "role": {"enum": ["engineer", "artist", "teacher"]},
+    },
+    "required": ["name", "age", "languages", "role"],
+    "additionalProperties": False,
+}
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "country": {"type": "string", "maxLength": 30},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 50},
+        "coastal": {"type": "boolean"},
+        "location": {"type": "object", "properties": {
+            "lat": {"type": "integer", "minimum": -90, "maximum": 90},
+            "lon": {"type": "integer", "minimum": -180, "maximum": 180}},
+            "required": ["lat", "lon"], "additionalProperties": False},
+    },
+    "required": ["city", "country", "population_millions", "coastal", "location"],
+    "additionalProperties": False,
+}
+STEPS = {"type": "array", "items": {"type": "object", "properties": {
+    "step": {"type": "integer", "minimum": 1}, "action": {"type": "string", "maxLength": 40}},
+    "required": ["step", "action"], "additionalProperties": False},
+    "minItems": 2, "maxItems": 4}
+CASES = [("Describe a fictional person as JSON.", PERSON),
+         ("Give facts about Lisbon as JSON.", CITY),
+         ("List the steps to make tea as JSON.", STEPS)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("prompt, schema", CASES, ids=["person", "city", "steps"])
+def test_json_schema_outputs_validate(small_llm_client, prompt, schema, temperature):
+    r = small_llm_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 300,
+        "temperature": temperature, "seed": 7,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "answer", "schema": schema}}}).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_json_object_regex_and_choice(small_llm_client):
+    post = small_llm_client.post
+    r = post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Give the name and age of a cat as a JSON "
+                                                 "object with keys name and age."}],
+        "max_tokens": 200, "temperature": 0, "response_format": {"type": "json_object"}})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert isinstance(json.loads(choice["message"]["content"]), dict)
+    pattern = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+    r = post("/v1/completions", json={"prompt": "The Apollo 11 landing date was",
+                                      "max_tokens": 20, "temperature": 0.7, "seed": 1,
+                                      "structured_outputs": {"regex": pattern}}).json()
+    assert re.fullmatch(pattern, r["choices"][0]["text"]), r
+    r = post("/v1/completions", json={"prompt": "Is the sky blue? Answer:", "max_tokens": 5,
+                                      "guided_choice": ["yes", "no", "sometimes"]}).json()
+    assert r["choices"][0]["text"] in ("yes", "no", "sometimes")
+
+
+def test_named_tool_choice_returns_a_valid_call_streamed_too(small_llm_client):
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}}]
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": tools, "max_tokens": 100, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = small_llm_client.post("/v1/chat/completions", json=body).json()
+    message = r["choices"][0]["message"]
+    assert message["content"] is None and len(message["tool_calls"]) == 1
+    call = message["tool_calls"][0]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                        tools[0]["function"]["parameters"])
+    events = small_llm_client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in events.text.splitlines()
+              if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert deltas[0]["tool_calls"][0]["id"].startswith("call_")
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"]
+                        for d in deltas if d.get("tool_calls"))
+    assert arguments == call["function"]["arguments"]
