@@ -9,7 +9,8 @@ the engine holds (quantised values and scales, bf16 copies: prepared_weight_byte
 per token = 2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool =
 kv_cache_memory_bytes split over the devices that share the kv_heads axis (or, without it,
 gpu_memory_utilization of each device less the weights and activations); activations = the largest step's live buffers
-(residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits). A drafter
+(residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits, the
+logits controls' and the prompt-logprobs block's buffers). A drafter
 of speculative decoding (a draft model, an EAGLE head) keeps its own pool over the same
 pages: each page of the budget pays for both (as jaxserve.api.build_engine sizes them), so
 fewer pages fit; its weights are not counted (a few MB for a head; a draft model's
@@ -34,6 +35,7 @@ from jax.sharding import PartitionSpec
 from jaxserve.config import Config, ConfigError, KernelConfig, ModelConfig, SpeculativeConfig
 from jaxserve.kv_cache import KV_AXES, page_bytes
 from jaxserve.model.params import abstract_params
+from jaxserve.sampling import PROMPT_LOGPROBS_BLOCK
 from jaxserve.sharding import ShardingRules, layers_per_stage, make_abstract_mesh
 from jaxserve.spec_decode.eagle import eagle_page_bytes
 
@@ -231,7 +233,10 @@ def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -
                 + B * split(model.num_heads) * Q * S * 4                                # f32 scores
                 + 3 * T * split(model.intermediate_size) * b                            # gate, up, product
                 + B * split(model.vocab_size) * 4                                       # f32 logits
-                + (B * model.vocab_size * 4 if tp > 1 else 0))  # gathered whole for the sampler
+                + (B * model.vocab_size * 4 if tp > 1 else 0)   # gathered whole for the sampler
+                + B * model.vocab_size * 9   # logits controls: int32 counts, seen, f32 result
+                # prompt logprobs (mixed steps): a block's f32 logits, whole, and its top-k
+                + (2 * min(T, PROMPT_LOGPROBS_BLOCK) * model.vocab_size * 4 if Q > 1 else 0))
 
     limits = ecfg.scheduler
     # a prompt chunk of the whole budget over the longest context, or every sequence's

@@ -84,6 +84,12 @@ class SamplingBatch:
                              num_logprobs=nl)
 
 
+# Rows of one block of the prompt-logprobs LM head (engine.runner._prompt_logprobs): bounds
+# its [rows, vocab] f32 logits, which every mixed step's memory holds room for (the branch
+# of a lax.cond is allocated whether it runs or not; memory_plan counts it).
+PROMPT_LOGPROBS_BLOCK = 64
+
+
 def _first_index_of(x: jax.Array, top: jax.Array) -> jax.Array:
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     idx = jnp.min(jnp.where(x == top, iota, x.shape[-1]), axis=-1)

@@ -125,7 +125,7 @@ def test_failed_fetch_fails_its_step_and_recomputes_the_next(params):
         engine.step()
     real_fetch = engine.runner.fetch
 
-    def failing(handle):
+    def failing(handle, **kw):
         engine.runner.fetch = real_fetch
         _delete_cache(engine.runner)
         raise RuntimeError("injected asynchronous device failure")
@@ -151,7 +151,7 @@ def test_engine_dead_when_no_pool_can_be_made(params):
     engine.runner.reset_cache = no_memory
     real_fetch = engine.runner.fetch
 
-    def failing(handle):
+    def failing(handle, **kw):
         engine.runner.fetch = real_fetch
         raise RuntimeError("injected device failure")
     engine.runner.fetch = failing

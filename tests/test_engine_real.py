@@ -190,9 +190,9 @@ def test_host_loop_overlaps_device_steps(small_llm):
         events.append(("dispatch", handle))  # kept alive: ids stay unique
         return handle
 
-    def traced_fetch(handle):
+    def traced_fetch(handle, **kw):
         events.append(("fetch", handle))
-        return fetch(handle)
+        return fetch(handle, **kw)
 
     rng = np.random.default_rng(4)
     requests = [(f"o{i}", make_prompt(tok, rng, 5 + 7 * i),

@@ -284,9 +284,9 @@ def test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step(params):
     seen = []
     verified = engine._verified_alone
 
-    def spy(seq, index, num_drafts, tokens):
+    def spy(seq, index, num_drafts, tokens, logprobs):
         seen.append((num_drafts, tokens))
-        verified(seq, index, num_drafts, tokens)
+        verified(seq, index, num_drafts, tokens, logprobs)
 
     engine._verified_alone = spy
     assert outputs(engine, requests[:1], [0]) == {"r0": base["r0"]}
@@ -451,10 +451,10 @@ def _accepted_positions(engine):
     seen = {}
     verified = engine._verified_alone
 
-    def spy(seq, index, num_drafts, tokens):
+    def spy(seq, index, num_drafts, tokens, logprobs):
         seen.setdefault(tuple(seq.prompt_ids), set()).update(
             range(index, index + len(tokens) - 1))
-        verified(seq, index, num_drafts, tokens)
+        verified(seq, index, num_drafts, tokens, logprobs)
 
     engine._verified_alone = spy
     return seen

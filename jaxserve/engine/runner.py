@@ -33,12 +33,13 @@ from jaxserve.engine.batch import empty_batch
 from jaxserve.engine.buckets import StepShapes
 from jaxserve.kv_cache import KVCache
 from jaxserve.model.params import Params
-from jaxserve.model.transformer import (Kernels, StepBatch, forward, last_token_logits,
-                                        next_decode_batch)
+from jaxserve.model.transformer import (Kernels, StepBatch, compute_logits, forward,
+                                        last_token_logits, next_decode_batch, pin_lm_head)
 from jaxserve.logits_processors import (LogitsControls, apply_controls, controls_active,
                                         history, write_token_pool)
-from jaxserve.sampling import SamplingBatch, sample_controlled, token_logprobs, top_logprobs
-from jaxserve.sharding import ShardingRules
+from jaxserve.sampling import (PROMPT_LOGPROBS_BLOCK, SamplingBatch, sample_controlled,
+                               token_logprobs, top_logprobs)
+from jaxserve.sharding import ShardingRules, constrain
 from jaxserve.spec_decode import draft_model
 from jaxserve.spec_decode.draft_model import Drafter
 from jaxserve.spec_decode.rejection_sampler import rejection_sample
@@ -59,34 +60,34 @@ def _top(logits: jax.Array, sampling: SamplingBatch, num_top: int, impl) -> dict
     return {"top_ids": ids, "top_logprobs": lps}
 
 
-# Rows of one block of the prompt-logprobs LM head (bounds its [rows, vocab] logits).
-PROMPT_LOGPROBS_BLOCK = 256
-
-
 def _prompt_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
                      rules: ShardingRules | None, kernels: Kernels, num_top: int) -> dict:
     """Prompt logprobs of a mixed step, computed only when a row asks (zeros otherwise).
     hidden: [T, D]; targets: [T] int32, the token after each row whose logprob is asked
     (-1: none). Returns {"prompt_logprobs": [T] f32, and with num_top "prompt_top_ids"
-    [T, num_top] int32, "prompt_top_logprobs" [T, num_top] f32}. The LM head runs over
-    blocks of PROMPT_LOGPROBS_BLOCK rows, never [T, vocab] at once; the blocks are
-    unrolled rather than a loop, so that the vocabulary-split LM head weights reach each
-    block's shard_map as placed (a loop body would take them unannotated)."""
+    [T, num_top] int32, "prompt_top_logprobs" [T, num_top] f32}. The LM head runs in a
+    `lax.map` over blocks of PROMPT_LOGPROBS_BLOCK rows, so that one block's [rows, vocab]
+    logits are live at a time (unrolled blocks kept them all: 86 MiB of a 256-row step
+    against 26 MiB); inside the loop the LM head weights are pinned to their shardings."""
     T = hidden.shape[0]
 
-    def block(start):
-        rows = jnp.arange(start, min(start + PROMPT_LOGPROBS_BLOCK, T), dtype=jnp.int32)
-        logits = last_token_logits(params, hidden, rows, rules, kernels.matmul)
-        out = {"prompt_logprobs": token_logprobs(logits, jnp.maximum(targets[rows], 0),
-                                                 kernels.sampling)}
+    def block(h, tgt):
+        h = constrain(rules, h, (None, None))  # replicated, as compute_logits takes it
+        logits = compute_logits(pin_lm_head(params, rules), h, rules, kernels.matmul)
+        out = {"prompt_logprobs": token_logprobs(logits, jnp.maximum(tgt, 0), kernels.sampling)}
         if num_top:
             out["prompt_top_ids"], out["prompt_top_logprobs"] = top_logprobs(
                 logits, num_top, kernels.sampling)
         return out
 
     def compute():
-        blocks = [block(start) for start in range(0, T, PROMPT_LOGPROBS_BLOCK)]
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *blocks)
+        R = min(T, PROMPT_LOGPROBS_BLOCK)
+        nb = -(-T // R)
+        pad = nb * R - T
+        h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(nb, R, -1)
+        tg = jnp.pad(targets, (0, pad)).reshape(nb, R)
+        out = jax.lax.map(lambda a: block(*a), (h, tg))
+        return jax.tree.map(lambda x: x.reshape((nb * R,) + x.shape[2:])[:T], out)
 
     shapes = jax.eval_shape(compute)
     return jax.lax.cond(jnp.any(targets >= 0), compute,

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
@@ -219,6 +219,25 @@ def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | Non
     return jax.shard_map(lambda h, e, w: mm.lm_head(h, e, w), mesh=rules.mesh,
                          in_specs=(tp.REPLICATED, embed_spec, head_spec), out_specs=out,
                          check_vma=False)(hidden, params.embed, params.lm_head)
+
+
+def pin_lm_head(params: Params, rules: ShardingRules | None) -> Params:
+    """params with the embedding and LM head constrained to their tensor-parallel
+    shardings: for `compute_logits` inside a loop body, where the weights it closes over
+    arrive without their sharding and the partitioner could otherwise gather them.
+    params as it is without a TP mesh."""
+    if tp.tp_axis(rules) is None:
+        return params
+
+    def pin(node, axes):
+        if node is None:
+            return None
+        specs = tp.node_spec(node, axes, 1, rules)
+        return jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(
+            x, NamedSharding(rules.mesh, spec)), node, specs)
+
+    return dataclasses.replace(params, embed=pin(params.embed, EMBED_AXES),
+                               lm_head=pin(params.lm_head, LM_HEAD_AXES))
 
 
 def last_token_logits(params: Params, hidden: jax.Array, logits_indices: jax.Array,

@@ -1,0 +1,138 @@
+"""What structured output costs per token on the real model: the engine's decode rate of
+a batch of free requests (the baseline, measured in the same run) against the same batch
+constrained by a JSON schema, and a mixed batch (half and half: the free half's rate
+shows whether constrained neighbours hold it up).
+
+    python tools/bench_structured_output.py [--config configs/smollm2_135m.py]
+        [--batch 8] [--max-tokens 96] [--repeats 3]
+
+Each request is a chat prompt asking for a JSON person record, sampled at temperature 0.8
+with its own seed; a free request runs to max_tokens (ignore_eos), a constrained one
+until its JSON closes. Per request: output tokens / seconds from the batch's start to its
+last token; printed as the mean per class, with ratios to the all-free batch. Also the
+host time the grammar engine took per constrained token (the matcher's mask + advance,
+timed in-process). A benchmark, not a test: run it alone on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 30},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                    "maxItems": 4},
+        "role": {"enum": ["engineer", "artist", "teacher", "doctor"]},
+    },
+    "required": ["name", "age", "city", "hobbies", "role"],
+    "additionalProperties": False,
+}
+
+
+class TimedMatcher:
+    """A GrammarMatcher wrapper that adds up the host seconds its mask and advance take."""
+
+    total = 0.0
+    calls = 0
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def fill_bitmask(self, out):
+        t0 = time.perf_counter()
+        self.inner.fill_bitmask(out)
+        TimedMatcher.total += time.perf_counter() - t0
+        TimedMatcher.calls += 1
+
+    def accept(self, token):
+        t0 = time.perf_counter()
+        ok = self.inner.accept(token)
+        TimedMatcher.total += time.perf_counter() - t0
+        return ok
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def run(engine, prompts, params) -> list[tuple[int, float, bool]]:
+    """(output tokens, seconds to the last one, constrained) per request, batch at once."""
+    ids = {}
+    t0 = time.perf_counter()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        rid = f"r{time.monotonic_ns()}-{i}"
+        engine.add_request(rid, p, sp)
+        seq = engine._seqs[rid]
+        if seq.matcher is not None:
+            seq.matcher = TimedMatcher(seq.matcher)
+        ids[rid] = sp.structured_outputs is not None
+    out = {}
+    while len(out) < len(ids):
+        for o in engine.step():
+            if o.finished and o.request_id in ids:
+                if o.request_id in ids and ids[o.request_id]:
+                    json.loads(o.text)  # the constrained ones must parse
+                out[o.request_id] = (len(o.token_ids), time.perf_counter() - t0,
+                                     ids[o.request_id])
+    return list(out.values())
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.py"))
+    ap.add_argument("--cache-dir")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    from jaxserve.api import LLM
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.structured_output import StructuredOutput
+    llm = LLM(args.config, cache_dir=args.cache_dir)
+    engine, tok = llm.engine, llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": f"Invent person number {i} and describe them as JSON."}],
+        add_generation_prompt=True), add_special_tokens=False) for i in range(args.batch)]
+    spec = StructuredOutput("json", json.dumps(SCHEMA))
+
+    def params(constrained: list[bool]):
+        return [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i,
+                               ignore_eos=not c, structured_outputs=spec if c else None)
+                for i, c in enumerate(constrained)]
+
+    B = args.batch
+    variants = {"free": [False] * B, "constrained": [True] * B,
+                "mixed": [i % 2 == 1 for i in range(B)]}
+    run(engine, prompts, params([True] * B))  # warm the grammar tokenizer and shapes
+    rates: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name, kind in variants.items():
+            TimedMatcher.total, TimedMatcher.calls = 0.0, 0
+            for n, s, c in run(engine, prompts, params(kind)):
+                key = f"{name}/{'constrained' if c else 'free'}"
+                rates.setdefault(key, []).append(n / s)
+            if TimedMatcher.calls:
+                rates.setdefault(f"{name}/grammar_us_per_token", []).append(
+                    TimedMatcher.total / TimedMatcher.calls * 1e6)
+    base = statistics.mean(rates["free/free"])
+    print(f"{B} requests, max_tokens {args.max_tokens}, {args.repeats} repeats; "
+          f"tokens/s per request (mean):")
+    for key, values in rates.items():
+        if key.endswith("grammar_us_per_token"):
+            print(f"  {key:30s} {statistics.mean(values):8.1f} us")
+        else:
+            print(f"  {key:30s} {statistics.mean(values):8.1f}   x{statistics.mean(values) / base:.3f}"
+                  " of all-free")
+
+
+if __name__ == "__main__":
+    main()
