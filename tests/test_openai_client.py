@@ -272,3 +272,66 @@ def test_sigint_shuts_down_cleanly(server):
     log = server.log_tail(100_000)
     assert "Application shutdown complete" in log
     assert rc == 0 and "Traceback" not in log, log[-4000:]
+
+
+# -- the OpenAI surface beyond text: logprobs, structured output, tool calls ----------------
+
+def test_sdk_parses_completion_logprobs_and_echo(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4,
+                                  logprobs=3, echo=True)
+    lp = r.choices[0].logprobs  # openai.types.completion_choice.Logprobs
+    assert r.choices[0].text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == r.usage.total_tokens
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    assert all(3 <= len(top) <= 4 for top in lp.top_logprobs[1:])
+
+
+def test_sdk_parses_chat_logprobs_streamed_and_not(client):
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=6, logprobs=True,
+              top_logprobs=2)
+    full = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(full) == 6 and all(len(t.top_logprobs) == 2 for t in full)
+    assert all(t.bytes == list(t.token.encode()) for t in full)
+    streamed = [t for chunk in client.chat.completions.create(**kw, stream=True)
+                for c in chunk.choices if c.logprobs and c.logprobs.content
+                for t in c.logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in full]
+
+
+def test_sdk_structured_output_parses_into_a_pydantic_model(client):
+    """`client.chat.completions.parse(response_format=Model)`: the SDK sends the model's
+    strict JSON schema and parses the reply into it."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=30)
+        country: str = Field(max_length=30)
+        population_millions: int = Field(ge=0, le=50)
+
+    r = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about Lisbon."}],
+        response_format=City, temperature=0, max_tokens=100)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+
+def test_sdk_named_tool_call_and_vllm_extras(client):
+    import json
+    tools = [{"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"], "additionalProperties": False}}}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Add 2 and 3."}], tools=tools,
+        tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0,
+        max_tokens=40)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+    # vLLM's extensions through extra_body, OpenAI's penalties and logit_bias as arguments
+    r = client.completions.create(
+        model=MODEL, prompt="The answer is", max_tokens=3, temperature=0,
+        logit_bias={"45": 100}, presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.1, "min_tokens": 3,
+                    "structured_outputs": {"regex": "=+"}})
+    assert r.choices[0].text == "==="

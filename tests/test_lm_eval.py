@@ -1,0 +1,193 @@
+"""lm-eval-harness against the served real model: its `local-completions` model (echo +
+logprobs requests to /v1/completions) scores a multiple-choice task the same as its own
+`hf` backend on an HF directory written from the same dequantised weights, item by item
+up to near-ties; a generate_until task runs through the server too.
+
+The tasks are defined here over tests/data/lm_eval/*.jsonl (no hub access). The server is
+jaxserve's app over the session's small real-model engine (f32 matmuls), served by
+uvicorn on a free port; the HF directory is transformers' own dequantisation of the same
+GGUF (tests/hf_reference.py), saved with save_pretrained.
+
+Tolerance: the engine's logprobs are within 2e-3 of HF's per token (tests/
+test_logprobs_real.py: f32 logits within 1e-3, doubled for the log-softmax), so a
+choice's summed loglikelihood is within 2e-3 x its token count; two choices whose HF
+loglikelihoods are closer than twice that are a near-tie the two may rank either way.
+"""
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+lm_eval = pytest.importorskip("lm_eval")
+
+DATA = Path(__file__).parent / "data" / "lm_eval"
+PER_TOKEN_ATOL = 2e-3
+
+MC_TASK = """task: jaxserve_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+QA_TASK = """task: jaxserve_qa
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: generate_until
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_target: " {{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+  temperature: 0
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: true
+"""
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lm_eval_tasks")
+    (d / "jaxserve_mc.yaml").write_text(MC_TASK.format(path=DATA / "mc.jsonl"))
+    (d / "jaxserve_qa.yaml").write_text(QA_TASK.format(path=DATA / "qa.jsonl"))
+    from lm_eval.tasks import TaskManager
+    return TaskManager(include_path=str(d))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, hf_smollm2_model, hf_smollm2_tokenizer):
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    d = tmp_path_factory.mktemp("smollm2_hf")
+    # the GGUF-loaded model keeps its "gguf" quantizer, which cannot save: the same
+    # dequantised weights in a plain float32 model of the same config
+    config = copy.deepcopy(hf_smollm2_model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(hf_smollm2_model.state_dict())
+    model.save_pretrained(d)
+    hf_smollm2_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server_url(small_llm):
+    import uvicorn
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server import build_app
+    engine = small_llm.engine
+    bridge = AsyncEngine(engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len),
+        host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(timeout=10)
+    bridge.shutdown()
+
+
+def evaluate(model, model_args, tasks, names):
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=names,
+                                   task_manager=tasks, log_samples=True, batch_size=1,
+                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                                   fewshot_random_seed=0)
+
+
+def loglikelihoods(result, task):
+    """{doc_id: [summed loglikelihood of each choice]}."""
+    return {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in result["samples"][task]}
+
+
+@pytest.fixture(scope="module")
+def results(server_url, hf_dir, tasks, monkeypatch_module):
+    monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
+    names = ["jaxserve_mc", "jaxserve_qa"]
+    hf = evaluate("hf", {"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"},
+                  tasks, names)
+    served = evaluate("local-completions", {
+        "base_url": f"{server_url}/completions", "model": "smollm2",
+        "tokenizer_backend": "huggingface", "tokenizer": str(hf_dir),
+        "tokenized_requests": True, "num_concurrent": 4, "max_retries": 1,
+        "max_length": 512}, tasks, names)
+    return hf, served
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_multiple_choice_accuracy_equals_the_hf_backend_item_by_item(results, hf_dir):
+    from transformers import AutoTokenizer
+    hf, served = results
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    docs = [json.loads(line) for line in (DATA / "mc.jsonl").read_text().splitlines()]
+    want, got = loglikelihoods(hf, "jaxserve_mc"), loglikelihoods(served, "jaxserve_mc")
+    assert set(want) == set(got) == set(range(len(docs)))
+    disagree = []
+    for i, doc in enumerate(docs):
+        n_tokens = [len(tok.encode(" " + c, add_special_tokens=False)) for c in doc["choices"]]
+        for c, (a, b, n) in enumerate(zip(want[i], got[i], n_tokens)):
+            assert abs(a - b) <= PER_TOKEN_ATOL * n, (i, c, a, b)
+        best_hf = max(range(4), key=lambda c: want[i][c])
+        best_served = max(range(4), key=lambda c: got[i][c])
+        if best_hf != best_served:
+            margin = want[i][best_hf] - want[i][best_served]
+            tie = PER_TOKEN_ATOL * (n_tokens[best_hf] + n_tokens[best_served])
+            assert margin <= tie, (i, want[i], got[i])
+            disagree.append(i)
+    acc_hf = hf["results"]["jaxserve_mc"]["acc,none"]
+    acc_served = served["results"]["jaxserve_mc"]["acc,none"]
+    if not disagree:
+        assert acc_served == acc_hf
+    print(f"jaxserve_mc acc: hf {acc_hf:.4f}, local-completions {acc_served:.4f}; "
+          f"near-ties ranked otherwise: {disagree}")
+
+
+def test_generate_until_runs_through_the_server(results):
+    hf, served = results
+    for r in (hf, served):
+        samples = r["samples"]["jaxserve_qa"]
+        assert len(samples) == 8
+        assert all(isinstance(s["resps"][0][0], str) for s in samples)
+    print("jaxserve_qa exact_match: hf", hf["results"]["jaxserve_qa"]["exact_match,none"],
+          "local-completions", served["results"]["jaxserve_qa"]["exact_match,none"])
