@@ -319,17 +319,30 @@ class Engine:
             for b, (seq, index, drafts) in enumerate(zip(step.plan.seqs, step.first_index,
                                                          step.plan.drafts)):
                 m = int(out.num_tokens[b])
-                self._verified_alone(seq, index, len(drafts), out.tokens[:m, b].tolist(),
-                                     self._token_logprobs(seq, out, b, m))
+                logprobs = self._logprobs_alone(seq, out, b, m)
+                if seq.finish_reason is None:
+                    self._verified_alone(seq, index, len(drafts), out.tokens[:m, b].tolist(),
+                                         logprobs)
             return wait
         if wants and not step.plan.decode:
             self._record_prompt_logprobs(step, out)
-        for b, (seq, index) in enumerate(zip(step.plan.seqs, step.first_index)):
+        n = out.tokens.shape[0]
+        for b, (seq, index, column) in enumerate(zip(step.plan.seqs, step.first_index,
+                                                     out.tokens.T.tolist())):
             if index is not None:  # None: a prompt chunk that does not sample
-                n = out.tokens.shape[0]
-                self._resolve_alone(seq, index, out.tokens[:, b].tolist(),
-                                    self._token_logprobs(seq, out, b, n))
+                logprobs = self._logprobs_alone(seq, out, b, n)
+                if seq.finish_reason is None:
+                    self._resolve_alone(seq, index, column, logprobs)
         return wait
+
+    def _logprobs_alone(self, seq: Sequence, out, b: int, m: int) -> list | None:
+        """`_token_logprobs`, with a fault failing this request alone (then None)."""
+        try:
+            return self._token_logprobs(seq, out, b, m)
+        except Exception as e:
+            log.exception("reading the logprobs of request %r failed", seq.request_id)
+            self._fail(seq, f"reading its logprobs failed: {e!r}")
+            return None
 
     @staticmethod
     def _token_logprobs(seq: Sequence, out, b: int, m: int) -> list[TokenLogprobs] | None:
@@ -346,22 +359,18 @@ class Engine:
         return [TokenLogprobs(t, lp, tuple(zip(i, p)))
                 for t, lp, i, p in zip(tokens, lps, ids, tops)]
 
-    @staticmethod
-    def _record_prompt_logprobs(step: InflightStep, out) -> None:
+    def _record_prompt_logprobs(self, step: InflightStep, out) -> None:
         """Put the prompt logprobs a mixed step computed into its sequences (each prompt
-        row r of a sequence at position p gives token p + 1's)."""
+        row r of a sequence at position p gives token p + 1's); a fault fails that
+        request alone."""
         row = 0
         for seq, n, start in zip(step.plan.seqs, step.plan.num_new, step.chunk_starts):
-            if seq.prompt_logprobs is not None:
-                k = seq.params.prompt_logprobs
-                stop = min(start + n, len(seq.prompt_ids) - 1)
-                for i, pos in enumerate(range(start, stop), start=row):
-                    top = ()
-                    if k:
-                        top = tuple(zip(out.extra["prompt_top_ids"][i, :k].tolist(),
-                                        out.extra["prompt_top_logprobs"][i, :k].tolist()))
-                    seq.prompt_logprobs[pos + 1] = TokenLogprobs(
-                        seq.prompt_ids[pos + 1], float(out.extra["prompt_logprobs"][i]), top)
+            if seq.prompt_logprobs is not None and seq.finish_reason is None:
+                try:
+                    _put_prompt_logprobs(seq, out.extra, row, start, n)
+                except Exception as e:
+                    log.exception("reading the prompt logprobs of %r failed", seq.request_id)
+                    self._fail(seq, f"reading its prompt logprobs failed: {e!r}")
             row += n
 
     def _speculating(self) -> bool:
@@ -598,3 +607,17 @@ class Engine:
             finish_reason=seq.finish_reason,
             logprobs=None if seq.logprobs is None else seq.logprobs[:num_known],
             prompt_logprobs=seq.prompt_logprobs)
+
+
+def _put_prompt_logprobs(seq: Sequence, extra: dict, row: int, start: int, n: int) -> None:
+    """seq's prompt logprobs from a step's rows row .. row + n - 1 (its chunk from
+    position `start`): the row at position p gives prompt token p + 1's."""
+    k = seq.params.prompt_logprobs
+    stop = min(start + n, len(seq.prompt_ids) - 1)
+    for i, pos in enumerate(range(start, stop), start=row):
+        top = ()
+        if k:
+            top = tuple(zip(extra["prompt_top_ids"][i, :k].tolist(),
+                            extra["prompt_top_logprobs"][i, :k].tolist()))
+        seq.prompt_logprobs[pos + 1] = TokenLogprobs(
+            seq.prompt_ids[pos + 1], float(extra["prompt_logprobs"][i]), top)
