@@ -136,19 +136,12 @@ def _mapped_regions() -> int:
         return 0
 
 
-_after_last_collection = [0]
-
-
 @pytest.fixture(autouse=True)
 def _collect_dead_engines():
-    """After each test, a full collection when the process maps many regions (above) and
-    10000 more than after the last one (live engines stay mapped: collecting after every
-    test would cost a full collection each)."""
+    """After each test, a full collection when the process maps many regions (above)."""
     yield
-    n = _mapped_regions()
-    if n > MAPPED_REGIONS_HEADROOM and n > _after_last_collection[0] + 10000:
+    if _mapped_regions() > MAPPED_REGIONS_HEADROOM:
         gc.collect()
-        _after_last_collection[0] = _mapped_regions()
 
 
 # --- fuzzing ------------------------------------------------------------------------------
