@@ -27,10 +27,10 @@ import uvicorn
 from jaxserve import distributed
 from jaxserve.api import DEFAULT_CONFIG, build_engine
 from jaxserve.checkpoint import CheckpointError
-from jaxserve.config import LOAD_FORMATS, ConfigError, EngineConfig, ServerConfig, load_config
+from jaxserve.cli_args import add_engine_flags, add_model_flags, apply_flags
+from jaxserve.config import ConfigError, ServerConfig, load_config
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.metrics import Metrics
-from jaxserve.model_store import source_from_path
 from jaxserve.server import Lifecycle, build_app
 
 log = logging.getLogger("jaxserve.serve")
@@ -94,75 +94,6 @@ def _server_config(base: ServerConfig, args: argparse.Namespace) -> ServerConfig
     return dataclasses.replace(base, **given)
 
 
-# serve.py flags (vLLM's spellings) that set EngineConfig fields (EngineConfig.override).
-ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_chunked_prefill", "enable_prefix_caching", "kv_cache_memory_bytes",
-                "gpu_memory_utilization", "speculative_config")
-
-
-def _engine_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig:
-    """The config's EngineConfig with the engine flags given on the command line."""
-    return base.override(**{name: getattr(args, name) for name in ENGINE_FLAGS
-                            if getattr(args, name) is not None})
-
-
-def _deployment_overrides(args: argparse.Namespace) -> dict:
-    """Config.override fields from the model / load / parallel flags that were given."""
-    given = {name: getattr(args, name) for name in
-             ("load_format", "num_layers", "tokenizer", "tensor_parallel_size",
-              "pipeline_parallel_size", "pipeline_microbatches",
-              "pipeline_decode_microbatches")
-             if getattr(args, name) is not None}
-    if args.model is not None:
-        given["source"] = source_from_path(args.model)
-    return given
-
-
-def _add_model_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="weights to serve: a local Hugging Face directory, .gguf "
-                                    "file or jaxserve checkpoint (default: the config's source)")
-    ap.add_argument("--tokenizer", help="a directory with tokenizer.json (default: the model's)")
-    ap.add_argument("--load-format", choices=LOAD_FORMATS,
-                    help="'dummy': random weights made on the devices, for benchmarks and "
-                         "tests (default 'auto': the model's weights)")
-    ap.add_argument("--num-layers", type=int,
-                    help="serve only the first N decoder layers (tests of deep configs)")
-    ap.add_argument("--tensor-parallel-size", "-tp", type=int,
-                    help="devices the model is split over, Megatron-style (default: the config's)")
-    ap.add_argument("--pipeline-parallel-size", "-pp", type=int,
-                    help="pipeline stages the decoder layers are split into, each on its own "
-                         "tensor-parallel group (default: the config's)")
-    ap.add_argument("--pipeline-microbatches", type=int,
-                    help="microbatches a pipelined prefill / mixed step is split into "
-                         "(default: 2 x the stages)")
-    ap.add_argument("--pipeline-decode-microbatches", type=int,
-                    help="microbatches a pipelined decode step is split into (default 1)")
-
-
-def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--max-model-len", type=int,
-                    help="most tokens (prompt + output) of one request (default: the config's)")
-    ap.add_argument("--max-num-seqs", type=int,
-                    help="most requests running at once (default: the config's)")
-    ap.add_argument("--max-num-batched-tokens", type=int,
-                    help="token rows one step computes: decode tokens first, then prompt "
-                         "chunks (default: the config's)")
-    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                    default=None, help="split long prompts across steps (default: the config's, on)")
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                    default=None, help="reuse the KV pages of earlier prompts with the same "
-                                       "prefix (default: the config's, on)")
-    ap.add_argument("--kv-cache-memory-bytes", type=int,
-                    help="device memory for the KV page pool, bytes (default: the config's)")
-    ap.add_argument("--gpu-memory-utilization", type=float,
-                    help="with a config whose kv_cache_memory_bytes is None: the fraction of "
-                         "each device's memory the engine may use (default 0.9)")
-    ap.add_argument("--speculative-config",
-                    help="speculative decoding, vLLM's JSON object, e.g. '{\"method\": "
-                         "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
-                         "4, \"prompt_lookup_min\": 2}' (default: the config's, off)")
-
-
 def _add_limit_flags(ap: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     ap.add_argument("--max-request-body-bytes", type=int,
@@ -206,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="multi-process: how many processes (each with its local devices)")
     ap.add_argument("--node-rank", type=int, default=0,
                     help="multi-process: this process's rank; 0 serves HTTP and schedules")
-    _add_model_flags(ap)
-    _add_engine_flags(ap)
+    add_model_flags(ap)
+    add_engine_flags(ap)
     _add_limit_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
@@ -216,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config)
     try:
         server_config = _server_config(config.server, args)
-        config = config.replace(engine=_engine_config(config.engine, args))
-        config = config.override(**_deployment_overrides(args))
+        config = apply_flags(config, args)
     except (ConfigError, CheckpointError) as e:
         ap.error(str(e))
     host, port = args.host or config.host, args.port or config.port

@@ -10,7 +10,8 @@
     GET  /metrics               Prometheus text format (jaxserve.metrics)
     GET  /openapi.json          the API's OpenAPI document
 
-Request parsing and response shapes live in `jaxserve.openai_protocol`; this file owns the
+Request parsing and response shapes live in `jaxserve.openai_protocol`, submitting and
+collecting in `jaxserve.openai_serving` (shared with the batch runner); this file owns the
 request lifecycle: read the body (bounded: 413), parse, template and tokenise it on a worker
 thread (the event loop never blocks on a large body), submit (bounded queue: 503 with
 Retry-After), stream or collect, and abort when the client goes away (so a disconnected
@@ -28,7 +29,6 @@ import dataclasses
 import hmac
 import logging
 import time
-import uuid
 from typing import AsyncIterator, Callable
 
 import anyio
@@ -41,16 +41,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxserve.config import ServerConfig
-from jaxserve.engine.async_engine import (AsyncEngine, EngineError, EngineShutdown, QueueFull,
-                                          RequestStream, RequestTimeout)
+from jaxserve.engine.async_engine import AsyncEngine, EngineError, RequestStream
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
-from jaxserve.openai_protocol import (CHAT, COMPLETION, ApiError, LogprobsFormatter,
-                                      ParsedRequest, RequestLimits,
-                                      ResponseShape, parse_chat_request, parse_completion_request,
-                                      sse_event, usage)
+from jaxserve.openai_protocol import CHAT, COMPLETION, ApiError, ResponseShape, sse_event
+from jaxserve.openai_serving import (OpenAIServing, Submission, choice_usage, engine_error,
+                                     last_outputs, tool_call)
 from jaxserve.openapi import openapi_schema
-from jaxserve.sampling_params import InvalidRequest
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,16 +56,6 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
 ENGINE_STALL_S = 120.0  # /health fails if the engine thread has not gone round for this long
 INTERNAL_ERROR = "the server failed while handling this request"
 _EVENT_STREAM_HEADERS = {"Cache-Control": "no-cache"}
-
-
-def _engine_error(e: EngineError) -> ApiError:
-    """An EngineError as the client sees it (its messages are written to be shown): 504
-    for a request timeout, 503 for a shutdown, else 500."""
-    if isinstance(e, RequestTimeout):
-        return ApiError(str(e), status=504, type="timeout", code="request_timeout")
-    if isinstance(e, EngineShutdown):
-        return ApiError(str(e), status=503, type="server_error", code="shutting_down")
-    return ApiError(str(e), status=500, type="server_error")
 
 
 @dataclasses.dataclass
@@ -124,18 +111,6 @@ async def _unless_disconnected(receive, work) -> RequestOutput | None:
         watch.cancel()
 
 
-async def _last_output(stream: RequestStream) -> RequestOutput:
-    last = None
-    async for out in stream:
-        last = out
-    return last
-
-
-async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
-    """Each stream's final output; the first failure (EngineError) is raised."""
-    return list(await asyncio.gather(*(_last_output(s) for s in streams)))
-
-
 _DONE = object()
 
 
@@ -188,26 +163,25 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 class _Routes:
     """Handlers bound to one engine, tokenizer, model name, limits and metrics (no
-    module-level state)."""
+    module-level state); the request handling itself is `OpenAIServing`'s."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                  max_model_len: int, server: ServerConfig, metrics: Metrics,
                  lifecycle: Lifecycle):
-        self.engine, self.tokenizer = engine, tokenizer
+        self.engine = engine
         self.model_name, self.max_model_len = model_name, max_model_len
         self.server, self.metrics, self.lifecycle = server, metrics, lifecycle
-        self.limits = RequestLimits.of(server, max_model_len)
-        self.logprobs = LogprobsFormatter(tokenizer)
+        self.serving = OpenAIServing(engine, tokenizer, model_name, max_model_len, server)
         self.created = int(time.time())
         self._openapi = openapi_schema(model_name)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions (OpenAI Completions API)."""
-        return await self._serve(request, COMPLETION, parse_completion_request)
+        return await self._serve(request, COMPLETION)
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions (OpenAI Chat Completions API)."""
-        return await self._serve(request, CHAT, parse_chat_request)
+        return await self._serve(request, CHAT)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the served model (OpenAI's model list object)."""
@@ -242,12 +216,9 @@ class _Routes:
         """GET /openapi.json: the OpenAPI document of this API."""
         return JSONResponse(self._openapi)
 
-    async def _serve(self, request: Request, shape: ResponseShape,
-                     parse: Callable[..., ParsedRequest]) -> Response:
-        """Read, parse (worker thread), submit one engine request per choice (n per
-        prompt: they share the prompt's pages through the prefix cache), then stream (SSE)
-        or collect the choices; shared by both APIs. Counts refusals by reason in the
-        metrics."""
+    async def _serve(self, request: Request, shape: ResponseShape) -> Response:
+        """Read, parse (worker thread), submit, then stream (SSE) or collect the choices;
+        shared by both APIs. Counts refusals by reason in the metrics."""
         arrival = time.monotonic()
         try:
             if self.lifecycle.draining:
@@ -256,26 +227,8 @@ class _Routes:
             raw = await _read_body(request, self.server.max_request_body_bytes)
             # JSON parsing, the chat template and tokenisation of a large body take seconds:
             # off the event loop, which keeps answering /health and streaming meanwhile
-            req = await anyio.to_thread.run_sync(parse, raw, self.tokenizer, self.model_name,
-                                                 self.limits)
-            request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-            choices = req.choices()
-            streams: list[tuple[int, RequestStream]] = []
-            try:
-                for index, prompt_ids, params in choices:
-                    engine_id = request_id if len(choices) == 1 else f"{request_id}-{index}"
-                    streams.append((index, await self.engine.add_request(
-                        engine_id, prompt_ids, params, arrival)))
-            except InvalidRequest as e:
-                param = "messages" if shape.chat and e.field == "prompt" else e.field
-                raise ApiError(str(e), param) from None
-            except QueueFull as e:
-                raise ApiError(f"the server is overloaded: {e}; retry later", status=503,
-                               type="server_error", code="queue_full") from None
-            finally:
-                if len(streams) < len(choices):  # a choice was refused: none runs
-                    for _, stream in streams:
-                        stream.abort()
+            req = await anyio.to_thread.run_sync(self.serving.parse, raw, shape)
+            sub = await self.serving.submit(req, shape, arrival)
         except ApiError as e:
             self.metrics.request_rejected(_rejection_reason(e))
             raise
@@ -288,62 +241,25 @@ class _Routes:
             log.exception("accepting a request failed")
             self.metrics.request_rejected("internal_error")
             raise ApiError(INTERNAL_ERROR, status=500, type="server_error") from None
-        created = int(time.time())
-        n = req.n
         if req.stream:
-            return _EventStream(self._events(streams, n, shape, request_id, created,
-                                             req.include_usage, req), [s for _, s in streams])
+            return _EventStream(self._events(sub), [s for _, s in sub.streams])
         try:
-            finals = await _unless_disconnected(request.receive,
-                                                _last_outputs([s for _, s in streams]))
+            finals = await _unless_disconnected(request.receive, last_outputs(sub))
         except EngineError as e:
-            raise _engine_error(e) from None
+            raise engine_error(e) from None
         finally:
-            for _, stream in streams:
-                stream.abort()
+            sub.abort()
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        tokens = _usage(finals, n)
-        log.info("%s: %d prompt + %d output tokens, %s, %.2f s", request_id,
-                 tokens["prompt_tokens"], tokens["completion_tokens"],
-                 ",".join(sorted({f.finish_reason for f in finals})), time.monotonic() - arrival)
-        choices = []
-        for (index, _), f in zip(streams, finals):
-            prompt = index // n
-            text = req.prompt_texts[prompt] + f.text if req.echo else f.text
-            logprobs = self._logprobs(shape, req, prompt, f.token_ids, f.logprobs,
-                                      req.echo, f.prompt_logprobs)[0]
-            choices.append(shape.choice(text, f.finish_reason, index, logprobs,
-                                        _tool_call(req, request_id, index)))
-        return JSONResponse(shape.response(request_id, created, self.model_name, choices,
-                                           tokens))
+        return JSONResponse(self.serving.response(sub, finals, arrival))
 
-    def _logprobs(self, shape: ResponseShape, req: ParsedRequest, prompt: int,
-                  token_ids: list[int], entries: list | None, with_prompt: bool,
-                  prompt_entries: list | None, offset: int = 0) -> tuple[dict | None, int]:
-        """(The `logprobs` object of these output tokens, preceded by prompt `prompt`'s
-        tokens when `with_prompt` (echo); the text offset after them), or (None, offset)
-        when the request asked for no logprobs. entries / prompt_entries: their
-        TokenLogprobs (None: a request that failed before any, reported as nulls)."""
-        if req.params.logprobs is None:
-            return None, offset
-        entries = list(entries) if entries is not None else [None] * len(token_ids)
-        if shape.chat:
-            return self.logprobs.chat([e for e in entries if e is not None]), offset
-        ids = list(token_ids)
-        if with_prompt:
-            ids = req.prompts[prompt] + ids
-            entries = list(prompt_entries or [None] * len(req.prompts[prompt])) + entries
-        body = self.logprobs.completion(ids, entries, offset)
-        return body, offset + sum(len(t) for t in body["tokens"])
-
-    async def _events(self, streams: list[tuple[int, RequestStream]], n: int,
-                      shape: ResponseShape, request_id: str, created: int,
-                      include_usage: bool, req: ParsedRequest) -> AsyncIterator[bytes]:
+    async def _events(self, sub: Submission) -> AsyncIterator[bytes]:
         """SSE chunks of every choice as they come (each chunk one choice, with its index,
         its new text and, if asked, the new tokens' logprobs; under echo the first chunk
         starts with the prompt), then the usage chunk (if asked) and `[DONE]`. A failure
         mid-stream becomes an error event (the status line is already sent)."""
+        streams, req, shape, request_id = sub.streams, sub.req, sub.shape, sub.request_id
+        n, created, include_usage = req.n, sub.created, req.include_usage
         first = {index for index, _ in streams}  # choices whose first chunk is to come
         last: dict[int, RequestOutput] = {}
         offsets: dict[int, int] = {}
@@ -362,45 +278,31 @@ class _Routes:
                         text = req.prompt_texts[index // n] + text
                     if want_logprobs:
                         entries = out.logprobs[len(out.logprobs) - new:] if out.logprobs else None
-                        logprobs, offsets[index] = self._logprobs(
+                        logprobs, offsets[index] = self.serving.logprobs_body(
                             shape, req, index // n, out.token_ids[len(out.token_ids) - new:],
                             entries, echo, out.prompt_logprobs, offsets.get(index, 0))
                         reported[index] = len(out.token_ids)
                     choice = shape.delta_choice(text, out.finish_reason, index in first, index,
-                                                logprobs, _tool_call(req, request_id, index))
+                                                logprobs, tool_call(req, request_id, index))
                     yield sse_event(shape.chunk(request_id, created, self.model_name, [choice],
                                                 include_usage))
                     first.discard(index)
             if include_usage and last:
                 yield sse_event(shape.chunk(request_id, created, self.model_name, [], True,
-                                            _usage(list(last.values()), n)))
+                                            choice_usage(list(last.values()), n)))
         except EngineError as e:
-            yield sse_event(_engine_error(e).body())
+            yield sse_event(engine_error(e).body())
         except Exception:
             log.exception("streaming %s failed", request_id)
             yield sse_event(ApiError(INTERNAL_ERROR, status=500, type="server_error").body())
         finally:
             await merged.aclose()
         if len(last) == len(streams) and all(out.finished for out in last.values()):
-            tokens = _usage(list(last.values()), n)
+            tokens = choice_usage(list(last.values()), n)
             log.info("%s: %d prompt + %d output tokens, %s (stream)", request_id,
                      tokens["prompt_tokens"], tokens["completion_tokens"],
                      ",".join(sorted({out.finish_reason for out in last.values()})))
         yield sse_event("[DONE]")
-
-
-def _tool_call(req: ParsedRequest, request_id: str, index: int) -> tuple[str, str] | None:
-    """(call id, function name) of choice `index`'s tool call (a named tool_choice)."""
-    if req.tool_call is None:
-        return None
-    return f"call_{request_id.rsplit('-', 1)[-1][:24]}_{index}", req.tool_call
-
-
-def _usage(finals: list[RequestOutput], n: int) -> dict[str, int]:
-    """Usage of a request's choices (n per prompt): each prompt's tokens counted once, as
-    OpenAI and vLLM do, and every choice's output tokens."""
-    return usage(sum(f.num_prompt_tokens for f in finals) // n,
-                 sum(f.num_output_tokens for f in finals))
 
 
 def _rejection_reason(e: ApiError) -> str:

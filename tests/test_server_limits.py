@@ -143,8 +143,8 @@ def test_failures_carry_no_exception_text(served, monkeypatch):
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     assert '"server_error"' in r.text and "injected" not in r.text
     fake.add_request = real_add
-    import jaxserve.server as server_module  # a bug in parsing: 500, fixed text, served on
-    monkeypatch.setattr(server_module, "parse_completion_request", lambda *a: 1 / 0)
+    import jaxserve.openai_serving as serving_module  # a bug in parsing: 500, fixed text, served on
+    monkeypatch.setattr(serving_module, "parse_completion_request", lambda *a: 1 / 0)
     r = client.post(COMP, json={"prompt": "Hi"})
     error_of(r, 500)
     assert "ZeroDivision" not in r.text and "Traceback" not in r.text
