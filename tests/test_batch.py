@@ -118,6 +118,16 @@ def test_scan_results_drops_a_cut_last_line_and_refuses_another_file(tmp_path):
         scan_results(out)
 
 
+def test_unusable_files_are_one_clear_error(tmp_path, fake):
+    inp = write_lines(tmp_path / "in.jsonl", [line("a", {"prompt": "x"})])
+    with pytest.raises(BatchFileError, match="no-such-dir/out.jsonl: cannot write"):
+        fake.run(inp, tmp_path / "no-such-dir" / "out.jsonl")
+    with pytest.raises(BatchFileError, match="missing.jsonl: cannot read the input"):
+        fake.run(tmp_path / "missing.jsonl", tmp_path / "out.jsonl")
+    with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
+        fake.run(inp, tmp_path / "out.jsonl", max_concurrency=0)
+
+
 # -- answers --------------------------------------------------------------------------------
 
 def test_batch_answers_as_the_server_does_and_writes_error_lines(tmp_path, fake):

@@ -75,7 +75,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         model = await get_model_id(url)
         server = await run_benchmark(url, model, requests, args.max_concurrency,
                                      endpoint=args.endpoint, progress=not args.no_progress)
-    m = server["metrics"]
+    m = server
     if m["failed"]:
         raise BenchmarkError(f"{m['failed']} server requests failed: {server['errors']}")
     batch = run_batch_process(args, requests)

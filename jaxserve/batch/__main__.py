@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"python -m jaxserve.batch: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("python -m jaxserve.batch: interrupted before the batch started", file=sys.stderr)
+        return 130
     concurrency = args.max_concurrency or 2 * config.engine.scheduler.max_num_seqs
     async_engine = AsyncEngine(engine, max_queued_requests=None)
     serving = OpenAIServing(async_engine, engine.tokenizer,

@@ -25,9 +25,9 @@ from pathlib import Path
 import grain
 from tqdm import tqdm
 
-from jaxserve.batch.batch_file import (DUPLICATE_CUSTOM_ID, UNSUPPORTED_URL, BatchLine,
-                                       Finished, JsonlLines, error_line, read_line,
-                                       result_line, scan_results)
+from jaxserve.batch.batch_file import (DUPLICATE_CUSTOM_ID, UNSUPPORTED_URL, BatchFileError,
+                                       BatchLine, Finished, JsonlLines, error_line,
+                                       read_line, result_line, scan_results)
 from jaxserve.engine.async_engine import EngineError, EngineShutdown
 from jaxserve.openai_protocol import ApiError, ResponseShape
 from jaxserve.openai_serving import ENDPOINTS, OpenAIServing, engine_error, last_outputs
@@ -118,6 +118,12 @@ async def run_batch(serving: OpenAIServing, input_path: str | Path, output_path:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     done = scan_results(output_path)
     source = JsonlLines(input_path)
+    try:
+        out = Path(output_path).open("a", encoding="utf-8")
+    except OSError as e:
+        source.close()
+        raise BatchFileError(f"{output_path}: cannot write the output file: "
+                             f"{e.strerror}") from None
     stats = BatchStats(lines=len(source), resumed=len(done))
     claimed: set[str] = set()  # custom_ids seen in this run's reading (or resumed)
     pipeline = iter(input_pipeline(source, serving, done, read_threads, 2 * max_concurrency))
@@ -129,7 +135,7 @@ async def run_batch(serving: OpenAIServing, input_path: str | Path, output_path:
     loop = asyncio.get_running_loop()
     reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-batch-read")
     try:
-        with Path(output_path).open("a", encoding="utf-8") as out:
+        with out:
             def write(text: str, ok: bool) -> None:
                 out.write(text)
                 out.flush()
