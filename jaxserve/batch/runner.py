@@ -4,11 +4,12 @@ concurrency, write each result as it finishes; resume after an interrupt.
 The input is read through a grain pipeline: a random-access source over the file's line
 offsets (`JsonlLines`), then, on grain's reader threads and ahead of the engine, each line
 is decoded and its body validated and tokenised (`OpenAIServing.parse`, the HTTP server's
-own parse). The prefetch buffer bounds how far ahead it reads, so memory does not grow with
-the file. Requests then go to the engine through `OpenAIServing.submit`, at most
-`max_concurrency` at once, and every result line is written and flushed as soon as it
-exists: an interrupt loses only the requests in flight, and the next run with the same
-output file skips every request that has a result line (`scan_results`).
+own parse). The prefetch buffer bounds how far ahead it reads, so the requests held do not
+grow with the file (what does: the custom_ids seen, kept to refuse duplicates and to skip
+finished ones on resume). Requests then go to the engine through `OpenAIServing.submit`,
+at most `max_concurrency` at once, and every result line is written and flushed as soon
+as it exists: an interrupt loses only the requests in flight, and the next run with the
+same output file skips every request that has a result line (`scan_results`).
 
 Source: vLLM's `run_batch` (same file format, same per-request handling as its server).
 """
