@@ -308,6 +308,16 @@ def test_a_request_the_engine_fails_is_its_own_500_line(tmp_path, fake):
 
 # -- the real model, through the command line ------------------------------------------------
 
+def test_cli_refuses_a_missing_input_before_building_the_engine(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "jaxserve.batch", "-i",
+                           str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "out.jsonl")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "--input-file: " in done.stderr and "missing.jsonl is not a file" in done.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+
 @pytest.mark.slow
 def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint, cache_dir,
                                                     small_llm_client):

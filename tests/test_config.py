@@ -110,3 +110,20 @@ def test_override_speculative_config_takes_an_object_a_dict_or_none():
     assert EngineConfig().override(speculative_config={"method": "ngram",
                                                        "num_speculative_tokens": 3}).speculative == spec
     assert EngineConfig(speculative=spec).override(speculative_config=None).speculative is None
+
+
+def test_command_line_sampler_limits_reach_the_engine_config():
+    """serve.py / python -m jaxserve.batch: --max-logprobs and --max-logit-bias set
+    SamplerConfig; a refused value is a ConfigError naming the field."""
+    import argparse
+
+    from jaxserve.cli_args import add_engine_flags, engine_config
+
+    ap = argparse.ArgumentParser()
+    add_engine_flags(ap)
+    cfg = engine_config(EngineConfig(), ap.parse_args(["--max-logprobs", "5",
+                                                       "--max-logit-bias", "7"]))
+    assert (cfg.sampler.max_logprobs, cfg.sampler.max_logit_bias) == (5, 7)
+    assert engine_config(EngineConfig(), ap.parse_args([])) == EngineConfig()
+    with pytest.raises(ConfigError, match="max_logprobs"):
+        engine_config(EngineConfig(), ap.parse_args(["--max-logprobs", "-1"]))

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import sys
+from pathlib import Path
 
 from jaxserve.api import DEFAULT_CONFIG, build_engine
 from jaxserve.batch.batch_file import BatchFileError
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         if args.read_threads < 1:
             raise ConfigError(f"--read-threads must be >= 1, got {args.read_threads}")
+        if not Path(args.input_file).is_file():  # before the engine's minute of building
+            raise ConfigError(f"--input-file: {args.input_file} is not a file")
         engine = build_engine(config, cache_dir=args.cache_dir)
     except (ConfigError, CheckpointError) as e:
         print(f"python -m jaxserve.batch: error: {e}", file=sys.stderr)
