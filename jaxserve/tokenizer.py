@@ -183,7 +183,7 @@ class Tokenizer:
                                          **kwargs)
 
 
-def _byte_chars() -> list[str]:
+def byte_chars() -> list[str]:
     """The byte-level alphabet: the printable character standing for each byte 0..255
     (GPT-2's `bytes_to_unicode`, which `tokenizers`' ByteLevel decoder inverts)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
@@ -215,8 +215,8 @@ def placeholder_tokenizer(vocab_size: int, bos_token_id: int | None = None,
     bad = [i for i in specials if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"special token ids {bad} are outside the vocabulary of {vocab_size}")
-    space = _byte_chars()[ord(" ")]
-    vocab = {c: b for b, c in enumerate(_byte_chars())}
+    space = byte_chars()[ord(" ")]
+    vocab = {c: b for b, c in enumerate(byte_chars())}
     vocab.update({specials.get(i, f"{space}t{i}"): i for i in range(256, vocab_size)})
     vocab.update({name: i for i, name in specials.items()})
     backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))

@@ -19,7 +19,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
                                      RequestOutput)
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
-from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer, byte_chars
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -28,23 +28,10 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (what ByteLevel pre-tokenisation uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def tiny_tokenizer() -> Tokenizer:
     """Byte-level tokenizer: token id = byte value (0..255); 256 = <|im_start|> (BOS),
     257 = <|im_end|> (EOS). Multi-byte characters span several tokens, as in real BPE."""
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in enumerate(byte_chars())}
     backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = tokenizers.decoders.ByteLevel()

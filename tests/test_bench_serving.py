@@ -8,14 +8,12 @@ import json
 import math
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
+from app_server import uvicorn_thread
 from fake_engine import FakeEngine, tiny_tokenizer
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server import build_app
@@ -197,19 +195,11 @@ def live_server():
     fake = TrackingFakeEngine(tok, "Hi there! 😀 Bye.", max_model_len=512, page_size=16,
                               num_pages=1024, step_delay=0.002)
     bridge = AsyncEngine(fake)
-    port = bs.free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(bridge, tok, MODEL, 512), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}/v1", fake
-    server.should_exit = True
-    thread.join(timeout=10)
-    bridge.shutdown()
+    try:
+        with uvicorn_thread(build_app(bridge, tok, MODEL, 512), start_timeout_s=10) as url:
+            yield url, fake
+    finally:
+        bridge.shutdown()
 
 
 def _requests(n):

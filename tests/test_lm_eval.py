@@ -15,16 +15,14 @@ loglikelihoods are closer than twice that are a near-tie the two may rank either
 """
 
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 
+import lm_eval  # a test extra: a missing one fails this real-model test, never skips it
 import pytest
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+from app_server import uvicorn_thread
 
-lm_eval = pytest.importorskip("lm_eval")
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
 PER_TOKEN_ATOL = 2e-3
@@ -98,28 +96,16 @@ def hf_dir(tmp_path_factory, hf_smollm2_model, hf_smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def server_url(small_llm):
-    import uvicorn
-
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server import build_app
     engine = small_llm.engine
     bridge = AsyncEngine(engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len),
-        host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
-    bridge.shutdown()
+    app = build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len)
+    try:
+        with uvicorn_thread(app) as url:
+            yield url
+    finally:
+        bridge.shutdown()
 
 
 def evaluate(model, model_args, tasks, names):

@@ -18,7 +18,6 @@ finished (bench_serving's duration; the batch runner's elapsed_s), engine start 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
 import sys

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.tokenizer import byte_chars
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -49,19 +51,6 @@ REGEX = r"\d{4}-\d{2}-\d{2} [A-Z][a-z]+ [0-9a-f]{8}"
 REGEX_DOC = "2026-11-25 Wednesday 0123abcd"
 
 
-def byte_decoder() -> dict[str, int]:
-    """GPT-2's printable character -> byte table, inverted (ByteLevel BPE vocabularies)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 class Vocab:
     """The tokenizer.json of the checkpoint: raw token strings, their bytes, EOS."""
 
@@ -74,7 +63,7 @@ class Vocab:
         self.raw = [""] * self.size
         for s, i in raw.items():
             self.raw[i] = s
-        dec = byte_decoder()
+        dec = {c: b for b, c in enumerate(byte_chars())}  # byte-level char -> byte
         self.special = {t.content for t in self.tok.get_added_tokens_decoder().values()}
         self.bytes = [s.encode() if s in self.special else bytes(dec[c] for c in s)
                       for s in self.raw]
