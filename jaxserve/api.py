@@ -20,27 +20,27 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve import compile_counter
+from jaxserve.worker import compile_counter
 from jaxserve.checkpoint import is_checkpoint, load_model_config, load_params
 from jaxserve.config import Config, ConfigError, ModelConfig, check_deployment, load_config
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.runner import Runner
-from jaxserve.kernels import prepare_params, resolve_kernel_config, select_kernels
-from jaxserve.kv_cache import init_kv_cache, page_bytes
-from jaxserve.memory_plan import drafter_page_bytes, plan_memory
+from jaxserve.worker.runner import Runner
+from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config, select_kernels
+from jaxserve.model.kv_cache import init_kv_cache, page_bytes
+from jaxserve.worker.memory_plan import drafter_page_bytes, plan_memory
 from jaxserve.model.params import dummy_params
 from jaxserve.model.pipeline import stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
-from jaxserve.model_store import default_cache_dir, resolve_checkpoint, source_from_path
+from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint, source_from_path
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
-from jaxserve.sharding import ShardingRules, make_mesh
+from jaxserve.distributed.sharding import ShardingRules, make_mesh
 from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead, load_head
-from jaxserve.tokenizer import Tokenizer, placeholder_tokenizer
+from jaxserve.tokenization.tokenizer import Tokenizer, placeholder_tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2_135m.py"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_135m.py"
 
 
 def enable_compilation_cache(cache_dir: Path) -> None:
@@ -151,7 +151,7 @@ def _model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, Path | 
         raise ConfigError(
             f"Config {config.name!r} has no weights: give --model PATH (a Hugging Face "
             "directory with safetensors, a .gguf file or a jaxserve checkpoint from "
-            "tools/convert_hf.py; or name it in the config's `source`), or "
+            "`jaxserve convert`; or name it in the config's `source`), or "
             "--load-format dummy for random weights (benchmarks, tests)")
     model_cfg = load_model_config(ckpt) if ckpt is not None else config.model
     if config.dtype is not None:
@@ -207,7 +207,7 @@ def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: st
     checkpoint or its tokenizer differs."""
     if not is_checkpoint(path):
         raise ConfigError(f"SpeculativeConfig.model: {path} is not a jaxserve checkpoint "
-                          "(convert one with tools/convert_hf.py)")
+                          "(convert one with `jaxserve convert`)")
     cfg = load_model_config(path)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
@@ -241,7 +241,7 @@ class LLM:
 
     `config`: a Config, a path to a config file, or None for the default (SmolLM2-135M).
     `model`: a local path (HF directory, .gguf file or jaxserve checkpoint) whose weights
-    replace the config's source (vLLM's `model`; jaxserve.model_store.source_from_path).
+    replace the config's source (vLLM's `model`; jaxserve.checkpoint.sources.source_from_path).
     `engine`: an already built Engine (then config/cache_dir are ignored).
     `**fields`: overrides by name (Config.override): `tensor_parallel_size=2`,
     `load_format="dummy"`, `num_layers=2`, `tokenizer=DIR`, and EngineConfig fields

@@ -8,13 +8,13 @@
 No engine, scheduler or host loop: the KV cache is a page pool allocated inside the call
 (each sequence its own pages, in order), the prompts are prefilled as one ragged batch and
 the new tokens decoded in a `lax.fori_loop`, all through the same model code
-(jaxserve.model.transformer.forward) and sampler (jaxserve.sampling.sample) as the engine.
+(jaxserve.model.transformer.forward) and sampler (jaxserve.sample.sampler.sample) as the engine.
 Every sequence decodes `max_new_tokens` tokens: stopping at an end-of-sequence token is
 the caller's (mask with `tokens == eos`), since shapes are fixed. `jaxserve.LLM` keeps the
 engine for serving-style use (continuous batching, prefix caching, streaming).
 
 Source: the functional sampling loops of research codebases (e.g. MaxText's and
-jax-llm-examples' decode), with vLLM's sampling semantics (jaxserve.sampling).
+jax-llm-examples' decode), with vLLM's sampling semantics (jaxserve.sample.sampler).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import init_kv_cache
+from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.params import Params
 from jaxserve.model.transformer import (Kernels, StepBatch, compute_logits, forward,
                                         next_decode_batch)
-from jaxserve.sampling import SamplingBatch, sample
+from jaxserve.sample.sampler import SamplingBatch, sample
 
 PAGE_SIZE = 16
 
@@ -83,7 +83,7 @@ def generate(params: Params, cfg: ModelConfig, prompt_tokens: jax.Array,
     prompt_tokens: [B, P] int32, prompt b in its first prompt_lengths[b] entries (the rest
         ignored); prompt_lengths: [B] int32, each in 1..P.
     key: a jax.random key; row b's token i is drawn with fold_in(key, b)'s bits and i, as
-        the engine draws a request's (jaxserve.sampling), so each row's samples do not
+        the engine draws a request's (jaxserve.sample.sampler), so each row's samples do not
         depend on the others.
     temperature, top_k, top_p: scalars or [B] arrays; temperature 0 is greedy, top_k <= 0
         and top_p 1 are off (vLLM's semantics).

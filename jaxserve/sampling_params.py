@@ -58,7 +58,7 @@ class SamplingParams:
         computes its whole prompt (it takes no cached prefix).
     skip_special_tokens: leave special tokens' text out of the output text (HF decode's
         flag; default on, as vLLM).
-    structured_outputs: a jaxserve.structured_output.StructuredOutput the output must
+    structured_outputs: a jaxserve.sample.grammar.StructuredOutput the output must
         match (a JSON schema, any JSON object, a regex, a choice, a grammar), or None.
     Logprobs are the log-softmax of the model's raw logits, before logit_bias, penalties,
     temperature or filters (vLLM's default).
@@ -145,7 +145,7 @@ class SamplingParams:
     @property
     def uses_controls(self) -> bool:
         """Whether sampling changes the logits before temperature (logit_bias, min_tokens,
-        penalties, a structured-output mask): `jaxserve.logits_processors`."""
+        penalties, a structured-output mask): `jaxserve.sample.logits_processors`."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty
                     or self.frequency_penalty or self.repetition_penalty != 1
                     or self.structured_outputs is not None)

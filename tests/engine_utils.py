@@ -31,8 +31,8 @@ def tiny_engine(params, draft_params=None, eagle=None, **engine_config):
     EagleParams) of an EAGLE head (method "eagle"), with its pool and feature pool."""
     from fake_engine import tiny_tokenizer
     from jaxserve.engine.engine import Engine
-    from jaxserve.engine.runner import Runner
-    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.worker.runner import Runner
+    from jaxserve.model.kv_cache import init_kv_cache
     from jaxserve.model.transformer import Kernels
     ecfg = TINY_ECFG.override(**engine_config)
     cache = init_kv_cache(TINY_CFG, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major")

@@ -19,7 +19,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
                                      RequestOutput)
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
-from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer, byte_chars
+from jaxserve.tokenization.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer, byte_chars
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -19,7 +19,7 @@ import jax
 
 from jaxserve.api import LLM
 from jaxserve.config import load_config
-from jaxserve.memory_plan import plan_memory
+from jaxserve.worker.memory_plan import plan_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 

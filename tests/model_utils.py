@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import init_kv_cache
+from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables
 from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, forward
 

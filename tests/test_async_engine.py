@@ -148,7 +148,7 @@ def test_shutdown_fails_in_flight_and_refuses_new(engines):
 # -- isolation and limits ------------------------------------------------------------------
 
 def make_bridge(fake, **kw):
-    from jaxserve.metrics import Metrics
+    from jaxserve.entrypoints.metrics import Metrics
     return AsyncEngine(fake, metrics=Metrics(fake.stats), **kw)
 
 

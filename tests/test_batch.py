@@ -1,4 +1,4 @@
-"""Offline batch inference (jaxserve.batch): the OpenAI Batch file format, answers equal to
+"""Offline batch inference (jaxserve.entrypoints.openai.run_batch): the OpenAI Batch file format, answers equal to
 the HTTP server's, error lines, bounded concurrency and read-ahead, resuming after an
 interrupt. Against the model-free FakeEngine here; the real model through the command line
 at the end."""
@@ -16,13 +16,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from fake_engine import FakeEngine, tiny_tokenizer
-from jaxserve.batch import BatchInterrupted, run_batch
-from jaxserve.batch import runner as batch_runner
-from jaxserve.batch.batch_file import (BatchFileError, JsonlLines, read_line, result_line,
-                                       scan_results)
+from jaxserve.entrypoints.openai.run_batch import BatchInterrupted, run_batch
+from jaxserve.entrypoints.openai import run_batch as batch_runner
+from jaxserve.entrypoints.openai.batch_file import (BatchFileError, JsonlLines, read_line,
+                                                    result_line, scan_results)
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.openai_serving import OpenAIServing
-from jaxserve.server import build_app
+from jaxserve.entrypoints.openai.serving import OpenAIServing
+from jaxserve.entrypoints.openai.api_server import build_app
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
@@ -309,7 +309,7 @@ def test_a_request_the_engine_fails_is_its_own_500_line(tmp_path, fake):
 # -- the real model, through the command line ------------------------------------------------
 
 def test_cli_refuses_a_missing_input_before_building_the_engine(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "jaxserve.batch", "-i",
+    done = subprocess.run([sys.executable, "-m", "jaxserve", "batch", "-i",
                            str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "out.jsonl")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
@@ -321,7 +321,7 @@ def test_cli_refuses_a_missing_input_before_building_the_engine(tmp_path):
 @pytest.mark.slow
 def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint, cache_dir,
                                                     small_llm_client):
-    """`python -m jaxserve.batch` on SmolLM2-135M: interrupted with SIGINT once some results
+    """`jaxserve batch` on SmolLM2-135M: interrupted with SIGINT once some results
     are written, run again, every request answered once, each answer equal to the server's
     for the same body (greedy, the same engine config)."""
     bodies = {f"c{i}": {"prompt": f"List {i + 2} colours:", "max_tokens": 24,
@@ -333,7 +333,7 @@ def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint
         line(cid, body, url="/v1/chat/completions" if cid.startswith("chat") else
              "/v1/completions") for cid, body in bodies.items()])
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "jaxserve.batch", "-i", str(inp), "-o", str(out),
+    cmd = [sys.executable, "-m", "jaxserve", "batch", "-i", str(inp), "-o", str(out),
            "--config", str(ROOT / "tests" / "configs" / "smollm2_small.py"),
            "--cache-dir", str(cache_dir), "--max-concurrency", "2", "--no-progress"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

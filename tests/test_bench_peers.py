@@ -1,7 +1,6 @@
 """Unit tests of tools/bench_peers.py's pure parts (command lines, ratio table, parsing).
 Nothing is built, downloaded or started here."""
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -10,17 +9,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from tools import bench_peers
+from tools.peers import common, llamacpp, report
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "tools" / "bench_peers.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_peers", mod)
-    spec.loader.exec_module(mod)  # puts tools/ on sys.path: the peers package
-    return mod
-
-
-bp = _load()
-from peers import common, llamacpp, report  # noqa: E402
+bp = bench_peers
 
 
 def test_import_is_light():
@@ -211,9 +203,7 @@ def test_bandwidth_bound_is_the_median_of_the_samples_before_and_after():
 
 
 def test_weight_bytes_per_token_follow_the_served_format():
-    spec = importlib.util.spec_from_file_location("membw", ROOT / "tools" / "membw.py")
-    membw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(membw)
+    from tools import membw
     from jaxserve.config import EngineConfig, ModelConfig
     m = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=4)

@@ -1,14 +1,11 @@
-"""tools/bench_serving.py: metric definitions from synthetic timestamps, the shipped prompt
+"""jaxserve.bench.serve (`jaxserve bench serve`): metric definitions from synthetic timestamps, the shipped prompt
 dataset, seeded sampling and arrivals, and end-to-end runs against a real HTTP server
 (uvicorn in a thread) over the model-free FakeEngine."""
 
 import asyncio
-import importlib.util
 import json
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,20 +13,12 @@ import pytest
 from app_server import uvicorn_thread
 from fake_engine import FakeEngine, tiny_tokenizer
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server import build_app
-
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench_serving.py"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("bench_serving", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from jaxserve.bench import serve as bench_serving
+from jaxserve.entrypoints.openai.api_server import build_app
 
 
-bs = _load_tool()
+
+bs = bench_serving
 MODEL = "fake-model"
 
 

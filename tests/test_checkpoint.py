@@ -24,8 +24,8 @@ from jaxserve.checkpoint import (CheckpointError, convert, is_checkpoint, load_m
 from jaxserve.config import load_config
 from jaxserve.config import ModelSource, ParallelConfig, RopeScaling
 from jaxserve.model.params import init_params
-from jaxserve.model_store import resolve_checkpoint, source_fingerprint
-from jaxserve.sharding import ShardingRules, make_mesh
+from jaxserve.checkpoint.sources import resolve_checkpoint, source_fingerprint
+from jaxserve.distributed.sharding import ShardingRules, make_mesh
 from model_utils import dense_reference_logits, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -314,7 +314,7 @@ def test_corrupt_gguf_and_unknown_file_name_the_file(tmp_path):
 
 
 def test_cli_one_line_error_and_success(hf_src, tmp_path):
-    cli = [sys.executable, os.path.join(ROOT, "tools", "convert_hf.py")]
+    cli = [sys.executable, "-m", "jaxserve", "convert"]
     bad = subprocess.run(cli + [str(tmp_path / "nope"), str(tmp_path / "out")],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
@@ -345,7 +345,7 @@ def test_load_params_first_layers_only(tmp_path, monkeypatch):
 
 
 def test_source_from_path_tells_the_kinds_apart(tmp_path):
-    from jaxserve.model_store import source_from_path
+    from jaxserve.checkpoint.sources import source_from_path
     cfg, params, ckpt = _tiny_saved(tmp_path)
     assert source_from_path(ckpt) == ModelSource(checkpoint=str(ckpt))
     hf = tmp_path / "hf"

@@ -14,15 +14,7 @@ TOOL = ROOT / "tools" / "compile_triton.py"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("compile_triton", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("compile_triton", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-ct = _load_tool()
+from tools import compile_triton as ct  # noqa: E402
 
 
 def _add_kernel(x_ref, y_ref, o_ref):
@@ -93,7 +85,7 @@ def test_without_triton_clear_message():
     # find_spec and import fail, as in a venv without it.
     code = ("import runpy, sys; sys.modules['triton'] = None; "
             f"sys.argv = [{str(TOOL)!r}, '--demo']; "
-            f"runpy.run_path({str(TOOL)!r}, run_name='__main__')")
+            "runpy.run_module('tools.compile_triton', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=ROOT)
     assert proc.returncode != 0

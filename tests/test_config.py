@@ -113,11 +113,11 @@ def test_override_speculative_config_takes_an_object_a_dict_or_none():
 
 
 def test_command_line_sampler_limits_reach_the_engine_config():
-    """serve.py / python -m jaxserve.batch: --max-logprobs and --max-logit-bias set
+    """serve.py / jaxserve batch: --max-logprobs and --max-logit-bias set
     SamplerConfig; a refused value is a ConfigError naming the field."""
     import argparse
 
-    from jaxserve.cli_args import add_engine_flags, engine_config
+    from jaxserve.cli.args import add_engine_flags, engine_config
 
     ap = argparse.ArgumentParser()
     add_engine_flags(ap)

@@ -1,4 +1,4 @@
-"""cpu_kernels.argmax_logsumexp: the C++ kernel against its plain-jnp reference (ties, a
+"""jaxserve.kernels.cpu.argmax_logsumexp: the C++ kernel against its plain-jnp reference (ties, a
 vocabulary that is not a multiple of the vector width, extreme values, NaN and -inf rows),
 its portable build, input checks, and the sampler on both implementations."""
 
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_reference
-from jaxserve import sampling
-from jaxserve.sampling import SamplingBatch
+from jaxserve.kernels.cpu.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_reference
+from jaxserve.sample import sampler as sampling
+from jaxserve.sample.sampler import SamplingBatch
 
 SEED = 20261124
 

@@ -1,4 +1,4 @@
-"""cpu_kernels.bf16_matmul: the packing round trip, the C++ kernel against its plain-jnp
+"""jaxserve.kernels.cpu.bf16_matmul: the packing round trip, the C++ kernel against its plain-jnp
 reference (every row-block remainder, 64- and 16-column panels, a tied LM head packed from
 [vocab, embed]), input checks, and the packed weights inside the model."""
 
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.bf16_matmul import (bf16_dot_speedup, bf16_matmul, bf16_matmul_reference,
-                                     can_pack, pack_weight, panel_width, unpack_weight)
+from jaxserve.kernels.cpu.bf16_matmul import (bf16_dot_speedup, bf16_matmul, bf16_matmul_reference,
+                                              can_pack, pack_weight, panel_width, unpack_weight)
 
 SEED = 20261123
 
@@ -84,7 +84,7 @@ def test_kernel_keeps_x_in_f32():
 
 def test_portable_path_matches_reference(portable_cpu_kernels):
     """The loop machines without AVX-512 run."""
-    from cpu_kernels.bf16_matmul import _check_operands
+    from jaxserve.kernels.cpu.bf16_matmul import _check_operands
 
     jax.ffi.register_ffi_target("jaxserve_bf16_matmul_portable_test",
                                 jax.ffi.pycapsule(portable_cpu_kernels.JaxserveBf16Matmul),
@@ -147,8 +147,8 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
     whose weights are rounded to bf16 (x, products and sums f32), up to summation order, on
     prefill and decode, with the LM head tied (packed from [vocab, embed])."""
     from jaxserve.model.params import init_params
-    from jaxserve.model.quantized import (PROJECTIONS, DualPrecisionWeight, FusedWeight,
-                                          dual_precision, dual_precision_params)
+    from jaxserve.model.linear import (PROJECTIONS, DualPrecisionWeight, FusedWeight,
+                                       dual_precision, dual_precision_params)
     from jaxserve.model.transformer import Kernels
     from model_utils import PagedDriver, tiny_config
 

@@ -1,4 +1,4 @@
-"""cpu_kernels.paged_attention: the C++ FFI kernel against its plain-jnp reference (decode and
+"""jaxserve.kernels.cpu.paged_attention: the C++ FFI kernel against its plain-jnp reference (decode and
 packed ragged prefill, GQA, the compile-time and generic head dims, every work split), that it
 reads only a row's own live slots, its input checks, and the library build cache."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.paged_attention import paged_attention, paged_attention_reference
+from jaxserve.kernels.cpu.paged_attention import paged_attention, paged_attention_reference
 from kernel_utils import shuffled_pool
 
 SEED = 20261123
@@ -102,7 +102,7 @@ def test_bf16_pool_matches_reference_on_the_widened_pool():
         np.testing.assert_allclose(out, ref, atol=ATOL, rtol=ATOL)
         f32 = np.asarray(paged_attention_reference(**dict(args, k_pages=clean[0], v_pages=clean[1])))
         assert 1e-4 < np.abs(out - f32).max() < 5e-2, "bf16 rounds the K/V, a little"
-        # the engine stores a bf16 pool as its uint16 bits (jaxserve.kv_cache): the same
+        # the engine stores a bf16 pool as its uint16 bits (jaxserve.model.kv_cache): the same
         bits = {n: jax.lax.bitcast_convert_type(args[n], jnp.uint16) for n in ("k_pages", "v_pages")}
         np.testing.assert_array_equal(np.asarray(paged_attention(**dict(args, **bits))), out)
         np.testing.assert_array_equal(np.asarray(paged_attention_reference(**dict(args, **bits))), ref)
@@ -185,7 +185,7 @@ def test_bad_inputs_name_the_field(field, value, match):
 
 def test_library_is_built_once_and_cached(tmp_path, cpu_kernels_library):
     """The cached file is keyed by what goes into it, and a second load reuses it."""
-    from cpu_kernels import build
+    from jaxserve.kernels.cpu import build
     key_a = build._build_key(build.find_compiler(), sorted(build.SOURCE_DIR.glob("*.cc")))
     src = tmp_path / "extra.cc"
     src.write_text("// a change to any source changes the key\n")
@@ -196,7 +196,7 @@ def test_library_is_built_once_and_cached(tmp_path, cpu_kernels_library):
 
 
 def test_a_failed_build_names_the_compiler_output(tmp_path):
-    from cpu_kernels import build
+    from jaxserve.kernels.cpu import build
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++\n")
     with pytest.raises(build.KernelBuildError, match="compiling the CPU kernels failed"):

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from jaxserve.tokenization.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 TEXTS = {
     "ascii": "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -1,7 +1,6 @@
 """The distributed path from the command line: serve.py's model, load and parallel flags
 (vLLM's names), the deployment errors they give, and big configs on simulated devices."""
 
-import importlib.util
 import json
 import os
 import re
@@ -15,13 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _tool(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -65,7 +57,7 @@ def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cac
     placeholder tokenizer decoding the ids. ~8 GB of host memory (the weights)."""
     import httpx
 
-    bench_serving = _tool("bench_serving")
+    from jaxserve.bench import serve as bench_serving
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "serve.log"
@@ -145,7 +137,7 @@ def _launch_pair(tmp_path, cache_dir, parallel=("--tensor-parallel-size", "4")):
     localhost; returns (processes, API base URL, logs) once process 0 is ready."""
     import httpx
 
-    bench_serving = _tool("bench_serving")
+    from jaxserve.bench import serve as bench_serving
     port, coord = bench_serving.free_port(), bench_serving.free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}

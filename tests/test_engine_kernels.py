@@ -23,13 +23,12 @@ import numpy as np
 import pytest
 
 from jaxserve.config import (ConfigError, EngineConfig, KernelConfig, load_config,
-                             resolve_attention_impl,
-                             resolve_impl)
-from jaxserve.engine.buckets import StepShapes
-from jaxserve.kv_cache import abstract_kv_cache, num_pages_for_budget
+                             resolve_attention_impl, resolve_impl)
+from jaxserve.worker.compilation import StepShapes
+from jaxserve.model.kv_cache import abstract_kv_cache, num_pages_for_budget
 from jaxserve.model.attention import PallasAttention
 from jaxserve.model.params import abstract_params, init_params
-from jaxserve.model.quantized import PROJECTIONS, QuantizedWeight, quantize_params
+from jaxserve.model.linear import PROJECTIONS, QuantizedWeight, quantize_params
 from jaxserve.model.transformer import Kernels
 from model_utils import PagedDriver, tiny_config
 
@@ -119,8 +118,8 @@ def test_cpu_attention_in_the_model_matches_xla(kv_dtype, cpu_kernels_library):
 
 
 def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_library):
-    from cpu_kernels import build
-    from jaxserve.kernels import select_kernels
+    from jaxserve.kernels.cpu import build
+    from jaxserve.worker.kernel_selection import select_kernels
 
     auto = KernelConfig()
     assert select_kernels(auto, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "xla", "cpu")
@@ -226,8 +225,8 @@ def _lower(fn, *specs) -> str:
 
 def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     """(name, fn, specs) for every distinct kernel call the engine's warm-up shapes make."""
-    from pallas_kernels.flash_attention import flash_attention
-    from pallas_kernels.paged_attention import paged_attention
+    from jaxserve.kernels.pallas.flash_attention import flash_attention
+    from jaxserve.kernels.pallas.paged_attention import paged_attention
 
     S = jax.ShapeDtypeStruct
     H, K, Dh, ps = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, ecfg.cache.page_size
@@ -248,7 +247,7 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
 
 
 def _matmul_calls(model_cfg, ecfg: EngineConfig, dtype):
-    from pallas_kernels.quantized_matmul import quantized_matmul
+    from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul
 
     S = jax.ShapeDtypeStruct
     layer = abstract_params(model_cfg).layers[0]
@@ -303,7 +302,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     """The jitted engine step (forward, logits, sampling; a verify step: logits at every
     row, rejection sampling) of a SmolLM2-shaped model with Pallas attention and int8
     Pallas matmuls, bf16, lowered for CUDA."""
-    from jaxserve.engine.runner import StepKey, _abstract_inputs, _step, _verify_step
+    from jaxserve.worker.runner import StepKey, _abstract_inputs, _step, _verify_step
 
     cfg = tiny_config(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       num_layers=2, vocab_size=4096, dtype="bfloat16")
@@ -328,7 +327,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
 
 
 def test_bf16_models_on_cpu_resolve_to_the_packed_cpp_matmul():
-    from jaxserve.kernels import resolve_kernel_config
+    from jaxserve.worker.kernel_selection import resolve_kernel_config
     auto = KernelConfig()
     assert resolve_kernel_config(auto, "cpu", "bfloat16").bf16_matmul_min_rows == 1
     for platform, dtype in (("cpu", "float32"), ("gpu", "bfloat16")):
@@ -339,8 +338,8 @@ def test_bf16_models_on_cpu_resolve_to_the_packed_cpp_matmul():
 
 
 def test_bf16_weights_pack_losslessly_and_panels_split_over_shards(cpu_kernels_library):
-    from cpu_kernels.bf16_matmul import unpack_weight
-    from jaxserve.model.quantized import dual_precision
+    from jaxserve.kernels.cpu.bf16_matmul import unpack_weight
+    from jaxserve.model.linear import dual_precision
 
     w = jax.random.normal(jax.random.key(0), (64, 96)).astype(jnp.bfloat16)
     d = dual_precision(w, 1, packed=True)
@@ -362,8 +361,8 @@ def test_quant_groups_must_fit_each_devices_rows():
     input rows over 4 devices are 16 each, which a group of 32 would straddle."""
     from jaxserve.config import ParallelConfig
     from jaxserve.model.params import abstract_params
-    from jaxserve.model.quantized import quantize_params
-    from jaxserve.sharding import ShardingRules, make_abstract_mesh
+    from jaxserve.model.linear import quantize_params
+    from jaxserve.distributed.sharding import ShardingRules, make_abstract_mesh
     from model_utils import tiny_config
 
     cfg = tiny_config(num_heads=4, num_kv_heads=4, head_dim=16, hidden_size=64,

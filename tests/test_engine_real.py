@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import engine_utils
-from jaxserve import SamplingParams, compile_counter
+from jaxserve import SamplingParams
+from jaxserve.worker import compile_counter
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -232,7 +233,7 @@ def test_background_warmup_serves_at_once_and_compiles_each_shape_once(cache_dir
     from jaxserve.config import load_config
 
     engine = build_engine(load_config(SMALL_CONFIG), cache_dir, warmup="background")
-    from jaxserve.engine.runner import StepKey
+    from jaxserve.worker.runner import StepKey
     all_shapes = {StepKey(*shape) for shape in engine.runner.shapes.warmup()}
     assert engine.stats()["warmup_pending"] == len(all_shapes) - 2 > 0
     llm = LLM(engine=engine)

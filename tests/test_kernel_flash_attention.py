@@ -1,4 +1,4 @@
-"""pallas_kernels.flash_attention: the ragged paged prefill kernel (interpret mode) against its
+"""jaxserve.kernels.pallas.flash_attention: the ragged paged prefill kernel (interpret mode) against its
 plain-jnp reference, the reference against an independent float64 numpy causal softmax,
 input validation, and CUDA lowering at the engine's shapes.
 
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from jaxserve.kernels.pallas.flash_attention import flash_attention, flash_attention_reference
 from kernel_utils import shuffled_pool
 
 INTERPRET = "pallas_interpret"

@@ -1,4 +1,4 @@
-"""pallas_kernels.paged_attention: the paged decode kernel (interpret mode) against its plain-jnp
+"""jaxserve.kernels.pallas.paged_attention: the paged decode kernel (interpret mode) against its plain-jnp
 reference, the reference against an independent float64 numpy softmax, int8 / fp8 pages,
 input validation, and CUDA lowering at the engine's shapes.
 
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from kernel_utils import shuffled_pool
-from pallas_kernels.common import FP8_E4M3, INT8
-from pallas_kernels.paged_attention import (_default_blocks, paged_attention,
-                                            paged_attention_reference)
+from jaxserve.kernels.pallas.common import FP8_E4M3, INT8
+from jaxserve.kernels.pallas.paged_attention import (_default_blocks, paged_attention,
+                                                     paged_attention_reference)
 
 INTERPRET = "pallas_interpret"
 # Kernel vs reference: same inputs, f32 scores and softmax in both; they differ by the f32

@@ -1,4 +1,4 @@
-"""pallas_kernels.quantized_matmul: the Pallas kernel (interpret mode) against its plain-jnp
+"""jaxserve.kernels.pallas.quantized_matmul: the Pallas kernel (interpret mode) against its plain-jnp
 reference, the reference against an independent numpy dequantise-then-matmul, the
 quantisation round trip, input validation, and CUDA lowering at the engine's shapes."""
 
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quantized_matmul import (quantize_weights, quantized_matmul,
-                                             quantized_matmul_reference)
+from jaxserve.kernels.pallas.quantized_matmul import (quantize_weights, quantized_matmul,
+                                                      quantized_matmul_reference)
 
 INTERPRET = "pallas_interpret"
 # Kernel vs reference. Both see the same x values and exactly representable weights, so

@@ -97,7 +97,7 @@ def hf_dir(tmp_path_factory, hf_smollm2_model, hf_smollm2_tokenizer):
 @pytest.fixture(scope="module")
 def server_url(small_llm):
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server import build_app
+    from jaxserve.entrypoints.openai.api_server import build_app
     engine = small_llm.engine
     bridge = AsyncEngine(engine)
     app = build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len)

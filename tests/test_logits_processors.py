@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from engine_utils import TINY_CFG, run_staggered, tiny_engine, tiny_params
-from jaxserve.logits_processors import (NO_LIMIT, LogitsControls, apply_controls,
-                                        bias_entries, history, write_token_pool)
-from jaxserve.sampling import SamplingBatch, sample, sample_controlled, top_logprobs
+from jaxserve.sample.logits_processors import (NO_LIMIT, LogitsControls, apply_controls,
+                                               bias_entries, history, write_token_pool)
+from jaxserve.sample.sampler import SamplingBatch, sample, sample_controlled, top_logprobs
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 
 V = 12

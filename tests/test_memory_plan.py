@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ConfigError, load_config
-from jaxserve.memory_plan import GiB, plan_memory
+from jaxserve.worker.memory_plan import GiB, plan_memory
 from jaxserve.model.params import abstract_params
-from jaxserve.sharding import ShardingRules, make_abstract_mesh
+from jaxserve.distributed.sharding import ShardingRules, make_abstract_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_uneven_heads_fall_back_to_replication():
 
 
 def test_plan_memory_tool_runs():
-    out = subprocess.run([sys.executable, str(ROOT / "tools/plan_memory.py"), "--config",
+    out = subprocess.run([sys.executable, "-m", "jaxserve", "plan-memory", "--config",
                           str(ROOT / "configs/llama70b.py")], capture_output=True, text=True, check=True)
     assert "weights / device" in out.stdout and "16.43 GiB" in out.stdout
 
@@ -82,8 +82,8 @@ def test_prepared_weight_bytes_equal_the_prepared_arrays(kernels):
     """The plan traces prepare_params abstractly: its bytes are those of the real prepared
     tree (quantised values and scales, bf16 copies)."""
     from jaxserve.config import KernelConfig, ParallelConfig
-    from jaxserve.kernels import prepare_params
-    from jaxserve.memory_plan import prepared_weight_bytes
+    from jaxserve.worker.kernel_selection import prepare_params
+    from jaxserve.worker.memory_plan import prepared_weight_bytes
     from jaxserve.model.params import init_params
     from jaxserve.model.transformer import Kernels
     from model_utils import tiny_config

@@ -112,7 +112,7 @@ def test_bf16_pool_stores_bits_of_the_rounded_kv(layout):
     (layer 0, from the embeddings alone: exactly); the logits stay within 5% of the f32
     pool's largest."""
     import jax.numpy as jnp
-    from kernel_ops import kv_values
+    from jaxserve.kernels.common import kv_values
     cfg = CONFIGS["gqa2"]
     params = _params(cfg, 6)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 12).tolist()
@@ -140,7 +140,7 @@ def test_kv_write_updates_the_donated_pool_in_place(dtype, layout):
     donated pool in place. (A pool held as bfloat16 arrays failed this on XLA:CPU: the write
     became convert(pool -> f32), update, convert back, 8x a layer's pool in temporaries.)"""
     import jax.numpy as jnp
-    from jaxserve.kv_cache import abstract_kv_cache
+    from jaxserve.model.kv_cache import abstract_kv_cache
     from jaxserve.model.transformer import StepBatch, forward
     cfg = CONFIGS["gqa2"]
     params = _params(cfg, 0)
@@ -173,7 +173,7 @@ def test_dual_precision_weights_pick_by_rows():
     what the same row gives inside a larger batch."""
     import jax.numpy as jnp
     from jaxserve.config import ConfigError, KernelConfig
-    from jaxserve.model.quantized import DualPrecisionWeight, dense, dual_precision_params
+    from jaxserve.model.linear import DualPrecisionWeight, dense, dual_precision_params
 
     cfg = CONFIGS["gqa4_tied"]
     params = _params(cfg, 6)
@@ -218,8 +218,8 @@ def test_dual_precision_weights_pick_by_rows():
 def test_rope_tables_are_computed_once_per_step():
     """XLA:CPU fused the cos / sin of rope_tables into every layer's q and k rotation,
     recomputing them per element; the compiled step must hold a single cosine and sine."""
-    from jaxserve.engine.batch import empty_batch
-    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.worker.input_batch import empty_batch
+    from jaxserve.model.kv_cache import init_kv_cache
     from model_utils import _fwd
 
     cfg = CONFIGS["gqa2"]

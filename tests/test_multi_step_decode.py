@@ -20,12 +20,12 @@ import pytest
 
 from engine_utils import TINY_CFG as CFG, TINY_ECFG as ECFG, TINY_PAGE as PAGE
 from engine_utils import run_staggered, tiny_engine, tiny_params
-from jaxserve.engine.batch import step_batch
+from jaxserve.engine.batch_builder import step_batch
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.runner import Runner
+from jaxserve.worker.runner import Runner
 from jaxserve.engine.scheduler import StepPlan
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence
-from jaxserve.kv_cache import init_kv_cache
+from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.transformer import Kernels
 from jaxserve.sampling_params import SamplingParams
 

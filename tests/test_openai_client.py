@@ -108,7 +108,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_checkpoint):
-    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.tokenization.tokenizer import Tokenizer
     return Tokenizer.from_dir(smollm2_checkpoint)
 
 

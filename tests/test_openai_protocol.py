@@ -3,30 +3,27 @@ and range gives a 400 naming it, malformed bodies of any kind give a 400 (never 
 exception), valid requests give the expected ParsedRequest, and the OpenAPI document is
 self-contained and agrees with what the server sends."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from fake_engine import tiny_tokenizer
 from jaxserve.config import ServerConfig
-from jaxserve.openai_models import (ChatCompletionChunk, ChatCompletionRequest,
-                                    ChatCompletionResponse, CompletionChunk, CompletionRequest,
-                                    CompletionResponse, ErrorResponse, ModelList)
-from jaxserve.openai_protocol import (CHAT, COMPLETION, MAX_CHOICES, ApiError, ParsedRequest,
-                                      RequestLimits,
-                                      parse_chat_request, parse_completion_request, usage)
-from jaxserve.openapi import openapi_schema
+from jaxserve.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
+                                                  ChatCompletionResponse, CompletionChunk,
+                                                  CompletionRequest, CompletionResponse,
+                                                  ErrorResponse, ModelList)
+from jaxserve.entrypoints.openai.request import (MAX_CHOICES, ApiError, ParsedRequest,
+                                                 RequestLimits, parse_chat_request,
+                                                 parse_completion_request)
+from jaxserve.entrypoints.openai.response import CHAT, COMPLETION, usage
+from jaxserve.entrypoints.openai.openapi import openapi_schema
 from jaxserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenization.tokenizer import Tokenizer
 
-_spec = importlib.util.spec_from_file_location(
-    "request_fuzz", Path(__file__).resolve().parent.parent / "tools" / "request_fuzz.py")
-request_fuzz = sys.modules["request_fuzz"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(request_fuzz)
+from tools import request_fuzz  # noqa: E402
+
 request_strategies, dump_body = request_fuzz.request_strategies, request_fuzz.dump_body
 
 TOK = tiny_tokenizer()

@@ -16,12 +16,12 @@ import pytest
 
 from jaxserve.config import (ConfigError, EngineConfig, ModelConfig, ParallelConfig,
                              SpeculativeConfig, check_deployment, load_config)
-from jaxserve.kv_cache import abstract_kv_cache
-from jaxserve.memory_plan import plan_memory
+from jaxserve.model.kv_cache import abstract_kv_cache
+from jaxserve.worker.memory_plan import plan_memory
 from jaxserve.model.params import init_params
 from jaxserve.model.pipeline import microbatches_for, split_microbatches
 from jaxserve.model.transformer import Kernels, StepBatch, _decoder_layers
-from jaxserve.sharding import ShardingRules, make_abstract_mesh
+from jaxserve.distributed.sharding import ShardingRules, make_abstract_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,7 +111,7 @@ def test_a_zero_layer_is_the_identity():
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True)
     layer = jax.tree.map(jnp.zeros_like, init_params(cfg, jax.random.key(0)).layers[0])
-    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.model.kv_cache import init_kv_cache
     cache = init_kv_cache(cfg, 4, 4, "float32")
     b = ragged_batch([3, 2], [0, 1], 6, P=1)
     b = dataclasses.replace(b, block_tables=np.array([[1], [2]], np.int32),
@@ -172,7 +172,7 @@ def test_llama70b_plan_over_two_stages_halves_layers_and_pool():
 
 
 def test_plan_memory_tool_prints_both_llama70b_deployments():
-    tool = [sys.executable, str(ROOT / "tools/plan_memory.py"), "--config",
+    tool = [sys.executable, "-m", "jaxserve", "plan-memory", "--config",
             str(ROOT / "configs/llama70b.py")]
     tp8 = subprocess.run(tool + ["-tp", "8"], capture_output=True, text=True, check=True).stdout
     pp2 = subprocess.run(tool + ["-tp", "8", "-pp", "2"], capture_output=True, text=True,

@@ -98,7 +98,7 @@ def test_real_model_n_choices_fork_from_one_prefill(small_llm):
     from starlette.testclient import TestClient
 
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server import build_app
+    from jaxserve.entrypoints.openai.api_server import build_app
 
     engine = small_llm.engine
     bridge = AsyncEngine(engine)

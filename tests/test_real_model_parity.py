@@ -99,7 +99,7 @@ PARITY_CASES += [("long", "f32", "xla"), ("long", "bf16_kv", "xla")]
                          ids=["-".join(c) for c in PARITY_CASES])
 def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, model,
                                         hf_smollm2_model, cpu_kernels_library):
-    from jaxserve.model.quantized import dual_precision_params
+    from jaxserve.model.linear import dual_precision_params
     from jaxserve.model.transformer import Kernels
     from model_utils import PagedDriver
     cfg, params = model

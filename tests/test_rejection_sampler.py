@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.sampling import SamplingBatch
+from jaxserve.sample.sampler import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.spec_decode.rejection_sampler import rejection_sample
+from jaxserve.sample.rejection_sampler import rejection_sample
 
 ALPHA = 1e-3   # significance of every chi-square test below
 N = 20_000     # independent draws (rows, each with its own seed) per test

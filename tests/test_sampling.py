@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampling import SamplingBatch, sample
+from jaxserve.sample.sampler import SamplingBatch, sample
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 
 _sample = jax.jit(sample)
@@ -106,7 +106,7 @@ def test_invalid_params_name_the_field(field, value):
 
 
 def test_argmax_last_matches_numpy_including_ties():
-    from jaxserve.sampling import argmax_last
+    from jaxserve.kernels.sampling_ops import argmax_last
     rng = np.random.default_rng(11)
     x = rng.integers(-3, 4, (64, 37)).astype(np.float32)  # many ties: the first one wins
     x[5] = -np.inf

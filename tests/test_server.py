@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from fake_engine import FakeEngine, tiny_tokenizer
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server import build_app
+from jaxserve.entrypoints.openai.api_server import build_app
 
 REPLY = "Hi there! 😀 Bye."
 MAX_LEN = 64

@@ -14,8 +14,8 @@ from starlette.testclient import TestClient
 from fake_engine import FakeEngine, tiny_tokenizer
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.metrics import Metrics
-from jaxserve.server import Lifecycle, build_app
+from jaxserve.entrypoints.metrics import Metrics
+from jaxserve.entrypoints.openai.api_server import Lifecycle, build_app
 
 REPLY = "Hi there! 😀 Bye."
 MODEL = "fake-model"
@@ -143,7 +143,7 @@ def test_failures_carry_no_exception_text(served, monkeypatch):
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     assert '"server_error"' in r.text and "injected" not in r.text
     fake.add_request = real_add
-    import jaxserve.openai_serving as serving_module  # a bug in parsing: 500, fixed text, served on
+    import jaxserve.entrypoints.openai.serving as serving_module  # a bug in parsing: 500, fixed text, served on
     monkeypatch.setattr(serving_module, "parse_completion_request", lambda *a: 1 / 0)
     r = client.post(COMP, json={"prompt": "Hi"})
     error_of(r, 500)

@@ -15,11 +15,9 @@ crowd of careless and hostile clients meets it, through tools/stress_server.py:
   server).
 """
 
-import importlib.util
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -38,15 +36,8 @@ SHUTDOWN_TIMEOUT_S = 3
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-stress_server = _tool("stress_server")
-bench_serving = sys.modules["bench_serving"]
+from jaxserve.bench import serve as bench_serving  # noqa: E402
+from tools import stress_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

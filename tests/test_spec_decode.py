@@ -549,7 +549,7 @@ def _planned_as_built(llm):
     target's."""
     from conftest import SMALL_CONFIG
     from jaxserve.config import load_config
-    from jaxserve.memory_plan import plan_memory
+    from jaxserve.worker.memory_plan import plan_memory
     eng = llm.engine
     config = load_config(SMALL_CONFIG).replace(engine=eng.engine_config)
     plan = plan_memory(config, eng.model_config)
@@ -594,8 +594,8 @@ def test_flag_and_metrics():
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from jaxserve.cli_args import add_engine_flags, engine_config
-    from jaxserve.metrics import Metrics
+    from jaxserve.cli.args import add_engine_flags, engine_config
+    from jaxserve.entrypoints.metrics import Metrics
 
     ap = argparse.ArgumentParser()
     add_engine_flags(ap)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from engine_utils import tiny_engine, tiny_params
-from jaxserve.logits_processors import apply_bitmask, bitmask_words
+from jaxserve.sample.logits_processors import apply_bitmask, bitmask_words
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
-from jaxserve.structured_output import GrammarTokenizer, StructuredOutput
+from jaxserve.sample.grammar import GrammarTokenizer, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                            "tag": {"enum": ["red", "blue"]}},

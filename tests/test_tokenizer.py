@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fake_engine import CHATML_TEMPLATE, tiny_tokenizer
-from jaxserve.tokenizer import ChatTemplateError, Tokenizer
+from jaxserve.tokenization.tokenizer import ChatTemplateError, Tokenizer
 
 SMOLLM2_CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                 "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
@@ -105,7 +105,7 @@ def test_template_errors():
 
 
 def test_placeholder_tokenizer_bytes_specials_and_every_id():
-    from jaxserve.tokenizer import placeholder_tokenizer
+    from jaxserve.tokenization.tokenizer import placeholder_tokenizer
     tok = placeholder_tokenizer(1000, bos_token_id=998, eos_token_ids=(999, 997))
     text = "héllo, wörld ✓"
     ids = tok.encode(text)

@@ -25,13 +25,13 @@ import jax
 import numpy as np
 
 from jaxserve.config import KernelConfig, ParallelConfig
-from jaxserve.kernels import prepare_params, select_kernels
-from jaxserve.kv_cache import init_kv_cache
+from jaxserve.worker.kernel_selection import prepare_params, select_kernels
+from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.params import init_params, param_shardings
 from jaxserve.model.pipeline import StagedLayers, stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.model.transformer import StepBatch, compute_logits, forward
-from jaxserve.sharding import ShardingRules, make_mesh
+from jaxserve.distributed.sharding import ShardingRules, make_mesh
 
 VARIANTS = {
     "xla": KernelConfig(attention_impl="xla", matmul_impl="xla", sampling_impl="xla"),

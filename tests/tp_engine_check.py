@@ -22,7 +22,7 @@ from jaxserve.api import LLM, _model_config
 from jaxserve.checkpoint import load_params
 from jaxserve.config import ParallelConfig, load_config
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sharding import ShardingRules, make_mesh
+from jaxserve.distributed.sharding import ShardingRules, make_mesh
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_small.py"
 PROMPTS = ["The capital of France is", "Write a haiku about rain.",

@@ -1,5 +1,5 @@
 """Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=16: the
-engine's step (jaxserve.engine.runner._step: forward, LM head, sampler) for
+engine's step (jaxserve.worker.runner._step: forward, LM head, sampler) for
 configs/llama70b.py at tensor parallel 8, on abstract shapes (nothing allocated), a decode
 and a mixed bucket:
 
@@ -29,13 +29,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ParallelConfig, load_config
-from jaxserve.engine.runner import StepKey, _abstract_inputs, _step
-from jaxserve.kv_cache import abstract_kv_cache
+from jaxserve.worker.runner import StepKey, _abstract_inputs, _step
+from jaxserve.model.kv_cache import abstract_kv_cache
 from jaxserve.model.params import abstract_params
 from jaxserve.model.pipeline import StagedLayers, layers_per_stage
 from jaxserve.model.tensor_parallel import layer_specs
 from jaxserve.model.transformer import Kernels
-from jaxserve.sharding import ShardingRules, make_mesh
+from jaxserve.distributed.sharding import ShardingRules, make_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = (StepKey("decode", 64, 64, 32, 1), StepKey("mixed", 512, 16, 32, 1))

@@ -2,7 +2,7 @@
 without: the ratio to print is each run's longest pause during the prompt's prefill over
 the longest pause before it arrived (issue 14's target with chunking: <= 2x).
 
-    python tools/bench_chunked_prefill.py [--config configs/smollm2_135m.py] [--streams 16]
+    python -m tools.bench_chunked_prefill [--config configs/smollm2_135m.py] [--streams 16]
         [--prompt-tokens 1900] [--json out.json]
 
 For each mode (`--enable-chunked-prefill`, then `--no-enable-chunked-prefill
@@ -24,16 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-from bench_serving import (BenchRequest, BenchmarkError, DEFAULT_CONFIG,  # noqa: E402
-                           get_model_id, launched_server, make_client, run_tool, send_request,
-                           word_prompt)
+from jaxserve.bench.serve import (BenchRequest, BenchmarkError, DEFAULT_CONFIG, get_model_id,
+                                  launched_server, make_client, run_tool, send_request, word_prompt)
 
 
 def event_times(result) -> list[float]:

@@ -1,7 +1,7 @@
 """Compare jaxserve with its peers (llama.cpp's llama-server, HF transformers) on this machine.
 
-    python tools/bench_peers.py --setup-only                 # build / download the peers once
-    python tools/bench_peers.py [--peers jaxserve,jaxserve-eagle,llamacpp-bf16,llamacpp-q4_1,hf-bf16]
+    python -m tools.bench_peers --setup-only                 # build / download the peers once
+    python -m tools.bench_peers [--peers jaxserve,jaxserve-eagle,llamacpp-bf16,llamacpp-q4_1,hf-bf16]
                                 [--concurrency 32] [--output-len 128] [--num-prompts 64]
                                 [--result-json out.json] [--cache-dir DIR] [--config CFG]
 
@@ -38,7 +38,7 @@ Workload, the same for every peer:
   (iii) --num-prompts prompts at --concurrency concurrent streams, --output-len tokens
         each -> aggregate output tok/s (server peers); a static batch of --concurrency
         prompts, left-padded, per generate() call (HF)
-(i) and (iii) use tools/bench_serving.py (load_dataset, run_benchmark) for server peers.
+(i) and (iii) use jaxserve.bench.serve (load_dataset, run_benchmark) for server peers.
 
 Code: this file is the command line, the workload and the run; tools/peers/ holds what it
 drives: common.py (names, processes, servers, the cache), llamacpp.py (build, GGUFs,
@@ -49,7 +49,7 @@ ratio jaxserve/peer for throughputs and peer/jaxserve for latencies (so > 1 alwa
 jaxserve is better); then each speculative peer against its plain sibling of the same run
 (decode tok/s at 1 stream, output tok/s at N streams: the speedup speculation gives);
 --result-json also writes everything as JSON. The default workload is chat; speculation
-by n-gram lookup pays on copy-heavy prompts: --dataset tools/data/copy_prompts.jsonl.
+by n-gram lookup pays on copy-heavy prompts: --dataset jaxserve/bench/data/copy_prompts.jsonl.
 """
 
 from __future__ import annotations
@@ -74,17 +74,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: the peers package
-
-from peers.common import (ALL_PEERS, BASELINE, DEFAULT_PEERS, HF_ENV, METRICS, ROOT,  # noqa: E402
-                          SERVED_MODEL, SPEC_CONFIGS, TOOLS, TTFT_PASSAGE, TTFT_PROMPT_TOKENS, TTFT_REPEATS,
-                          Server, SetupError, cpu_model, default_cache_dir, free_port,
-                          run_logged)
-from peers.hf import hf_tokenizer, hf_worker, run_hf_peer  # noqa: E402
-from peers.llamacpp import (LlamaCpp, llama_ngram_flags, llama_server_cmd,  # noqa: E402
-                            llama_server_flags, setup_bf16_gguf, setup_llamacpp, setup_q4_1_gguf)
-from peers.report import (fmt_value, combine_bandwidth, describe_bandwidth,  # noqa: E402
-                          format_ratio_table, format_speculation, measure_bandwidth_bound, ratio, summarise_serving)
+from tools.peers.common import (ALL_PEERS, BASELINE, DEFAULT_PEERS, HF_ENV, METRICS, ROOT,
+                                SERVED_MODEL, SPEC_CONFIGS, TTFT_PASSAGE, TTFT_PROMPT_TOKENS,
+                                TTFT_REPEATS, Server, SetupError, cpu_model, default_cache_dir,
+                                free_port, run_logged)
+from tools.peers.hf import hf_tokenizer, hf_worker, run_hf_peer
+from tools.peers.llamacpp import (LlamaCpp, llama_ngram_flags, llama_server_cmd, llama_server_flags,
+                                  setup_bf16_gguf, setup_llamacpp, setup_q4_1_gguf)
+from tools.peers.report import (fmt_value, combine_bandwidth, describe_bandwidth,
+                                format_ratio_table, format_speculation, measure_bandwidth_bound,
+                                ratio, summarise_serving)
 
 
 def jaxserve_cmd(python: str, config: str, port: int, cache_dir: str | None = None) -> list[str]:
@@ -135,7 +134,7 @@ def setup_ttft_prompts(cache: Path, q4_path: Path) -> list[list[int]]:
     key = hashlib.sha256(f"{TTFT_PASSAGE}|{TTFT_PROMPT_TOKENS}|{TTFT_REPEATS}".encode()).hexdigest()[:10]
     out = cache / "models" / f"ttft_{TTFT_PROMPT_TOKENS}_prompts-{key}.json"
     if not out.is_file():
-        code = (f"import sys; sys.path.insert(0, {str(TOOLS)!r}); import bench_peers as b; "
+        code = ("import tools.bench_peers as b; "
                 f"from pathlib import Path; b._make_ttft_prompts(Path({str(q4_path)!r}), "
                 f"Path({str(out)!r}))")
         run_logged("tokenising the TTFT prompt", [sys.executable, "-c", code],
@@ -170,16 +169,10 @@ def setup(cache: Path, peers: Sequence[str], jobs: int = 2) -> Setup:
 
 
 def load_bench_serving():
-    """tools/bench_serving.py as a module (imported by path; tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_serving", TOOLS / "bench_serving.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_serving", mod)
-    spec.loader.exec_module(mod)
-    for name in ("load_dataset", "run_benchmark"):
-        if not hasattr(mod, name):
-            raise SetupError(f"tools/bench_serving.py has no {name}(); this tool needs its "
-                             "load_dataset() and run_benchmark()")
-    return mod
+    """jaxserve.bench.serve (load_dataset, run_benchmark), imported when a peer is run:
+    it imports httpx, which `--help` and the tests of the pure parts do without."""
+    from jaxserve.bench import serve
+    return serve
 
 
 def _call(fn: Callable, **kwargs):

@@ -2,7 +2,7 @@
 are a hit's TTFT over a miss's (issue 14's target: <= 0.25x) and the aggregate output
 tok/s of 32 streams with caching over without.
 
-    python tools/bench_prefix_caching.py [--config configs/smollm2_135m.py]
+    python -m tools.bench_prefix_caching [--config configs/smollm2_135m.py]
         [--system-tokens 1000] [--streams 32] [--output-len 64] [--json out.json]
 
 Two runs, one after the other on an otherwise idle machine: serve.py with
@@ -23,14 +23,10 @@ import asyncio
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-from bench_serving import (BenchRequest, BenchmarkError, DEFAULT_CONFIG,  # noqa: E402
-                           fetch_server_counters, get_model_id, launched_server, make_client,
-                           run_tool, send_request, word_prompt)
+from jaxserve.bench.serve import (BenchRequest, BenchmarkError, DEFAULT_CONFIG,
+                                  fetch_server_counters, get_model_id, launched_server, make_client,
+                                  run_tool, send_request, word_prompt)
 QUESTIONS = ("What is a river?", "Name a planet.", "Why is the sky blue?", "Count to five.",
              "What is bread made of?", "Describe a violin.", "What is a ledger?",
              "Where do orchids grow?")

@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, in one run on the same machine: decode
 tokens per second of each, their ratio, and the acceptance that explains it.
 
-    python tools/bench_speculative.py [--config configs/smollm2_135m.py]
+    python -m tools.bench_speculative [--config configs/smollm2_135m.py]
         [--speculative-config JSON (default: configs/smollm2_135m_ngram.py's n-gram)]
         [--workload copy|chat] [--num-prompts 12] [--streams 1] [--json out.json]
 
@@ -16,8 +16,8 @@ step's rows differently from a decode step's; the count is printed).
 --streams N > 1: both engines with max_num_seqs = N, all prompts submitted at once,
 aggregate output tokens per second of the whole run, plain vs speculative (with
 disable_by_batch_size as the JSON says, cut to N: where speculation switches itself off).
-Workloads: copy = tools/data/copy_prompts.jsonl (edit / quote tasks,
-tools/make_copy_prompts.py), chat = tools/data/bench_prompts.jsonl (the serving
+Workloads: copy = jaxserve/bench/data/copy_prompts.jsonl (edit / quote tasks,
+tools/make_copy_prompts.py), chat = jaxserve/bench/data/bench_prompts.jsonl (the serving
 benchmark's prompts); both rendered with the model's chat template.
 """
 
@@ -30,12 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from jaxserve.bench.serve import DATA_DIR, DEFAULT_CONFIG, DEFAULT_DATASET, read_dataset
 
-from bench_serving import DEFAULT_CONFIG, DEFAULT_DATASET, read_dataset  # noqa: E402
-
-WORKLOADS = {"copy": ROOT / "tools" / "data" / "copy_prompts.jsonl", "chat": DEFAULT_DATASET}
+WORKLOADS = {"copy": DATA_DIR / "copy_prompts.jsonl", "chat": DEFAULT_DATASET}
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ' \
                '"prompt_lookup_min": 1}'  # configs/smollm2_135m_ngram.py's
 

@@ -3,7 +3,7 @@ a batch of free requests (the baseline, measured in the same run) against the sa
 constrained by a JSON schema, and a mixed batch (half and half: the free half's rate
 shows whether constrained neighbours hold it up).
 
-    python tools/bench_structured_output.py [--config configs/smollm2_135m.py]
+    python -m tools.bench_structured_output [--config configs/smollm2_135m.py]
         [--batch 8] [--max-tokens 96] [--repeats 3]
 
 Each request is a chat prompt asking for a JSON person record, sampled at temperature 0.8
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from jaxserve.api import LLM
     from jaxserve.sampling_params import SamplingParams
-    from jaxserve.structured_output import StructuredOutput
+    from jaxserve.sample.grammar import StructuredOutput
     llm = LLM(args.config, cache_dir=args.cache_dir)
     engine, tok = llm.engine, llm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(

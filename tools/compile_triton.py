@@ -7,9 +7,9 @@ the CPU, the Triton-dialect module that Pallas embeds in every
 (TTIR -> TTGIR -> LLVM IR -> PTX) for each explicit target; the `ptxas` that ships inside
 the triton wheel then assembles the PTX to cubin with `-v`, whose report gives the numbers.
 
-    python tools/compile_triton.py                      # our kernels, sm_80 and sm_90
-    python tools/compile_triton.py --arch sm_90 --kernels quantized_matmul --json out.json
-    python tools/compile_triton.py --demo               # JAX's shipped Pallas GPU kernels
+    python -m tools.compile_triton                      # our kernels, sm_80 and sm_90
+    python -m tools.compile_triton --arch sm_90 --kernels quantized_matmul --json out.json
+    python -m tools.compile_triton --demo               # JAX's shipped Pallas GPU kernels
 
 `triton` must be importable; install it in a separate venv (the project venv stays
 triton-free), e.g. one whose site-packages sees the project's through a .pth file.
@@ -43,8 +43,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
 # Newer jaxlibs compile the kernel at lowering time (needs a GPU) and embed PTX instead.
@@ -472,21 +470,21 @@ def demo_configs() -> list[KernelConfig]:
 
 def our_configs(kernels: Sequence[str], log: Callable[[str], None] = print
                 ) -> tuple[list[KernelConfig], list[dict]]:
-    """KernelConfigs of those `kernels` whose module pallas_kernels/<name>.py exists (a
+    """KernelConfigs of those `kernels` whose module jaxserve/kernels/pallas/<name>.py exists (a
     missing one is reported through `log` and skipped), and error rows (see
     compile_config) for modules that fail to import or lack their public function.
     Never raises for a broken kernel module."""
     configs, problems = [], []
     for k in kernels:
-        if not (REPO / "pallas_kernels" / f"{k}.py").exists():
-            log(f"skipped {k}: pallas_kernels/{k}.py does not exist (yet)")
+        if not (REPO / "jaxserve.kernels.pallas" / f"{k}.py").exists():
+            log(f"skipped {k}: jaxserve/kernels/pallas/{k}.py does not exist (yet)")
             continue
         try:
-            module = importlib.import_module(f"pallas_kernels.{k}")
+            module = importlib.import_module(f"jaxserve.kernels.pallas.{k}")
             configs.extend(kernel_configs(k, getattr(module, k)))
         except Exception as e:
             problems.append(dict(config=f"{k}/*", kernel="-", arch="-",
-                                 error=f"import pallas_kernels.{k}: {_one_line(e)}"))
+                                 error=f"import jaxserve.kernels.pallas.{k}: {_one_line(e)}"))
     return configs, problems
 
 
@@ -589,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), help="e.g. sm_80 sm_90")
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
-                    help="which of pallas_kernels/ to compile (those that exist)")
+                    help="which of jaxserve/kernels/pallas/ to compile (those that exist)")
     ap.add_argument("--demo", action="store_true",
                     help="compile JAX's shipped Pallas GPU kernels instead of ours")
     ap.add_argument("--configs", metavar="REGEX", help="only configurations whose label matches")

@@ -1,6 +1,6 @@
-"""Generate tools/data/bench_prompts.jsonl, the workload of tools/bench_serving.py.
+"""Generate jaxserve/bench/data/bench_prompts.jsonl, the workload of `jaxserve bench serve`.
 
-    python tools/make_bench_prompts.py [--out tools/data/bench_prompts.jsonl] [--seed 1234]
+    python -m tools.make_bench_prompts [--out jaxserve/bench/data/bench_prompts.jsonl] [--seed 1234]
 
 Real English prompts, fixed seed, one JSON object per line:
 {"prompt": str, "output_len": int, "prompt_len": int, "source": str}. prompt_len is the
@@ -37,7 +37,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "tools" / "data" / "bench_prompts.jsonl"
+OUT = ROOT / "jaxserve" / "bench" / "data" / "bench_prompts.jsonl"
 
 # How many prompts of each kind.
 COUNTS = {"question": 70, "task": 65, "rewrite": 25, "code": 40, "passage": 175}
@@ -319,7 +319,7 @@ def load_tokenizer():
     """The SmolLM2 tokenizer (tokenizers.Tokenizer) from jaxserve's converted checkpoint."""
     import tokenizers
     from jaxserve.config import load_config
-    from jaxserve.model_store import default_cache_dir, resolve_checkpoint
+    from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
     config = load_config(ROOT / "configs" / "smollm2_135m.py")
     ckpt = resolve_checkpoint(config.source, default_cache_dir())
     return tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))

@@ -1,7 +1,7 @@
-"""Generate tools/data/copy_prompts.jsonl, the copy-heavy workload of speculative decoding's
+"""Generate jaxserve/bench/data/copy_prompts.jsonl, the copy-heavy workload of speculative decoding's
 n-gram benchmark (tools/bench_speculative.py --workload copy).
 
-    python tools/make_copy_prompts.py [--out tools/data/copy_prompts.jsonl] [--seed 7]
+    python -m tools.make_copy_prompts [--out jaxserve/bench/data/copy_prompts.jsonl] [--seed 7]
 
 Tasks whose answer repeats spans of the prompt, as editing and quoting do: rename a
 function in a piece of code and give it back whole, fix the spelling in a paragraph,
@@ -20,10 +20,10 @@ import random
 import re
 from pathlib import Path
 
-from make_bench_prompts import code_snippets, cut_sentences, doc_texts, load_tokenizer
+from tools.make_bench_prompts import code_snippets, cut_sentences, doc_texts, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "tools" / "data" / "copy_prompts.jsonl"
+OUT = ROOT / "jaxserve" / "bench" / "data" / "copy_prompts.jsonl"
 COUNTS = {"rename": 10, "spelling": 8, "replace": 8, "quote": 6}
 OUTPUT_LEN = 192        # tokens asked for: the answers are about as long as the passages
 PASSAGE_TOKENS = (120, 220)

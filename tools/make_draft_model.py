@@ -1,6 +1,6 @@
 """Write a draft model for speculative decoding: the first layers of a config's model.
 
-    python tools/make_draft_model.py OUT [--config configs/smollm2_135m.py] [--num-layers 4]
+    python -m tools.make_draft_model OUT [--config configs/smollm2_135m.py] [--num-layers 4]
     python serve.py --speculative-config '{"method": "draft_model", "model": "OUT",
                                            "num_speculative_tokens": 3}'
 
@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from jaxserve.checkpoint import truncate_checkpoint  # noqa: E402
-from jaxserve.config import load_config  # noqa: E402
-from jaxserve.model_store import default_cache_dir, resolve_checkpoint  # noqa: E402
+from jaxserve.checkpoint import truncate_checkpoint
+from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
+from jaxserve.config import load_config
 
 
 def main(argv=None) -> int:

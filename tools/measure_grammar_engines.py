@@ -8,7 +8,7 @@ int32, the layout all three write), check that the document's next token is allo
 advance. It prints compile time and per-token mask time (mean, p50, p99, max, in us),
 and each engine's mean as a ratio of the fastest one measured in the same run.
 
-    python tools/measure_grammar_engines.py [--repeat 5]
+    python -m tools.measure_grammar_engines [--repeat 5]
 
 The engines are optional here (`pip install llguidance xgrammar outlines-core`); one
 that is not installed is reported as missing. xgrammar's wheel requires torch,
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.tokenizer import byte_chars
+from jaxserve.tokenization.tokenizer import byte_chars
 
 SCHEMA = {
     "type": "object",
@@ -169,7 +169,7 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args(argv)
     from jaxserve.config import load_config
-    from jaxserve.model_store import default_cache_dir, resolve_checkpoint
+    from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
     root = Path(__file__).resolve().parents[1]
     ckpt = resolve_checkpoint(load_config(root / "configs" / "smollm2_135m.py").source,
                               Path(args.cache_dir) if args.cache_dir else default_cache_dir())

@@ -1,6 +1,6 @@
 """Peak host memory of getting a big model's weights onto a tensor-parallel mesh.
 
-    python tools/measure_loading.py [--hidden 4096 --intermediate 14336 --layers 8
+    python -m tools.measure_loading [--hidden 4096 --intermediate 14336 --layers 8
         --heads 32 --kv-heads 8 --vocab 128256] [--tp 4] [--workdir DIR]
 
 Writes a synthetic Hugging Face Llama directory of that shape (bf16 safetensors, one
@@ -43,7 +43,7 @@ if step == "convert":
     print(json.dumps({"base": base, "peak": peak(), "resident": 0}))
 else:
     from jaxserve.config import ParallelConfig
-    from jaxserve.sharding import ShardingRules, make_mesh
+    from jaxserve.distributed.sharding import ShardingRules, make_mesh
     cfg = load_model_config(out)
     rules = ShardingRules(make_mesh(ParallelConfig(tensor_parallel_size=tp))) if tp > 1 else None
     params = load_params(out, cfg, rules)
@@ -59,7 +59,7 @@ def write_hf_dir(d: Path, hidden: int, intermediate: int, layers: int, heads: in
     import torch
     from safetensors.torch import save_file
 
-    from jaxserve.tokenizer import placeholder_tokenizer
+    from jaxserve.tokenization.tokenizer import placeholder_tokenizer
 
     d.mkdir(parents=True, exist_ok=True)
     head_dim = hidden // heads

@@ -1,7 +1,7 @@
 """The pipeline bubble of the real model: stage utilisation with M microbatches over PP
 stages, from measured stage times.
 
-    python tools/measure_pipeline.py [--stages 2,4] [--microbatches 1,2,4,8]
+    python -m tools.measure_pipeline [--stages 2,4] [--microbatches 1,2,4,8]
         [--decode-seqs 16] [--prefill-tokens 512] [--context 256] [--iters 20]
 
 A pipelined step (jaxserve.model.pipeline) runs M + PP - 1 ticks; in each, every stage
@@ -40,11 +40,11 @@ def measure(args) -> dict:
     from jaxserve.api import _model_config
     from jaxserve.checkpoint import load_params
     from jaxserve.config import load_config
-    from jaxserve.kernels import prepare_params, resolve_kernel_config, select_kernels
-    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config, select_kernels
+    from jaxserve.model.kv_cache import init_kv_cache
     from jaxserve.model.pipeline import layers_per_stage, split_microbatches
     from jaxserve.model.transformer import StepBatch, _decoder_layers
-    from jaxserve.model_store import default_cache_dir
+    from jaxserve.checkpoint.sources import default_cache_dir
 
     config = load_config(ROOT / "configs" / "smollm2_135m.py")
     if args.kernels != "auto":

@@ -1,6 +1,6 @@
 """The memory-bandwidth bound of single-stream decode on this machine.
 
-    python tools/membw.py [--config configs/smollm2_135m.py] [--gib 1] [--repeats 7]
+    python -m tools.membw [--config configs/smollm2_135m.py] [--gib 1] [--repeats 7]
         [--samples 1] [--interval 1.0]
 
 Decoding one stream reads every weight once per token, so tokens/s cannot exceed
@@ -37,7 +37,7 @@ def weight_bytes_per_token(model, engine) -> dict[str, int]:
     and left out). model: ModelConfig; engine: EngineConfig (its bf16_matmul_min_rows /
     weight_quant pick the format)."""
     from jaxserve.model.params import param_specs
-    from jaxserve.model.quantized import PROJECTIONS
+    from jaxserve.model.linear import PROJECTIONS
 
     spec = param_specs(model).layers[0]
     layer = sum(math.prod(getattr(spec, name).shape) for name in PROJECTIONS)
@@ -91,7 +91,7 @@ def bound(config_path: str, gib: float = 1.0, repeats: int = 7, samples: int = 1
     serves."""
     from jaxserve.checkpoint import load_model_config
     from jaxserve.config import load_config
-    from jaxserve.model_store import default_cache_dir, resolve_checkpoint
+    from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
 
     cfg = load_config(config_path)
     model = cfg.model
@@ -113,7 +113,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.samples < 1 or args.repeats < 1:
         ap.error("--samples and --repeats must be >= 1")
-    sys.path.insert(0, str(ROOT))
     print(json.dumps(bound(args.config, args.gib, args.repeats, args.samples, args.interval)))
     return 0
 

@@ -1,8 +1,8 @@
 """Stress an OpenAI-compatible server the way a crowd of careless and hostile clients would,
 and check that no request harmed another (issue 13's long run).
 
-    python tools/stress_server.py --launch [--config configs/smollm2_135m.py] [--cache-dir DIR]
-    python tools/stress_server.py --url http://127.0.0.1:8000 [--api-key KEY]
+    python -m tools.stress_server --launch [--config configs/smollm2_135m.py] [--cache-dir DIR]
+    python -m tools.stress_server --url http://127.0.0.1:8000 [--api-key KEY]
         [--streams 256] [--stream-tokens 64] [--fuzz 10000] [--disconnects 256]
         [--seed 0] [--result-json out.json]
 
@@ -32,9 +32,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import DEFAULT_CONFIG, launch  # noqa: E402
-from request_fuzz import dump_body, request_strategies  # noqa: E402
+from jaxserve.bench.serve import DEFAULT_CONFIG, launch
+from tools.request_fuzz import dump_body, request_strategies
 
 PROBE = "The capital of France is"
 LONG_PROMPTS = ["Once upon a time, in a small village by the sea,",

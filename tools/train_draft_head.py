@@ -1,6 +1,6 @@
 """Train an EAGLE-style draft head for a config's model by self-distillation.
 
-    python tools/train_draft_head.py [--config configs/smollm2_135m.py]
+    python -m tools.train_draft_head [--config configs/smollm2_135m.py]
         [--out jaxserve/spec_decode/heads/smollm2_135m] [--work ~/.cache/jaxserve/eagle-train]
         [--num-prompts 640] [--steps 1600] [--seed 0] ...
 
@@ -31,8 +31,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 def log(msg: str) -> None:
@@ -43,8 +41,8 @@ def log(msg: str) -> None:
 
 def training_prompts(n: int, seed: int) -> list[str]:
     """`n` prompts built like the benchmark's with other seeds, none of the benchmark's."""
-    import make_bench_prompts
-    from bench_serving import DEFAULT_DATASET, read_dataset
+    from jaxserve.bench.serve import DEFAULT_DATASET, read_dataset
+    from tools import make_bench_prompts
     bench = {r.prompt for r in read_dataset(DEFAULT_DATASET)}
     out, seen, s = [], set(bench), seed
     while len(out) < n:
@@ -86,7 +84,7 @@ def target_features(ckpt, cfg, seqs: list[list[int]], max_len: int) -> list[np.n
     from tqdm import tqdm
 
     from jaxserve.checkpoint import load_params
-    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.model.kv_cache import init_kv_cache
     from jaxserve.model.transformer import StepBatch, forward
 
     params = load_params(ckpt, cfg)
@@ -224,7 +222,7 @@ def main(argv=None) -> int:
     import jaxserve
     from jaxserve.checkpoint import load_model_config, load_params
     from jaxserve.config import load_config
-    from jaxserve.model_store import default_cache_dir, resolve_checkpoint
+    from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
     from jaxserve.spec_decode.eagle import head_config, init_head, save_head
     from jaxserve.spec_decode.eagle_train import join, loss_fn, split
 

@@ -1,7 +1,7 @@
 """Checkpoints: convert HF safetensors directories and GGUF files into the jaxserve
 checkpoint format (orbax params + tokenizer + config), and load them.
 
-    convert(src, out, dtype=None) -> Path          # tools/convert_hf.py is its CLI
+    convert(src, out, dtype=None) -> Path          # jaxserve convert is its CLI
     load_model_config(ckpt) -> ModelConfig
     load_params(ckpt, model_cfg, rules=None) -> Params
     is_checkpoint(path) -> bool

@@ -35,7 +35,7 @@ from jaxserve.checkpoint.groups import (ParamGroup, assemble_params, decode_grou
                                         param_groups)
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.model.params import Params, abstract_params
-from jaxserve.sharding import ShardingRules
+from jaxserve.distributed.sharding import ShardingRules
 
 FORMAT = "jaxserve-checkpoint"
 VERSION = 2
@@ -63,7 +63,7 @@ def _read_header(ckpt_dir: Path) -> dict[str, Any]:
     if header.get("version") != VERSION:
         raise CheckpointError(f"{ckpt_dir}: checkpoint version {header.get('version')!r} is not "
                               f"supported (expected {VERSION}); convert the model again "
-                              f"(tools/convert_hf.py SRC {ckpt_dir})")
+                              f"(jaxserve convert SRC {ckpt_dir})")
     return header
 
 

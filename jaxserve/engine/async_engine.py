@@ -18,7 +18,7 @@ on output produced but not yet taken by its consumer (`max_stream_buffer_bytes`:
 that does not read its stream is aborted, its pages freed: StreamBufferFull). A request
 the engine fails (finish_reason "error") raises EngineError in its own stream only.
 `add_request` refuses a request while `max_queued_requests` wait (QueueFull). Optional
-`metrics` (jaxserve.metrics.Metrics) observe every request's life on the engine thread.
+`metrics` (jaxserve.entrypoints.metrics.Metrics) observe every request's life on the engine thread.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class AsyncEngine:
         request is aborted (StreamBufferFull); None = no limit.
     max_queued_requests: requests that may wait for the engine (submitted, not yet
         running); `add_request` raises QueueFull beyond; None = no limit.
-    metrics: a jaxserve.metrics.Metrics observing requests (or None).
+    metrics: a jaxserve.entrypoints.metrics.Metrics observing requests (or None).
 
     A request the engine fails (finish_reason "error") gets EngineError in its stream; the
     others go on. An unexpected exception out of `engine.step()` (a bug outside any one

@@ -38,18 +38,18 @@ import time
 import numpy as np
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
-from jaxserve.engine.batch import step_batch
+from jaxserve.engine.batch_builder import step_batch
 from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
                                      RequestOutput)
 from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.runner import Runner
+from jaxserve.worker.runner import Runner
 from jaxserve.engine.scheduler import InflightStep, Scheduler
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence, TokenLogprobs
-from jaxserve.logits_processors import LogitsControls, bias_entries
-from jaxserve.sampling import SamplingBatch
+from jaxserve.sample.logits_processors import LogitsControls, bias_entries
+from jaxserve.sample.sampler import SamplingBatch
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.spec_decode.proposers import make_proposer
-from jaxserve.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from jaxserve.tokenization.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
 # Speculating steps in a row whose proposer found no drafts before the engine decodes in
@@ -187,7 +187,7 @@ class Engine:
         """The tokenizer's grammar-engine view, built at the first constrained request (~1 s
         for a 50k vocabulary) and kept."""
         if self._grammar_tok is None:
-            from jaxserve.structured_output import GrammarTokenizer
+            from jaxserve.sample.grammar import GrammarTokenizer
             self._grammar_tok = GrammarTokenizer(self.tokenizer.backend,
                                                  self.model_config.vocab_size,
                                                  sorted(self.eos_token_ids))

@@ -22,7 +22,7 @@ import hashlib
 from collections import OrderedDict, deque
 from typing import Sequence
 
-NULL_PAGE = 0  # never allocated; padding tokens write here
+from jaxserve.config import NULL_PAGE  # never allocated; padding tokens write here
 
 
 class OutOfPages(RuntimeError):

@@ -49,7 +49,7 @@ class Sequence:
     prompt_logprobs: with params.prompt_logprobs, one per prompt token (None for the first,
         and for those not computed yet).
     matcher: with params.structured_outputs, its grammar state
-        (jaxserve.structured_output.GrammarMatcher), advanced by each token read back.
+        (jaxserve.sample.grammar.GrammarMatcher), advanced by each token read back.
     """
 
     request_id: str

@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.impl_table import lookup
+from jaxserve.kernels.impl_table import lookup
 from jaxserve.pytree import pytree_dataclass
-from kernel_ops import kv_values, query_sequence
+from jaxserve.kernels.common import kv_values, query_sequence
 
 # Finite, so a padding row whose keys are all masked gets a harmless uniform softmax.
 MASK_VALUE = -1e30
@@ -71,14 +71,14 @@ def _xla_bias(block_tables, seq_lens, query_start, positions, page_size: int,
 
 class Attention:
     """An attention implementation, chosen once when the engine is built
-    (jaxserve.kernels.select_kernels) and called by the model; no implementation name is
+    (jaxserve.worker.kernel_selection.select_kernels) and called by the model; no implementation name is
     compared anywhere else. Subclasses are frozen dataclasses: hashable, equal by value,
     so a backend can be part of a jitted function's static configuration.
 
     name: the KernelConfig.attention_impl it stands for. kv_layout: the KV pool layout it
-    wants allocated (jaxserve.kv_cache); layouts: the layouts it can read. pads_pages:
+    wants allocated (jaxserve.model.kv_cache); layouts: the layouts it can read. pads_pages:
     whether its cost grows with the block-table width P (it reads or masks every page of
-    the padded table), so the engine buckets P (jaxserve.engine.buckets.StepShapes).
+    the padded table), so the engine buckets P (jaxserve.worker.compilation.StepShapes).
     """
 
     name: str
@@ -100,7 +100,7 @@ class Attention:
 
         q: [T, H, Dh]; k_pages, v_pages: the pool (this step's K/V already written) in
         `layout`: "token_major" [num_pages, page_size, K, Dh] or "head_major"
-        [K, num_pages, page_size, Dh] (jaxserve.kv_cache), f32, bf16, or uint16 holding
+        [K, num_pages, page_size, Dh] (jaxserve.model.kv_cache), f32, bf16, or uint16 holding
         bf16 bits; returns [T, H, Dh] in q.dtype (rows outside every sequence: 0, or for
         XLA a harmless finite value). Scale 1/sqrt(Dh), softmax in f32. GQA: the H query
         heads are grouped as [K, H // K]; K/V are never repeated in memory. Raises
@@ -142,9 +142,9 @@ class XlaAttention(Attention):
 
 @dataclasses.dataclass(frozen=True)
 class CpuAttention(Attention):
-    """The C++ kernel of cpu_kernels.paged_attention (XLA FFI): reads only each sequence's
+    """The C++ kernel of jaxserve.kernels.cpu.paged_attention (XLA FFI): reads only each sequence's
     own pages, in place, up to its own length; a bf16 pool's bits directly. Its library
-    must be loaded (jaxserve.kernels.select_kernels)."""
+    must be loaded (jaxserve.worker.kernel_selection.select_kernels)."""
 
     name = "cpu"
     kv_layout = "head_major"
@@ -152,7 +152,7 @@ class CpuAttention(Attention):
     pads_pages = False  # reads each sequence's pages up to its seq_len only
 
     def _attend(self, q, k_pages, v_pages, meta, layout):
-        from cpu_kernels.paged_attention import paged_attention as cpu_paged_attention
+        from jaxserve.kernels.cpu.paged_attention import paged_attention as cpu_paged_attention
         out = cpu_paged_attention(q.astype(jnp.float32), k_pages, v_pages, meta.block_tables,
                                   meta.seq_lens, meta.query_start, meta.positions)
         return out.astype(q.dtype)
@@ -160,7 +160,7 @@ class CpuAttention(Attention):
 
 @dataclasses.dataclass(frozen=True)
 class PallasAttention(Attention):
-    """The Pallas kernels (pallas_kernels/): decode steps call the paged decode kernel,
+    """The Pallas kernels (jaxserve/kernels/pallas/): decode steps call the paged decode kernel,
     other steps the ragged flash-prefill kernel over the pool. interpret: run them in
     Pallas interpret mode (on CPU, for tests)."""
 
@@ -206,8 +206,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def _paged_attention_pallas(q, k_pages, v_pages, meta: AttentionMetadata, impl: str) -> jax.Array:
-    from pallas_kernels.flash_attention import flash_attention
-    from pallas_kernels.paged_attention import paged_attention as paged_decode
+    from jaxserve.kernels.pallas.flash_attention import flash_attention
+    from jaxserve.kernels.pallas.paged_attention import paged_attention as paged_decode
 
     if meta.decode:
         return paged_decode(q, k_pages, v_pages, meta.block_tables, meta.seq_lens, impl=impl)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.model.quantized import matmul_backend
-from jaxserve.sharding import ShardingRules, constrain
+from jaxserve.model.linear import matmul_backend
+from jaxserve.distributed.sharding import ShardingRules, constrain
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -83,7 +83,7 @@ def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
 
     x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [T, D]; the weights float
     arrays or QuantizedWeights / DualPrecisionWeights (`matmul`, a
-    jaxserve.model.quantized.Matmul or its name, then picks the kernel); w_gate may be a
+    jaxserve.model.linear.Matmul or its name, then picks the kernel); w_gate may be a
     FusedWeight of w_gate | w_up (w_up None: one matmul). The F axis is the
     tensor-parallel `mlp` axis.
     Source: Shazeer 2020, "GLU Variants Improve Transformer".

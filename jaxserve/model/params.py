@@ -12,10 +12,10 @@ Layouts (logical axes in brackets), all in `ModelConfig.dtype`:
               w_down [mlp, embed]
   final_norm  [embed]
   lm_head     [embed, vocab], None when tied to `embed`
-A tree for the C++ CPU matmul (jaxserve.model.quantized.dual_precision_params, packed)
+A tree for the C++ CPU matmul (jaxserve.model.linear.dual_precision_params, packed)
 fuses the projections that share their input into one matmul each: wq holds a
 FusedWeight of wq | wk | wv (wk, wv None) and w_gate one of w_gate | w_up (w_up None);
-jaxserve.model.quantized. Checkpoints always hold them unfused.
+jaxserve.model.linear. Checkpoints always hold them unfused.
 
 Layers are a tuple of per-layer trees, not one stacked array: on XLA:CPU slicing stacked
 weights inside a scan copies them each step (a scanned step was slower: PERFORMANCE.md,
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.pytree import pytree_dataclass
-from jaxserve.sharding import ShardingRules
+from jaxserve.distributed.sharding import ShardingRules
 
 
 @dataclasses.dataclass(frozen=True)

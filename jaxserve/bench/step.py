@@ -1,0 +1,285 @@
+"""Time the compiled engine step per shape, for two variants measured in the same run:
+
+  --compare precision (default): f32 weights (the baseline) against bf16 weights with f32
+      accumulation, to choose `KernelConfig.bf16_matmul_min_rows` by measurement;
+  --compare attention: attention_impl "xla" (the baseline) against the C++ "cpu" kernel,
+      both with the config's weights and a head-major KV pool;
+  --compare matmul: f32 weights in XLA's dot (the baseline) against bf16 weights in the
+      C++ "cpu" bf16 matmul kernel, both with the C++ attention: where the kernel wins
+      gives `bf16_matmul_min_rows` / `bf16_matmul_max_rows` with matmul_impl "cpu".
+  --compare fusion: the C++ bf16 matmul with one call per projection (the baseline)
+      against the fused wq | wk | wv and w_gate | w_up calls the engine uses.
+  --compare round_x: the C++ bf16 matmul with f32 activations (the baseline) against
+      activations rounded to bf16 and the CPU's bf16 dot-product instruction at every row
+      count (KernelConfig.bf16_matmul_round_x_min_rows: where it wins).
+  --compare decode_steps: the config's engine, time per decoded token with one token per
+      dispatched step (the baseline) against multi-step decode (`--decode-steps`, default
+      the config's decode_steps): 64 tokens per row dispatched back to back, as the engine
+      does, then waited for. Decode shapes only.
+  --compare kv_dtype: the config's engine with an f32 KV pool (the baseline) against a
+      bf16 pool, each as many pages as the config's kv_cache_memory_bytes holds (the served pool
+      size: a step that copied the pool would show).
+
+    jaxserve bench step [--config smollm2_135m] [--repeats 7]
+        [--compare precision|attention|matmul|fusion|round_x|decode_steps|kv_dtype]
+        [--decode-steps N]
+        [--ragged]
+        [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
+
+Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
+(P = L pages of page_size tokens, one new token each; with --ragged row i's context is
+drawn uniformly from 1 .. L pages, as in a serving batch); prefill = B prompts of L tokens.
+Both variants run the same step (forward, logits, greedy sampling) on the same random
+batch. Prints per shape the median ms of each and the variant/baseline time ratio (< 1:
+the variant is faster); for precision also the smallest row count (B x Q) from which bf16
+is faster for every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not
+a test: run it alone on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+DEFAULT_SHAPES = ("decode:1x16,decode:2x16,decode:4x16,decode:8x16,decode:16x16,decode:32x16,"
+                  "decode:32x64,prefill:1x64,prefill:1x512,prefill:4x128")
+
+
+def parse_shape(text: str) -> tuple[str, int, int]:
+    """"decode:32x16" -> ("decode", 32, 16). Raises ValueError on a malformed shape."""
+    kind, _, dims = text.partition(":")
+    b, _, l = dims.partition("x")
+    if kind not in ("decode", "prefill") or not b.isdigit() or not l.isdigit():
+        raise ValueError(f"shape {text!r}: expected decode:BxPAGES or prefill:BxTOKENS")
+    return kind, int(b), int(l)
+
+
+def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
+               ragged: bool = False, room: int = 3):
+    """A full random batch of the shape (every row real), as the engine would build it;
+    ragged: decode rows get contexts drawn uniformly from 1 .. L pages; room: slots left
+    free at the end of a full decode row's L pages (multi-step decode writes there)."""
+    from jaxserve.worker.input_batch import empty_batch
+    from jaxserve.sample.sampler import SamplingBatch
+    from jaxserve.sampling_params import SamplingParams
+
+    if kind == "decode":
+        Q, P, ctx = 1, L, L * page_size - room
+    else:
+        Q, P, ctx = L, -(-L // page_size), L
+    b = empty_batch(B * Q, B, P, decode=kind == "decode")
+    pages = rng.permutation(np.arange(1, num_pages))
+    if B * P > len(pages):
+        raise ValueError(f"{kind}:{B}x{L} needs {B * P} pages, the pool has {len(pages)}")
+    full_ctx = ctx
+    for i in range(B):
+        table = pages[i * P:(i + 1) * P]
+        if ragged and kind == "decode":
+            ctx = int(rng.integers(1, full_ctx + 1))  # room stays free in every row
+        pos = np.arange(ctx - Q, ctx)
+        rows = slice(i * Q, (i + 1) * Q)
+        b.tokens[rows] = rng.integers(100, 30000, Q)
+        b.positions[rows] = pos
+        b.slot_mapping[rows] = table[pos // page_size] * page_size + pos % page_size
+        b.block_tables[i] = table
+        b.seq_lens[i] = ctx
+        b.query_start[i + 1] = (i + 1) * Q
+        b.logits_indices[i] = (i + 1) * Q - 1
+    s = SamplingBatch.from_params([SamplingParams(temperature=0)] * B, [0] * B, [0] * B, B)
+    return b, s
+
+
+def time_step(runner, batch, sampling, repeats: int) -> float:
+    """Median seconds of `repeats` runs of one step (after one untimed run)."""
+    runner.run(batch, sampling)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.run(batch, sampling)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def served(params, ecfg, cache_dir: Path):
+    """(params, kernels) as the engine serves f32 `params` with `ecfg` on one CPU device:
+    the kernels it selects, the bf16 weight copies of bf16_matmul_min_rows."""
+    from jaxserve.worker.kernel_selection import prepare_params, select_kernels
+
+    kernels = select_kernels(ecfg.kernels, "cpu", 1, "float32", cache_dir / "kernels")
+    return prepare_params(params, ecfg.kernels, kernels), kernels
+
+
+def time_per_token(runner, batch, sampling, num_steps: int, repeats: int,
+                   tokens: int = 64) -> float:
+    """Median seconds per decoded token (per row) of `repeats` runs, each dispatching
+    tokens / num_steps steps back to back (the engine overlaps its host work the same
+    way) and waiting for the last one; after one untimed run."""
+    def once():
+        handles = [runner.dispatch(batch, sampling, num_steps)
+                   for _ in range(max(1, tokens // num_steps))]
+        runner.fetch(handles[-1])
+        return len(handles) * num_steps
+    once()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        n = once()
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> int:
+    """Command-line entry point; returns the exit status."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="smollm2_135m", help="a shipped config's name or a path")
+    ap.add_argument("--cache-dir")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--compare", choices=("precision", "attention", "matmul", "fusion",
+                                          "round_x", "decode_steps", "kv_dtype"),
+                    default="precision")
+    ap.add_argument("--decode-steps", type=int,
+                    help="multi-step decode tokens for --compare decode_steps (default: the config's)")
+    ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+
+    from jaxserve.api import enable_compilation_cache
+    from jaxserve.checkpoint import load_model_config, load_params
+    from jaxserve.config import load_config
+    from jaxserve.worker.runner import Runner
+    from jaxserve.worker.kernel_selection import select_kernels
+    from jaxserve.model.kv_cache import init_kv_cache, num_pages_for_budget
+    from jaxserve.model.linear import dual_precision_params
+    from jaxserve.model.transformer import Kernels
+    from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
+
+    cfg = load_config(args.config)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    enable_compilation_cache(cache_dir)
+    ckpt = resolve_checkpoint(cfg.source, cache_dir)
+    model_cfg = load_model_config(ckpt).replace(dtype="float32")
+    params = load_params(ckpt, model_cfg)
+    ps = cfg.engine.cache.page_size
+    num_pages = 1 + max(B * (L if k == "decode" else -(-L // ps)) for k, B, L in shapes)
+    if args.compare == "precision":
+        ecfg = cfg.engine.override(bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
+                                   bf16_matmul_round_x_min_rows=None, weight_quant=None)
+        xla = Kernels("xla", "xla")
+        base, var = "f32", "bf16"
+        variants = {base: (params, xla),
+                    var: (dual_precision_params(params, min_rows=1), xla)}  # bf16 at every shape
+    elif args.compare == "attention":
+        ecfg = cfg.engine.override(attention_impl="cpu")
+        params, kernels = served(params, ecfg, cache_dir)
+        base, var = "xla", "cpu"
+        variants = {base: (params, dataclasses.replace(kernels, attention="xla")),
+                    var: (params, kernels)}
+    elif args.compare == "round_x":
+        ecfg = cfg.engine.override(matmul_impl="cpu", bf16_matmul_min_rows=1,
+                                   bf16_matmul_max_rows=None, bf16_matmul_round_x_min_rows=1)
+        params_x, kernels = served(params, ecfg, cache_dir)
+        if kernels.round_x_min_rows is None:
+            sys.exit("--compare round_x: this CPU's bf16 dot products are not faster than "
+                     "f32 FMAs (or it has no AVX512-BF16)")
+        base, var = "f32x", "bf16x"
+        variants = {base: (dual_precision_params(params, 1, packed=True),
+                           dataclasses.replace(kernels, round_x_min_rows=None)),
+                    var: (params_x, kernels)}
+    elif args.compare == "decode_steps":
+        ecfg = cfg.engine
+        params, kernels = served(params, ecfg, cache_dir)
+        n = args.decode_steps or ecfg.scheduler.decode_steps
+        if n < 2 or any(k != "decode" for k, _, _ in shapes):
+            sys.exit("--compare decode_steps: needs --decode-steps >= 2 (or a config with "
+                     "decode_steps >= 2) and decode shapes only")
+        base, var = "1/step", f"{n}/step"
+        variants = {base: (params, kernels)}  # one runner: both step kinds, same pool
+    elif args.compare == "kv_dtype":
+        ecfg = cfg.engine.override(cache_dtype="bfloat16")  # kernels for a bf16 pool
+        params, kernels = served(params, ecfg, cache_dir)
+        base, var = "f32kv", "bf16kv"
+        variants = {base: (params, kernels), var: (params, kernels)}
+    else:  # the C++ bf16 matmul (every shape) against f32 in XLA's dot, or unfused calls
+        ecfg = cfg.engine.override(matmul_impl="cpu", bf16_matmul_min_rows=1,
+                                   bf16_matmul_max_rows=None)
+        kernels = select_kernels(ecfg.kernels, "cpu", 1, "float32", cache_dir / "kernels")
+        fused = dual_precision_params(params, 1, packed=True)
+        if args.compare == "fusion":
+            base, var = "unfused", "fused"
+            variants = {base: (dual_precision_params(params, 1, packed=True, fuse=False), kernels),
+                        var: (fused, kernels)}
+        else:
+            base, var = "f32", "bf16cpu"
+            variants = {base: (params, dataclasses.replace(kernels, matmul="xla")),
+                        var: (fused, kernels)}
+    # the served KV dtype where both variants run the config's kernels, else f32 (XLA
+    # attention in the precision comparison)
+    kv_dtype = (ecfg.cache.cache_dtype or "float32") if args.compare in ("round_x", "decode_steps") \
+        else "float32"
+    pools = {name: (kv_dtype, num_pages) for name in variants}
+    if args.compare == "kv_dtype":
+        pools = {name: (dt, max(num_pages, num_pages_for_budget(model_cfg, ps, dt,
+                                                                ecfg.cache.kv_cache_memory_bytes)))
+                 for name, dt in ((base, "float32"), (var, "bfloat16"))}
+    runners = {name: Runner(model_cfg, ecfg, p,
+                            init_kv_cache(model_cfg, pools[name][1], ps, pools[name][0],
+                                          layout="head_major"), kernels)
+               for name, (p, kernels) in variants.items()}
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"{'shape':>16} {'rows':>5} {base + ' ms':>9} {var + ' ms':>9} {var + '/' + base:>9}")
+    for kind, B, L in shapes:
+        if args.compare == "decode_steps":
+            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, room=n + 1)
+            r = runners[base]
+            t = {base: time_per_token(r, batch, sampling, 1, args.repeats),
+                 var: time_per_token(r, batch, sampling, n, args.repeats)}
+        else:
+            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged)
+            t = {name: time_step(r, batch, sampling, args.repeats) for name, r in runners.items()}
+        n_rows = B * (1 if kind == "decode" else L)
+        rows.append({"shape": f"{kind}:{B}x{L}", "rows": n_rows, f"{base}_ms": t[base] * 1e3,
+                     f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
+        print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
+              f"{t[var] / t[base]:9.2f}", flush=True)
+    if args.compare in ("attention", "fusion", "round_x", "decode_steps", "kv_dtype"):
+        if args.json:
+            Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
+        return 0
+    lo, hi = suggest_row_range(rows)
+    print(f"suggested bf16_matmul_min_rows: {lo}, bf16_matmul_max_rows: {hi} "
+          "(min None: bf16 never wins; max None: no upper limit)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shapes": rows, "suggested_min_rows": lo,
+                                               "suggested_max_rows": hi}, indent=1))
+    return 0
+
+
+def suggest_row_range(rows: list[dict]) -> tuple[int | None, int | None]:
+    """(min_rows, max_rows): the first run of consecutive measured row counts at which the
+    variant wins every shape (ratio < 1), starting at its smallest winning row count;
+    max_rows None when the run reaches the largest measured row count."""
+    counts = sorted({r["rows"] for r in rows})
+    wins = {n: all(r["ratio"] < 1 for r in rows if r["rows"] == n) for n in counts}
+    lo = hi = None
+    for n in counts:
+        if wins[n]:
+            lo = n if lo is None else lo
+            hi = n
+        elif lo is not None:
+            break
+    return lo, (None if hi == counts[-1] else hi)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

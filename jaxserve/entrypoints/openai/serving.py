@@ -1,0 +1,177 @@
+"""The OpenAI API's request handling without HTTP: parse a body, submit its choices to an
+AsyncEngine, collect them and build the response body.
+
+Shared by the HTTP server (`jaxserve.entrypoints.openai.api_server`, which adds body reading, disconnects, SSE
+and metrics) and the offline batch runner (`jaxserve.entrypoints.openai.run_batch`), so that a request gets the
+same answer and the same errors from both. Source: vLLM's `OpenAIServingCompletion` /
+`OpenAIServingChat`, which its `run_batch` calls the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+from jaxserve.config import ServerConfig
+from jaxserve.engine.async_engine import (AsyncEngine, EngineError, EngineShutdown, QueueFull,
+                                          RequestStream, RequestTimeout)
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.entrypoints.openai.request import (ApiError, ParsedRequest, RequestLimits,
+                                                 parse_chat_request, parse_completion_request)
+from jaxserve.entrypoints.openai.response import (CHAT, COMPLETION, LogprobsFormatter,
+                                                  ResponseShape, usage)
+from jaxserve.sampling_params import InvalidRequest
+from jaxserve.tokenization.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Path under /v1 -> the API's response shape.
+ENDPOINTS: dict[str, ResponseShape] = {"/v1/completions": COMPLETION,
+                                       "/v1/chat/completions": CHAT}
+
+
+def engine_error(e: EngineError) -> ApiError:
+    """An EngineError as the client sees it (its messages are written to be shown): 504
+    for a request timeout, 503 for a shutdown, else 500."""
+    if isinstance(e, RequestTimeout):
+        return ApiError(str(e), status=504, type="timeout", code="request_timeout")
+    if isinstance(e, EngineShutdown):
+        return ApiError(str(e), status=503, type="server_error", code="shutting_down")
+    return ApiError(str(e), status=500, type="server_error")
+
+
+@dataclasses.dataclass
+class Submission:
+    """A request whose choices are in the engine: its id, parsed form, response shape,
+    creation time (Unix seconds) and one (choice index, stream) per choice."""
+
+    request_id: str
+    req: ParsedRequest
+    shape: ResponseShape
+    created: int
+    streams: list[tuple[int, RequestStream]]
+
+    def abort(self) -> None:
+        """Abort every choice still running (a no-op for finished ones)."""
+        for _, stream in self.streams:
+            stream.abort()
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def last_outputs(sub: Submission) -> list[RequestOutput]:
+    """Each choice's final output, in `sub.streams` order; the first failure (EngineError)
+    is raised."""
+    return list(await asyncio.gather(*(_last_output(s) for _, s in sub.streams)))
+
+
+class OpenAIServing:
+    """Handles OpenAI requests for one engine, tokenizer, model name and set of limits (no
+    module-level state). Thread use: `parse` may run on any thread (the server runs it on a
+    worker thread); the coroutines run on the AsyncEngine's event loop."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
+                 max_model_len: int, server: ServerConfig = ServerConfig()):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.limits = RequestLimits.of(server, max_model_len)
+        self.logprobs = LogprobsFormatter(tokenizer)
+
+    def parse(self, raw: bytes, shape: ResponseShape) -> ParsedRequest:
+        """Validate a request body (its JSON bytes) for `shape`'s
+        endpoint: tokenise, apply the chat template, check the limits. CPU-bound
+        (milliseconds to seconds for a large body). Raises ApiError (400 naming the field,
+        404 for another model), never anything else (see parse_completion_request)."""
+        parse = parse_chat_request if shape.chat else parse_completion_request
+        return parse(raw, self.tokenizer, self.model_name, self.limits)
+
+    async def submit(self, req: ParsedRequest, shape: ResponseShape,
+                     arrival: float | None = None) -> Submission:
+        """Add one engine request per choice (n per prompt: they share the prompt's pages
+        through the prefix cache); either all choices run or none does. arrival:
+        time.monotonic() when the request arrived (default now; the engine's TTFT counts
+        from it). Raises ApiError: 400 naming the field for what only the engine checks,
+        503 (code queue_full) when the queue is full; EngineError when the engine is down."""
+        arrival = time.monotonic() if arrival is None else arrival
+        request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        choices = req.choices()
+        sub = Submission(request_id, req, shape, int(time.time()), [])
+        try:
+            for index, prompt_ids, params in choices:
+                engine_id = request_id if len(choices) == 1 else f"{request_id}-{index}"
+                sub.streams.append((index, await self.engine.add_request(
+                    engine_id, prompt_ids, params, arrival)))
+        except InvalidRequest as e:
+            param = "messages" if shape.chat and e.field == "prompt" else e.field
+            raise ApiError(str(e), param) from None
+        except QueueFull as e:
+            raise ApiError(f"the server is overloaded: {e}; retry later", status=503,
+                           type="server_error", code="queue_full") from None
+        finally:
+            if len(sub.streams) < len(choices):  # a choice was refused: none runs
+                sub.abort()
+        return sub
+
+    def response(self, sub: Submission, finals: list[RequestOutput],
+                 arrival: float | None = None) -> dict[str, Any]:
+        """The response body (a completion or chat.completion object) of a submission whose
+        choices ended with `finals` (`last_outputs(sub)`); logs one line for it (with the
+        latency from `arrival`, time.monotonic(), if given)."""
+        req, shape, n = sub.req, sub.shape, sub.req.n
+        tokens = choice_usage(finals, n)
+        latency = f", {time.monotonic() - arrival:.2f} s" if arrival is not None else ""
+        log.info("%s: %d prompt + %d output tokens, %s%s", sub.request_id,
+                 tokens["prompt_tokens"], tokens["completion_tokens"],
+                 ",".join(sorted({f.finish_reason for f in finals})), latency)
+        choices = []
+        for (index, _), f in zip(sub.streams, finals):
+            prompt = index // n
+            text = req.prompt_texts[prompt] + f.text if req.echo else f.text
+            logprobs = self.logprobs_body(shape, req, prompt, f.token_ids, f.logprobs,
+                                          req.echo, f.prompt_logprobs)[0]
+            choices.append(shape.choice(text, f.finish_reason, index, logprobs,
+                                        tool_call(req, sub.request_id, index)))
+        return shape.response(sub.request_id, sub.created, self.model_name, choices, tokens)
+
+    def logprobs_body(self, shape: ResponseShape, req: ParsedRequest, prompt: int,
+                      token_ids: list[int], entries: list | None, with_prompt: bool,
+                      prompt_entries: list | None, offset: int = 0
+                      ) -> tuple[dict | None, int]:
+        """(The `logprobs` object of these output tokens, preceded by prompt `prompt`'s
+        tokens when `with_prompt` (echo); the text offset after them), or (None, offset)
+        when the request asked for no logprobs. entries / prompt_entries: their
+        TokenLogprobs (None: a request that failed before any, reported as nulls)."""
+        if req.params.logprobs is None:
+            return None, offset
+        entries = list(entries) if entries is not None else [None] * len(token_ids)
+        if shape.chat:
+            return self.logprobs.chat([e for e in entries if e is not None]), offset
+        ids = list(token_ids)
+        if with_prompt:
+            ids = req.prompts[prompt] + ids
+            entries = list(prompt_entries or [None] * len(req.prompts[prompt])) + entries
+        body = self.logprobs.completion(ids, entries, offset)
+        return body, offset + sum(len(t) for t in body["tokens"])
+
+
+def tool_call(req: ParsedRequest, request_id: str, index: int) -> tuple[str, str] | None:
+    """(call id, function name) of choice `index`'s tool call (a named tool_choice)."""
+    if req.tool_call is None:
+        return None
+    return f"call_{request_id.rsplit('-', 1)[-1][:24]}_{index}", req.tool_call
+
+
+def choice_usage(finals: list[RequestOutput], n: int) -> dict[str, int]:
+    """Usage of a request's choices (n per prompt): each prompt's tokens counted once, as
+    OpenAI and vLLM do, and every choice's output tokens."""
+    return usage(sum(f.num_prompt_tokens for f in finals) // n,
+                 sum(f.num_output_tokens for f in finals))

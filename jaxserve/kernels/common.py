@@ -1,0 +1,85 @@
+"""What the model's XLA code, the Pallas kernels and the C++ CPU kernels share: the one
+module every kernel package may import (imports point host engine -> device model / KV ->
+kernels -> jaxserve.kernels.common; nothing here imports jaxserve or a kernel package).
+
+- input checks whose ValueErrors name the function, the argument and the limit;
+- the flat ragged batch: which sequence owns each token row (`query_sequence`);
+- the KV pool's storage: a bfloat16 pool held as its uint16 bits (`BF16_BITS`), read
+  through `kv_values` (a bitcast, no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# A KV pool of this storage dtype holds bfloat16 values as their bits: XLA:CPU updates a
+# uint16 array in place, where it float-normalises a bfloat16 one (jaxserve.model.kv_cache).
+BF16_BITS = jnp.dtype(jnp.uint16)
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def check_array(fn: str, name: str, x: Any, shape: Sequence[int | None],
+                dtypes: Sequence[Any] | None = None) -> None:
+    """Raise ValueError("fn: name must be ...") unless x has len(shape) dims, each equal to
+    the given size (None = any), and (if given) one of `dtypes`."""
+    got = tuple(getattr(x, "shape", ()))
+    if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise ValueError(f"{fn}: {name} must have shape {want}, got {list(got)}")
+    if dtypes is not None and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        names = ", ".join(str(jnp.dtype(d)) for d in dtypes)
+        raise ValueError(f"{fn}: {name} must be one of ({names}), got {jnp.dtype(x.dtype)}")
+
+
+def check(fn: str, cond: bool, message: str) -> None:
+    """Raise ValueError(f"{fn}: {message}") unless cond."""
+    if not cond:
+        raise ValueError(f"{fn}: {message}")
+
+
+def check_page_pool(fn: str, k_pages: Any, v_pages: Any, q_heads: int, head_dim: int,
+                    dtypes: Sequence[Any]) -> tuple[int, int, int]:
+    """Check one layer's K/V pool against the queries: k_pages [num_pages, page_size,
+    kv_heads, head_dim] of one of `dtypes`, v_pages the same shape and dtype, every size
+    >= 1 and q_heads a multiple of kv_heads. Returns (num_pages, page_size, kv_heads).
+    Raises ValueError naming `fn`, the argument and the limit."""
+    check_array(fn, "k_pages", k_pages, (None, None, None, head_dim), dtypes)
+    check_array(fn, "v_pages", v_pages, k_pages.shape, (k_pages.dtype,))
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    check(fn, num_pages >= 1 and page_size >= 1 and kv_heads >= 1,
+          f"k_pages must have num_pages, page_size, kv_heads >= 1, got {list(k_pages.shape)}")
+    check(fn, q_heads % kv_heads == 0,
+          f"q_heads must be a multiple of kv_heads, got q_heads {q_heads}, kv_heads {kv_heads}")
+    return num_pages, page_size, kv_heads
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints."""
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- ragged batch
+
+def query_sequence(query_start: jax.Array, num_tokens: int) -> jax.Array:
+    """[num_tokens] int32: the sequence each row of a flat ragged batch belongs to.
+
+    query_start: [S + 1] int32, non-decreasing (sequence b owns rows query_start[b] :
+    query_start[b + 1]); rows past query_start[S] get S, rows before query_start[0] -1, so
+    neither matches a sequence."""
+    rows = jnp.arange(num_tokens, dtype=query_start.dtype)
+    return (jnp.searchsorted(query_start, rows, side="right") - 1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- KV storage
+
+def kv_values(pages: jax.Array) -> jax.Array:
+    """A pool array as its values: the bf16 view of a uint16 (bits) pool (a bitcast, no
+    copy), any other pool unchanged. Same shape."""
+    if pages.dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
+    return pages

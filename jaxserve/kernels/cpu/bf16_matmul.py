@@ -1,0 +1,113 @@
+"""bf16-weight matmul for XLA:CPU: the C++ kernel of bf16_matmul.cc behind an FFI call, the
+weight packing it reads, and its plain-jnp reference.
+
+y = x @ W with W stored in bf16 (half the bytes of f32: decode is memory-bound) and x, the
+products and the sums in f32: the kernel widens each bf16 weight to f32 in registers and
+runs f32 FMAs. Weights are packed once at load into panels of P output columns with input
+rows paired ([N / P, K / 2, P, 2]). XLA:CPU's own bf16 dot rounds x to bf16 too, is slow
+for 1 row (a matrix-vector product several times slower than 2 rows) and reaches a
+fraction of the machine's throughput at decode batch sizes.
+
+Sources: oneDNN's VNNI-style pair packing; GotoBLAS panels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.kernels.common import check, check_array
+
+TARGET = "jaxserve_bf16_matmul"
+LANES = 16  # f32 lanes of one AVX-512 register: panel widths are multiples of this
+PANEL = 64  # preferred panel width (4 registers)
+
+
+def panel_width(n: int) -> int | None:
+    """The panel width P used for `n` output columns: 64 if it divides n, else 16 if that
+    does, else None (not packable: use the XLA path)."""
+    for p in (PANEL, LANES):
+        if n % p == 0:
+            return p
+    return None
+
+
+def can_pack(k: int, n: int) -> bool:
+    """Whether a [k, n] weight can be packed (k even, n a multiple of 16)."""
+    return k % 2 == 0 and panel_width(n) is not None
+
+
+def pack_weight(w: jax.Array, transposed: bool = False, panel: int | None = None) -> jax.Array:
+    """Pack W [K, N] (or [N, K] when `transposed`, e.g. a tied LM head [vocab, embed]), any
+    float dtype, into the kernel's layout: [N / P, K / 2, P, 2] bf16 with element
+    [n // P, k // 2, n % P, k % 2] = bf16(W[k, n]) (round to nearest even), P = `panel`
+    (a multiple of 16 dividing N; default panel_width(N): a split of the panels over
+    devices may need a narrower one). Raises ValueError if K is odd or N not a multiple
+    of 16, or of `panel`."""
+    w = w.T if transposed else w
+    check_array("pack_weight", "w", w, (None, None))
+    K, N = w.shape
+    check("pack_weight", can_pack(K, N),
+          f"w [K, N] needs an even K and N a multiple of {LANES}, got [{K}, {N}]")
+    P = panel or panel_width(N)
+    check("pack_weight", P % LANES == 0 and N % P == 0,
+          f"panel must be a multiple of {LANES} dividing N={N}, got {P}")
+    wb = w.astype(jnp.bfloat16).reshape(K // 2, 2, N // P, P)
+    return wb.transpose(2, 0, 3, 1)
+
+
+def unpack_weight(w_packed: jax.Array) -> jax.Array:
+    """The bf16 W [K, N] a packed weight [N / P, K / 2, P, 2] holds (the inverse of
+    pack_weight, up to the bf16 rounding)."""
+    nb, k2, p, _ = w_packed.shape
+    return w_packed.transpose(1, 3, 0, 2).reshape(2 * k2, nb * p)
+
+
+def _check_operands(fn: str, x, w_packed) -> None:
+    check_array(fn, "x", x, (None, None), (jnp.float32,))
+    check_array(fn, "w_packed", w_packed, (None, x.shape[1] // 2, None, 2), (jnp.bfloat16,))
+    check(fn, x.shape[1] % 2 == 0, f"x must have an even number of columns, got {x.shape[1]}")
+    check(fn, w_packed.shape[2] % LANES == 0,
+          f"w_packed's panel width must be a multiple of {LANES}, got {w_packed.shape[2]}")
+
+
+@functools.partial(jax.jit, static_argnames=("round_x",))
+def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False) -> jax.Array:
+    """x [M, K] f32 times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N] f32: the weights
+    widened to f32, products and sums in f32 (any M >= 0). round_x: x rounded to bf16 first
+    (round to nearest even) and the products summed by the CPU's bf16 dot-product
+    instruction (AVX512-BF16 vdpbf16ps, f32 accumulation; the portable build does the same
+    arithmetic in f32): twice the f32 FMA rate where `bf16_dot_speedup()` says so, for
+    compute-bound row counts. Needs `jaxserve.kernels.cpu.build.load_library` called first. Raises
+    ValueError for bad shapes or dtypes, naming the argument."""
+    _check_operands("cpu bf16_matmul", x, w_packed)
+    n = w_packed.shape[0] * w_packed.shape[2]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, w_packed, round_x=round_x)
+
+
+def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = False) -> jax.Array:
+    """Plain-jnp `bf16_matmul` (same arguments and result): unpack, widen to f32 (x rounded
+    to bf16 first with round_x), then an f32 dot at HIGHEST precision."""
+    _check_operands("bf16_matmul_reference", x, w_packed)
+    if round_x:
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.dot(x, unpack_weight(w_packed).astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+
+
+def bf16_dot_speedup(library) -> float:
+    """How many times the f32 FMA rate (in flops) this CPU runs the bf16 dot-product
+    instruction at, measured by the loaded kernel `library` (jaxserve.kernels.cpu.build.load_library's
+    result) in a few ms of register-only loops (values seen: PERFORMANCE.md, "Measurements
+    behind the code"); 0 without AVX512-BF16 (or in a portable build)."""
+    fn = library.jaxserve_bf16_dot_speedup
+    fn.restype = ctypes.c_double
+    return float(fn())
+
+
+__all__ = ["LANES", "PANEL", "bf16_dot_speedup", "bf16_matmul", "bf16_matmul_reference",
+           "can_pack", "pack_weight", "panel_width", "unpack_weight"]

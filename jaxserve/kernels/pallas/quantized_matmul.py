@@ -1,0 +1,218 @@
+"""Weight-only quantised matmul (W8A16): activations [M, K] in f32/bf16/f16 times an int8 or
+fp8 e4m3 weight [K, N] with f32 scales per output channel or per (K-group, channel).
+
+Layout and blocking. The grid is (cdiv(M, block_m), cdiv(N, block_n)); one program owns an
+output tile [block_m, block_n] and walks K in blocks of block_k. Every step loads an
+activation block [block_m, block_k] and a quantised weight block [block_k, block_n] with
+masked loads (edges of M, K and N need not be multiples of the blocks: SmolLM2's 576 /
+1536 / 49152), converts the weight block to the activations' dtype in registers (int8 and
+e4m3 values are exact in bf16/f16/f32), and accumulates `plgpu.dot` in f32.
+Per-channel scales multiply the accumulator once after the K loop; per-group scales
+multiply each block's partial dot by that group's scale row (block_k divides the group,
+so a block never straddles two groups). No dequantised copy of the weight exists anywhere:
+the weight crosses HBM once at 1 byte per element, which is the point at small M (decode),
+where the matmul is bandwidth bound.
+
+Sources: weight-only int8 as in LLM.int8 (Dettmers et al., 2022) / vLLM's W8A16 path;
+group scales as in GPTQ (Frantar et al., 2022) and AWQ (Lin et al., 2023); fp8 e4m3 as in
+"FP8 Formats for Deep Learning" (Micikevicius et al., 2022); the tiled K loop follows
+Triton's matmul tutorial and JAX's `pallas.ops.gpu` kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, MIN_DOT, QUANT_FORMATS, block_size,
+                                            cdiv, check, check_array, is_power_of_2,
+                                            quant_format_of, triton_call_params)
+
+WEIGHT_DTYPES = tuple(f.dtype for f in QUANT_FORMATS.values())  # int8, float8_e4m3fn
+# The in-kernel dot's precision for f32 activations (bf16 / f16 use the plain tensor-core
+# dot). On the GPU 3xTF32 (near-f32 accuracy on tensor cores): an IEEE f32 dot
+# (HIGHEST) spills heavily at these tiles (compile_triton, sm_90). XLA:CPU has no 3xTF32,
+# and there HIGHEST is the plain f32 dot.
+F32_DOT_PRECISION = {"pallas": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                     "pallas_interpret": jax.lax.Precision.HIGHEST}
+
+
+# ----------------------------------------------------------------------------- kernel body
+
+def _qmm_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, k: int, n: int, block_m: int,
+                block_n: int, block_k: int, group_size: int | None, f32_precision):
+    """One [block_m, block_n] output tile.
+
+    x_ref: [M, K] x.dtype, the whole activations (rows / columns picked with pl.ds);
+    w_ref: [K, N] int8 | float8_e4m3fn, the whole quantised weight;
+    s_ref: [N] f32 (per channel) or [K // group_size, N] f32 (per group);
+    o_ref: [M, N] x.dtype, the whole output (this program writes its masked tile).
+    """
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = i * block_m + jnp.arange(block_m)  # [block_m] int32
+    cols = j * block_n + jnp.arange(block_n)  # [block_n] int32
+    row_ok, col_ok = rows < m, cols < n
+    precision = f32_precision if x_ref.dtype == jnp.float32 else None
+
+    def body(kb, acc):  # acc: [block_m, block_n] f32
+        ks = kb * block_k + jnp.arange(block_k)  # [block_k] int32
+        k_ok = ks < k
+        # x: [block_m, block_k] x.dtype; padded rows / columns read as 0
+        x = plgpu.load(x_ref.at[pl.ds(i * block_m, block_m), pl.ds(kb * block_k, block_k)],
+                       mask=row_ok[:, None] & k_ok[None, :], other=0)
+        # w: [block_k, block_n] int8 | fp8, converted in registers to x.dtype (exact); masked
+        # with a select after the cast (Triton cannot splat an `other` fill into fp8)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        w = plgpu.load(w_ref.at[pl.ds(kb * block_k, block_k), pl.ds(j * block_n, block_n)],
+                       mask=w_ok)
+        w = jnp.where(w_ok, w.astype(x.dtype), 0)
+        part = plgpu.dot(x, w, precision=precision)  # [block_m, block_n] f32
+        if group_size is not None:
+            # s: [block_n] f32, the scale row of the group holding this K block
+            s = plgpu.load(s_ref.at[(kb * block_k) // group_size, pl.ds(j * block_n, block_n)],
+                           mask=col_ok, other=0)
+            part = part * s[None, :]
+        return acc + part
+
+    acc = jax.lax.fori_loop(0, cdiv(k, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
+    if group_size is None:
+        s = plgpu.load(s_ref.at[pl.ds(j * block_n, block_n)], mask=col_ok, other=0)  # [block_n] f32
+        acc = acc * s[None, :]
+    plgpu.store(o_ref.at[pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)],
+                acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ----------------------------------------------------------------------------- pallas_call
+
+def _qmm_call(x, w_q, scales, *, block_m: int, block_n: int, block_k: int,
+              group_size: int | None, impl: str, num_warps: int, num_stages: int):
+    """pallas_call over grid (cdiv(M, block_m), cdiv(N, block_n)); every operand is passed
+    whole (no BlockSpecs) and the kernel indexes and masks its own tiles."""
+    m, k = x.shape
+    n = w_q.shape[1]
+    kernel = functools.partial(_qmm_kernel, m=m, k=k, n=n, block_m=block_m, block_n=block_n,
+                               block_k=block_k, group_size=group_size,
+                               f32_precision=F32_DOT_PRECISION.get(impl))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(cdiv(m, block_m), cdiv(n, block_n)),
+        name="quantized_matmul",
+        **triton_call_params(impl, num_warps=num_warps, num_stages=num_stages),
+    )(x, w_q, scales)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _check_operands(fn: str, x, w_q, scales) -> int | None:
+    """Validate x / w_q / scales; return the group size (None for per-channel scales)."""
+    check_array(fn, "x", x, (None, None), FLOAT_DTYPES)
+    check(fn, x.shape[0] >= 1, f"x must have at least one row, got shape {list(x.shape)}")
+    check_array(fn, "w_q", w_q, (x.shape[1], None), WEIGHT_DTYPES)
+    k, n = w_q.shape
+    if getattr(scales, "ndim", None) == 1:
+        check_array(fn, "scales", scales, (n,), (jnp.float32,))
+        return None
+    check_array(fn, "scales", scales, (None, n), (jnp.float32,))
+    groups = scales.shape[0]
+    check(fn, groups >= 1 and k % groups == 0,
+          f"scales [groups, N] must have groups dividing in_features {k}, got {groups}")
+    g = k // groups
+    check(fn, is_power_of_2(g) and g >= MIN_DOT,
+          f"group size in_features // groups must be a power of two >= {MIN_DOT}, got {k} // {groups}")
+    check(fn, quant_format_of(w_q.dtype).name == "int8",
+          f"group scales are only supported for int8 weights, got {jnp.dtype(w_q.dtype)}")
+    return g
+
+
+# ----------------------------------------------------------------------------- public API
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size"))
+def quantize_weights(w: jax.Array, fmt: str, group_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Quantise a weight for `quantized_matmul`.
+
+    w: [in_features, out_features] f32/bf16/f16. fmt: "int8" or "fp8_e4m3".
+    group_size: None -> one scale per output channel (amax over in_features), scales
+    [out_features] f32; g (int8 only; a power of two >= 16 dividing in_features) -> one
+    scale per (group of g input rows, channel), scales [in_features // g, out_features] f32.
+    Returns (w_q [in_features, out_features] int8 | float8_e4m3fn, scales) with
+    w ~= w_q * scale (int8: |error| <= scale / 2 per element). A zero slice gets scale 1.
+    Raises ValueError for a bad shape / dtype / fmt / group_size, or fp8 with groups.
+    Source: symmetric absmax quantisation (LLM.int8, GPTQ/AWQ group scales).
+    """
+    fn = "quantize_weights"
+    check_array(fn, "w", w, (None, None), FLOAT_DTYPES)
+    check(fn, fmt in QUANT_FORMATS, f"fmt must be one of {tuple(QUANT_FORMATS)}, got {fmt!r}")
+    f = QUANT_FORMATS[fmt]
+    k, n = w.shape
+    if group_size is None:
+        w_q, scale = f.quantize(w, (0,))
+        return w_q, scale.reshape(n)
+    check(fn, fmt == "int8", f"group_size is only supported for int8, got fmt {fmt!r}")
+    check(fn, isinstance(group_size, int) and is_power_of_2(group_size) and group_size >= MIN_DOT
+          and k % group_size == 0,
+          f"group_size must be a power of two >= {MIN_DOT} dividing in_features {k}, got {group_size}")
+    w_q, scale = f.quantize(w.reshape(k // group_size, group_size, n), (1,))
+    return w_q.reshape(k, n), scale.reshape(k // group_size, n)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "impl", "num_warps",
+                                             "num_stages"))
+def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m: int | None = None,
+                     block_n: int | None = None, block_k: int | None = None, impl: str = "pallas",
+                     num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """x @ dequantise(w_q, scales) with f32 accumulation, in one Pallas (Triton) kernel.
+
+    x: [M, in_features] f32/bf16/f16 activations (any M >= 1); w_q: [in_features,
+    out_features] int8 or float8_e4m3fn; scales: [out_features] f32 (per channel) or
+    [in_features // g, out_features] f32 (per group of g input rows; int8 only; g a power
+    of two >= 16). Returns [M, out_features] in x.dtype. f32 x: 3xTF32 dot on the GPU
+    (about f32 accuracy), a plain f32 dot in interpret mode.
+    block_m / block_n / block_k: power-of-two tiles >= 16 (defaults from the shapes; with
+    groups block_k must divide g). impl: "pallas" (GPU) or "pallas_interpret" (CPU).
+    Raises ValueError for bad shapes, dtypes, scales, blocks or impl.
+    Source: W8A16 weight-only quantised GEMM (vLLM / TensorRT-LLM), Triton's tiled matmul.
+    """
+    fn = "quantized_matmul"
+    check(fn, impl in IMPLS, f"impl must be one of {IMPLS}, got {impl!r}")
+    group = _check_operands(fn, x, w_q, scales)
+    m, k = x.shape
+    n = w_q.shape[1]
+    small = m <= 64  # decode: more, narrower column tiles to spread the weight over SMs
+    block_m = block_size(m, 64) if block_m is None else block_m
+    block_n = block_size(n, 64 if small else 128) if block_n is None else block_n
+    if block_k is None:
+        block_k = block_size(k, 128 if small else 64)
+        block_k = block_k if group is None else min(block_k, group)
+    for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        check(fn, isinstance(b, int) and is_power_of_2(b) and b >= MIN_DOT,
+              f"{name} must be a power of two >= {MIN_DOT}, got {b}")
+    check(fn, group is None or group % block_k == 0,
+          f"block_k must divide the group size {group}, got {block_k}")
+    return _qmm_call(x, w_q, scales, block_m=block_m, block_n=block_n, block_k=block_k,
+                     group_size=group, impl=impl, num_warps=num_warps, num_stages=num_stages)
+
+
+def quantized_matmul_reference(x: jax.Array, w_q: jax.Array, scales: jax.Array) -> jax.Array:
+    """Plain-jnp `quantized_matmul`: dequantise the whole weight to f32 (group scales
+    broadcast back over in_features), then x.astype(f32) @ w in f32 (HIGHEST precision).
+
+    Same arguments, shapes, dtypes and ValueErrors as `quantized_matmul`; returns
+    [M, out_features] in x.dtype.
+    """
+    group = _check_operands("quantized_matmul_reference", x, w_q, scales)
+    k, n = w_q.shape
+    f = quant_format_of(w_q.dtype)
+    if group is None:
+        w = f.dequantize(w_q, scales[None, :])
+    else:
+        w = f.dequantize(w_q.reshape(k // group, group, n), scales[:, None, :]).reshape(k, n)
+    out = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
+
+
+__all__ = ["quantize_weights", "quantized_matmul", "quantized_matmul_reference"]

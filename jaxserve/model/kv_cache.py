@@ -1,0 +1,157 @@
+"""The KV page pool on device: buffers and the write helper. No allocation policy here
+(that is `jaxserve.engine.page_pool`, plain Python on the host).
+
+Two layouts per layer, K and V each:
+  "token_major" `[num_pages, page_size, kv_heads, head_dim]` (logical axes `pages`,
+      `page_slots`, `kv_heads`, `head_dim`): what the Pallas kernels read, page by page;
+  "head_major" `[kv_heads, num_pages, page_size, head_dim]`: what the XLA attention and the
+      C++ CPU kernel read (one head's page is one contiguous [page_size, head_dim] block).
+      Gathering a batch's pages then gives `[kv_heads, B, S, head_dim]`, already in the
+      layout of a batched matmul over (kv head, sequence); from the token-major layout
+      XLA:CPU copied and transposed every gathered page (twice the attention time).
+A token's "slot" is `page * page_size + offset`. Page 0 is the null page: padding tokens
+write there and the host allocator never hands it out.
+
+A bfloat16 pool is stored as its bits, uint16 arrays (`storage_dtype`): XLA:CPU
+float-normalises a bf16 dynamic-update-slice into convert(pool -> f32), update, convert
+back, so every layer's K/V write copied the whole pool twice (PERFORMANCE.md, "Measurements
+behind the code"). On uint16 the write updates the new rows in place.
+`write_kv` rounds the new rows to bf16 and stores their bits; `jaxserve.kernels.common.kv_values` gives
+readers the bf16 view (a bitcast, no copy); the C++ CPU kernel reads the bits directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.pytree import pytree_dataclass
+from jaxserve.distributed.sharding import ShardingRules, layers_per_stage
+from jaxserve.kernels.common import BF16_BITS
+
+KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+KV_LAYOUTS = ("token_major", "head_major")
+_HEAD_MAJOR_AXES = ("kv_heads", "pages", "page_slots", "head_dim")
+
+
+@pytree_dataclass(meta=("layout",))
+class KVCache:
+    """k, v: tuples (one per layer) of pool arrays in `layout` (see module docstring); a
+    pipeline's pool holds one stage-stacked array [PP, ...] per stage-local layer."""
+
+    k: tuple
+    v: tuple
+    layout: str = "token_major"
+
+    @property
+    def staged(self) -> bool:
+        return self.k[0].ndim == 5
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[(1 if self.layout == "head_major" else 0) + self.staged]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[(2 if self.layout == "head_major" else 1) + self.staged]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the values the pool holds (bfloat16 for a pool stored as bits)."""
+        return value_dtype(self.k[0].dtype)
+
+
+def kv_axes(layout: str, staged: bool = False) -> tuple[str, ...]:
+    """The logical axes of a pool array in `layout`; `staged`: of a pipeline's
+    stage-stacked array (a leading `stages` axis). Raises ValueError for an unknown
+    layout (one of KV_LAYOUTS)."""
+    stage = ("stages",) if staged else ()
+    if layout == "token_major":
+        return stage + KV_AXES
+    if layout == "head_major":
+        return stage + _HEAD_MAJOR_AXES
+    raise ValueError(f"KV cache layout must be one of {KV_LAYOUTS}, got {layout!r}")
+
+
+def storage_dtype(dtype: Any) -> jnp.dtype:
+    """The array dtype a pool of `dtype` values is stored in: uint16 (the bits) for
+    bfloat16, `dtype` itself otherwise."""
+    dtype = jnp.dtype(dtype)
+    return BF16_BITS if dtype == jnp.bfloat16 else dtype
+
+
+def value_dtype(stored: Any) -> jnp.dtype:
+    """Inverse of `storage_dtype`: bfloat16 for uint16 pool arrays, else the dtype itself."""
+    stored = jnp.dtype(stored)
+    return jnp.dtype(jnp.bfloat16) if stored == BF16_BITS else stored
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
+    """Bytes one page takes across all layers, K and V together."""
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: Any, budget_bytes: int) -> int:
+    """How many pages (null page included) fit in `budget_bytes` of device memory."""
+    return budget_bytes // page_bytes(cfg, page_size, dtype)
+
+
+def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
+                      rules: ShardingRules | None = None,
+                      layout: str = "token_major") -> KVCache:
+    """ShapeDtypeStructs of the pool (allocates nothing), in `storage_dtype(dtype)`: one
+    array per layer; on a mesh with pipeline stages (a `stage` axis of PP devices), one
+    per stage-local layer, Lp = ceil(num_layers / PP) arrays of [PP, ...] split over
+    `stage` (jaxserve.model.pipeline). Raises ValueError for an unknown `layout` (one of
+    KV_LAYOUTS)."""
+    stages = rules.size("stages") if rules is not None else 1
+    axes = kv_axes(layout, staged=stages > 1)
+    dims = {"stages": stages, "pages": num_pages, "page_slots": page_size,
+            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+    shape = tuple(dims[a] for a in axes)
+    sharding = rules.sharding(axes, shape) if rules is not None else None
+    one = jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
+    n = layers_per_stage(cfg.num_layers, stages)
+    return KVCache(k=(one,) * n, v=(one,) * n, layout=layout)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
+                  rules: ShardingRules | None = None, layout: str = "token_major") -> KVCache:
+    """Zeroed pool: 2 * num_layers buffers of num_pages pages of page_size tokens, in
+    `layout` ("token_major" or "head_major", see module docstring), holding `dtype` values
+    (stored as `storage_dtype(dtype)`)."""
+    abstract = abstract_kv_cache(cfg, num_pages, page_size, dtype, rules, layout)
+
+    def zeros(s):
+        if s.sharding is None:
+            return jnp.zeros(s.shape, s.dtype)
+        return jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)()
+
+    return jax.tree.map(zeros, abstract)
+
+
+def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
+             layout: str = "token_major") -> jax.Array:
+    """Scatter new K (or V) into the pool.
+
+    pages: one layer's pool in `layout` ([num_pages, page_size, K, Dh] token-major or
+    [K, num_pages, page_size, Dh] head-major); new: [..., K, Dh] (the step's [T, K, Dh]);
+    slot_mapping: [...] (the step's [T]) int32 flat slots (padding -> slots of the null
+    page). `new` is cast to the pool's value dtype (a uint16 pool: rounded to bf16, its
+    bits stored). Returns the updated pool (in place when the pool is donated).
+    """
+    # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
+    # XLA:CPU copy the whole pool every step once the pool was also read.
+    slots = slot_mapping.reshape(-1)
+    K, Dh = new.shape[-2:]
+    rows = new.reshape(-1, K, Dh).astype(value_dtype(pages.dtype))
+    if pages.dtype == BF16_BITS:
+        rows = jax.lax.bitcast_convert_type(rows, BF16_BITS)
+    if layout == "head_major":
+        ps = pages.shape[2]
+        return pages.at[:, slots // ps, slots % ps].set(rows.transpose(1, 0, 2), mode="drop")
+    ps = pages.shape[1]
+    return pages.at[slots // ps, slots % ps].set(rows, mode="drop")

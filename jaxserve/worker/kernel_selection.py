@@ -1,0 +1,124 @@
+"""Pick the kernels an engine runs: resolve KernelConfig's "auto" for the device, load
+(building on first use) the C++ CPU kernels when they are picked, and lay the weights out
+for them (`prepare_params`: quantised or bf16-copied projections).
+
+Source: vLLM's attention-backend selection (an explicit choice wins; "auto" takes the best
+backend the platform supports and falls back with a warning when it cannot be loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from jaxserve.config import ConfigError, KernelConfig, resolve_attention_impl, resolve_impl
+from jaxserve.model.params import Params
+from jaxserve.model.linear import dual_precision_params, quantize_params
+from jaxserve.model.tensor_parallel import shard_params, tp_axis
+from jaxserve.model.transformer import Kernels
+from jaxserve.distributed.sharding import ShardingRules
+
+log = logging.getLogger(__name__)
+
+# bf16 dot products are used (KernelConfig.bf16_matmul_round_x_min_rows) where they run at
+# least this many times the f32 FMA rate in flops (what machines showed: PERFORMANCE.md).
+BF16_DOT_MIN_SPEEDUP = 1.5
+
+
+def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str) -> KernelConfig:
+    """`kcfg` with what "auto" means for the model: a bfloat16 model on CPU with the
+    matmul left to "auto" (no weight_quant, no bf16_matmul_min_rows) runs its projections
+    and LM head in the C++ bf16 kernel, weights packed as they are (bf16_matmul_min_rows
+    = 1): XLA:CPU widens a bf16 weight to f32 on every matmul (a [1, 8192] x [8192,
+    28672] product: 0.59 s and a 0.9 GiB temporary, against 0.017 s in the C++ kernel on
+    an AMD EPYC Zen 4; PERFORMANCE.md "Tensor parallel"). Anything else unchanged."""
+    if (platform == "cpu" and model_dtype == "bfloat16" and kcfg.matmul_impl == "auto"
+            and kcfg.weight_quant is None and kcfg.bf16_matmul_min_rows is None):
+        return dataclasses.replace(kcfg, bf16_matmul_min_rows=1)
+    return kcfg
+
+
+def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype: str,
+                   build_dir: Path) -> Kernels:
+    """The resolved Kernels for `kcfg` on `num_devices` devices of `platform`
+    ("cpu", "gpu", ...) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
+    bf16 matmuls builds (once, cached in `build_dir`) and registers the C++ kernels
+    (jaxserve.kernels.cpu.build.load_library, ~5 to 20 s the first time). Under tensor
+    parallelism (num_devices > 1) every device runs the attention and matmul kernels on
+    its own shard (jaxserve.model.tensor_parallel); the sampler's argmax / log-sum-exp
+    ("auto") is the C++ kernel on one CPU device only (its logits are whole there; over
+    a mesh they are split over the vocabulary and XLA reduces them).
+
+    Raises ConfigError when "cpu" is asked for explicitly and the kernels cannot be built
+    or loaded, when sampling_impl="cpu" meets a mesh, or (attention) the KV pool is
+    neither float32 nor bfloat16; with "auto" a failed build logs a warning and falls back
+    to "xla", and another pool dtype picks XLA attention. bf16_matmul_round_x_min_rows is
+    kept (as Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16
+    dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (probed here,
+    in a few ms).
+    """
+    attention = resolve_attention_impl(kcfg.attention_impl, platform)
+    if attention == "cpu" and kv_dtype not in ("float32", "bfloat16"):
+        if kcfg.attention_impl != "auto":
+            raise ConfigError(f"KernelConfig.attention_impl='cpu' reads a float32 or bfloat16 "
+                              f"KV pool, kv_dtype is {kv_dtype}")
+        attention = "xla"
+    matmul = resolve_impl(kcfg.matmul_impl, platform)
+    if (kcfg.matmul_impl == "auto" and platform == "cpu"
+            and kcfg.bf16_matmul_min_rows is not None):
+        matmul = "cpu"
+    sampling = kcfg.sampling_impl
+    if sampling == "auto":
+        sampling = "cpu" if platform == "cpu" and num_devices == 1 else "xla"
+    if sampling == "cpu" and num_devices != 1:
+        raise ConfigError(f"KernelConfig.sampling_impl='cpu' reads whole logits rows on one "
+                          f"device; the mesh has {num_devices} (logits split over the "
+                          "vocabulary): use 'xla' or 'auto'")
+    chosen = {name: getattr(kcfg, f"{name}_impl")
+              for name, impl in (("attention", attention), ("matmul", matmul),
+                                 ("sampling", sampling)) if impl == "cpu"}
+    if chosen:
+        from jaxserve.kernels.cpu.build import KernelBuildError, load_library
+        try:
+            library = load_library(build_dir)
+        except KernelBuildError as e:
+            for name, asked in chosen.items():
+                if asked != "auto":
+                    raise ConfigError(f"KernelConfig.{name}_impl='cpu': {e}") from e
+            log.warning("C++ CPU kernels unavailable, using XLA for %s (slower): %s",
+                        " and ".join(chosen), e)
+            attention = "xla" if attention == "cpu" else attention
+            matmul = "xla" if matmul == "cpu" else matmul
+            sampling = "xla"
+    round_x = kcfg.bf16_matmul_round_x_min_rows
+    if round_x is not None and matmul == "cpu":
+        from jaxserve.kernels.cpu.bf16_matmul import bf16_dot_speedup
+        speedup = bf16_dot_speedup(library)
+        if speedup < BF16_DOT_MIN_SPEEDUP:
+            log.info("bf16 dot products run at %.2fx the f32 FMA rate here: matmuls keep f32 "
+                     "activations", speedup)
+            round_x = None
+    return Kernels(attention=attention, matmul=matmul, sampling=sampling,
+                   round_x_min_rows=round_x if matmul == "cpu" else None)
+
+
+def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
+                   rules: ShardingRules | None = None) -> Params:
+    """`params` laid out for `kernels` as `kcfg` asks: the layers' projections quantised
+    (weight_quant: int8 / fp8_e4m3 leaves with their scales), or given bf16 copies beside
+    the f32 weights (bf16_matmul_min_rows: DualPrecisionWeight leaves, packed for the C++
+    kernel when kernels.matmul.packs_bf16); otherwise unchanged. Float32 params for the
+    bf16 copies (checked by jaxserve.config.check_deployment). Under a tensor-parallel
+    mesh (`rules`) each device's shard is laid out on its own (packing and fusion per
+    shard) and every leaf placed where the model's shard_map reads it."""
+    if kcfg.weight_quant is not None:
+        params = quantize_params(params, kcfg.weight_quant, kcfg.weight_quant_group_size, rules)
+    elif kcfg.bf16_matmul_min_rows is not None:
+        params = dual_precision_params(params, kcfg.bf16_matmul_min_rows,
+                                       packed=kernels.matmul.packs_bf16,
+                                       max_rows=kcfg.bf16_matmul_max_rows,
+                                       round_x_min_rows=kernels.round_x_min_rows, rules=rules)
+    if tp_axis(rules) is not None:
+        params = shard_params(params, rules)
+    return params
