@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import tokenizers
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.scheduler import SchedulerStats
+from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
                                      RequestOutput)
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
@@ -78,13 +80,18 @@ class FakeEngine:
         """Always 0: nothing is compiled."""
         return 0
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         """Engine.stats(): the counters /health reports."""
         running = len(self._running())
-        return {"running": running, "waiting": len(self.requests) - running,
-                "free_pages": len(self.free_pages),
-                "total_pages": self.num_pages, "num_preemptions": 0, "num_steps": self.num_steps,
-                "num_compilations": 0}
+        sched = SchedulerStats(running=running, waiting=len(self.requests) - running,
+                               free_pages=len(self.free_pages), total_pages=self.num_pages,
+                               cached_pages=0, num_preemptions=0, prefix_cache_queries=0,
+                               prefix_cache_hits=0, prefix_cache_evictions=0)
+        return EngineStats(scheduler=sched, spec_decode=None, num_steps=self.num_steps,
+                           num_compilations=0, kv_live_token_steps=0,
+                           kv_allocated_token_steps=0, host_seconds=0.0, step_seconds=0.0,
+                           warmup_pending=0, num_failed_requests=0, num_kv_resets=0,
+                           healthy=True)
 
     def _running(self) -> list:
         return list(self.requests.values())[:self.max_num_seqs]

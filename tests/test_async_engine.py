@@ -231,7 +231,7 @@ def test_queue_full_refuses_then_admits():
 
     async def main():
         streams = [await bridge.add_request(f"r{i}", [1], sp) for i in range(3)]
-        await await_until(lambda: fake.stats()["waiting"] == 2)
+        await await_until(lambda: fake.stats().scheduler.waiting == 2)
         with pytest.raises(QueueFull):
             await bridge.add_request("over", [1], sp)
         for s in streams:

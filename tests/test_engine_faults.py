@@ -69,7 +69,7 @@ def test_host_fault_fails_only_its_request(params):
 
     def broken(_ids):
         raise UnicodeError("injected detokeniser fault")
-    engine._seqs["b"].detokenizer.add = broken
+    engine.scheduler.requests["b"].detokenizer.add = broken
     done = drain(engine)
     assert done["b"].finish_reason == "error" and "injected" in done["b"].error
     assert {r: done[r].token_ids for r in "ac"} == {r: want[r] for r in "ac"}
@@ -157,7 +157,7 @@ def test_engine_dead_when_no_pool_can_be_made(params):
     engine.runner.fetch = failing
     outs = {o.request_id: o for o in engine.step()}
     assert {r: outs[r].finish_reason for r in "ab"} == {"a": "error", "b": "error"}
-    assert not engine.healthy and engine.stats()["healthy"] is False
+    assert not engine.healthy and engine.stats().healthy is False
     with pytest.raises(EngineDeadError):
         engine.step()
     with pytest.raises(EngineDeadError):

@@ -214,11 +214,11 @@ def test_host_loop_overlaps_device_steps(small_llm):
     for n in range(len(launched) - 1):  # step n+1 launched before step n is read
         assert order.index(("dispatch", launched[n + 1])) < order.index(("fetch", launched[n]))
     after = engine.stats()
-    live = after["kv_live_token_steps"] - before["kv_live_token_steps"]
-    allocated = after["kv_allocated_token_steps"] - before["kv_allocated_token_steps"]
+    live = after.kv_live_token_steps - before.kv_live_token_steps
+    allocated = after.kv_allocated_token_steps - before.kv_allocated_token_steps
     assert 0.5 < live / allocated <= 1.0
-    host = after["host_seconds"] - before["host_seconds"]
-    total = after["step_seconds"] - before["step_seconds"]
+    host = after.host_seconds - before.host_seconds
+    total = after.step_seconds - before.step_seconds
     assert 0 < host < total
 
 
@@ -235,16 +235,16 @@ def test_background_warmup_serves_at_once_and_compiles_each_shape_once(cache_dir
     engine = build_engine(load_config(SMALL_CONFIG), cache_dir, warmup="background")
     from jaxserve.worker.runner import StepKey
     all_shapes = {StepKey(*shape) for shape in engine.runner.shapes.warmup()}
-    assert engine.stats()["warmup_pending"] == len(all_shapes) - 2 > 0
+    assert engine.stats().warmup_pending == len(all_shapes) - 2 > 0
     llm = LLM(engine=engine)
     rng = np.random.default_rng(6)
     outs = llm.generate([make_prompt(llm.tokenizer, rng, n) for n in (3, 40, 150)],
                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [12, 12, 12]
     deadline = time.monotonic() + 300
-    while engine.stats()["warmup_pending"] and time.monotonic() < deadline:
+    while engine.stats().warmup_pending and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert engine.stats()["warmup_pending"] == 0
+    assert engine.stats().warmup_pending == 0
     assert set(engine.runner._compiled) == all_shapes
     assert engine.num_compilations == len(all_shapes), "no shape compiled twice"
 
@@ -259,4 +259,4 @@ def test_background_warmup_stops_on_request(cache_dir):
     engine = build_engine(load_config(SMALL_CONFIG), cache_dir, warmup="background")
     engine.runner.stop_warmup()
     assert not engine.runner._warmup_thread.is_alive()
-    assert engine.stats()["warmup_pending"] > 0, "stopped before the end"
+    assert engine.stats().warmup_pending > 0, "stopped before the end"

@@ -191,7 +191,7 @@ def test_controlled_greedy_matches_reference_loop(params, engine_kw):
     assert done["free"].token_ids == reference_greedy(params, prompt, 12, free)
     assert done["free"].token_ids != done["repetition"].token_ids, "the penalty changed output"
     if "speculative_config" in engine_kw:
-        assert engine.stats()["spec_decode_num_drafts"] > 0, "verify steps ran"
+        assert engine.stats().spec_decode.num_drafts > 0, "verify steps ran"
     if "decode_steps" in engine_kw:
         assert any(k.n == 4 for k in engine.runner._compiled), "multi-step steps ran"
 

@@ -23,7 +23,7 @@ from engine_utils import run_staggered, tiny_engine, tiny_params
 from jaxserve.engine.batch_builder import step_batch
 from jaxserve.engine.engine import Engine
 from jaxserve.worker.runner import Runner
-from jaxserve.engine.scheduler import StepPlan
+from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence
 from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.transformer import Kernels
@@ -68,7 +68,7 @@ def test_runner_multi_step_equals_single_steps(params):
                         Kernels("xla", "xla", "xla"))
         run_seqs = [dataclasses.replace(s, output_ids=[], block_table=list(s.block_table))
                     for s in seqs]
-        b, smp = step_batch(StepPlan(run_seqs, [s.num_tokens for s in run_seqs]), runner.shapes)
+        b, smp = step_batch(SchedulerOutput(run_seqs, [s.num_tokens for s in run_seqs]), runner.shapes)
         first = runner.run(b, smp).tokens
         for j, s in enumerate(run_seqs):
             s.output_ids.append(int(first[0, j]))
@@ -76,7 +76,7 @@ def test_runner_multi_step_equals_single_steps(params):
         for _ in range(4 // n_steps):
             for s in run_seqs:  # every token but the last is in the pages
                 s.num_computed = s.num_tokens - 1
-            b, smp = step_batch(StepPlan(run_seqs, [1] * len(run_seqs)), runner.shapes, prev)
+            b, smp = step_batch(SchedulerOutput(run_seqs, [1] * len(run_seqs)), runner.shapes, prev)
             t, lp = runner.run(b, smp, n_steps)[:2]
             tokens.append(t[:, :3])
             logprobs.append(lp[:, :3])
@@ -135,15 +135,15 @@ def test_waiting_request_turns_multi_step_off(params):
     engine.add_request("a", [1, 2, 3], sp)
     engine.step()  # prefill of a
     engine.step()  # decode: nothing waits -> 4 tokens
-    seq = engine._seqs["a"]
+    seq = engine.scheduler.requests["a"]
     assert seq.output_ids.count(PLACEHOLDER) == 4
-    assert engine._num_decode_steps(StepPlan([seq], [1])) == 4
+    assert engine.scheduler._num_decode_steps(SchedulerOutput([seq], [1]), False) == 4
     engine.add_request("b", [4, 5], sp)
-    assert engine._num_decode_steps(StepPlan([seq], [1])) == 1
+    assert engine.scheduler._num_decode_steps(SchedulerOutput([seq], [1]), False) == 1
     # near max_tokens: fewer than 4 tokens left -> single steps
     engine.abort_request("b")
     seq.params = dataclasses.replace(sp, max_tokens=len(seq.output_ids) + 3)
-    assert engine._num_decode_steps(StepPlan([seq], [1])) == 1
+    assert engine.scheduler._num_decode_steps(SchedulerOutput([seq], [1]), False) == 1
 
 
 def test_abort_inside_a_burst_reports_no_placeholder(params):
@@ -152,7 +152,7 @@ def test_abort_inside_a_burst_reports_no_placeholder(params):
                                                       ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine._seqs["a"].output_ids[-1] == PLACEHOLDER
+    assert engine.scheduler.requests["a"].output_ids[-1] == PLACEHOLDER
     engine.abort_request("a")
     outs = [o for _ in range(3) for o in engine.step()]
     aborted = [o for o in outs if o.request_id == "a" and o.finished]

@@ -37,23 +37,23 @@ def test_hits_skip_the_shared_pages_and_change_no_output(params):
     stats = engine.stats()
     shared = len(system) // TINY_PAGE * TINY_PAGE
     # every request after the first finds the shared pages (r1 arrives after r0's prefill)
-    assert stats["prefix_cache_hits"] >= shared * (len(requests) - 1)
-    assert stats["prefix_cache_queries"] == sum(len(p) for _, p, _ in requests)
-    assert stats["free_pages"] == stats["total_pages"] and stats["cached_pages"] > 0
+    assert stats.scheduler.prefix_cache_hits >= shared * (len(requests) - 1)
+    assert stats.scheduler.prefix_cache_queries == sum(len(p) for _, p, _ in requests)
+    assert stats.scheduler.free_pages == stats.scheduler.total_pages and stats.scheduler.cached_pages > 0
 
 
 def test_a_failed_step_forgets_the_cache(params):
     system, requests = shared_prefix_requests(seed=1, n=2)
     engine = tiny_engine(params)
     outputs(engine, requests[:1], [0])
-    assert engine.stats()["cached_pages"] > 0
+    assert engine.stats().scheduler.cached_pages > 0
     engine.runner.reset_cache()  # what a failed step leads to (Engine._reset_kv)
     engine._reset_kv()
-    assert engine.stats()["cached_pages"] == 0
+    assert engine.stats().scheduler.cached_pages == 0
     want = outputs(tiny_engine(params, enable_prefix_caching=False), requests[1:], [0])
-    hits = engine.stats()["prefix_cache_hits"]
+    hits = engine.stats().scheduler.prefix_cache_hits
     assert outputs(engine, requests[1:], [0]) == want
-    assert engine.stats()["prefix_cache_hits"] == hits, "nothing left to hit"
+    assert engine.stats().scheduler.prefix_cache_hits == hits, "nothing left to hit"
 
 
 @pytest.mark.slow
@@ -85,8 +85,8 @@ def test_real_model_prefix_hit_gives_the_miss_outputs(small_llm, cache_dir):
     want = uncached.generate([system + q for q in questions], sps)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     page = engine.engine_config.cache.page_size
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 3 * (len(system) // page * page)
-    assert after["free_pages"] == after["total_pages"]
+    assert after.scheduler.prefix_cache_hits - before.scheduler.prefix_cache_hits >= 3 * (len(system) // page * page)
+    assert after.scheduler.free_pages == after.scheduler.total_pages
 
 
 @pytest.mark.slow
@@ -108,9 +108,9 @@ def test_real_model_n_choices_fork_from_one_prefill(small_llm):
     body = {"prompt": prompt, "temperature": 0.9, "max_tokens": 12, "ignore_eos": True}
     try:
         with TestClient(app) as client:
-            before = engine.stats()["prefix_cache_hits"]
+            before = engine.stats().scheduler.prefix_cache_hits
             forked = client.post("/v1/completions", json={**body, "n": 4, "seed": 11}).json()
-            hits = engine.stats()["prefix_cache_hits"] - before
+            hits = engine.stats().scheduler.prefix_cache_hits - before
             singles = [client.post("/v1/completions", json={**body, "seed": 11 + i}).json()
                        for i in range(4)]
     finally:

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.scheduler import Scheduler, StepPlan
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxserve.sampling_params import SamplingParams
 
@@ -20,7 +21,7 @@ def make(num_pages, **kw):
         page_size=4, max_num_seqs=kw.pop("max_num_seqs", 8),
         max_num_batched_tokens=kw.pop("max_num_batched_tokens", 64), **kw)
     pool = PagePool(num_pages, cfg.cache.page_size)
-    return Scheduler(cfg, pool), pool
+    return Scheduler(cfg, KVCacheManager(pool, cfg.cache.enable_prefix_caching)), pool
 
 
 _prompts = itertools.count()
@@ -41,24 +42,24 @@ def check_plan(sched, plan):
     for s, n in zip(plan.seqs, plan.num_new):
         assert s.status is SequenceStatus.RUNNING and n >= 1
         assert s.num_computed + n <= s.num_tokens
-        assert len(s.block_table) * sched.pool.page_size >= s.num_computed + n
+        assert len(s.block_table) * sched.kv.pool.page_size >= s.num_computed + n
     owners = collections.Counter(p for s in sched.running for p in s.block_table)
     for s in sched.running:
         assert len(set(s.block_table)) == len(s.block_table), "a page is in a table twice"
     for page, n in owners.items():  # shared pages: one reference per holder
-        assert sched.pool.refcount(page) == n
-    assert len(owners) + sched.pool.num_free == sched.pool.capacity
+        assert sched.kv.pool.refcount(page) == n
+    assert len(owners) + sched.kv.pool.num_free == sched.kv.pool.capacity
 
 
 def advance(sched, plan, token=7):
     """What the engine does with a launched plan once its tokens are read."""
-    first = sched.launched(plan, 1)
+    first = sched.launched(plan)
     for s, index in zip(plan.seqs, first):
         if index is None:
             continue
-        s.output_ids[index] = token
+        sched.commit(s, index, [token])
         if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= sched.cfg.max_model_len:
-            sched.finish(s)
+            sched.finish(s, "length")
 
 
 def run_to_completion(sched, max_steps=10_000, on_plan=None):
@@ -99,12 +100,12 @@ def test_decodes_come_first_then_chunks_up_to_the_budget():
     # a's decode token first, then 15 of b's 30 prompt tokens (ending mid-page)
     assert [s.request_id for s in plan.seqs] == ["a", "b"] and plan.num_new == [1, 15]
     assert plan.samples == [True, False] and not plan.decode
-    assert sched.launched(plan, 1) == [1, None]
+    assert sched.launched(plan) == [1, None]
     assert b.num_computed == 15 and b.output_ids == [] and len(b.block_table) == 4
-    a.output_ids[-1] = 7
+    sched.commit(a, len(a.output_ids) - 1, [7])
     plan = sched.schedule()
     assert plan.num_new == [1, 15] and plan.samples == [True, True]  # b's last chunk samples
-    assert sched.launched(plan, 1) == [2, 0] and b.num_computed == 30
+    assert sched.launched(plan) == [2, 0] and b.num_computed == 30
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_holds_it():
@@ -143,7 +144,7 @@ def test_preempts_most_recent_and_completes_everything():
         sched.add(s)
     run_to_completion(sched)
     assert sched.num_preemptions > 0
-    assert all(s.status is SequenceStatus.FINISHED and len(s.output_ids) == 12 for s in seqs)
+    assert all(s.finished and len(s.output_ids) == 12 for s in seqs)
     assert pool.num_free == pool.capacity
 
 
@@ -166,9 +167,9 @@ def test_abort_frees_pages_waiting_or_running():
     sched.add(a)
     sched.schedule()
     sched.add(b)
-    assert sched.abort("a") is a and a.status is SequenceStatus.FINISHED
-    assert sched.abort("b") is b
-    assert sched.abort("nope") is None
+    assert sched.abort("a", "abort") is a and a.finished
+    assert sched.abort("b", "abort") is b
+    assert sched.abort("nope", "abort") is None
     assert pool.num_free == pool.capacity and not sched.has_work()
 
 
@@ -202,9 +203,9 @@ def test_random_workloads_keep_the_invariants_and_finish(chunked):
             run_to_completion(sched, on_plan=arrive)
             if pending:
                 sched.add(pending.pop(0))
-        assert all(s.status is SequenceStatus.FINISHED for s in seqs)
+        assert all(s.finished for s in seqs)
         assert pool.num_free == pool.capacity
-        hits += sched.prefix_cache_hits
+        hits += sched.kv.prefix_cache_hits
     assert hits > 0
 
 
@@ -221,7 +222,7 @@ def test_a_long_prompt_among_32_decoding_streams_completes():
     long = seq("long", 1900, max_tokens=1)
     sched.add(long)
     steps = 0
-    while long.status is not SequenceStatus.FINISHED:
+    while not long.finished:
         plan = sched.schedule()
         check_plan(sched, plan)
         assert sum(1 for s in plan.seqs if s in streams) == 32  # every stream, every step
@@ -231,7 +232,7 @@ def test_a_long_prompt_among_32_decoding_streams_completes():
     assert sched.num_preemptions == 0
 
 
-def test_reserve_ahead_is_all_or_nothing():
+def test_pages_ahead_are_all_or_nothing():
     """Multi-step decode's lookahead pages: every sequence gets the pages for its extra
     tokens, or (not enough free) none does and nothing is preempted."""
     sched, pool = make(num_pages=9)  # page_size 4; 8 usable pages (page 0 is the null page)
@@ -243,9 +244,10 @@ def test_reserve_ahead_is_all_or_nothing():
     advance(sched, plan)
     plan = sched.schedule()  # decode: a 5 tokens -> 2 pages, b 8 -> 2 pages
     assert plan.decode and pool.num_free == 4
-    assert sched.reserve_ahead(plan.seqs, 3)  # a 8 -> 2 pages, b 11 -> 3: one more page
+    more = sched.kv.allocate_all
+    assert more(plan.seqs, [s.num_tokens + 3 for s in plan.seqs])  # a 8 -> 2 pages, b 11 -> 3
     assert [len(s.block_table) for s in (a, b)] == [2, 3] and pool.num_free == 3
-    assert not sched.reserve_ahead(plan.seqs, 12)  # a 17 -> 5, b 20 -> 5: 5 more > 3 free
+    assert not more(plan.seqs, [s.num_tokens + 12 for s in plan.seqs])  # a 17 -> 5, b 20 -> 5 > 3
     assert [len(s.block_table) for s in (a, b)] == [2, 3] and pool.num_free == 3
     assert sched.num_preemptions == 0 and len(sched.running) == 2
 
@@ -259,13 +261,13 @@ def test_launched_records_computed_tokens_and_placeholders():
     b.output_ids = [7, 8]
     a.num_computed, b.num_computed = 4, 4
     a.block_table, b.block_table = pool.allocate(3), pool.allocate(3)
-    plan = StepPlan([a, b], [1, 1])
+    plan = SchedulerOutput([a, b], [1, 1], num_steps=4)
     assert plan.decode
-    assert sched.launched(plan, 4) == [0, 2]
+    assert sched.launched(plan) == [0, 2]
     assert a.output_ids == [PLACEHOLDER] * 4 and b.output_ids == [7, 8] + [PLACEHOLDER] * 4
     assert (a.num_computed, b.num_computed) == (5 + 4 - 1, 5 + 4 - 1)
     # the prefix cache holds the full pages of known tokens: a 1 (of 5 known), b 1 (of 5)
-    assert (a.num_registered, b.num_registered) == (1, 1) and pool.num_cached == 2
+    assert (a.num_cached_pages, b.num_cached_pages) == (1, 1) and pool.num_cached == 2
 
 
 # --- prefix caching ---------------------------------------------------------------------------
@@ -299,8 +301,8 @@ def test_a_shared_prefix_is_computed_once():
     plan = sched.schedule()
     assert plan.num_new == [3, 4]  # b: its 3 own tokens; c: its whole last page again
     assert b.num_computed == 12 and c.num_computed == 8
-    assert sched.prefix_cache_hits == 12 + 8
-    assert sched.prefix_cache_queries == 14 + 15 + 12
+    assert sched.kv.prefix_cache_hits == 12 + 8
+    assert sched.kv.prefix_cache_queries == 14 + 15 + 12
     shared = b.block_table[:3]
     assert c.block_table[:2] == shared[:2] and all(pool.refcount(p) == 2 for p in shared[:2])
     advance(sched, plan)
@@ -315,7 +317,7 @@ def test_prefix_caching_off_computes_everything():
         plan = sched.schedule()
         assert plan.num_new == [14]
         finish_all(sched)
-    assert sched.prefix_cache_hits == sched.prefix_cache_queries == 0
+    assert sched.kv.prefix_cache_hits == sched.kv.prefix_cache_queries == 0
     assert pool.num_cached == 0
 
 
@@ -329,13 +331,13 @@ def test_a_hit_on_pages_a_running_prefill_is_still_writing():
     sched.add(a)
     plan = sched.schedule()
     assert plan.num_new == [8]
-    sched.launched(plan, 1)  # a's first two pages computed (in flight on device)
+    sched.launched(plan)  # a's first two pages computed (in flight on device)
     b = prompt_seq("b", ids[:10])
     sched.add(b)
     plan = sched.schedule()
     assert plan.seqs == [a, b] and plan.num_new == [4, 2]
     assert b.block_table[:2] == a.block_table[:2] and b.num_computed == 8
-    assert sched.prefix_cache_hits == 8
+    assert sched.kv.prefix_cache_hits == 8
 
 
 def test_eviction_under_a_small_pool_and_abort_of_one_sharer():
@@ -354,7 +356,7 @@ def test_eviction_under_a_small_pool_and_abort_of_one_sharer():
     plan = sched.schedule()
     assert c in plan.seqs and c.block_table[:4] == b.block_table[:4]
     assert all(pool.refcount(p) == 2 for p in b.block_table[:4])
-    sched.abort("b")  # one sharer leaves: the pages stay with the other
+    sched.abort("b", "abort")  # one sharer leaves: the pages stay with the other
     assert all(pool.refcount(p) == 1 for p in c.block_table[:4])
     advance(sched, plan)
     finish_all(sched)
@@ -362,7 +364,7 @@ def test_eviction_under_a_small_pool_and_abort_of_one_sharer():
     d = prompt_seq("d", range(300, 330), max_tokens=2)
     sched.add(d)
     finish_all(sched)
-    assert pool.num_evictions > 0 and d.status is SequenceStatus.FINISHED
+    assert pool.num_evictions > 0 and d.finished
     assert pool.lookup(page_hashes_of(base, 4)) == []  # evicted for d
     assert pool.num_free == pool.capacity
 
@@ -379,7 +381,7 @@ def test_preempted_sequence_recomputes_from_its_own_cached_pages():
         sched.add(s)
     finish_all(sched)
     assert sched.num_preemptions > 0
-    assert sched.prefix_cache_hits > 0, "a recomputed sequence found its pages cached"
+    assert sched.kv.prefix_cache_hits > 0, "a recomputed sequence found its pages cached"
     assert all(len(s.output_ids) == 12 for s in seqs)
     assert pool.num_free == pool.capacity
 
@@ -403,4 +405,4 @@ def test_a_request_waits_for_the_prefix_another_is_computing():
     assert other.status is not SequenceStatus.WAITING, "admitted while the second waited"
     advance(sched, plan)
     finish_all(sched)
-    assert sched.prefix_cache_hits == 28 and pool.num_free == pool.capacity
+    assert sched.kv.prefix_cache_hits == 28 and pool.num_free == pool.capacity

@@ -6,14 +6,18 @@ non-speculative greedy output and proposes it, corrupted where a test says): a r
 model accepts no n-gram draft, and these tests need runs of accepted drafts. The real
 model's tests (n-gram prompt lookup, greedy identity) are at the end."""
 
+import dataclasses
+
 import pytest
 
 from engine_utils import outputs, tiny_engine, tiny_params
 from jaxserve.config import ConfigError, EngineConfig, SpeculativeConfig
+from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.controller import SpecDecodeController
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -55,7 +59,7 @@ def _requests(max_tokens=24, **sp):
 
 def _spec_engine(params, reference, **oracle):
     engine = tiny_engine(params, speculative_config=NGRAM)
-    engine.proposer = Oracle(reference, **oracle)
+    engine.spec.proposer = Oracle(reference, **oracle)
     return engine
 
 
@@ -81,7 +85,7 @@ def test_steps_without_drafts_back_off_to_multi_step_bursts(params):
             return ref[done:done + k] if 19 <= done < 21 else []
 
     engine = tiny_engine(params, decode_steps=8, speculative_config=NGRAM)
-    engine.proposer = Bursty()
+    engine.spec.proposer = Bursty()
     sizes = []
     dispatch = engine.runner.dispatch
 
@@ -94,7 +98,7 @@ def test_steps_without_drafts_back_off_to_multi_step_bursts(params):
     # prefill (token 0), tokens 1 and 2 alone, bursts 3-10 and 11-18, verify, then 1, ...
     assert sizes[:7] == [1, 1, 1, 8, 8, "v", 1], sizes
     assert set(sizes) == {1, 8, "v"}  # no shape that warm-up does not compile
-    assert engine.stats()["spec_decode_num_drafts"] >= 1
+    assert engine.stats().spec_decode.num_drafts >= 1
 
 
 @pytest.mark.parametrize("case", ["all_right", "every_third_wrong", "one_silent"])
@@ -107,17 +111,17 @@ def test_greedy_output_is_unchanged_by_speculation(params, case):
     got = outputs(engine, requests, [0, 0, 2])
     assert got == base
     st = engine.stats()
-    assert st["spec_decode_num_drafts"] > 0
-    assert st["spec_decode_num_accepted_tokens"] <= st["spec_decode_num_draft_tokens"]
-    per_pos = st["spec_decode_num_accepted_tokens_per_pos"]
-    assert sum(per_pos) == st["spec_decode_num_accepted_tokens"]
+    assert st.spec_decode.num_drafts > 0
+    assert st.spec_decode.num_accepted_tokens <= st.spec_decode.num_draft_tokens
+    per_pos = st.spec_decode.num_accepted_tokens_per_pos
+    assert sum(per_pos) == st.spec_decode.num_accepted_tokens
     assert per_pos == sorted(per_pos, reverse=True)  # position j accepted => j - 1 was
     if case == "all_right":
-        assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+        assert st.spec_decode.num_accepted_tokens == st.spec_decode.num_draft_tokens
         # 24 tokens in runs of up to 4 per step instead of 1
         assert engine.num_steps < 3 * 24 / 2
     if case == "every_third_wrong":
-        assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+        assert 0 < st.spec_decode.num_accepted_tokens < st.spec_decode.num_draft_tokens
     assert not engine.scheduler.running and engine.pool.num_free == engine.pool.capacity
 
 
@@ -136,7 +140,7 @@ def test_rejected_drafts_pages_go_back(params):
     engine.scheduler.verified = spy
     assert outputs(engine, requests, [0]) == base
     assert len(tables) > 10 and all(have == need for have, need in tables)
-    assert engine.stats()["spec_decode_num_accepted_tokens"] == 0
+    assert engine.stats().spec_decode.num_accepted_tokens == 0
     assert engine.pool.num_free == engine.pool.capacity
 
 
@@ -154,11 +158,11 @@ def test_a_stop_inside_an_accepted_run_ends_where_decoding_would(params, stop):
     engine_kw = {"max_model_len": len(prompt) + 7} if stop == "max_model_len" else {}
     want = outputs(tiny_engine(params, **engine_kw), [("r", prompt, sp)], [0])["r"]
     engine = tiny_engine(params, speculative_config=NGRAM, **engine_kw)
-    engine.proposer = Oracle({tuple(prompt): ids})
+    engine.spec.proposer = Oracle({tuple(prompt): ids})
     got = outputs(engine, [("r", prompt, sp)], [0])["r"]
     assert got == want
     assert len(want[0]) < 40
-    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert engine.stats().spec_decode.num_accepted_tokens > 0
     assert engine.pool.num_free == engine.pool.capacity
 
 
@@ -181,19 +185,19 @@ def test_no_compilation_after_warmup_and_big_batches_do_not_speculate(params):
     compiled = engine.num_compilations
     requests = _requests()
     _, ref = _reference(params, requests)
-    engine.proposer = Oracle(ref)
+    engine.spec.proposer = Oracle(ref)
     batch_sizes = []
-    propose = engine._propose
+    propose = engine.spec.propose
 
-    def spy(hold):
-        batch_sizes.append(len(engine.scheduler.running))
-        return propose(hold)
+    def spy(running, hold):
+        batch_sizes.append(len(running))
+        return propose(running, hold)
 
-    engine._propose = spy
+    engine.spec.propose = spy
     late = ("r9", [9, 9, 9], SamplingParams(temperature=0, max_tokens=30))
     got = outputs(engine, requests + [late], [0, 0, 8, 8])
     assert engine.num_compilations == compiled
-    assert len(got) == 4 and engine.stats()["spec_decode_num_drafts"] > 0
+    assert len(got) == 4 and engine.stats().spec_decode.num_drafts > 0
     # proposals only while at most disable_by_batch_size sequences run
     assert batch_sizes and max(batch_sizes) <= 2
 
@@ -213,14 +217,14 @@ def test_a_draft_that_is_the_target_has_every_draft_accepted(params):
     engine = tiny_engine(params, draft_params=params, speculative_config=DRAFT)
     assert outputs(engine, requests, [0, 0, 2]) == base
     st = engine.stats()
-    assert st["spec_decode_num_draft_tokens"] > 20
-    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+    assert st.spec_decode.num_draft_tokens > 20
+    assert st.spec_decode.num_accepted_tokens == st.spec_decode.num_draft_tokens
     sampled = [(rid, p, SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=20,
                                        ignore_eos=True)) for rid, p, _ in requests]
     engine = tiny_engine(params, draft_params=params, speculative_config=DRAFT)
     first = outputs(engine, sampled, [0, 0, 2])
     st = engine.stats()
-    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"] > 20
+    assert st.spec_decode.num_accepted_tokens == st.spec_decode.num_draft_tokens > 20
     again = outputs(tiny_engine(params, draft_params=params, speculative_config=DRAFT),
                     sampled, [0, 0, 2])
     assert again == first  # seeded: reproducible
@@ -237,7 +241,7 @@ def test_a_truncated_draft_keeps_greedy_output_and_frees_its_pages(params):
     engine = tiny_engine(params, draft_params=draft, speculative_config=DRAFT)
     assert outputs(engine, requests, [0, 0, 2, 3]) == base
     st = engine.stats()
-    assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+    assert 0 < st.spec_decode.num_accepted_tokens < st.spec_decode.num_draft_tokens
     assert engine.pool.num_free == engine.pool.capacity
 
 
@@ -269,7 +273,7 @@ def test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step(params):
     engine = tiny_engine(params, eagle=_tiny_head(params), speculative_config=EAGLE)
     assert outputs(engine, requests, [0, 0, 2]) == base
     st = engine.stats()
-    assert st["spec_decode_num_draft_tokens"] > 20
+    assert st.spec_decode.num_draft_tokens > 20
     assert engine.pool.num_free == engine.pool.capacity
     # a one-token draft vocabulary: the head can only propose that token
     from jaxserve.spec_decode.eagle import draft_lm_head
@@ -320,40 +324,48 @@ def test_eagle_head_files_round_trip(params, tmp_path):
 def _sched(num_pages, **kw):
     cfg = EngineConfig(max_model_len=64).override(
         **{"page_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, **kw})
-    return Scheduler(cfg, PagePool(num_pages, 4))
+    spec = SpecDecodeController(SpeculativeConfig(method="ngram", num_speculative_tokens=16),
+                                cfg.scheduler.max_num_seqs, cfg.max_model_len)
+    return Scheduler(cfg, KVCacheManager(PagePool(num_pages, 4), True), spec)
+
+
+def _schedule(sched, drafts=None):
+    """sched.schedule() with the controller proposing `drafts` ({sequence: tokens})."""
+    sched.spec.propose = lambda running, hold: dict(drafts or {})
+    return sched.schedule()
 
 
 def _running(sched, n_prompt, rid="a"):
     seq = Sequence(request_id=rid, prompt_ids=list(range(100, 100 + n_prompt)),
                    params=SamplingParams(max_tokens=50), seed=0)
     sched.add(seq)
-    plan = sched.schedule()
-    first = sched.launched(plan, 1)
-    seq.output_ids[first[0]] = 1
+    plan = _schedule(sched)
+    first = sched.launched(plan)
+    sched.commit(seq, first[0], [1])
     return seq
 
 
 def test_drafts_take_pages_and_budget_and_verified_gives_back_the_rest():
     sched = _sched(8)
     seq = _running(sched, 7)   # 8 tokens: 2 pages, 7 computed
-    plan = sched.schedule(drafts={seq: [5, 6, 7, 8, 9]})
+    plan = _schedule(sched, {seq: [5, 6, 7, 8, 9]})
     assert plan.verify and plan.num_new == [6] and plan.drafts == [[5, 6, 7, 8, 9]]
     assert len(seq.block_table) == 4   # tokens 7..12 -> pages for 13 tokens
-    assert sched.launched(plan, 6) == [1] and seq.num_computed == 7  # nothing moves yet
-    seq.output_ids += [5, 6]           # drafts 5 accepted, then the recovered token 6
-    sched.verified(seq, 2)
+    assert sched.launched(plan) == [1] and seq.num_computed == 7  # nothing moves yet
+    sched.verified(seq, [5, 6])        # drafts 5 accepted, then the recovered token 6
+    assert seq.output_ids == [1, 5, 6]
     assert seq.num_computed == 9 and len(seq.block_table) == 3  # 10 tokens: 3 pages
-    assert sched.pool.num_free == sched.pool.capacity - 3
+    assert sched.kv.pool.num_free == sched.kv.pool.capacity - 3
 
 
 def test_drafts_are_cut_to_the_free_pages_and_the_budget_never_preempt():
     sched = _sched(4)                  # 3 usable pages (+ the null page): 12 tokens
     seq = _running(sched, 7)
-    plan = sched.schedule(drafts={seq: list(range(10))})
+    plan = _schedule(sched, {seq: list(range(10))})
     assert plan.num_new == [1 + 4]     # the 3rd page holds tokens 8..11: 4 drafts
     sched2 = _sched(16, max_num_batched_tokens=4, max_num_seqs=2)
     a = _running(sched2, 3, "a")
-    plan = sched2.schedule(drafts={a: list(range(10))})
+    plan = _schedule(sched2, {a: list(range(10))})
     assert plan.num_new == [4]         # the budget of 4 rows
     assert sched2.num_preemptions == 0
 
@@ -368,11 +380,11 @@ def test_drafts_take_only_pages_no_decode_needs():
                  params=SamplingParams(max_tokens=50), seed=0)
     sched.add(a)
     sched.add(b)
-    plan = sched.schedule()
-    for seq, i in zip(plan.seqs, sched.launched(plan, 1)):
-        seq.output_ids[i] = 1
-    assert sched.pool.num_free == 1    # a: 8 tokens in 2 pages, b: 9 tokens, 2 pages + 1 more
-    plan = sched.schedule(drafts={a: [1, 2, 3, 4, 5]})
+    plan = _schedule(sched)
+    for seq, i in zip(plan.seqs, sched.launched(plan)):
+        sched.commit(seq, i, [1])
+    assert sched.kv.pool.num_free == 1  # a: 8 tokens in 2 pages, b: 9 tokens, 2 pages + 1 more
+    plan = _schedule(sched, {a: [1, 2, 3, 4, 5]})
     assert sched.num_preemptions == 0 and plan.num_new == [1, 1] and not plan.verify
     assert len(b.block_table) == 3
 
@@ -477,8 +489,8 @@ def test_real_model_ngram_greedy_is_token_for_token_the_plain_greedy(small_llm, 
     assert [c.token_ids for c in batched] == want
     assert [c.token_ids for c in alone] == want[:2]
     st = engine.stats()
-    drafts = st["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-    gained = st["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    drafts = st.spec_decode.num_drafts - before.spec_decode.num_drafts
+    gained = st.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens
     assert drafts > 0 and gained / drafts > 0.5, "the copy prompts should accept drafts"
     # a stop inside an accepted run: the first accepted draft whose token did not occur
     # earlier in the output, as a stop token; and a max_tokens that ends a run early
@@ -538,8 +550,8 @@ def test_real_model_draft_model_greedy_is_the_plain_greedy(small_llm, draft_llm)
     """A 4-layer truncated copy as the draft: token for token the plain greedy output,
     alone and batched; its proposals are accepted often enough to be the target's."""
     st = _same_greedy_as_plain(small_llm, draft_llm, 48, alone=1)
-    assert st["spec_decode_num_drafts"] > 10 and st["spec_decode_num_accepted_tokens"] > 0
-    assert st["free_pages"] == st["total_pages"]
+    assert st.spec_decode.num_drafts > 10 and st.spec_decode.num_accepted_tokens > 0
+    assert st.scheduler.free_pages == st.scheduler.total_pages
     _planned_as_built(draft_llm)
 
 
@@ -575,8 +587,8 @@ def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, cache_dir):
     llm = LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, warmup=False,
               speculative=spec)
     st = _same_greedy_as_plain(small_llm, llm, 32, alone=2)
-    assert st["spec_decode_num_drafts"] > 10 and st["free_pages"] == st["total_pages"]
-    assert st["spec_decode_num_accepted_tokens"] > 0.1 * st["spec_decode_num_draft_tokens"]
+    assert st.spec_decode.num_drafts > 10 and st.scheduler.free_pages == st.scheduler.total_pages
+    assert st.spec_decode.num_accepted_tokens > 0.1 * st.spec_decode.num_draft_tokens
     _planned_as_built(llm)
 
 
@@ -605,9 +617,14 @@ def test_flag_and_metrics():
     assert cfg.speculative == SpeculativeConfig("ngram", 3)
     with pytest.raises(ConfigError, match="unknown key"):
         engine_config(EngineConfig(), ap.parse_args(["--speculative-config", '{"k": 1}']))
-    stats = {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12,
-             "spec_decode_num_accepted_tokens": 7,
-             "spec_decode_num_accepted_tokens_per_pos": [4, 2, 1]}
+    from jaxserve.engine.scheduler import SchedulerStats
+    from jaxserve.engine.stats import EngineStats
+    from jaxserve.spec_decode.controller import SpecDecodeStats
+    zeros = lambda cls, *skip: {f.name: 0 for f in dataclasses.fields(cls)  # noqa: E731
+                                if f.name not in skip}
+    stats = EngineStats(scheduler=SchedulerStats(**zeros(SchedulerStats)),
+                        spec_decode=SpecDecodeStats(4, 12, 7, [4, 2, 1]),
+                        **zeros(EngineStats, "scheduler", "spec_decode"))
     samples = {(s.name, tuple(s.labels.items())): s.value
                for f in text_string_to_metric_families(Metrics(lambda: stats).render().decode())
                for s in f.samples}

@@ -33,7 +33,7 @@ def main(cache_dir: str) -> None:
         llm = LLM(cfg, cache_dir=cache_dir, warmup=False)
         got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
         out["tokens"][tp] = [c.token_ids for c in got]
-        out["accepted"][tp] = llm.engine.stats()["spec_decode_num_accepted_tokens"]
+        out["accepted"][tp] = llm.engine.stats().spec_decode.num_accepted_tokens
         del llm
     print(json.dumps(out))
 

@@ -67,7 +67,7 @@ def run_all(engine, prompts: list[list[int]], params, tag: str) -> dict:
 
 
 def spec_counters(engine, before: dict) -> dict:
-    st = engine.stats()
+    st = engine.stats().as_dict()
     keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
             "spec_decode_num_accepted_tokens", "spec_decode_propose_seconds",
             "num_steps", "step_seconds", "host_seconds")
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                           add_special_tokens=False) for e in entries]
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens or e.output_len)
               for e in entries]
-    before = spec.engine.stats()
+    before = spec.engine.stats().as_dict()
     result = {"config": args.config, "workload": args.workload, "streams": args.streams,
               "speculative_config": spec_config,
               "num_prompts": len(prompts)}

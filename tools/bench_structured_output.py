@@ -71,7 +71,7 @@ def run(engine, prompts, params) -> list[tuple[int, float, bool]]:
     for i, (p, sp) in enumerate(zip(prompts, params)):
         rid = f"r{time.monotonic_ns()}-{i}"
         engine.add_request(rid, p, sp)
-        seq = engine._seqs[rid]
+        seq = engine.scheduler.requests[rid]
         if seq.matcher is not None:
             seq.matcher = TimedMatcher(seq.matcher)
         ids[rid] = sp.structured_outputs is not None

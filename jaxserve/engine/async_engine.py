@@ -31,6 +31,7 @@ import time
 from typing import AsyncIterator, Sequence
 
 from jaxserve.engine.outputs import FINISH_ERROR, RequestOutput
+from jaxserve.engine.stats import EngineStats
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -194,14 +195,14 @@ class AsyncEngine:
         """Requests submitted and not finished (read from any thread; may be a step stale)."""
         return len(self._streams) + self._num_adds_queued
 
-    def stats(self) -> dict[str, int]:
-        """`Engine.stats()` read from this thread: plain ints, possibly one step stale."""
+    def stats(self) -> EngineStats:
+        """`Engine.stats()` read from this thread, possibly one step stale."""
         return self.engine.stats()
 
     def num_queued(self) -> int:
         """Requests waiting for the engine: submitted but not yet applied, plus the
         engine's waiting queue (possibly a step stale)."""
-        return self._num_adds_queued + int(self.engine.stats().get("waiting", 0))
+        return self._num_adds_queued + self.engine.stats().scheduler.waiting
 
     async def add_request(self, request_id: str, prompt_ids: Sequence[int],
                           params: SamplingParams, arrival_time: float | None = None

@@ -1,4 +1,4 @@
-"""The batch builder: a scheduler's StepPlan -> the padded numpy arrays of one step, of the
+"""The batch builder: a scheduler's SchedulerOutput -> the padded numpy arrays of one step, of the
 bucketed shape the runner compiled (jaxserve.worker.compilation.StepShapes). Plain Python
 + numpy, on the host: the worker sees only arrays.
 
@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.engine.scheduler import StepPlan
+from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import PLACEHOLDER
 from jaxserve.model.transformer import StepBatch
 from jaxserve.sample.logits_processors import LogitsControls
@@ -29,7 +29,7 @@ def _slots(block_table: list[int], start: int, stop: int, page_size: int) -> np.
     return np.asarray(block_table, np.int32)[pos // page_size] * page_size + pos % page_size
 
 
-def step_batch(plan: StepPlan, shapes: StepShapes, prev_rows=None
+def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
                ) -> tuple[StepBatch, SamplingBatch]:
     """The batch of `plan`: sequence i's tokens num_computed .. num_computed + num_new[i]
     (its pages must hold them; for a verify plan, its last token then its drafts), its last

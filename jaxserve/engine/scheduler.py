@@ -10,9 +10,9 @@ for a decoding sequence (its last sampled token), the rest of its prompt (and, a
 preemption, of its earlier outputs) otherwise. Only the chunk that reaches the last token
 samples. With `enable_chunked_prefill` off, a prompt is admitted only whole.
 
-Prefix caching (`enable_prefix_caching`): a sequence admitted from the queue first takes
-the cached pages of the longest prefix of its full pages (jaxserve.engine.page_pool: by
-chained page hash, shared by reference count) and computes only the rest; at least its last
+Prefix caching (`enable_prefix_caching`, the pages and the cache are the KVCacheManager's):
+a sequence admitted from the queue first takes the cached pages of the longest prefix of
+its full pages (by chained page hash, shared by reference count) and computes only the rest; at least its last
 token is always computed, for its logits. Each full page a launched step computes (of
 known tokens) is registered in the cache, so a request arriving one step later already
 hits it: the device runs steps in order, so the K/V are written before they are read. A
@@ -34,8 +34,17 @@ engine); a budget of at least max_num_seqs rows gives every decoding sequence it
 every step (SchedulerConfig checks it), so a prompt's chunks follow the decodes and it
 completes among any number of streams.
 
-Source: vLLM v1's scheduler (token budget, chunked prefill, recompute preemption, FCFS);
-nano-vllm's Scheduler.
+Besides the plan, `schedule()` decides everything else the step needs (SchedulerOutput):
+the sequences held out of it (their pending token is their last, or their grammar needs
+it first), the drafts to verify (asked of the SpecDecodeController), and how many tokens
+each sequence samples (multi-step decode bursts, pages reserved for them).
+
+Writes, of a Sequence: `output_ids` (PLACEHOLDERs at launch, the tokens read back, the
+accepted drafts; truncated when it finishes), `status`, `num_computed`, `admitted`,
+`num_preemptions` and `finish_reason`. Its pages are the KVCacheManager's.
+
+Source: vLLM v1's scheduler (token budget, chunked prefill, recompute preemption, FCFS;
+update_from_output writing the request's tokens); nano-vllm's Scheduler.
 """
 
 from __future__ import annotations
@@ -45,24 +54,28 @@ import itertools
 from collections import deque
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.page_pool import PagePool, page_hashes
+from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from jaxserve.spec_decode.controller import SpecDecodeController
 
 
 @dataclasses.dataclass
-class StepPlan:
-    """What the next step computes: `num_new[i]` tokens of `seqs[i]` (batch order), from its
-    `num_computed`-th token on; the last `len(drafts[i])` of them are draft tokens to verify
-    (speculative decoding: `drafts` None = none). Made before the step launches:
-    `samples[i]` says whether sequence i's chunk reaches its last token (its sampled token
-    is kept), `decode` whether every sequence brings one token and samples (a decode batch,
-    which may sample several tokens per sequence: multi-step decode), `verify` whether
-    some sequence brings drafts (a verify batch: every sequence samples, at up to
-    1 + len(drafts[i]) positions)."""
+class SchedulerOutput:
+    """Everything the next step needs: `num_new[i]` tokens of `seqs[i]` (batch order), from
+    its `num_computed`-th token on; the last `len(drafts[i])` of them are draft tokens to
+    verify (speculative decoding: `drafts` None = none); `num_steps` tokens sampled per
+    sequence (1, or decode_steps for a multi-step decode burst; 1 for a verify step, whose
+    rows the runner's shapes fix); `held`: running sequences sitting this step out.
+    Derived: `samples[i]` whether sequence i's chunk reaches its last token (its sampled
+    token is kept), `decode` whether every sequence brings one token and samples (a decode
+    batch), `verify` whether some sequence brings drafts (a verify batch: every sequence
+    samples, at up to 1 + len(drafts[i]) positions)."""
 
     seqs: list[Sequence]
     num_new: list[int]
     drafts: list[list[int]] | None = None
+    num_steps: int = 1
+    held: frozenset = frozenset()
     samples: list[bool] = dataclasses.field(init=False)
     decode: bool = dataclasses.field(init=False)
     verify: bool = dataclasses.field(init=False)
@@ -83,14 +96,14 @@ class StepPlan:
 
 @dataclasses.dataclass
 class InflightStep:
-    """A dispatched step whose sampled tokens are not read yet: its plan, the tokens it
-    samples per sequence (`num_steps`), each sequence's output index of the first of them
-    (`first_index`, batch order; None for a prompt chunk that does not sample) and the
-    runner's handle to fetch them. While it runs, each sampling sequence ends in
+    """A dispatched step whose sampled tokens are not read yet: what was scheduled, the
+    tokens it samples per sequence (`num_steps`), each sequence's output index of the first
+    of them (`first_index`, batch order; None for a prompt chunk that does not sample) and
+    the runner's handle to fetch them. While it runs, each sampling sequence ends in
     `num_steps` PLACEHOLDER outputs; the next step reads the last of them on device, from
     the row `row_of` gives."""
 
-    plan: StepPlan
+    scheduled: SchedulerOutput
     num_steps: int
     first_index: list[int | None]
     handle: object
@@ -98,45 +111,103 @@ class InflightStep:
 
     def row_of(self) -> dict[Sequence, int]:
         """{sequence: its row in this step's batch} for the sequences that sampled."""
-        return {seq: i for i, (seq, first) in enumerate(zip(self.plan.seqs, self.first_index))
-                if first is not None}
+        return {seq: i for i, (seq, first) in
+                enumerate(zip(self.scheduled.seqs, self.first_index)) if first is not None}
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    """Gauges (running / waiting requests, KV pages free and in all, pages registered in the
+    prefix cache now) and counters since start (preemptions; prompt tokens looked up in the
+    prefix cache at admission and found; cached pages evicted for new content)."""
+
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    cached_pages: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set, their pages and their computed tokens.
+    """Owns the live requests (`requests`: id -> Sequence; the waiting queue and the
+    running set), their computed tokens and their output tokens; asks `kv` for pages and
+    `spec` (None: speculative decoding off) for drafts."""
 
-    Counters: num_preemptions; prefix_cache_queries / prefix_cache_hits: prompt tokens
-    looked up in the prefix cache at admission, and those found (vLLM's names)."""
-
-    def __init__(self, cfg: EngineConfig, pool: PagePool):
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager,
+                 spec: SpecDecodeController | None = None):
         self.cfg = cfg
-        self.pool = pool
-        self.prefix_caching = cfg.cache.enable_prefix_caching
+        self.kv = kv
+        self.spec = spec
+        self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
         self.num_preemptions = 0
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new request. Raises ValueError if its id is live already."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request {seq.request_id!r} is already live")
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, hold: frozenset | set = frozenset(),
-                 drafts: dict[Sequence, list[int]] | None = None) -> StepPlan | None:
+    def spec_active(self) -> bool:
+        """Whether the next step may verify drafts (SpecDecodeController.active)."""
+        return self.spec is not None and self.spec.active(self.running, len(self.waiting))
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting), free_pages=pool.num_free,
+            total_pages=pool.capacity, cached_pages=pool.num_cached,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            prefix_cache_evictions=pool.num_evictions)
+
+    # --- planning ------------------------------------------------------------------------
+
+    def schedule(self, can_propose: bool = True) -> SchedulerOutput | None:
         """Plan the next step, allocating its pages (see the module docstring); None when
         there is nothing to run.
 
-        hold: running sequences that sit this step out (the engine knows they finish when
-        their pending token arrives); they keep their pages.
+        Held sequences: those whose pending token is their last (max_tokens or
+        max_model_len) and constrained ones whose pending token is not read yet (their
+        grammar's mask for the next token needs it); they keep their pages, and their
+        mask is computed while this step runs. can_propose: whether drafts may be asked
+        for (every sequence's tokens are read: no step in flight); whether speculation is
+        on for this step is decided once, before planning."""
+        limit = self.cfg.max_model_len
+        hold = frozenset(s for s in self.running if s.has_placeholder and (
+            len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= limit
+            or s.matcher is not None))
+        speculating = self.spec_active()
+        drafts = self.spec.propose(self.running, hold) if speculating and can_propose else None
+        out = self._plan(hold, drafts)
+        if out is None:
+            return None
+        out.held = hold
+        if out.decode and not out.verify:
+            out.num_steps = self._num_decode_steps(out, speculating)
+        return out
+
+    def _plan(self, hold: frozenset, drafts: dict[Sequence, list[int]] | None
+              ) -> SchedulerOutput | None:
+        """Which sequences run and how many tokens each (see the module docstring).
+
         drafts: {decoding sequence: draft tokens to verify after its last token}. A
         sequence's drafts are cut to what the step's budget and the free pages hold (drafts
         never preempt); its pages then cover them until `verified` gives back those of
         rejected ones."""
         limits = self.cfg.scheduler
+        kv = self.kv
         drafts = drafts or {}
         plan: dict[Sequence, int] = {}
         taken: dict[Sequence, list[int]] = {}
@@ -154,10 +225,9 @@ class Scheduler:
                 plan[seq] = 1
         for seq in by_age:  # then drafts, with the pages every decode left
             if plan.get(seq) == 1 and drafts.get(seq):
-                k = min(len(drafts[seq]), left(),
-                        self._chunk(seq, 1 + len(drafts[seq]), 0) - 1)
+                k = min(len(drafts[seq]), left(), kv.room(seq, 1 + len(drafts[seq]), 0) - 1)
                 if k > 0:
-                    self._grow(seq, seq.num_tokens + k)
+                    kv.allocate(seq, seq.num_tokens + k)
                     taken[seq] = list(drafts[seq][:k])
                     plan[seq] += k
         for seq in by_age:  # then the prompts part-way through, oldest first
@@ -166,11 +236,11 @@ class Scheduler:
             want = min(_todo(seq), left())
             if want <= 0:
                 break
-            n = self._chunk(seq, want, self._reserve(plan))
+            n = kv.room(seq, want, self._reserve(plan))
             if n == 0 and self._take_pages(seq, seq.num_computed + 1, plan, self_victim=False):
-                n = self._chunk(seq, min(_todo(seq), left()), 0)
+                n = kv.room(seq, min(_todo(seq), left()), 0)
             if n:
-                self._grow(seq, seq.num_computed + n)
+                kv.allocate(seq, seq.num_computed + n)
                 plan[seq] = n
         deferred: list[Sequence] = []
         while (self.waiting and left() > 0 and self.num_preemptions == preemptions
@@ -178,97 +248,58 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.has_placeholder:  # preempted while its token was being sampled
                 break
-            if self._prefix_in_progress(seq):
+            if kv.prefix_in_progress(seq, self.running):
                 deferred.append(self.waiting.popleft())
                 continue
-            hit = self._take_cached_prefix(seq)
+            hit = seq.num_computed = kv.take_cached_prefix(seq)
             n = min(_todo(seq), left())
-            n = self._chunk(seq, n, self._reserve(plan) + self._growth(seq, n))
+            n = kv.room(seq, n, self._reserve(plan) + self._growth(seq, n))
             if n == 0 or (n < _todo(seq) and not limits.enable_chunked_prefill):
-                self._release(seq)  # the cached pages it took stay cached
-                seq.num_computed = seq.num_registered = 0
+                kv.free(seq)  # the cached pages it took stay cached
+                seq.num_computed = 0
                 break
-            if self.prefix_caching:
-                self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += hit
+            kv.count_admission(seq, hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.admitted = next(self._admissions)
             self.running.append(seq)
-            self._grow(seq, seq.num_computed + n)
+            kv.allocate(seq, seq.num_computed + n)
             plan[seq] = n
         self.waiting.extendleft(reversed(deferred))  # first in the queue again, in order
         if not plan:
             return None
-        return StepPlan(list(plan), list(plan.values()),
-                        [taken.get(s, []) for s in plan] if taken else None)
+        return SchedulerOutput(list(plan), list(plan.values()),
+                               [taken.get(s, []) for s in plan] if taken else None)
 
-    def _prefix_in_progress(self, seq: Sequence) -> bool:
-        """Whether a running sequence is computing, as a prompt chunk, the first page of
-        waiting `seq`'s prefix that is not cached yet (their page hashes agree there)."""
-        if not self.prefix_caching or seq.needs_prompt_logprobs:
-            return False
-        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.pool.page_size)
-        cached = len(self.pool.lookup(hashes))
-        if cached == len(hashes):
-            return False
-        return any(len(r.page_hashes) > cached and r.page_hashes[cached] == hashes[cached]
-                   and r.num_computed < r.num_known for r in self.running)
-
-    def _take_cached_prefix(self, seq: Sequence) -> int:
-        """Give `seq` (waiting, no pages) the cached pages of the longest prefix of its full
-        pages, leaving at least its last token to compute; returns the tokens matched. A
-        sequence still needing prompt logprobs takes none (they come from computing)."""
-        if not self.prefix_caching or seq.needs_prompt_logprobs:
-            return 0
-        ps = self.pool.page_size
-        usable = (seq.num_tokens - 1) // ps
-        pages = self.pool.lookup(self._hashes(seq, usable))
-        self.pool.share(pages)
-        seq.block_table = pages
-        seq.num_computed = len(pages) * ps
-        seq.num_registered = len(pages)
-        return seq.num_computed
-
-    def _hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
-        """`seq`'s chained hashes of its first `num_pages` full pages (of known tokens),
-        computed once each."""
-        have = len(seq.page_hashes)
-        if num_pages > have:
-            ps = self.pool.page_size
-            ids = seq.ids(0, num_pages * ps)
-            seq.page_hashes += page_hashes(ids, ps, have, seq.page_hashes[-1] if have else None)
-        return seq.page_hashes[:num_pages]
-
-    def _register(self, seq: Sequence) -> None:
-        """Register `seq`'s full pages whose K/V are computed (and tokens known)."""
-        full = min(seq.num_computed, seq.num_known) // self.pool.page_size
-        if self.prefix_caching and full > seq.num_registered:
-            for i, h in enumerate(self._hashes(seq, full)[seq.num_registered:],
-                                  start=seq.num_registered):
-                self.pool.register(seq.block_table[i], h)
-            seq.num_registered = full
-
-    def _chunk(self, seq: Sequence, n: int, reserve: int) -> int:
-        """The most of `n` next tokens of `seq` whose pages fit in the free pages, keeping
-        `reserve` of them free."""
-        have = len(seq.block_table) * self.pool.page_size - seq.num_computed
-        room = have + max(0, self.pool.num_free - reserve) * self.pool.page_size
-        return max(0, min(n, room))
+    def _num_decode_steps(self, out: SchedulerOutput, speculating: bool) -> int:
+        """Tokens per sequence for a planned decode step: decode_steps when no request
+        waits, every sequence has that many tokens left (max_tokens, max_model_len) and
+        the free pages hold them (reserved here); else 1. While speculative decoding is
+        on for this batch (a step without drafts: the proposer found none), 1 token per
+        step until the controller allows bursts again (its proposer found nothing
+        several steps in a row): on text without repeats an n-gram proposer then costs
+        little against plain multi-step decoding, and it still speculates soon after
+        repeats begin. (Only 1 and decode_steps are compiled: no burst size between.)"""
+        n = self.cfg.scheduler.decode_steps
+        if speculating and not self.spec.allows_burst():
+            return 1
+        if n == 1 or self.waiting or any(s.matcher is not None for s in out.seqs):
+            return 1
+        limit = self.cfg.max_model_len
+        if any(s.params.max_tokens - len(s.output_ids) < n or limit - s.num_tokens < n
+               for s in out.seqs):
+            return 1
+        ok = self.kv.allocate_all(out.seqs, [s.num_tokens + n - 1 for s in out.seqs])
+        return n if ok else 1
 
     def _growth(self, seq: Sequence, n: int) -> int:
         """1 if `seq`'s first decode after a chunk of `n` that completes it needs a new page."""
         end = seq.num_computed + n
-        return int(end == seq.num_tokens and end % self.pool.page_size == 0)
+        return int(end == seq.num_tokens and end % self.kv.page_size == 0)
 
     def _reserve(self, plan: dict[Sequence, int]) -> int:
         """Pages the planned decodes may need in the step after this one."""
         return sum(self._growth(s, n) for s, n in plan.items() if n == 1)
-
-    def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        need = self.pool.pages_for(num_tokens) - len(seq.block_table)
-        if need > 0:
-            seq.block_table += self.pool.allocate(need)
 
     def _take_pages(self, seq: Sequence, num_tokens: int, plan: dict[Sequence, int],
                     self_victim: bool) -> bool:
@@ -276,8 +307,7 @@ class Scheduler:
         (newest first; planned ones leave the plan) while the free pages are short. If
         none newer is left: preempt `seq` itself when `self_victim`; returns whether `seq`
         got its pages."""
-        need = self.pool.pages_for(num_tokens) - len(seq.block_table)
-        while need > self.pool.num_free:
+        while self.kv.pages_needed(seq, num_tokens) > self.kv.num_free:
             newer = [s for s in self.running if s.admitted > seq.admitted]
             if not newer:
                 if self_victim:
@@ -286,92 +316,102 @@ class Scheduler:
             victim = max(newer, key=lambda s: s.admitted)
             plan.pop(victim, None)
             self.preempt(victim)
-        self._grow(seq, num_tokens)
+        self.kv.allocate(seq, num_tokens)
         return True
 
-    def reserve_ahead(self, seqs: list[Sequence], extra_tokens: int) -> bool:
-        """Give each of `seqs` (a planned decode step's) the pages for `extra_tokens` more
-        tokens after the step's own (multi-step decode), if the free pages hold them all;
-        otherwise allocate nothing (never preempts). Returns whether it allocated."""
-        need = [max(0, self.pool.pages_for(s.num_tokens + extra_tokens) - len(s.block_table))
-                for s in seqs]
-        if sum(need) > self.pool.num_free:
-            return False
-        for seq, n in zip(seqs, need):
-            if n:
-                seq.block_table += self.pool.allocate(n)
-        return True
+    # --- what happened to a scheduled step ------------------------------------------------
 
-    def launched(self, plan: StepPlan, num_steps: int) -> list[int | None]:
-        """Record that `plan` was dispatched sampling `num_steps` tokens per sequence: each
-        sequence's K/V now covers its chunk; a sequence whose chunk reached its last token
-        also covers the first num_steps - 1 sampled tokens (multi-step decode; the last
-        one is computed by the next step) and ends in `num_steps` PLACEHOLDER outputs
-        until they are read. Returns each sequence's output index of the first of them
-        (None for a chunk that does not sample).
+    def launched(self, out: SchedulerOutput) -> list[int | None]:
+        """Record that `out` was dispatched: each sequence's K/V now covers its chunk; a
+        sequence whose chunk reached its last token also covers the first num_steps - 1
+        sampled tokens (multi-step decode; the last one is computed by the next step) and
+        ends in `num_steps` PLACEHOLDER outputs until they are read. Returns each
+        sequence's output index of the first of them (None for a chunk that does not
+        sample, or that finished since it was scheduled).
 
-        A verify plan changes nothing yet: how many of its tokens count is known when it
+        A verify step changes nothing yet: how many of its tokens count is known when it
         is read (`verified`); its outputs start at each sequence's current length."""
-        if plan.verify:
-            return [len(seq.output_ids) for seq in plan.seqs]
+        if out.verify:
+            return [len(seq.output_ids) for seq in out.seqs]
         first = []
-        for i, seq in enumerate(plan.seqs):
-            if plan.samples[i]:
-                seq.num_computed = seq.num_tokens + num_steps - 1
-                self._register(seq)
+        for i, seq in enumerate(out.seqs):
+            if seq.finished:
+                first.append(None)
+            elif out.samples[i]:
+                seq.num_computed = seq.num_tokens + out.num_steps - 1
+                self.kv.cache_full_pages(seq)
                 first.append(len(seq.output_ids))
-                seq.output_ids.extend([PLACEHOLDER] * num_steps)
+                seq.output_ids.extend([PLACEHOLDER] * out.num_steps)
             else:
-                seq.num_computed += plan.num_new[i]
-                self._register(seq)
+                seq.num_computed += out.num_new[i]
+                self.kv.cache_full_pages(seq)
                 first.append(None)
         return first
 
-    def verified(self, seq: Sequence, num_tokens: int) -> None:
-        """Record that a verify step kept `num_tokens` output tokens of running `seq` (its
-        accepted drafts and the token after them, already appended to its outputs): its
-        K/V covers its last token and the accepted drafts; the pages past what its next
-        token needs (those of rejected drafts) go back to the pool."""
-        seq.num_computed += num_tokens
-        keep = self.pool.pages_for(seq.num_tokens)
-        if len(seq.block_table) > keep:
-            self.pool.free(seq.block_table[keep:][::-1])
-            del seq.block_table[keep:]
-        self._register(seq)
+    def commit(self, seq: Sequence, index: int, tokens: list[int]) -> None:
+        """Put tokens read back from a step at `seq`'s output positions index, index + 1, ...
+        (its PLACEHOLDERs, or tokens of a recomputed sequence)."""
+        seq.output_ids[index:index + len(tokens)] = tokens
+
+    def verified(self, seq: Sequence, tokens: list[int]) -> None:
+        """Record that a verify step kept `tokens` of running `seq` (its accepted drafts and
+        the token after them): they join its outputs, its K/V covers its last token and
+        the accepted drafts, and the pages of rejected drafts go back to the pool."""
+        seq.output_ids.extend(tokens)
+        seq.num_computed += len(tokens)
+        self.kv.trim(seq)
+        self.kv.cache_full_pages(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s pages and queue it first for recomputation."""
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed = seq.num_registered = 0
+        seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished sequence (running, or waiting after a preemption) and free
-        its pages."""
+    def recompute_all(self) -> None:
+        """After the KV pool was lost (a failed device step): every running sequence drops
+        the tokens the abandoned step was sampling and is preempted (recomputed from its
+        tokens), and the prefix cache is forgotten."""
+        for seq in list(self.running):
+            _drop_placeholders(seq)
+            self.preempt(seq)
+        self.kv.reset_prefix_cache()
+
+    def finish(self, seq: Sequence, reason: str, num_outputs: int | None = None) -> None:
+        """Finish `seq` (running, or waiting after a preemption) with finish_reason
+        `reason`: it leaves the live requests and its pages are freed. Its outputs are cut
+        to `num_outputs` (the rest were sampled in vain) or, by default, to those read
+        back. A finished sequence is left as it is."""
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = reason
+        if num_outputs is not None:
+            del seq.output_ids[num_outputs:]
+        _drop_placeholders(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
-        seq.status = SequenceStatus.FINISHED
+        self.requests.pop(seq.request_id, None)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Remove the sequence with `request_id` wherever it is; None if unknown."""
-        for seq in itertools.chain(self.running, self.waiting):
-            if seq.request_id == request_id:
-                self.finish(seq)
-                return seq
-        return None
+    def abort(self, request_id: str, reason: str) -> Sequence | None:
+        """Finish the live request `request_id` with `reason`; None if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.finish(seq, reason)
+        return seq
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        if seq.block_table:
-            # last page first: a sequence's tail pages are evicted before its head, which
-            # other prompts are likelier to share (vLLM does the same)
-            self.pool.free(seq.block_table[::-1])
-        seq.block_table = []
+        self.kv.free(seq)
+
+
+def _drop_placeholders(seq: Sequence) -> None:
+    while seq.has_placeholder:
+        seq.output_ids.pop()
 
 
 def _todo(seq: Sequence) -> int:

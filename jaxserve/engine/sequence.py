@@ -28,50 +28,56 @@ class TokenLogprobs(NamedTuple):
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"    # queued; needs a prefill of all its tokens (again, if preempted)
     RUNNING = "running"    # its K/V live in its pages; decoding
-    FINISHED = "finished"
 
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """One request.
+    """One request, from admission until it finishes. Each field has one writer.
 
-    prompt_ids / output_ids: token ids (the last outputs may be PLACEHOLDERs while the
-    step that samples them runs: one, or decode_steps of a multi-step decode). block_table: page ids holding its K/V, in order.
-    num_computed: tokens whose K/V are in the pages. seed: resolved sampling seed.
-    page_hashes: chained hashes of its full pages of known tokens, as far as computed
-    (jaxserve.engine.page_pool.page_hashes); num_registered: pages of its block table
-    registered in the prefix cache.
-    detokenizer / stop_checker: text state (owned by the engine's output processing).
-    admitted: a counter value, larger = admitted more recently (preemption order).
-    controls: its row of the logits-controls table, packed once at admission
-        (`Engine.add_request`; None: it uses none).
-    logprobs: with params.logprobs, one TokenLogprobs per output token read back.
-    prompt_logprobs: with params.prompt_logprobs, one per prompt token (None for the first,
-        and for those not computed yet).
-    matcher: with params.structured_outputs, its grammar state
-        (jaxserve.sample.grammar.GrammarMatcher), advanced by each token read back.
+    Set once, when the request is taken (jaxserve.engine.input_processor):
+    request_id, prompt_ids (token ids), params, seed (resolved sampling seed); controls (its
+    row of the logits-controls table, None: it uses none); matcher (with
+    params.structured_outputs, its grammar state, jaxserve.sample.grammar.GrammarMatcher);
+    detokenizer / stop_checker (text state). The objects in matcher, detokenizer and
+    stop_checker are advanced by the output processor.
+
+    Written by the scheduler (jaxserve.engine.scheduler): output_ids (token ids; the last
+    ones are PLACEHOLDERs while the step that samples them runs: one, or decode_steps of a
+    multi-step decode), status (waiting / running), num_computed (tokens whose K/V are in
+    its pages), admitted (a counter value, larger = admitted more recently: preemption
+    order), num_preemptions, finish_reason (None while live; set once, when it finishes).
+
+    Written by the KV cache manager (jaxserve.engine.kv_cache_manager): block_table (page
+    ids holding its K/V, in order), page_hashes (chained hashes of its full pages of known
+    tokens, as far as computed: jaxserve.engine.page_pool.page_hashes), num_cached_pages
+    (pages of its block table registered in the prefix cache).
+
+    Written by the output processor (jaxserve.engine.output_processor): text (the output
+    text so far), logprobs (with params.logprobs, one TokenLogprobs per output token read
+    back), prompt_logprobs (with params.prompt_logprobs, one per prompt token; None for the
+    first, and for those not computed yet).
     """
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    controls: Any = None
+    matcher: Any = None
+    detokenizer: Any = None
+    stop_checker: Any = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
-    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
-    num_registered: int = 0
     admitted: int = -1
     num_preemptions: int = 0
     finish_reason: str | None = None
-    detokenizer: Any = None
-    stop_checker: Any = None
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_pages: int = 0
     text: str = ""
-    controls: Any = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None
-    matcher: Any = None
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
@@ -119,4 +125,4 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.finish_reason is not None

@@ -38,10 +38,13 @@ The engine gauges are read when scraped. Source: vLLM's `vllm/v1/metrics/loggers
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.engine.stats import EngineStats
+from jaxserve.spec_decode.controller import SpecDecodeStats
 
 PREFIX = "jaxserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -56,41 +59,43 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class _EngineCollector:
-    """The engine's own counters, read at scrape time (`stats()`: Engine.stats keys)."""
+    """The engine's own counters, read at scrape time (`stats()`: an EngineStats; its
+    attributes are read, so a renamed counter fails here instead of reporting 0)."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, float]]):
+    def __init__(self, stats: Callable[[], EngineStats]):
         self._stats = stats
 
     def collect(self):
         s = self._stats()
-        total = s.get("total_pages") or 0
+        sched = s.scheduler
+        spec = s.spec_decode or SpecDecodeStats()
+        total = sched.total_pages
         for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", s.get("running", 0)),
-                ("num_requests_waiting", "Requests waiting to be scheduled.", s.get("waiting", 0)),
+                ("num_requests_running", "Requests in the running batch.", sched.running),
+                ("num_requests_waiting", "Requests waiting to be scheduled.", sched.waiting),
                 ("kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full).",
-                 (total - s.get("free_pages", 0)) / total if total else 0.0)):
+                 (total - sched.free_pages) / total if total else 0.0)):
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        for name, doc, key in (
-                ("num_preemptions", "Preemptions (recompute) since start.", "num_preemptions"),
+        for name, doc, value in (
+                ("num_preemptions", "Preemptions (recompute) since start.", sched.num_preemptions),
                 ("num_compilations", "Step compilations since start (warm-up included).",
-                 "num_compilations"),
+                 s.num_compilations),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 "prefix_cache_queries"),
+                 sched.prefix_cache_queries),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 "prefix_cache_hits"),
+                 sched.prefix_cache_hits),
                 ("prefix_cache_evictions", "Cached KV pages evicted for new content.",
-                 "prefix_cache_evictions"),
+                 sched.prefix_cache_evictions),
                 ("spec_decode_num_drafts", "Draft proposals verified (per sequence and step).",
-                 "spec_decode_num_drafts"),
-                ("spec_decode_num_draft_tokens", "Draft tokens verified.",
-                 "spec_decode_num_draft_tokens"),
+                 spec.num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                 "spec_decode_num_accepted_tokens")):
-            yield CounterMetricFamily(PREFIX + name, doc, value=s.get(key, 0))
+                 spec.num_accepted_tokens)):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the proposal.",
                                       labels=["position"])
-        for pos, value in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+        for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
             per_pos.add_metric([str(pos)], value)
         yield per_pos
 
@@ -98,7 +103,7 @@ class _EngineCollector:
 class Metrics:
     """The server's metrics over `engine_stats` (a callable returning Engine.stats())."""
 
-    def __init__(self, engine_stats: Callable[[], Mapping[str, float]]):
+    def __init__(self, engine_stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
         r, p = self.registry, PREFIX
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests.",

@@ -196,7 +196,7 @@ class _Routes:
         ENGINE_STALL_S seconds; else 503."""
         stalled = time.monotonic() - self.engine.last_loop_time > ENGINE_STALL_S
         if self.engine.is_running and not stalled:
-            return JSONResponse({"status": "ok", **self.engine.stats()})
+            return JSONResponse({"status": "ok", **self.engine.stats().as_dict()})
         why = "the engine is stalled" if stalled and self.engine.is_running else \
             "the engine is not running"
         return JSONResponse(ApiError(why, status=503, type="server_error").body(), status_code=503)

@@ -1,0 +1,56 @@
+"""The engine's counters, typed: what /health reports and /metrics exports.
+
+`EngineStats` groups the scheduler's (SchedulerStats), speculative decoding's
+(SpecDecodeStats) and the step loop's own counters. Readers use the attributes, so a
+renamed counter fails where it is read instead of reporting 0; `as_dict` is the flat JSON
+of /health (vLLM's metric names where they exist).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.engine.scheduler import SchedulerStats
+from jaxserve.spec_decode.controller import SpecDecodeStats
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since start unless said otherwise.
+
+    num_steps: steps launched; num_compilations: step compilations (warm-up included);
+    kv_live_token_steps / kv_allocated_token_steps: per launched step, the tokens whose
+    K/V the running sequences hold, and the token slots of all allocated pages (their
+    ratio over an interval is the KV utilisation); step_seconds: wall time in
+    `Engine.step()`; host_seconds: the part of it not spent waiting for the device
+    (seconds); warmup_pending (gauge): step shapes a background warm-up has still to
+    compile; num_failed_requests: requests finished with "error"; num_kv_resets: fresh
+    KV pools after failed device steps; healthy (gauge): False once the engine is dead.
+    spec_decode: None while speculative decoding is off."""
+
+    scheduler: SchedulerStats
+    spec_decode: SpecDecodeStats | None
+    num_steps: int
+    num_compilations: int
+    kv_live_token_steps: int
+    kv_allocated_token_steps: int
+    host_seconds: float
+    step_seconds: float
+    warmup_pending: int
+    num_failed_requests: int
+    num_kv_resets: int
+    healthy: bool
+
+    def as_dict(self) -> dict[str, int | float | bool | list | None]:
+        """One flat dict: the scheduler's fields by name, speculative decoding's prefixed
+        `spec_decode_` (zeros while it is off), then the rest; seconds rounded to us."""
+        spec = self.spec_decode or SpecDecodeStats()
+        out: dict = dataclasses.asdict(self.scheduler)
+        out |= {f"spec_decode_{k}": v for k, v in dataclasses.asdict(spec).items()}
+        out["spec_decode_propose_seconds"] = round(spec.propose_seconds, 6)
+        out["spec_decode_mean_acceptance_length"] = spec.mean_acceptance_length
+        out |= {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("scheduler", "spec_decode")}
+        out["host_seconds"] = round(self.host_seconds, 6)
+        out["step_seconds"] = round(self.step_seconds, 6)
+        return out
