@@ -6,12 +6,13 @@ argument of a jitted function. Nothing reads the environment: configuration is e
 `configs/NAME.py` files build a `Config` and bind it to the name `CONFIG`; `load_config`
 runs one.
 
-One module per group, each field documented by the string right after it:
-validation.py (ConfigError), model.py (ModelConfig, RopeScaling, ModelSource), cache.py,
-scheduler.py, sampler.py, compilation.py, kernel.py, speculative.py, engine.py
-(EngineConfig, which holds the groups), parallel.py (ParallelConfig, check_deployment),
-server.py (ServerConfig), deployment.py (Config). Every name is imported from here
-(`from jaxserve.config import CacheConfig`).
+One module per group, each field documented by the string right after it (the help of
+its command-line flag): validation.py (ConfigError), model.py (ModelConfig, RopeScaling,
+ModelSource), cache.py, scheduler.py, sampler.py, compilation.py, kernel.py,
+speculative.py, engine.py (EngineConfig, which holds the groups), parallel.py
+(ParallelConfig, check_deployment), server.py (ServerConfig), deployment.py (Config); and
+args.py, the command-line flags generated from the fields. Every name is imported from
+here (`from jaxserve.config import CacheConfig`).
 """
 
 from __future__ import annotations

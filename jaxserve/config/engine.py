@@ -15,7 +15,7 @@ from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.config.validation import ConfigError, _positive
 
 # EngineConfig's groups by field name: EngineConfig.override routes a field name to the
-# first group that has it.
+# group that has it (field names are unique across groups: tests/test_config.py).
 ENGINE_GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig,
                  "compilation": CompilationConfig, "kernels": KernelConfig,
                  "sampler": SamplerConfig}

@@ -10,7 +10,7 @@ from jaxserve.config.validation import ConfigError
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server's limits: what one client may ask of it, so that no request can
-    starve or break the others. Each is a `jaxserve serve` flag."""
+    starve or break the others. Each is a `jaxserve serve` flag (jaxserve.config.args)."""
 
     max_request_body_bytes: int = 8 * 2**20
     """Largest request body accepted (bytes); larger -> HTTP 413."""
