@@ -1,5 +1,11 @@
 """The engine's configuration groups: each checks its own fields, EngineConfig what spans
-them, check_deployment what needs the model and the mesh; override() routes by name."""
+them, check_deployment what needs the model and the mesh; override() routes by name. The
+command-line flags generated from the fields (jaxserve.config.args): one group per field
+name, types, help from the field's docstring, and today's flags of serve and batch."""
+
+import dataclasses
+import re
+import typing
 
 import pytest
 
@@ -117,13 +123,280 @@ def test_command_line_sampler_limits_reach_the_engine_config():
     SamplerConfig; a refused value is a ConfigError naming the field."""
     import argparse
 
-    from jaxserve.cli.args import add_engine_flags, engine_config
+    from jaxserve.config.args import ENGINE_FLAGS, add_flags, given
 
     ap = argparse.ArgumentParser()
-    add_engine_flags(ap)
-    cfg = engine_config(EngineConfig(), ap.parse_args(["--max-logprobs", "5",
-                                                       "--max-logit-bias", "7"]))
+    add_flags(ap, ENGINE_FLAGS)
+    cfg = EngineConfig().override(**given(ap.parse_args(["--max-logprobs", "5",
+                                                         "--max-logit-bias", "7"])))
     assert (cfg.sampler.max_logprobs, cfg.sampler.max_logit_bias) == (5, 7)
-    assert engine_config(EngineConfig(), ap.parse_args([])) == EngineConfig()
+    assert EngineConfig().override(**given(ap.parse_args([]))) == EngineConfig()
     with pytest.raises(ConfigError, match="max_logprobs"):
-        engine_config(EngineConfig(), ap.parse_args(["--max-logprobs", "-1"]))
+        EngineConfig().override(**given(ap.parse_args(["--max-logprobs", "-1"])))
+
+
+# -- the command-line flags, generated from the fields (jaxserve.config.args) ------------------
+
+# The compatibility contract: every flag string `jaxserve serve` / `jaxserve batch` had when
+# the flags were written by hand (collected from those parsers). A flag added on purpose is
+# added here.
+SERVE_FLAGS_TODAY = {
+    "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",
+    "--no-background-warmup", "--dist-init-addr", "--nnodes", "--node-rank",
+    "--model", "--tokenizer", "--load-format", "--num-layers", "--tensor-parallel-size", "-tp",
+    "--pipeline-parallel-size", "-pp", "--pipeline-microbatches",
+    "--pipeline-decode-microbatches", "--max-model-len", "--max-num-seqs",
+    "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
+    "--max-request-body-bytes", "--max-queued-requests", "--request-timeout",
+    "--max-stream-buffer-bytes", "--max-stop-strings", "--max-stop-string-len",
+    "--shutdown-timeout", "--allowed-origins",
+}
+BATCH_FLAGS_TODAY = {
+    "-h", "--help", "-i", "--input-file", "-o", "--output-file", "--config", "--cache-dir",
+    "--max-concurrency", "--read-threads", "--no-progress",
+    "--model", "--tokenizer", "--load-format", "--num-layers", "--tensor-parallel-size", "-tp",
+    "--pipeline-parallel-size", "-pp", "--pipeline-microbatches",
+    "--pipeline-decode-microbatches", "--max-model-len", "--max-num-seqs",
+    "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
+}
+
+
+def _all_flags_parser():
+    import argparse
+
+    from jaxserve.config.args import FLAGS, add_flags
+    ap = argparse.ArgumentParser()
+    add_flags(ap, FLAGS)
+    return ap
+
+
+def _deployment():
+    from jaxserve.config import Config
+    return Config(name="t", model=tiny_config(num_layers=4))
+
+
+def test_field_names_are_unique_across_groups():
+    """A name given on the command line or to Config.override sets one field: each
+    flag's field belongs to its own group and to no other group a name is routed into."""
+    from jaxserve.config.args import FLAGS, OVERRIDE_GROUPS, field_owners, flags_of
+    owners = field_owners(OVERRIDE_GROUPS)  # raises naming both groups of a shared name
+    for cls in FLAGS:
+        assert cls in OVERRIDE_GROUPS
+        for flag in flags_of(cls):
+            assert owners[flag.field] is cls, (cls.__name__, flag.field)
+    # every group EngineConfig holds is one a name is routed into
+    hints = typing.get_type_hints(EngineConfig)
+    held = {hints[f.name] for f in dataclasses.fields(EngineConfig)
+            if dataclasses.is_dataclass(hints[f.name])}
+    assert len(held) == 5 and held <= set(OVERRIDE_GROUPS)
+
+
+def test_a_field_name_in_two_groups_fails_naming_both():
+    import argparse
+
+    from jaxserve.config.args import add_flags, field_owners
+
+    @dataclasses.dataclass(frozen=True)
+    class Left:
+        size: int = 1
+        """A size."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Right:
+        size: int = 2
+        """Another size."""
+
+    with pytest.raises(ConfigError, match="'size' is in both Left and Right"):
+        field_owners((Left, Right))
+    with pytest.raises(ConfigError, match="'size' is in both Left and Right"):
+        add_flags(argparse.ArgumentParser(), (Left, Right), {Left: ("size",), Right: ("size",)})
+
+
+def test_a_bool_field_gives_x_and_no_x():
+    import argparse
+
+    from jaxserve.config.args import add_flags, given
+
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        use_the_thing: bool = True
+        """Whether to use the thing."""
+
+    flags = {Toy: ("use_the_thing",)}
+    ap = argparse.ArgumentParser()
+    add_flags(ap, (Toy,), flags)
+    assert given(ap.parse_args([]), (Toy,), flags) == {}
+    assert given(ap.parse_args(["--use-the-thing"]), (Toy,), flags) == {"use_the_thing": True}
+    assert given(ap.parse_args(["--no-use-the-thing"]), (Toy,), flags) == {"use_the_thing": False}
+    # the real ones
+    from jaxserve.config.args import apply
+    ap = _all_flags_parser()
+    base = _deployment()
+    cfg = apply(base, given(ap.parse_args(["--no-enable-prefix-caching",
+                                           "--no-enable-chunked-prefill",
+                                           "--max-num-batched-tokens", "4096"])))
+    assert cfg.engine.cache.enable_prefix_caching is False
+    assert cfg.engine.scheduler.enable_chunked_prefill is False
+    assert apply(base, given(ap.parse_args(["--enable-prefix-caching"]))) == base
+
+
+def test_an_optional_int_field_parses_and_overrides_only_when_given():
+    import argparse
+
+    from jaxserve.config.args import add_flags, apply, given
+
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        limit: int | None = 7
+        """Most of something; None = no limit."""
+
+    ap = argparse.ArgumentParser()
+    add_flags(ap, (Toy,), {Toy: ("limit",)})
+    assert given(ap.parse_args(["--limit", "3"]), (Toy,), {Toy: ("limit",)}) == {"limit": 3}
+    assert given(ap.parse_args([]), (Toy,), {Toy: ("limit",)}) == {}
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--limit", "x"])
+    # the real ones: CacheConfig.kv_cache_memory_bytes, ParallelConfig.pipeline_microbatches
+    ap = _all_flags_parser()
+    base = _deployment().override(kv_cache_memory_bytes=None, pipeline_microbatches=5)
+    assert apply(base, given(ap.parse_args([]))) == base  # the config's values stay
+    cfg = apply(base, given(ap.parse_args(["--kv-cache-memory-bytes", "1000"])))
+    assert cfg.engine.cache.kv_cache_memory_bytes == 1000
+    assert cfg.parallel.pipeline_microbatches == 5
+    assert cfg == base.override(kv_cache_memory_bytes=1000)
+    cfg = apply(base, given(ap.parse_args(["--pipeline-microbatches", "3"])))
+    assert cfg.parallel.pipeline_microbatches == 3 and cfg.engine == base.engine
+
+
+def test_flag_help_is_the_field_documentation():
+    from jaxserve.config import ParallelConfig, SchedulerConfig
+    from jaxserve.config.args import FLAGS, field_docs, flags_of
+    ap = _all_flags_parser()
+    actions = {a.dest: a for a in ap._actions}
+    for cls in FLAGS:
+        for flag in flags_of(cls):
+            doc = " ".join(field_docs(cls)[flag.field].split())
+            assert actions[flag.field].help.replace("%%", "%").startswith(doc), flag.field
+    assert actions["max_num_seqs"].help.startswith(
+        "Most sequences running (each decodes one token per step).")
+    assert field_docs(SchedulerConfig)["max_num_seqs"] in actions["max_num_seqs"].help
+    assert "ParallelConfig's default 1" in actions["tensor_parallel_size"].help
+    assert field_docs(ParallelConfig)["pipeline_microbatches"].startswith("How many microbatches")
+
+
+def test_a_field_without_documentation_cannot_be_a_flag():
+    import argparse
+
+    from jaxserve.config.args import add_flags
+
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        documented: int = 1
+        """What it is."""
+        bare: int = 2
+
+    add_flags(argparse.ArgumentParser(), (Toy,), {Toy: ("documented",)})
+    with pytest.raises(ConfigError, match="Toy.bare has no documentation"):
+        add_flags(argparse.ArgumentParser(), (Toy,), {Toy: ("bare",)})
+    with pytest.raises(ConfigError, match="FLAGS lists Toy.missing, which is not a field"):
+        add_flags(argparse.ArgumentParser(), (Toy,), {Toy: ("missing",)})
+
+
+def test_every_config_field_is_documented():
+    """Each field of each config class has its docstring (the string right after it): the
+    help of its flag, if it is or becomes one."""
+    import importlib
+    import pkgutil
+
+    import jaxserve.config as package
+    from jaxserve.config.args import field_docs
+
+    classes = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"jaxserve.config.{info.name}")
+        classes += [v for v in vars(module).values() if isinstance(v, type)
+                    and dataclasses.is_dataclass(v) and v.__module__ == module.__name__]
+    assert len(classes) >= 14, classes
+    undocumented = [f"{cls.__name__}.{f.name}" for cls in classes
+                    for f in dataclasses.fields(cls) if not field_docs(cls).get(f.name)]
+    assert not undocumented, f"document these fields: {undocumented}"
+
+
+def test_choices_and_spellings_of_todays_flags():
+    """-tp / -pp, --load-format's choices, --model, --tokenizer, --num-layers and
+    --speculative-config (vLLM's JSON) set the deployment's fields."""
+    from jaxserve.config import LOAD_FORMATS, ModelSource, SpeculativeConfig
+    from jaxserve.config.args import apply, given
+    ap = _all_flags_parser()
+    assert tuple(next(a for a in ap._actions if a.dest == "load_format").choices) == LOAD_FORMATS
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--load-format", "pt"])
+    args = ap.parse_args(["-tp", "2", "-pp", "2", "--load-format", "dummy", "--num-layers", "3",
+                          "--tokenizer", "/tok", "--model", "/weights", "--speculative-config",
+                          '{"method": "ngram", "num_speculative_tokens": 3}'])
+    fields = given(args)
+    assert fields["source"] == "/weights"  # a path: the command makes it a ModelSource
+    fields["source"] = ModelSource(checkpoint="/weights")
+    cfg = apply(_deployment(), fields)
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size) == (2, 2)
+    assert (cfg.load_format, cfg.num_layers, cfg.tokenizer) == ("dummy", 3, "/tok")
+    assert cfg.source == ModelSource(checkpoint="/weights")
+    assert cfg.engine.speculative == SpeculativeConfig("ngram", 3)
+    with pytest.raises(ConfigError, match="speculative_config is not valid JSON"):
+        given(ap.parse_args(["--speculative-config", "{"]))
+    with pytest.raises(ConfigError, match="Config.num_layers=5 exceeds the model's 4 layers"):
+        apply(_deployment(), given(ap.parse_args(["--num-layers", "5"])))
+
+
+def test_server_flags_set_the_server_config():
+    from jaxserve.config import ServerConfig
+    from jaxserve.config.args import apply, given
+    ap = _all_flags_parser()
+    base = _deployment()
+    assert apply(base, given(ap.parse_args([]))).server == ServerConfig()
+    cfg = apply(base, given(ap.parse_args([
+        "--request-timeout", "0", "--shutdown-timeout", "2.5", "--allowed-origins", "https://a",
+        "https://b", "--max-queued-requests", "3", "--max-stop-strings", "4"])))
+    assert cfg.server == ServerConfig(request_timeout_s=None, shutdown_timeout_s=2.5,
+                                      allowed_origins=("https://a", "https://b"),
+                                      max_queued_requests=3, max_stop_strings=4)
+    assert cfg.engine == base.engine and cfg.parallel == base.parallel
+    assert apply(base, given(ap.parse_args(["--request-timeout", "5"]))).server == \
+        ServerConfig(request_timeout_s=5.0)
+    with pytest.raises(ConfigError, match="ServerConfig.max_stop_strings must be an integer > 0"):
+        apply(base, given(ap.parse_args(["--max-stop-strings", "0"])))
+
+
+@pytest.mark.parametrize("command, today", [("serve", SERVE_FLAGS_TODAY),
+                                            ("batch", BATCH_FLAGS_TODAY)])
+def test_serve_and_batch_keep_todays_flags(command, today, capsys):
+    import importlib
+    module = importlib.import_module(f"jaxserve.cli.{command}")
+    flags = {o for a in module.parser()._actions for o in a.option_strings}
+    assert flags == today, f"gone: {sorted(today - flags)}; new: {sorted(flags - today)}"
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0
+    shown = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", capsys.readouterr().out))
+    assert today <= shown, sorted(today - shown)
+
+
+def test_cli_model_flag_becomes_a_model_source(tmp_path):
+    """`--model DIR` is looked at (jaxserve.checkpoint.sources.source_from_path): a Hugging
+    Face directory here; a path that holds no model is the CheckpointError of today."""
+    from jaxserve.checkpoint import CheckpointError
+    from jaxserve.cli.args import apply_flags
+    from jaxserve.cli.serve import parser
+    from jaxserve.config import ModelSource
+    (tmp_path / "config.json").write_text("{}")
+    ap = parser()
+    cfg = apply_flags(_deployment(), ap.parse_args(["--model", str(tmp_path), "-tp", "2"]))
+    assert cfg.source == ModelSource(hf_dir=str(tmp_path))
+    assert cfg.parallel.tensor_parallel_size == 2
+    assert apply_flags(_deployment(), ap.parse_args([])) == _deployment()
+    with pytest.raises(CheckpointError, match="no such model directory"):
+        apply_flags(_deployment(), ap.parse_args(["--model", str(tmp_path / "none")]))

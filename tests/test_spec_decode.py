@@ -606,17 +606,17 @@ def test_flag_and_metrics():
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from jaxserve.cli.args import add_engine_flags, engine_config
+    from jaxserve.config.args import ENGINE_FLAGS, add_flags, given
     from jaxserve.entrypoints.metrics import Metrics
 
     ap = argparse.ArgumentParser()
-    add_engine_flags(ap)
+    add_flags(ap, ENGINE_FLAGS)
     args = ap.parse_args(["--speculative-config", '{"method": "ngram", '
                           '"num_speculative_tokens": 3}'])
-    cfg = engine_config(EngineConfig(), args)
+    cfg = EngineConfig().override(**given(args))
     assert cfg.speculative == SpeculativeConfig("ngram", 3)
     with pytest.raises(ConfigError, match="unknown key"):
-        engine_config(EngineConfig(), ap.parse_args(["--speculative-config", '{"k": 1}']))
+        given(ap.parse_args(["--speculative-config", '{"k": 1}']))
     from jaxserve.engine.scheduler import SchedulerStats
     from jaxserve.engine.stats import EngineStats
     from jaxserve.spec_decode.controller import SpecDecodeStats

@@ -17,16 +17,18 @@ from jaxserve.api import DEFAULT_CONFIG, build_engine
 from jaxserve.entrypoints.openai.batch_file import BatchFileError
 from jaxserve.entrypoints.openai.run_batch import BatchInterrupted, run_batch
 from jaxserve.checkpoint import CheckpointError
-from jaxserve.cli.args import add_engine_flags, add_model_flags, apply_flags
+from jaxserve.cli.args import BATCH_FLAGS, apply_flags
 from jaxserve.config import ConfigError, load_config
+from jaxserve.config.args import add_flags
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.openai.serving import OpenAIServing
 
 log = logging.getLogger("jaxserve.batch")
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "jaxserve batch") -> argparse.Namespace:
-    """The command line (model and engine flags as serve.py's)."""
+def parser(prog: str = "jaxserve batch") -> argparse.ArgumentParser:
+    """The command line: this command's own flags, then the config flags (BATCH_FLAGS:
+    the model and engine flags of `jaxserve serve`)."""
     ap = argparse.ArgumentParser(prog=prog,
                                  description="Offline batch inference over an OpenAI Batch "
                                              "file (vLLM's run_batch format).")
@@ -46,9 +48,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "jaxserve batch") -> a
                     help="grain reader threads that parse and tokenise ahead (default 2)")
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar")
-    add_model_flags(ap)
-    add_engine_flags(ap)
-    return ap.parse_args(argv)
+    add_flags(ap, BATCH_FLAGS)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "jaxserve batch") -> argparse.Namespace:
+    """The command line, parsed (`parser`)."""
+    return parser(prog).parse_args(argv)
 
 
 def main(argv: list[str] | None = None, prog: str = "jaxserve batch") -> int:

@@ -16,7 +16,6 @@ exits 0. A second signal stops at once.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -27,8 +26,9 @@ import uvicorn
 from jaxserve.distributed import multiprocess as distributed
 from jaxserve.api import DEFAULT_CONFIG, build_engine
 from jaxserve.checkpoint import CheckpointError
-from jaxserve.cli.args import add_engine_flags, add_model_flags, apply_flags
-from jaxserve.config import ConfigError, ServerConfig, load_config
+from jaxserve.cli.args import SERVE_FLAGS, apply_flags
+from jaxserve.config import ConfigError, load_config
+from jaxserve.config.args import add_flags
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.metrics import Metrics
 from jaxserve.entrypoints.openai.api_server import Lifecycle, build_app
@@ -85,41 +85,8 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def _server_config(base: ServerConfig, args: argparse.Namespace) -> ServerConfig:
-    """The config's ServerConfig with the limits given on the command line."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
-             if getattr(args, f.name, None) is not None}
-    if given.get("request_timeout_s") == 0:
-        given["request_timeout_s"] = None
-    return dataclasses.replace(base, **given)
-
-
-def _add_limit_flags(ap: argparse.ArgumentParser) -> None:
-    d = ServerConfig()
-    ap.add_argument("--max-request-body-bytes", type=int,
-                    help=f"largest request body, bytes; larger -> 413 (default {d.max_request_body_bytes})")
-    ap.add_argument("--max-queued-requests", type=int,
-                    help=f"requests that may wait for the engine; more -> 503 with Retry-After "
-                         f"(default {d.max_queued_requests})")
-    ap.add_argument("--request-timeout", dest="request_timeout_s", type=float,
-                    help=f"seconds after which an unfinished request is aborted; 0 = none "
-                         f"(default {d.request_timeout_s:g})")
-    ap.add_argument("--max-stream-buffer-bytes", type=int,
-                    help=f"output a client may leave unread before its request is aborted "
-                         f"(default {d.max_stream_buffer_bytes})")
-    ap.add_argument("--max-stop-strings", type=int,
-                    help=f"most stop strings per request (default {d.max_stop_strings})")
-    ap.add_argument("--max-stop-string-len", type=int,
-                    help=f"most characters in one stop string (default {d.max_stop_string_len})")
-    ap.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
-                    help=f"on SIGTERM/SIGINT, seconds in-flight requests get to finish "
-                         f"(default {d.shutdown_timeout_s:g})")
-    ap.add_argument("--allowed-origins", nargs="+",
-                    help="CORS: origins allowed to call the API from a browser (default: CORS off)")
-
-
-def main(argv: list[str] | None = None, prog: str = "jaxserve serve") -> None:
-    """Parse the command line, build the engine, run the server until a signal drains it."""
+def parser(prog: str = "jaxserve serve") -> argparse.ArgumentParser:
+    """The command line: this command's own flags, then the config flags (SERVE_FLAGS)."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(DEFAULT_CONFIG),
                     help="a shipped config's name (smollm2_135m, ...) or a config file's path")
@@ -138,17 +105,19 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve serve") -> None:
                     help="multi-process: how many processes (each with its local devices)")
     ap.add_argument("--node-rank", type=int, default=0,
                     help="multi-process: this process's rank; 0 serves HTTP and schedules")
-    add_model_flags(ap)
-    add_engine_flags(ap)
-    _add_limit_flags(ap)
+    add_flags(ap, SERVE_FLAGS)
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "jaxserve serve") -> None:
+    """Parse the command line, build the engine, run the server until a signal drains it."""
+    ap = parser(prog)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-file chatter
 
     try:
-        config = load_config(args.config)
-        server_config = _server_config(config.server, args)
-        config = apply_flags(config, args)
+        config = apply_flags(load_config(args.config), args)
     except (ConfigError, CheckpointError) as e:
         ap.error(str(e))
     host, port = args.host or config.host, args.port or config.port
@@ -177,6 +146,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve serve") -> None:
         else:
             engine.runner.warmup()
     metrics = Metrics(engine.stats)
+    server_config = config.server
     async_engine = AsyncEngine(engine, request_timeout_s=server_config.request_timeout_s,
                                max_stream_buffer_bytes=server_config.max_stream_buffer_bytes,
                                max_queued_requests=server_config.max_queued_requests,

@@ -1,0 +1,48 @@
+"""The KV page pool's group (CacheConfig), and NULL_PAGE, the page no sequence owns."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config.validation import ConfigError, _positive
+
+# Page 0 of every KV pool is never allocated: padding token rows write their K/V there and
+# padding block-table entries point at it (the host's page pool and the device's step
+# arrays both rely on it).
+NULL_PAGE = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV page pool (vLLM's CacheConfig)."""
+
+    page_size: int = 16
+    """Tokens per KV page. vLLM calls it `block_size`; jaxserve says page, as
+    PagedAttention's paper and the JAX engines' kernels (tpu-inference, sglang-jax) do,
+    and keeps vLLM's "block table" for a sequence's list of page ids."""
+    kv_cache_memory_bytes: int | None = 256 * 2**20
+    """Bytes of device memory for the pool (K and V, all layers, all devices together), as
+    vLLM's `--kv-cache-memory-bytes`; None: sized from the devices' memory by
+    gpu_memory_utilization."""
+    cache_dtype: str | None = None
+    """Dtype K/V are stored in (vLLM's `--kv-cache-dtype`); None = the model's."""
+    enable_prefix_caching: bool = True
+    """Keep the K/V pages of finished and preempted sequences, by chained page hash, for
+    later prompts with the same prefix (jaxserve.engine.page_pool; evicted least recently
+    used first when pages are needed)."""
+    gpu_memory_utilization: float = 0.9
+    """With kv_cache_memory_bytes None, the fraction of each device's memory the engine may
+    use (vLLM's `--gpu-memory-utilization`): the pool gets what the weights and the largest
+    step's activations (jaxserve.worker.memory_plan) leave of it. Devices that report no
+    memory size (CPU) need kv_cache_memory_bytes."""
+
+    def __post_init__(self):
+        _positive("CacheConfig", self, ("page_size",))
+        if self.kv_cache_memory_bytes is not None:
+            _positive("CacheConfig", self, ("kv_cache_memory_bytes",))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], "
+                              f"got {self.gpu_memory_utilization!r}")
+        if self.cache_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"CacheConfig.cache_dtype must be None, 'float32', 'bfloat16' or "
+                              f"'float16', got {self.cache_dtype!r}")

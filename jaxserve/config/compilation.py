@@ -1,0 +1,55 @@
+"""The compilation group (CompilationConfig): the padded shapes the jitted step is compiled
+for, and how a bucket list ends at its limit (`_up_to`, used by EngineConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config.validation import ConfigError
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def _up_to(buckets: tuple[int, ...] | None, lo: int, limit: int) -> tuple[int, ...]:
+    """`buckets` below `limit`, then `limit` (None: powers of two from `lo`)."""
+    if buckets is None:
+        return _pow2_buckets(lo, limit)
+    return tuple(b for b in buckets if b < limit) + (limit,)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilationConfig:
+    """The padded shapes the jitted step is compiled for (vLLM's CompilationConfig holds the
+    CUDA-graph capture sizes, the same idea). None = powers of two up to the limit. The
+    limit itself is always the largest bucket, and buckets past it are dropped
+    (EngineConfig.seq_buckets / token_buckets / page_counts), so a flag that raises or
+    lowers a limit needs no new bucket list.
+
+    Each combination is one compilation at warm-up (jaxserve.worker.compilation.StepShapes):
+    fewer buckets start faster and pad more.
+    """
+
+    seq_buckets: tuple[int, ...] | None = None
+    """Sequences per step (up to max_num_seqs)."""
+    token_buckets: tuple[int, ...] | None = None
+    """Token rows per mixed step (prompt chunks and decode tokens, packed one sequence after
+    another; up to max_num_batched_tokens; a decode step has one row per sequence)."""
+    page_buckets: tuple[int, ...] | None = None
+    """Block-table pages per sequence (up to max_model_len / page_size), for attention
+    implementations whose cost grows with them (jaxserve.worker.compilation)."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            b = getattr(self, f.name)
+            if b is not None:
+                b = tuple(sorted(int(x) for x in b))
+                if not b or b[0] <= 0:
+                    raise ConfigError(f"CompilationConfig.{f.name} must be positive, got {b}")
+                object.__setattr__(self, f.name, b)

@@ -1,0 +1,92 @@
+"""A whole deployment (Config: the model, its weights, the engine, the mesh, the server),
+what a config file binds to `CONFIG`; LOAD_FORMATS."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.model import ModelConfig, ModelSource
+from jaxserve.config.parallel import ParallelConfig
+from jaxserve.config.server import ServerConfig
+from jaxserve.config.validation import ConfigError
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole deployment: what `configs/NAME.py` binds to `CONFIG`."""
+
+    name: str
+    """The config's name; the served model's name unless served_model_name is given."""
+    source: ModelSource | None = None
+    """Where the weights come from; on the command line `--model PATH`: a local Hugging
+    Face directory, .gguf file or jaxserve checkpoint
+    (jaxserve.checkpoint.sources.source_from_path). None: a config that gives `model`,
+    served with dummy weights (load_format)."""
+    model: ModelConfig | None = None
+    """Given for configs whose shape is known without weights (memory planning of 70B on a
+    laptop); otherwise it is read from the checkpoint."""
+    engine: EngineConfig = EngineConfig()
+    """The serving engine's settings."""
+    parallel: ParallelConfig = ParallelConfig()
+    """The device mesh."""
+    served_model_name: str | None = None
+    """The model name the API serves (/v1/models, requests' `model`); None = name."""
+    dtype: str | None = None
+    """Overrides the dtype the weights are served in (None = the checkpoint's)."""
+    host: str = "127.0.0.1"
+    """Where `serve.py` listens: the address."""
+    port: int = 8000
+    """Where `serve.py` listens: the port."""
+    server: ServerConfig = ServerConfig()
+    """The server's per-request limits."""
+    load_format: str = dataclasses.field(default="auto", metadata={"choices": LOAD_FORMATS})
+    """The weights: "auto" (those of `source`) or "dummy" (vLLM's name: random weights made
+    on the devices, already sharded, in the shape of `model` or of the source's
+    checkpoint; for benchmarks and tests; outputs are meaningless)."""
+    num_layers: int | None = None
+    """Serve only the first N decoder layers (None = all): a deep config made cheap for
+    tests (with real weights, the first N layers of the checkpoint)."""
+    tokenizer: str | None = None
+    """A directory with tokenizer.json (vLLM's `--tokenizer`); None = the checkpoint's, or
+    with dummy weights and no source a placeholder tokenizer over the vocabulary
+    (jaxserve.tokenization.tokenizer.placeholder_tokenizer)."""
+
+    def __post_init__(self):
+        if self.source is None and self.model is None:
+            raise ConfigError(f"Config {self.name!r}: give a source (weights) or a model shape")
+        if not (0 < self.port < 65536):
+            raise ConfigError(f"Config.port must be in 1..65535, got {self.port}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"Config.load_format must be one of {LOAD_FORMATS}, "
+                              f"got {self.load_format!r}")
+        if self.num_layers is not None:
+            if not isinstance(self.num_layers, int) or self.num_layers < 1:
+                raise ConfigError(f"Config.num_layers must be None or an integer >= 1, "
+                                  f"got {self.num_layers!r}")
+            if self.model is not None and self.num_layers > self.model.num_layers:
+                raise ConfigError(f"Config.num_layers={self.num_layers} exceeds the model's "
+                                  f"{self.model.num_layers} layers")
+
+    def replace(self, **kw) -> "Config":
+        return dataclasses.replace(self, **kw)
+
+    def override(self, **fields) -> "Config":
+        """A copy with `fields` set: this class's own fields by name (`load_format`,
+        `num_layers`, `tokenizer`, `source`, ...), ParallelConfig's fields
+        (`tensor_parallel_size`, `pipeline_parallel_size`: the mesh), and
+        any other name as an EngineConfig field (EngineConfig.override: `max_num_seqs`,
+        `attention_impl`, ...). The command line's and `jaxserve.LLM`'s overrides. Raises
+        ConfigError for an unknown name or a value its group refuses."""
+        own = {f.name for f in dataclasses.fields(self)}
+        top = {k: v for k, v in fields.items() if k in own}
+        parallel = {k: v for k, v in fields.items()
+                    if k in {f.name for f in dataclasses.fields(ParallelConfig)}}
+        engine = {k: v for k, v in fields.items() if k not in top and k not in parallel}
+        if parallel:
+            top["parallel"] = dataclasses.replace(top.get("parallel", self.parallel), **parallel)
+        if engine:
+            top["engine"] = top.get("engine", self.engine).override(**engine)
+        return dataclasses.replace(self, **top)

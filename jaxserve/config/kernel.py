@@ -1,0 +1,134 @@
+"""The kernels' group (KernelConfig): which implementation computes attention, the matmuls
+and the sampler's reductions, and the weight layouts they read; the implementation names
+and what "auto" resolves to on a platform (resolve_impl, resolve_attention_impl)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config.validation import ConfigError
+
+# Kernel implementations: "xla" (plain jnp), "pallas" (the Triton-backend Pallas kernels of
+# `jaxserve/kernels/pallas/`, the GPU default), "pallas_interpret" (the same kernels in Pallas
+# interpret mode on CPU: tests), and "cpu": the C++ kernels of `jaxserve/kernels/cpu/` (XLA FFI,
+# compiled on first use; the default on a single CPU device) for attention and for the
+# bf16 weight copies of bf16_matmul_min_rows.
+KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
+ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
+ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
+MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
+MATMUL_IMPLS = ("auto",) + MATMUL_KERNEL_IMPLS
+SAMPLING_IMPLS = ("auto", "xla", "cpu")
+WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
+
+
+def resolve_impl(impl: str, platform: str) -> str:
+    """The matmul implementation `impl` ("auto" or one of MATMUL_KERNEL_IMPLS) stands for on
+    a device `platform` ("cpu", "gpu"/"cuda", "tpu"): "auto" -> "pallas" on GPU, else
+    "xla" (jaxserve.worker.kernel_selection.select_kernels then picks "cpu" for bf16 weight copies)."""
+    if impl != "auto":
+        return impl
+    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+
+
+def resolve_attention_impl(impl: str, platform: str) -> str:
+    """The attention implementation `impl` ("auto" or one of ATTENTION_KERNEL_IMPLS) stands
+    for: "auto" -> "pallas" on GPU, "cpu" on CPU (under tensor parallelism each device
+    runs it on its own heads). Whether "cpu" can be built is checked where it is loaded
+    (jaxserve.worker.kernel_selection.select_kernels)."""
+    if impl != "auto":
+        return impl
+    if platform == "cpu":
+        return "cpu"
+    return resolve_impl(impl, platform)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels compute the step, and the weight layouts they read
+    (jaxserve.worker.kernel_selection.select_kernels turns it into a Kernels backend)."""
+
+    attention_impl: str = dataclasses.field(default="auto",
+                                            metadata={"choices": ATTENTION_IMPLS})
+    """The attention kernel: "auto" (pallas on GPU, cpu on CPU), "xla", "cpu" (the C++
+    kernel of jaxserve/kernels/cpu/, per device under TP), "pallas", "pallas_interpret"
+    (see ATTENTION_KERNEL_IMPLS)."""
+    matmul_impl: str = dataclasses.field(default="auto", metadata={"choices": MATMUL_IMPLS})
+    """The matmul kernel: "auto" (pallas on GPU; on CPU "cpu" when bf16_matmul_min_rows is
+    set or the model is bfloat16 (then bf16_matmul_min_rows resolves to 1: its weights
+    packed for the C++ kernel as they are,
+    jaxserve.worker.kernel_selection.resolve_kernel_config); xla otherwise), "xla",
+    "pallas", "pallas_interpret" (the quantised projections of weight_quant), "cpu" (the
+    bf16 weight copies of bf16_matmul_min_rows in the C++ kernel of jaxserve/kernels/cpu/,
+    AVX512-BF16 where the CPU has it)."""
+    sampling_impl: str = dataclasses.field(default="auto", metadata={"choices": SAMPLING_IMPLS})
+    """What computes each row's argmax and log-sum-exp over the vocabulary for the sampler
+    (greedy tokens, logprobs): "auto" ("cpu" on one CPU device, xla otherwise), "xla",
+    "cpu" (the C++ kernel of jaxserve/kernels/cpu/)."""
+    weight_quant: str | None = dataclasses.field(default=None,
+                                                 metadata={"choices": WEIGHT_QUANT_FORMATS})
+    """None (weights in the model dtype), "int8" or "fp8_e4m3": the layers' projection
+    matrices are quantised at load with per-output-channel scales (or, for int8, per-group
+    scales of weight_quant_group_size input rows); embeddings, norms and the LM head stay
+    in the model dtype."""
+    weight_quant_group_size: int | None = None
+    """None (per-output-channel scales), or with weight_quant "int8": input rows that share
+    one scale (a power of two >= 16)."""
+    bf16_matmul_min_rows: int | None = None
+    """None (every matmul in the model dtype), or for float32 models: matmuls over at least
+    this many activation rows (B x Q for the projections, B for the LM head) use a bf16
+    copy of the weights with f32 accumulation, smaller ones the f32 weights
+    (jaxserve.model.linear.DualPrecisionWeight; 1.5x weight memory). Pick it by
+    measurement: jaxserve bench step. Not with weight_quant. For bfloat16 models only 1
+    (no bf16_matmul_max_rows): the weights themselves, repacked."""
+    bf16_matmul_max_rows: int | None = None
+    """None, or with bf16_matmul_min_rows: matmuls over more rows than this use the f32
+    weights again (jaxserve bench step --compare matmul suggests both)."""
+    bf16_matmul_round_x_min_rows: int | None = None
+    """None, or with the C++ bf16 matmul (matmul_impl "cpu"): matmuls over at least this
+    many rows round the activations to bf16 and sum with the CPU's bf16 dot-product
+    instruction (AVX512-BF16 vdpbf16ps, f32 accumulation), where the start-up probe finds
+    it faster than f32 FMAs (jaxserve.worker.kernel_selection.BF16_DOT_MIN_SPEEDUP; else
+    ignored). The products are those of HF transformers' and llama.cpp's bf16 paths."""
+
+    def __post_init__(self):
+        for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS),
+                              ("sampling_impl", SAMPLING_IMPLS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"KernelConfig.{name} must be one of {allowed}, "
+                                  f"got {getattr(self, name)!r}")
+        if self.weight_quant not in (None,) + WEIGHT_QUANT_FORMATS:
+            raise ConfigError(f"KernelConfig.weight_quant must be None or one of "
+                              f"{WEIGHT_QUANT_FORMATS}, got {self.weight_quant!r}")
+        if self.bf16_matmul_min_rows is not None:
+            if self.bf16_matmul_min_rows < 1:
+                raise ConfigError(f"KernelConfig.bf16_matmul_min_rows must be None or >= 1, "
+                                  f"got {self.bf16_matmul_min_rows}")
+            if self.weight_quant is not None:
+                raise ConfigError("KernelConfig.bf16_matmul_min_rows and weight_quant exclude each "
+                                  "other (quantised weights have no bf16 copy)")
+            if (self.bf16_matmul_max_rows is not None
+                    and self.bf16_matmul_max_rows < self.bf16_matmul_min_rows):
+                raise ConfigError(f"KernelConfig.bf16_matmul_max_rows must be None or >= "
+                                  f"bf16_matmul_min_rows ({self.bf16_matmul_min_rows}), got "
+                                  f"{self.bf16_matmul_max_rows}")
+            r = self.bf16_matmul_round_x_min_rows
+            if r is not None and r < 1:
+                raise ConfigError(f"KernelConfig.bf16_matmul_round_x_min_rows must be None or "
+                                  f">= 1, got {r}")
+        elif self.bf16_matmul_max_rows is not None:
+            raise ConfigError("KernelConfig.bf16_matmul_max_rows needs bf16_matmul_min_rows")
+        elif self.bf16_matmul_round_x_min_rows is not None:
+            raise ConfigError("KernelConfig.bf16_matmul_round_x_min_rows needs "
+                              "bf16_matmul_min_rows")
+        elif self.matmul_impl == "cpu":
+            raise ConfigError("KernelConfig.matmul_impl='cpu' runs the bf16 weight copies: set "
+                              "bf16_matmul_min_rows")
+        g = self.weight_quant_group_size
+        if g is not None:
+            if self.weight_quant != "int8":
+                raise ConfigError("KernelConfig.weight_quant_group_size needs weight_quant='int8' "
+                                  f"(fp8 is per-channel only), got weight_quant={self.weight_quant!r}")
+            if g < 16 or g & (g - 1):
+                raise ConfigError(f"KernelConfig.weight_quant_group_size must be a power of two "
+                                  f">= 16, got {g}")

@@ -1,0 +1,38 @@
+"""The scheduler's group (SchedulerConfig): what one step may hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config.validation import ConfigError, _positive
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold (vLLM's SchedulerConfig)."""
+
+    max_num_seqs: int = 32
+    """Most sequences running (each decodes one token per step)."""
+    max_num_batched_tokens: int = 2048
+    """Token rows one step computes (its budget: decode tokens first, then prompt chunks;
+    jaxserve.engine.scheduler). At least max_num_seqs, so that every running sequence
+    decodes in every step."""
+    enable_chunked_prefill: bool = True
+    """Split a prompt longer than what is left of a step's budget across steps (its last
+    chunk samples). Off: a prompt is prefilled whole, so the budget must hold
+    max_model_len tokens (as in vLLM)."""
+    decode_steps: int = 1
+    """Tokens each sequence decodes per dispatched step when no request is waiting and
+    every sequence of the batch has that many tokens left (multi-step decode: the host
+    loop, the dispatch and the output processing run once per decode_steps tokens; tokens
+    then stream in bursts of that many, and a sequence that stops early wastes the rest of
+    its burst). 1 = one token per step. Each decode bucket is then compiled for both.
+    Source: vLLM's num_scheduler_steps."""
+
+    def __post_init__(self):
+        _positive("SchedulerConfig", self, ("max_num_seqs", "max_num_batched_tokens",
+                                            "decode_steps"))
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                              f"must be at least max_num_seqs ({self.max_num_seqs}): every "
+                              "running sequence decodes a token in every step")
