@@ -123,3 +123,19 @@ def assert_checkpoint_equals_hf(ckpt, model) -> None:
     assert sorted(got) == sorted(want)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def hf_greedy(hf_model, ids, n):
+    """HF greedy loop (KV cache): tokens and the top-2 logit margin at each step."""
+    import torch
+    tokens, margins = [], []
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            logits = out.logits[0, -1]
+            top2 = torch.topk(logits, 2).values
+            margins.append(float(top2[0] - top2[1]))
+            tokens.append(int(logits.argmax()))
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                           use_cache=True)
+    return tokens, margins

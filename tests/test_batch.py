@@ -329,6 +329,11 @@ def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint
     bodies.update({f"chat{i}": {"messages": [{"role": "user", "content": f"Say {w}."}],
                                 "max_tokens": 16, "temperature": 0}
                    for i, w in enumerate(["yes", "no", "maybe", "hello"])})
+    # last in the file, two long requests: however fast the machine, the batch is still
+    # running when the SIGINT sent after the second result arrives (their 160 tokens are
+    # 160 sequential decode steps at least)
+    bodies.update({f"long{i}": {"prompt": f"Count to {100 + i}:", "max_tokens": 160,
+                                "temperature": 0, "ignore_eos": True} for i in range(2)})
     inp = write_lines(tmp_path / "in.jsonl", [
         line(cid, body, url="/v1/chat/completions" if cid.startswith("chat") else
              "/v1/completions") for cid, body in bodies.items()])

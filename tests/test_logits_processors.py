@@ -39,7 +39,7 @@ TOKENS = np.array([[3, 1, 3, 8, 1, 8, 8, 5, 5, 5]], np.int32)
 
 
 def test_repetition_penalty_matches_hf_processor():
-    torch = pytest.importorskip("torch")
+    import torch  # a test extra: missing, this fails rather than skips
     from transformers import RepetitionPenaltyLogitsProcessor
     got = apply(ROW, controls(repetition_penalty=1.7, prompt_len=3), [4], TOKENS, [7])
     want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor(TOKENS[:, :7]).long(),

@@ -165,9 +165,11 @@ def test_health_fails_over_a_dead_engine(served):
 
 
 def test_event_loop_free_while_a_large_prompt_is_tokenised():
-    """/health answers within 100 ms while a 1 MB prompt is parsed and tokenised (one
-    token per byte here; tests/test_server_real.py sends 4 MB to serve.py on the real
-    model: in this process the test client shares the GIL with the server)."""
+    """/health keeps answering while a 1 MB prompt is parsed and tokenised (one token per
+    byte here; tests/test_server_real.py sends 4 MB to serve.py on the real model: in this
+    process the test client shares the GIL with the server). Measured against the
+    request's own time, not a fixed number: were parsing on the event loop, a /health sent
+    while it runs would wait for most of it."""
     _, bridge, _, app = make()
     body = json.dumps({"prompt": "hello world " * (2**20 // 12)}).encode()
     with TestClient(app) as client:
@@ -180,6 +182,7 @@ def test_event_loop_free_while_a_large_prompt_is_tokenised():
                                       headers={"content-type": "application/json"})
             done.set()
         thread = threading.Thread(target=post)
+        t_post = time.perf_counter()
         thread.start()
         latencies = []
         while not done.is_set():
@@ -188,10 +191,12 @@ def test_event_loop_free_while_a_large_prompt_is_tokenised():
             latencies.append(time.perf_counter() - t0)
             time.sleep(0.02)
         thread.join()
+        took = time.perf_counter() - t_post
     bridge.shutdown()
     assert error_of(result["r"], 400)["code"] == "context_length_exceeded"
     assert len(latencies) >= 10, "the prompt was not large enough to take a while"
-    assert max(latencies) < 0.1, f"/health took {max(latencies) * 1000:.0f} ms"
+    assert max(latencies) < took / 3, (f"/health took {max(latencies) * 1000:.0f} ms while "
+                                       f"the prompt took {took * 1000:.0f} ms")
 
 
 def test_metrics_count_a_known_workload(served):

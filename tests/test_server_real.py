@@ -9,7 +9,7 @@ crowd of careless and hostile clients meets it, through tools/stress_server.py:
   to a probe prompt is unchanged afterwards;
 - /metrics agrees with that workload (finished = the choices of the 200s, refused = 4xx);
 - the API key (from $JAXSERVE_API_KEY) guards /v1/* and leaves /health, /ready open;
-- /health answers within 100 ms while a 4 MB prompt is tokenised;
+- /health keeps answering while a 4 MB prompt is tokenised;
 - SIGTERM drains: new requests get 503 and /ready 503, a short in-flight stream completes,
   a long one is aborted at --shutdown-timeout, the process exits 0 (last: it stops the
   server).
@@ -116,7 +116,9 @@ def test_hostile_clients_harm_no_other_request(server, fuzz_examples):
 
 def test_health_answers_while_a_4mb_prompt_is_tokenised(server):
     """The body is parsed, and the prompt tokenised, off the event loop (and the tokenizer
-    releases the GIL): /health answers within 100 ms throughout."""
+    releases the GIL): /health keeps answering throughout. Measured against the request's
+    own time, not a fixed number: were parsing on the event loop, a /health sent while it
+    runs would wait for most of it."""
     _, base, _ = server
     deadline = time.monotonic() + 240  # the background warm-up's tracing holds the GIL
     while httpx.get(base + "/health").json()["warmup_pending"]:
@@ -128,6 +130,7 @@ def test_health_answers_while_a_4mb_prompt_is_tokenised(server):
         result["r"] = httpx.post(base + "/v1/completions", headers=AUTH, timeout=120,
                                  json={"prompt": "hello world " * (4 * 2**20 // 12)})
     thread = threading.Thread(target=post)
+    t_post = time.perf_counter()
     thread.start()
     latencies = []
     with httpx.Client() as client:
@@ -137,10 +140,12 @@ def test_health_answers_while_a_4mb_prompt_is_tokenised(server):
             latencies.append(time.perf_counter() - t0)
             time.sleep(0.02)
     thread.join()
+    took = time.perf_counter() - t_post
     assert result["r"].status_code == 400
     assert result["r"].json()["error"]["code"] == "context_length_exceeded"
     assert len(latencies) >= 10, "the prompt was not large enough to take a while"
-    assert max(latencies) < 0.1, f"/health took {max(latencies) * 1000:.0f} ms"
+    assert max(latencies) < took / 3, (f"/health took {max(latencies) * 1000:.0f} ms while "
+                                       f"the prompt took {took * 1000:.0f} ms")
 
 
 def _stream(base: str, max_tokens: int, out: dict, started: threading.Event) -> None:
