@@ -135,6 +135,21 @@ def small_llm_client(small_llm):
         bridge.shutdown()
 
 
+# --- markers ------------------------------------------------------------------------------
+
+# Every test of the real model reaches it through one of these fixtures (those that use it
+# in a subprocess take `smollm2_checkpoint` too, so that it is fetched and converted first).
+REAL_MODEL_FIXTURES = frozenset({"smollm2_gguf", "smollm2_checkpoint"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """`real_model` is applied from the fixtures a test uses (their whole closure), never
+    by hand: `pytest -m "not real_model"` then skips exactly what needs the model."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
 # --- fuzzing ------------------------------------------------------------------------------
 
 def pytest_addoption(parser):

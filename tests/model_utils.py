@@ -10,7 +10,8 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables
-from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, forward
+from jaxserve.model.inputs import StepBatch
+from jaxserve.model.transformer import (Kernels, compute_logits, forward)
 
 
 def tiny_config(**kw) -> ModelConfig:

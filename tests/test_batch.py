@@ -318,7 +318,6 @@ def test_cli_refuses_a_missing_input_before_building_the_engine(tmp_path):
 
 
 
-@pytest.mark.slow
 def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint, cache_dir,
                                                     small_llm_client):
     """`jaxserve batch` on SmolLM2-135M: interrupted with SIGINT once some results
@@ -330,9 +329,9 @@ def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint
                                 "max_tokens": 16, "temperature": 0}
                    for i, w in enumerate(["yes", "no", "maybe", "hello"])})
     # last in the file, two long requests: however fast the machine, the batch is still
-    # running when the SIGINT sent after the second result arrives (their 160 tokens are
-    # 160 sequential decode steps at least)
-    bodies.update({f"long{i}": {"prompt": f"Count to {100 + i}:", "max_tokens": 160,
+    # running when the SIGINT sent after the second result arrives (their 96 tokens are
+    # 96 sequential decode steps at least)
+    bodies.update({f"long{i}": {"prompt": f"Count to {100 + i}:", "max_tokens": 96,
                                 "temperature": 0, "ignore_eos": True} for i in range(2)})
     inp = write_lines(tmp_path / "in.jsonl", [
         line(cid, body, url="/v1/chat/completions" if cid.startswith("chat") else

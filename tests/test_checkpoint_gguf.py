@@ -146,7 +146,6 @@ def test_truncated_gguf_names_the_file(tmp_path):
 
 # --- the real model ----------------------------------------------------------------------
 
-@pytest.mark.real_model
 def test_real_gguf_config(smollm2_checkpoint, hf_smollm2_model):
     cfg = load_model_config(smollm2_checkpoint)
     hf = hf_smollm2_model.config
@@ -159,7 +158,6 @@ def test_real_gguf_config(smollm2_checkpoint, hf_smollm2_model):
     assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.dtype) == (1, (2,), "float32")
 
 
-@pytest.mark.real_model
 def test_real_gguf_every_tensor_equals_transformers_dequantised(smollm2_checkpoint, hf_smollm2_model):
     cfg = load_model_config(smollm2_checkpoint)
     got = flat_leaves(load_params(smollm2_checkpoint, cfg))
@@ -170,8 +168,6 @@ def test_real_gguf_every_tensor_equals_transformers_dequantised(smollm2_checkpoi
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-@pytest.mark.real_model
-@pytest.mark.slow
 def test_real_gguf_logits_match_transformers(smollm2_checkpoint, hf_smollm2_model):
     cfg = load_model_config(smollm2_checkpoint)
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2]

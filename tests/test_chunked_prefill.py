@@ -68,8 +68,6 @@ def test_no_compilation_after_warmup_under_a_mixed_workload(params):
     assert engine.num_compilations == compiled
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_real_model_chunked_prefill_gives_the_unchunked_outputs(small_llm, cache_dir):
     """Prompts of 1, 2 and 3 chunks of 120 tokens (7.5 pages: chunks end mid-page), each
     alone, greedy and seeded: the same tokens as the small config's whole-prompt prefill."""

@@ -400,3 +400,18 @@ def test_cli_model_flag_becomes_a_model_source(tmp_path):
     assert apply_flags(_deployment(), ap.parse_args([])) == _deployment()
     with pytest.raises(CheckpointError, match="no such model directory"):
         apply_flags(_deployment(), ap.parse_args(["--model", str(tmp_path / "none")]))
+
+
+def test_every_shipped_config_loads_by_name_with_its_files():
+    """The packaged configs load by name (as `--config NAME`), and a file a config names
+    (an EAGLE head) is where it says."""
+    from pathlib import Path
+
+    from jaxserve.config import load_config, shipped_config_names
+    names = shipped_config_names()
+    assert {"smollm2_135m", "smollm2_135m_eagle", "smollm2_135m_ngram", "llama70b"} <= set(names)
+    for name in names:
+        cfg = load_config(name)
+        spec = cfg.engine.speculative
+        if spec is not None and spec.model is not None and spec.method == "eagle":
+            assert (Path(spec.model) / "config.json").is_file(), (name, spec.model)

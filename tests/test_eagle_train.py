@@ -9,7 +9,8 @@ import optax
 
 from engine_utils import TINY_CFG, tiny_params
 from jaxserve.model.kv_cache import init_kv_cache
-from jaxserve.model.transformer import Kernels, StepBatch
+from jaxserve.model.inputs import StepBatch
+from jaxserve.model.transformer import Kernels
 from jaxserve.spec_decode.eagle import head_config, head_features, init_head
 from jaxserve.spec_decode.eagle_train import (head_forward, head_forward_depths, loss_fn,
                                               shifted_features, split)

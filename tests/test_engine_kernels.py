@@ -77,7 +77,6 @@ def _assert_same(got, want, atol):
             np.testing.assert_allclose(g_step[name], w_step[name], atol=atol, rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.slow
 def test_pallas_attention_in_the_model_matches_xla():
     params = init_params(CFG, jax.random.key(0), scale=0.3)
     steps = _steps(np.random.default_rng(1234))
@@ -86,7 +85,6 @@ def test_pallas_attention_in_the_model_matches_xla():
     _assert_same(got, want, F32_ATOL)
 
 
-@pytest.mark.slow
 def test_pallas_attention_reads_a_bf16_bits_pool_as_bf16():
     """A bf16 model over a bf16 pool stored as uint16 bits (the kernels get the bf16 view)
     gives exactly the logits of the same pool held as bfloat16 arrays."""
@@ -157,7 +155,6 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
         select_kernels(explicit, "cpu", 1, "float32", tmp_path)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fmt,group", [("int8", None), ("int8", 32), ("fp8_e4m3", None)])
 def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group):
     params = init_params(CFG, jax.random.key(1), scale=0.3)
@@ -196,8 +193,6 @@ def test_impl_config_validation_and_auto():
 
 # --- the real model ------------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_real_model_pallas_attention_gives_the_xla_greedy_tokens(small_llm, smollm2_checkpoint, cache_dir):
     from jaxserve.api import LLM, build_engine
     from jaxserve.sampling_params import SamplingParams
@@ -274,8 +269,6 @@ def _configs(smollm2_checkpoint):
             "llama3_8b": (llama.model, llama.engine)}
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_engine_attention_call_lowers_for_cuda(smollm2_checkpoint, dtype):
     total = 0
@@ -286,8 +279,6 @@ def test_every_engine_attention_call_lowers_for_cuda(smollm2_checkpoint, dtype):
     assert total > 40
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
     model_cfg, ecfg = _configs(smollm2_checkpoint)["smollm2_135m"]
     calls = _matmul_calls(model_cfg, ecfg, jnp.bfloat16)
@@ -296,13 +287,13 @@ def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
     assert len(calls) >= 3 * len(PROJECTIONS)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["decode", "mixed", "verify"])
 def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     """The jitted engine step (forward, logits, sampling; a verify step: logits at every
     row, rejection sampling) of a SmolLM2-shaped model with Pallas attention and int8
     Pallas matmuls, bf16, lowered for CUDA."""
-    from jaxserve.worker.runner import StepKey, _abstract_inputs, _step, _verify_step
+    from jaxserve.worker.compilation import StepKey, abstract_inputs
+    from jaxserve.worker.step import model_step, verify_step
 
     cfg = tiny_config(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       num_layers=2, vocab_size=4096, dtype="bfloat16")
@@ -310,16 +301,16 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
     key = {"decode": StepKey("decode", 8, 8, 16), "mixed": StepKey("mixed", 128, 2, 8),
            "verify": StepKey("verify", 10, 2, 8, 5)}[kind]
-    batch, sampling = _abstract_inputs(key, None, 300, cfg.vocab_size)
+    batch, sampling = abstract_inputs(key, None, 300, cfg.vocab_size)
     static = dict(cfg=cfg, drafter=None, rules=None, kernels=Kernels("pallas", "pallas"),
                   num_top=20)
     pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)
     if kind == "verify":
-        text = _lower(functools.partial(_verify_step, **static), params, cache, batch, sampling,
+        text = _lower(functools.partial(verify_step, **static), params, cache, batch, sampling,
                       None, None, pool)
     else:
         prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
-        text = _lower(functools.partial(_step, **static), params, cache, batch, sampling,
+        text = _lower(functools.partial(model_step, **static), params, cache, batch, sampling,
                       prev_tokens, None, None, pool)
     # identical kernel calls are lowered once and shared: attention + the 4 distinct
     # projection shapes (576x576, 576x192, 576x1536, 1536x576)

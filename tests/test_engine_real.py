@@ -4,13 +4,10 @@ gets alone, preemption completes everything with the same outputs, no compilatio
 warm-up, and the programmatic API's stop handling."""
 
 import numpy as np
-import pytest
 
 import engine_utils
 from jaxserve import SamplingParams
 from jaxserve.worker import compile_counter
-
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 WORDS = ("river mountain quantum bread violin galaxy ledger orchid tensor harbor lantern "
          "meadow cipher saffron glacier").split()
@@ -222,7 +219,8 @@ def test_host_loop_overlaps_device_steps(small_llm):
     assert 0 < host < total
 
 
-def test_background_warmup_serves_at_once_and_compiles_each_shape_once(cache_dir):
+def test_background_warmup_serves_at_once_and_compiles_each_shape_once(smollm2_checkpoint,
+                                                                       cache_dir):
     """build_engine(warmup="background") returns after the first shapes; requests run
     meanwhile (their shapes compile on demand or are waited for), and once the background
     warm-up is over every bucketed shape was compiled exactly once."""
@@ -233,7 +231,7 @@ def test_background_warmup_serves_at_once_and_compiles_each_shape_once(cache_dir
     from jaxserve.config import load_config
 
     engine = build_engine(load_config(SMALL_CONFIG), cache_dir, warmup="background")
-    from jaxserve.worker.runner import StepKey
+    from jaxserve.worker.compilation import StepKey
     all_shapes = {StepKey(*shape) for shape in engine.runner.shapes.warmup()}
     assert engine.stats().warmup_pending == len(all_shapes) - 2 > 0
     llm = LLM(engine=engine)
@@ -249,7 +247,7 @@ def test_background_warmup_serves_at_once_and_compiles_each_shape_once(cache_dir
     assert engine.num_compilations == len(all_shapes), "no shape compiled twice"
 
 
-def test_background_warmup_stops_on_request(cache_dir):
+def test_background_warmup_stops_on_request(smollm2_checkpoint, cache_dir):
     """stop_warmup() ends the background thread after its current shape (serve.py calls it
     at shutdown: a thread still compiling when the interpreter exits aborts the process)."""
     from conftest import SMALL_CONFIG

@@ -36,7 +36,6 @@ def pad(prompts, width=None):
     return jnp.asarray(toks), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
 
-@pytest.mark.real_model
 def test_greedy_tokens_equal_the_engine_and_logprobs_equal_scoring(real, small_llm):
     """Greedy generation of prompts of three lengths, batched: the engine's greedy tokens
     (jaxserve.LLM), and logprobs equal to a teacher-forced `score` of prompt + output. The
@@ -141,8 +140,6 @@ def test_policy_gradient_step_raises_the_rewarded_sequences_logprob(tiny):
     assert after < before
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_readme_policy_gradient_example_runs(smollm2_checkpoint, monkeypatch):
     """The README's functional example, as written, on the real model."""
     from pathlib import Path

@@ -34,7 +34,6 @@ def ours(smollm2_checkpoint):
     return Tokenizer.from_file(str(smollm2_checkpoint / "tokenizer.json"))
 
 
-@pytest.mark.real_model
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_decode_match_transformers(ours, hf_smollm2_tokenizer, text):
     hf = hf_smollm2_tokenizer
@@ -45,7 +44,6 @@ def test_encode_decode_match_transformers(ours, hf_smollm2_tokenizer, text):
     assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.real_model
 def test_special_tokens_whole_and_digits_split(ours):
     assert ours.encode("<|im_start|>x<|im_end|>", add_special_tokens=False).ids[::2] == [1, 2]
     assert ours.get_vocab_size() == 49152
@@ -54,7 +52,6 @@ def test_special_tokens_whole_and_digits_split(ours):
         assert [p for p in pieces if p.strip()] == list(number.strip()), pieces
 
 
-@pytest.mark.real_model
 def test_tokenizer_config_matches_transformers(smollm2_checkpoint, hf_smollm2_tokenizer):
     cfg = json.loads((smollm2_checkpoint / "tokenizer_config.json").read_text())
     hf = hf_smollm2_tokenizer
@@ -82,8 +79,6 @@ def _with_pre(src, dst, pre):
     return md
 
 
-@pytest.mark.real_model
-@pytest.mark.slow
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 def test_other_pre_tokenizers_match_transformers(smollm2_gguf, tmp_path, pre):
     md = _with_pre(smollm2_gguf, tmp_path / "t.gguf", pre)

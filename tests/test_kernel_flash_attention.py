@@ -100,7 +100,6 @@ CASES = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_reference(name, dtype):
@@ -111,7 +110,6 @@ def test_kernel_matches_reference(name, dtype):
     _assert_matches(out, args, dtype)
 
 
-@pytest.mark.slow
 def test_sm_scale_and_default_blocks():
     """A non-default sm_scale reaches both; default blocks on a ragged batch."""
     args = _case(np.random.default_rng(1234), [(7, 19), (9, 9)], total=24, q_heads=4, kv_heads=2,
@@ -122,7 +120,6 @@ def test_sm_scale_and_default_blocks():
     assert np.abs(got - default).max() > 100 * TOLERANCES[jnp.float32]["atol"]
 
 
-@pytest.mark.slow
 def test_context_past_the_block_table_is_clamped():
     """The engine may pass kv_len > pages_per_seq * page_size for padding tokens: keys past
     the table count as absent (no column past the table is read; the pool stays NaN
@@ -135,7 +132,6 @@ def test_context_past_the_block_table_is_clamped():
     _assert_matches(out, (q, kp, vp, tables, cu, kv_lens), jnp.float32)
 
 
-@pytest.mark.slow
 def test_wrong_block_table_gives_a_different_result():
     """The test can fail: the reference on a shuffled block table (same pages, wrong order)
     is far from the kernel's output on the true one. (Swapping two pages that every query
@@ -153,7 +149,6 @@ def test_wrong_block_table_gives_a_different_result():
     assert np.abs(out[:16] - wrong[:16]).max() > 100 * TOLERANCES[jnp.float32]["atol"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("seqs,total,hq,hkv", [
     ([(6, 6)], 6, 2, 2),                                  # plain prompt, MHA
     ([(3, 11), (0, 5), (1, 1), (5, 17)], 12, 6, 2),        # ragged, prefix, empty, padding, GQA 3
@@ -220,7 +215,6 @@ def test_rejects_bad_inputs(args, kwargs, match):
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_lowers_for_cuda_at_engine_shapes(model, dtype):

@@ -118,7 +118,6 @@ def _run_case(name, dtype, fmt=None):
     return out, args, kw
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_reference(name, dtype):
@@ -126,7 +125,6 @@ def test_kernel_matches_reference(name, dtype):
     _assert_matches(out, paged_attention_reference(*args), args, dtype)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("name", ["splits-tail-gqa3", "mixed-padding-gqa4-d128"])

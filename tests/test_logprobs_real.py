@@ -11,8 +11,6 @@ import json
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
-
 LOGPROB_ATOL = 2 * 1e-3
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 

@@ -116,8 +116,6 @@ def test_kv_pool_from_gpu_memory_utilization():
         cfg.engine.override(gpu_memory_utilization=1.5)
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 @pytest.mark.parametrize("tp", [1, 3])
 def test_plan_matches_the_built_engine_on_this_machine(tp, smollm2_checkpoint, cache_dir):
     """configs/smollm2_135m.py (bf16 weight copies, bf16 KV) planned for CPU against the

@@ -140,7 +140,8 @@ def test_kv_write_updates_the_donated_pool_in_place(dtype, layout):
     donated pool in place. (A pool held as bfloat16 arrays failed this on XLA:CPU: the write
     became convert(pool -> f32), update, convert back, 8x a layer's pool in temporaries.)"""
     from jaxserve.model.kv_cache import abstract_kv_cache
-    from jaxserve.model.transformer import StepBatch, forward
+    from jaxserve.model.inputs import StepBatch
+    from jaxserve.model.transformer import forward
     cfg = CONFIGS["gqa2"]
     params = _params(cfg, 0)
     S, P = 4, 4

@@ -3,6 +3,7 @@ real SmolLM2-135M-Instruct (tests/configs/smollm2_small.py: max_model_len 512). 
 the in-process tests with the fake engine (test_server.py) cannot: the real CLI, uvicorn,
 the real model and the SDK's parsing of our responses, SSE streams and error objects."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,8 +16,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
-pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "tests/configs/smollm2_small.py"
@@ -67,12 +66,11 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_checkpoint, cache_dir, tmp_path_factory):
-    """serve.py on a free port, once /health answers 200 (the model is fetched and converted
-    in-process first, by `smollm2_checkpoint`, so the server only loads and warms up)."""
+@contextlib.contextmanager
+def launched_server(cache_dir, log_dir: Path):
+    """serve.py on a free port, once /health answers 200; stopped (SIGINT) on exit."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log_path = log_dir / "serve.log"
     cmd = [sys.executable, "serve.py", "--config", CONFIG, "--port", str(port),
            "--cache-dir", str(cache_dir)]
     with open(log_path, "wb") as log:  # a file, not a PIPE: nobody drains a pipe
@@ -96,6 +94,14 @@ def server(smollm2_checkpoint, cache_dir, tmp_path_factory):
         yield srv
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_checkpoint, cache_dir, tmp_path_factory):
+    """The module's server (the model is fetched and converted in-process first, by
+    `smollm2_checkpoint`, so the server only loads and warms up)."""
+    with launched_server(cache_dir, tmp_path_factory.mktemp("serve")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -325,13 +331,15 @@ def test_sdk_named_tool_call_and_vllm_extras(client):
     assert r.choices[0].text == "==="
 
 
-def test_sigint_shuts_down_cleanly(server):
-    """Last (it stops the module's server): Ctrl-C is a graceful shutdown, exit status 0."""
-    server.proc.send_signal(signal.SIGINT)
-    try:
-        rc = server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"serve.py still running 20 s after SIGINT:\n{server.log_tail()}")
-    log = server.log_tail(100_000)
+def test_sigint_shuts_down_cleanly(smollm2_checkpoint, cache_dir, tmp_path):
+    """Ctrl-C is a graceful shutdown, exit status 0 (a server of its own: the module's
+    stays up for the other tests, in any order)."""
+    with launched_server(cache_dir, tmp_path) as server:
+        server.proc.send_signal(signal.SIGINT)
+        try:
+            rc = server.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve.py still running 20 s after SIGINT:\n{server.log_tail()}")
+        log = server.log_tail(100_000)
     assert "Application shutdown complete" in log
     assert rc == 0 and "Traceback" not in log, log[-4000:]

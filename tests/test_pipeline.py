@@ -20,7 +20,8 @@ from jaxserve.model.kv_cache import abstract_kv_cache
 from jaxserve.worker.memory_plan import plan_memory
 from jaxserve.model.params import init_params
 from jaxserve.model.pipeline import microbatches_for, split_microbatches
-from jaxserve.model.transformer import Kernels, StepBatch, _decoder_layers
+from jaxserve.model.inputs import StepBatch
+from jaxserve.model.transformer import (Kernels, _decoder_layers)
 from jaxserve.distributed.sharding import ShardingRules, make_abstract_mesh
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -56,8 +56,6 @@ def test_a_failed_step_forgets_the_cache(params):
     assert engine.stats().scheduler.prefix_cache_hits == hits, "nothing left to hit"
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_real_model_prefix_hit_gives_the_miss_outputs(small_llm, cache_dir):
     """A ~300-token shared system prompt: questions asked after another request cached it
     (hits) get the tokens an engine without the cache gives them (greedy and seeded)."""
@@ -89,8 +87,6 @@ def test_real_model_prefix_hit_gives_the_miss_outputs(small_llm, cache_dir):
     assert after.scheduler.free_pages == after.scheduler.total_pages
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_real_model_n_choices_fork_from_one_prefill(small_llm):
     """n = 4 with a seed through the server: 4 choices whose tokens are those of 4 single
     requests with seeds s .. s+3 (vLLM's seed + i), and the 3 later choices take the

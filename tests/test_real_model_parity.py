@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 from hf_reference import hf_greedy
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
-
 # bf16_matmul: measured up to 0.52 (|logits| ~35); bf16_round_x (x also rounded to bf16 from
 # 8 rows, as the default serves where the CPU's bf16 dot product is fast): up to 0.53 on
 # these prompts (bf16_matmul 0.19-0.29 on them); "bf16_kv" (that and a bf16 KV pool, which

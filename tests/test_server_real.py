@@ -15,6 +15,7 @@ crowd of careless and hostile clients meets it, through tools/stress_server.py:
   server).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+from jaxserve.bench import serve as bench_serving
+from tools import stress_server
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "tests" / "configs" / "smollm2_small.py"
@@ -36,14 +38,11 @@ SHUTDOWN_TIMEOUT_S = 3
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-from jaxserve.bench import serve as bench_serving  # noqa: E402
-from tools import stress_server  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_checkpoint, cache_dir, tmp_path_factory):
-    """serve.py with an API key from the environment, once /ready answers 200."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+@contextlib.contextmanager
+def launched_server(cache_dir, log_dir: Path):
+    """serve.py with an API key from the environment, once /ready answers 200; killed on
+    exit if still running."""
+    log = log_dir / "serve.log"
     proc, url, _ = bench_serving.launch(
         CONFIG, cache_dir, log_path=log,
         extra_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
@@ -65,6 +64,13 @@ def server(smollm2_checkpoint, cache_dir, tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_checkpoint, cache_dir, tmp_path_factory):
+    """The module's server."""
+    with launched_server(cache_dir, tmp_path_factory.mktemp("serve")) as srv:
+        yield srv
 
 
 def scrape(base: str) -> dict:
@@ -162,9 +168,16 @@ def _stream(base: str, max_tokens: int, out: dict, started: threading.Event) -> 
     out["events"] = events
 
 
-def test_sigterm_drains_then_exits_0(server):
-    """Last in this module: it stops the server."""
-    proc, base, log = server
+def test_sigterm_drains_then_exits_0(smollm2_checkpoint, cache_dir, tmp_path):
+    """A server of its own (SIGTERM stops it; the module's stays up for the other tests, in
+    any order)."""
+    with launched_server(cache_dir, tmp_path) as srv:
+        _drain(*srv)
+
+
+def _drain(proc, base, log) -> None:
+    """SIGTERM while a short and a long stream run: new requests get 503 at once, the short
+    stream finishes, the long one is cut at the shutdown timeout, exit status 0."""
     results = {"short": {}, "long": {}}
     started = {k: threading.Event() for k in results}
     threads = [threading.Thread(target=_stream, args=(base, n, results[k], started[k]))

@@ -472,8 +472,6 @@ def _accepted_positions(engine):
     return seen
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_real_model_ngram_greedy_is_token_for_token_the_plain_greedy(small_llm, spec_llm):
     """Alone and batched (a request with no repeats rides along without drafts), and
     with stops (a stop token, max_tokens) that fall inside an accepted run."""
@@ -508,8 +506,6 @@ def test_real_model_ngram_greedy_is_token_for_token_the_plain_greedy(small_llm, 
     assert engine.pool.num_free == engine.pool.capacity
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_real_model_seeded_speculative_sampling_is_reproducible(spec_llm):
     tok = spec_llm.tokenizer
     prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)[:2]]
@@ -544,8 +540,6 @@ def _same_greedy_as_plain(small_llm, llm, max_tokens, alone):
     return llm.engine.stats()
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_real_model_draft_model_greedy_is_the_plain_greedy(small_llm, draft_llm):
     """A 4-layer truncated copy as the draft: token for token the plain greedy output,
     alone and batched; its proposals are accepted often enough to be the target's."""
@@ -572,8 +566,6 @@ def _planned_as_built(llm):
     assert "drafter pool" in plan.table()
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
 def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, cache_dir):
     """The EAGLE head that ships (configs/smollm2_135m_eagle.py's), loaded through the
     config: token for token the plain greedy output, batched and alone, every page back;

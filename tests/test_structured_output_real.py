@@ -12,8 +12,6 @@ import re
 import jsonschema  # a test extra: missing, this module fails rather than skips
 import pytest
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
-
 PERSON = {
     "type": "object",
     "properties": {

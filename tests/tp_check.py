@@ -30,7 +30,8 @@ from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.params import init_params, param_shardings
 from jaxserve.model.pipeline import StagedLayers, stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
-from jaxserve.model.transformer import StepBatch, compute_logits, forward
+from jaxserve.model.inputs import StepBatch
+from jaxserve.model.transformer import (compute_logits, forward)
 from jaxserve.distributed.sharding import ShardingRules, make_mesh
 
 VARIANTS = {

@@ -1,5 +1,5 @@
 """Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=16: the
-engine's step (jaxserve.worker.runner._step: forward, LM head, sampler) for
+engine's step (jaxserve.worker.step.model_step: forward, LM head, sampler) for
 configs/llama70b.py at tensor parallel 8, on abstract shapes (nothing allocated), a decode
 and a mixed bucket:
 
@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ParallelConfig, load_config
-from jaxserve.worker.runner import StepKey, _abstract_inputs, _step
+from jaxserve.worker.compilation import StepKey, abstract_inputs
+from jaxserve.worker.step import model_step
 from jaxserve.model.kv_cache import abstract_kv_cache
 from jaxserve.model.params import abstract_params
 from jaxserve.model.pipeline import StagedLayers, layers_per_stage
@@ -59,8 +60,8 @@ def lowered(cfg, rules, kernels, key, platform, stages: int = 1):
         params = staged(params, rules, stages)
     cache = abstract_kv_cache(cfg, 4096, 16, "bfloat16", rules, kernels.attention.kv_layout)
     rep = NamedSharding(rules.mesh, PartitionSpec())
-    batch, sampling = _abstract_inputs(key, rep, 300, cfg.vocab_size)
-    fn = jax.jit(functools.partial(_step, cfg=cfg, drafter=None, rules=rules, kernels=kernels,
+    batch, sampling = abstract_inputs(key, rep, 300, cfg.vocab_size)
+    fn = jax.jit(functools.partial(model_step, cfg=cfg, drafter=None, rules=rules, kernels=kernels,
                                    num_top=20),
                  donate_argnums=(1, 7), static_argnames=("num_steps",))
     traced = fn.trace(params, cache, batch, sampling,

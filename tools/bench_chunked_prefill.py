@@ -1,6 +1,7 @@
 """How a long prompt disturbs the streams decoding beside it, with chunked prefill and
 without: the ratio to print is each run's longest pause during the prompt's prefill over
-the longest pause before it arrived (issue 14's target with chunking: <= 2x).
+the longest pause before it arrived (PERFORMANCE.md, "Scheduling: chunked prefill and
+prefix caching").
 
     python -m tools.bench_chunked_prefill [--config configs/smollm2_135m.py] [--streams 16]
         [--prompt-tokens 1900] [--json out.json]

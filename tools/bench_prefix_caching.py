@@ -1,6 +1,6 @@
 """What prefix caching buys when requests share a long system prompt: the ratios to print
-are a hit's TTFT over a miss's (issue 14's target: <= 0.25x) and the aggregate output
-tok/s of 32 streams with caching over without.
+are a hit's TTFT over a miss's and the aggregate output tok/s of 32 streams with caching
+over without (PERFORMANCE.md, "Scheduling: chunked prefill and prefix caching").
 
     python -m tools.bench_prefix_caching [--config configs/smollm2_135m.py]
         [--system-tokens 1000] [--streams 32] [--output-len 64] [--json out.json]

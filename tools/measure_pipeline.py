@@ -43,7 +43,8 @@ def measure(args) -> dict:
     from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config, select_kernels
     from jaxserve.model.kv_cache import init_kv_cache
     from jaxserve.model.pipeline import layers_per_stage, split_microbatches
-    from jaxserve.model.transformer import StepBatch, _decoder_layers
+    from jaxserve.model.inputs import StepBatch
+    from jaxserve.model.transformer import _decoder_layers
     from jaxserve.checkpoint.sources import default_cache_dir
 
     config = load_config(ROOT / "configs" / "smollm2_135m.py")

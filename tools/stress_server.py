@@ -1,5 +1,5 @@
 """Stress an OpenAI-compatible server the way a crowd of careless and hostile clients would,
-and check that no request harmed another (issue 13's long run).
+and check that no request harmed another (PERFORMANCE.md, "Serving under hostile clients").
 
     python -m tools.stress_server --launch [--config configs/smollm2_135m.py] [--cache-dir DIR]
     python -m tools.stress_server --url http://127.0.0.1:8000 [--api-key KEY]
@@ -126,7 +126,7 @@ def _num_choices(r: httpx.Response) -> int:
 
 
 def named_bad_inputs(model: str) -> list[tuple[str, str, bytes, int]]:
-    """(name, path, body, expected status): the hostile inputs issue 13 names, and more."""
+    """(name, path, body, expected status): the hostile inputs of the robustness tests, and more."""
     def body(**kw) -> bytes:
         return json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 8,
                            **kw}).encode()

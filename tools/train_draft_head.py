@@ -85,7 +85,8 @@ def target_features(ckpt, cfg, seqs: list[list[int]], max_len: int) -> list[np.n
 
     from jaxserve.checkpoint import load_params
     from jaxserve.model.kv_cache import init_kv_cache
-    from jaxserve.model.transformer import StepBatch, forward
+    from jaxserve.model.inputs import StepBatch
+    from jaxserve.model.transformer import forward
 
     params = load_params(ckpt, cfg)
     ps = 16

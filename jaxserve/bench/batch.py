@@ -1,5 +1,5 @@
 """Offline batch inference against the server at the same concurrency: the ratio to print
-is the batch runner's output tok/s over serve.py's (issue 17's target: >= 0.95).
+is the batch runner's output tok/s over the server's (PERFORMANCE.md, "Offline batch inference").
 
     jaxserve bench batch [--config smollm2_135m] [--num-prompts 200]
         [--max-concurrency 32] [--endpoint completions] [--json out.json]

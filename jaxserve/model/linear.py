@@ -99,14 +99,14 @@ class DualPrecisionWeight:
     accumulation); a packed one the C++ CPU kernel (weights widened to f32, x and the
     arithmetic f32).
 
-    Why: on XLA:CPU (YNNPACK; jaxserve bench step) a bf16 matmul with f32 accumulation
-    beat f32 from 2 rows up on an AMD Zen 4 machine, while a 1-row bf16 product takes a
-    matrix-vector path several times slower than f32 (PERFORMANCE.md, "Measurements behind
-    the code"): the XLA bf16 path pads 1 row to 2 (BF16_MIN_ROWS). Which copy runs is fixed per compiled
+    Why: on XLA:CPU (YNNPACK) a bf16 matmul with f32 accumulation can beat f32 from a few
+    rows up, while a 1-row bf16 product takes a matrix-vector path slower than f32
+    (PERFORMANCE.md, "Measurements behind the code"; `jaxserve bench step --compare
+    matmul` measures both on a machine): the XLA bf16 path pads 1 row to 2 (BF16_MIN_ROWS). Which copy runs is fixed per compiled
     step shape (row counts are static). Costs 1.5x the weights' memory, or 0.5x with
     min_rows = 1 and no max_rows (then `w` is None: every matmul uses the bf16 copy).
-    max_rows is for machines where f32 wins again at prefill sizes (XLA's bf16 dot lost to
-    its f32 dot from 64 rows up on an Intel Sapphire Rapids machine).
+    max_rows is for machines where f32 wins again at prefill sizes (PERFORMANCE.md, the same
+    section).
     vocab_major: the LM head tied to the embedding, stored [vocab, embed].
     logical_shape: None, or the weight's [*in, *out] shape when `w_bf16` is packed for the
     C++ CPU kernel (jaxserve.kernels.cpu.bf16_matmul.pack_weight: [N / P, K / 2, P, 2], input rows

@@ -22,8 +22,8 @@ ones), so the hidden states leave replicated, and the LM head and sampler run af
 pipeline on every device, as without stages. Stage utilisation is M / (M + PP - 1).
 
 Why SPMD and not one program per stage (MPMD): the host loop dispatches one program per
-step (~1.6 ms of host time per step on the CPU it was measured on, PERFORMANCE.md), and a
-decode step of a small batch costs a few ms on a GPU: dispatching and synchronising PP
+step (its host time per step: PERFORMANCE.md, "Measurements behind the code"), and a decode step of
+a small batch is short on a GPU: dispatching and synchronising PP
 programs per step, with the host passing activations between them, would add that cost
 per stage. Here the stages' hand-offs are device-to-device collectives inside one
 program, and the host does not know stages exist.

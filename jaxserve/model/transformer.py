@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.inputs import StepBatch
 from jaxserve.model.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
@@ -30,54 +29,10 @@ from jaxserve.model import pipeline
 from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.params import EMBED_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.model.linear import Matmul, matmul_backend
-from jaxserve.pytree import pytree_dataclass
 from jaxserve.kernels.sampling_ops import SamplerOps, sampler_ops
 from jaxserve.distributed.sharding import ShardingRules, constrain
 
 ACT_AXES = ("tokens", "embed")
-
-
-@pytree_dataclass(meta=("decode",))
-class StepBatch:
-    """One flat ragged batch (all int32): T token rows packed by sequence, S sequences.
-
-    tokens, positions, slot_mapping: [T] (padding tokens: position 0, slot in the null
-    page). block_tables: [S, P] page ids. seq_lens: [S] context length after this step (0
-    for padding sequences). query_start: [S + 1], non-decreasing: sequence b owns token
-    rows query_start[b] : query_start[b + 1] (padding sequences own none; rows past
-    query_start[S] are padding). logits_indices: [S] the row of each sequence's last token,
-    which predicts its next token. prev_index: [T] or None, used by the engine's step only:
-    token row t is the token the previous step sampled in its row prev_index[t] (still on
-    device), or tokens[t] where prev_index[t] < 0.
-    decode (static): every sequence brings exactly one token and T == S, token row b being
-    sequence b's (lets attention use its decode specialisation).
-    """
-
-    tokens: Any
-    positions: Any
-    slot_mapping: Any
-    block_tables: Any
-    seq_lens: Any
-    query_start: Any
-    logits_indices: Any
-    prev_index: Any = None
-    decode: bool = False
-
-
-def next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int,
-                      live: jax.Array | None = None) -> StepBatch:
-    """The decode batch one token later (multi-step decode, a drafter's proposal loop):
-    each `live` row ([S] bool; default: the real sequences, seq_len > 0) feeds tokens [S]
-    int32 at its next position, written to the slot its block table gives for it (those
-    pages must be there); the other rows write to the null page (slot 0) and keep their
-    position and length."""
-    live = batch.seq_lens > 0 if live is None else live
-    positions = batch.positions + live
-    page = jnp.take_along_axis(batch.block_tables, (positions // page_size)[:, None], axis=1,
-                               mode="clip")[:, 0]
-    slots = jnp.where(live, page * page_size + positions % page_size, 0)
-    return dataclasses.replace(batch, tokens=tokens, positions=positions, slot_mapping=slots,
-                               seq_lens=batch.seq_lens + live)
 
 
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,

@@ -83,7 +83,7 @@ class SamplingBatch:
                              num_logprobs=nl)
 
 
-# Rows of one block of the prompt-logprobs LM head (engine.runner._prompt_logprobs): bounds
+# Rows of one block of the prompt-logprobs LM head (jaxserve.worker.step._prompt_logprobs): bounds
 # its [rows, vocab] f32 logits, which every mixed step's memory holds room for (the branch
 # of a lax.cond is allocated whether it runs or not; memory_plan counts it).
 PROMPT_LOGPROBS_BLOCK = 64

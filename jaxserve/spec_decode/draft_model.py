@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.params import Params
-from jaxserve.model.transformer import (Kernels, StepBatch, compute_logits, forward,
-                                        next_decode_batch)
+from jaxserve.model.inputs import StepBatch, next_decode_batch
+from jaxserve.model.transformer import (Kernels, compute_logits, forward)
 from jaxserve.sample.sampler import SamplingBatch, sample
 from jaxserve.distributed.sharding import ShardingRules
 

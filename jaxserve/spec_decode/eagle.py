@@ -36,7 +36,8 @@ from jaxserve.model.kv_cache import KVCache, page_bytes
 from jaxserve.model.layers import rms_norm
 from jaxserve.model.params import LayerParams, Params, init_params
 from jaxserve.model.tensor_parallel import embed_tokens
-from jaxserve.model.transformer import Kernels, StepBatch, compute_logits, decoder_layers
+from jaxserve.model.inputs import StepBatch
+from jaxserve.model.transformer import (Kernels, compute_logits, decoder_layers)
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.distributed.sharding import ShardingRules
 from jaxserve.spec_decode.draft_model import Drafter

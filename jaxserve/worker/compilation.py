@@ -1,8 +1,21 @@
-"""Shape buckets: the fixed set of padded shapes the jitted step is compiled for."""
+"""Step shapes: the fixed set of padded shapes the jitted step is compiled for (buckets,
+`StepShapes`), a compiled shape's key (`StepKey`), and its abstract inputs.
+
+The bucket sizes come from EngineConfig (its seq / token / page buckets up to the
+scheduler's limits); a batch's shape is the smallest bucket that holds it.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
 from jaxserve.config import EngineConfig
+from jaxserve.model.inputs import StepBatch
+from jaxserve.sample.logits_processors import LogitsControls
+from jaxserve.sample.sampler import SamplingBatch
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -68,3 +81,46 @@ class StepShapes:
         shapes += [("verify", S * self.verify_rows, S, P, self.verify_rows)
                    for S in self.verify_seq_buckets for P in self.page_buckets]
         return shapes
+
+
+class StepKey(NamedTuple):
+    """A compiled step shape: kind "mixed", "decode" or "verify", T token rows, S
+    sequences, P block-table pages per sequence, n tokens sampled per sequence (multi-step
+    decode; a verify step: the positions each sequence samples at, 1 + its drafts)."""
+
+    kind: str
+    T: int
+    S: int
+    P: int
+    n: int = 1
+
+    @classmethod
+    def of(cls, batch: StepBatch, num_steps: int = 1) -> "StepKey":
+        if batch.logits_indices.ndim == 2:
+            return cls("verify", batch.tokens.shape[0], *batch.block_tables.shape,
+                       batch.logits_indices.shape[1])
+        return cls("decode" if batch.decode else "mixed", batch.tokens.shape[0],
+                   *batch.block_tables.shape, num_steps)
+
+
+def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
+                     ) -> tuple[StepBatch, SamplingBatch]:
+    """The step's inputs for `key` as ShapeDtypeStructs placed with `sharding` (what a
+    step is compiled ahead of time for)."""
+    def s(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    i32, f32 = jnp.int32, jnp.float32
+    T, S, P = key.T, key.S, key.P
+    batch = StepBatch(tokens=s((T,), i32), positions=s((T,), i32),
+                      slot_mapping=s((T,), i32), block_tables=s((S, P), i32),
+                      seq_lens=s((S,), i32), query_start=s((S + 1,), i32),
+                      logits_indices=s((S, key.n) if key.kind == "verify" else (S,), i32),
+                      prev_index=s((T,), i32),
+                      decode=key.kind == "decode")
+    controls = jax.tree.map(lambda a: s(a.shape, a.dtype),
+                            LogitsControls.neutral(S, max_logit_bias, vocab_size))
+    sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),
+                             min_p=s((S,), f32), seed=s((S, 2), jnp.uint32), step=s((S,), i32),
+                             num_logprobs=s((S,), i32), controls=controls,
+                             prompt_targets=s((T,), i32) if key.kind == "mixed" else None)
+    return batch, sampling

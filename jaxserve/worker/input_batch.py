@@ -2,7 +2,7 @@
 warm-up compiles and the engine's batch builder (jaxserve.engine.batch_builder) fills.
 Plain numpy.
 
-Every step is a flat ragged batch (jaxserve.model.transformer.StepBatch): T token rows,
+Every step is a flat ragged batch (jaxserve.model.inputs.StepBatch): T token rows,
 each sequence's new tokens (a decode token, or a prompt chunk) packed one after another,
 over S sequences with P block-table pages each; the shapes come from
 jaxserve.worker.compilation.StepShapes. A decode plan (one token per sequence) is a decode
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.config import NULL_PAGE
-from jaxserve.model.transformer import StepBatch
+from jaxserve.model.inputs import StepBatch
 
 
 def empty_batch(T: int, S: int, P: int, decode: bool = False, verify: int = 0) -> StepBatch:

@@ -30,9 +30,9 @@ def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str) -
     """`kcfg` with what "auto" means for the model: a bfloat16 model on CPU with the
     matmul left to "auto" (no weight_quant, no bf16_matmul_min_rows) runs its projections
     and LM head in the C++ bf16 kernel, weights packed as they are (bf16_matmul_min_rows
-    = 1): XLA:CPU widens a bf16 weight to f32 on every matmul (a [1, 8192] x [8192,
-    28672] product: 0.59 s and a 0.9 GiB temporary, against 0.017 s in the C++ kernel on
-    an AMD EPYC Zen 4; PERFORMANCE.md "Tensor parallel"). Anything else unchanged."""
+    = 1): XLA:CPU widens a bf16 weight to f32 on every matmul, a whole f32 temporary of
+    the weight each time, where the C++ kernel widens it in registers (PERFORMANCE.md,
+    "Tensor parallel"). Anything else unchanged."""
     if (platform == "cpu" and model_dtype == "bfloat16" and kcfg.matmul_impl == "auto"
             and kcfg.weight_quant is None and kcfg.bf16_matmul_min_rows is None):
         return dataclasses.replace(kcfg, bf16_matmul_min_rows=1)

@@ -9,9 +9,8 @@ import dataclasses
 
 from jaxserve.config import (CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig,
                              load_config)
-from pathlib import Path
 
-_DEFAULT = load_config(Path(__file__).resolve().parents[2] / "configs" / "smollm2_135m.py")
+_DEFAULT = load_config("smollm2_135m")  # the shipped default, by name
 
 PAGE_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K+V, 30 layers, 16 tokens, 3 kv heads x 64, f32
 

@@ -8,7 +8,7 @@ version and this CPU's instruction-set flags (the library is built with -march=n
 registers each handler in HANDLERS with `jax.ffi.register_ffi_target` for the "cpu"
 platform. A second call (any build_dir) returns the loaded library at once.
 
-First build: about 10 to 20 s on 2 cores; later processes load the cached file.
+The first build takes seconds (a C++ compile); later processes load the cached file.
 Raises KernelBuildError (with the compiler's output) when no compiler is found or the
 build fails.
 """

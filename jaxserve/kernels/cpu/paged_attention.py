@@ -7,8 +7,8 @@ causally to keys 0 .. min(seq_lens[b], positions[t] + 1) - 1 of its own context,
 place from the head-major page pool through its block table. One call serves decode (one
 row per sequence), prefill of several prompts and chunked prefill. The kernel reads only the pages each
 row uses, where the XLA formulation (jaxserve.model.attention) gathers and copies every
-row's pages up to the batch's page bucket: at batch 32 with ragged contexts that was ~85%
-of a decode step.
+row's pages up to the batch's page bucket, most of a batched decode step with ragged
+contexts (jaxserve/kernels/cpu/README.md).
 
 Sources: PagedAttention (Kwon et al., SOSP 2023); FlashAttention (Dao et al., 2022) online
 softmax; vLLM's CPU paged attention for the per-(sequence, KV head) work split.

@@ -1,0 +1,56 @@
+"""What the model reads of one step: `StepBatch`, the flat ragged batch of token rows and
+their sequences' block tables, and `next_decode_batch`, the same batch one decode token
+later (multi-step decode and draft proposals advance it on device)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.pytree import pytree_dataclass
+
+
+@pytree_dataclass(meta=("decode",))
+class StepBatch:
+    """One flat ragged batch (all int32): T token rows packed by sequence, S sequences.
+
+    tokens, positions, slot_mapping: [T] (padding tokens: position 0, slot in the null
+    page). block_tables: [S, P] page ids. seq_lens: [S] context length after this step (0
+    for padding sequences). query_start: [S + 1], non-decreasing: sequence b owns token
+    rows query_start[b] : query_start[b + 1] (padding sequences own none; rows past
+    query_start[S] are padding). logits_indices: [S] the row of each sequence's last token,
+    which predicts its next token. prev_index: [T] or None, used by the engine's step only:
+    token row t is the token the previous step sampled in its row prev_index[t] (still on
+    device), or tokens[t] where prev_index[t] < 0.
+    decode (static): every sequence brings exactly one token and T == S, token row b being
+    sequence b's (lets attention use its decode specialisation).
+    """
+
+    tokens: Any
+    positions: Any
+    slot_mapping: Any
+    block_tables: Any
+    seq_lens: Any
+    query_start: Any
+    logits_indices: Any
+    prev_index: Any = None
+    decode: bool = False
+
+
+def next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int,
+                      live: jax.Array | None = None) -> StepBatch:
+    """The decode batch one token later (multi-step decode, a drafter's proposal loop):
+    each `live` row ([S] bool; default: the real sequences, seq_len > 0) feeds tokens [S]
+    int32 at its next position, written to the slot its block table gives for it (those
+    pages must be there); the other rows write to the null page (slot 0) and keep their
+    position and length."""
+    live = batch.seq_lens > 0 if live is None else live
+    positions = batch.positions + live
+    page = jnp.take_along_axis(batch.block_tables, (positions // page_size)[:, None], axis=1,
+                               mode="clip")[:, 0]
+    slots = jnp.where(live, page * page_size + positions % page_size, 0)
+    return dataclasses.replace(batch, tokens=tokens, positions=positions, slot_mapping=slots,
+                               seq_lens=batch.seq_lens + live)
