@@ -50,14 +50,15 @@ def test_each_group_names_the_field_it_refuses(fields, match):
 def test_buckets_end_at_their_limit():
     """The limit is always the largest bucket; buckets past it are dropped (a flag can
     move a limit without a new bucket list)."""
-    cfg = EngineConfig(max_model_len=64).override(
+    from jaxserve.worker.compilation import StepShapes
+    shapes = StepShapes(EngineConfig(max_model_len=64).override(
         page_size=4, max_num_seqs=8, max_num_batched_tokens=100, seq_buckets=(1, 4, 16),
-        token_buckets=(16, 64, 512), page_buckets=(2, 8))
-    assert cfg.seq_buckets == (1, 4, 8)
-    assert cfg.token_buckets == (16, 64, 100)
-    assert cfg.page_counts == (2, 8, 16)
-    default = EngineConfig(max_model_len=64).override(page_size=4, max_num_seqs=6,
-                                                      max_num_batched_tokens=40)
+        token_buckets=(16, 64, 512), page_buckets=(2, 8)))
+    assert shapes.seq_buckets == (1, 4, 8)
+    assert shapes.token_buckets == (16, 64, 100)
+    assert shapes.page_buckets == (2, 8, 16)
+    default = StepShapes(EngineConfig(max_model_len=64).override(
+        page_size=4, max_num_seqs=6, max_num_batched_tokens=40))
     assert default.seq_buckets == (1, 2, 4, 6) and default.token_buckets == (16, 32, 40)
 
 

@@ -259,7 +259,7 @@ def test_loading_onto_a_mesh_streams_group_by_group(tmp_path):
     LM head 0.24 GiB, the largest group): loading onto 4 devices holds about one layer on
     the host beside what ends up on the devices (at most two), never the model; the
     conversion about its largest group and orbax's copy of it (at most three groups)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "measure_loading.py"),
+    proc = subprocess.run([sys.executable, "-m", "tools.measure_loading",
                            "--hidden", "2048", "--intermediate", "8192", "--layers", "6",
                            "--heads", "16", "--kv-heads", "4", "--vocab", "32000", "--tp", "4",
                            "--workdir", str(tmp_path), "--json"],

@@ -301,7 +301,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
     key = {"decode": StepKey("decode", 8, 8, 16), "mixed": StepKey("mixed", 128, 2, 8),
            "verify": StepKey("verify", 10, 2, 8, 5)}[kind]
-    batch, sampling = abstract_inputs(key, None, 300, cfg.vocab_size)
+    batch, sampling, prev_index = abstract_inputs(key, None, 300, cfg.vocab_size)
     static = dict(cfg=cfg, drafter=None, rules=None, kernels=Kernels("pallas", "pallas"),
                   num_top=20)
     pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)
@@ -311,7 +311,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     else:
         prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
         text = _lower(functools.partial(model_step, **static), params, cache, batch, sampling,
-                      prev_tokens, None, None, pool)
+                      prev_tokens, prev_index, None, None, pool)
     # identical kernel calls are lowered once and shared: attention + the 4 distinct
     # projection shapes (576x576, 576x192, 576x1536, 1536x576)
     assert text.count("xla.gpu.triton") == 1 + 4

@@ -68,7 +68,8 @@ def test_runner_multi_step_equals_single_steps(params):
                         Kernels("xla", "xla", "xla"))
         run_seqs = [dataclasses.replace(s, output_ids=[], block_table=list(s.block_table))
                     for s in seqs]
-        b, smp = step_batch(SchedulerOutput(run_seqs, [s.num_tokens for s in run_seqs]), runner.shapes)
+        b, smp, _ = step_batch(SchedulerOutput(run_seqs, [s.num_tokens for s in run_seqs]),
+                               runner.shapes)
         first = runner.run(b, smp).tokens
         for j, s in enumerate(run_seqs):
             s.output_ids.append(int(first[0, j]))
@@ -76,8 +77,9 @@ def test_runner_multi_step_equals_single_steps(params):
         for _ in range(4 // n_steps):
             for s in run_seqs:  # every token but the last is in the pages
                 s.num_computed = s.num_tokens - 1
-            b, smp = step_batch(SchedulerOutput(run_seqs, [1] * len(run_seqs)), runner.shapes, prev)
-            t, lp = runner.run(b, smp, n_steps)[:2]
+            b, smp, prev_index = step_batch(SchedulerOutput(run_seqs, [1] * len(run_seqs)),
+                                            runner.shapes, prev)
+            t, lp = runner.run(b, smp, n_steps, prev_index=prev_index)[:2]
             tokens.append(t[:, :3])
             logprobs.append(lp[:, :3])
             for j, s in enumerate(run_seqs):  # the next step reads them from the device

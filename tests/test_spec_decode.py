@@ -397,7 +397,8 @@ def test_speculative_config_from_vllm_json():
                                   '"prompt_lookup_min": 2}')
     assert cfg.speculative == SpeculativeConfig("ngram", 4, 4, 2)
     assert EngineConfig().override(speculative_config=None).speculative is None
-    assert cfg.verify_seq_buckets[-1] == cfg.speculative.disable_by_batch_size
+    from jaxserve.worker.compilation import StepShapes
+    assert StepShapes(cfg).verify_seq_buckets[-1] == cfg.speculative.disable_by_batch_size
     assert SpeculativeConfig("ngram", 2).prompt_lookup_min == 2
 
 

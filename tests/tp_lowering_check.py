@@ -60,12 +60,12 @@ def lowered(cfg, rules, kernels, key, platform, stages: int = 1):
         params = staged(params, rules, stages)
     cache = abstract_kv_cache(cfg, 4096, 16, "bfloat16", rules, kernels.attention.kv_layout)
     rep = NamedSharding(rules.mesh, PartitionSpec())
-    batch, sampling = abstract_inputs(key, rep, 300, cfg.vocab_size)
+    batch, sampling, prev_index = abstract_inputs(key, rep, 300, cfg.vocab_size)
     fn = jax.jit(functools.partial(model_step, cfg=cfg, drafter=None, rules=rules, kernels=kernels,
                                    num_top=20),
-                 donate_argnums=(1, 7), static_argnames=("num_steps",))
+                 donate_argnums=(1, 8), static_argnames=("num_steps",))
     traced = fn.trace(params, cache, batch, sampling,
-                      jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep), None, None,
+                      jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep), prev_index, None, None,
                       jax.ShapeDtypeStruct((4096 * 16,), jnp.int32, sharding=rep))
     return traced.lower(lowering_platforms=(platform,)) if platform != "cpu" else traced.lower()
 

@@ -1,27 +1,12 @@
 """The compilation group (CompilationConfig): the padded shapes the jitted step is compiled
-for, and how a bucket list ends at its limit (`_up_to`, used by EngineConfig)."""
+for (the shapes themselves, each list ended at its limit, are
+jaxserve.worker.compilation.StepShapes')."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from jaxserve.config.validation import ConfigError
-
-
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return tuple(out)
-
-
-def _up_to(buckets: tuple[int, ...] | None, lo: int, limit: int) -> tuple[int, ...]:
-    """`buckets` below `limit`, then `limit` (None: powers of two from `lo`)."""
-    if buckets is None:
-        return _pow2_buckets(lo, limit)
-    return tuple(b for b in buckets if b < limit) + (limit,)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.config.cache import CacheConfig
-from jaxserve.config.compilation import CompilationConfig, _up_to
+from jaxserve.config.compilation import CompilationConfig
 from jaxserve.config.kernel import KernelConfig
 from jaxserve.config.sampler import SamplerConfig
 from jaxserve.config.scheduler import SchedulerConfig
@@ -74,7 +74,7 @@ class EngineConfig:
                 raise ConfigError(f"SpeculativeConfig.disable_by_batch_size "
                                   f"({spec.disable_by_batch_size}) must be at most "
                                   f"max_num_seqs ({limits.max_num_seqs})")
-            rows = self.verify_seq_buckets[-1] * (spec.num_speculative_tokens + 1)
+            rows = spec.disable_by_batch_size * (spec.num_speculative_tokens + 1)
             if rows > limits.max_num_batched_tokens:
                 raise ConfigError(f"SchedulerConfig.max_num_batched_tokens "
                                   f"({limits.max_num_batched_tokens}) must hold a verify step of "
@@ -108,23 +108,3 @@ class EngineConfig:
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.cache.page_size)
 
-    @property
-    def seq_buckets(self) -> tuple[int, ...]:
-        return _up_to(self.compilation.seq_buckets, 1, self.scheduler.max_num_seqs)
-
-    @property
-    def token_buckets(self) -> tuple[int, ...]:
-        budget = self.scheduler.max_num_batched_tokens
-        return _up_to(self.compilation.token_buckets, min(16, budget), budget)
-
-    @property
-    def verify_seq_buckets(self) -> tuple[int, ...]:
-        """Sequence buckets of the verify step (up to disable_by_batch_size); () when
-        speculative decoding is off."""
-        if self.speculative is None:
-            return ()
-        return _up_to(self.compilation.seq_buckets, 1, self.speculative.disable_by_batch_size)
-
-    @property
-    def page_counts(self) -> tuple[int, ...]:
-        return _up_to(self.compilation.page_buckets, 1, self.max_pages_per_seq)

@@ -30,15 +30,17 @@ def _slots(block_table: list[int], start: int, stop: int, page_size: int) -> np.
 
 
 def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
-               ) -> tuple[StepBatch, SamplingBatch]:
+               ) -> tuple[StepBatch, SamplingBatch, np.ndarray]:
     """The batch of `plan`: sequence i's tokens num_computed .. num_computed + num_new[i]
     (its pages must hold them; for a verify plan, its last token then its drafts), its last
     row's logits sampled (a verify plan: the logits of each of its 1 + len(drafts[i])
     rows, logits_indices [S, 1 + num_speculative_tokens], the last row repeated).
 
     prev_rows: {sequence: row} of the previous (still running) step; a sequence whose token
-    is a PLACEHOLDER reads it from that row on device. Raises ValueError if it is not
-    there, or a PLACEHOLDER is not the one token of a sequence's chunk.
+    is a PLACEHOLDER reads it from that row on device: the returned prev_index [T] int32
+    (Runner.dispatch) gives, per token row, that row (-1: the batch's own token). Raises
+    ValueError if it is not there, or a PLACEHOLDER is not the one token of a sequence's
+    chunk.
 
     The sampling batch carries the sequences' logits controls (`Sequence.controls`) and,
     for a sequence still needing prompt logprobs, the prompt token after each of its
@@ -53,6 +55,7 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
         T, S, P = shapes.shape_of(num_new, max_pages, plan.decode)
     J = shapes.verify_rows if plan.verify else 0
     b = empty_batch(T, S, P, decode=plan.decode, verify=J)
+    prev_index = np.full((T,), -1, np.int32)
     page_size = shapes.page_size
     row = 0
     for i, (s, n, drafts) in enumerate(zip(seqs, num_new, plan.drafts)):
@@ -66,7 +69,7 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
             if not prev_rows or s not in prev_rows:
                 raise ValueError(f"request {s.request_id!r}: its last token is pending but "
                                  "was not sampled by the previous step")
-            b.prev_index[row] = prev_rows[s]
+            prev_index[row] = prev_rows[s]
         else:
             b.tokens[rows] = ids
         b.positions[rows] = np.arange(start, stop)
@@ -86,7 +89,7 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
     targets = None if plan.decode or plan.verify else _prompt_targets(seqs, num_new, T)
     if controls is not None or targets is not None:
         sampling = dataclasses.replace(sampling, controls=controls, prompt_targets=targets)
-    return b, sampling
+    return b, sampling, prev_index
 
 
 def _controls(seqs, S: int) -> LogitsControls | None:

@@ -184,7 +184,7 @@ class Engine:
         """Pack and dispatch a scheduled step; None if that failed (its requests failed)."""
         prev_rows = self._inflight.row_of() if self._inflight else {}
         try:
-            batch, sampling = step_batch(scheduled, self.runner.shapes, prev_rows)
+            batch, sampling, prev_index = step_batch(scheduled, self.runner.shapes, prev_rows)
         except Exception as e:  # a bug: fail the step's requests, not the engine
             log.exception("building a step of %d tokens failed", scheduled.num_tokens)
             for seq in scheduled.seqs:
@@ -192,7 +192,7 @@ class Engine:
             return None
         rows = self.runner.shapes.verify_rows if scheduled.verify else scheduled.num_steps
         try:
-            handle = self.runner.dispatch(batch, sampling, rows)
+            handle = self.runner.dispatch(batch, sampling, rows, prev_index)
         except Exception as e:  # compile or launch failed; the donated pool may be gone
             self._device_failure(scheduled.seqs, e)
             return None

@@ -22,9 +22,7 @@ class StepBatch:
     for padding sequences). query_start: [S + 1], non-decreasing: sequence b owns token
     rows query_start[b] : query_start[b + 1] (padding sequences own none; rows past
     query_start[S] are padding). logits_indices: [S] the row of each sequence's last token,
-    which predicts its next token. prev_index: [T] or None, used by the engine's step only:
-    token row t is the token the previous step sampled in its row prev_index[t] (still on
-    device), or tokens[t] where prev_index[t] < 0.
+    which predicts its next token.
     decode (static): every sequence brings exactly one token and T == S, token row b being
     sequence b's (lets attention use its decode specialisation).
     """
@@ -36,7 +34,6 @@ class StepBatch:
     seq_lens: Any
     query_start: Any
     logits_indices: Any
-    prev_index: Any = None
     decode: bool = False
 
 

@@ -182,7 +182,7 @@ def split_microbatches(batch, M: int):
     itself a decode batch. Otherwise microbatch m is token rows m * T / M .. (m+1) * T / M
     with all S sequences: query_start clipped to those rows, and seq_lens the context
     length after the microbatch's own rows (0 for a sequence with none there, so kernels
-    see it as padding). logits_indices and prev_index are not split (the pipeline's
+    see it as padding). logits_indices are not split (the pipeline's
     output is reassembled into the whole batch's rows). Raises ValueError when M does not
     divide the rows."""
     T, S = batch.tokens.shape[0], batch.seq_lens.shape[0]
@@ -196,7 +196,7 @@ def split_microbatches(batch, M: int):
             batch, tokens=rows(batch.tokens), positions=rows(batch.positions),
             slot_mapping=rows(batch.slot_mapping), block_tables=rows(batch.block_tables),
             seq_lens=rows(batch.seq_lens), query_start=qs, logits_indices=None,
-            prev_index=None)
+)
     tm = T // M
     lo = (jnp.arange(M, dtype=jnp.int32) * tm)[:, None]  # [M, 1]
     qs = batch.query_start[None, :]
@@ -209,7 +209,7 @@ def split_microbatches(batch, M: int):
         batch, tokens=rows(batch.tokens), positions=rows(batch.positions),
         slot_mapping=rows(batch.slot_mapping),
         block_tables=jnp.broadcast_to(batch.block_tables, (M,) + batch.block_tables.shape),
-        seq_lens=seq_lens, query_start=local_qs, logits_indices=None, prev_index=None)
+        seq_lens=seq_lens, query_start=local_qs, logits_indices=None)
 
 
 def microbatches_for(batch, target: int) -> int:

@@ -18,6 +18,22 @@ from jaxserve.sample.logits_processors import LogitsControls
 from jaxserve.sample.sampler import SamplingBatch
 
 
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def _up_to(buckets: tuple[int, ...] | None, lo: int, limit: int) -> tuple[int, ...]:
+    """`buckets` below `limit`, then `limit` (None: powers of two from `lo`)."""
+    if buckets is None:
+        return _pow2_buckets(lo, limit)
+    return tuple(b for b in buckets if b < limit) + (limit,)
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """Smallest bucket >= n. Raises ValueError if n exceeds the largest."""
     for b in buckets:
@@ -42,17 +58,25 @@ class StepShapes:
     With speculative decoding, a verify step ("verify": decoding sequences, each bringing
     its last token and up to k drafts; n = verify_rows = k + 1 positions sampled per
     sequence) has T = S x (k + 1) rows, S on the sequence buckets up to
-    disable_by_batch_size (EngineConfig.verify_seq_buckets).
+    disable_by_batch_size (`verify_seq_buckets`; () without speculative decoding).
+
+    The buckets are CompilationConfig's below each limit, then the limit itself
+    (max_num_seqs, max_num_batched_tokens from min(16, it), max_model_len's pages); a
+    group left None is the powers of two up to its limit.
     """
 
     def __init__(self, cfg: EngineConfig, bucket_pages: bool = True):
-        self.decode_steps = cfg.scheduler.decode_steps
+        comp, limits = cfg.compilation, cfg.scheduler
+        self.decode_steps = limits.decode_steps
         self.page_size = cfg.cache.page_size
-        self.seq_buckets = cfg.seq_buckets
-        self.token_buckets = cfg.token_buckets
-        self.page_buckets = cfg.page_counts if bucket_pages else (cfg.max_pages_per_seq,)
-        self.verify_seq_buckets = cfg.verify_seq_buckets
+        self.seq_buckets = _up_to(comp.seq_buckets, 1, limits.max_num_seqs)
+        budget = limits.max_num_batched_tokens
+        self.token_buckets = _up_to(comp.token_buckets, min(16, budget), budget)
+        self.page_buckets = (_up_to(comp.page_buckets, 1, cfg.max_pages_per_seq)
+                             if bucket_pages else (cfg.max_pages_per_seq,))
         spec = cfg.speculative
+        self.verify_seq_buckets = (_up_to(comp.seq_buckets, 1, spec.disable_by_batch_size)
+                                   if spec else ())
         self.verify_rows = spec.num_speculative_tokens + 1 if spec else 0
 
     def shape_of(self, num_new: list[int], max_pages: int, decode: bool
@@ -104,9 +128,10 @@ class StepKey(NamedTuple):
 
 
 def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
-                     ) -> tuple[StepBatch, SamplingBatch]:
+                     ) -> tuple[StepBatch, SamplingBatch, jax.ShapeDtypeStruct]:
     """The step's inputs for `key` as ShapeDtypeStructs placed with `sharding` (what a
-    step is compiled ahead of time for)."""
+    step is compiled ahead of time for): the batch, the sampling arrays, and prev_index
+    [T] int32 (Runner.dispatch)."""
     def s(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     i32, f32 = jnp.int32, jnp.float32
@@ -115,7 +140,6 @@ def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
                       slot_mapping=s((T,), i32), block_tables=s((S, P), i32),
                       seq_lens=s((S,), i32), query_start=s((S + 1,), i32),
                       logits_indices=s((S, key.n) if key.kind == "verify" else (S,), i32),
-                      prev_index=s((T,), i32),
                       decode=key.kind == "decode")
     controls = jax.tree.map(lambda a: s(a.shape, a.dtype),
                             LogitsControls.neutral(S, max_logit_bias, vocab_size))
@@ -123,4 +147,4 @@ def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
                              min_p=s((S,), f32), seed=s((S, 2), jnp.uint32), step=s((S,), i32),
                              num_logprobs=s((S,), i32), controls=controls,
                              prompt_targets=s((T,), i32) if key.kind == "mixed" else None)
-    return batch, sampling
+    return batch, sampling, s((T,), i32)

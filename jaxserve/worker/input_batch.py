@@ -27,7 +27,6 @@ def empty_batch(T: int, S: int, P: int, decode: bool = False, verify: int = 0) -
     if decode and T != S:
         raise ValueError(f"a decode batch has one token row per sequence, got T={T}, S={S}")
     return StepBatch(
-        prev_index=np.full((T,), -1, np.int32),
         tokens=np.zeros((T,), np.int32),
         positions=np.zeros((T,), np.int32),
         slot_mapping=np.full((T,), NULL_PAGE, np.int32),

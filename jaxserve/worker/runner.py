@@ -8,7 +8,7 @@ pool is donated to every step and replaced by the returned one.
 
 Steps are dispatched asynchronously (`dispatch` returns before the device finishes) and
 their sampled tokens stay on device: the next step reads its decode tokens from
-the previous step's output (`StepBatch.prev_index`), so the host can plan and launch
+the previous step's output (`dispatch`'s prev_index), so the host can plan and launch
 step n+1 before it has read step n's tokens (`fetch`). Source: vLLM v1's async
 scheduling; JetStream's overlapped generate loop.
 """
@@ -70,7 +70,7 @@ class Runner:
         self.max_logit_bias = engine_cfg.sampler.max_logit_bias
         static = dict(cfg=model_cfg, drafter=self.drafter, rules=rules, kernels=self.kernels,
                       num_top=self.num_top)
-        self._jitted = jax.jit(functools.partial(model_step, **static), donate_argnums=(1, 6, 7),
+        self._jitted = jax.jit(functools.partial(model_step, **static), donate_argnums=(1, 7, 8),
                                static_argnames=("num_steps",))
         self._jitted_verify = jax.jit(functools.partial(verify_step, **static),
                                       donate_argnums=(1, 5, 6))
@@ -129,8 +129,8 @@ class Runner:
 
     def _compile(self, key: StepKey):
         t0 = time.perf_counter()
-        batch, sampling = abstract_inputs(key, self._replicated, self.max_logit_bias,
-                                           self.model_cfg.vocab_size)
+        batch, sampling, prev_index = abstract_inputs(key, self._replicated, self.max_logit_bias,
+                                                      self.model_cfg.vocab_size)
         params, cache = _abstract(self.params), _abstract(self.cache)
         draft = _abstract(self.draft_params), self._draft_cache_spec
         pool = _abstract(self.token_pool)
@@ -138,7 +138,7 @@ class Runner:
             traced = self._jitted_verify.trace(params, cache, batch, sampling, *draft, pool)
         else:
             traced = self._jitted.trace(params, cache, batch, sampling,
-                                        _abstract(self.last_tokens), *draft, pool,
+                                        _abstract(self.last_tokens), prev_index, *draft, pool,
                                         num_steps=key.n)
         exe = traced.lower().compile()
         return exe, time.perf_counter() - t0
@@ -184,20 +184,21 @@ class Runner:
         batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode",
                             verify=key.n if key.kind == "verify" else 0)
         sampling = SamplingBatch.from_params([], [], [], key.S)
-        handle = self._call(exe, key, batch, sampling, keep_last=True)
+        handle = self._call(exe, key, batch, sampling, np.full((key.T,), -1, np.int32),
+                            keep_last=True)
         # wait for it here (not holding the lock): warm-up steps never pile up on the device
         # ahead of the engine's own
         handle.tokens.block_until_ready()
 
     def _call(self, exe, key: StepKey, batch: StepBatch, sampling: SamplingBatch,
-              keep_last: bool = False) -> "StepHandle":
+              prev_index: np.ndarray, keep_last: bool = False) -> "StepHandle":
         """Run `exe` on the pools (donated, replaced by its outputs) and return its handle;
         a non-verify step also replaces `last_tokens` unless `keep_last`."""
         with self._dispatch_lock:
             if self.mirror is not None:  # the other processes launch the same step (each
                 # fills in the inputs left None from its own device-resident defaults)
                 self.mirror.send(("call", key, jax.tree.map(np.asarray, batch),
-                                  jax.tree.map(np.asarray, sampling), keep_last))
+                                  jax.tree.map(np.asarray, sampling), prev_index, keep_last))
             sampling = self._complete(key, sampling)
             if key.kind == "verify":
                 tokens, logprobs, num, extra, self.cache, self.draft_cache, self.token_pool = exe(
@@ -205,8 +206,8 @@ class Runner:
                     self.draft_cache, self.token_pool)
                 return StepHandle(tokens, logprobs, num, extra)
             last, tokens, logprobs, extra, self.cache, self.draft_cache, self.token_pool = exe(
-                self.params, self.cache, batch, sampling, self.last_tokens, self.draft_params,
-                self.draft_cache, self.token_pool)
+                self.params, self.cache, batch, sampling, self.last_tokens, prev_index,
+                self.draft_params, self.draft_cache, self.token_pool)
             if not keep_last:
                 self.last_tokens = last
         return StepHandle(tokens, logprobs, None, extra)
@@ -278,20 +279,20 @@ class Runner:
         """Shapes the background warm-up has still to compile (0 when none runs)."""
         return self._pending_warmup
 
-    def dispatch(self, batch: StepBatch, sampling: SamplingBatch,
-                 num_steps: int = 1) -> "StepHandle":
-        """Launch one step without waiting for it (host numpy arrays in; batch.prev_index
-        None = all tokens from the host). num_steps > 1: multi-step decode (see `model_step`;
+    def dispatch(self, batch: StepBatch, sampling: SamplingBatch, num_steps: int = 1,
+                 prev_index: np.ndarray | None = None) -> "StepHandle":
+        """Launch one step without waiting for it (host numpy arrays in). prev_index: [T]
+        int32, the rows whose token is the previous step's sampled token in that row, still
+        on device (-1: batch.tokens' own; None = all from the host). num_steps > 1: multi-step decode (see `model_step`;
         the block tables must hold the pages of all num_steps new tokens). Returns a handle
         for `fetch`; the KV pool and `last_tokens` are replaced by the step's (future)
         outputs at once. A verify batch (logits_indices [S, J]: speculative decoding) runs
         the verify step (`verify_step`) and leaves `last_tokens` as it was: the engine
         reads its tokens before it plans the next step."""
-        if batch.prev_index is None:
-            batch = dataclasses.replace(
-                batch, prev_index=np.full(batch.tokens.shape, -1, np.int32))
+        if prev_index is None:
+            prev_index = np.full(batch.tokens.shape, -1, np.int32)
         key = StepKey.of(batch, num_steps)
-        return self._call(self._executable(key), key, batch, sampling)
+        return self._call(self._executable(key), key, batch, sampling, prev_index)
 
     def reset_cache(self) -> None:
         """Replace the KV pool (and a draft model's) and `last_tokens` by fresh zeroed arrays
@@ -324,12 +325,13 @@ class Runner:
             if record[0] == "reset":
                 self.reset_cache()
                 continue
-            _, key, batch, sampling, keep_last = record
+            _, key, batch, sampling, prev_index, keep_last = record
             exe = self._compiled.get(key)
             if exe is None:
                 exe, dt = self._compile(key)
                 self._add(key, exe, dt)
-            self._call(exe, key, batch, sampling, keep_last).tokens.block_until_ready()
+            self._call(exe, key, batch, sampling, prev_index,
+                       keep_last).tokens.block_until_ready()
 
     @staticmethod
     def fetch(handle: "StepHandle", logprobs: bool = False) -> "StepOutput":
@@ -342,10 +344,10 @@ class Runner:
         extra = ({k: np.asarray(v) for k, v in handle.extra.items()} if logprobs else {})
         return StepOutput(np.asarray(handle.tokens), np.asarray(handle.logprobs), num, extra)
 
-    def run(self, batch: StepBatch, sampling: SamplingBatch,
-            num_steps: int = 1, logprobs: bool = False) -> "StepOutput":
+    def run(self, batch: StepBatch, sampling: SamplingBatch, num_steps: int = 1,
+            logprobs: bool = False, prev_index: np.ndarray | None = None) -> "StepOutput":
         """Run one step and wait: `fetch`'s output."""
-        return self.fetch(self.dispatch(batch, sampling, num_steps), logprobs)
+        return self.fetch(self.dispatch(batch, sampling, num_steps, prev_index), logprobs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,11 +111,14 @@ def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sam
 
 
 def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-          prev_tokens: jax.Array, draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
-          drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
-          num_top: int = 0, num_steps: int = 1):
+               prev_tokens: jax.Array, prev_index: jax.Array, draft_params, draft_cache,
+               token_pool, *, cfg: ModelConfig, drafter: Drafter | None,
+               rules: ShardingRules | None, kernels: Kernels, num_top: int = 0,
+               num_steps: int = 1):
     """One engine step: `num_steps` tokens per sequence. prev_tokens: [max_rows] int32, the
-    previous step's last sampled tokens; draft_params / draft_cache: the drafter's arrays
+    previous step's last sampled tokens (still on device); prev_index: [T] int32, token row
+    t is prev_tokens[prev_index[t]], or batch.tokens[t] where prev_index[t] < 0 (the host
+    has not read the previous step's tokens yet); draft_params / draft_cache: the drafter's arrays
     (speculative decoding with a draft model or head; None without one), its cache donated
     like the target's; token_pool: [num_pages * page_size] int32, every sequence's tokens
     at their KV slots (donated; jaxserve.sample.logits_processors).
@@ -131,9 +134,8 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
     [num_steps, S] int32, logprobs [num_steps, S] f32, extra (`_sample_step`'s, the top
     logprobs with a leading [num_steps] axis), cache, draft_cache, token_pool)."""
     S = batch.seq_lens.shape[0]
-    from_prev = prev_tokens[jnp.maximum(batch.prev_index, 0)]
-    batch = dataclasses.replace(
-        batch, tokens=jnp.where(batch.prev_index >= 0, from_prev, batch.tokens))
+    from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
+    batch = dataclasses.replace(batch, tokens=jnp.where(prev_index >= 0, from_prev, batch.tokens))
     run = functools.partial(_sample_step, params, cfg=cfg, drafter=drafter, rules=rules,
                             kernels=kernels, num_top=num_top)
     if num_steps == 1:
