@@ -13,6 +13,8 @@ speculative.py, engine.py (EngineConfig, which holds the groups), parallel.py
 (ParallelConfig, check_deployment), server.py (ServerConfig), deployment.py (Config); and
 args.py, the command-line flags generated from the fields. Every name is imported from
 here (`from jaxserve.config import CacheConfig`).
+
+May import: the standard library only (everything else in jaxserve builds on it).
 """
 
 from __future__ import annotations

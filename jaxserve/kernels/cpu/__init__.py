@@ -5,4 +5,6 @@ Each kernel is one `.cc` file beside a Python module holding its jitted public f
 the sources once with the system C++ compiler against the XLA FFI headers shipped in
 jaxlib, caches the shared library by a hash of everything that goes into it, and registers
 the handlers with JAX.
+
+May import: jax, numpy and jaxserve.kernels.common only.
 """
