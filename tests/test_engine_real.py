@@ -4,6 +4,7 @@ gets alone, preemption completes everything with the same outputs, no compilatio
 warm-up, and the programmatic API's stop handling."""
 
 import numpy as np
+import pytest
 
 import engine_utils
 from jaxserve import SamplingParams
@@ -219,6 +220,7 @@ def test_host_loop_overlaps_device_steps(small_llm):
     assert 0 < host < total
 
 
+@pytest.mark.full  # fast tier: the servers warm up in the background
 def test_background_warmup_serves_at_once_and_compiles_each_shape_once(smollm2_checkpoint,
                                                                        cache_dir):
     """build_engine(warmup="background") returns after the first shapes; requests run

@@ -140,6 +140,7 @@ def test_policy_gradient_step_raises_the_rewarded_sequences_logprob(tiny):
     assert after < before
 
 
+@pytest.mark.full  # fast tier: the functional generate and score
 def test_readme_policy_gradient_example_runs(smollm2_checkpoint, monkeypatch):
     """The README's functional example, as written, on the real model."""
     from pathlib import Path

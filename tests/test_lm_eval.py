@@ -22,6 +22,8 @@ import pytest
 
 from app_server import uvicorn_thread
 
+pytestmark = pytest.mark.full  # fast tier: logprobs with echo through the server (test_logprobs_real)
+
 DATA = Path(__file__).parent / "data" / "lm_eval"
 PER_TOKEN_ATOL = 2e-3
 # f32 engine vs HF f32: each logit within 1e-3 (tests/test_real_model_parity.py), so a

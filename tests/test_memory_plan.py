@@ -116,7 +116,7 @@ def test_kv_pool_from_gpu_memory_utilization():
         cfg.engine.override(gpu_memory_utilization=1.5)
 
 
-@pytest.mark.parametrize("tp", [1, 3])
+@pytest.mark.parametrize("tp", [1, pytest.param(3, marks=pytest.mark.full)])
 def test_plan_matches_the_built_engine_on_this_machine(tp, smollm2_checkpoint, cache_dir):
     """configs/smollm2_135m.py (bf16 weight copies, bf16 KV) planned for CPU against the
     engine built on 4 simulated devices: weights and KV pool per device exactly, and the

@@ -331,6 +331,7 @@ def test_sdk_named_tool_call_and_vllm_extras(client):
     assert r.choices[0].text == "==="
 
 
+@pytest.mark.full  # fast tier: the SIGTERM drain of test_server_real
 def test_sigint_shuts_down_cleanly(smollm2_checkpoint, cache_dir, tmp_path):
     """Ctrl-C is a graceful shutdown, exit status 0 (a server of its own: the module's
     stays up for the other tests, in any order)."""

@@ -76,10 +76,14 @@ PARITY_CASES = [(name, precision, "cpu")
                 for precision in ("f32", "bf16_matmul", "bf16_round_x", "bf16_kv")
                 for name in ("ascii", "unicode", "code", "chat", "long")]
 PARITY_CASES += [("long", "f32", "xla"), ("long", "bf16_kv", "xla")]
+# the fast tier: every precision on the long prompt, and every prompt at f32
+FAST_PARITY = {c for c in PARITY_CASES if c[0] == "long" or c[1] == "f32"}
 
 
-@pytest.mark.parametrize("name,precision,attention", PARITY_CASES,
-                         ids=["-".join(c) for c in PARITY_CASES])
+@pytest.mark.parametrize("name,precision,attention",
+                         [pytest.param(*c, id="-".join(c),
+                                       marks=() if c in FAST_PARITY else pytest.mark.full)
+                          for c in PARITY_CASES])
 def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, model,
                                         hf_smollm2_model, cpu_kernels_library):
     from jaxserve.model.linear import dual_precision_params
@@ -131,7 +135,7 @@ def default_precision_llm(small_llm, cache_dir):
     return LLM(engine=build_engine(cfg, cache_dir, warmup=False))
 
 
-@pytest.mark.parametrize("engine", ["default", "f32"])
+@pytest.mark.parametrize("engine", ["default", pytest.param("f32", marks=pytest.mark.full)])
 def test_greedy_continuations_match_hf(engine, prompts, small_llm, hf_smollm2_model, request):
     from jaxserve import SamplingParams
     llm = request.getfixturevalue("default_precision_llm") if engine == "default" else small_llm

@@ -95,6 +95,7 @@ def test_api_key_guards_the_api(server):
         assert httpx.get(base + path).status_code == 200, path
 
 
+@pytest.mark.full  # fast tier: the real server's limits, health and drain
 def test_hostile_clients_harm_no_other_request(server, fuzz_examples):
     proc, base, log = server
     before = scrape(base)

@@ -230,6 +230,7 @@ def test_a_draft_that_is_the_target_has_every_draft_accepted(params):
     assert again == first  # seeded: reproducible
 
 
+@pytest.mark.full  # fast tier: a draft model (tiny) proposing in the verify step
 def test_a_truncated_draft_keeps_greedy_output_and_frees_its_pages(params):
     """A one-layer draft of the two-layer target: some drafts rejected, output unchanged,
     stops inside runs included, every page back in the pool."""
@@ -541,6 +542,7 @@ def _same_greedy_as_plain(small_llm, llm, max_tokens, alone):
     return llm.engine.stats()
 
 
+@pytest.mark.full  # fast tier: a draft model (tiny) proposing in the verify step
 def test_real_model_draft_model_greedy_is_the_plain_greedy(small_llm, draft_llm):
     """A 4-layer truncated copy as the draft: token for token the plain greedy output,
     alone and batched; its proposals are accepted often enough to be the target's."""

@@ -33,7 +33,8 @@ def tp_check(source: str, variant: str, tps: str, cache_dir, reference: str | No
     return on_4_devices(TP_CHECK, source, variant, tps, str(cache_dir), *([reference] if reference else []))
 
 
-@pytest.mark.parametrize("variant", ["xla", "cpu", "int8"])
+@pytest.mark.parametrize("variant", ["xla", pytest.param("cpu", marks=pytest.mark.full),
+                                     pytest.param("int8", marks=pytest.mark.full)])
 def test_tiny_model_tp2_tp4_and_pipeline_stages_match_tp1(variant, cache_dir):
     """Each kernel family under shard_map (XLA; the C++ attention and packed bf16 matmuls,
     fused per shard; int8 weights) on 8 query / 4 KV heads, every axis divisible by 4.
@@ -55,7 +56,7 @@ def test_tiny_model_tp2_tp4_and_pipeline_stages_match_tp1(variant, cache_dir):
         assert r["diff"][mesh] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
 
 
-@pytest.mark.parametrize("variant", ["xla", "cpu"])
+@pytest.mark.parametrize("variant", ["xla", pytest.param("cpu", marks=pytest.mark.full)])
 def test_fewer_kv_heads_than_devices_are_repeated(variant, cache_dir):
     """8 query / 2 KV heads at TP 4: each KV head repeated over the 2 devices whose query
     heads read it (vLLM's replication), so wk / wv and the KV pool split one head per
@@ -68,6 +69,7 @@ def test_fewer_kv_heads_than_devices_are_repeated(variant, cache_dir):
         assert {"layers.0.wk", "layers.0.wv"} <= set(r["sharded"]["4"])
 
 
+@pytest.mark.full  # fast tier: the XLA path under shard_map
 def test_pallas_kernels_in_interpret_mode_under_shard_map_equal_the_xla_path(cache_dir):
     """Pallas attention (flash prefill, paged decode) and the Pallas int8 matmul, in
     interpret mode, each device on its own heads and columns, against the XLA path (int8
@@ -78,6 +80,7 @@ def test_pallas_kernels_in_interpret_mode_under_shard_map_equal_the_xla_path(cac
         assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
 
 
+@pytest.mark.full  # fast tier: the real model under TP 3 with the C++ kernels
 def test_real_model_tp2_tp3_tp4_match_tp1(smollm2_checkpoint, cache_dir):
     """And 4 pipeline stages (TP 1 x PP 4, 4 microbatches) on the batch of 4 sequences."""
     r = tp_check(str(smollm2_checkpoint), "xla", "2,3,4,1x4m4", cache_dir)
@@ -104,6 +107,7 @@ def test_real_model_cpp_kernels_per_device_under_tp3(smollm2_checkpoint, cache_d
     assert r["diff"]["3"] <= 1e-5 * r["max_abs_logit"], r
 
 
+@pytest.mark.full  # fast tier: the real model under TP 3 with the C++ kernels
 def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_tp4(smollm2_checkpoint, cache_dir):
     """The whole engine (jaxserve.LLM: scheduler, runner, sampler) on 4 simulated devices:
     TP 3 splits SmolLM2's 9 query / 3 KV heads and the KV pool over the devices, TP 2 and
@@ -135,6 +139,7 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_tp4(smollm2_checkpoi
     assert b["xla-1x4"] == b["xla-1"] - (30 - 8) * r["layer_bytes"], (b, r["layer_bytes"])
 
 
+@pytest.mark.full  # fast tier: the real model under TP 3 with the C++ kernels
 def test_real_model_eagle_speculation_under_tp3_gives_tp1_greedy_tokens(smollm2_checkpoint,
                                                                          cache_dir):
     """Speculative decoding with the EAGLE head at TP 3 (its layer, KV pool, embedding
