@@ -184,8 +184,8 @@ def test_host_loop_overlaps_device_steps(small_llm):
     events = []
     dispatch, fetch = runner.dispatch, runner.fetch
 
-    def traced_dispatch(batch, sampling, num_steps=1):
-        handle = dispatch(batch, sampling, num_steps)
+    def traced_dispatch(batch, sampling, num_steps=1, prev_index=None):
+        handle = dispatch(batch, sampling, num_steps, prev_index)
         events.append(("dispatch", handle))  # kept alive: ids stay unique
         return handle
 

@@ -89,9 +89,9 @@ def test_steps_without_drafts_back_off_to_multi_step_bursts(params):
     sizes = []
     dispatch = engine.runner.dispatch
 
-    def record(batch, sampling, n):
+    def record(batch, sampling, n, prev_index=None):
         sizes.append("v" if batch.logits_indices.ndim == 2 else n)
-        return dispatch(batch, sampling, n)
+        return dispatch(batch, sampling, n, prev_index)
 
     engine.runner.dispatch = record
     assert outputs(engine, [(rid, prompt, sp)], [0]) == base
@@ -133,8 +133,8 @@ def test_rejected_drafts_pages_go_back(params):
     engine = _spec_engine(params, ref, wrong=lambda i: True)
     verified, tables = engine.scheduler.verified, []
 
-    def spy(seq, n):
-        verified(seq, n)
+    def spy(seq, tokens):
+        verified(seq, tokens)
         tables.append((len(seq.block_table), engine.pool.pages_for(seq.num_tokens)))
 
     engine.scheduler.verified = spy

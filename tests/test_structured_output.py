@@ -102,13 +102,13 @@ def test_constrained_and_free_requests_share_steps(params):
     mixed_steps = []
     dispatch = engine.runner.dispatch
 
-    def spy(batch, sampling, num_steps=1):
+    def spy(batch, sampling, num_steps=1, prev_index=None):
         c = sampling.controls
         if c is not None:
             constrained = int(np.sum(np.any(np.asarray(c.allowed) != -1, axis=1)))
             live = int(np.sum(np.asarray(batch.seq_lens) > 0))
             mixed_steps.append((constrained, live))
-        return dispatch(batch, sampling, num_steps)
+        return dispatch(batch, sampling, num_steps, prev_index)
 
     engine.runner.dispatch = spy
     so = {
