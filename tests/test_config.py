@@ -141,28 +141,24 @@ def test_command_line_sampler_limits_reach_the_engine_config():
 # The compatibility contract: every flag string `jaxserve serve` / `jaxserve batch` had when
 # the flags were written by hand (collected from those parsers). A flag added on purpose is
 # added here.
-SERVE_FLAGS_TODAY = {
-    "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",
-    "--no-background-warmup", "--dist-init-addr", "--nnodes", "--node-rank",
+MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     "--model", "--tokenizer", "--load-format", "--num-layers", "--tensor-parallel-size", "-tp",
     "--pipeline-parallel-size", "-pp", "--pipeline-microbatches",
     "--pipeline-decode-microbatches", "--max-model-len", "--max-num-seqs",
     "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
+}
+SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
+    "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",
+    "--no-background-warmup", "--dist-init-addr", "--nnodes", "--node-rank",
     "--max-request-body-bytes", "--max-queued-requests", "--request-timeout",
     "--max-stream-buffer-bytes", "--max-stop-strings", "--max-stop-string-len",
     "--shutdown-timeout", "--allowed-origins",
 }
-BATCH_FLAGS_TODAY = {
+BATCH_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "-i", "--input-file", "-o", "--output-file", "--config", "--cache-dir",
     "--max-concurrency", "--read-threads", "--no-progress",
-    "--model", "--tokenizer", "--load-format", "--num-layers", "--tensor-parallel-size", "-tp",
-    "--pipeline-parallel-size", "-pp", "--pipeline-microbatches",
-    "--pipeline-decode-microbatches", "--max-model-len", "--max-num-seqs",
-    "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
-    "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
-    "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
 }
 
 

@@ -202,7 +202,7 @@ class Engine:
         pool = self.pool
         self._kv_live_token_steps += sum(s.num_computed for s in self.scheduler.running)
         self._kv_allocated_token_steps += (pool.capacity - pool.num_free) * pool.page_size
-        return InflightStep(scheduled, rows, first_index, handle, starts)
+        return InflightStep(scheduled, first_index, handle, starts)
 
     # --- update ------------------------------------------------------------------------
 

@@ -96,15 +96,13 @@ class SchedulerOutput:
 
 @dataclasses.dataclass
 class InflightStep:
-    """A dispatched step whose sampled tokens are not read yet: what was scheduled, the
-    tokens it samples per sequence (`num_steps`), each sequence's output index of the first
-    of them (`first_index`, batch order; None for a prompt chunk that does not sample) and
-    the runner's handle to fetch them. While it runs, each sampling sequence ends in
-    `num_steps` PLACEHOLDER outputs; the next step reads the last of them on device, from
-    the row `row_of` gives."""
+    """A dispatched step whose sampled tokens are not read yet: what was scheduled, each
+    sequence's output index of the first token it samples (`first_index`, batch order;
+    None for a prompt chunk that does not sample) and the runner's handle to fetch them.
+    While it runs, each sampling sequence ends in `scheduled.num_steps` PLACEHOLDER
+    outputs; the next step reads the last of them on device, from the row `row_of` gives."""
 
     scheduled: SchedulerOutput
-    num_steps: int
     first_index: list[int | None]
     handle: object
     chunk_starts: list[int] | None = None  # each sequence's first position in the step
