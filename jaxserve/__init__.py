@@ -7,7 +7,7 @@ Imported lazily, so that host-only modules (scheduler, page pool) load without J
 import importlib
 
 _EXPORTS = {
-    "LLM": "jaxserve.api", "Completion": "jaxserve.api", "build_engine": "jaxserve.api",
+    "LLM": "jaxserve.api", "Completion": "jaxserve.api", "build_engine": "jaxserve.engine.builder",
     "generate": "jaxserve.api", "load_config": "jaxserve.config",
     "Config": "jaxserve.config", "EngineConfig": "jaxserve.config",
     "ParallelConfig": "jaxserve.config", "ModelConfig": "jaxserve.config",

@@ -74,7 +74,8 @@ def test_real_model_chunked_prefill_gives_the_unchunked_outputs(small_llm, cache
     import dataclasses
 
     from conftest import SMALL_CONFIG
-    from jaxserve.api import LLM, build_engine
+    from jaxserve.api import LLM
+    from jaxserve.engine.builder import build_engine
     from jaxserve.config import load_config
 
     cfg = load_config(SMALL_CONFIG)

@@ -194,7 +194,8 @@ def test_impl_config_validation_and_auto():
 # --- the real model ------------------------------------------------------------------------
 
 def test_real_model_pallas_attention_gives_the_xla_greedy_tokens(small_llm, smollm2_checkpoint, cache_dir):
-    from jaxserve.api import LLM, build_engine
+    from jaxserve.api import LLM
+    from jaxserve.engine.builder import build_engine
     from jaxserve.sampling_params import SamplingParams
 
     base = load_config(TESTS / "configs" / "smollm2_small.py")

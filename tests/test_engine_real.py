@@ -151,7 +151,8 @@ def test_multi_step_decode_gives_the_single_step_outputs(small_llm, cache_dir):
     import dataclasses
 
     from conftest import SMALL_CONFIG
-    from jaxserve.api import LLM, build_engine
+    from jaxserve.api import LLM
+    from jaxserve.engine.builder import build_engine
     from jaxserve.config import load_config
 
     config = load_config(SMALL_CONFIG)
@@ -229,7 +230,8 @@ def test_background_warmup_serves_at_once_and_compiles_each_shape_once(smollm2_c
     import time
 
     from conftest import SMALL_CONFIG
-    from jaxserve.api import LLM, build_engine
+    from jaxserve.api import LLM
+    from jaxserve.engine.builder import build_engine
     from jaxserve.config import load_config
 
     engine = build_engine(load_config(SMALL_CONFIG), cache_dir, warmup="background")
@@ -253,7 +255,7 @@ def test_background_warmup_stops_on_request(smollm2_checkpoint, cache_dir):
     """stop_warmup() ends the background thread after its current shape (serve.py calls it
     at shutdown: a thread still compiling when the interpreter exits aborts the process)."""
     from conftest import SMALL_CONFIG
-    from jaxserve.api import build_engine
+    from jaxserve.engine.builder import build_engine
     from jaxserve.config import load_config
 
     engine = build_engine(load_config(SMALL_CONFIG), cache_dir, warmup="background")

@@ -123,7 +123,8 @@ def default_precision_llm(small_llm, cache_dir):
     """The small test engine (f32 matmuls) with the default config's matmul precision
     instead (bf16 matmuls), its KV dtype and its multi-step decode; compiles its shapes on
     first use."""
-    from jaxserve.api import DEFAULT_CONFIG, LLM, build_engine
+    from jaxserve.api import DEFAULT_CONFIG, LLM
+    from jaxserve.engine.builder import build_engine
     from jaxserve.config import load_config
     from conftest import SMALL_CONFIG
     cfg = load_config(SMALL_CONFIG)

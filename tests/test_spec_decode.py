@@ -588,7 +588,7 @@ def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, cache_dir):
 
 
 def test_a_draft_that_is_not_a_checkpoint_is_refused(tmp_path, smollm2_config):
-    from jaxserve.api import build_engine
+    from jaxserve.engine.builder import build_engine
     with pytest.raises(ConfigError, match="not a jaxserve checkpoint"):
         build_engine(smollm2_config.replace(engine=smollm2_config.engine.override(
             speculative_config={"method": "draft_model", "model": str(tmp_path),

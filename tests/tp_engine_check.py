@@ -18,7 +18,8 @@ from pathlib import Path
 
 import jax
 
-from jaxserve.api import LLM, _model_config
+from jaxserve.api import LLM
+from jaxserve.engine.builder import resolve_model_config
 from jaxserve.checkpoint import load_params
 from jaxserve.config import ParallelConfig, load_config
 from jaxserve.sampling_params import SamplingParams
@@ -54,7 +55,7 @@ def main(cache_dir: str) -> None:
         out["device0_bytes"][name] = sum(s.data.nbytes for x in jax.tree.leaves(runner.params)
                                          for s in x.addressable_shards if s.device == dev0)
         del llm, runner
-    cfg, ckpt = _model_config(base, Path(cache_dir))
+    cfg, ckpt = resolve_model_config(base, Path(cache_dir))
     rules = ShardingRules(make_mesh(ParallelConfig(pipeline_parallel_size=4)))
     loaded = load_params(ckpt, cfg, rules)
     out["layer_bytes"] = sum(x.nbytes for x in jax.tree.leaves(loaded.layers[0]))

@@ -37,7 +37,7 @@ def measure(args) -> dict:
     import jax
     import numpy as np
 
-    from jaxserve.api import _model_config
+    from jaxserve.engine.builder import resolve_model_config
     from jaxserve.checkpoint import load_params
     from jaxserve.config import load_config
     from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config, select_kernels
@@ -51,7 +51,7 @@ def measure(args) -> dict:
     if args.kernels != "auto":
         config = config.override(attention_impl=args.kernels, matmul_impl=args.kernels)
     cache_dir = default_cache_dir()
-    cfg, ckpt = _model_config(config, cache_dir)
+    cfg, ckpt = resolve_model_config(config, cache_dir)
     kcfg = resolve_kernel_config(config.engine.kernels, "cpu", cfg.dtype)
     kernels = select_kernels(kcfg, "cpu", 1, cfg.dtype, cache_dir / "kernels")
     params = prepare_params(load_params(ckpt, cfg), kcfg, kernels)

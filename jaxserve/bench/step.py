@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     args = ap.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
 
-    from jaxserve.api import enable_compilation_cache
+    from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.checkpoint import load_model_config, load_params
     from jaxserve.config import load_config
     from jaxserve.worker.runner import Runner

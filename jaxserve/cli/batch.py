@@ -13,7 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
-from jaxserve.api import DEFAULT_CONFIG, build_engine
+from jaxserve.api import DEFAULT_CONFIG
+from jaxserve.engine.builder import build_engine
 from jaxserve.entrypoints.openai.batch_file import BatchFileError
 from jaxserve.entrypoints.openai.run_batch import BatchInterrupted, run_batch
 from jaxserve.checkpoint import CheckpointError

@@ -24,7 +24,8 @@ import time
 import uvicorn
 
 from jaxserve.distributed import multiprocess as distributed
-from jaxserve.api import DEFAULT_CONFIG, build_engine
+from jaxserve.api import DEFAULT_CONFIG
+from jaxserve.engine.builder import build_engine
 from jaxserve.checkpoint import CheckpointError
 from jaxserve.cli.args import SERVE_FLAGS, apply_flags
 from jaxserve.config import ConfigError, load_config

@@ -12,7 +12,7 @@ gpu_memory_utilization of each device less the weights and activations); activat
 (residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits, the
 logits controls' and the prompt-logprobs block's buffers). A drafter
 of speculative decoding (a draft model, an EAGLE head) keeps its own pool over the same
-pages: each page of the budget pays for both (as jaxserve.api.build_engine sizes them), so
+pages: each page of the budget pays for both (as jaxserve.engine.builder.build_engine sizes them), so
 fewer pages fit; its weights are not counted (a few MB for a head; a draft model's
 checkpoint says). With pipeline stages a device holds its stage's ceil(layers / PP)
 layer slots (weights and pool; the last stage's spare slots are zero layers) and the

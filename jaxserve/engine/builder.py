@@ -1,0 +1,213 @@
+"""Building an engine from a `Config`: fetch or convert the weights, place them on the
+mesh, pick the kernels, size the KV page pool, attach the drafter of speculative decoding,
+and compile (warm up) the step shapes.
+
+Used by `jaxserve.api.LLM`, `jaxserve serve` and `jaxserve batch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.checkpoint import is_checkpoint, load_model_config, load_params
+from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
+from jaxserve.config import Config, ConfigError, ModelConfig, check_deployment
+from jaxserve.distributed.sharding import ShardingRules, make_mesh
+from jaxserve.engine.engine import Engine
+from jaxserve.model.kv_cache import init_kv_cache, page_bytes
+from jaxserve.model.params import dummy_params
+from jaxserve.model.pipeline import stage_params
+from jaxserve.model.tensor_parallel import expand_kv_heads
+from jaxserve.spec_decode.draft_model import DraftModel
+from jaxserve.spec_decode.eagle import EagleHead, load_head
+from jaxserve.tokenization.tokenizer import Tokenizer, placeholder_tokenizer
+from jaxserve.worker import compile_counter
+from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config, select_kernels
+from jaxserve.worker.memory_plan import drafter_page_bytes, plan_memory
+from jaxserve.worker.runner import Runner
+
+log = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(cache_dir: Path) -> None:
+    """Persist compiled executables under `cache_dir/xla` so a warm restart skips XLA
+    compilation (JAX's persistent compilation cache)."""
+    path = Path(cache_dir) / "xla"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def build_engine(config: Config, cache_dir: str | Path | None = None,
+                 warmup: bool | str = True, compilation_cache: bool = True) -> Engine:
+    """Load weights, allocate the KV page pool, compile, and return a ready Engine.
+
+    warmup: True (compile every bucketed step shape before returning), "background"
+    (compile the first shapes, the rest on a background thread while the engine serves;
+    see Runner.warmup_in_background) or False (compile each shape on first use).
+
+    Fetches/converts the weights on first use (cached under `cache_dir`, default
+    ~/.cache/jaxserve). Raises ConfigError when the config has no weights or the pool
+    cannot hold one max_model_len sequence.
+    """
+    compile_counter.install()
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if compilation_cache:
+        enable_compilation_cache(cache_dir)
+    model_cfg, ckpt = resolve_model_config(config, cache_dir)
+    rules = None
+    if config.parallel.num_devices > 1:
+        rules = ShardingRules(make_mesh(config.parallel))
+        log.info("tensor parallel %d x pipeline parallel %d over %s devices",
+                 config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
+                 rules.mesh.devices.flat[0].platform)
+    platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
+    ecfg = dataclasses.replace(config.engine, kernels=resolve_kernel_config(
+        config.engine.kernels, platform, model_cfg.dtype))
+    check_deployment(ecfg, model_cfg, config.parallel)
+    kv_dtype = ecfg.cache.cache_dtype or model_cfg.dtype
+    kernels = select_kernels(ecfg.kernels, platform, config.parallel.num_devices,
+                             str(jnp.dtype(kv_dtype)), cache_dir / "kernels")
+    if config.load_format == "dummy":
+        raw = dummy_params(model_cfg, rules)
+    else:
+        raw = load_params(ckpt, model_cfg, rules)
+    if config.tokenizer is not None:
+        tokenizer = Tokenizer.from_dir(config.tokenizer)
+    elif ckpt is not None:
+        tokenizer = Tokenizer.from_dir(ckpt)
+    else:
+        log.warning("no tokenizer: a placeholder over the %d ids serves the dummy weights "
+                    "(text in bytes; give --tokenizer DIR for the model's own)", model_cfg.vocab_size)
+        tokenizer = placeholder_tokenizer(model_cfg.vocab_size, model_cfg.bos_token_id,
+                                          model_cfg.eos_token_ids)
+    page_size = ecfg.cache.page_size
+    spec = ecfg.speculative
+    layout = kernels.attention.kv_layout
+    # a drafter (speculative decoding with a draft model or head): a function making
+    # (drafter, its params, its cache) for a pool of n pages
+    make_draft = None
+    if spec is not None and spec.method == "draft_model":
+        make_draft = _draft_model(spec, model_cfg, tokenizer, config.dtype, rules, ecfg,
+                                  kernels, kv_dtype, layout)
+    elif spec is not None and spec.method == "eagle":
+        make_draft = _eagle_head(spec, model_cfg, raw, rules, ecfg, kernels, kv_dtype, layout)
+    # fewer KV heads than devices: each repeated over the devices that read it (the
+    # drafters above expand their own from the loaded shapes)
+    raw, model_cfg = expand_kv_heads(raw, model_cfg, config.parallel.tensor_parallel_size)
+    params = prepare_params(raw, ecfg.kernels, kernels, rules)
+    del raw
+    if config.parallel.pipeline_parallel_size > 1:  # loaded on their stages: stack them
+        params = stage_params(params, rules, config.parallel.microbatches,
+                              config.parallel.pipeline_decode_microbatches, donate=True)
+    # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
+    per_page = (page_bytes(model_cfg, page_size, kv_dtype)
+                + drafter_page_bytes(spec, model_cfg, page_size, kv_dtype))
+    if ecfg.cache.kv_cache_memory_bytes is not None:
+        num_pages = ecfg.cache.kv_cache_memory_bytes // per_page
+    else:  # what gpu_memory_utilization of a device leaves after weights and activations
+        device = (rules.mesh.devices.flat[0] if rules else jax.devices()[0])
+        device_bytes = (device.memory_stats() or {}).get("bytes_limit")
+        num_pages = plan_memory(config.replace(engine=ecfg), model_cfg, platform,
+                                device_bytes).kv_pages
+    cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout)
+    draft = make_draft(num_pages) if make_draft else None
+    runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft)
+    engine = Engine(model_cfg, ecfg, runner, tokenizer)
+    log.info("KV page pool: %d pages of %d tokens (%.0f MiB%s)", num_pages, page_size,
+             num_pages * per_page / 2**20,
+             ", the drafter's pages included" if draft else "")
+    if warmup == "background":
+        runner.warmup_in_background()
+    elif warmup:
+        runner.warmup()
+    return engine
+
+
+def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, Path | None]:
+    """The served model's shape and its checkpoint (None for dummy weights of a config
+    that gives the shape): the source's checkpoint config, with Config.dtype and
+    Config.num_layers applied. Raises ConfigError when there are no weights to load, or
+    num_layers exceeds the model's."""
+    ckpt = None
+    if config.source is not None and (config.load_format == "auto" or config.model is None):
+        ckpt = resolve_checkpoint(config.source, cache_dir)
+    elif config.load_format == "auto":
+        raise ConfigError(
+            f"Config {config.name!r} has no weights: give --model PATH (a Hugging Face "
+            "directory with safetensors, a .gguf file or a jaxserve checkpoint from "
+            "`jaxserve convert`; or name it in the config's `source`), or "
+            "--load-format dummy for random weights (benchmarks, tests)")
+    model_cfg = load_model_config(ckpt) if ckpt is not None else config.model
+    if config.dtype is not None:
+        model_cfg = model_cfg.replace(dtype=config.dtype)
+    if config.num_layers is not None:
+        if config.num_layers > model_cfg.num_layers:
+            raise ConfigError(f"Config.num_layers={config.num_layers} exceeds the model's "
+                              f"{model_cfg.num_layers} layers")
+        model_cfg = model_cfg.replace(num_layers=config.num_layers)
+    return model_cfg, ckpt
+
+
+def _draft_model(spec, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,
+                 rules: ShardingRules | None, ecfg, kernels, kv_dtype, layout):
+    """make(num_pages) -> (drafter, params, cache) of a draft model."""
+    cfg, params = _load_draft(Path(spec.model), target, tokenizer, dtype, rules, ecfg, kernels)
+    page_size = ecfg.cache.page_size
+
+    def make(n):
+        return (DraftModel(cfg), params,
+                init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout))
+    return make
+
+
+def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules | None,
+                ecfg, kernels, kv_dtype, layout):
+    """make(num_pages) -> (drafter, params, cache) of an EAGLE head: its layer's K/V and
+    the target's f32 feature of each token slot."""
+    cfg, head = load_head(spec.model, target, target_params)
+    tp = rules.mesh.size if rules is not None else 1
+    body, cfg = expand_kv_heads(head.body, cfg, tp)
+    head = dataclasses.replace(head, body=body)
+    # on a mesh: the head's layer split like the model's, its fc, draft vocabulary and
+    # feature pool replicated (a few MB)
+    rep = NamedSharding(rules.mesh, PartitionSpec()) if rules is not None else None
+    head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels, rules),
+                               fc=jax.device_put(head.fc, rep), vocab=jax.device_put(head.vocab, rep))
+    page_size, D = ecfg.cache.page_size, target.hidden_size
+
+    def make(n):
+        feats = jnp.zeros((n * page_size, D), jnp.float32, device=rep)
+        return (EagleHead(cfg), head,
+                (init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout), feats))
+    return make
+
+
+def _load_draft(path: Path, target: ModelConfig, tokenizer: Tokenizer, dtype: str | None,
+                rules: ShardingRules | None, ecfg, kernels):
+    """The draft model of speculative decoding ("draft_model"): a jaxserve checkpoint at
+    `path` with the target's vocabulary (its token ids must mean the same tokens), served
+    in the target's dtype override and with the same kernels. Returns (ModelConfig,
+    prepared Params). Raises ConfigError naming SpeculativeConfig.model when it is not a
+    checkpoint or its tokenizer differs."""
+    if not is_checkpoint(path):
+        raise ConfigError(f"SpeculativeConfig.model: {path} is not a jaxserve checkpoint "
+                          "(convert one with `jaxserve convert`)")
+    cfg = load_model_config(path)
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    if cfg.vocab_size != target.vocab_size or (
+            Tokenizer.from_dir(path).backend.get_vocab() != tokenizer.backend.get_vocab()):
+        raise ConfigError(f"SpeculativeConfig.model: {path} has another tokenizer than the "
+                          f"target (vocabulary {cfg.vocab_size} vs {target.vocab_size}); a draft "
+                          "model must share the target's")
+    params, cfg = expand_kv_heads(load_params(path, cfg, rules), cfg,
+                                  rules.mesh.size if rules is not None else 1)
+    return cfg, prepare_params(params, ecfg.kernels, kernels, rules)
