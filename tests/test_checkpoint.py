@@ -247,6 +247,33 @@ def test_model_store_converts_hf_dir_once(tmp_path, caplog):
         resolve_checkpoint(ModelSource(checkpoint=str(src)), tmp_path)
 
 
+@pytest.mark.full  # fast tier: conversion into the cache, one process
+def test_processes_sharing_a_cache_convert_once(tmp_path):
+    """Two processes resolving one source into one fresh cache at the same time (two
+    servers, two test workers): one converts, the other waits on the cache's lock and
+    reuses the result; neither reads a half-written or replaced directory."""
+    src = save_hf_dir(tiny_hf_model("LlamaForCausalLM"), tmp_path / "hf", max_shard_size=None)
+    code = ("import logging, sys\n"
+            "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+            "import time\n"
+            "from jaxserve.checkpoint import sources\n"
+            "from jaxserve.config import ModelSource\n"
+            "convert = sources.convert\n"  # slowed, so that the two overlap
+            "sources.convert = lambda *a, **k: (time.sleep(3), convert(*a, **k))[1]\n"
+            "print('RESULT', sources.resolve_checkpoint(ModelSource(hf_dir=sys.argv[1]), sys.argv[2]))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "cache")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = {line for out in outs for line in out.splitlines() if line.startswith("RESULT")}
+    assert len(results) == 1, outs
+    assert sum(out.count("(once; cached for later runs)") for out in outs) == 1, outs
+    assert sum(out.count("using cached checkpoint") for out in outs) == 1, outs
+    assert [p.name for p in (tmp_path / "cache" / "checkpoints").iterdir()] == [
+        results.pop().split("/")[-1]]
+
+
 # --- errors --------------------------------------------------------------------------------
 
 @pytest.fixture

