@@ -325,10 +325,10 @@ def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint
     are written, run again, every request answered once, each answer equal to the server's
     for the same body (greedy, the same engine config)."""
     bodies = {f"c{i}": {"prompt": f"List {i + 2} colours:", "max_tokens": 24,
-                        "temperature": 0, "ignore_eos": True} for i in range(10)}
+                        "temperature": 0, "ignore_eos": True} for i in range(4)}
     bodies.update({f"chat{i}": {"messages": [{"role": "user", "content": f"Say {w}."}],
                                 "max_tokens": 16, "temperature": 0}
-                   for i, w in enumerate(["yes", "no", "maybe", "hello"])})
+                   for i, w in enumerate(["yes", "maybe"])})
     # last in the file, two long requests: however fast the machine, the batch is still
     # running when the SIGINT sent after the second result arrives (their 96 tokens are
     # 96 sequential decode steps at least)

@@ -18,6 +18,7 @@ def params():
     return tiny_params()
 
 
+@pytest.mark.full  # fast tier: the real model's chunked prefill (below)
 def test_chunked_prefill_equals_whole_prompt_prefill(params):
     """Budget 16 (page size 4): prompts of 5 to 50 tokens arrive while others decode, so
     their chunks are 16 - (decodes) rows, ending mid-page; outputs equal a budget-64
@@ -54,6 +55,7 @@ def test_chunked_prefill_equals_whole_prompt_prefill(params):
     assert {k.kind for k in chunked.runner._compiled} == {"mixed", "decode"}
 
 
+@pytest.mark.full  # fast tier: tests/test_engine_real.py's no compilation after warm-up
 def test_no_compilation_after_warmup_under_a_mixed_workload(params):
     engine = tiny_engine(params, max_num_batched_tokens=16, decode_steps=3)
     engine.runner.warmup()

@@ -143,6 +143,7 @@ def test_same_seed_same_output_in_any_batch(small_llm):
     assert other.token_ids != alone.token_ids
 
 
+@pytest.mark.full  # fast tier: the tiny model's multi-step decode; the default config's (decode_steps > 1) greedy vs HF
 def test_multi_step_decode_gives_the_single_step_outputs(small_llm, cache_dir):
     """decode_steps=4 on the real model: the same tokens, text and finish reasons as the
     single-step engine for greedy and seeded-sampling requests, an EOS-terminated chat

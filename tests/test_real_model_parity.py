@@ -136,8 +136,21 @@ def default_precision_llm(small_llm, cache_dir):
     return LLM(engine=build_engine(cfg, cache_dir, warmup=False))
 
 
+@pytest.fixture(scope="module")
+def hf_continuations(prompts, hf_smollm2_model):
+    """{prompt name: (HF's greedy tokens, top-2 margins)}, filled on first use: both
+    engines of the test below compare against the same HF run."""
+    memo = {}
+
+    def get(name):
+        if name not in memo:
+            memo[name] = hf_greedy(hf_smollm2_model, prompts[name], N_GREEDY)
+        return memo[name]
+    return get
+
+
 @pytest.mark.parametrize("engine", ["default", pytest.param("f32", marks=pytest.mark.full)])
-def test_greedy_continuations_match_hf(engine, prompts, small_llm, hf_smollm2_model, request):
+def test_greedy_continuations_match_hf(engine, prompts, small_llm, hf_continuations, request):
     from jaxserve import SamplingParams
     llm = request.getfixturevalue("default_precision_llm") if engine == "default" else small_llm
     precision = "f32" if llm.engine.engine_config.kernels.bf16_matmul_min_rows is None else "bf16_matmul"
@@ -147,7 +160,7 @@ def test_greedy_continuations_match_hf(engine, prompts, small_llm, hf_smollm2_mo
     outs = llm.generate([prompts[n] for n in names],
                         SamplingParams(max_tokens=N_GREEDY, temperature=0, ignore_eos=True))
     for name, out in zip(names, outs):
-        want, margins = hf_greedy(hf_smollm2_model, prompts[name], N_GREEDY)
+        want, margins = hf_continuations(name)
         got = out.token_ids
         assert len(got) == N_GREEDY and out.finish_reason == "length"
         first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)

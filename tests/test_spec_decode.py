@@ -442,11 +442,13 @@ NGRAM4 = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4
 @pytest.fixture(scope="module")
 def spec_llm(smollm2_checkpoint, cache_dir):
     """SmolLM2-135M with the small test engine (f32 matmuls: batch-invariant, so greedy
-    tokens can be compared exactly) and n-gram speculation."""
+    tokens can be compared exactly) and n-gram speculation; compiles the step shapes the
+    tests use on first use (no warm-up)."""
     from conftest import SMALL_CONFIG
     from jaxserve.api import LLM
     from jaxserve.config import load_config
-    return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, speculative_config=NGRAM4)
+    return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, warmup=False,
+               speculative_config=NGRAM4)
 
 
 def _copy_prompts(tok):
@@ -508,6 +510,7 @@ def test_real_model_ngram_greedy_is_token_for_token_the_plain_greedy(small_llm, 
     assert engine.pool.num_free == engine.pool.capacity
 
 
+@pytest.mark.full  # fast tier: n-gram greedy on the real model; seeded speculative sampling on the tiny one
 def test_real_model_seeded_speculative_sampling_is_reproducible(spec_llm):
     tok = spec_llm.tokenizer
     prompts = [tok.encode(p, add_special_tokens=False) for p in _copy_prompts(tok)[:2]]
@@ -526,7 +529,7 @@ def draft_llm(smollm2_checkpoint, cache_dir, tmp_path_factory):
     from jaxserve.checkpoint import truncate_checkpoint
     from jaxserve.config import load_config
     draft = truncate_checkpoint(smollm2_checkpoint, tmp_path_factory.mktemp("draft") / "d4", 4)
-    return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, speculative_config={
+    return LLM(load_config(SMALL_CONFIG), cache_dir=cache_dir, warmup=False, speculative_config={
         "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
 
 
