@@ -65,6 +65,8 @@ def test_continuous_batching_equals_alone(small_llm):
     assert_pool_empty(engine)
 
 
+@pytest.mark.full  # fast tier: the real model batched (continuous batching, no compilation after
+# warm-up); preemption in tests/test_scheduler.py, and recompute on a device in tests/test_engine_faults.py
 def test_preemption_completes_everything_with_same_outputs(small_llm):
     engine, tok = small_llm.engine, small_llm.tokenizer
     rng = np.random.default_rng(2)

@@ -79,7 +79,8 @@ def _with_pre(src, dst, pre):
     return md
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", pytest.param("qwen2", marks=pytest.mark.full)])
+@pytest.mark.full  # fast tier: the real model's own tokenizer against transformers'
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 def test_other_pre_tokenizers_match_transformers(smollm2_gguf, tmp_path, pre):
     md = _with_pre(smollm2_gguf, tmp_path / "t.gguf", pre)
     ours, hf = build_gguf_tokenizer(md), load_gguf_tokenizer(tmp_path / "t.gguf")
