@@ -148,6 +148,7 @@ MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
+    "--cpu-kv-cache-space",  # added with the memory check (vLLM's VLLM_CPU_KVCACHE_SPACE)
 }
 SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",

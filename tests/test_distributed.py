@@ -47,12 +47,35 @@ def test_bad_deployment_flags_are_one_line_errors(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_pool_larger_than_the_host_is_refused_before_anything_is_allocated(tmp_path):
+    """configs/llama70b.py's former 40 GiB per device, asked for on 8 simulated CPU devices
+    of this host: one line naming the flag, the bytes asked and available and the largest
+    that fits; exit status 2; refused before the weights are made (no OOM kill)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--config", "llama70b",
+                           "--load-format", "dummy", "--num-layers", "2",
+                           "--kv-cache-memory-bytes", str(8 * 40 * 2**30)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("jaxserve serve: error: --kv-cache-memory-bytes asks for a KV pool "
+                           "of 343597383680 bytes (320.00 GiB over all devices) that does not "
+                           "fit: each of the 8 CPU devices' share of the host has "), last
+    assert re.search(r"the largest --kv-cache-memory-bytes that fits is \d+$", last), last
+    assert "dummy weights" not in proc.stderr and "KV page pool" not in proc.stderr
+
+
 @pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)
 def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cache_dir):
     """configs/llama70b.py itself (hidden 8192, 64 query / 8 KV heads, vocab 128256),
     shrunk to 2 layers, dummy weights made on 8 simulated devices and split over them
     (TP 8, one KV head per device), served by serve.py: a completion comes back, the
-    placeholder tokenizer decoding the ids. ~8 GB of host memory (the weights)."""
+    placeholder tokenizer decoding the ids. ~8 GB of host memory (the weights), and a KV
+    pool sized from what the host has left (no --kv-cache-memory-bytes: the config sizes
+    it from memory), as `jaxserve plan-memory --platform cpu` plans it."""
+    from jaxserve.cli.plan_memory import main as plan_memory_main
     import httpx
 
     from jaxserve.bench import serve as bench_serving
@@ -61,8 +84,7 @@ def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cac
     log = tmp_path / "serve.log"
     proc, url, _ = bench_serving.launch(
         ROOT / "configs/llama70b.py", cache_dir, log_path=log, env=env,
-        extra_args=["--load-format", "dummy", "--num-layers", "2",
-                    "--kv-cache-memory-bytes", str(64 * 2**20), "--max-model-len", "256",
+        extra_args=["--load-format", "dummy", "--num-layers", "2", "--max-model-len", "256",
                     "--max-num-seqs", "4", "--max-num-batched-tokens", "64"])
     try:
         deadline = time.monotonic() + 400
@@ -81,7 +103,10 @@ def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cac
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["text"].strip()
-        assert "tensor parallel 8 x pipeline parallel 1 over cpu devices" in log.read_text()
+        text = log.read_text()
+        assert "tensor parallel 8 x pipeline parallel 1 over cpu devices" in text
+        pages = int(re.search(r"KV page pool: (\d+) pages of 16 tokens \(\d+ MiB, sized by "
+                              r"cpu_auto\)", text).group(1))
     finally:
         proc.terminate()
         try:
@@ -89,6 +114,17 @@ def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cac
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    # the plan of the same flags on this host now (its available memory moved a little
+    # since: the server's own weights are freed, other tests' memory comes and goes)
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_memory_main(["--config", "llama70b", "--platform", "cpu", "--load-format",
+                                 "dummy", "--num-layers", "2", "--max-model-len", "256",
+                                 "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]) == 0
+    planned = int(re.search(r"decision: a KV page pool of (\d+) pages", out.getvalue()).group(1))
+    assert 0.75 * planned <= pages <= 1.33 * planned, (pages, planned)
 
 
 @pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)

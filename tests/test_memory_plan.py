@@ -38,8 +38,12 @@ def test_llama70b_abstract_tree_and_shardings():
     assert len(jax.live_arrays()) == before, "planning allocated device memory"
 
 
+# llama70b sizes its pool from each GPU's memory; these plans fix it at 40 GiB per device
+FIXED_POOL = 8 * 40 * GiB
+
+
 def test_llama70b_memory_plan():
-    cfg = load_config(ROOT / "configs/llama70b.py")
+    cfg = load_config(ROOT / "configs/llama70b.py").override(kv_cache_memory_bytes=FIXED_POOL)
     gc.collect()
     before = len(jax.live_arrays())
     plan = plan_memory(cfg)
@@ -100,9 +104,9 @@ def test_prepared_weight_bytes_equal_the_prepared_arrays(kernels):
 
 def test_kv_pool_from_gpu_memory_utilization():
     cfg = load_config(ROOT / "configs/llama70b.py")
-    fixed = plan_memory(cfg)
-    auto = cfg.replace(engine=cfg.engine.override(kv_cache_memory_bytes=None,
-                                                  gpu_memory_utilization=0.8))
+    assert cfg.engine.cache.kv_cache_memory_bytes is None, "the config sizes from memory"
+    fixed = plan_memory(cfg.override(kv_cache_memory_bytes=FIXED_POOL))
+    auto = cfg.replace(engine=cfg.engine.override(gpu_memory_utilization=0.8))
     plan = plan_memory(auto, device_bytes=80 * GiB)
     free = int(0.8 * 80 * GiB) - plan.weights - plan.activations
     page = plan.kv_pool // plan.kv_pages
@@ -136,8 +140,139 @@ def test_plan_matches_the_built_engine_on_this_machine(tp, smollm2_checkpoint, c
 def test_tp16_repeats_llama70b_kv_heads_in_the_plan():
     """8 KV heads over 16 devices: each repeated over 2 (one per device), so the KV bytes
     per token double and every device holds one head's share of the pool."""
-    cfg = load_config(ROOT / "configs/llama70b.py").override(tensor_parallel_size=16)
+    cfg = load_config(ROOT / "configs/llama70b.py").override(tensor_parallel_size=16,
+                                                             kv_cache_memory_bytes=FIXED_POOL)
     plan = plan_memory(cfg)
     assert plan.kv_bytes_per_token_total == 2 * 80 * 16 * 128 * 2
     assert plan.kv_pool == plan.kv_pages * 16 * plan.kv_bytes_per_token_total // 16
     assert not plan.replicated_leaves
+
+
+# --- the plan against what the devices have (issue: memory that is planned) -------------------
+
+def _llama70b_2_layers(**fields):
+    """configs/llama70b.py at 2 layers (TP 8), as `--load-format dummy --num-layers 2`."""
+    cfg = load_config(ROOT / "configs/llama70b.py").override(num_layers=2, **fields)
+    return cfg, cfg.model.replace(num_layers=2)
+
+
+def test_a_pool_that_does_not_fit_is_refused_with_the_largest_that_does():
+    from jaxserve.worker.memory_plan import check_fits
+    device = 2 * GiB  # each CPU device's share of the host
+    cfg, model = _llama70b_2_layers(kv_cache_memory_bytes=8 * 40 * GiB)
+    plan = plan_memory(cfg, model, "cpu", device)
+    with pytest.raises(ConfigError) as e:
+        check_fits(plan, device, "each of the 8 CPU devices' share of the host")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("--kv-cache-memory-bytes asks for a KV pool of 343597383680 bytes")
+    assert f"has {device} bytes (2.00 GiB) available" in msg
+    largest = int(msg.rsplit("the largest --kv-cache-memory-bytes that fits is ", 1)[1])
+    fits = plan_memory(cfg.override(kv_cache_memory_bytes=largest), model, "cpu", device)
+    check_fits(fits, device)  # the value named fits ...
+    assert fits.kv_pages > 0 and fits.total <= device
+    over = plan_memory(cfg.override(kv_cache_memory_bytes=largest + plan.page_bytes_total),
+                       model, "cpu", device)
+    with pytest.raises(ConfigError):  # ... and is the largest: one more page does not
+        check_fits(over, device)
+    # weights and activations alone over the memory: no pool size helps
+    with pytest.raises(ConfigError, match="the model does not fit: .* leaving no room for one KV page"):
+        check_fits(plan, plan.weights)
+
+
+def test_cpu_pool_sizing_without_an_explicit_size():
+    from jaxserve.worker.memory_plan import CPU_AUTO_KV_FRACTION, check_fits
+    device = 4 * GiB
+    cfg, model = _llama70b_2_layers()
+    assert cfg.engine.cache.kv_cache_memory_bytes is None
+    auto = plan_memory(cfg, model, "cpu", device)
+    check_fits(auto, device)
+    share = CPU_AUTO_KV_FRACTION * (device - auto.weights - auto.activations)
+    per_page = auto.page_bytes_total / auto.kv_split  # one page's bytes on one device
+    assert auto.kv_sized_by == "cpu_auto"
+    assert share - per_page < (auto.kv_pool + auto.draft_pool) <= share
+    # --cpu-kv-cache-space GiB: the pool of all devices together, as vLLM's
+    # VLLM_CPU_KVCACHE_SPACE; ignored on GPU, where gpu_memory_utilization sizes it
+    space = plan_memory(cfg.override(cpu_kv_cache_space=1.5), model, "cpu", device)
+    assert space.kv_sized_by == "cpu_kv_cache_space"
+    assert 1.5 * GiB - space.page_bytes_total < space.kv_pages * space.page_bytes_total <= 1.5 * GiB
+    gpu = plan_memory(cfg.override(cpu_kv_cache_space=1.5), model, "gpu", 80 * GiB)
+    assert gpu.kv_sized_by == "gpu_memory_utilization"
+    big = plan_memory(cfg.override(cpu_kv_cache_space=64), model, "cpu", device)
+    with pytest.raises(ConfigError, match=r"^--cpu-kv-cache-space 64.00 \(GiB\) does not fit: .* "
+                                          r"the largest that fits is \d+\.\d\d$"):
+        check_fits(big, device)
+    with pytest.raises(ConfigError, match="cpu_kv_cache_space must be > 0"):
+        cfg.override(cpu_kv_cache_space=0)
+
+
+def test_host_memory_is_the_smaller_of_meminfo_and_the_cgroup_limit(tmp_path):
+    from jaxserve.worker import device_memory as dm
+    membership = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    (v2 / "job").mkdir(parents=True)
+    membership.write_text("0::/job\n")
+    (v2 / "job" / "memory.max").write_text("3000000000\n")
+    (v2 / "job" / "memory.current").write_text("1000000000\n")
+    assert dm._cgroup_headroom(v2, membership) == 2_000_000_000
+    (v2 / "job" / "memory.max").write_text("max\n")
+    assert dm._cgroup_headroom(v2, membership) is None
+    # v1, and a container that sees its own cgroup at the hierarchy's root
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    membership.write_text("4:memory:/outside/path\n1:cpu:/\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("5000000000\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("4000000000\n")
+    assert dm._cgroup_headroom(v1, membership) == 1_000_000_000
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert dm._cgroup_headroom(v1, membership) is None
+    assert 0 < dm.host_available_bytes() <= dm._meminfo_available()
+
+
+def test_plan_memory_prints_the_decision_or_the_refusal(capsys):
+    """`jaxserve plan-memory --platform cpu` gives the engine's decision for a memory
+    size: the pool it would allocate, or its one-line refusal and exit status 2."""
+    from jaxserve.cli.plan_memory import main
+    args = ["--config", "llama70b", "--platform", "cpu", "--device-gib", "2",
+            "--load-format", "dummy", "--num-layers", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    cfg, model = _llama70b_2_layers()
+    plan = plan_memory(cfg, model, "cpu", 2 * GiB)
+    assert f"decision: a KV page pool of {plan.kv_pages} pages" in out
+    assert main(args + ["--kv-cache-memory-bytes", str(8 * 40 * GiB)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxserve plan-memory: error: --kv-cache-memory-bytes")
+
+
+def test_plan_memory_agrees_with_the_built_engine(small_llm, capsys):
+    """The small test config planned for this machine's CPU by `jaxserve plan-memory`
+    has the pool the engine built (the same config, the same decision)."""
+    from conftest import SMALL_CONFIG
+
+    from jaxserve.cli.plan_memory import main
+    assert main(["--config", str(SMALL_CONFIG), "--platform", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"decision: a KV page pool of {small_llm.engine.runner.cache.num_pages} pages" in out
+
+
+def _shipped():
+    from jaxserve.config import shipped_config_names
+    return shipped_config_names()
+
+
+@pytest.mark.parametrize("name", _shipped())
+def test_every_shipped_config_gets_a_decision_on_this_machine(name, capsys, smollm2_checkpoint):
+    """Each shipped config, as `jaxserve serve --config NAME` on this machine's CPU would
+    decide: a pool, or (a GPU config's explicit pool larger than this host) the one-line
+    refusal naming the flag. Never a traceback."""
+    from jaxserve.cli.plan_memory import main
+    from jaxserve.config import config_path
+    code = main(["--config", name, "--platform", "cpu", "--load-format", "dummy"]
+                if load_config(config_path(name)).model is not None
+                else ["--config", name, "--platform", "cpu"])
+    out, err = capsys.readouterr()
+    assert (code, "decision: a KV page pool of" in out) in ((0, True), (2, False)), (out, err)
+    if code == 2:
+        assert len(err.strip().splitlines()) == 1, err
+        assert "does not fit" in err or "leaves no room for the KV pool" in err, err

@@ -159,7 +159,7 @@ def test_llama70b_plan_over_two_stages_halves_layers_and_pool():
     """TP 8 x PP 2 (2 hosts x 8 GPUs): each device holds 40 of the 80 layers and their
     pool; the embedding, LM head and final norm stay on every stage. PP 3 rounds the
     stage up to 27 layer slots."""
-    cfg = load_config(ROOT / "configs/llama70b.py")
+    cfg = load_config(ROOT / "configs/llama70b.py").override(kv_cache_memory_bytes=8 * 40 * 2**30)
     one = plan_memory(cfg.override(tensor_parallel_size=8))
     two = plan_memory(cfg.override(tensor_parallel_size=8, pipeline_parallel_size=2))
     three = plan_memory(cfg.override(tensor_parallel_size=8, pipeline_parallel_size=3))

@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import time
 
 import uvicorn
@@ -135,8 +136,9 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve serve") -> None:
     warmup = "background" if args.background_warmup else True
     try:
         engine = build_engine(config, cache_dir=args.cache_dir, warmup=False if multi else warmup)
-    except (ConfigError, CheckpointError) as e:  # no weights, a bad deployment: one line
-        raise SystemExit(f"{prog}: error: {e}") from None
+    except (ConfigError, CheckpointError) as e:  # no weights, a plan that does not fit:
+        print(f"{prog}: error: {e}", file=sys.stderr)  # one line, argparse's status 2
+        raise SystemExit(2) from None
     channel = None
     if multi:
         channel = _join_processes(engine, args, prog)

@@ -75,7 +75,8 @@ FLAGS: dict[type, tuple[str | Flag, ...]] = {
         Flag("speculative", name="speculative-config", type=str, metavar="JSON",
              convert=SpeculativeConfig.from_dict)),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"),
-    CacheConfig: ("enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization"),
+    CacheConfig: ("enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization",
+                  "cpu_kv_cache_space"),
     SamplerConfig: ("max_logprobs", "max_logit_bias"),
     ServerConfig: (
         "max_request_body_bytes", "max_queued_requests",

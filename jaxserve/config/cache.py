@@ -31,15 +31,22 @@ class CacheConfig:
     later prompts with the same prefix (jaxserve.engine.page_pool; evicted least recently
     used first when pages are needed)."""
     gpu_memory_utilization: float = 0.9
-    """With kv_cache_memory_bytes None, the fraction of each device's memory the engine may
+    """With kv_cache_memory_bytes None, the fraction of each GPU's memory the engine may
     use (vLLM's `--gpu-memory-utilization`): the pool gets what the weights and the largest
-    step's activations (jaxserve.worker.memory_plan) leave of it. Devices that report no
-    memory size (CPU) need kv_cache_memory_bytes."""
+    step's activations (jaxserve.worker.memory_plan) leave of it."""
+    cpu_kv_cache_space: float | None = None
+    """With kv_cache_memory_bytes None, on CPU devices: GiB of host memory for the pool, all
+    of the process's devices together (vLLM's VLLM_CPU_KVCACHE_SPACE). None: half of what
+    the host has available after the weights and the largest step's activations
+    (jaxserve.worker.memory_plan.CPU_AUTO_KV_FRACTION)."""
 
     def __post_init__(self):
         _positive("CacheConfig", self, ("page_size",))
         if self.kv_cache_memory_bytes is not None:
             _positive("CacheConfig", self, ("kv_cache_memory_bytes",))
+        if self.cpu_kv_cache_space is not None and not self.cpu_kv_cache_space > 0:
+            raise ConfigError(f"CacheConfig.cpu_kv_cache_space must be > 0 (GiB), got "
+                              f"{self.cpu_kv_cache_space!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], "
                               f"got {self.gpu_memory_utilization!r}")

@@ -22,6 +22,9 @@ CONFIG = Config(
     parallel=ParallelConfig(tensor_parallel_size=8),
     engine=EngineConfig(
         max_model_len=8192,
-        cache=CacheConfig(page_size=16, kv_cache_memory_bytes=8 * 40 * 2**30),
+        # the pool sized from each device's memory (gpu_memory_utilization on GPU; on CPU
+        # what the host has left, jaxserve.worker.memory_plan), not a fixed size that only
+        # fits an 80 GB GPU
+        cache=CacheConfig(page_size=16, kv_cache_memory_bytes=None),
         scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192)),
 )

@@ -20,7 +20,7 @@ from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
 from jaxserve.config import Config, ConfigError, ModelConfig, check_deployment
 from jaxserve.distributed.sharding import ShardingRules, make_mesh
 from jaxserve.engine.engine import Engine
-from jaxserve.model.kv_cache import init_kv_cache, page_bytes
+from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.params import dummy_params
 from jaxserve.model.pipeline import stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
@@ -29,7 +29,8 @@ from jaxserve.spec_decode.eagle import EagleHead, load_head
 from jaxserve.tokenization.tokenizer import Tokenizer, placeholder_tokenizer
 from jaxserve.worker import compile_counter
 from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config, select_kernels
-from jaxserve.worker.memory_plan import drafter_page_bytes, plan_memory
+from jaxserve.worker.device_memory import device_available_bytes, memory_name
+from jaxserve.worker.memory_plan import check_fits, plan_memory
 from jaxserve.worker.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,11 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     see Runner.warmup_in_background) or False (compile each shape on first use).
 
     Fetches/converts the weights on first use (cached under `cache_dir`, default
-    ~/.cache/jaxserve). Raises ConfigError when the config has no weights or the pool
-    cannot hold one max_model_len sequence.
+    ~/.cache/jaxserve). Sizes the KV pool by the memory plan (jaxserve.worker.memory_plan)
+    and checks the plan against what the devices have (jaxserve.worker.device_memory)
+    before loading anything. Raises ConfigError when the config has no weights, the plan
+    does not fit (naming the flag, the bytes asked and available, the largest that
+    fits), or the pool cannot hold one max_model_len sequence.
     """
     compile_counter.install()
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -73,6 +77,12 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
         config.engine.kernels, platform, model_cfg.dtype))
     check_deployment(ecfg, model_cfg, config.parallel)
     kv_dtype = ecfg.cache.cache_dtype or model_cfg.dtype
+    # the memory plan against what the devices really have, before anything is allocated
+    devices = list(rules.mesh.local_devices) if rules else [jax.devices()[0]]
+    device_bytes = device_available_bytes(devices)
+    plan = plan_memory(config.replace(engine=ecfg), model_cfg, platform, device_bytes)
+    check_fits(plan, device_bytes, memory_name(platform, len(devices)))
+    num_pages = plan.kv_pages
     kernels = select_kernels(ecfg.kernels, platform, config.parallel.num_devices,
                              str(jnp.dtype(kv_dtype)), cache_dir / "kernels")
     if config.load_format == "dummy":
@@ -107,23 +117,16 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     if config.parallel.pipeline_parallel_size > 1:  # loaded on their stages: stack them
         params = stage_params(params, rules, config.parallel.microbatches,
                               config.parallel.pipeline_decode_microbatches, donate=True)
-    # the drafter's pool has the same pages: one page costs both (as the memory plan counts)
-    per_page = (page_bytes(model_cfg, page_size, kv_dtype)
-                + drafter_page_bytes(spec, model_cfg, page_size, kv_dtype))
-    if ecfg.cache.kv_cache_memory_bytes is not None:
-        num_pages = ecfg.cache.kv_cache_memory_bytes // per_page
-    else:  # what gpu_memory_utilization of a device leaves after weights and activations
-        device = (rules.mesh.devices.flat[0] if rules else jax.devices()[0])
-        device_bytes = (device.memory_stats() or {}).get("bytes_limit")
-        num_pages = plan_memory(config.replace(engine=ecfg), model_cfg, platform,
-                                device_bytes).kv_pages
+    # the drafter's pool has the same pages: one page costs both (the plan counts it so)
     cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout)
     draft = make_draft(num_pages) if make_draft else None
     runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft)
     engine = Engine(model_cfg, ecfg, runner, tokenizer)
-    log.info("KV page pool: %d pages of %d tokens (%.0f MiB%s)", num_pages, page_size,
-             num_pages * per_page / 2**20,
-             ", the drafter's pages included" if draft else "")
+    log.info("KV page pool: %d pages of %d tokens (%.0f MiB%s, sized by %s); %.2f GiB per "
+             "device planned of %.2f GiB available", num_pages, page_size,
+             num_pages * plan.page_bytes_total / 2**20,
+             ", the drafter's pages included" if draft else "", plan.kv_sized_by,
+             plan.total / 2**30, device_bytes / 2**30)
     if warmup == "background":
         runner.warmup_in_background()
     elif warmup:

@@ -7,9 +7,11 @@ Formulas (the usual serving back-of-envelope, as in vLLM's and the "LLM inferenc
 memory" guides): weights = sum of each leaf's shard size x dtype bytes, for the leaves
 the engine holds (quantised values and scales, bf16 copies: prepared_weight_bytes); KV
 per token = 2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool =
-kv_cache_memory_bytes split over the devices that share the kv_heads axis (or, without it,
-gpu_memory_utilization of each device less the weights and activations); activations = the largest step's live buffers
-(residual, q/k/v, gathered context K/V, f32 attention scores, MLP, f32 logits, the
+kv_cache_memory_bytes split over the devices that share the kv_heads axis (or, without it:
+on GPU gpu_memory_utilization of each device less the weights and activations, as vLLM;
+on CPU cpu_kv_cache_space GiB, or CPU_AUTO_KV_FRACTION of the host memory the weights and
+activations leave); activations = the largest step's live buffers
+(residual, q/k/v, with XLA attention the gathered context K/V and f32 scores, MLP, f32 logits, the
 logits controls' and the prompt-logprobs block's buffers). A drafter
 of speculative decoding (a draft model, an EAGLE head) keeps its own pool over the same
 pages: each page of the budget pays for both (as jaxserve.engine.builder.build_engine sizes them), so
@@ -40,6 +42,11 @@ from jaxserve.distributed.sharding import ShardingRules, layers_per_stage, make_
 from jaxserve.spec_decode.eagle import eagle_page_bytes
 
 GiB = 2**30
+# On CPU, without kv_cache_memory_bytes or cpu_kv_cache_space: the pool's share of the
+# host memory left after the weights and activations. The rest stays for what the plan
+# does not count: the tokenizer, the server, XLA's compiler and its per-step temporaries
+# beyond the planned buffers, and the machine's other processes.
+CPU_AUTO_KV_FRACTION = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +69,27 @@ class MemoryPlan:
     tensor_parallel: int = 1
     pipeline_stages: int = 1
     layers_per_device: int = 0
+    # how the pool was sized: the CacheConfig field that gave its bytes
+    # ("kv_cache_memory_bytes", "cpu_kv_cache_space", "gpu_memory_utilization") or
+    # "cpu_auto" (CPU_AUTO_KV_FRACTION of the host's memory left)
+    kv_sized_by: str = "kv_cache_memory_bytes"
+    # one page's bytes over all devices (the target's and the drafter's K/V), and over
+    # how many devices' worth the pool's bytes split (see plan_memory)
+    page_bytes_total: int = 0
+    kv_split: float = 1.0
 
     @property
     def total(self) -> int:
         return self.weights + self.kv_pool + self.draft_pool + self.activations
+
+    def max_kv_budget(self, device_bytes: int) -> int:
+        """The largest pool (bytes over all devices, a whole number of pages, as
+        CacheConfig.kv_cache_memory_bytes counts it) that fits beside the weights and
+        activations in `device_bytes` per device; 0 if none does."""
+        free = device_bytes - self.weights - self.activations
+        if free <= 0 or not self.page_bytes_total:
+            return 0
+        return int(free * self.kv_split) // self.page_bytes_total * self.page_bytes_total
 
     def table(self, device_bytes: int | None = None) -> str:
         rows = [("devices", f"{self.num_devices} (tensor parallel {self.tensor_parallel} x "
@@ -84,7 +108,7 @@ class MemoryPlan:
                 ("total / device", f"{self.total / GiB:.2f} GiB")]
         if device_bytes:
             rows.append(("headroom / device", f"{(device_bytes - self.total) / GiB:.2f} GiB "
-                                              f"of {device_bytes / GiB:.0f} GiB"))
+                                              f"of {device_bytes / GiB:.1f} GiB"))
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
@@ -134,11 +158,15 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     `device_bytes` of memory each.
 
     `model` defaults to `config.model`. With CacheConfig.kv_cache_memory_bytes None the
-    pool gets gpu_memory_utilization x device_bytes less the weights and activations of
-    one device, on every device. Raises ValueError if neither gives a shape; ConfigError
-    when the pool is to be sized from device memory and `device_bytes` is None, or
-    nothing is left for it.
+    pool gets, on every device: on GPU gpu_memory_utilization x device_bytes less the
+    weights and activations of one device; on CPU cpu_kv_cache_space GiB (all devices),
+    or CPU_AUTO_KV_FRACTION of what the weights and activations leave of device_bytes
+    (there: each device's share of the host's available memory). The plan is not checked
+    against device_bytes here: check_fits does that. Raises ValueError if neither gives a
+    shape; ConfigError when the pool is to be sized from device memory and
+    `device_bytes` is None, or not one page is left for it.
     """
+    from jaxserve.config.kernel import resolve_attention_impl
     from jaxserve.worker.kernel_selection import resolve_kernel_config
     from jaxserve.model.tensor_parallel import served_kv_heads
 
@@ -171,18 +199,28 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     stages = config.parallel.pipeline_parallel_size
     slots = layers_per_stage(model.num_layers, stages)
     kv_split = kv_split * model.num_layers / slots
-    activations = activation_bytes(model, config, rules)
-    budget = ecfg.cache.kv_cache_memory_bytes
+    activations = activation_bytes(model, config, rules,
+                                   resolve_attention_impl(kcfg.attention_impl, platform))
+    cache = ecfg.cache
+    budget, sized_by = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    if budget is None and platform == "cpu" and cache.cpu_kv_cache_space is not None:
+        budget, sized_by = int(cache.cpu_kv_cache_space * GiB), "cpu_kv_cache_space"
     if budget is None:
         if device_bytes is None:
             raise ConfigError("CacheConfig.kv_cache_memory_bytes is None and the device memory "
-                              "is unknown: give kv_cache_memory_bytes (CPU devices report no "
-                              "memory size)")
-        free = int(ecfg.cache.gpu_memory_utilization * device_bytes) - weights - activations
-        if free <= 0:
+                              "is unknown: give kv_cache_memory_bytes")
+        if platform == "cpu":  # a share of what the host has left, for its other users
+            sized_by = "cpu_auto"
+            free = int(CPU_AUTO_KV_FRACTION * (device_bytes - weights - activations))
+            room = f"{device_bytes / GiB:.1f} GiB of available host memory per device"
+        else:
+            sized_by = "gpu_memory_utilization"
+            free = int(cache.gpu_memory_utilization * device_bytes) - weights - activations
+            room = (f"gpu_memory_utilization={cache.gpu_memory_utilization} of "
+                    f"{device_bytes / GiB:.1f} GiB")
+        if free < per_page / kv_split:
             raise ConfigError(
-                f"gpu_memory_utilization={ecfg.cache.gpu_memory_utilization} of "
-                f"{device_bytes / GiB:.1f} GiB leaves no room for the KV pool: the weights take "
+                f"{room} leaves no room for the KV pool: the weights take "
                 f"{weights / GiB:.2f} GiB and the largest step's activations "
                 f"{activations / GiB:.2f} GiB per device")
         budget = int(free * kv_split)
@@ -196,7 +234,45 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
         activations=activations, replicated_leaves=replicated,
         draft_pool=int(pages * draft_page // kv_split),
         tensor_parallel=config.parallel.tensor_parallel_size, pipeline_stages=stages,
-        layers_per_device=slots)
+        layers_per_device=slots, kv_sized_by=sized_by, page_bytes_total=per_page,
+        kv_split=kv_split)
+
+
+# The flag that set each way of sizing the pool, for messages.
+_SIZED_BY_FLAG = {"kv_cache_memory_bytes": "--kv-cache-memory-bytes",
+                  "cpu_kv_cache_space": "--cpu-kv-cache-space",
+                  "gpu_memory_utilization": "--gpu-memory-utilization"}
+
+
+def check_fits(plan: MemoryPlan, device_bytes: int, where: str = "the device") -> None:
+    """Refuse a plan whose per-device total (weights + KV pool + drafter pool + the largest
+    step's activations) exceeds `device_bytes`, what one device really has
+    (jaxserve.worker.device_memory), before anything is allocated. `where` names the
+    memory in the message ("each of 8 CPU devices' share of the host", ...).
+
+    Raises ConfigError in one line: the flag that sized the pool, the bytes it asks, the
+    bytes available and the largest value of that flag that fits (or, when the weights and
+    activations alone do not fit, that no pool can)."""
+    if plan.total <= device_bytes:
+        return
+    fixed = plan.weights + plan.activations
+    base = (f"{where} has {device_bytes} bytes ({device_bytes / GiB:.2f} GiB) available, and "
+            f"the weights ({plan.weights / GiB:.2f} GiB) and the largest step's activations "
+            f"({plan.activations / GiB:.2f} GiB) need {fixed / GiB:.2f} GiB per device")
+    largest = plan.max_kv_budget(device_bytes)
+    if largest == 0:
+        raise ConfigError(f"the model does not fit: {base}, leaving no room for one KV page; "
+                          "use more devices (--tensor-parallel-size, --pipeline-parallel-size) "
+                          "or a smaller --max-num-batched-tokens")
+    asked = plan.kv_pages * plan.page_bytes_total
+    if plan.kv_sized_by == "cpu_kv_cache_space":
+        raise ConfigError(
+            f"--cpu-kv-cache-space {asked / GiB:.2f} (GiB) does not fit: {base}; the largest "
+            f"that fits is {math.floor(largest / GiB * 100) / 100:.2f}")
+    flag = _SIZED_BY_FLAG.get(plan.kv_sized_by, "--kv-cache-memory-bytes")
+    raise ConfigError(
+        f"{flag} asks for a KV pool of {asked} bytes ({asked / GiB:.2f} GiB over all devices) "
+        f"that does not fit: {base}; the largest --kv-cache-memory-bytes that fits is {largest}")
 
 
 def drafter_page_bytes(spec: SpeculativeConfig | None, target: ModelConfig, page_size: int,
@@ -215,9 +291,14 @@ def drafter_page_bytes(spec: SpeculativeConfig | None, target: ModelConfig, page
     return page_bytes(load_model_config(Path(spec.model)), page_size, kv_dtype)
 
 
-def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -> int:
-    """Peak live activation bytes per device of the largest step (prefill or decode)."""
+def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules,
+                     attention_impl: str = "xla") -> int:
+    """Peak live activation bytes per device of the largest step (prefill or decode).
+    attention_impl: the resolved kernel ("xla" gathers each sequence's context K/V out of
+    the pool and materialises f32 scores; the kernels, "cpu" and "pallas", read the pages
+    in place and keep one block's scores at a time, counted as nothing here)."""
     ecfg = config.engine
+    materialised = attention_impl == "xla"
     tp = rules.mesh.shape["model"]
     b = jnp.dtype(model.dtype).itemsize
     kvb = jnp.dtype(ecfg.cache.cache_dtype or model.dtype).itemsize
@@ -229,8 +310,9 @@ def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules) -
         T = B * Q
         return (2 * T * model.hidden_size * b                                          # residual + normed
                 + T * (split(model.num_heads) + 2 * split(model.num_kv_heads)) * model.head_dim * b
-                + 2 * B * S * split(model.num_kv_heads) * model.head_dim * kvb         # gathered K, V
-                + B * split(model.num_heads) * Q * S * 4                                # f32 scores
+                + materialised * (
+                    2 * B * S * split(model.num_kv_heads) * model.head_dim * kvb        # gathered K, V
+                    + B * split(model.num_heads) * Q * S * 4)                           # f32 scores
                 + 3 * T * split(model.intermediate_size) * b                            # gate, up, product
                 + B * split(model.vocab_size) * 4                                       # f32 logits
                 + (B * model.vocab_size * 4 if tp > 1 else 0)   # gathered whole for the sampler
