@@ -28,23 +28,47 @@ def test_config_without_weights_says_how_to_get_them():
     assert "--load-format dummy" in err[-1]
 
 
+# Runs `jaxserve serve`'s main on each argv of a JSON list in one process (one JAX import for
+# all the cases); prints [[exit status, stderr], ...] as JSON.
+_MAIN_PER_ARGV = """
+import contextlib, io, json, sys
+from jaxserve.cli.serve import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
 def test_bad_deployment_flags_are_one_line_errors(tmp_path):
-    proc = _serve("--config", "configs/llama70b.py", "--tensor-parallel-size", "0")
-    assert proc.returncode == 2 and "ParallelConfig.tensor_parallel_size must be > 0" in proc.stderr
-    proc = _serve("--config", "configs/llama70b.py", "-pp", "0")
-    assert proc.returncode == 2 and "ParallelConfig.pipeline_parallel_size must be > 0" in proc.stderr
-    proc = _serve("--config", "configs/llama70b.py", "--num-layers", "81")
-    assert proc.returncode == 2 and "Config.num_layers=81 exceeds the model's 80 layers" in proc.stderr
-    proc = _serve("--config", "configs/llama70b.py", "--model", str(tmp_path / "nothing"))
-    assert proc.returncode == 2 and "no such model directory or .gguf file" in proc.stderr
-    proc = _serve("--config", "configs/llama70b.py", "--nnodes", "2")
-    assert proc.returncode == 2 and "--nnodes > 1 needs --dist-init-addr HOST:PORT" in proc.stderr
-    proc = _serve("--config", "configs/llama70b.py", "--nnodes", "2", "--node-rank", "2",
-                  "--dist-init-addr", "127.0.0.1:1")
-    assert proc.returncode == 2 and "--node-rank must be in 0..1" in proc.stderr
-    proc = _serve("--config", "configs/llama70b.py", "--nnodes", "2", "--dist-init-addr", "nohost")
-    assert proc.returncode == 2 and "--dist-init-addr must be HOST:PORT" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    """Each refused before anything is built, in one line (argparse's usage, then the
+    error naming the field or flag), exit status 2."""
+    cases = [
+        (["--tensor-parallel-size", "0"], "ParallelConfig.tensor_parallel_size must be > 0"),
+        (["-pp", "0"], "ParallelConfig.pipeline_parallel_size must be > 0"),
+        (["--num-layers", "81"], "Config.num_layers=81 exceeds the model's 80 layers"),
+        (["--model", str(tmp_path / "nothing")], "no such model directory or .gguf file"),
+        (["--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr HOST:PORT"),
+        (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:1"],
+         "--node-rank must be in 0..1"),
+        (["--nnodes", "2", "--dist-init-addr", "nohost"], "--dist-init-addr must be HOST:PORT"),
+    ]
+    argvs = [["--config", "configs/llama70b.py", *args] for args, _ in cases]
+    proc = subprocess.run([sys.executable, "-c", _MAIN_PER_ARGV, json.dumps(argvs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (args, want), (code, err) in zip(cases, json.loads(proc.stdout.strip().splitlines()[-1]),
+                                         strict=True):
+        assert code == 2 and "Traceback" not in err, (args, code, err[-2000:])
+        assert err.strip().splitlines()[-1].startswith("jaxserve serve: error: "), (args, err)
+        assert want in err.strip().splitlines()[-1], (args, err)
 
 
 def test_a_pool_larger_than_the_host_is_refused_before_anything_is_allocated(tmp_path):
