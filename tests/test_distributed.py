@@ -92,7 +92,7 @@ def test_a_pool_larger_than_the_host_is_refused_before_anything_is_allocated(tmp
 
 
 @pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)
-def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cache_dir):
+def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cache_dir, capsys):
     """configs/llama70b.py itself (hidden 8192, 64 query / 8 KV heads, vocab 128256),
     shrunk to 2 layers, dummy weights made on 8 simulated devices and split over them
     (TP 8, one KV head per device), served by serve.py: a completion comes back, the
@@ -140,14 +140,12 @@ def test_llama70b_two_layers_dummy_weights_tp8_serves_a_completion(tmp_path, cac
             proc.wait()
     # the plan of the same flags on this host now (its available memory moved a little
     # since: the server's own weights are freed, other tests' memory comes and goes)
-    import contextlib
-    import io
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert plan_memory_main(["--config", "llama70b", "--platform", "cpu", "--load-format",
-                                 "dummy", "--num-layers", "2", "--max-model-len", "256",
-                                 "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]) == 0
-    planned = int(re.search(r"decision: a KV page pool of (\d+) pages", out.getvalue()).group(1))
+    capsys.readouterr()
+    assert plan_memory_main(["--config", "llama70b", "--platform", "cpu", "--load-format",
+                             "dummy", "--num-layers", "2", "--max-model-len", "256",
+                             "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]) == 0
+    planned = int(re.search(r"decision: a KV page pool of (\d+) pages",
+                            capsys.readouterr().out).group(1))
     assert 0.75 * planned <= pages <= 1.33 * planned, (pages, planned)
 
 
