@@ -22,6 +22,7 @@ from jaxserve.engine.outputs import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, 
                                      RequestOutput)
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.tokenization.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer, byte_chars
+from jaxserve.worker.compile_events import CompileEvents
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -91,7 +92,7 @@ class FakeEngine:
                            num_compilations=0, kv_live_token_steps=0,
                            kv_allocated_token_steps=0, host_seconds=0.0, step_seconds=0.0,
                            warmup_pending=0, num_failed_requests=0, num_kv_resets=0,
-                           healthy=True)
+                           healthy=True, compile_events=CompileEvents.zero())
 
     def _running(self) -> list:
         return list(self.requests.values())[:self.max_num_seqs]

@@ -364,6 +364,7 @@ def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint
     stats = json.loads(done.stdout.strip().splitlines()[-1])
     assert stats["resumed"] == len(first)
     assert stats["succeeded"] == len(bodies) - len(first) and stats["failed"] == 0
+    assert stats["jax_compile_events_after_warmup"] == 0
     final = {r["custom_id"]: r for r in results(out)}
     assert len(final) == len(results(out)) == len(bodies)
     for cid, body in bodies.items():

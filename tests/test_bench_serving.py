@@ -81,12 +81,14 @@ def test_calculate_metrics_all_failed_is_zero_not_nan():
 
 def test_counter_deltas():
     before = {"num_compilations": 3, "num_steps": 10, "kv_live_token_steps": 100,
-              "kv_allocated_token_steps": 400, "host_seconds": 1.0, "step_seconds": 5.0}
+              "kv_allocated_token_steps": 400, "host_seconds": 1.0, "step_seconds": 5.0,
+              "jax_compile_events": 40}
     after = {"num_compilations": 4, "num_steps": 60, "kv_live_token_steps": 400,
+             "jax_compile_events": 43,
              "kv_allocated_token_steps": 1000, "host_seconds": 2.0, "step_seconds": 9.0, "new": 1}
     d = bs.counter_deltas(before, after)
     assert d["server_counters"]["num_steps"] == 50 and "new" not in d["server_counters"]
-    assert d["compilations_during_run"] == 1
+    assert d["compilations_during_run"] == 1 and d["jax_compile_events_during_run"] == 3
     assert d["kv_utilization"] == pytest.approx(0.5)
     assert d["host_overhead"] == pytest.approx(0.25)
     d = bs.counter_deltas({"num_steps": 1}, {"num_steps": 5})  # fields missing: None

@@ -8,7 +8,7 @@ import pytest
 
 import engine_utils
 from jaxserve import SamplingParams
-from jaxserve.worker import compile_counter
+from jaxserve.worker import compile_events
 
 WORDS = ("river mountain quantum bread violin galaxy ledger orchid tensor harbor lantern "
          "meadow cipher saffron glacier").split()
@@ -86,9 +86,14 @@ def test_preemption_completes_everything_with_same_outputs(small_llm):
 
 
 def test_no_compilation_after_warmup(small_llm):
+    """Nothing is traced, lowered, compiled or fetched from the compilation cache after
+    warm-up (every jax.monitoring compile event of the process, not only the step's
+    counter): prompts across every prefill bucket, the sampling controls, logprobs and
+    prompt logprobs, an abort, `LLM.generate` twice on the same prompts (the second hits
+    the prefix cache: other, shorter prefill shapes)."""
     engine, tok = small_llm.engine, small_llm.tokenizer
     rng = np.random.default_rng(3)
-    before = compile_counter.compilations()[0], engine.num_compilations
+    before = compile_events.snapshot(), engine.num_compilations
     kinds = [SamplingParams(max_tokens=12, temperature=0),
              SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=1),
              SamplingParams(max_tokens=9, temperature=0.7, top_p=0.8, min_p=0.05),
@@ -105,7 +110,18 @@ def test_no_compilation_after_warmup(small_llm):
     assert [o.finish_reason for o in engine.step() if o.request_id == "to-abort"] == ["abort"]
     done, max_running = run_staggered(engine, requests, arrivals)
     assert len(done) == len(requests) and max_running > 4
-    assert (compile_counter.compilations()[0], engine.num_compilations) == before
+    prompts = [make_prompt(tok, rng, n) for n in (5, 60, 200)]
+    controls = [SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2),
+                SamplingParams(max_tokens=6, temperature=0.9, seed=4, presence_penalty=0.5,
+                               frequency_penalty=0.3, repetition_penalty=1.2,
+                               logit_bias={13: 2.0}, min_tokens=3),
+                SamplingParams(max_tokens=6, temperature=0)]
+    for _ in range(2):
+        outs = small_llm.generate(prompts, controls)
+        assert all(o.token_ids for o in outs) and outs[0].logprobs
+    events = compile_events.snapshot() - before[0]
+    assert events.total == 0, events
+    assert engine.num_compilations == before[1]
     assert_pool_empty(engine)
 
 

@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -127,10 +128,7 @@ def test_health_answers_while_a_4mb_prompt_is_tokenised(server):
     own time, not a fixed number: were parsing on the event loop, a /health sent while it
     runs would wait for most of it."""
     _, base, _ = server
-    deadline = time.monotonic() + 240  # the background warm-up's tracing holds the GIL
-    while httpx.get(base + "/health").json()["warmup_pending"]:
-        assert time.monotonic() < deadline, "background warm-up never finished"
-        time.sleep(0.2)
+    _wait_for_warmup(base)  # the background warm-up's tracing holds the GIL
     result = {}
 
     def post():
@@ -153,6 +151,67 @@ def test_health_answers_while_a_4mb_prompt_is_tokenised(server):
     assert len(latencies) >= 10, "the prompt was not large enough to take a while"
     assert max(latencies) < took / 3, (f"/health took {max(latencies) * 1000:.0f} ms while "
                                        f"the prompt took {took * 1000:.0f} ms")
+
+
+def _wait_for_warmup(base: str) -> None:
+    deadline = time.monotonic() + 240
+    while httpx.get(base + "/health").json()["warmup_pending"]:
+        assert time.monotonic() < deadline, "background warm-up never finished"
+        time.sleep(0.2)
+
+
+def test_a_mixed_workload_compiles_nothing_after_warmup(server):
+    """Once the background warm-up is done, concurrent requests with structured output,
+    n > 1, penalties, logit_bias, logprobs and prompt logprobs, seeds, stop strings and
+    streaming add no JAX trace, lowering, compilation or compilation-cache fetch: /health's
+    and /metrics' counts of them (every jax.monitoring compile event of the server process)
+    stay where they were. Speculation: tests/test_spec_decode.py (verify steps)."""
+    _, base, _ = server
+    _wait_for_warmup(base)
+    health = httpx.get(base + "/health").json()
+    before = scrape(base)
+    assert health["jax_compile_events"] == total(before, "jaxserve:jax_compile_events_total") > 0
+    assert health["jax_traces"] > 0 and health["jax_compilations"] > 0  # warm-up's
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
+            "max_tokens": 12}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer", "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    bodies = [
+        ("/v1/chat/completions", {**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+            "max_tokens": 60}),
+        ("/v1/chat/completions", {**chat, "n": 3, "temperature": 1.0, "seed": 5}),
+        ("/v1/chat/completions", {**chat, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                                  "logit_bias": {"13": 5}, "logprobs": True,
+                                  "top_logprobs": 3}),
+        ("/v1/chat/completions", {**chat, "stream": True, "temperature": 0.7, "top_p": 0.9}),
+        ("/v1/completions", {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 16,
+                             "echo": True, "logprobs": 2, "stop": [" 9"],
+                             "repetition_penalty": 1.1, "min_tokens": 2}),
+        ("/v1/completions", {"model": MODEL, "prompt": "The sky is " * 60, "max_tokens": 8,
+                             "n": 2, "temperature": 0.8, "top_k": 20, "min_p": 0.05}),
+    ]
+
+    def send(item):
+        url, body = item
+        r = httpx.post(base + url, json=body, headers=AUTH, timeout=120)
+        assert r.status_code == 200, (body, r.text)
+        return r
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        replies = list(pool.map(send, bodies))
+    answer = json.loads(replies[0].json()["choices"][0]["message"]["content"])
+    assert set(answer) == {"name", "age"} and isinstance(answer["age"], int)
+    assert len(replies[1].json()["choices"]) == 3
+    after = scrape(base)
+    kinds = {dict(labels)["kind"]: before[(name, labels)] for name, labels in before
+             if name == "jaxserve:jax_compile_events_total"}
+    assert set(kinds) == {"trace", "lowering", "compilation", "cache_fetch"}
+    for (name, labels), value in before.items():
+        if name == "jaxserve:jax_compile_events_total":
+            assert after[(name, labels)] == value, (labels, value, after[(name, labels)])
+    assert httpx.get(base + "/health").json()["jax_compile_events"] == health["jax_compile_events"]
 
 
 def _stream(base: str, max_tokens: int, out: dict, started: threading.Event) -> None:

@@ -18,6 +18,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.controller import SpecDecodeController
+from jaxserve.worker import compile_events
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -181,10 +182,10 @@ def test_seeded_sampling_is_reproducible(params):
 
 def test_no_compilation_after_warmup_and_big_batches_do_not_speculate(params):
     engine = tiny_engine(params, speculative_config={**NGRAM, "disable_by_batch_size": 2})
-    engine.runner.warmup()
-    compiled = engine.num_compilations
     requests = _requests()
     _, ref = _reference(params, requests)
+    engine.runner.warmup()
+    compiled, events = engine.num_compilations, compile_events.snapshot()
     engine.spec.proposer = Oracle(ref)
     batch_sizes = []
     propose = engine.spec.propose
@@ -197,6 +198,9 @@ def test_no_compilation_after_warmup_and_big_batches_do_not_speculate(params):
     late = ("r9", [9, 9, 9], SamplingParams(temperature=0, max_tokens=30))
     got = outputs(engine, requests + [late], [0, 0, 8, 8])
     assert engine.num_compilations == compiled
+    # nothing traced, lowered, compiled or fetched from the cache: verify steps, drafts
+    # and their bookkeeping run in the warmed-up executables
+    assert (compile_events.snapshot() - events).total == 0
     assert len(got) == 4 and engine.stats().spec_decode.num_drafts > 0
     # proposals only while at most disable_by_batch_size sequences run
     assert batch_sizes and max(batch_sizes) <= 2
@@ -620,9 +624,11 @@ def test_flag_and_metrics():
     from jaxserve.spec_decode.controller import SpecDecodeStats
     zeros = lambda cls, *skip: {f.name: 0 for f in dataclasses.fields(cls)  # noqa: E731
                                 if f.name not in skip}
+    events = compile_events.CompileEvents({"trace": 5, "lowering": 4, "compilation": 3,
+                                           "cache_fetch": 2}, dict.fromkeys(compile_events.KINDS, 0.5))
     stats = EngineStats(scheduler=SchedulerStats(**zeros(SchedulerStats)),
-                        spec_decode=SpecDecodeStats(4, 12, 7, [4, 2, 1]),
-                        **zeros(EngineStats, "scheduler", "spec_decode"))
+                        spec_decode=SpecDecodeStats(4, 12, 7, [4, 2, 1]), compile_events=events,
+                        **zeros(EngineStats, "scheduler", "spec_decode", "compile_events"))
     samples = {(s.name, tuple(s.labels.items())): s.value
                for f in text_string_to_metric_families(Metrics(lambda: stats).render().decode())
                for s in f.samples}
@@ -631,3 +637,10 @@ def test_flag_and_metrics():
     assert samples[("jaxserve:spec_decode_num_accepted_tokens_total", ())] == 7
     assert [samples[("jaxserve:spec_decode_num_accepted_tokens_per_pos_total",
                      (("position", str(j)),))] for j in range(3)] == [4, 2, 1]
+    # the process's JAX compile events, by kind (/health: as jax_traces, ...)
+    assert {k: samples[("jaxserve:jax_compile_events_total", (("kind", k),))]
+            for k in compile_events.KINDS} == events.counts
+    assert samples[("jaxserve:jax_compile_seconds_total", (("kind", "trace"),))] == 0.5
+    health = stats.as_dict()
+    assert (health["jax_traces"], health["jax_lowerings"], health["jax_compilations"],
+            health["jax_cache_fetches"], health["jax_compile_events"]) == (5, 4, 3, 2, 14)

@@ -100,7 +100,7 @@ def test_serve_help_and_plan_memory_by_config_name(venv, tmp_path):
 
 def test_batch_on_the_real_model_from_the_wheel(venv, tmp_path, smollm2_checkpoint, cache_dir):
     """`jaxserve batch` from the wheel: the default model, the C++ kernels built from the
-    wheel's sources, two answers."""
+    wheel's sources, two answers, nothing traced or compiled after warm-up."""
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": p, "max_tokens": 8, "temperature": 0}}
              for i, p in enumerate(["The capital of France is", "1, 2, 3,"])]
@@ -109,6 +109,7 @@ def test_batch_on_the_real_model_from_the_wheel(venv, tmp_path, smollm2_checkpoi
     done = run(venv, "jaxserve", "batch", "-i", str(inp), "-o", str(out), "--config",
                str(SMALL_CONFIG), "--cache-dir", str(cache_dir), "--no-progress", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["jax_compile_events_after_warmup"] == 0
     results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(results) == {"r0", "r1"}
     for r in results.values():

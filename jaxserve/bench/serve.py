@@ -16,8 +16,8 @@ or as a Poisson process of rate R (seeded exponential inter-arrival times); at m
 Metrics (as vLLM defines them): duration, completed / failed requests, request, output-token
 and total-token throughput, and mean / median / std / p99 of TTFT, TPOT, ITL and E2E latency
 in ms. If GET {server}/health returns JSON counters (jaxserve does), their deltas over the run
-are reported under "server_counters" (plus compilations_during_run, kv_utilization,
-host_overhead when the fields exist). With --launch, serve.py is started first and
+are reported under "server_counters" (plus compilations_during_run,
+jax_compile_events_during_run, kv_utilization, host_overhead when the fields exist). With --launch, serve.py is started first and
 start_to_first_token_s (process start -> first streamed token) is reported.
 
 Importable: `load_dataset`, `run_benchmark`, `launch`, `wait_ready`, `get_model_id`,
@@ -338,16 +338,20 @@ async def wait_warmup_done(client: httpx.AsyncClient, url: str, timeout_s: float
 
 def counter_deltas(before: dict | None, after: dict | None) -> dict:
     """server_counters (after - before of every numeric field in both), plus
-    compilations_during_run (delta num_compilations), kv_utilization (delta
+    compilations_during_run (delta num_compilations), jax_compile_events_during_run
+    (delta jax_compile_events: every JAX trace, lowering, compilation and cache fetch of
+    the server process), kv_utilization (delta
     kv_live_token_steps / delta kv_allocated_token_steps) and host_overhead (delta
     host_seconds / delta step_seconds), each None when its fields are missing."""
-    out = {"server_counters": None, "compilations_during_run": None, "kv_utilization": None,
+    out = {"server_counters": None, "compilations_during_run": None,
+           "jax_compile_events_during_run": None, "kv_utilization": None,
            "host_overhead": None}
     if not before or not after:
         return out
     d = {k: after[k] - before[k] for k in before if k in after}
     out["server_counters"] = d
     out["compilations_during_run"] = d.get("num_compilations")
+    out["jax_compile_events_during_run"] = d.get("jax_compile_events")
     for key, num, den in (("kv_utilization", "kv_live_token_steps", "kv_allocated_token_steps"),
                           ("host_overhead", "host_seconds", "step_seconds")):
         if num in d and den in d and d[den]:
@@ -497,6 +501,7 @@ def print_summary(result: dict, file=None) -> None:
                 row(f"P{key[1:-len(name) - 4]} {short} (ms):", result[key])
     extra = [("Start to first token (s):", result.get("start_to_first_token_s")),
              ("Compilations during run:", result.get("compilations_during_run")),
+             ("JAX compile events during run:", result.get("jax_compile_events_during_run")),
              ("KV utilization:", result.get("kv_utilization")),
              ("Host overhead (host_s / step_s):", result.get("host_overhead"))]
     if any(v is not None for _, v in extra):

@@ -1,7 +1,8 @@
 """`jaxserve batch -i requests.jsonl -o results.jsonl`: build the engine, answer
 every request of the input file into the output file, print this run's stats as one JSON
-line on stdout (logs go to stderr). Run it again with the same output file after an
-interrupt and it does only what is left. Exit status 0 when every line has a result (some
+line on stdout (logs go to stderr), with jax_compile_events_after_warmup: the JAX traces,
+lowerings and compilations while the batch ran (0: it ran in the warmed-up steps). Run it
+again with the same output file after an interrupt and it does only what is left. Exit status 0 when every line has a result (some
 may be errors), 1 for a bad file or flag, 2 when the engine stopped, 130 on Ctrl-C."""
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve batch") -> int:
         if not Path(args.input_file).is_file():  # before the engine's minute of building
             raise ConfigError(f"--input-file: {args.input_file} is not a file")
         engine = build_engine(config, cache_dir=args.cache_dir)
+        warm = engine.stats().compile_events
     except (ConfigError, CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve batch") -> int:
     finally:
         async_engine.shutdown()
         engine.runner.stop_warmup()
-    print(json.dumps(stats.summary()))
+    after = (engine.stats().compile_events - warm).total
+    print(json.dumps({**stats.summary(), "jax_compile_events_after_warmup": after}))
     return 0
 
 

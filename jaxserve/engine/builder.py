@@ -27,7 +27,7 @@ from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead, load_head
 from jaxserve.tokenization.tokenizer import Tokenizer, placeholder_tokenizer
-from jaxserve.worker import compile_counter
+from jaxserve.worker import compile_events
 from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config, select_kernels
 from jaxserve.worker.device_memory import device_available_bytes, memory_name
 from jaxserve.worker.memory_plan import check_fits, plan_memory
@@ -61,7 +61,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     does not fit (naming the flag, the bytes asked and available, the largest that
     fits), or the pool cannot hold one max_model_len sequence.
     """
-    compile_counter.install()
+    compile_events.install()
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if compilation_cache:
         enable_compilation_cache(cache_dir)

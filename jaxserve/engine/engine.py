@@ -50,6 +50,7 @@ from jaxserve.engine.stats import EngineStats
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.spec_decode.controller import SpecDecodeController
 from jaxserve.tokenization.tokenizer import Tokenizer
+from jaxserve.worker import compile_events
 from jaxserve.worker.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class Engine:
             host_seconds=self._host_seconds, step_seconds=self._step_seconds,
             warmup_pending=self.runner.warmup_pending,
             num_failed_requests=self.num_failed_requests, num_kv_resets=self.num_kv_resets,
-            healthy=self.healthy)
+            healthy=self.healthy, compile_events=compile_events.snapshot())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None

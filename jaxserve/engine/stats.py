@@ -1,7 +1,7 @@
 """The engine's counters, typed: what /health reports and /metrics exports.
 
 `EngineStats` groups the scheduler's (SchedulerStats), speculative decoding's
-(SpecDecodeStats) and the step loop's own counters. Readers use the attributes, so a
+(SpecDecodeStats) and the step loop's own counters, and the process's JAX compile events (CompileEvents). Readers use the attributes, so a
 renamed counter fails where it is read instead of reporting 0; `as_dict` is the flat JSON
 of /health (vLLM's metric names where they exist).
 """
@@ -12,6 +12,11 @@ import dataclasses
 
 from jaxserve.engine.scheduler import SchedulerStats
 from jaxserve.spec_decode.controller import SpecDecodeStats
+from jaxserve.worker.compile_events import KINDS, CompileEvents
+
+# /health's names of CompileEvents' kinds
+_COMPILE_EVENT_KEYS = {"trace": "jax_traces", "lowering": "jax_lowerings",
+                       "compilation": "jax_compilations", "cache_fetch": "jax_cache_fetches"}
 
 
 @dataclasses.dataclass
@@ -26,7 +31,10 @@ class EngineStats:
     (seconds); warmup_pending (gauge): step shapes a background warm-up has still to
     compile; num_failed_requests: requests finished with "error"; num_kv_resets: fresh
     KV pools after failed device steps; healthy (gauge): False once the engine is dead.
-    spec_decode: None while speculative decoding is off."""
+    spec_decode: None while speculative decoding is off. compile_events: every JAX trace,
+    lowering, XLA compilation and persistent-cache fetch in this process since the engine
+    was built (jaxserve.worker.compile_events; warm-up included, and anything else the
+    process compiled): after warm-up, serving should add none."""
 
     scheduler: SchedulerStats
     spec_decode: SpecDecodeStats | None
@@ -40,6 +48,7 @@ class EngineStats:
     num_failed_requests: int
     num_kv_resets: int
     healthy: bool
+    compile_events: CompileEvents
 
     def as_dict(self) -> dict[str, int | float | bool | list | None]:
         """One flat dict: the scheduler's fields by name, speculative decoding's prefixed
@@ -50,7 +59,11 @@ class EngineStats:
         out["spec_decode_propose_seconds"] = round(spec.propose_seconds, 6)
         out["spec_decode_mean_acceptance_length"] = spec.mean_acceptance_length
         out |= {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("scheduler", "spec_decode")}
+                if f.name not in ("scheduler", "spec_decode", "compile_events")}
         out["host_seconds"] = round(self.host_seconds, 6)
         out["step_seconds"] = round(self.step_seconds, 6)
+        events = self.compile_events
+        out |= {_COMPILE_EVENT_KEYS[k]: events.counts[k] for k in KINDS}
+        out["jax_compile_events"] = events.total
+        out["jax_compile_seconds"] = round(sum(events.seconds.values()), 6)
         return out

@@ -6,6 +6,12 @@ Names follow vLLM's (`vllm:` -> `jaxserve:`) where they mean the same thing:
     jaxserve:kv_cache_usage_perc                  gauge, fraction of KV pages in use (0..1)
     jaxserve:num_preemptions_total                counter, from the engine's counters
     jaxserve:num_compilations_total               counter, step compilations (warm-up too)
+    jaxserve:jax_compile_events_total{kind}       counter, every JAX trace, lowering,
+                                                  compilation and compilation-cache fetch
+                                                  in the process (kind: trace, lowering,
+                                                  compilation, cache_fetch); after
+                                                  warm-up, serving adds none
+    jaxserve:jax_compile_seconds_total{kind}      counter, the seconds they took
     jaxserve:prefix_cache_queries_total           counter, prompt tokens looked up in the
                                                   prefix cache
     jaxserve:prefix_cache_hits_total              counter, those found cached (not computed)
@@ -45,6 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine.stats import EngineStats
 from jaxserve.spec_decode.controller import SpecDecodeStats
+from jaxserve.worker.compile_events import KINDS
 
 PREFIX = "jaxserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -98,6 +105,16 @@ class _EngineCollector:
         for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
             per_pos.add_metric([str(pos)], value)
         yield per_pos
+        events = CounterMetricFamily(PREFIX + "jax_compile_events",
+                                     "JAX traces, lowerings, compilations and compilation-cache "
+                                     "fetches in the process.", labels=["kind"])
+        seconds = CounterMetricFamily(PREFIX + "jax_compile_seconds",
+                                      "Seconds spent in them.", labels=["kind"])
+        for kind in KINDS:
+            events.add_metric([kind], s.compile_events.counts[kind])
+            seconds.add_metric([kind], s.compile_events.seconds[kind])
+        yield events
+        yield seconds
 
 
 class Metrics:

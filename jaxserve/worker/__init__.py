@@ -5,7 +5,8 @@ and donated), `input_batch` (a step's all-padding arrays of a bucketed shape),
 `compilation` (step shapes and buckets), `kernel_selection` (which kernels an engine runs
 and the weights laid out for them), `memory_plan` (bytes of weights, KV pool and a step's
 activations; the pool's size, or the refusal of one that does not fit), `device_memory`
-(what memory the devices really have), `compile_counter` (XLA compilations in this process).
+(what memory the devices really have), `compile_events` (JAX traces, lowerings, compilations and
+compilation-cache fetches in this process).
 
 May import: model, sample, spec_decode's device parts, checkpoint, kernels, distributed,
 config, tokenization and the package's root utilities (`pytree`, `sampling_params`);
