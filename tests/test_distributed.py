@@ -184,7 +184,7 @@ def test_llama70b_tp8_step_lowers_for_cuda_without_gathering_weights_or_kv():
 
 # --- several processes (jax.distributed over gloo, the step channel) ------------------------
 
-SMALL = ROOT / "tests" / "configs" / "smollm2_small.py"
+SMALL = ROOT / "tests" / "configs" / "smollm2_two_shapes.py"  # 2 step shapes per process
 PROMPTS = ["The capital of France is", "Write a haiku about rain.",
            "List three prime numbers and explain why each is prime.", "def fibonacci(n):"]
 

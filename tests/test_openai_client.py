@@ -1,5 +1,5 @@
 """End to end: the official `openai` client against `serve.py` run as a subprocess with the
-real SmolLM2-135M-Instruct (tests/configs/smollm2_small.py: max_model_len 512). Checks what
+real SmolLM2-135M-Instruct (tests/configs/smollm2_two_shapes.py: max_model_len 512). Checks what
 the in-process tests with the fake engine (test_server.py) cannot: the real CLI, uvicorn,
 the real model and the SDK's parsing of our responses, SSE streams and error objects."""
 
@@ -18,7 +18,7 @@ import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = "tests/configs/smollm2_small.py"
+CONFIG = "tests/configs/smollm2_two_shapes.py"  # 2 step shapes to warm up
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
 STARTUP_TIMEOUT_S = 240

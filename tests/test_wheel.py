@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL_CONFIG = ROOT / "tests" / "configs" / "smollm2_small.py"
+SMALL_CONFIG = ROOT / "tests" / "configs" / "smollm2_two_shapes.py"  # 2 step shapes to warm up
 
 
 def _source_files() -> list[str]:
