@@ -22,67 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
+from jaxserve.bench.bandwidth import (bound_from_samples, read_bandwidth_gb_s,  # noqa: F401
+                                      weight_bytes_per_token)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def weight_bytes_per_token(model, engine) -> dict[str, int]:
-    """Bytes of weights one decode step of one sequence reads, by part: the layers'
-    projections and the LM head (norm weights and the one embedding row are negligible
-    and left out). model: ModelConfig; engine: EngineConfig (its bf16_matmul_min_rows /
-    weight_quant pick the format)."""
-    from jaxserve.model.params import param_specs
-    from jaxserve.model.linear import PROJECTIONS
-
-    spec = param_specs(model).layers[0]
-    layer = sum(math.prod(getattr(spec, name).shape) for name in PROJECTIONS)
-    D, V = model.hidden_size, model.vocab_size
-    itemsize = 4 if model.dtype == "float32" else 2
-    proj = head = itemsize
-    if engine.kernels.bf16_matmul_min_rows == 1:  # decode (1 row) uses the bf16 copies
-        proj = head = 2
-    elif engine.kernels.weight_quant is not None:  # int8 / fp8 projections, head in the model dtype
-        proj = 1
-    return {"layers": model.num_layers * layer * proj, "lm_head": V * D * head}
-
-
-def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7, samples: int = 1,
-                        interval_s: float = 1.0) -> list[float]:
-    """Read bandwidth samples in GB/s (1e9 bytes/s), `samples` of them `interval_s` seconds
-    apart, each the median of `repeats` XLA sums over a gib-GiB f32 array."""
-    import jax
-    import jax.numpy as jnp
-
-    n = int(gib * 2**30) // 4
-    x = jnp.ones((n,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    out = []
-    for i in range(samples):
-        if i:
-            time.sleep(interval_s)
-        rates = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            total(x).block_until_ready()
-            rates.append(n * 4 / (time.perf_counter() - t0) / 1e9)
-        out.append(statistics.median(rates))
-    return out
-
-
-def bound_from_samples(samples_gb_s: list[float], weight_bytes: dict[str, int]) -> dict:
-    """{"read_gb_s" (the median sample), "samples_gb_s", "weight_bytes", "bytes_per_token",
-    "bound_tok_s"} from bandwidth samples and the weight bytes read per token by part."""
-    per_token = sum(weight_bytes.values())
-    bw = statistics.median(samples_gb_s)
-    return {"read_gb_s": round(bw, 2), "samples_gb_s": [round(x, 2) for x in samples_gb_s],
-            "weight_bytes": weight_bytes, "bytes_per_token": per_token,
-            "bound_tok_s": round(bw * 1e9 / per_token, 1)}
 
 
 def bound(config_path: str, gib: float = 1.0, repeats: int = 7, samples: int = 1,

@@ -2,7 +2,7 @@
 
     jaxserve serve [--config NAME|PATH] [flags]      OpenAI-compatible server (vLLM's `vllm serve`)
     jaxserve batch -i IN.jsonl -o OUT.jsonl [flags]  offline batch inference (OpenAI Batch files)
-    jaxserve bench serve|step|batch [flags]          benchmarks, ratios against a same-run baseline
+    jaxserve bench serve|step|batch|generate [flags] benchmarks, ratios against a same-run baseline
     jaxserve convert SRC OUT [--dtype D]             HF directory or GGUF file -> jaxserve checkpoint
     jaxserve plan-memory --config NAME|PATH          per-device memory plan, nothing allocated
 
@@ -19,7 +19,7 @@ import sys
 COMMANDS = {
     "serve": ("jaxserve.cli.serve", "serve a model over the OpenAI API"),
     "batch": ("jaxserve.cli.batch", "answer an OpenAI Batch file offline"),
-    "bench": (None, "benchmarks: serve, step, batch"),
+    "bench": (None, "benchmarks: serve, step, batch, generate"),
     "convert": ("jaxserve.cli.convert", "convert an HF directory or a GGUF file to a checkpoint"),
     "plan-memory": ("jaxserve.cli.plan_memory", "print a config's per-device memory plan"),
 }
@@ -27,6 +27,7 @@ BENCHMARKS = {
     "serve": "jaxserve.bench.serve",
     "step": "jaxserve.bench.step",
     "batch": "jaxserve.bench.batch",
+    "generate": "jaxserve.bench.generate",
 }
 
 

@@ -1,0 +1,259 @@
+"""Offline generation speed against the memory-bandwidth bound, and against HF transformers
+in the same run: the one command for a GPU session (issue 28's table), on CPU too.
+
+    jaxserve bench generate [--config llama3_8b] [--load-format dummy]
+        [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--hf] [--trace DIR]
+        [--json out.json]
+
+A case SxPxO is S streams of P-token random prompts, O greedy tokens each (ignore_eos).
+For each case and each decode_steps value ("auto": the config's own) an engine is built
+(`jaxserve.LLM`, warm-up off), `generate` runs once on one set of prompts (which compiles
+the case's step shapes) and is timed on another set of the same lengths (other random
+tokens, so no prefix-cache hit changes the shapes); the JAX compile events of the timed
+call are reported and should be 0. Per case it prints:
+
+- output tok/s (S x O tokens over the timed call, prefill included);
+- the bound: one decode step reads every projection and the LM head once, in the format
+  served (jaxserve.bench.bandwidth.weight_bytes_per_token), and each stream's K/V up to
+  its mean context (P + O / 2 tokens), at the device's read bandwidth measured here (an
+  XLA sum over 1 GiB, the median of three samples); the ratio tok/s / bound (prefill is
+  in the timed call, not in the bound: long prompts lower the ratio);
+- with --trace DIR, the device-busy fraction of a third, traced call: the union of the
+  device's kernel intervals over the span from its first kernel to its last
+  (`busy_fraction`; GPU traces only: XLA:CPU runs its ops on host threads, None there);
+- with --hf, HF transformers' eager `generate` on the same shapes and a model of the same
+  shape (random weights; bf16 on a GPU, f32 on CPU), timed the same way, and our ratio
+  to it. transformers and torch are the test extras: not installed, it says so.
+
+A benchmark, not a test: run it alone on an idle machine. Source of the cases and the bound:
+issue 28's first GPU run (PERFORMANCE.md, "Nothing compiled after warm-up").
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.bench.bandwidth import read_bandwidth_gb_s, weight_bytes_per_token
+
+DEFAULT_CASES = "1x128x256,64x512x256"
+
+
+def parse_case(text: str) -> tuple[int, int, int]:
+    """"64x512x256" -> (64, 512, 256): streams, prompt tokens, output tokens. Raises
+    ValueError naming the case when it is not three positive integers."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--cases: {text!r} is not STREAMSxPROMPTxOUTPUT (positive integers)")
+    s, p, o = map(int, parts)
+    return s, p, o
+
+
+def busy_fraction(events: list[dict], device_pids: set) -> float | None:
+    """Fraction of the span from the first to the last device kernel during which some
+    kernel ran. events: Chrome-trace events ({"ph": "X", "pid", "ts", "dur"} in us);
+    device_pids: the pids of the device's streams. None when no kernel ran."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("ph") == "X" and e.get("pid") in device_pids)
+    if not spans:
+        return None
+    busy, (cur_start, cur_end) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    total = max(end for _, end in spans) - spans[0][0]
+    return busy / total if total > 0 else 1.0
+
+
+def device_pids(events: list[dict]) -> set:
+    """The pids a perfetto trace of jax.profiler names as GPU devices ("/device:GPU:N")."""
+    return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+
+
+def trace_busy_fraction(trace_dir: Path) -> float | None:
+    """busy_fraction of the newest perfetto trace jax.profiler wrote under trace_dir."""
+    traces = sorted(trace_dir.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        return None
+    with gzip.open(traces[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return busy_fraction(events, device_pids(events))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _prompts(rng, streams: int, length: int, vocab: int) -> list[list[int]]:
+    return [rng.integers(10, vocab - 1, length).tolist() for _ in range(streams)]
+
+
+def run_case(config, case, decode_steps, cache_dir, trace_dir: Path | None,
+             bandwidth: float) -> tuple[dict, object]:
+    """One case with one decode_steps value ("auto": the config's): see the module
+    docstring. Returns its figures and the served ModelConfig."""
+    from jaxserve.api import LLM
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.worker import compile_events
+
+    import jax
+    streams, prompt_len, out_len = case
+    engine = config.engine.override(
+        max_num_seqs=max(streams, config.engine.scheduler.max_num_seqs),
+        max_model_len=max(prompt_len + out_len, config.engine.max_model_len),
+        **({} if decode_steps == "auto" else {"decode_steps": int(decode_steps)}))
+    llm = LLM(config.replace(engine=engine), cache_dir=cache_dir, warmup=False)
+    runner = llm.engine.runner
+    vocab = llm.engine.model_config.vocab_size
+    sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    llm.generate(_prompts(rng, streams, prompt_len, vocab), sp)  # compiles the shapes
+    before = compile_events.snapshot()
+    seconds = _timed(lambda: llm.generate(_prompts(rng, streams, prompt_len, vocab), sp))
+    events = compile_events.snapshot() - before
+    busy = None
+    if trace_dir is not None:
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            llm.generate(_prompts(rng, streams, prompt_len, vocab), sp)
+        busy = trace_busy_fraction(trace_dir)
+    model_cfg = llm.engine.model_config
+    weight_bytes = sum(weight_bytes_per_token(model_cfg, engine).values())
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.cache))
+    kv_per_token = cache_bytes / (runner.cache.num_pages * runner.cache.page_size)
+    step_bytes = weight_bytes + streams * (prompt_len + out_len / 2) * kv_per_token
+    bound = streams * bandwidth / step_bytes
+    tok_s = streams * out_len / seconds
+    out = {"case": "x".join(map(str, case)), "decode_steps": engine.scheduler.decode_steps,
+           "output_tok_s": tok_s, "seconds": seconds, "bound_tok_s": bound,
+           "ratio_to_bound": tok_s / bound, "weight_bytes": weight_bytes,
+           "kv_bytes_per_token": kv_per_token, "device_busy": busy,
+           "compile_events_timed": events.total}
+    return out, model_cfg
+
+
+def hf_tok_s(model_cfg, case) -> float | str:
+    """HF transformers' eager greedy `generate` on `case` with a LlamaForCausalLM of
+    model_cfg's shape (random weights, bf16 on CUDA, f32 on CPU): output tok/s of the
+    second of two calls; or why it could not run."""
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        return f"not run: {e.name} is not installed (pip install -e '.[test]')"
+    streams, prompt_len, out_len = case
+    cuda = torch.cuda.is_available()
+    cfg = LlamaConfig(vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
+                      intermediate_size=model_cfg.intermediate_size,
+                      num_hidden_layers=model_cfg.num_layers,
+                      num_attention_heads=model_cfg.num_heads,
+                      num_key_value_heads=model_cfg.num_kv_heads,
+                      head_dim=model_cfg.head_dim, rms_norm_eps=model_cfg.rms_norm_eps,
+                      max_position_embeddings=prompt_len + out_len,
+                      tie_word_embeddings=model_cfg.tie_word_embeddings)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with torch.device("cuda" if cuda else "cpu"):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    ids = torch.randint(10, model_cfg.vocab_size - 1, (streams, prompt_len),
+                        device=model.device)
+
+    def run():
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                           min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        if cuda:
+            torch.cuda.synchronize()
+    run()
+    return streams * out_len / _timed(run)
+
+
+def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="llama3_8b",
+                    help="a shipped config's name or a config file (default: llama3_8b)")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="dummy",
+                    help="dummy (default): random weights of the config's shape")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="serve only the first N layers (a smaller model of the same width)")
+    ap.add_argument("--cases", default=DEFAULT_CASES,
+                    help=f"STREAMSxPROMPTxOUTPUT, comma-separated (default: {DEFAULT_CASES})")
+    ap.add_argument("--decode-steps", default="1,auto",
+                    help="decode_steps values to run each case with; auto: the config's "
+                         "(default: 1,auto)")
+    ap.add_argument("--hf", action="store_true",
+                    help="also time HF transformers' eager generate on the same shapes")
+    ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                    help="trace a third call per case with jax.profiler into DIR and report "
+                         "the device-busy fraction")
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -> int:
+    """Run the cases; print a table (stdout) and optionally write JSON. Exit status 2 for a
+    bad flag."""
+    args = parser(prog).parse_args(argv)
+    from jaxserve.config import ConfigError, load_config
+    try:
+        cases = [parse_case(c) for c in args.cases.split(",")]
+        steps = args.decode_steps.split(",")
+        for s in steps:
+            if s != "auto" and not (s.isdigit() and int(s) > 0):
+                raise ValueError(f"--decode-steps: {s!r} is not a positive integer or auto")
+        overrides = {"load_format": args.load_format}
+        if args.num_layers is not None:
+            overrides["num_layers"] = args.num_layers
+        config = load_config(args.config).override(**overrides)
+    except (ValueError, ConfigError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    import jax
+    device = jax.devices()[0]
+    bandwidth = statistics.median(read_bandwidth_gb_s(samples=3)) * 1e9
+    print(f"{device.device_kind} ({device.platform}), read bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s, config {config.name}", flush=True)
+    results = []
+    for case in cases:
+        for s in steps:
+            trace = args.trace / f"{'x'.join(map(str, case))}-{s}" if args.trace else None
+            r, model_cfg = run_case(config, case, s, args.cache_dir, trace, bandwidth)
+            results.append(r)
+            busy = "-" if r["device_busy"] is None else f"{r['device_busy']:.0%}"
+            print(f"{r['case']:>14} decode_steps {r['decode_steps']:>2}: "
+                  f"{r['output_tok_s']:9.1f} tok/s, bound {r['bound_tok_s']:9.1f} "
+                  f"({r['ratio_to_bound']:.0%}), device busy {busy}, "
+                  f"compile events in the timed call {r['compile_events_timed']}", flush=True)
+        if args.hf:
+            name = "x".join(map(str, case))
+            hf = hf_tok_s(model_cfg, case)
+            mine = max(r["output_tok_s"] for r in results if r["case"] == name)
+            for r in results:
+                if r["case"] == name:
+                    r["hf_tok_s"] = hf
+            line = (f"{hf:9.1f} tok/s; jaxserve's best {mine / hf:.2f}x"
+                    if isinstance(hf, float) else hf)
+            print(f"{name:>14} HF transformers eager: {line}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": device.device_kind,
+                                         "read_bandwidth": bandwidth, "results": results},
+                                        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""`jaxserve bench generate` (jaxserve/bench/generate.py): the device-busy fraction of a
+trace, the case syntax, and one run end to end on dummy weights of the default config's
+shape, with the HF transformers comparison and a trace."""
+
+import json
+
+import pytest
+
+from jaxserve.bench import generate as bg
+
+
+def test_busy_fraction_is_the_union_of_kernel_intervals_over_their_span():
+    gpu, host = 7, 1
+    events = [{"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": host, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": gpu, "ts": 0, "dur": 10},
+              {"ph": "X", "pid": gpu, "ts": 5, "dur": 10},    # overlaps: 0..15 busy
+              {"ph": "X", "pid": gpu, "ts": 40, "dur": 10},   # gap 15..40
+              {"ph": "X", "pid": host, "ts": 15, "dur": 25},  # host work: not the device's
+              {"ph": "i", "pid": gpu, "ts": 100}]             # an instant: no kernel
+    pids = bg.device_pids(events)
+    assert pids == {gpu}
+    assert bg.busy_fraction(events, pids) == pytest.approx(25 / 50)
+    assert bg.busy_fraction(events, {host}) == 1.0
+    assert bg.busy_fraction(events, set()) is None
+
+
+def test_cases_and_flags_are_checked(capsys):
+    assert bg.parse_case("64x512x256") == (64, 512, 256)
+    for bad in ("64x512", "0x1x1", "ax1x1", "1x1x1x1"):
+        with pytest.raises(ValueError, match="STREAMSxPROMPTxOUTPUT"):
+            bg.parse_case(bad)
+    assert bg.main(["--cases", "1x2"]) == 2
+    assert bg.main(["--cases", "1x2x2", "--decode-steps", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("jaxserve bench generate: error: --cases: '1x2'")
+    assert "--decode-steps: '0'" in err[1]
+
+
+@pytest.mark.full  # fast tier: the parts above; its engine path is LLM.generate's
+def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
+    out = tmp_path / "r.json"
+    assert bg.main(["--config", "smollm2_135m", "--cases", "2x8x6", "--decode-steps", "1,auto",
+                    "--hf", "--trace", str(tmp_path / "trace"), "--cache-dir", str(cache_dir),
+                    "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["read_bandwidth"] > 1e9
+    assert [r["decode_steps"] for r in got["results"]] == [1, 8]  # the config's: 8
+    for r in got["results"]:
+        assert r["case"] == "2x8x6" and r["compile_events_timed"] == 0
+        assert r["output_tok_s"] > 0 and 0 < r["ratio_to_bound"] < 2
+        assert r["device_busy"] is None  # XLA:CPU: no device stream in the trace
+        assert isinstance(r["hf_tok_s"], float) and r["hf_tok_s"] > 0
+    assert list((tmp_path / "trace").rglob("perfetto_trace.json.gz"))
