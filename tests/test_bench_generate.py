@@ -49,6 +49,7 @@ def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
     for r in got["results"]:
         assert r["case"] == "2x8x6" and r["compile_events_timed"] == 0
         assert r["output_tok_s"] > 0 and 0 < r["ratio_to_bound"] < 2
+        assert r["num_steps"] > 0 and r["host_us_per_step"] > 0 and 0 < r["host_share"] < 1
         assert r["device_busy"] is None  # XLA:CPU: no device stream in the trace
         assert isinstance(r["hf_tok_s"], float) and r["hf_tok_s"] > 0
     assert list((tmp_path / "trace").rglob("perfetto_trace.json.gz"))

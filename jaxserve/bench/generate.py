@@ -18,6 +18,9 @@ call are reported and should be 0. Per case it prints:
   its mean context (P + O / 2 tokens), at the device's read bandwidth measured here (an
   XLA sum over 1 GiB, the median of three samples); the ratio tok/s / bound (prefill is
   in the timed call, not in the bound: long prompts lower the ratio);
+- the host's share of the step loop: host microseconds per engine step (Engine.stats'
+  host_seconds: `step()` time not spent waiting for the device) and their fraction of the
+  steps' time;
 - with --trace DIR, the device-busy fraction of a third, traced call: the union of the
   device's kernel intervals over the span from its first kernel to its last
   (`busy_fraction`; GPU traces only: XLA:CPU runs its ops on host threads, None there);
@@ -123,9 +126,12 @@ def run_case(config, case, decode_steps, cache_dir, trace_dir: Path | None,
     sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     rng = np.random.default_rng(0)
     llm.generate(_prompts(rng, streams, prompt_len, vocab), sp)  # compiles the shapes
-    before = compile_events.snapshot()
+    before, stats0 = compile_events.snapshot(), llm.engine.stats()
     seconds = _timed(lambda: llm.generate(_prompts(rng, streams, prompt_len, vocab), sp))
-    events = compile_events.snapshot() - before
+    events, stats1 = compile_events.snapshot() - before, llm.engine.stats()
+    num_steps = stats1.num_steps - stats0.num_steps
+    host_s = stats1.host_seconds - stats0.host_seconds
+    step_s = stats1.step_seconds - stats0.step_seconds
     busy = None
     if trace_dir is not None:
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
@@ -141,7 +147,9 @@ def run_case(config, case, decode_steps, cache_dir, trace_dir: Path | None,
     out = {"case": "x".join(map(str, case)), "decode_steps": engine.scheduler.decode_steps,
            "output_tok_s": tok_s, "seconds": seconds, "bound_tok_s": bound,
            "ratio_to_bound": tok_s / bound, "weight_bytes": weight_bytes,
-           "kv_bytes_per_token": kv_per_token, "device_busy": busy,
+           "kv_bytes_per_token": kv_per_token, "device_busy": busy, "num_steps": num_steps,
+           "host_us_per_step": 1e6 * host_s / max(num_steps, 1),
+           "host_share": host_s / step_s if step_s else None,
            "compile_events_timed": events.total}
     return out, model_cfg
 
@@ -236,7 +244,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
             busy = "-" if r["device_busy"] is None else f"{r['device_busy']:.0%}"
             print(f"{r['case']:>14} decode_steps {r['decode_steps']:>2}: "
                   f"{r['output_tok_s']:9.1f} tok/s, bound {r['bound_tok_s']:9.1f} "
-                  f"({r['ratio_to_bound']:.0%}), device busy {busy}, "
+                  f"({r['ratio_to_bound']:.0%}), host {r['host_us_per_step']:.0f} us/step "
+                  f"({r['host_share']:.0%} of the step loop), device busy {busy}, "
                   f"compile events in the timed call {r['compile_events_timed']}", flush=True)
         if args.hf:
             name = "x".join(map(str, case))
