@@ -500,8 +500,6 @@ def test_real_model_ngram_greedy_is_token_for_token_the_plain_greedy(small_llm, 
     assert drafts > 0 and gained / drafts > 0.5, "the copy prompts should accept drafts"
     # a stop inside an accepted run: the first accepted draft whose token did not occur
     # earlier in the output, as a stop token; and a max_tokens that ends a run early
-    # a stop inside an accepted run: the first accepted draft whose token did not occur
-    # earlier in the output, as a stop token; and a max_tokens that ends a run early
     prompt, ids = prompts[0], want[0]
     pos = sorted(i for i in accepted[tuple(prompt)]
                  if 3 < i < len(ids) and ids[i] not in ids[:i])
