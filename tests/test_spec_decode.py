@@ -622,8 +622,9 @@ def test_flag_and_metrics():
     from jaxserve.spec_decode.controller import SpecDecodeStats
     zeros = lambda cls, *skip: {f.name: 0 for f in dataclasses.fields(cls)  # noqa: E731
                                 if f.name not in skip}
-    events = compile_events.CompileEvents({"trace": 5, "lowering": 4, "compilation": 3,
-                                           "cache_fetch": 2}, dict.fromkeys(compile_events.KINDS, 0.5))
+    events = compile_events.CompileEvents(
+        {"trace": 5, "lowering": 4, "compilation": 3, "cache_fetch": 2},
+        dict.fromkeys(compile_events.KINDS, 0.5))
     stats = EngineStats(scheduler=SchedulerStats(**zeros(SchedulerStats)),
                         spec_decode=SpecDecodeStats(4, 12, 7, [4, 2, 1]), compile_events=events,
                         **zeros(EngineStats, "scheduler", "spec_decode", "compile_events"))

@@ -17,8 +17,9 @@ Metrics (as vLLM defines them): duration, completed / failed requests, request, 
 and total-token throughput, and mean / median / std / p99 of TTFT, TPOT, ITL and E2E latency
 in ms. If GET {server}/health returns JSON counters (jaxserve does), their deltas over the run
 are reported under "server_counters" (plus compilations_during_run,
-jax_compile_events_during_run, kv_utilization, host_overhead when the fields exist). With --launch, serve.py is started first and
-start_to_first_token_s (process start -> first streamed token) is reported.
+jax_compile_events_during_run, kv_utilization, host_overhead when the fields exist). With
+--launch, serve.py is started first and start_to_first_token_s (process start -> first
+streamed token) is reported.
 
 Importable: `load_dataset`, `run_benchmark`, `launch`, `wait_ready`, `get_model_id`,
 `start_to_first_token`, `print_summary` are used by other tools.
@@ -340,9 +341,9 @@ def counter_deltas(before: dict | None, after: dict | None) -> dict:
     """server_counters (after - before of every numeric field in both), plus
     compilations_during_run (delta num_compilations), jax_compile_events_during_run
     (delta jax_compile_events: every JAX trace, lowering, compilation and cache fetch of
-    the server process), kv_utilization (delta
-    kv_live_token_steps / delta kv_allocated_token_steps) and host_overhead (delta
-    host_seconds / delta step_seconds), each None when its fields are missing."""
+    the server process), kv_utilization (delta kv_live_token_steps / delta
+    kv_allocated_token_steps) and host_overhead (delta host_seconds / delta step_seconds),
+    each None when its fields are missing."""
     out = {"server_counters": None, "compilations_during_run": None,
            "jax_compile_events_during_run": None, "kv_utilization": None,
            "host_overhead": None}

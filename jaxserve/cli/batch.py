@@ -2,8 +2,9 @@
 every request of the input file into the output file, print this run's stats as one JSON
 line on stdout (logs go to stderr), with jax_compile_events_after_warmup: the JAX traces,
 lowerings and compilations while the batch ran (0: it ran in the warmed-up steps). Run it
-again with the same output file after an interrupt and it does only what is left. Exit status 0 when every line has a result (some
-may be errors), 1 for a bad file or flag, 2 when the engine stopped, 130 on Ctrl-C."""
+again with the same output file after an interrupt and it does only what is left. Exit
+status 0 when every line has a result (some may be errors), 1 for a bad file or flag, 2
+when the engine stopped, 130 on Ctrl-C."""
 
 from __future__ import annotations
 

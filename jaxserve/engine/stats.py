@@ -1,9 +1,10 @@
 """The engine's counters, typed: what /health reports and /metrics exports.
 
 `EngineStats` groups the scheduler's (SchedulerStats), speculative decoding's
-(SpecDecodeStats) and the step loop's own counters, and the process's JAX compile events (CompileEvents). Readers use the attributes, so a
-renamed counter fails where it is read instead of reporting 0; `as_dict` is the flat JSON
-of /health (vLLM's metric names where they exist).
+(SpecDecodeStats) and the step loop's own counters, and the process's JAX compile events
+(CompileEvents). Readers use the attributes, so a renamed counter fails where it is read
+instead of reporting 0; `as_dict` is the flat JSON of /health (vLLM's metric names where
+they exist).
 """
 
 from __future__ import annotations
