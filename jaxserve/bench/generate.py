@@ -20,7 +20,8 @@ call are reported and should be 0. Per case it prints:
   in the timed call, not in the bound: long prompts lower the ratio);
 - the host's share of the step loop: host microseconds per engine step (Engine.stats'
   host_seconds: `step()` time not spent waiting for the device) and their fraction of the
-  steps' time;
+  steps' time (on XLA:CPU the call that launches a step runs part of it on the calling
+  thread, which counts here as the host's: PERFORMANCE.md, "The host's share of a step");
 - with --trace DIR, the device-busy fraction of a third, traced call: the union of the
   device's kernel intervals over the span from its first kernel to its last
   (`busy_fraction`; GPU traces only: XLA:CPU runs its ops on host threads, None there);
