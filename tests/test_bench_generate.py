@@ -40,14 +40,16 @@ def test_cases_and_flags_are_checked(capsys):
 @pytest.mark.full  # fast tier: the parts above; its engine path is LLM.generate's
 def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
     out = tmp_path / "r.json"
-    assert bg.main(["--config", "smollm2_135m", "--cases", "2x8x6", "--decode-steps", "1,auto",
-                    "--hf", "--trace", str(tmp_path / "trace"), "--cache-dir", str(cache_dir),
-                    "--json", str(out)]) == 0
+    assert bg.main(["--config", "smollm2_135m", "--cases", "2x8x6,1x4x3",
+                    "--decode-steps", "1,auto", "--hf", "--trace", str(tmp_path / "trace"),
+                    "--cache-dir", str(cache_dir), "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["read_bandwidth"] > 1e9
-    assert [r["decode_steps"] for r in got["results"]] == [1, 8]  # the config's: 8
+    # one engine per decode_steps value (the config's: 8), each case on it
+    assert [(r["decode_steps"], r["case"]) for r in got["results"]] == [
+        (1, "2x8x6"), (1, "1x4x3"), (8, "2x8x6"), (8, "1x4x3")]
     for r in got["results"]:
-        assert r["case"] == "2x8x6" and r["compile_events_timed"] == 0
+        assert r["compile_events_timed"] == 0
         assert r["output_tok_s"] > 0 and 0 < r["ratio_to_bound"] < 2
         assert r["num_steps"] > 0 and r["host_us_per_step"] > 0 and 0 < r["host_share"] < 1
         assert r["device_busy"] is None  # XLA:CPU: no device stream in the trace

@@ -6,11 +6,12 @@ in the same run: the one command for a GPU session (issue 28's table), on CPU to
         [--json out.json]
 
 A case SxPxO is S streams of P-token random prompts, O greedy tokens each (ignore_eos).
-For each case and each decode_steps value ("auto": the config's own) an engine is built
-(`jaxserve.LLM`, warm-up off), `generate` runs once on one set of prompts (which compiles
-the case's step shapes) and is timed on another set of the same lengths (other random
-tokens, so no prefix-cache hit changes the shapes); the JAX compile events of the timed
-call are reported and should be 0. Per case it prints:
+For each decode_steps value ("auto": the config's own) one engine is built
+(`jaxserve.LLM`, warm-up off, room for the largest case) and each case runs on it:
+`generate` once on one set of prompts (which compiles the case's step shapes), then timed
+on another set of the same lengths (other random tokens, so no prefix-cache hit changes
+the shapes); the JAX compile events of the timed call are reported and should be 0. Per
+case it prints:
 
 - output tok/s (S x O tokens over the timed call, prefill included);
 - the bound: one decode step reads every projection and the LM head once, in the format
@@ -37,6 +38,7 @@ issue 28's first GPU run (PERFORMANCE.md, "Nothing compiled after warm-up").
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import statistics
@@ -108,25 +110,32 @@ def _prompts(rng, streams: int, length: int, vocab: int) -> list[list[int]]:
     return [rng.integers(10, vocab - 1, length).tolist() for _ in range(streams)]
 
 
-def run_case(config, case, decode_steps, cache_dir, trace_dir: Path | None,
-             bandwidth: float) -> dict:
-    """One case with one decode_steps value ("auto": the config's): see the module
-    docstring. Returns its figures (bandwidth: bytes per second)."""
+def build_llm(config, cases, decode_steps, cache_dir):
+    """The engine the cases run on with one decode_steps value ("auto": the config's):
+    `jaxserve.LLM` with warm-up off, max_num_seqs and max_model_len raised to hold the
+    largest case."""
     from jaxserve.api import LLM
+
+    engine = config.engine.override(
+        max_num_seqs=max([s for s, _, _ in cases] + [config.engine.scheduler.max_num_seqs]),
+        max_model_len=max([p + o for _, p, o in cases] + [config.engine.max_model_len]),
+        **({} if decode_steps == "auto" else {"decode_steps": int(decode_steps)}))
+    return LLM(config.replace(engine=engine), cache_dir=cache_dir, warmup=False)
+
+
+def run_case(llm, case, trace_dir: Path | None, bandwidth: float) -> dict:
+    """One case on `llm` (`build_llm`): see the module docstring. Returns its figures
+    (bandwidth: bytes per second)."""
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.worker import compile_events
 
     import jax
     streams, prompt_len, out_len = case
-    engine = config.engine.override(
-        max_num_seqs=max(streams, config.engine.scheduler.max_num_seqs),
-        max_model_len=max(prompt_len + out_len, config.engine.max_model_len),
-        **({} if decode_steps == "auto" else {"decode_steps": int(decode_steps)}))
-    llm = LLM(config.replace(engine=engine), cache_dir=cache_dir, warmup=False)
+    engine = llm.engine.engine_config
     runner = llm.engine.runner
     vocab = llm.engine.model_config.vocab_size
     sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(list(case))  # each case its own prompts: no prefix hits
     llm.generate(_prompts(rng, streams, prompt_len, vocab), sp)  # compiles the shapes
     before, stats0 = compile_events.snapshot(), llm.engine.stats()
     seconds = _timed(lambda: llm.generate(_prompts(rng, streams, prompt_len, vocab), sp))
@@ -253,10 +262,11 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
     print(f"{device.device_kind} ({device.platform}), read bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, config {config.name}", flush=True)
     results = []
-    for case in cases:
-        for s in steps:
+    for s in steps:  # one engine per decode_steps value, freed before the next is built
+        llm = build_llm(config, cases, s, args.cache_dir)
+        for case in cases:
             trace = args.trace / f"{'x'.join(map(str, case))}-{s}" if args.trace else None
-            r = run_case(config, case, s, args.cache_dir, trace, bandwidth)
+            r = run_case(llm, case, trace, bandwidth)
             results.append(r)
             busy = "-" if r["device_busy"] is None else f"{r['device_busy']:.0%}"
             print(f"{r['case']:>14} decode_steps {r['decode_steps']:>2}: "
@@ -264,6 +274,9 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
                   f"({r['ratio_to_bound']:.0%}), host {r['host_us_per_step']:.0f} us/step "
                   f"({r['host_share']:.0%} of the step loop), device busy {busy}, "
                   f"compile events in the timed call {r['compile_events_timed']}", flush=True)
+        del llm
+        gc.collect()
+    for case in cases:
         if case in hf:
             name = "x".join(map(str, case))
             mine = max(r["output_tok_s"] for r in results if r["case"] == name)
