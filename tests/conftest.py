@@ -26,6 +26,7 @@ def pytest_configure(config):
     and every compilation of a script that builds no engine (tests/tp_check.py: 53 s ->
     17 s warm), starts from nothing. JAX reads these variables when it is imported: set
     here, before any test imports it; a value already in the environment is kept."""
+    # default_cache_dir()'s rule, written out: importing jaxserve.checkpoint imports JAX
     cache = Path(os.environ.get("JAXSERVE_CACHE_DIR") or Path.home() / ".cache" / "jaxserve")
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "xla"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

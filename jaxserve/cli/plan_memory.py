@@ -27,7 +27,7 @@ from jaxserve.cli.args import BATCH_FLAGS, apply_flags
 from jaxserve.config import ConfigError, load_config
 from jaxserve.config.args import add_flags
 from jaxserve.engine.builder import resolve_model_config
-from jaxserve.worker.device_memory import host_available_bytes, memory_name
+from jaxserve.worker.device_memory import cpu_device_bytes, memory_name
 from jaxserve.worker.memory_plan import GiB, check_fits, plan_memory
 
 GPU_GIB = 80.0  # --device-gib's default on GPU: an 80 GB H100 / A100
@@ -59,7 +59,7 @@ def main(argv=None, prog: str = "jaxserve plan-memory") -> int:
     if args.device_gib is not None:
         device_bytes = int(args.device_gib * GiB)
     elif args.platform == "cpu":
-        device_bytes = host_available_bytes() // n
+        device_bytes = cpu_device_bytes(n)  # as build_engine measures it
     else:
         device_bytes = int(GPU_GIB * GiB)
     print(f"{cfg.name}: {model.num_layers} layers, dtype {model.dtype}, tensor parallel "

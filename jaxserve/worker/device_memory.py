@@ -72,14 +72,20 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cpu_device_bytes(num_devices: int) -> int:
+    """Bytes each of `num_devices` CPU devices (simulated ones share the host) can still
+    hold: host_available_bytes() split evenly over them."""
+    return host_available_bytes() // max(1, num_devices)
+
+
 def device_available_bytes(devices: Sequence) -> int:
     """Bytes one of `devices` (jax Devices: the engine's local ones) can still hold: for
     devices with memory stats, min over them of bytes_limit - bytes_in_use; for CPU
-    devices, host_available_bytes() split evenly over them."""
+    devices, cpu_device_bytes."""
     stats = [d.memory_stats() for d in devices]
     if all(s and "bytes_limit" in s for s in stats):
         return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-    return host_available_bytes() // max(1, len(devices))
+    return cpu_device_bytes(len(devices))
 
 
 def memory_name(platform: str, num_devices: int) -> str:
