@@ -5,6 +5,9 @@ float32 weights with llama.cpp's q/k permutation undone, and a tokenizer rebuilt
 vocabulary. Reading the GGUF takes ~14 s for the model (kept as safetensors beside it after
 the first time) and ~4 s for the tokenizer; conftest.py wraps both in session fixtures
 (`hf_smollm2_model`, `hf_smollm2_tokenizer`).
+
+HF's greedy decoding (`hf_greedy`, ~60 ms a token on the 2-core VM: ~4 s for 64 tokens)
+is memoised on disk beside the kept model, per machine and inputs (`_memo`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def load_gguf_model(gguf_path: str | Path):
     p = Path(gguf_path)
     kept = p.parent / f"{p.stem}.hf-float32-transformers-{transformers.__version__}"
     if kept.is_dir():
-        return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
+        return _with_memo_dir(
+            AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval(), kept)
     model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name,
                                                  dtype=torch.float32).eval()
     tmp = kept.with_name(f"{kept.name}.tmp-{uuid.uuid4().hex}")
@@ -49,7 +53,47 @@ def load_gguf_model(gguf_path: str | Path):
         os.rename(tmp, kept)
     except OSError:  # another process kept it first
         shutil.rmtree(tmp, ignore_errors=True)
+    return _with_memo_dir(model, kept)
+
+
+def _with_memo_dir(model, kept: Path):
+    """`model` with the directory of its memoised outputs (`_memo`) beside its kept
+    weights."""
+    model.jaxserve_memo_dir = kept.with_name(kept.name + ".memo")
     return model
+
+
+def _memo(model, name: str, inputs, compute):
+    """compute() (JSON-able), stored on disk for `model` (a `load_gguf_model` model; any
+    other model computes every time) and remembered by everything its value depends on:
+    `name`, `inputs`, the torch version, torch's thread count (its reductions split by
+    threads) and the CPU's flags (this project's machines vary: AMD EPYC, Intel Xeon with
+    AMX). The weights' transformers version names the directory."""
+    import hashlib
+    import os
+    import uuid
+
+    import torch
+    directory = getattr(model, "jaxserve_memo_dir", None)
+    if directory is None:
+        return compute()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    key = hashlib.sha256(json.dumps([name, inputs, torch.__version__, torch.get_num_threads(),
+                                     flags]).encode()).hexdigest()
+    path = Path(directory) / f"{name}-{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)  # whole or not at all
+    return value
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,16 +197,22 @@ def assert_checkpoint_equals_hf(ckpt, model) -> None:
 
 
 def hf_greedy(hf_model, ids, n):
-    """HF greedy loop (KV cache): tokens and the top-2 logit margin at each step."""
+    """HF greedy loop (KV cache): n tokens and the top-2 logit margin at each step
+    (memoised on disk for a `load_gguf_model` model: `_memo`)."""
     import torch
-    tokens, margins = [], []
-    with torch.no_grad():
-        out = hf_model(torch.tensor([ids]), use_cache=True)
-        for _ in range(n):
-            logits = out.logits[0, -1]
-            top2 = torch.topk(logits, 2).values
-            margins.append(float(top2[0] - top2[1]))
-            tokens.append(int(logits.argmax()))
-            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
-                           use_cache=True)
+
+    def compute():
+        tokens, margins = [], []
+        with torch.no_grad():
+            out = hf_model(torch.tensor([ids]), use_cache=True)
+            for _ in range(n):
+                logits = out.logits[0, -1]
+                top2 = torch.topk(logits, 2).values
+                margins.append(float(top2[0] - top2[1]))
+                tokens.append(int(logits.argmax()))
+                out = hf_model(torch.tensor([[tokens[-1]]]),
+                               past_key_values=out.past_key_values, use_cache=True)
+        return tokens, margins
+
+    tokens, margins = _memo(hf_model, "greedy", [[int(t) for t in ids], int(n)], compute)
     return tokens, margins
