@@ -74,17 +74,13 @@ def _memo(model, name: str, inputs, compute):
     import uuid
 
     import torch
+
+    from jaxserve.kernels.cpu.build import _cpu_flags  # what the kernels' build key uses
     directory = getattr(model, "jaxserve_memo_dir", None)
     if directory is None:
         return compute()
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
     key = hashlib.sha256(json.dumps([name, inputs, torch.__version__, torch.get_num_threads(),
-                                     flags]).encode()).hexdigest()
+                                     _cpu_flags()]).encode()).hexdigest()
     path = Path(directory) / f"{name}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
