@@ -38,14 +38,17 @@ def main(tp: int, cache_dir: str) -> None:
     plan = plan_memory(config, runner.model_cfg, platform="cpu")
     shapes = runner.shapes.warmup()
     biggest = [max((s for s in shapes if s[0] == kind and s[4] == 1), key=lambda s: (s[1], s[3]))
-               for kind in ("mixed", "decode")]
+               for kind in ("mixed", "decode", "sample")]
     runner.warmup(biggest)
+    resident = device0_bytes(runner.params) + device0_bytes(runner.cache)
     peak = temp = 0
-    for exe in runner._compiled.values():
+    for key, exe in runner._compiled.items():
         m = exe.memory_analysis()
         temp = max(temp, m.temp_size_in_bytes)
+        # the sampler program runs beside the weights and the KV pool, not its arguments
         peak = max(peak, m.argument_size_in_bytes + m.temp_size_in_bytes
-                   + m.output_size_in_bytes - m.alias_size_in_bytes)
+                   + m.output_size_in_bytes - m.alias_size_in_bytes
+                   + (resident if key.kind == "sample" else 0))
     print(json.dumps({
         "plan": {"weights": plan.weights, "kv_pool": plan.kv_pool,
                  "activations": plan.activations, "total": plan.total},

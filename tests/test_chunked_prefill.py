@@ -52,7 +52,7 @@ def test_chunked_prefill_equals_whole_prompt_prefill(params):
     assert any(n % 4 for n in chunk_rows), "a chunk ended mid-page"
     for engine in (whole, chunked):
         assert engine.pool.num_free == engine.pool.capacity
-    assert {k.kind for k in chunked.runner._compiled} == {"mixed", "decode"}
+    assert {k.kind for k in chunked.runner._compiled} == {"mixed", "decode", "sample"}
 
 
 @pytest.mark.full  # fast tier: tests/test_engine_real.py's no compilation after warm-up

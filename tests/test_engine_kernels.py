@@ -232,6 +232,8 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     calls = {}
     shapes = StepShapes(ecfg, bucket_pages=PallasAttention().pads_pages).warmup()
     for kind, T, B, P, _ in shapes:
+        if kind == "sample":  # the sampler program calls no kernel
+            continue
         if kind == "decode":
             calls[("decode", B, P)] = (functools.partial(paged_attention, impl="pallas"),
                                        (S((B, H, Dh), dtype), pages, pages, S((B, P), i32), S((B,), i32)))
@@ -247,7 +249,7 @@ def _matmul_calls(model_cfg, ecfg: EngineConfig, dtype):
 
     S = jax.ShapeDtypeStruct
     layer = abstract_params(model_cfg).layers[0]
-    ms = sorted({T for _, T, _, _, _ in StepShapes(ecfg).warmup()})
+    ms = sorted({T for kind, T, _, _, _ in StepShapes(ecfg).warmup() if kind != "sample"})
     calls = {}
     for fmt, group in (("int8", None), ("int8", 128), ("fp8_e4m3", None)):
         wdt = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn
@@ -290,11 +292,12 @@ def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
 
 @pytest.mark.parametrize("kind", ["decode", "mixed", "verify"])
 def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
-    """The jitted engine step (forward, logits, sampling; a verify step: logits at every
-    row, rejection sampling) of a SmolLM2-shaped model with Pallas attention and int8
-    Pallas matmuls, bf16, lowered for CUDA."""
-    from jaxserve.worker.compilation import StepKey, abstract_inputs
-    from jaxserve.worker.step import model_step, verify_step
+    """The jitted engine step of a SmolLM2-shaped model with Pallas attention and int8
+    Pallas matmuls, bf16, lowered for CUDA: a one-token step's two programs (forward to
+    the logits; sampling), a multi-step decode, a verify step (logits at every row,
+    rejection sampling)."""
+    from jaxserve.worker.compilation import StepKey, abstract_inputs, abstract_sample_inputs
+    from jaxserve.worker.step import forward_step, model_step, sample_step, verify_step
 
     cfg = tiny_config(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       num_layers=2, vocab_size=4096, dtype="bfloat16")
@@ -311,8 +314,18 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
                       None, None, pool)
     else:
         prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
-        text = _lower(functools.partial(model_step, **static), params, cache, batch, sampling,
-                      prev_tokens, prev_index, None, None, pool)
+        text = _lower(functools.partial(forward_step, **static), params, cache, batch,
+                      sampling.prompt_targets, prev_tokens, prev_index, None, None, pool)
+        if kind == "decode":  # multi-step decode: forward and sampler in one loop
+            multi = _lower(functools.partial(model_step, **static, num_steps=4), params,
+                           cache, batch, sampling, prev_tokens, prev_index, None, None, pool)
+            assert multi.count("xla.gpu.triton") == 1 + 4
+        logits, smp, block_tables, num_context = abstract_sample_inputs(
+            key.S, 16, None, None, 300, cfg.vocab_size)
+        sampler = jax.jit(functools.partial(
+            sample_step, page_size=16, max_rows=32, rules=None, kernels=static["kernels"],
+            num_top=20)).trace(logits, smp, pool, block_tables, num_context)
+        sampler.lower(lowering_platforms=("cuda",))
     # identical kernel calls are lowered once and shared: attention + the 4 distinct
     # projection shapes (576x576, 576x192, 576x1536, 1536x576)
     assert text.count("xla.gpu.triton") == 1 + 4

@@ -92,25 +92,30 @@ def run_counting_steps(engine, requests):
 def test_constrained_and_free_requests_share_steps(params):
     """Regex, choice and JSON-schema requests (sampled, temperature 1) beside a free one:
     every constrained output matches its constraint; the free request's tokens are those
-    it gets alone, and it finishes after as many engine steps (a constrained request
-    waits for its last token before its next step; nobody else waits for it); some steps
-    held constrained and free rows together."""
+    it gets alone, and it finishes after as many engine steps (nobody waits for a
+    constrained request); a constrained request takes every step too (its grammar's
+    bitmask goes to the sampler half of the step, after its last token is read): its
+    steps past its tokens are no more than a free request's; some steps held
+    constrained and free rows together."""
     free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone, alone_steps = run_counting_steps(tiny_engine(params), [("free", [65, 66], free)])
 
     engine = tiny_engine(params)
-    mixed_steps = []
-    dispatch = engine.runner.dispatch
+    mixed_steps, live = [], []
+    forward, sample = engine.runner.dispatch_forward, engine.runner.dispatch_sample
 
-    def spy(batch, sampling, num_steps=1, prev_index=None):
+    def forward_spy(batch, sampling, prev_index=None):
+        live.append(int(np.sum(np.asarray(batch.seq_lens) > 0)))
+        return forward(batch, sampling, prev_index)
+
+    def sample_spy(fwd, sampling):
         c = sampling.controls
         if c is not None:
             constrained = int(np.sum(np.any(np.asarray(c.allowed) != -1, axis=1)))
-            live = int(np.sum(np.asarray(batch.seq_lens) > 0))
-            mixed_steps.append((constrained, live))
-        return dispatch(batch, sampling, num_steps, prev_index)
+            mixed_steps.append((constrained, live[-1]))
+        return sample(fwd, sampling)
 
-    engine.runner.dispatch = spy
+    engine.runner.dispatch_forward, engine.runner.dispatch_sample = forward_spy, sample_spy
     so = {
         "regex": StructuredOutput("regex", "[a-c]{3}-[0-9]{2}"),
         "choice": StructuredOutput("choice", json.dumps(["alpha", "beta gamma"])),
@@ -125,11 +130,13 @@ def test_constrained_and_free_requests_share_steps(params):
     value = json.loads(done["json"].text)
     assert set(value) == {"n", "tag"} and isinstance(value["n"], int)
     assert value["tag"] in ("red", "blue")
+    free_extra = alone_steps["free"] - len(alone["free"].token_ids)
     for k in so:
         assert done[k].finish_reason == "stop", k
+        assert steps[k] - len(done[k].token_ids) <= free_extra, (k, steps[k], free_extra)
     assert done["free"].token_ids == alone["free"].token_ids
     assert steps["free"] == alone_steps["free"], "the free request was never held up"
-    assert any(0 < c < live for c, live in mixed_steps), "a step held both kinds"
+    assert any(0 < c < n for c, n in mixed_steps), "a step held both kinds"
 
 
 def test_constrained_request_refused_by_the_engine_fails_alone(params):

@@ -42,7 +42,8 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
     ValueError if it is not there, or a PLACEHOLDER is not the one token of a sequence's
     chunk.
 
-    The sampling batch carries the sequences' logits controls (`Sequence.controls`) and,
+    The sampling batch carries the sequences' logits controls (`Sequence.controls`; the
+    grammars' bitmasks are left to the engine: `constrained_rows`) and,
     for a sequence still needing prompt logprobs, the prompt token after each of its
     prompt rows (`SamplingBatch.prompt_targets`), only when some sequence has them."""
     seqs, num_new = plan.seqs, plan.num_new
@@ -93,9 +94,9 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
 
 
 def _controls(seqs, S: int) -> LogitsControls | None:
-    """The logits-controls table of a step's sequences (row i: seqs[i]'s packed row, and
-    its grammar's bitmask for the token it samples next), or None when none uses a
-    control."""
+    """The logits-controls table of a step's sequences (row i: seqs[i]'s packed row; a
+    structured-output sequence's bitmask row allows every token until the engine fills
+    in its grammar's, `constrained_rows`), or None when none uses a control."""
     rows = [(i, s) for i, s in enumerate(seqs) if s.controls is not None]
     if not rows:
         return None
@@ -104,9 +105,15 @@ def _controls(seqs, S: int) -> LogitsControls | None:
     for i, s in rows:
         for name, value in dataclasses.asdict(s.controls).items():
             getattr(c, name)[i] = value
-        if s.matcher is not None:  # structured output: the grammar's next-token bitmask
-            s.matcher.fill_bitmask(c.allowed[i])
     return c
+
+
+def constrained_rows(plan: SchedulerOutput) -> list[int]:
+    """The rows of `plan`'s sampling batch whose sequence samples under a grammar
+    (structured output): the engine writes each one's next-token bitmask into
+    `controls.allowed[row]` once the tokens before it are read."""
+    return [i for i, (s, samples) in enumerate(zip(plan.seqs, plan.samples))
+            if samples and s.matcher is not None]
 
 
 def _prompt_targets(seqs, num_new: list[int], T: int) -> np.ndarray | None:

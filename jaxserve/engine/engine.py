@@ -16,7 +16,12 @@ those tokens from device memory. When no request waits, a decode step may sample
 num_scheduler_steps): the sequences then carry that many placeholders, and tokens after
 a stop are dropped. A sequence that stops on a token it could not foresee (EOS, stop
 string) has one wasted row in the step after; one that reaches max_tokens /
-max_model_len sits that step out. Source: vLLM v1 async scheduling; JetStream's overlapped detokenisation.
+max_model_len sits that step out. A one-token step runs as two programs, the forward and
+the sampler: a structured-output sequence takes every step, its forward dispatched before
+its last token is read, and the sampler half, with the grammar's bitmask for its next token,
+dispatched once that token is read and processed, while the forward runs (vLLM v1's
+execute_model / sample_tokens with the grammar bitmask). Source: vLLM v1 async scheduling;
+JetStream's overlapped detokenisation.
 Requests join (`add_request`) and leave (finish, `abort_request`) between any two steps.
 
 Not thread-safe: one thread drives it (`AsyncEngine` for the server, a plain loop for
@@ -38,7 +43,7 @@ import logging
 import time
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
-from jaxserve.engine.batch_builder import step_batch
+from jaxserve.engine.batch_builder import constrained_rows, step_batch
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
@@ -167,6 +172,8 @@ class Engine:
         launched = self._execute(scheduled) if scheduled is not None else None
         if self._inflight is not None:
             wait += self._update(self._inflight)
+        if launched is not None and launched.pending_sample is not None and not self._kv_lost:
+            self._sample(launched)  # the tokens its grammars wait for are read now
         self._inflight = launched
         if self._kv_lost:
             # the step launched over the lost pool is abandoned: _reset_kv recomputes its
@@ -182,7 +189,15 @@ class Engine:
     # --- execute -----------------------------------------------------------------------
 
     def _execute(self, scheduled: SchedulerOutput) -> InflightStep | None:
-        """Pack and dispatch a scheduled step; None if that failed (its requests failed)."""
+        """Pack and dispatch a scheduled step; None if that failed (its requests failed).
+
+        A one-token step is dispatched in two halves (Runner.dispatch_forward, then
+        dispatch_sample): when one of its sequences samples under a grammar, the sampler
+        half waits (`pending_sample`) until the previous step's tokens are read and the
+        grammars' bitmasks can be computed (`_sample`, while the forward runs). Multi-step
+        decode and verify steps hold no such sequence whose token is pending (the first is
+        never planned with a grammar, the second only after the previous step is read):
+        their bitmasks are filled in now."""
         prev_rows = self._inflight.row_of() if self._inflight else {}
         try:
             batch, sampling, prev_index = step_batch(scheduled, self.runner.shapes, prev_rows)
@@ -191,9 +206,16 @@ class Engine:
             for seq in scheduled.seqs:
                 self._fail(seq, f"building the step failed: {e!r}")
             return None
+        split = not scheduled.verify and scheduled.num_steps == 1
+        constrained = constrained_rows(scheduled)
         rows = self.runner.shapes.verify_rows if scheduled.verify else scheduled.num_steps
+        handle = pending = None
         try:
-            handle = self.runner.dispatch(batch, sampling, rows, prev_index)
+            if split and constrained:
+                pending = self.runner.dispatch_forward(batch, sampling, prev_index), sampling
+            else:
+                self._fill_masks(scheduled, sampling, constrained)
+                handle = self.runner.dispatch(batch, sampling, rows, prev_index)
         except Exception as e:  # compile or launch failed; the donated pool may be gone
             self._device_failure(scheduled.seqs, e)
             return None
@@ -203,7 +225,33 @@ class Engine:
         pool = self.pool
         self._kv_live_token_steps += sum(s.num_computed for s in self.scheduler.running)
         self._kv_allocated_token_steps += (pool.capacity - pool.num_free) * pool.page_size
-        return InflightStep(scheduled, first_index, handle, starts)
+        return InflightStep(scheduled, first_index, handle, starts, pending)
+
+    def _sample(self, step: InflightStep) -> None:
+        """Dispatch the sampler half of `step`, its grammars' bitmasks filled in (the
+        tokens before them are read); a launch failure fails the step's requests."""
+        forward, sampling = step.pending_sample
+        step.pending_sample = None
+        self._fill_masks(step.scheduled, sampling, constrained_rows(step.scheduled))
+        try:
+            step.handle = self.runner.dispatch_sample(forward, sampling)
+        except Exception as e:
+            self._device_failure(step.scheduled.seqs, e)
+
+    def _fill_masks(self, scheduled: SchedulerOutput, sampling, rows: list[int]) -> None:
+        """Write the next-token bitmask of each constrained sequence at `rows` into its row
+        of sampling.controls.allowed (jaxserve.sample.grammar); one that finished meanwhile
+        keeps the all-allowed row (its token is dropped), one whose matcher raises fails
+        alone."""
+        for i in rows:
+            seq = scheduled.seqs[i]
+            if seq.finished:
+                continue
+            try:
+                seq.matcher.fill_bitmask(sampling.controls.allowed[i])
+            except Exception as e:
+                log.exception("the grammar of request %r failed", seq.request_id)
+                self._fail(seq, f"computing its grammar's bitmask failed: {e!r}")
 
     # --- update ------------------------------------------------------------------------
 

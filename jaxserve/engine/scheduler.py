@@ -35,8 +35,8 @@ every step (SchedulerConfig checks it), so a prompt's chunks follow the decodes 
 completes among any number of streams.
 
 Besides the plan, `schedule()` decides everything else the step needs (SchedulerOutput):
-the sequences held out of it (their pending token is their last, or their grammar needs
-it first), the drafts to verify (asked of the SpecDecodeController), and how many tokens
+the sequences held out of it (their pending token is their last), the drafts to verify
+(asked of the SpecDecodeController), and how many tokens
 each sequence samples (multi-step decode bursts, pages reserved for them).
 
 Writes, of a Sequence: `output_ids` (PLACEHOLDERs at launch, the tokens read back, the
@@ -98,7 +98,8 @@ class SchedulerOutput:
 class InflightStep:
     """A dispatched step whose sampled tokens are not read yet: what was scheduled, each
     sequence's output index of the first token it samples (`first_index`, batch order;
-    None for a prompt chunk that does not sample) and the runner's handle to fetch them.
+    None for a prompt chunk that does not sample) and the runner's handle to fetch them
+    (None while its sampler half waits: `pending_sample`).
     While it runs, each sampling sequence ends in `scheduled.num_steps` PLACEHOLDER
     outputs; the next step reads the last of them on device, from the row `row_of` gives."""
 
@@ -106,6 +107,9 @@ class InflightStep:
     first_index: list[int | None]
     handle: object
     chunk_starts: list[int] | None = None  # each sequence's first position in the step
+    # a split step whose sampler half waits for its grammars' bitmasks (Engine._sample):
+    # (the runner's forward handle, the step's SamplingBatch); handle is None until then
+    pending_sample: tuple | None = None
 
     def row_of(self) -> dict[Sequence, int]:
         """{sequence: its row in this step's batch} for the sequences that sampled."""
@@ -177,15 +181,15 @@ class Scheduler:
         there is nothing to run.
 
         Held sequences: those whose pending token is their last (max_tokens or
-        max_model_len) and constrained ones whose pending token is not read yet (their
-        grammar's mask for the next token needs it); they keep their pages, and their
-        mask is computed while this step runs. can_propose: whether drafts may be asked
+        max_model_len); they keep their pages. A constrained (structured-output) sequence
+        whose pending token is not read yet runs: its grammar's bitmask is filled in after
+        the step's forward is dispatched, once that token is read (Engine._sample).
+        can_propose: whether drafts may be asked
         for (every sequence's tokens are read: no step in flight); whether speculation is
         on for this step is decided once, before planning."""
         limit = self.cfg.max_model_len
         hold = frozenset(s for s in self.running if s.has_placeholder and (
-            len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= limit
-            or s.matcher is not None))
+            len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= limit))
         speculating = self.spec_active()
         drafts = self.spec.propose(self.running, hold) if speculating and can_propose else None
         out = self._plan(hold, drafts)

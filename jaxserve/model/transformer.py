@@ -176,6 +176,19 @@ def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | Non
                          check_vma=False)(hidden, params.embed, params.lm_head)
 
 
+def logits_sharding(params: Params, rules: ShardingRules | None, vocab_size: int
+                    ) -> NamedSharding | None:
+    """The sharding of `compute_logits`' [rows, vocab] output: split over the vocabulary
+    as the LM head is under tensor parallelism, else as the rules place the `vocab` axis;
+    None without a mesh (one device)."""
+    if rules is None:
+        return None
+    axis = tp.tp_axis(rules)
+    if axis is None:
+        return rules.sharding((None, "vocab"), (1, vocab_size))
+    return NamedSharding(rules.mesh, PartitionSpec(None, tp.vocab_axis(params, rules)))
+
+
 def pin_lm_head(params: Params, rules: ShardingRules | None) -> Params:
     """params with the embedding and LM head constrained to their tensor-parallel
     shardings: for `compute_logits` inside a loop body, where the weights it closes over

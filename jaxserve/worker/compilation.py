@@ -96,7 +96,9 @@ class StepShapes:
         return S * self.verify_rows, S, bucket_for(max_pages, self.page_buckets)
 
     def warmup(self) -> list[tuple[str, int, int, int, int]]:
-        """Every (kind, T, S, P, n) the engine can run: what warm-up compiles."""
+        """Every (kind, T, S, P, n) the engine can run: what warm-up compiles (a
+        one-token mixed or decode shape is its forward program; the sampler programs
+        that follow them are ("sample", 0, S, 0, 1), one per sequence bucket)."""
         shapes = [("mixed", T, S, P, 1) for T in self.token_buckets
                   for S in self.seq_buckets for P in self.page_buckets]
         steps = sorted({1, self.decode_steps})
@@ -104,13 +106,18 @@ class StepShapes:
                    for P in self.page_buckets for n in steps]
         shapes += [("verify", S * self.verify_rows, S, P, self.verify_rows)
                    for S in self.verify_seq_buckets for P in self.page_buckets]
+        shapes += [("sample", 0, S, 0, 1) for S in self.seq_buckets]
         return shapes
 
 
 class StepKey(NamedTuple):
     """A compiled step shape: kind "mixed", "decode" or "verify", T token rows, S
     sequences, P block-table pages per sequence, n tokens sampled per sequence (multi-step
-    decode; a verify step: the positions each sequence samples at, 1 + its drafts)."""
+    decode; a verify step: the positions each sequence samples at, 1 + its drafts).
+
+    A mixed or decode key with n = 1 (`split`) is the forward half of a one-token step
+    (jaxserve.worker.step.forward_step); its sampler half is the key ("sample", 0, S, 0, 1)
+    (`sample_key`, jaxserve.worker.step.sample_step). Other keys are whole steps."""
 
     kind: str
     T: int
@@ -125,6 +132,16 @@ class StepKey(NamedTuple):
                        batch.logits_indices.shape[1])
         return cls("decode" if batch.decode else "mixed", batch.tokens.shape[0],
                    *batch.block_tables.shape, num_steps)
+
+    @property
+    def split(self) -> bool:
+        """Whether this step runs as a forward program, then a sampler program."""
+        return self.kind in ("mixed", "decode") and self.n == 1
+
+    @property
+    def sample_key(self) -> "StepKey":
+        """The sampler program's key of a split step's S sequences."""
+        return StepKey("sample", 0, self.S, 0, 1)
 
 
 def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
@@ -148,3 +165,17 @@ def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
                              num_logprobs=s((S,), i32), controls=controls,
                              prompt_targets=s((T,), i32) if key.kind == "mixed" else None)
     return batch, sampling, s((T,), i32)
+
+
+def abstract_sample_inputs(S: int, max_pages: int, sharding, logits_sharding,
+                           max_logit_bias: int, vocab_size: int) -> tuple:
+    """The sampler program's inputs for S sequences as ShapeDtypeStructs (what it is
+    compiled ahead of time for; jaxserve.worker.step.sample_step): logits [S, vocab] f32
+    placed with `logits_sharding` (the forward's), the sampling arrays (no prompt
+    targets), block_tables [S, max_pages] int32 and num_context [S] int32."""
+    _, sampling, _ = abstract_inputs(StepKey("decode", S, S, 1, 1), sharding, max_logit_bias,
+                                     vocab_size)
+    logits = jax.ShapeDtypeStruct((S, vocab_size), jnp.float32, sharding=logits_sharding)
+    return (logits, sampling,
+            jax.ShapeDtypeStruct((S, max_pages), jnp.int32, sharding=sharding),
+            jax.ShapeDtypeStruct((S,), jnp.int32, sharding=sharding))

@@ -30,16 +30,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.input_batch import empty_batch
-from jaxserve.worker.compilation import StepKey, StepShapes, abstract_inputs
+from jaxserve.worker.compilation import (StepKey, StepShapes, abstract_inputs,
+                                         abstract_sample_inputs)
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.params import Params
 from jaxserve.model.inputs import StepBatch
-from jaxserve.model.transformer import Kernels
+from jaxserve.model.transformer import Kernels, logits_sharding
 from jaxserve.sample.logits_processors import LogitsControls
 from jaxserve.sample.sampler import SamplingBatch
 from jaxserve.distributed.sharding import ShardingRules
 from jaxserve.spec_decode.draft_model import Drafter
-from jaxserve.worker.step import model_step, verify_step
+from jaxserve.worker.step import forward_step, model_step, sample_step, verify_step
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ class Runner:
                                static_argnames=("num_steps",))
         self._jitted_verify = jax.jit(functools.partial(verify_step, **static),
                                       donate_argnums=(1, 5, 6))
+        self._jitted_forward = jax.jit(functools.partial(forward_step, **static),
+                                       donate_argnums=(1, 7, 8))
+        self.max_pages = engine_cfg.max_pages_per_seq
+        self._logits_sharding = (logits_sharding(params, rules, model_cfg.vocab_size)
+                                 or self._replicated)
         self._compiled: dict[StepKey, object] = {}
         self._futures: dict[StepKey, Future] = {}
         self._lock = threading.Lock()           # compiled shapes, futures, counters
@@ -85,6 +91,12 @@ class Runner:
         self.compile_seconds = 0.0
         # The last dispatched step's sampled tokens, on device, padded to max_rows.
         self.max_rows = max(self.shapes.seq_buckets)
+        self._jitted_sample = jax.jit(
+            functools.partial(sample_step, page_size=cache.page_size, max_rows=self.max_rows,
+                              rules=rules, kernels=self.kernels, num_top=self.num_top),
+            donate_argnums=(2,))
+        # a follower's (Runner.follow) forward half whose sampler half has not come yet
+        self._follow_forward: ForwardHandle | None = None
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
         # every sequence's tokens at their KV slots (jaxserve.sample.logits_processors)
         self.token_pool = self._zero_token_pool()
@@ -102,16 +114,18 @@ class Runner:
         return jnp.zeros((self.cache.num_pages * self.cache.page_size,), jnp.int32,
                          device=self._replicated)
 
+    def _cached(self, name: str, size: int, make):
+        """A device-resident neutral input (`make()`'s arrays, replicated), made once."""
+        value = self._neutral.get((name, size))
+        if value is None:
+            value = self._neutral[(name, size)] = jax.device_put(make(), self._replicated)
+        return value
+
     def _complete(self, key: StepKey, sampling: SamplingBatch) -> SamplingBatch:
         """`sampling` with its optional inputs the compiled step takes filled in: neutral
         logits controls and no prompt-logprob targets (cached device arrays), num_logprobs
         0; prompt_targets dropped from a step that is not mixed."""
-        def cached(name, size, make):
-            value = self._neutral.get((name, size))
-            if value is None:
-                value = self._neutral[(name, size)] = jax.device_put(make(), self._replicated)
-            return value
-
+        cached = self._cached
         S, T = key.S, key.T
         fill = {}
         if sampling.num_logprobs is None:
@@ -129,17 +143,29 @@ class Runner:
 
     def _compile(self, key: StepKey):
         t0 = time.perf_counter()
+        pool = _abstract(self.token_pool)
+        if key.kind == "sample":
+            inputs = abstract_sample_inputs(key.S, self.max_pages, self._replicated,
+                                            self._logits_sharding, self.max_logit_bias,
+                                            self.model_cfg.vocab_size)
+            logits, sampling, block_tables, num_context = inputs
+            traced = self._jitted_sample.trace(logits, sampling, pool, block_tables,
+                                               num_context)
+            exe = traced.lower().compile()
+            return exe, time.perf_counter() - t0
         batch, sampling, prev_index = abstract_inputs(key, self._replicated, self.max_logit_bias,
                                                       self.model_cfg.vocab_size)
         params, cache = _abstract(self.params), _abstract(self.cache)
         draft = _abstract(self.draft_params), self._draft_cache_spec
-        pool = _abstract(self.token_pool)
+        last = _abstract(self.last_tokens)
         if key.kind == "verify":
             traced = self._jitted_verify.trace(params, cache, batch, sampling, *draft, pool)
+        elif key.split:
+            traced = self._jitted_forward.trace(params, cache, batch, sampling.prompt_targets,
+                                                last, prev_index, *draft, pool)
         else:
-            traced = self._jitted.trace(params, cache, batch, sampling,
-                                        _abstract(self.last_tokens), prev_index, *draft, pool,
-                                        num_steps=key.n)
+            traced = self._jitted.trace(params, cache, batch, sampling, last, prev_index,
+                                        *draft, pool, num_steps=key.n)
         exe = traced.lower().compile()
         return exe, time.perf_counter() - t0
 
@@ -181,19 +207,32 @@ class Runner:
         """Run `exe` once on an all-padding batch and wait for it (every write goes to the
         null page; the sampled tokens are dropped, `last_tokens` is kept for the engine's
         next step)."""
-        batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode",
-                            verify=key.n if key.kind == "verify" else 0)
         sampling = SamplingBatch.from_params([], [], [], key.S)
-        handle = self._call(exe, key, batch, sampling, np.full((key.T,), -1, np.int32),
-                            keep_last=True)
+        if key.kind == "sample":
+            # host zeros, placed by the call (a device_put to a mesh over several
+            # processes would wait for the others to check they are equal)
+            logits = np.zeros((key.S, self.model_cfg.vocab_size), np.float32)
+            fwd = ForwardHandle(key, logits, {}, np.zeros((key.S, self.max_pages), np.int32),
+                                np.zeros((key.S,), np.int32), warmup=True)
+            out = self._run_sample(exe, fwd, sampling, keep_last=True).tokens
+        else:
+            batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode",
+                                verify=key.n if key.kind == "verify" else 0)
+            prev_index = np.full((key.T,), -1, np.int32)
+            if key.split:
+                out = self._run_forward(exe, key, batch, sampling, prev_index,
+                                        warmup=True).logits
+            else:
+                out = self._call(exe, key, batch, sampling, prev_index, keep_last=True).tokens
         # wait for it here (not holding the lock): warm-up steps never pile up on the device
         # ahead of the engine's own
-        handle.tokens.block_until_ready()
+        out.block_until_ready()
 
     def _call(self, exe, key: StepKey, batch: StepBatch, sampling: SamplingBatch,
               prev_index: np.ndarray, keep_last: bool = False) -> "StepHandle":
-        """Run `exe` on the pools (donated, replaced by its outputs) and return its handle;
-        a non-verify step also replaces `last_tokens` unless `keep_last`."""
+        """Run the whole-step `exe` (a multi-step decode or a verify step) on the pools
+        (donated, replaced by its outputs) and return its handle; a non-verify step also
+        replaces `last_tokens` unless `keep_last`."""
         with self._dispatch_lock:
             if self.mirror is not None:  # the other processes launch the same step (each
                 # fills in the inputs left None from its own device-resident defaults)
@@ -211,6 +250,48 @@ class Runner:
             if not keep_last:
                 self.last_tokens = last
         return StepHandle(tokens, logprobs, None, extra)
+
+    def _run_forward(self, exe, key: StepKey, batch: StepBatch, sampling: SamplingBatch,
+                     prev_index: np.ndarray, warmup: bool = False) -> "ForwardHandle":
+        """Run the forward half `exe` of a split step (the pools donated and replaced) and
+        return its handle for `_run_sample`; of `sampling` only the prompt targets are
+        read. warmup: a warm-up run (`_first_run`), whose logits no sampler reads."""
+        given = sampling.prompt_targets if key.kind == "mixed" else None
+        block_tables = np.asarray(batch.block_tables)
+        if block_tables.shape[1] < self.max_pages:  # the sampler takes the widest table
+            block_tables = np.pad(block_tables, ((0, 0), (0, self.max_pages - key.P)))
+        num_context = np.asarray(batch.positions)[np.asarray(batch.logits_indices)] + 1
+        with self._dispatch_lock:
+            if self.mirror is not None:  # (each process fills in its own neutral targets)
+                self.mirror.send(("forward", key, jax.tree.map(np.asarray, batch),
+                                  None if given is None else np.asarray(given), prev_index,
+                                  warmup))
+            targets = given  # (after the send: a first device_put waits for the others)
+            if key.kind == "mixed" and targets is None:
+                targets = self._cached("prompt_targets", key.T,
+                                       lambda: np.full(key.T, -1, np.int32))
+            logits, extra, self.cache, self.draft_cache, self.token_pool = exe(
+                self.params, self.cache, batch, targets, self.last_tokens, prev_index,
+                self.draft_params, self.draft_cache, self.token_pool)
+        return ForwardHandle(key.sample_key, logits, extra, block_tables, num_context, warmup)
+
+    def _run_sample(self, exe, fwd: "ForwardHandle", sampling: SamplingBatch,
+                    keep_last: bool = False) -> "StepHandle":
+        """Run the sampler half `exe` on a forward's logits; replaces `last_tokens` unless
+        `keep_last`. Returns the step's handle (its extra: the forward's and the
+        sampler's)."""
+        key = fwd.key
+        with self._dispatch_lock:
+            if self.mirror is not None:
+                self.mirror.send(("sample", jax.tree.map(np.asarray, dataclasses.replace(
+                                      sampling, prompt_targets=None)),
+                                  fwd.block_tables, fwd.num_context, keep_last, fwd.warmup))
+            sampling = self._complete(key, sampling)
+            last, tokens, logprobs, extra, self.token_pool = exe(
+                fwd.logits, sampling, self.token_pool, fwd.block_tables, fwd.num_context)
+            if not keep_last:
+                self.last_tokens = last
+        return StepHandle(tokens, logprobs, None, {**fwd.extra, **extra})
 
     def _add(self, key, exe, dt):
         with self._lock:
@@ -283,16 +364,42 @@ class Runner:
                  prev_index: np.ndarray | None = None) -> "StepHandle":
         """Launch one step without waiting for it (host numpy arrays in). prev_index: [T]
         int32, the rows whose token is the previous step's sampled token in that row, still
-        on device (-1: batch.tokens' own; None = all from the host). num_steps > 1: multi-step decode (see `model_step`;
-        the block tables must hold the pages of all num_steps new tokens). Returns a handle
-        for `fetch`; the KV pool and `last_tokens` are replaced by the step's (future)
-        outputs at once. A verify batch (logits_indices [S, J]: speculative decoding) runs
-        the verify step (`verify_step`) and leaves `last_tokens` as it was: the engine
-        reads its tokens before it plans the next step."""
+        on device (-1: batch.tokens' own; None = all from the host). num_steps > 1:
+        multi-step decode (see `model_step`; the block tables must hold the pages of all
+        num_steps new tokens). Returns a handle for `fetch`; the KV pool and `last_tokens`
+        are replaced by the step's (future) outputs at once. A verify batch
+        (logits_indices [S, J]: speculative decoding) runs the verify step (`verify_step`)
+        and leaves `last_tokens` as it was: the engine reads its tokens before it plans the
+        next step. A one-token step is `dispatch_forward` then `dispatch_sample`."""
         if prev_index is None:
             prev_index = np.full(batch.tokens.shape, -1, np.int32)
         key = StepKey.of(batch, num_steps)
+        if key.split:
+            return self.dispatch_sample(self.dispatch_forward(batch, sampling, prev_index),
+                                        sampling)
         return self._call(self._executable(key), key, batch, sampling, prev_index)
+
+    def dispatch_forward(self, batch: StepBatch, sampling: SamplingBatch,
+                         prev_index: np.ndarray | None = None) -> "ForwardHandle":
+        """Launch the forward half of a one-token mixed or decode step (`forward_step`)
+        without waiting: the KV pool is replaced at once; the logits stay on device in the
+        returned handle until `dispatch_sample`. Of `sampling` only the prompt targets
+        are read now, so the rest (a grammar's bitmask) may be filled in before the
+        sampler half is dispatched. prev_index as `dispatch`. Raises ValueError for a
+        multi-step or verify batch (`dispatch` runs those whole)."""
+        if prev_index is None:
+            prev_index = np.full(batch.tokens.shape, -1, np.int32)
+        key = StepKey.of(batch)
+        if not key.split:
+            raise ValueError(f"a {key.kind} step runs whole (Runner.dispatch), not split")
+        return self._run_forward(self._executable(key), key, batch, sampling, prev_index)
+
+    def dispatch_sample(self, fwd: "ForwardHandle", sampling: SamplingBatch) -> "StepHandle":
+        """Launch the sampler half (`sample_step`) of the step whose forward `fwd` is, with
+        `sampling` (the same batch's, its controls now complete); replaces `last_tokens`
+        (what the next step's prev_index reads). Dispatch every forward's sampler half
+        before the next step's forward. Returns the step's handle for `fetch`."""
+        return self._run_sample(self._executable(fwd.key), fwd, sampling)
 
     def reset_cache(self) -> None:
         """Replace the KV pool (and a draft model's) and `last_tokens` by fresh zeroed arrays
@@ -325,13 +432,38 @@ class Runner:
             if record[0] == "reset":
                 self.reset_cache()
                 continue
+            if record[0] == "forward":
+                _, key, batch, targets, prev_index, warmup = record
+                sampling = SamplingBatch.from_params([], [], [], key.S)
+                sampling = dataclasses.replace(sampling, prompt_targets=targets)
+                fwd = self._run_forward(self._followed(key), key, batch, sampling, prev_index,
+                                        warmup)
+                if not warmup:  # process 0's warm-up runs interleave with its steps
+                    self._follow_forward = fwd
+                fwd.logits.block_until_ready()
+                continue
+            if record[0] == "sample":
+                _, sampling, block_tables, num_context, keep_last, warmup = record
+                if warmup:  # process 0's warm-up run of a sampler program: zero logits
+                    key = StepKey("sample", 0, block_tables.shape[0], 0, 1)
+                    logits = np.zeros((key.S, self.model_cfg.vocab_size), np.float32)
+                    fwd = ForwardHandle(key, logits, {}, block_tables, num_context, True)
+                else:
+                    fwd, self._follow_forward = self._follow_forward, None
+                self._run_sample(self._followed(fwd.key), fwd, sampling,
+                                 keep_last).tokens.block_until_ready()
+                continue
             _, key, batch, sampling, prev_index, keep_last = record
-            exe = self._compiled.get(key)
-            if exe is None:
-                exe, dt = self._compile(key)
-                self._add(key, exe, dt)
-            self._call(exe, key, batch, sampling, prev_index,
+            self._call(self._followed(key), key, batch, sampling, prev_index,
                        keep_last).tokens.block_until_ready()
+
+    def _followed(self, key: StepKey):
+        """A follower's executable for `key`, compiled on first use."""
+        exe = self._compiled.get(key)
+        if exe is None:
+            exe, dt = self._compile(key)
+            self._add(key, exe, dt)
+        return exe
 
     @staticmethod
     def fetch(handle: "StepHandle", logprobs: bool = False) -> "StepOutput":
@@ -348,6 +480,21 @@ class Runner:
             logprobs: bool = False, prev_index: np.ndarray | None = None) -> "StepOutput":
         """Run one step and wait: `fetch`'s output."""
         return self.fetch(self.dispatch(batch, sampling, num_steps, prev_index), logprobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardHandle:
+    """A dispatched forward half (`Runner.dispatch_forward`): key, its sampler program's
+    ("sample", 0, S, 0, 1); logits [S, V] f32 on device; extra: the prompt logprobs of a
+    mixed step (`StepHandle.extra`) (a warm-up run's logits may be host zeros); block_tables [S, max_pages] int32 and num_context [S]
+    int32 (host), what the sampler reads each sequence's history by."""
+
+    key: StepKey
+    logits: jax.Array
+    extra: dict
+    block_tables: np.ndarray
+    num_context: np.ndarray
+    warmup: bool = False  # a warm-up run's: no sampler reads its logits / they are zeros
 
 
 @dataclasses.dataclass(frozen=True)

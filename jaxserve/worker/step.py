@@ -1,8 +1,12 @@
 """The step functions the runner compiles: pure functions of (params, KV pool, step arrays,
 sampling arrays) that return the sampled tokens, their logprobs and the new KV pool.
 
-`model_step` is a mixed or decode step (forward -> the logits of the rows that sample -> sample,
-`num_steps` times for a multi-step decode, each feeding its tokens back on device);
+A one-token mixed or decode step is two programs, as vLLM v1 splits `execute_model` from
+`sample_tokens`: `forward_step` (forward -> the logits of the rows that sample, left on
+device) and `sample_step` (controls -> sample), so that the engine can dispatch step N+1's
+forward before it has read step N's tokens, and give the sampler what depends on them (a
+grammar's bitmask) afterwards. `model_step` is the same in one program, `num_steps` times
+for a multi-step decode (each sub-step feeding its tokens back on device);
 `verify_step` verifies draft tokens (the draft model or head proposes inside it, then the
 rejection sampler keeps exactly the model's distribution). Logits controls, logprobs and
 prompt logprobs run only in steps where some row asks (`lax.cond`). The KV pool is passed
@@ -23,7 +27,7 @@ from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.params import Params
 from jaxserve.model.inputs import StepBatch, next_decode_batch
 from jaxserve.model.transformer import (Kernels, compute_logits, forward, last_token_logits,
-                                        pin_lm_head)
+                                        logits_sharding, pin_lm_head)
 from jaxserve.sample.logits_processors import (apply_controls, controls_active, history,
                                                write_token_pool)
 from jaxserve.sample.rejection_sampler import rejection_sample
@@ -81,33 +85,119 @@ def _prompt_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
                         lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
 
 
-def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-                 draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
-                 drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
-                 num_top: int):
-    """forward -> each sequence's last-token logits -> controls (logit bias, penalties) ->
-    sample: (tokens [S] int32, logprobs [S] f32, extra, cache, draft_cache, token_pool).
-    extra: `_top` of the sampled rows, and in a mixed step `_prompt_logprobs`. The
-    batch's tokens are written to the token pool first (the penalties' history). A
-    drafter (speculative decoding) runs over the same rows, so that its K/V keep up with
-    the target's."""
+def _forward_logits(params: Params, cache: KVCache, batch: StepBatch, draft_params,
+                    draft_cache, token_pool, *, cfg: ModelConfig, drafter: Drafter | None,
+                    rules: ShardingRules | None, kernels: Kernels):
+    """The batch's tokens written to the token pool (the penalties' history), the forward
+    pass, and each sequence's last-token logits: (hidden [T, D], logits [S, V] f32, cache,
+    draft_cache, token_pool). A drafter (speculative decoding) runs over the same rows, so
+    that its K/V keep up with the target's."""
     token_pool = write_token_pool(token_pool, batch.slot_mapping, batch.tokens)
     hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
     if drafter is not None:
         draft_cache = drafter.sync(params, draft_params, draft_cache, batch, hidden, rules,
                                    kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules, kernels.matmul)
+    return hidden, logits, cache, draft_cache, token_pool
 
+
+def _sample_logits(logits: jax.Array, sampling: SamplingBatch, token_pool: jax.Array,
+                   block_tables: jax.Array, num_context: jax.Array, *, page_size: int,
+                   kernels: Kernels, num_top: int):
+    """logits [S, V] f32 -> controls (logit bias, penalties, grammar bitmask) -> sample:
+    (tokens [S] int32, logprobs [S] f32, extra: `_top` of the rows). The penalties read
+    each row's history from the token pool through block_tables [S, P] int32, its first
+    num_context [S] int32 positions (`apply_controls`)."""
     def context():
-        return (history(token_pool, batch.block_tables, cache.page_size),
-                batch.positions[batch.logits_indices] + 1)
+        return history(token_pool, block_tables, page_size), num_context
 
     tokens, logprobs = sample_controlled(logits, sampling, kernels.sampling, context)
-    extra = _top(logits, sampling, num_top, kernels.sampling)
+    return tokens, logprobs, _top(logits, sampling, num_top, kernels.sampling)
+
+
+def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
+                 draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
+                 drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
+                 num_top: int):
+    """`_forward_logits`, then `_sample_logits` in the same program: (tokens [S] int32,
+    logprobs [S] f32, extra, cache, draft_cache, token_pool). extra: `_top` of the sampled
+    rows, and in a mixed step `_prompt_logprobs`."""
+    hidden, logits, cache, draft_cache, token_pool = _forward_logits(
+        params, cache, batch, draft_params, draft_cache, token_pool, cfg=cfg, drafter=drafter,
+        rules=rules, kernels=kernels)
+    tokens, logprobs, extra = _sample_logits(
+        logits, sampling, token_pool, batch.block_tables,
+        batch.positions[batch.logits_indices] + 1, page_size=cache.page_size,
+        kernels=kernels, num_top=num_top)
     if sampling.prompt_targets is not None:
         extra.update(_prompt_logprobs(params, hidden, sampling.prompt_targets, rules=rules,
                                       kernels=kernels, num_top=num_top))
     return tokens, logprobs, extra, cache, draft_cache, token_pool
+
+
+def _with_prev_tokens(batch: StepBatch, prev_tokens: jax.Array, prev_index: jax.Array
+                      ) -> StepBatch:
+    """batch with token row t replaced by prev_tokens[prev_index[t]] where prev_index[t] >= 0
+    (a token the previous step sampled, which the host has not read)."""
+    from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
+    return dataclasses.replace(batch, tokens=jnp.where(prev_index >= 0, from_prev,
+                                                       batch.tokens))
+
+
+def _padded_last(tokens: jax.Array, max_rows: int, rules: ShardingRules | None) -> jax.Array:
+    """[max_rows] int32: tokens [S] int32 padded with 0, replicated (the next step's
+    prev_tokens)."""
+    last = jnp.zeros((max_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
+    return constrain(rules, last, (None,))
+
+
+def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_targets,
+                 prev_tokens: jax.Array, prev_index: jax.Array, draft_params, draft_cache,
+                 token_pool, *, cfg: ModelConfig, drafter: Drafter | None,
+                 rules: ShardingRules | None, kernels: Kernels, num_top: int = 0):
+    """The first half of a one-token mixed or decode step: the forward pass up to each
+    sequence's last-token logits, which stay on device for `sample_step` (dispatched
+    after it, once the host knows the sampling inputs that depend on the previous step's
+    tokens: a structured-output grammar's bitmask). Source: vLLM v1's
+    GPUModelRunner.execute_model / sample_tokens.
+
+    prev_tokens / prev_index / draft_params / draft_cache / token_pool as `model_step`;
+    prompt_targets: [T] int32 (a mixed step; `SamplingBatch.prompt_targets`) or None.
+    Returns (logits [S, V] f32, extra: `_prompt_logprobs` when prompt_targets is given
+    else {}, cache, draft_cache, token_pool)."""
+    batch = _with_prev_tokens(batch, prev_tokens, prev_index)
+    hidden, logits, cache, draft_cache, token_pool = _forward_logits(
+        params, cache, batch, draft_params, draft_cache, token_pool, cfg=cfg, drafter=drafter,
+        rules=rules, kernels=kernels)
+    sharding = logits_sharding(params, rules, cfg.vocab_size)
+    if sharding is not None:  # what sample_step is compiled to take
+        logits = jax.lax.with_sharding_constraint(logits, sharding)
+    extra = {}
+    if prompt_targets is not None:
+        extra = _prompt_logprobs(params, hidden, prompt_targets, rules=rules, kernels=kernels,
+                                 num_top=num_top)
+    return logits, extra, cache, draft_cache, token_pool
+
+
+def sample_step(logits: jax.Array, sampling: SamplingBatch, token_pool: jax.Array,
+                block_tables: jax.Array, num_context: jax.Array, *, page_size: int,
+                max_rows: int, rules: ShardingRules | None, kernels: Kernels,
+                num_top: int = 0):
+    """The second half of a one-token step: logits [S, V] f32 (`forward_step`'s, with its
+    sharding) -> controls -> sample (`_sample_logits`). token_pool: [num_slots] int32,
+    read for the penalties' history and returned as it is (donated, so that it passes
+    from step to step in order); block_tables: [S, P] int32 and num_context: [S] int32,
+    each sequence's pages and the positions before its sampled token.
+
+    Returns (last [max_rows] int32: the tokens padded with 0, replicated, the next step's
+    prev_tokens; tokens [1, S] int32, logprobs [1, S] f32, extra: the top logprobs
+    [1, S, num_top], token_pool), as `model_step` with num_steps 1."""
+    tokens, logprobs, extra = _sample_logits(logits, sampling, token_pool, block_tables,
+                                             num_context, page_size=page_size,
+                                             kernels=kernels, num_top=num_top)
+    extra = {k: v[None] for k, v in extra.items()}
+    return (_padded_last(tokens, max_rows, rules), tokens[None], logprobs[None], extra,
+            token_pool)
 
 
 def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
@@ -134,8 +224,7 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
     [num_steps, S] int32, logprobs [num_steps, S] f32, extra (`_sample_step`'s, the top
     logprobs with a leading [num_steps] axis), cache, draft_cache, token_pool)."""
     S = batch.seq_lens.shape[0]
-    from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
-    batch = dataclasses.replace(batch, tokens=jnp.where(prev_index >= 0, from_prev, batch.tokens))
+    batch = _with_prev_tokens(batch, prev_tokens, prev_index)
     run = functools.partial(_sample_step, params, cfg=cfg, drafter=drafter, rules=rules,
                             kernels=kernels, num_top=num_top)
     if num_steps == 1:
@@ -164,7 +253,7 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
                 jnp.zeros((num_steps, S), jnp.float32), top)
         _, cache, draft_cache, token_pool, tokens, logprobs, extra = jax.lax.fori_loop(
             0, num_steps, body, init)
-    last = jnp.zeros(prev_tokens.shape, jnp.int32).at[:S].set(tokens[-1])
+    last = _padded_last(tokens[-1], prev_tokens.shape[0], rules)
     return last, tokens, logprobs, extra, cache, draft_cache, token_pool
 
 
