@@ -9,7 +9,9 @@ shows whether constrained neighbours hold it up).
 Each request is a chat prompt asking for a JSON person record, sampled at temperature 0.8
 with its own seed; a free request runs to max_tokens (ignore_eos), a constrained one
 until its JSON closes. Per request: output tokens / seconds from the batch's start to its
-last token; printed as the mean per class, with ratios to the all-free batch. Also the
+last token, and the decode rate (output tokens after the first / seconds from the first
+to the last: 1 / TPOT), which does not charge the shorter constrained outputs more of
+the batch's prefill; printed as the mean per class, with ratios to the all-free batch. Also the
 host time the grammar engine took per constrained token (the matcher's mask + advance,
 timed in-process). A benchmark, not a test: run it alone on an idle machine.
 """
@@ -64,9 +66,10 @@ class TimedMatcher:
         return getattr(self.inner, name)
 
 
-def run(engine, prompts, params) -> list[tuple[int, float, bool]]:
-    """(output tokens, seconds to the last one, constrained) per request, batch at once."""
-    ids = {}
+def run(engine, prompts, params) -> list[tuple[int, float, float, bool]]:
+    """(output tokens, seconds to the first one, seconds to the last one, constrained) per
+    request, batch at once."""
+    ids, first = {}, {}
     t0 = time.perf_counter()
     for i, (p, sp) in enumerate(zip(prompts, params)):
         rid = f"r{time.monotonic_ns()}-{i}"
@@ -78,11 +81,15 @@ def run(engine, prompts, params) -> list[tuple[int, float, bool]]:
     out = {}
     while len(out) < len(ids):
         for o in engine.step():
-            if o.finished and o.request_id in ids:
-                if o.request_id in ids and ids[o.request_id]:
+            if o.request_id not in ids:
+                continue
+            if o.token_ids and o.request_id not in first:
+                first[o.request_id] = time.perf_counter() - t0
+            if o.finished:
+                if ids[o.request_id]:
                     json.loads(o.text)  # the constrained ones must parse
-                out[o.request_id] = (len(o.token_ids), time.perf_counter() - t0,
-                                     ids[o.request_id])
+                out[o.request_id] = (len(o.token_ids), first[o.request_id],
+                                     time.perf_counter() - t0, ids[o.request_id])
     return list(out.values())
 
 
@@ -117,21 +124,23 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):
         for name, kind in variants.items():
             TimedMatcher.total, TimedMatcher.calls = 0.0, 0
-            for n, s, c in run(engine, prompts, params(kind)):
+            for n, first, last, c in run(engine, prompts, params(kind)):
                 key = f"{name}/{'constrained' if c else 'free'}"
-                rates.setdefault(key, []).append(n / s)
+                rates.setdefault(key, []).append(n / last)
+                rates.setdefault(key + " decode", []).append((n - 1) / (last - first))
             if TimedMatcher.calls:
                 rates.setdefault(f"{name}/grammar_us_per_token", []).append(
                     TimedMatcher.total / TimedMatcher.calls * 1e6)
-    base = statistics.mean(rates["free/free"])
     print(f"{B} requests, max_tokens {args.max_tokens}, {args.repeats} repeats; "
           f"tokens/s per request (mean):")
     for key, values in rates.items():
         if key.endswith("grammar_us_per_token"):
-            print(f"  {key:30s} {statistics.mean(values):8.1f} us")
-        else:
-            print(f"  {key:30s} {statistics.mean(values):8.1f}   x{statistics.mean(values) / base:.3f}"
-                  " of all-free")
+            print(f"  {key:36s} {statistics.mean(values):8.1f} us")
+            continue
+        base = statistics.mean(rates["free/free decode" if key.endswith("decode")
+                                     else "free/free"])
+        print(f"  {key:36s} {statistics.mean(values):8.1f}   x{statistics.mean(values) / base:.3f}"
+              " of all-free")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 The step (forward -> last-token logits -> sample) is compiled ahead of time once per
 bucketed shape (kind, T, S, P, n: jaxserve.worker.compilation.StepShapes): "mixed" or
-"decode", T token rows, S sequences, P block-table pages; the executables are kept here, so a shape outside the
-buckets is a visible compilation (`num_compilations`), never a silent retrace. The KV
-pool is donated to every step and replaced by the returned one.
+"decode", T token rows, S sequences, P block-table pages; the executables are kept here,
+so a shape outside the buckets is a visible compilation (`num_compilations`), never a
+silent retrace. The KV pool is donated to every step and replaced by the returned one.
+A one-token step is two executables, the forward (`dispatch_forward`: the logits of the
+sampled rows stay on device) and the sampler (`dispatch_sample`, one per sequence
+bucket), so that what the sampler needs from the host (a grammar's bitmask) can be given
+after the forward is launched; multi-step decode and verify steps are one executable.
 
 Steps are dispatched asynchronously (`dispatch` returns before the device finishes) and
 their sampled tokens stay on device: the next step reads its decode tokens from
