@@ -77,6 +77,61 @@ def test_host_fault_fails_only_its_request(params):
     assert_whole(engine)
 
 
+def _constrained(seed=1):
+    from jaxserve.sample.grammar import StructuredOutput
+    return SamplingParams(max_tokens=30, temperature=1.0, seed=seed,
+                          structured_outputs=StructuredOutput("regex", "[a-c]{20}"))
+
+
+def test_grammar_fault_fails_only_its_request(params):
+    """A structured-output request whose grammar raises while its bitmask is computed
+    (after the step's forward is launched, Engine._sample) finishes alone with "error";
+    the requests beside it produce what they produce without it."""
+    want = reference(params, REQUESTS)
+    engine = make_engine(params)
+    for rid, prompt, sp in REQUESTS:
+        engine.add_request(rid, prompt, sp)
+    engine.add_request("g", [5, 6], _constrained())
+    for _ in range(3):
+        engine.step()
+
+    def broken(_out):
+        raise RuntimeError("injected grammar fault")
+    engine.scheduler.requests["g"].matcher.fill_bitmask = broken
+    done = drain(engine)
+    assert done["g"].finish_reason == "error" and "injected grammar fault" in done["g"].error
+    assert {r: done[r].token_ids for r in "abc"} == want
+    assert engine.num_failed_requests == 1 and engine.healthy
+    assert_whole(engine)
+
+
+def test_failed_sampler_dispatch_fails_its_step_then_recovers(params):
+    """The sampler half of a step with a constrained row, dispatched once the previous
+    step's tokens are read, fails (its pool gone): the step's requests fail, the engine
+    makes a fresh pool, and a later request gets a fresh engine's tokens."""
+    want = reference(params, REQUESTS)
+    engine = make_engine(params)
+    engine.add_request("a", *REQUESTS[0][1:])
+    engine.add_request("g", [5, 6], _constrained())
+    for _ in range(3):
+        engine.step()
+    real = engine.runner.dispatch_sample
+
+    def failing(fwd, sampling):
+        engine.runner.dispatch_sample = real
+        _delete_cache(engine.runner)
+        raise RuntimeError("injected sampler failure")
+    engine.runner.dispatch_sample = failing
+    done = drain(engine)
+    assert done["a"].finish_reason == done["g"].finish_reason == "error"
+    assert "injected sampler failure" in done["g"].error
+    assert engine.num_kv_resets == 1 and engine.healthy
+    engine.add_request("c", *REQUESTS[2][1:])
+    done.update(drain(engine))
+    assert done["c"].token_ids == want["c"]
+    assert_whole(engine)
+
+
 def _delete_cache(runner):
     for leaf in jax.tree.leaves(runner.cache):
         leaf.delete()

@@ -305,13 +305,22 @@ class Runner:
 
     def _warmup_keys(self, shapes) -> list[StepKey]:
         """Shapes to compile, most likely first: one-sequence shapes by page count (the
-        first two: the shortest decode and prefill, what a first short request needs;
+        first: the shortest decode and prefill, what a first short request needs;
         multi-step decode after the single steps of the same page count), then the rest
-        by size."""
+        by size; each sequence bucket's sampler program right after the first forward
+        program that needs it."""
         shapes = shapes if shapes is not None else self.shapes.warmup()
         keys = {StepKey(*shape) for shape in shapes} - set(self._compiled)
-        return sorted(keys, key=lambda k: (False, k.P, k.n, k.T, k.kind) if k.S == 1 else
-                      (True, k.T * k.P, k.S, k.n, k.kind))
+        samplers = {k for k in keys if k.kind == "sample"}
+        order = sorted(keys - samplers, key=lambda k: (False, k.P, k.n, k.T, k.kind)
+                       if k.S == 1 else (True, k.T * k.P, k.S, k.n, k.kind))
+        out = []
+        for key in order:
+            out.append(key)
+            if key.split and key.sample_key in samplers:
+                samplers.discard(key.sample_key)
+                out.append(key.sample_key)
+        return out + sorted(samplers)
 
     def warmup(self, shapes: list[tuple] | None = None, threads: int = 2) -> None:
         """Compile the step for every bucketed shape and wait (XLA compiles release the
@@ -323,7 +332,7 @@ class Runner:
         log.info("warm-up: %d step shapes compiled in %.1f s", len(todo), time.perf_counter() - t0)
 
     def warmup_in_background(self, shapes: list[tuple] | None = None,
-                             first: int = 2) -> None:
+                             first: int = 3) -> None:
         """Compile the `first` most likely shapes now, the rest on a background thread:
         the engine serves meanwhile (a step whose shape is not compiled yet compiles it
         at once, or waits for the background compilation of it). `warmup_pending` counts
