@@ -212,7 +212,8 @@ class Engine:
         handle = pending = None
         try:
             if split and constrained:
-                pending = self.runner.dispatch_forward(batch, sampling, prev_index), sampling
+                forward = self.runner.dispatch_forward(batch, sampling, prev_index)
+                pending = forward, sampling, constrained
             else:
                 self._fill_masks(scheduled, sampling, constrained)
                 handle = self.runner.dispatch(batch, sampling, rows, prev_index)
@@ -230,9 +231,9 @@ class Engine:
     def _sample(self, step: InflightStep) -> None:
         """Dispatch the sampler half of `step`, its grammars' bitmasks filled in (the
         tokens before them are read); a launch failure fails the step's requests."""
-        forward, sampling = step.pending_sample
+        forward, sampling, rows = step.pending_sample
         step.pending_sample = None
-        self._fill_masks(step.scheduled, sampling, constrained_rows(step.scheduled))
+        self._fill_masks(step.scheduled, sampling, rows)
         try:
             step.handle = self.runner.dispatch_sample(forward, sampling)
         except Exception as e:

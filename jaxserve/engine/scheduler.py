@@ -108,7 +108,8 @@ class InflightStep:
     handle: object
     chunk_starts: list[int] | None = None  # each sequence's first position in the step
     # a split step whose sampler half waits for its grammars' bitmasks (Engine._sample):
-    # (the runner's forward handle, the step's SamplingBatch); handle is None until then
+    # (the runner's forward handle, the step's SamplingBatch, its constrained rows);
+    # handle is None until then
     pending_sample: tuple | None = None
 
     def row_of(self) -> dict[Sequence, int]:

@@ -213,12 +213,8 @@ class Runner:
         next step)."""
         sampling = SamplingBatch.from_params([], [], [], key.S)
         if key.kind == "sample":
-            # host zeros, placed by the call (a device_put to a mesh over several
-            # processes would wait for the others to check they are equal)
-            logits = np.zeros((key.S, self.model_cfg.vocab_size), np.float32)
-            fwd = ForwardHandle(key, logits, {}, np.zeros((key.S, self.max_pages), np.int32),
-                                np.zeros((key.S,), np.int32), warmup=True)
-            out = self._run_sample(exe, fwd, sampling, keep_last=True).tokens
+            out = self._run_sample(exe, self._warmup_forward(key.S), sampling,
+                                   keep_last=True).tokens
         else:
             batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode",
                                 verify=key.n if key.kind == "verify" else 0)
@@ -231,6 +227,15 @@ class Runner:
         # wait for it here (not holding the lock): warm-up steps never pile up on the device
         # ahead of the engine's own
         out.block_until_ready()
+
+    def _warmup_forward(self, S: int) -> "ForwardHandle":
+        """A stand-in forward of S sequences for a warm-up run of a sampler program: zero
+        logits on the host, placed by the call (a device_put to a mesh over several
+        processes would wait for the others to check they are equal)."""
+        return ForwardHandle(StepKey("sample", 0, S, 0, 1),
+                             np.zeros((S, self.model_cfg.vocab_size), np.float32), {},
+                             np.zeros((S, self.max_pages), np.int32), np.zeros((S,), np.int32),
+                             warmup=True)
 
     def _call(self, exe, key: StepKey, batch: StepBatch, sampling: SamplingBatch,
               prev_index: np.ndarray, keep_last: bool = False) -> "StepHandle":
@@ -270,10 +275,8 @@ class Runner:
                 self.mirror.send(("forward", key, jax.tree.map(np.asarray, batch),
                                   None if given is None else np.asarray(given), prev_index,
                                   warmup))
-            targets = given  # (after the send: a first device_put waits for the others)
-            if key.kind == "mixed" and targets is None:
-                targets = self._cached("prompt_targets", key.T,
-                                       lambda: np.full(key.T, -1, np.int32))
+            # (after the send: a first device_put waits for the others)
+            targets = self._complete(key, sampling).prompt_targets
             logits, extra, self.cache, self.draft_cache, self.token_pool = exe(
                 self.params, self.cache, batch, targets, self.last_tokens, prev_index,
                 self.draft_params, self.draft_cache, self.token_pool)
@@ -457,10 +460,8 @@ class Runner:
                 continue
             if record[0] == "sample":
                 _, sampling, block_tables, num_context, keep_last, warmup = record
-                if warmup:  # process 0's warm-up run of a sampler program: zero logits
-                    key = StepKey("sample", 0, block_tables.shape[0], 0, 1)
-                    logits = np.zeros((key.S, self.model_cfg.vocab_size), np.float32)
-                    fwd = ForwardHandle(key, logits, {}, block_tables, num_context, True)
+                if warmup:  # process 0's warm-up run of a sampler program
+                    fwd = self._warmup_forward(block_tables.shape[0])
                 else:
                     fwd, self._follow_forward = self._follow_forward, None
                 self._run_sample(self._followed(fwd.key), fwd, sampling,
