@@ -146,7 +146,7 @@ MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     "--pipeline-parallel-size", "-pp", "--pipeline-microbatches",
     "--pipeline-decode-microbatches", "--max-model-len", "--max-num-seqs",
     "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
-    "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
+    "--async-scheduling", "--no-async-scheduling", "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
     "--cpu-kv-cache-space",  # added with the memory check (vLLM's VLLM_CPU_KVCACHE_SPACE)
 }

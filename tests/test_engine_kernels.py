@@ -309,11 +309,11 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     static = dict(cfg=cfg, drafter=None, rules=None, kernels=Kernels("pallas", "pallas"),
                   num_top=20)
     pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)
-    if kind == "verify":
-        text = _lower(functools.partial(verify_step, **static), params, cache, batch, sampling,
-                      None, None, pool)
+    prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    if kind == "verify":  # with the n-gram lookup of a step planned ahead of the last read
+        text = _lower(functools.partial(verify_step, ngram=(1, 4), **static), params, cache,
+                      batch, sampling, prev_tokens, prev_tokens, prev_index, None, None, pool)
     else:
-        prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
         text = _lower(functools.partial(forward_step, **static), params, cache, batch,
                       sampling.prompt_targets, prev_tokens, prev_index, None, None, pool)
         if kind == "decode":  # multi-step decode: forward and sampler in one loop

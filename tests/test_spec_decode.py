@@ -15,7 +15,7 @@ from jaxserve.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.sequence import PLACEHOLDER, Sequence
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.controller import SpecDecodeController
 from jaxserve.worker import compile_events
@@ -134,8 +134,8 @@ def test_rejected_drafts_pages_go_back(params):
     engine = _spec_engine(params, ref, wrong=lambda i: True)
     verified, tables = engine.scheduler.verified, []
 
-    def spy(seq, tokens):
-        verified(seq, tokens)
+    def spy(seq, index, tokens, ahead=0):
+        verified(seq, index, tokens, ahead)
         tables.append((len(seq.block_table), engine.pool.pages_for(seq.num_tokens)))
 
     engine.scheduler.verified = spy
@@ -250,6 +250,60 @@ def test_a_truncated_draft_keeps_greedy_output_and_frees_its_pages(params):
     assert engine.pool.num_free == engine.pool.capacity
 
 
+def _ahead_counter(engine):
+    """A list that gets one entry per verify step `engine` plans ahead of the previous
+    one's read (Scheduler.schedule_ahead)."""
+    planned = []
+    schedule_ahead = engine.scheduler.schedule_ahead
+
+    def spy(unread):
+        out = schedule_ahead(unread)
+        if out is not None:
+            planned.append(out)
+        return out
+
+    engine.scheduler.schedule_ahead = spy
+    return planned
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "ngram"])
+def test_verify_steps_planned_ahead_give_the_output_of_steps_read_first(params, method):
+    """Speculation with async scheduling: each verify step is dispatched before the one
+    before it is read, its rows moved on device by the accepted count; the tokens, greedy
+    and seeded sampling, are exactly those of the engine that reads every step first
+    (async_scheduling off): same positions, same draws. A wrong shift of the positions,
+    slots or sampling step breaks the equality (draft model: a truncated draft, so that
+    the accepted count varies; n-gram: prompts that repeat, proposed on device)."""
+    import dataclasses as dc
+    if method == "draft_model":
+        kw = dict(draft_params=dc.replace(params, layers=params.layers[:1]),
+                  speculative_config=DRAFT)
+    elif method == "eagle":
+        kw = dict(eagle=_tiny_head(params), speculative_config=EAGLE)
+    else:
+        kw = dict(speculative_config={**NGRAM, "num_speculative_tokens": 4})
+    prompts = [[(5 * i + j) % 50 + 3 for j in range(6 + 3 * i)] for i in range(3)]
+    if method == "ngram":
+        prompts = [[3, 4, 5, 6, 7] * 4, [9, 8, 7] * 5, [11, 12] * 6]
+    requests = [(f"g{i}", p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    requests += [(f"s{i}", p, SamplingParams(temperature=1.0, top_k=20, seed=5 + i,
+                                             max_tokens=20, ignore_eos=True))
+                 for i, p in enumerate(prompts)]
+    arrivals = [0, 0, 2, 40, 40, 42]
+    runs = []
+    for on in (False, True):
+        engine = tiny_engine(params, async_scheduling=on, **kw)
+        planned = _ahead_counter(engine)
+        runs.append(outputs(engine, requests, arrivals))
+        st = engine.stats().spec_decode
+        assert st.num_draft_tokens > 0
+        assert bool(planned) == on, len(planned)
+        assert engine.pool.num_free == engine.pool.capacity
+    assert runs[1] == runs[0]
+    assert runs[0]["g0"] == outputs(tiny_engine(params), requests[:1], [0])["g0"]
+
+
 # --- an EAGLE head (tiny) ------------------------------------------------------------------
 
 EAGLE = {"method": "eagle", "model": "tiny-head", "num_speculative_tokens": 3}
@@ -293,9 +347,9 @@ def test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step(params):
     seen = []
     verified = engine._verified_alone
 
-    def spy(seq, index, num_drafts, tokens, logprobs):
+    def spy(seq, num_drafts, tokens, logprobs, ahead=0):
         seen.append((num_drafts, tokens))
-        verified(seq, index, num_drafts, tokens, logprobs)
+        verified(seq, num_drafts, tokens, logprobs, ahead)
 
     engine._verified_alone = spy
     assert outputs(engine, requests[:1], [0]) == {"r0": base["r0"]}
@@ -356,11 +410,79 @@ def test_drafts_take_pages_and_budget_and_verified_gives_back_the_rest():
     plan = _schedule(sched, {seq: [5, 6, 7, 8, 9]})
     assert plan.verify and plan.num_new == [6] and plan.drafts == [[5, 6, 7, 8, 9]]
     assert len(seq.block_table) == 4   # tokens 7..12 -> pages for 13 tokens
-    assert sched.launched(plan) == [1] and seq.num_computed == 7  # nothing moves yet
-    sched.verified(seq, [5, 6])        # drafts 5 accepted, then the recovered token 6
+    # launched as if it kept one token: token 7 computed, one pending output
+    assert sched.launched(plan) == [1] and seq.num_computed == 8
+    assert seq.output_ids == [1, PLACEHOLDER]
+    sched.verified(seq, 1, [5, 6])     # drafts 5 accepted, then the recovered token 6
     assert seq.output_ids == [1, 5, 6]
     assert seq.num_computed == 9 and len(seq.block_table) == 3  # 10 tokens: 3 pages
     assert sched.kv.pool.num_free == sched.kv.pool.capacity - 3
+    with pytest.raises(ValueError, match="pending"):
+        sched.verified(seq, 1, [7])    # no verify step's token is pending there
+
+
+def _launched_verify(sched, seq, drafts):
+    plan = _schedule(sched, {seq: drafts})
+    assert plan.verify
+    return plan, sched.launched(plan)
+
+
+def test_a_verify_step_planned_ahead_takes_the_furthest_case_pages_then_gives_them_back():
+    """schedule_ahead plans the next verify step as if the unread one kept one token (its
+    rows start one position on, its last token pending), with the pages of every unread
+    draft accepted; reading the first keeps what the second may reach, reading the second
+    what its tokens need."""
+    sched = _sched(16)
+    seq = _running(sched, 7)                       # 8 tokens, 7 computed
+    _, first = _launched_verify(sched, seq, [5, 6, 7])
+    assert seq.num_computed == 8 and seq.num_tokens == 9
+    ahead = sched.schedule_ahead({seq: 3})
+    # 16 drafts allowed, 1 + 16 rows of the 16-row budget: 15 drafts
+    assert ahead.verify and ahead.num_new == [16] and ahead.drafts == [[0] * 15]
+    assert ahead.samples == [True]
+    # row 0 at position 8 as planned, at most 11 once read: pages for 12 + 15 tokens
+    assert len(seq.block_table) == sched.kv.pool.pages_for(9 + 3 + 15)
+    second = sched.launched(ahead)
+    assert seq.output_ids == [1, PLACEHOLDER, PLACEHOLDER] and seq.num_computed == 9
+    assert first == [1] and second == [2]
+    sched.verified(seq, 1, [5], ahead=15)          # the first step kept 1 token
+    # the second step computes token 5 at position 8 (its row 0, as planned)
+    assert seq.output_ids == [1, 5, PLACEHOLDER] and seq.num_computed == 9
+    # and its drafts reach position 23: pages for 24 tokens are kept, one fewer
+    assert len(seq.block_table) == sched.kv.pool.pages_for(24) == 6
+    sched.verified(seq, 2, [4, 8, 2])              # two drafts accepted
+    assert seq.output_ids == [1, 5, 4, 8, 2] and seq.num_computed == 11
+    assert len(seq.block_table) == sched.kv.pool.pages_for(12)
+
+
+def test_schedule_ahead_refuses_what_it_cannot_plan_without_the_tokens():
+    # no room for a draft in the furthest case (max_model_len), a newcomer waiting, a
+    # grammar, a host-side proposer, or the last step read found nothing: the engine reads
+    # the step in flight first
+    sched = _sched(16)
+    seq = _running(sched, 7)
+    _launched_verify(sched, seq, [5, 6, 7])
+    assert sched.schedule_ahead({seq: 3}) is not None
+    sched = _sched(16, max_model_len=13)
+    seq = _running(sched, 7)
+    _launched_verify(sched, seq, [5, 6, 7])        # 9 tokens, up to 12 once read
+    assert sched.schedule_ahead({seq: 3}) is None
+    for case in ("waiting", "grammar", "host", "missed"):
+        sched = _sched(16)
+        seq = _running(sched, 7)
+        _launched_verify(sched, seq, [5, 6, 7])
+        if case == "waiting":
+            sched.add(Sequence(request_id="w", prompt_ids=[1, 2], params=SamplingParams(),
+                               seed=0))
+        elif case == "grammar":
+            seq.matcher = object()
+        elif case == "host":
+            sched.spec.proposer = object()
+        else:
+            sched.spec.record_found(False)
+        free = sched.kv.pool.num_free
+        assert sched.schedule_ahead({seq: 3}) is None, case
+        assert sched.kv.pool.num_free == free, case   # nothing taken
 
 
 def test_drafts_are_cut_to_the_free_pages_and_the_budget_never_preempt():
@@ -471,10 +593,11 @@ def _accepted_positions(engine):
     seen = {}
     verified = engine._verified_alone
 
-    def spy(seq, index, num_drafts, tokens, logprobs):
+    def spy(seq, num_drafts, tokens, logprobs, ahead=0):
+        index = seq.num_known - len(seq.prompt_ids)  # its verify step's first token
         seen.setdefault(tuple(seq.prompt_ids), set()).update(
             range(index, index + len(tokens) - 1))
-        verified(seq, index, num_drafts, tokens, logprobs)
+        verified(seq, num_drafts, tokens, logprobs, ahead)
 
     engine._verified_alone = spy
     return seen
@@ -490,10 +613,14 @@ def test_real_model_ngram_greedy_is_token_for_token_the_plain_greedy(small_llm, 
     engine = spec_llm.engine
     before = engine.stats()
     accepted = _accepted_positions(engine)
+    planned_ahead = _ahead_counter(engine)
     batched = spec_llm.generate(prompts, sp)
     alone = [spec_llm.generate([p], sp)[0] for p in prompts[:2]]
     assert [c.token_ids for c in batched] == want
     assert [c.token_ids for c in alone] == want[:2]
+    # most verify steps were dispatched before the one before them was read, their
+    # n-gram drafts looked up on device
+    assert len(planned_ahead) > 10
     st = engine.stats()
     drafts = st.spec_decode.num_drafts - before.spec_decode.num_drafts
     gained = st.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens

@@ -3,7 +3,8 @@ tokens per second of each, their ratio, and the acceptance that explains it.
 
     python -m tools.bench_speculative [--config configs/smollm2_135m.py]
         [--speculative-config JSON (default: configs/smollm2_135m_ngram.py's n-gram)]
-        [--workload copy|chat] [--num-prompts 12] [--streams 1] [--json out.json]
+        [--workload copy|chat] [--num-prompts 12] [--streams 1] [--also-sync]
+        [--json out.json]
 
 Two engines of the config are built in this process, one plain and one with
 `--speculative-config`; both are warmed up (every step shape compiled) before timing.
@@ -16,6 +17,9 @@ step's rows differently from a decode step's; the count is printed).
 --streams N > 1: both engines with max_num_seqs = N, all prompts submitted at once,
 aggregate output tokens per second of the whole run, plain vs speculative (with
 disable_by_batch_size as the JSON says, cut to N: where speculation switches itself off).
+--also-sync: a third engine, speculative with async_scheduling off (every verify step read
+before the next is planned), timed in the same rotation: what planning verify steps ahead
+of the previous one's read gains.
 Workloads: copy = jaxserve/bench/data/copy_prompts.jsonl (edit / quote tasks,
 tools/make_copy_prompts.py), chat = jaxserve/bench/data/bench_prompts.jsonl (the serving
 benchmark's prompts); both rendered with the model's chat template.
@@ -91,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="output tokens per request (default: the workload's output_len)")
     ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--also-sync", action="store_true",
+                    help="also time speculation with async_scheduling off")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
 
@@ -108,6 +114,11 @@ def main(argv=None) -> int:
     base = jaxserve.LLM(config, cache_dir=args.cache_dir, **fields)
     spec = jaxserve.LLM(config, cache_dir=args.cache_dir, speculative_config=spec_config,
                         **fields)
+    llms = {"base": base, "spec": spec}
+    if args.also_sync:
+        llms["sync"] = jaxserve.LLM(config, cache_dir=args.cache_dir,
+                                    speculative_config=spec_config, async_scheduling=False,
+                                    **fields)
     tok = base.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": e.prompt}]),
                           add_special_tokens=False) for e in entries]
@@ -119,21 +130,21 @@ def main(argv=None) -> int:
               "num_prompts": len(prompts)}
     if args.streams == 1:
         rows, same = [], 0
+        order = [(name, llm.engine) for name, llm in llms.items()]
         for i, (ids, sp) in enumerate(zip(prompts, params)):
-            order = [("base", base.engine), ("spec", spec.engine)]
             got = {}
-            for name, engine in (order if i % 2 == 0 else order[::-1]):
+            turn = order[i % len(order):] + order[:i % len(order)]  # who goes first rotates
+            for name, engine in (turn if i % 2 == 0 else turn[::-1]):
                 got[name] = run_one(engine, f"{name}-{i}", ids, sp)
-            same += got["base"]["token_ids"] == got["spec"]["token_ids"]
+            same += all(v["token_ids"] == got["base"]["token_ids"] for v in got.values())
             rows.append({k: (len(v["token_ids"]) - 1, v["last"] - v["first"])
                          for k, v in got.items()})
-        tps = {k: sum(r[k][0] for r in rows) / sum(r[k][1] for r in rows) for k in ("base", "spec")}
+        tps = {k: sum(r[k][0] for r in rows) / sum(r[k][1] for r in rows) for k in llms}
         result |= {"decode_tok_s": tps, "ratio": tps["spec"] / tps["base"],
                    "greedy_identical": f"{same}/{len(prompts)}",
                    "mean_output_tokens": sum(r["base"][0] + 1 for r in rows) / len(rows)}
     else:
-        got = {name: run_all(llm.engine, prompts, params, name)
-               for name, llm in (("base", base), ("spec", spec))}
+        got = {name: run_all(llm.engine, prompts, params, name) for name, llm in llms.items()}
         tps = {k: v["tokens"] / v["seconds"] for k, v in got.items()}
         result |= {"throughput_tok_s": tps, "ratio": tps["spec"] / tps["base"]}
     result["spec"] = spec_counters(spec.engine, before)
@@ -143,6 +154,10 @@ def main(argv=None) -> int:
     for k, v in (result.get("decode_tok_s") or result["throughput_tok_s"]).items():
         print(f"  {k:5s} {v:8.1f} tok/s")
     print(f"  ratio spec / base: {result['ratio']:.2f}x")
+    if "sync" in tps:
+        result["ratio_sync"] = tps["sync"] / tps["base"]
+        print(f"  ratio sync / base: {result['ratio_sync']:.2f}x; spec / sync "
+              f"{tps['spec'] / tps['sync']:.2f}x (async_scheduling on / off)")
     if "greedy_identical" in result:
         print(f"  greedy tokens identical: {result['greedy_identical']}; mean output "
               f"{result['mean_output_tokens']:.0f} tokens")

@@ -28,6 +28,14 @@ class SchedulerConfig:
     then stream in bursts of that many, and a sequence that stops early wastes the rest of
     its burst). 1 = one token per step. Each decode bucket is then compiled for both.
     Source: vLLM's num_scheduler_steps."""
+    async_scheduling: bool = True
+    """Plan and dispatch step N+1 before step N's tokens reach the host, so that the host's
+    work (scheduling, batch building, detokenising) overlaps the device's: step N+1 reads
+    the tokens it needs from step N's outputs on device; with speculative decoding, the
+    next verify step is dispatched before the current one's accepted counts are read, its
+    positions shifted on device (jaxserve.engine.engine). Off: every step's tokens are read
+    before the next is planned (the output is the same; for debugging and A/B
+    measurement). Source: vLLM's --async-scheduling."""
 
     def __post_init__(self):
         _positive("SchedulerConfig", self, ("max_num_seqs", "max_num_batched_tokens",

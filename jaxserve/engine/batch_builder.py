@@ -38,9 +38,10 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
 
     prev_rows: {sequence: row} of the previous (still running) step; a sequence whose token
     is a PLACEHOLDER reads it from that row on device: the returned prev_index [T] int32
-    (Runner.dispatch) gives, per token row, that row (-1: the batch's own token). Raises
-    ValueError if it is not there, or a PLACEHOLDER is not the one token of a sequence's
-    chunk.
+    (Runner.dispatch) gives, per token row, that row (-1: the batch's own token). A verify
+    plan's sequence may bring a PLACEHOLDER before its drafts (planned ahead of the
+    previous verify step's read: Scheduler.schedule_ahead). Raises ValueError if it is
+    not there, or a PLACEHOLDER is not the one token of a sequence's chunk.
 
     The sampling batch carries the sequences' logits controls (`Sequence.controls`; the
     grammars' bitmasks are left to the engine: `constrained_rows`) and,
@@ -62,17 +63,17 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
     for i, (s, n, drafts) in enumerate(zip(seqs, num_new, plan.drafts)):
         start, stop = s.num_computed, s.num_computed + n
         rows = slice(row, row + n)
-        ids = s.ids(start, stop - len(drafts)) + drafts
-        if PLACEHOLDER in ids:
-            if n != 1:
+        own = s.ids(start, stop - len(drafts))
+        if PLACEHOLDER in own:
+            if len(own) != 1:
                 raise ValueError(f"request {s.request_id!r}: a chunk of {n} tokens includes "
                                  "one still being sampled")
             if not prev_rows or s not in prev_rows:
                 raise ValueError(f"request {s.request_id!r}: its last token is pending but "
                                  "was not sampled by the previous step")
             prev_index[row] = prev_rows[s]
-        else:
-            b.tokens[rows] = ids
+            own = [0]
+        b.tokens[rows] = own + drafts
         b.positions[rows] = np.arange(start, stop)
         b.slot_mapping[rows] = _slots(s.block_table, start, stop, page_size)
         b.block_tables[i, :len(s.block_table)] = s.block_table

@@ -20,7 +20,13 @@ max_model_len sits that step out. A one-token step runs as two programs, the for
 the sampler: a structured-output sequence takes every step, its forward dispatched before
 its last token is read, and the sampler half, with the grammar's bitmask for its next token,
 dispatched once that token is read and processed, while the forward runs (vLLM v1's
-execute_model / sample_tokens with the grammar bitmask). Source: vLLM v1 async scheduling;
+execute_model / sample_tokens with the grammar bitmask). With speculative decoding whose
+drafts are proposed on device (a draft model, an EAGLE head, n-gram lookup), a verify step
+is planned and dispatched before the previous verify step is read
+(`Scheduler.schedule_ahead`): as if that step had kept one token of each sequence, with
+the pages of every unread draft accepted; the step moves each sequence's rows by the
+tokens kept beyond one on device, and reading the previous step gives back the pages its
+successor cannot reach. Source: vLLM v1 async scheduling (with speculative decoding);
 JetStream's overlapped detokenisation.
 Requests join (`add_request`) and leave (finish, `abort_request`) between any two steps.
 
@@ -92,6 +98,7 @@ class Engine:
         self.eos_token_ids = eos
         self.input_processor = InputProcessor(model_config, engine_config, tokenizer, eos)
         self.output_processor = OutputProcessor(eos, engine_config.max_model_len)
+        self._async = engine_config.scheduler.async_scheduling
         self._pending: list[RequestOutput] = []
         self._inflight: InflightStep | None = None  # the launched step not read yet
         self.num_steps = 0
@@ -154,24 +161,31 @@ class Engine:
         outputs of requests that progressed or finished in the previous step (and aborts,
         and requests failed by a fault). Raises EngineDeadError once the engine is dead.
 
-        Speculative decoding needs each sequence's tokens before its drafts can be
-        proposed, and a verify step's accepted count before the next step can be planned:
-        while it speculates (and after a verify step) the previous step is finished
-        first, and the host work no longer overlaps the device."""
+        Speculative decoding: a verify step after a verify step is planned before the
+        first is read when the drafts are proposed on device (Scheduler.schedule_ahead);
+        otherwise (host-proposed drafts, a step that is not a verify step on either side)
+        the step in flight is read first, and the host work does not overlap the device.
+        With async_scheduling off every step is read before the next is planned."""
         if not self.healthy:
             raise EngineDeadError("the engine is dead")
         t0 = time.perf_counter()
         wait = 0.0
-        if self._inflight is not None and (self._inflight.scheduled.verify
-                                           or self.scheduler.spec_active()):
-            wait += self._update(self._inflight)
-            self._inflight = None
-            if self._kv_lost:
-                self._reset_kv()
-        scheduled = self.scheduler.schedule(can_propose=self._inflight is None)
+        inflight = self._inflight
+        scheduled = None
+        if inflight is not None and (not self._async or inflight.scheduled.verify
+                                     or self.scheduler.spec_active()):
+            if self._async and inflight.scheduled.verify:
+                scheduled = self.scheduler.schedule_ahead(_draft_rows(inflight))
+            if scheduled is None:
+                wait += self._update(inflight)
+                self._inflight = None
+                if self._kv_lost:
+                    self._reset_kv()
+        if scheduled is None:
+            scheduled = self.scheduler.schedule(can_propose=self._inflight is None)
         launched = self._execute(scheduled) if scheduled is not None else None
         if self._inflight is not None:
-            wait += self._update(self._inflight)
+            wait += self._update(self._inflight, launched)
         if launched is not None and launched.pending_sample is not None and not self._kv_lost:
             self._sample(launched)  # the tokens its grammars wait for are read now
         self._inflight = launched
@@ -256,9 +270,10 @@ class Engine:
 
     # --- update ------------------------------------------------------------------------
 
-    def _update(self, step: InflightStep) -> float:
+    def _update(self, step: InflightStep, after: InflightStep | None = None) -> float:
         """Wait for `step`, process its tokens and record them; returns the seconds spent
-        waiting for the device."""
+        waiting for the device. after: the step dispatched after it (a verify step
+        planned ahead of this one's read keeps the pages its draft rows may reach)."""
         scheduled = step.scheduled
         t1 = time.perf_counter()
         wants = any(s.logprobs is not None or s.needs_prompt_logprobs for s in scheduled.seqs)
@@ -271,13 +286,19 @@ class Engine:
         if out is None:
             return wait
         if scheduled.verify:
-            for b, (seq, index, drafts) in enumerate(zip(scheduled.seqs, step.first_index,
-                                                         scheduled.drafts)):
-                m = int(out.num_tokens[b])
+            ahead = _draft_rows(after) if after is not None and after.scheduled.verify else {}
+            found = None  # whether its live sequences had drafts (None: none was live)
+            for b, (seq, index) in enumerate(zip(scheduled.seqs, step.first_index)):
+                if index is None or seq.finished:
+                    continue
+                m, num_drafts = int(out.num_tokens[b]), int(out.num_drafts[b])
+                found = bool(found) or num_drafts > 0
                 logprobs = self._logprobs_alone(seq, out, b, m)
                 if not seq.finished:
-                    self._verified_alone(seq, index, len(drafts), out.tokens[:m, b].tolist(),
-                                         logprobs)
+                    self._verified_alone(seq, num_drafts, out.tokens[:m, b].tolist(),
+                                         logprobs, ahead.get(seq, 0))
+            if self.spec is not None and found is not None:
+                self.spec.record_found(found)
             return wait
         if wants and not scheduled.decode:
             self._record_prompt_logprobs(step, out)
@@ -314,16 +335,18 @@ class Engine:
                     self._fail(seq, f"reading its prompt logprobs failed: {e!r}")
             row += n
 
-    def _verified_alone(self, seq: Sequence, index: int, num_drafts: int,
-                        tokens: list[int], logprobs: list[TokenLogprobs] | None) -> None:
-        """A verify step kept `tokens` of `seq` (its accepted drafts and the token after
-        them, at output index `index`): count them, record them (the rejected drafts'
-        pages go back), process them as any sampled tokens. A fault fails this request
-        alone."""
+    def _verified_alone(self, seq: Sequence, num_drafts: int, tokens: list[int],
+                        logprobs: list[TokenLogprobs] | None, ahead: int = 0) -> None:
+        """A verify step of `num_drafts` drafts kept `tokens` of `seq` (its accepted drafts
+        and the token after them, at the output index of its first PLACEHOLDER): count
+        them, record them (the rejected drafts' pages go back, but for the `ahead` draft
+        rows of the verify step dispatched after it), process them as any sampled
+        tokens. A fault fails this request alone."""
         if self.spec is not None:
             self.spec.record_verified(num_drafts, len(tokens) - 1 if num_drafts else 0)
+        index = seq.num_known - len(seq.prompt_ids)
         try:
-            self.scheduler.verified(seq, tokens)
+            self.scheduler.verified(seq, index, tokens, ahead)
         except Exception as e:
             log.exception("recording the verified tokens of request %r failed", seq.request_id)
             self._fail(seq, f"recording its verified tokens failed: {e!r}")
@@ -384,3 +407,11 @@ class Engine:
         out = self.output_processor.make_output(seq, [], "")
         out.error = error
         self._pending.append(out)
+
+
+def _draft_rows(step: InflightStep) -> dict[Sequence, int]:
+    """{sequence: its draft rows} of a dispatched verify step, for the sequences it samples
+    that have not finished since."""
+    return {seq: len(drafts) for seq, drafts, first in
+            zip(step.scheduled.seqs, step.scheduled.drafts, step.first_index)
+            if first is not None and not seq.finished}

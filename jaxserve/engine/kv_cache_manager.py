@@ -72,10 +72,10 @@ class KVCacheManager:
                 seq.block_table += self.pool.allocate(n)
         return True
 
-    def trim(self, seq: Sequence) -> None:
-        """Give back the pages of `seq` past those its tokens need (the pages of rejected
-        draft tokens), last page first."""
-        keep = self.pool.pages_for(seq.num_tokens)
+    def trim(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Give back the pages of `seq` past those of its first `num_tokens` tokens (default:
+        all its tokens; the pages of rejected draft tokens), last page first."""
+        keep = self.pool.pages_for(seq.num_tokens if num_tokens is None else num_tokens)
         if len(seq.block_table) > keep:
             self.pool.free(seq.block_table[keep:][::-1])
             del seq.block_table[keep:]

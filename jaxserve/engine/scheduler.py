@@ -201,6 +201,55 @@ class Scheduler:
             out.num_steps = self._num_decode_steps(out, speculating)
         return out
 
+    def schedule_ahead(self, unread: dict[Sequence, int]) -> SchedulerOutput | None:
+        """Plan the next verify step before the tokens of the verify step in flight are read
+        (speculation with async scheduling); None when it cannot be, and the engine reads
+        that step first.
+
+        unread: {sequence: its draft rows in the step in flight} (each ends in that step's
+        PLACEHOLDER, `launched`). The plan is made as if that step kept one token of each
+        (the step moves each sequence's rows by the rest on device: verify_step), with
+        drafts the step proposes on device (SpecDecodeController.propose_ahead), and the
+        pages of the furthest case (every unread draft accepted) taken now; it neither
+        admits nor preempts. None when: speculation is off for the next step, the proposer
+        cannot propose on device or found nothing in the last step read, a running
+        sequence is not in `unread` or samples under a grammar (its bitmask needs its
+        tokens), the furthest case's pages are not free, or no sequence has room for a
+        draft. Held: a sequence the step in flight brings to max_tokens or max_model_len
+        whatever it keeps."""
+        spec, kv = self.spec, self.kv
+        if (spec is None or not self.spec_active() or not spec.can_propose_ahead()
+                or set(self.running) != set(unread)
+                or any(s.matcher is not None for s in self.running)):
+            return None
+        limit = self.cfg.max_model_len
+        hold = frozenset(s for s in self.running if len(s.output_ids) >= s.params.max_tokens
+                         or s.num_tokens >= limit)
+        seqs = sorted((s for s in self.running if s not in hold), key=lambda s: s.admitted)
+        drafts = spec.propose_ahead(seqs, unread)
+        left = self.cfg.scheduler.max_num_batched_tokens - len(seqs)
+        for seq in seqs:  # the budget, oldest first
+            drafts[seq] = drafts.get(seq, [])[:max(0, left)]
+            left -= len(drafts[seq])
+        furthest = {s: s.num_tokens + unread[s] for s in seqs}  # its last token's, + 1
+        if (not any(drafts.values()) or
+                sum(kv.pages_needed(s, n) for s, n in furthest.items()) > kv.num_free):
+            return None
+        for seq in seqs:
+            kv.allocate(seq, furthest[seq])
+        for seq in seqs:  # then the drafts' pages, oldest first, while free pages last
+            k = len(drafts[seq])
+            while k and kv.pages_needed(seq, furthest[seq] + k) > kv.num_free:
+                k -= 1
+            kv.allocate(seq, furthest[seq] + k)
+            del drafts[seq][k:]
+        if not any(drafts.values()):
+            return None  # (the pages taken go back when the step in flight is read)
+        out = SchedulerOutput(seqs, [1 + len(drafts[s]) for s in seqs],
+                              [drafts[s] for s in seqs])
+        out.held = hold
+        return out
+
     def _plan(self, hold: frozenset, drafts: dict[Sequence, list[int]] | None
               ) -> SchedulerOutput | None:
         """Which sequences run and how many tokens each (see the module docstring).
@@ -332,11 +381,21 @@ class Scheduler:
         sequence's output index of the first of them (None for a chunk that does not
         sample, or that finished since it was scheduled).
 
-        A verify step changes nothing yet: how many of its tokens count is known when it
-        is read (`verified`); its outputs start at each sequence's current length."""
-        if out.verify:
-            return [len(seq.output_ids) for seq in out.seqs]
+        A verify step is recorded as if it kept one token (its last token's K/V computed,
+        one PLACEHOLDER output), which is what the next verify step is planned on when it
+        is dispatched before this one is read (`schedule_ahead`); how many tokens it kept
+        is known when it is read (`verified`)."""
         first = []
+        if out.verify:
+            for seq in out.seqs:
+                if seq.finished:
+                    first.append(None)
+                    continue
+                seq.num_computed = seq.num_tokens
+                self.kv.cache_full_pages(seq)
+                first.append(len(seq.output_ids))
+                seq.output_ids.append(PLACEHOLDER)
+            return first
         for i, seq in enumerate(out.seqs):
             if seq.finished:
                 first.append(None)
@@ -356,13 +415,20 @@ class Scheduler:
         (its PLACEHOLDERs, or tokens of a recomputed sequence)."""
         seq.output_ids[index:index + len(tokens)] = tokens
 
-    def verified(self, seq: Sequence, tokens: list[int]) -> None:
+    def verified(self, seq: Sequence, index: int, tokens: list[int], ahead: int = 0) -> None:
         """Record that a verify step kept `tokens` of running `seq` (its accepted drafts and
-        the token after them): they join its outputs, its K/V covers its last token and
-        the accepted drafts, and the pages of rejected drafts go back to the pool."""
-        seq.output_ids.extend(tokens)
-        seq.num_computed += len(tokens)
-        self.kv.trim(seq)
+        the token after them), at output index `index` (the PLACEHOLDER `launched` put
+        there): they join its outputs, its K/V covers its last token and the accepted
+        drafts, and the pages past what it needs go back to the pool (those of rejected
+        drafts). ahead: the draft rows of a verify step dispatched after this one, still
+        running (its rows start at the last known token: the pages they reach are kept).
+        Raises ValueError if no PLACEHOLDER is at `index`."""
+        if seq.output_ids[index:index + 1] != [PLACEHOLDER]:
+            raise ValueError(f"request {seq.request_id!r}: output {index} is not a verify "
+                             "step's pending token")
+        seq.output_ids[index:index + 1] = tokens
+        seq.num_computed += len(tokens) - 1
+        self.kv.trim(seq, seq.num_known + ahead)
         self.kv.cache_full_pages(seq)
 
     def preempt(self, seq: Sequence) -> None:

@@ -51,3 +51,22 @@ def next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int,
     slots = jnp.where(live, page * page_size + positions % page_size, 0)
     return dataclasses.replace(batch, tokens=tokens, positions=positions, slot_mapping=slots,
                                seq_lens=batch.seq_lens + live)
+
+
+def shift_sequences(batch: StepBatch, shift: jax.Array, page_size: int) -> StepBatch:
+    """The batch with every token row of sequence b moved shift[b] positions later (shift:
+    [S] int32, >= 0): its positions, their slots (from its block table, whose pages must
+    hold them) and its seq_len; padding rows and sequences keep theirs. Speculation with
+    async scheduling plans a verify step before the previous one's accepted count is read,
+    as if it had kept one token; the step moves each sequence by the rest on device."""
+    T = batch.tokens.shape[0]
+    S = batch.seq_lens.shape[0]
+    rows = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(batch.query_start[1:], rows, side="right"), 0, S - 1)
+    row_shift = jnp.where(rows < batch.query_start[S], shift[seq], 0)
+    positions = batch.positions + row_shift
+    page = batch.block_tables[seq, positions // page_size]
+    slots = jnp.where(row_shift > 0, page * page_size + positions % page_size,
+                      batch.slot_mapping)
+    return dataclasses.replace(batch, positions=positions, slot_mapping=slots,
+                               seq_lens=batch.seq_lens + jnp.where(batch.seq_lens > 0, shift, 0))

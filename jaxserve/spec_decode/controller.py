@@ -11,7 +11,13 @@ Policy (vLLM's `disable_by_batch_size`; the burst rule is ours, PERFORMANCE.md
   max_model_len leave room for after the token each step adds, and none while it is held
   or constrained by a grammar;
 - after SPEC_BURST_AFTER_MISSES speculating steps in a row whose proposer found nothing,
-  decode steps may sample decode_steps tokens per dispatch again, until it finds drafts.
+  decode steps may sample decode_steps tokens per dispatch again, until it finds drafts;
+- with async scheduling, the next verify step may be planned before the current one's
+  tokens are read (`can_propose_ahead`, `propose_ahead`) when the proposer proposes on
+  device (a draft model, an EAGLE head, n-gram lookup through
+  jaxserve.spec_decode.ngram_device) and the last verify step read had drafts: its draft
+  rows are planned for the furthest case (every unread draft accepted) and filled in on
+  device.
 """
 
 from __future__ import annotations
@@ -93,6 +99,33 @@ class SpecDecodeController:
         self.stats.propose_seconds += time.perf_counter() - t0
         self._misses = 0 if drafts else self._misses + 1
         return drafts
+
+    def can_propose_ahead(self) -> bool:
+        """Whether the next verify step may be planned before the current one is read: the
+        proposer proposes on device (`proposes_ahead`), and no step read since the last
+        proposal found none (an n-gram proposer that stops finding drafts goes back to
+        the host's proposals, and from there to bursts)."""
+        return getattr(self.proposer, "proposes_ahead", False) and self._misses == 0
+
+    def propose_ahead(self, seqs: list, unread: dict) -> dict:
+        """{sequence: draft rows (0s, filled in on device)} for each of `seqs` while the
+        verify step that samples its last token is not read: unread[seq] is that step's
+        draft count, and the room left (as `propose`: num_speculative_tokens, max_tokens,
+        max_model_len) is counted for the furthest case, all of them accepted."""
+        k = self.spec.num_speculative_tokens
+        drafts = {}
+        for seq in seqs:
+            worst = unread[seq]  # more tokens than the one the plan counts
+            room = min(k, seq.params.max_tokens - len(seq.output_ids) - worst - 1,
+                       self.max_model_len - seq.num_tokens - worst - 1)
+            if room > 0:
+                drafts[seq] = [0] * room
+        return drafts
+
+    def record_found(self, found: bool) -> None:
+        """Count a verify step read whose proposals (made on device) found drafts for some
+        sequence, or none."""
+        self._misses = 0 if found else self._misses + 1
 
     def allows_burst(self) -> bool:
         """Whether a decode step of a speculating batch may sample a multi-step burst: the

@@ -23,6 +23,9 @@ class NgramProposer:
     """
 
     needs_context = True  # propose() reads the sequence's tokens
+    # the verify step also proposes on device (jaxserve.spec_decode.ngram_device, the same
+    # rule) for a sequence whose last token the host has not read yet
+    proposes_ahead = True
 
     def __init__(self, min_n: int, max_n: int):
         if not 1 <= min_n <= max_n:

@@ -12,6 +12,7 @@ class DeviceProposer:
     whose tokens the step fills in."""
 
     needs_context = False
+    proposes_ahead = True  # before the step that samples a sequence's last token is read
 
     def propose(self, context, k: int) -> list[int]:
         """k placeholder draft tokens (the step overwrites them)."""

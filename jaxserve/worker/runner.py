@@ -77,8 +77,11 @@ class Runner:
                       num_top=self.num_top)
         self._jitted = jax.jit(functools.partial(model_step, **static), donate_argnums=(1, 7, 8),
                                static_argnames=("num_steps",))
-        self._jitted_verify = jax.jit(functools.partial(verify_step, **static),
-                                      donate_argnums=(1, 5, 6))
+        spec = engine_cfg.speculative
+        ngram = ((spec.prompt_lookup_min, spec.prompt_lookup_max)
+                 if spec is not None and spec.method == "ngram" else None)
+        self._jitted_verify = jax.jit(functools.partial(verify_step, ngram=ngram, **static),
+                                      donate_argnums=(1, 8, 9))
         self._jitted_forward = jax.jit(functools.partial(forward_step, **static),
                                        donate_argnums=(1, 7, 8))
         self.max_pages = engine_cfg.max_pages_per_seq
@@ -102,6 +105,10 @@ class Runner:
         # a follower's (Runner.follow) forward half whose sampler half has not come yet
         self._follow_forward: ForwardHandle | None = None
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
+        # after a verify step, each sequence's kept tokens - 1 (zeros after other steps):
+        # how far a verify step planned before it was read moves its rows (verify_step)
+        self.last_shift = self._no_shift = jnp.zeros((self.max_rows,), jnp.int32,
+                                                     device=self._replicated)
         # every sequence's tokens at their KV slots (jaxserve.sample.logits_processors)
         self.token_pool = self._zero_token_pool()
         # device-resident inputs of steps whose rows use no logits controls / ask no prompt
@@ -163,7 +170,8 @@ class Runner:
         draft = _abstract(self.draft_params), self._draft_cache_spec
         last = _abstract(self.last_tokens)
         if key.kind == "verify":
-            traced = self._jitted_verify.trace(params, cache, batch, sampling, *draft, pool)
+            traced = self._jitted_verify.trace(params, cache, batch, sampling, last, last,
+                                               prev_index, *draft, pool)
         elif key.split:
             traced = self._jitted_forward.trace(params, cache, batch, sampling.prompt_targets,
                                                 last, prev_index, *draft, pool)
@@ -240,8 +248,8 @@ class Runner:
     def _call(self, exe, key: StepKey, batch: StepBatch, sampling: SamplingBatch,
               prev_index: np.ndarray, keep_last: bool = False) -> "StepHandle":
         """Run the whole-step `exe` (a multi-step decode or a verify step) on the pools
-        (donated, replaced by its outputs) and return its handle; a non-verify step also
-        replaces `last_tokens` unless `keep_last`."""
+        (donated, replaced by its outputs) and return its handle; it also replaces
+        `last_tokens` and `last_shift` unless `keep_last`."""
         with self._dispatch_lock:
             if self.mirror is not None:  # the other processes launch the same step (each
                 # fills in the inputs left None from its own device-resident defaults)
@@ -249,15 +257,19 @@ class Runner:
                                   jax.tree.map(np.asarray, sampling), prev_index, keep_last))
             sampling = self._complete(key, sampling)
             if key.kind == "verify":
-                tokens, logprobs, num, extra, self.cache, self.draft_cache, self.token_pool = exe(
-                    self.params, self.cache, batch, sampling, self.draft_params,
-                    self.draft_cache, self.token_pool)
-                return StepHandle(tokens, logprobs, num, extra)
+                (last, shift, tokens, logprobs, num, num_drafts, extra, self.cache,
+                 self.draft_cache, self.token_pool) = exe(
+                    self.params, self.cache, batch, sampling, self.last_tokens,
+                    self.last_shift, prev_index, self.draft_params, self.draft_cache,
+                    self.token_pool)
+                if not keep_last:
+                    self.last_tokens, self.last_shift = last, shift
+                return StepHandle(tokens, logprobs, num, extra, num_drafts)
             last, tokens, logprobs, extra, self.cache, self.draft_cache, self.token_pool = exe(
                 self.params, self.cache, batch, sampling, self.last_tokens, prev_index,
                 self.draft_params, self.draft_cache, self.token_pool)
             if not keep_last:
-                self.last_tokens = last
+                self.last_tokens, self.last_shift = last, self._no_shift
         return StepHandle(tokens, logprobs, None, extra)
 
     def _run_forward(self, exe, key: StepKey, batch: StepBatch, sampling: SamplingBatch,
@@ -297,7 +309,7 @@ class Runner:
             last, tokens, logprobs, extra, self.token_pool = exe(
                 fwd.logits, sampling, self.token_pool, fwd.block_tables, fwd.num_context)
             if not keep_last:
-                self.last_tokens = last
+                self.last_tokens, self.last_shift = last, self._no_shift
         return StepHandle(tokens, logprobs, None, {**fwd.extra, **extra})
 
     def _add(self, key, exe, dt):
@@ -384,9 +396,10 @@ class Runner:
         multi-step decode (see `model_step`; the block tables must hold the pages of all
         num_steps new tokens). Returns a handle for `fetch`; the KV pool and `last_tokens`
         are replaced by the step's (future) outputs at once. A verify batch
-        (logits_indices [S, J]: speculative decoding) runs the verify step (`verify_step`)
-        and leaves `last_tokens` as it was: the engine reads its tokens before it plans the
-        next step. A one-token step is `dispatch_forward` then `dispatch_sample`."""
+        (logits_indices [S, J]: speculative decoding) runs the verify step (`verify_step`):
+        its `last_tokens` are each sequence's last kept token and `last_shift` how many
+        more than one it kept, which a verify step planned before it is read moves its
+        rows by. A one-token step is `dispatch_forward` then `dispatch_sample`."""
         if prev_index is None:
             prev_index = np.full(batch.tokens.shape, -1, np.int32)
         key = StepKey.of(batch, num_steps)
@@ -430,9 +443,12 @@ class Runner:
             if self.mirror is not None:
                 self.mirror.send(("reset",))
             self.cache = self.last_tokens = self.draft_cache = self.token_pool = None
+            self.last_shift = self._no_shift = None
             self.cache = zeros(self._cache_spec)
             self.draft_cache = zeros(self._draft_cache_spec)
             self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
+            self.last_shift = self._no_shift = jnp.zeros((self.max_rows,), jnp.int32,
+                                                         device=self._replicated)
             self.token_pool = self._zero_token_pool()
 
     def follow(self, channel) -> None:
@@ -484,11 +500,14 @@ class Runner:
         """Wait for a dispatched step: its sampled tokens [n, S] int32 and their logprobs
         [n, S] f32 (column b: sequence b of the batch, padding included; n: num_steps, or
         J for a verify step), and for a verify step num_tokens [S] int32, the tokens of
-        column b that count (the rest were rejected). logprobs: also read its top and
+        column b that count (the rest were rejected), and num_drafts [S] int32, the drafts
+        it verified (n-gram drafts proposed on device may be fewer than planned). logprobs: also read its top and
         prompt logprobs (`StepOutput.extra`; else {})."""
         num = None if handle.num_tokens is None else np.asarray(handle.num_tokens)
+        drafts = None if handle.num_drafts is None else np.asarray(handle.num_drafts)
         extra = ({k: np.asarray(v) for k, v in handle.extra.items()} if logprobs else {})
-        return StepOutput(np.asarray(handle.tokens), np.asarray(handle.logprobs), num, extra)
+        return StepOutput(np.asarray(handle.tokens), np.asarray(handle.logprobs), num, extra,
+                          drafts)
 
     def run(self, batch: StepBatch, sampling: SamplingBatch, num_steps: int = 1,
             logprobs: bool = False, prev_index: np.ndarray | None = None) -> "StepOutput":
@@ -523,6 +542,7 @@ class StepHandle:
     logprobs: jax.Array
     num_tokens: jax.Array | None = None
     extra: dict = dataclasses.field(default_factory=dict)
+    num_drafts: jax.Array | None = None  # a verify step's drafts verified [S] int32
 
 
 class StepOutput(NamedTuple):
@@ -532,3 +552,4 @@ class StepOutput(NamedTuple):
     logprobs: np.ndarray
     num_tokens: np.ndarray | None = None
     extra: dict = {}
+    num_drafts: np.ndarray | None = None

@@ -25,7 +25,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.sharding import ShardingRules, constrain
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.params import Params
-from jaxserve.model.inputs import StepBatch, next_decode_batch
+from jaxserve.model.inputs import StepBatch, next_decode_batch, shift_sequences
 from jaxserve.model.transformer import (Kernels, compute_logits, forward, last_token_logits,
                                         logits_sharding, pin_lm_head)
 from jaxserve.sample.logits_processors import (apply_controls, controls_active, history,
@@ -35,6 +35,7 @@ from jaxserve.sample.sampler import (PROMPT_LOGPROBS_BLOCK, SamplingBatch, sampl
                                      token_logprobs, top_logprobs)
 from jaxserve.spec_decode import draft_model
 from jaxserve.spec_decode.draft_model import Drafter
+from jaxserve.spec_decode.ngram_device import ngram_propose
 
 
 def _top(logits: jax.Array, sampling: SamplingBatch, num_top: int, impl) -> dict:
@@ -258,9 +259,10 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
 
 
 def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-                 draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
-                 drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
-                 num_top: int = 0):
+                prev_tokens: jax.Array, prev_shift: jax.Array, prev_index: jax.Array,
+                draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
+                drafter: Drafter | None, ngram: tuple[int, int] | None,
+                rules: ShardingRules | None, kernels: Kernels, num_top: int = 0):
     """A verify step (speculative decoding): forward over each sequence's last token and
     its drafts (the tokens after its first row), logits at every one of its rows
     (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), the rows' logits
@@ -268,12 +270,43 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
     history), rejection sampling (jaxserve.sample.rejection_sampler). With a drafter
     (a draft model or head) the drafts are proposed here first
     (jaxserve.spec_decode.draft_model.propose; the batch's draft rows are placeholders),
-    and the drafter runs over the verify rows too. Returns (tokens [J, S] int32, logprobs
-    [J, S] f32 (of the raw logits), num_tokens [S] int32: output tokens kept per sequence,
-    extra: the top logprobs [J, S, num_top] as `_top`, cache, draft_cache, token_pool)."""
+    and the drafter runs over the verify rows too.
+
+    Async scheduling: prev_tokens / prev_shift [max_rows] int32 are the previous step's
+    outputs (`last`, `shift` below; shift zeros after a step that is not a verify step);
+    a sequence whose first row has prev_index >= 0 was planned before the previous
+    verify step's tokens were read, as if that step had kept one token of it: its last
+    token is prev_tokens[prev_index], and its rows, slots, seq_len and sampling step move
+    prev_shift[prev_index] positions on (`shift_sequences`; its block table holds the
+    pages of the furthest case). Its drafts are proposed here: by the drafter, or with
+    `ngram` = (min_n, max_n) by n-gram lookup over its history in the token pool
+    (jaxserve.spec_decode.ngram_device; at most its planned draft rows, the rest unused).
+    Source: vLLM v1's async scheduling with speculative decoding.
+
+    Returns (last [max_rows] int32: each sequence's last kept token, padded; shift
+    [max_rows] int32: its kept tokens - 1, padded; tokens [J, S] int32, logprobs [J, S] f32
+    (of the raw logits), num_tokens [S] int32: output tokens kept per sequence, num_drafts
+    [S] int32: the drafts verified, extra: the top logprobs [J, S, num_top] as `_top`,
+    cache, draft_cache, token_pool)."""
     S, J = batch.logits_indices.shape
+    T = batch.tokens.shape[0]
     start = batch.query_start[:-1]
+    first = jnp.minimum(start, T - 1)
+    prev = prev_index[first]
+    ahead = (prev >= 0) & (batch.seq_lens > 0)    # planned before its last token was read
+    shift = jnp.where(ahead, prev_shift[jnp.maximum(prev, 0)], 0)
+    batch = shift_sequences(_with_prev_tokens(batch, prev_tokens, prev_index), shift,
+                            cache.page_size)
+    sampling = dataclasses.replace(sampling, step=sampling.step + shift)
     num_drafts = jnp.clip(batch.query_start[1:] - start - 1, 0, J - 1)
+    if ngram is not None:
+        hist = history(token_pool, batch.block_tables, cache.page_size)
+        p0 = batch.positions[first]
+        hist = hist.at[jnp.arange(S), p0].set(batch.tokens[first])
+        found, num_found = ngram_propose(hist, jnp.where(batch.seq_lens > 0, p0 + 1, 0),
+                                         min_n=ngram[0], max_n=ngram[1], k=J - 1)
+        num_drafts = jnp.where(ahead, jnp.minimum(num_found, num_drafts), num_drafts)
+        batch = draft_model.fill_drafts(batch, found, jnp.where(ahead, num_drafts, 0))
     draft_logits = None
     if drafter is not None:
         drafts, draft_logits, draft_cache = draft_model.propose(
@@ -315,4 +348,8 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
         sampling, num_logprobs=None if sampling.num_logprobs is None
         else jnp.repeat(sampling.num_logprobs, J)), num_top, kernels.sampling)
     extra = {k: v.reshape(S, J, -1).transpose(1, 0, 2) for k, v in extra.items()}
-    return tokens.T, logprobs.T, num, extra, cache, draft_cache, token_pool
+    kept = jnp.maximum(num - 1, 0)
+    last = tokens[jnp.arange(S), kept]
+    max_rows = prev_tokens.shape[0]
+    return (_padded_last(last, max_rows, rules), _padded_last(kept, max_rows, rules),
+            tokens.T, logprobs.T, num, num_drafts, extra, cache, draft_cache, token_pool)
