@@ -100,3 +100,24 @@ def test_a_short_run_lowers_the_loss():
         losses.append(float(loss))
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+def test_training_prompts_mix_two_sources_and_leave_out_every_evaluation_prompt():
+    """tools/train_draft_head.py's prompts: the share asked for from the instruction
+    builder, the rest from the benchmark-style generator, distinct, seeded, and none of
+    the benchmark's or the hand-written held-out sets' prompts (the EAGLE head is measured
+    on those)."""
+    from jaxserve.bench.serve import DATA_DIR, DEFAULT_DATASET, read_dataset
+    from tools.instruction_prompts import build
+    from tools.train_draft_head import training_prompts
+    prompts = training_prompts(40, seed=3, instruction_share=0.5)
+    assert len(prompts) == len(set(prompts)) == 40
+    assert prompts == training_prompts(40, seed=3, instruction_share=0.5)
+    instructions = {e["prompt"] for e in build(20, 3)}
+    assert len(instructions & set(prompts)) == 20
+    held = {r.prompt for path in (DEFAULT_DATASET, DATA_DIR / "chat_handwritten.jsonl",
+                                  DATA_DIR / "copy_handwritten.jsonl")
+            for r in read_dataset(path)}
+    assert not held & set(prompts)
+    kinds = {e["kind"] for e in build(200, 0)}
+    assert {"code", "foreign", "summarize", "brainstorm", "message"} <= kinds

@@ -3,7 +3,7 @@ tokens per second of each, their ratio, and the acceptance that explains it.
 
     python -m tools.bench_speculative [--config configs/smollm2_135m.py]
         [--speculative-config JSON (default: configs/smollm2_135m_ngram.py's n-gram)]
-        [--workload copy|chat] [--num-prompts 12] [--streams 1] [--also-sync]
+        [--workload copy|chat|chat-hand|copy-hand] [--num-prompts 12] [--streams 1] [--also-sync]
         [--json out.json]
 
 Two engines of the config are built in this process, one plain and one with
@@ -22,7 +22,11 @@ before the next is planned), timed in the same rotation: what planning verify st
 of the previous one's read gains.
 Workloads: copy = jaxserve/bench/data/copy_prompts.jsonl (edit / quote tasks,
 tools/make_copy_prompts.py), chat = jaxserve/bench/data/bench_prompts.jsonl (the serving
-benchmark's prompts); both rendered with the model's chat template.
+benchmark's prompts); chat-hand / copy-hand = jaxserve/bench/data/chat_handwritten.jsonl /
+copy_handwritten.jsonl (written by hand in the style of real chat use: questions, advice,
+code, emails, other languages; fixing, converting and reformatting text and code the
+prompt gives; no generator and no text of the other sets' sources). All rendered with the
+model's chat template.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 from jaxserve.bench.serve import DATA_DIR, DEFAULT_CONFIG, DEFAULT_DATASET, read_dataset
 
-WORKLOADS = {"copy": DATA_DIR / "copy_prompts.jsonl", "chat": DEFAULT_DATASET}
+WORKLOADS = {"copy": DATA_DIR / "copy_prompts.jsonl", "chat": DEFAULT_DATASET,
+             "chat-hand": DATA_DIR / "chat_handwritten.jsonl",
+             "copy-hand": DATA_DIR / "copy_handwritten.jsonl"}
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ' \
                '"prompt_lookup_min": 1}'  # configs/smollm2_135m_ngram.py's
 

@@ -2,10 +2,16 @@
 
     python -m tools.train_draft_head [--config configs/smollm2_135m.py]
         [--out jaxserve/spec_decode/heads/smollm2_135m] [--work ~/.cache/jaxserve/eagle-train]
-        [--num-prompts 640] [--steps 1600] [--seed 0] ...
+        [--num-prompts 960] [--instruction-share 0.5] [--steps 1600] [--seed 0] ...
 
-1. Prompts: English prompts built like the benchmark's (tools/make_bench_prompts.py: the
-   same offline sources, other seeds), every benchmark prompt excluded.
+1. Prompts from two sources, no benchmark prompt and no held-out prompt among them:
+   instructions of many kinds as people write to a chat assistant (tools/instruction_prompts.py:
+   advice, explanations, lists, emails, stories, summaries and rewrites of given text, code,
+   word problems, other languages; --instruction-share of them), and prompts built like the
+   benchmark's (tools/make_bench_prompts.py: Python's documentation, standard-library code,
+   licence texts, with other seeds). The held-out evaluation sets
+   (jaxserve/bench/data/chat_handwritten.jsonl, copy_handwritten.jsonl) are written by hand
+   and come from neither.
 2. Answers: the target's own greedy answers (jaxserve.LLM, all prompts batched).
 3. Features: the target's final hidden states over prompt + answer (its XLA forward).
 4. Draft vocabulary: the --draft-vocab most frequent tokens of the answers.
@@ -39,19 +45,29 @@ def log(msg: str) -> None:
 
 # --- data ------------------------------------------------------------------------------
 
-def training_prompts(n: int, seed: int) -> list[str]:
-    """`n` prompts built like the benchmark's with other seeds, none of the benchmark's."""
-    from jaxserve.bench.serve import DEFAULT_DATASET, read_dataset
-    from tools import make_bench_prompts
-    bench = {r.prompt for r in read_dataset(DEFAULT_DATASET)}
-    out, seen, s = [], set(bench), seed
+def training_prompts(n: int, seed: int, instruction_share: float = 0.5) -> list[str]:
+    """`n` prompts: round(n * instruction_share) from tools/instruction_prompts.py, the rest
+    built like the benchmark's with other seeds; none of the benchmark's or of the held-out
+    sets' prompts; in a seeded shuffled order."""
+    import random
+
+    from jaxserve.bench.serve import DATA_DIR, DEFAULT_DATASET, read_dataset
+    from tools import instruction_prompts, make_bench_prompts
+    excluded = {r.prompt for path in (DEFAULT_DATASET, DATA_DIR / "chat_handwritten.jsonl",
+                                      DATA_DIR / "copy_handwritten.jsonl")
+                for r in read_dataset(path)}
+    n_inst = round(n * instruction_share)
+    out = [e["prompt"] for e in instruction_prompts.build(n_inst, seed)
+           if e["prompt"] not in excluded]
+    seen, s = excluded | set(out), seed
     while len(out) < n:
         s += 1
         for e in make_bench_prompts.build(10_000 + s):
-            if e["prompt"] not in seen:
+            if e["prompt"] not in seen and len(out) < n:
                 seen.add(e["prompt"])
                 out.append(e["prompt"])
-    return out[:n]
+    random.Random(seed).shuffle(out)
+    return out
 
 
 def generate_answers(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], int]]:
@@ -193,7 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "jaxserve" / "spec_decode" / "heads" / "smollm2_135m"))
     ap.add_argument("--work", default=None, help="default: <cache>/eagle-train-<seed>")
     ap.add_argument("--cache-dir")
-    ap.add_argument("--num-prompts", type=int, default=640)
+    ap.add_argument("--num-prompts", type=int, default=960)
+    ap.add_argument("--instruction-share", type=float, default=0.5,
+                    help="the share of prompts from tools/instruction_prompts.py")
     ap.add_argument("--max-answer-tokens", type=int, default=192)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--draft-vocab", type=int, default=4096)
@@ -241,8 +259,8 @@ def main(argv=None) -> int:
         seqs, prompt_lens, feats = list(z["seqs"]), list(z["prompt_lens"]), list(z["feats"])
         log(f"data: {len(seqs)} sequences from {data_file}")
     else:
-        prompts = training_prompts(args.num_prompts, args.seed)
-        log(f"prompts: {len(prompts)} (no benchmark prompt among them)")
+        prompts = training_prompts(args.num_prompts, args.seed, args.instruction_share)
+        log(f"prompts: {len(prompts)} (no benchmark or held-out prompt among them)")
         llm = jaxserve.LLM(config, cache_dir=cache)
         pairs = generate_answers(llm, prompts, args.max_answer_tokens)
         del llm
