@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.kernels.common import query_sequence
 from jaxserve.pytree import pytree_dataclass
 
 
@@ -59,11 +60,10 @@ def shift_sequences(batch: StepBatch, shift: jax.Array, page_size: int) -> StepB
     hold them) and its seq_len; padding rows and sequences keep theirs. Speculation with
     async scheduling plans a verify step before the previous one's accepted count is read,
     as if it had kept one token; the step moves each sequence by the rest on device."""
-    T = batch.tokens.shape[0]
     S = batch.seq_lens.shape[0]
-    rows = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(batch.query_start[1:], rows, side="right"), 0, S - 1)
-    row_shift = jnp.where(rows < batch.query_start[S], shift[seq], 0)
+    owner = query_sequence(batch.query_start, batch.tokens.shape[0])   # S past the last
+    seq = jnp.clip(owner, 0, S - 1)
+    row_shift = jnp.where(owner < S, shift[seq], 0)
     positions = batch.positions + row_shift
     page = batch.block_tables[seq, positions // page_size]
     slots = jnp.where(row_shift > 0, page * page_size + positions % page_size,

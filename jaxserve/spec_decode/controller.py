@@ -85,11 +85,9 @@ class SpecDecodeController:
         """{sequence: draft tokens} for each of `running` not in `hold` (see the module
         docstring); counts the step as a miss when none are found."""
         t0 = time.perf_counter()
-        k = self.spec.num_speculative_tokens
         drafts = {}
         for seq in running:
-            room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
-                       self.max_model_len - seq.num_tokens - 1)
+            room = self._room(seq)
             if seq in hold or room <= 0 or seq.matcher is not None:
                 continue
             context = seq.ids(0, seq.num_tokens) if self.proposer.needs_context else None
@@ -112,15 +110,19 @@ class SpecDecodeController:
         verify step that samples its last token is not read: unread[seq] is that step's
         draft count, and the room left (as `propose`: num_speculative_tokens, max_tokens,
         max_model_len) is counted for the furthest case, all of them accepted."""
-        k = self.spec.num_speculative_tokens
         drafts = {}
         for seq in seqs:
-            worst = unread[seq]  # more tokens than the one the plan counts
-            room = min(k, seq.params.max_tokens - len(seq.output_ids) - worst - 1,
-                       self.max_model_len - seq.num_tokens - worst - 1)
+            room = self._room(seq, unread[seq])  # more tokens than the one the plan counts
             if room > 0:
                 drafts[seq] = [0] * room
         return drafts
+
+    def _room(self, seq, more: int = 0) -> int:
+        """Drafts `seq` may take after the token each step adds, were it `more` tokens
+        longer: at most num_speculative_tokens, within max_tokens and max_model_len."""
+        return min(self.spec.num_speculative_tokens,
+                   seq.params.max_tokens - len(seq.output_ids) - more - 1,
+                   self.max_model_len - seq.num_tokens - more - 1)
 
     def record_found(self, found: bool) -> None:
         """Count a verify step read whose proposals (made on device) found drafts for some

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.kernels.common import query_sequence
 from jaxserve.model.kv_cache import KVCache, page_bytes
 from jaxserve.model.layers import rms_norm
 from jaxserve.model.params import LayerParams, Params, init_params
@@ -114,10 +115,10 @@ def prev_slots(batch: StepBatch, page_size: int) -> jax.Array:
     table), -1 where the row is at position 0."""
     T = batch.tokens.shape[0]
     S = batch.seq_lens.shape[0]
-    rows = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(batch.query_start[1:], rows, side="right"), 0, S - 1)
     if batch.decode:
-        seq = jnp.minimum(rows, S - 1)
+        seq = jnp.minimum(jnp.arange(T, dtype=jnp.int32), S - 1)
+    else:
+        seq = jnp.clip(query_sequence(batch.query_start, T), 0, S - 1)
     p = jnp.maximum(batch.positions - 1, 0)
     page = batch.block_tables[seq, p // page_size]
     return jnp.where(batch.positions > 0, page * page_size + p % page_size, -1)

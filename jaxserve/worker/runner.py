@@ -443,7 +443,6 @@ class Runner:
             if self.mirror is not None:
                 self.mirror.send(("reset",))
             self.cache = self.last_tokens = self.draft_cache = self.token_pool = None
-            self.last_shift = self._no_shift = None
             self.cache = zeros(self._cache_spec)
             self.draft_cache = zeros(self._draft_cache_spec)
             self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
@@ -501,8 +500,8 @@ class Runner:
         [n, S] f32 (column b: sequence b of the batch, padding included; n: num_steps, or
         J for a verify step), and for a verify step num_tokens [S] int32, the tokens of
         column b that count (the rest were rejected), and num_drafts [S] int32, the drafts
-        it verified (n-gram drafts proposed on device may be fewer than planned). logprobs: also read its top and
-        prompt logprobs (`StepOutput.extra`; else {})."""
+        it verified (n-gram drafts proposed on device may be fewer than planned).
+        logprobs: also read its top and prompt logprobs (`StepOutput.extra`; else {})."""
         num = None if handle.num_tokens is None else np.asarray(handle.num_tokens)
         drafts = None if handle.num_drafts is None else np.asarray(handle.num_drafts)
         extra = ({k: np.asarray(v) for k, v in handle.extra.items()} if logprobs else {})
