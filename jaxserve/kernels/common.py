@@ -5,7 +5,11 @@ kernels -> jaxserve.kernels.common; nothing here imports jaxserve or a kernel pa
 - input checks whose ValueErrors name the function, the argument and the limit;
 - the flat ragged batch: which sequence owns each token row (`query_sequence`);
 - the KV pool's storage: a bfloat16 pool held as its uint16 bits (`BF16_BITS`), read
-  through `kv_values` (a bitcast, no copy).
+  through `kv_values` (a bitcast, no copy);
+- the online softmax's statistics (`softmax_block`, `finish_softmax`), written once for the
+  Pallas kernels and the model's XLA attention.
+
+Source of the online softmax: FlashAttention (Dao et al., 2022), Algorithm 1.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # A KV pool of this storage dtype holds bfloat16 values as their bits: XLA:CPU updates a
 # uint16 array in place, where it float-normalises a bfloat16 one (jaxserve.model.kv_cache).
 BF16_BITS = jnp.dtype(jnp.uint16)
+# The score of a masked key. Finite, so a row whose keys are all masked gives
+# exp(MASK - MASK) = 1 rather than NaN; such a row's output is discarded (or merged with
+# weight exp(-huge) = 0).
+MASK_VALUE = -1e30
 
 
 # ----------------------------------------------------------------------------- input checks
@@ -83,3 +91,29 @@ def kv_values(pages: jax.Array) -> jax.Array:
     if pages.dtype == BF16_BITS:
         return jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
     return pages
+
+
+# ----------------------------------------------------------------------------- online softmax
+# Pure jnp on values: they lower to Triton inside the Pallas kernels and run as XLA ops.
+
+def softmax_block(m: jax.Array, l: jax.Array, scores: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One block of the online softmax's statistics (FlashAttention, Alg. 1).
+
+    m: [...] f32 running max; l: [...] f32 running sum of exp(score - m); scores: [..., N]
+    f32, scaled, masked keys at MASK_VALUE. Returns (p [..., N] f32, correction [...] f32,
+    m_new, l_new): the caller's running p @ v sum becomes acc * correction + p @ v."""
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    correction = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[..., None])
+    return p, correction, m_new, l * correction + p.sum(axis=-1)
+
+
+def finish_softmax(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The normalised output acc / l ([..., D] f32) and its log-sum-exp m + log l ([...] f32)
+    of an online softmax. A row that saw no visible key (l == 0) gives output 0 and
+    lse MASK_VALUE, so a log-sum-exp merge of partials gives it zero weight."""
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, MASK_VALUE, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return out, lse

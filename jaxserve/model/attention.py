@@ -7,15 +7,19 @@ One interface serves prefill of several prompts, decode (one row per sequence; a
 prefill, prefix-cache hits and speculative verification. The engine picks one `Attention`
 when it is built (KernelConfig.attention_impl -> XlaAttention, CpuAttention or
 PallasAttention); the model builds its `AttentionMetadata` once per step (outside the
-layer loop) and each layer calls it with its own pool. XlaAttention gathers the context
-pages and runs dense masked softmax attention; the kernels drop in behind the same call.
+layer loop) and each layer calls it with its own pool. XlaAttention runs an online softmax over chunks of
+each row's context pages, in blocks of query rows, so its temporaries are bounded by a
+block, whatever the step's tokens and table width; the kernels drop in behind the same
+call.
 
-Source: PagedAttention (Kwon et al., SOSP 2023); vLLM v1's unified ragged batch.
+Source: PagedAttention (Kwon et al., SOSP 2023); vLLM v1's unified ragged batch;
+FlashAttention (Dao et al., 2022) for the online softmax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,10 +27,16 @@ import jax.numpy as jnp
 
 from jaxserve.kernels.impl_table import lookup
 from jaxserve.pytree import pytree_dataclass
-from jaxserve.kernels.common import kv_values, query_sequence
+from jaxserve.kernels.common import (MASK_VALUE, cdiv, finish_softmax, kv_values,
+                                     query_sequence, softmax_block)
 
-# Finite, so a padding row whose keys are all masked gets a harmless uniform softmax.
-MASK_VALUE = -1e30
+# XlaAttention's blocking: each step of its loop gathers one chunk of about XLA_KV_CHUNK
+# context keys (whole pages) for each of a block of query rows, the block as many rows as
+# keep that gather (of K, and again of V) within XLA_BLOCK_BYTES. A step's attention
+# temporaries are then ~2 x XLA_BLOCK_BYTES plus the block's f32 scores, whatever its
+# tokens and table width (`xla_attention_temp_bytes`).
+XLA_KV_CHUNK = 256
+XLA_BLOCK_BYTES = 32 * 2**20
 
 
 @pytree_dataclass(meta=("decode",))
@@ -37,9 +47,10 @@ class AttentionMetadata:
     seq_lens: [S] int32 context length after this step's tokens are written (0 = padding).
     query_start: [S + 1] int32: sequence b owns token rows query_start[b] : query_start[b+1].
     positions: [T] int32 absolute position of each new token.
-    bias: f32 additive mask (0 visible, MASK_VALUE hidden) for the "xla" implementation:
-        [S, 1, P * page_size] for decode, [T, S * P * page_size] otherwise; None for
-        implementations that mask inside the kernel.
+    row_seq, row_limit: for the "xla" implementation (None for the kernels, which mask
+        inside): [T] int32 the sequence of each row (clipped into 0..S-1) and [T] int32
+        how many of its context keys the row sees, min(seq_len, position + 1) (0 for rows
+        outside every sequence): keys 0 .. row_limit - 1 are visible (causal + length).
     decode (static): T == S and row b is sequence b's only new token.
     """
 
@@ -47,26 +58,9 @@ class AttentionMetadata:
     seq_lens: Any
     query_start: Any
     positions: Any
-    bias: Any = None
+    row_seq: Any = None
+    row_limit: Any = None
     decode: bool = False
-
-
-def _xla_bias(block_tables, seq_lens, query_start, positions, page_size: int,
-              decode: bool) -> jax.Array:
-    """The XLA path's additive causal + length mask (see AttentionMetadata.bias), computed
-    once per step: a `jnp.where` inside every layer cost 4-6x on XLA:CPU."""
-    S, P = block_tables.shape
-    key_pos = jnp.arange(P * page_size, dtype=jnp.int32)
-    if decode:
-        visible = ((key_pos[None, None, :] <= positions[:, None, None])
-                   & (key_pos[None, None, :] < seq_lens[:, None, None]))  # [S, 1, P*ps]
-    else:
-        row_seq = query_sequence(query_start, positions.shape[0])  # [T]
-        visible = ((row_seq[:, None, None] == jnp.arange(S)[None, :, None])
-                   & (key_pos[None, None, :] <= positions[:, None, None])
-                   & (key_pos[None, None, :] < seq_lens[None, :, None]))  # [T, S, P*ps]
-        visible = visible.reshape(positions.shape[0], S * P * page_size)
-    return jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
 
 
 class Attention:
@@ -117,27 +111,29 @@ class Attention:
 @dataclasses.dataclass(frozen=True)
 class XlaAttention(Attention):
     """Plain XLA ops over either layout: the reference every kernel is checked against.
-    Each sequence's pages are gathered (decode) or every row scores against all the
-    step's sequences under the metadata's additive mask (ragged batches)."""
+    An online softmax over chunks of each row's own context pages (gathered through its
+    sequence's block table), in blocks of query rows (`_chunked_attention_xla`): the
+    temporaries are bounded by XLA_BLOCK_BYTES, never scores over the whole table for
+    every row; the loop over chunks stops at the block's longest visible context."""
 
     name = "xla"
     kv_layout = "head_major"
     layouts = ("token_major", "head_major")
+    pads_pages = False  # its chunk loop stops at each block's longest context
 
     def metadata(self, block_tables, seq_lens, query_start, positions, page_size,
                  decode=False):
         meta = super().metadata(block_tables, seq_lens, query_start, positions, page_size,
                                 decode)
-        return dataclasses.replace(meta, bias=_xla_bias(block_tables, seq_lens, query_start,
-                                                        positions, page_size, decode))
+        S = block_tables.shape[0]
+        seq = query_sequence(query_start, positions.shape[0])
+        inside = (seq >= 0) & (seq < S)
+        seq = jnp.clip(seq, 0, S - 1)
+        limit = jnp.where(inside, jnp.minimum(seq_lens[seq], positions + 1), 0)
+        return dataclasses.replace(meta, row_seq=seq, row_limit=limit.astype(jnp.int32))
 
     def _attend(self, q, k_pages, v_pages, meta, layout):
-        k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
-        if meta.decode:
-            attend = (_paged_attention_xla_head_major if layout == "head_major"
-                      else _paged_attention_xla)
-            return attend(q[:, None], k_pages, v_pages, meta)[:, 0]
-        return _ragged_attention_xla(q, k_pages, v_pages, meta, layout)
+        return _chunked_attention_xla(q, k_pages, v_pages, meta, layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,65 +211,118 @@ def _paged_attention_pallas(q, k_pages, v_pages, meta: AttentionMetadata, impl: 
                            meta.seq_lens, impl=impl)
 
 
-def _widened(q, k, v):
-    """Gathered K/V in the wider of q's and the pool's dtypes (f32 queries over a bf16 pool:
-    f32), converted after the gather so the pool itself is never converted. (A bf16 x bf16
-    -> f32 dot of probabilities and V is unimplemented in XLA:CPU's DotThunk.)"""
-    dt = jnp.promote_types(q.dtype, k.dtype)
-    return k.astype(dt), v.astype(dt)
+def xla_attention_temp_bytes(num_heads: int, num_kv_heads: int, head_dim: int,
+                             page_size: int) -> int:
+    """Bytes of XlaAttention's largest temporaries, per layer call, whatever the step's
+    tokens: one block's gathered f32 K and V chunks, its f32 scores and probabilities, and
+    the f32 running output (num_heads, num_kv_heads: this device's)."""
+    rows, pages = _xla_blocking(1 << 30, 1 << 30, page_size, num_kv_heads * head_dim * 4)
+    keys = pages * page_size
+    return (2 * rows * keys * num_kv_heads * head_dim * 4
+            + 2 * rows * num_heads * keys * 4 + 2 * rows * num_heads * head_dim * 4)
 
 
-def _ragged_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata, layout: str) -> jax.Array:
-    # Every row scores against the keys of all S sequences (gathered once, [S * P * ps]);
-    # the bias keeps its own sequence's visible keys. S times the work of a per-sequence
-    # formulation, but no [T, keys] gather per row; the kernels do the real thing.
+def _xla_blocking(num_rows: int, table_pages: int, page_size: int, key_bytes: int
+                  ) -> tuple[int, int]:
+    """(query rows per block, pages per chunk) for XlaAttention: chunks of about
+    XLA_KV_CHUNK keys (whole pages, at most the table), blocks of as many rows (at most
+    num_rows) as keep one chunk's gathered K within XLA_BLOCK_BYTES (key_bytes: one key's
+    f32 K bytes over the kv heads)."""
+    pages = max(1, min(table_pages, XLA_KV_CHUNK // page_size))
+    rows = max(1, min(num_rows, XLA_BLOCK_BYTES // (pages * page_size * key_bytes)))
+    return rows, pages
+
+
+def _chunked_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata, layout: str
+                           ) -> jax.Array:
+    """Attention of the ragged batch q [T, H, Dh] over the pool (either layout, as stored:
+    jaxserve.kernels.common.kv_values) by an online
+    softmax: the rows in blocks of R, each block looping over chunks of C pages of its
+    rows' own block tables, up to the block's longest visible context (row_limit). Per
+    step of the loop: K, V gathered [R, C * ps, K, Dh], f32 scores [R, K, G, C * ps]; a
+    block whose rows are all one sequence's (a prompt's; not in decode steps) gathers
+    each chunk once, [C * ps, K, Dh], and multiplies it with all R rows.
+    Scores, softmax and products in f32 (f32 inputs: IEEE products)."""
     T, H, Dh = q.shape
     S, P = meta.block_tables.shape
     if layout == "head_major":
         K, _, ps, _ = k_pages.shape
-        k = k_pages[:, meta.block_tables].reshape(K, S * P * ps, Dh)
-        v = v_pages[:, meta.block_tables].reshape(K, S * P * ps, Dh)
     else:
         _, ps, K, _ = k_pages.shape
-        k = k_pages[meta.block_tables].reshape(S * P * ps, K, Dh).transpose(1, 0, 2)
-        v = v_pages[meta.block_tables].reshape(S * P * ps, K, Dh).transpose(1, 0, 2)
-    k, v = _widened(q, k, v)
-    qg = q.reshape(T, K, H // K, Dh)
-    scores = jnp.einsum("tkgd,ksd->tkgs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh ** -0.5) + meta.bias[:, None, None, :]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("tkgs,ksd->tkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(T, H, Dh).astype(q.dtype)
-
-
-def _paged_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata) -> jax.Array:
-    B, Q, H, Dh = q.shape
-    _, ps, K, _ = k_pages.shape
-    P = meta.block_tables.shape[1]
-    k = k_pages[meta.block_tables].reshape(B, P * ps, K, Dh)  # [B, S, K, Dh]
-    v = v_pages[meta.block_tables].reshape(B, P * ps, K, Dh)
-    k, v = _widened(q, k, v)
-    qg = q.reshape(B, Q, K, H // K, Dh)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh ** -0.5) + meta.bias[:, None, None, :, :]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, Q, H, Dh).astype(q.dtype)
-
-
-def _paged_attention_xla_head_major(q, k_pages, v_pages, meta: AttentionMetadata) -> jax.Array:
-    # Pages [K, N, ps, Dh] gathered -> [K, B, S, Dh]: both matmuls batch over (kv head,
-    # sequence), the leading axes, so XLA moves only the small q / output, never K or V.
-    B, Q, H, Dh = q.shape
-    K, _, ps, _ = k_pages.shape
     G = H // K
-    P = meta.block_tables.shape[1]
-    k = k_pages[:, meta.block_tables].reshape(K, B, P * ps, Dh)
-    v = v_pages[:, meta.block_tables].reshape(K, B, P * ps, Dh)
-    k, v = _widened(q, k, v)
-    qg = q.reshape(B, Q, K, G, Dh).transpose(2, 0, 3, 1, 4).reshape(K, B, G * Q, Dh)
-    scores = jnp.einsum("kbqd,kbsd->kbqs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores.reshape(K, B, G, Q, P * ps) * (Dh ** -0.5) + meta.bias[None, :, None]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(K, B, G * Q, P * ps)
-    out = jnp.einsum("kbqs,kbsd->kbqd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(K, B, G, Q, Dh).transpose(1, 3, 0, 2, 4).reshape(B, Q, H, Dh).astype(q.dtype)
+    # Products in f32: f32 inputs at HIGHEST precision (IEEE products on GPUs, whose
+    # default is TF32); narrower inputs (bf16, f16) at the default, exact for them (TF32
+    # holds their mantissas). (XLA:CPU's DotThunk has no bf16 x bf16 -> f32 for every
+    # shape.)
+    f32 = jnp.float32
+    narrow = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(kv_values(k_pages).dtype).itemsize) < 4
+    precision = None if narrow else jax.lax.Precision.HIGHEST
+    R, C = _xla_blocking(T, P, ps, K * Dh * 4)
+    n_blocks = cdiv(T, R)
+    R = cdiv(T, n_blocks)  # the same number of blocks, the least padding
+    n_chunks = cdiv(P, C)
+    tables = jnp.pad(meta.block_tables, ((0, 0), (0, n_chunks * C - P)))  # -> null page 0
+    pad = n_blocks * R - T
+    qg = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n_blocks, R, K, G, Dh)
+    seq = jnp.pad(meta.row_seq, (0, pad)).reshape(n_blocks, R)
+    limit = jnp.pad(meta.row_limit, (0, pad)).reshape(n_blocks, R)
+    keys = C * ps
+
+    def gather(pages, pool):  # pages [..., C] -> [..., C * ps, K, Dh] f32
+        # A bf16 pool stays its uint16 bits until gathered: XLA:CPU would convert a bf16
+        # array entering the loop to f32, the whole pool, every layer.
+        lead = pages.shape[:-1]
+        if layout == "head_major":
+            x = jnp.moveaxis(pool[:, pages].reshape(K, *lead, keys, Dh), 0, -2)
+        else:
+            x = pool[pages].reshape(*lead, keys, K, Dh)
+        return kv_values(x).astype(f32)
+
+    def block(qb, seq_b, limit_b, shared: bool):
+        """One block of rows [R, K, G, Dh] (their sequences [R], visible keys [R]): with
+        `shared`, all of one sequence (or padding), whose chunks are gathered once for
+        all R rows; else each row gathers its own sequence's."""
+        table = tables[seq_b[0]] if shared else tables[seq_b]  # [(R,) n_chunks * C]
+        r = "" if shared else "r"
+
+        def chunk(c, carry):
+            acc, m, l = carry
+            pages = jax.lax.dynamic_slice_in_dim(table, c * C, C, axis=-1)
+            key = c * keys + jnp.arange(keys, dtype=jnp.int32)
+            visible = key[None, :] < limit_b[:, None]  # [R, C * ps]
+            # a slot no row sees may hold anything (another sequence's stale K/V, NaN):
+            # its V is zeroed, as p = 0 times NaN would not be
+            seen = (key < limit_b.max()) if shared else visible
+            k = gather(pages, k_pages)
+            v = jnp.where(seen[..., None, None], gather(pages, v_pages), 0)
+            s = jnp.einsum(f"rkgd,{r}skd->rkgs", qb.astype(f32), k,
+                           precision=precision) * (Dh ** -0.5)
+            s = jnp.where(visible[:, None, None, :], s, MASK_VALUE)
+            p, correction, m, l = softmax_block(m, l, s)
+            pv = jnp.einsum(f"rkgs,{r}skd->rkgd", p, v, precision=precision)
+            return acc * correction[..., None] + pv, m, l
+
+        init = (jnp.zeros((R, K, G, Dh), f32), jnp.full((R, K, G), MASK_VALUE, f32),
+                jnp.zeros((R, K, G), f32))
+        if n_chunks == 1:  # no loop: XLA:CPU would hoist its gathers and fuse them with
+            # this step's K/V write, which then copies the pool
+            return finish_softmax(*chunk(0, init))[0].astype(q.dtype)
+        used = jnp.minimum(cdiv(limit_b.max(), keys), n_chunks)
+        return finish_softmax(*jax.lax.fori_loop(0, used, chunk, init))[0].astype(q.dtype)
+
+    def any_block(qb, seq_b, limit_b):
+        if meta.decode or R == 1:  # every row its own sequence
+            return block(qb, seq_b, limit_b, shared=False)
+        one_sequence = jnp.all((seq_b == seq_b[0]) | (limit_b == 0))
+        return jax.lax.cond(one_sequence, functools.partial(block, shared=True),
+                            functools.partial(block, shared=False), qb, seq_b, limit_b)
+
+    if n_blocks == 1:
+        out = any_block(qg[0], seq[0], limit[0])[None]
+    else:
+        # The blocks' outputs overwrite the queries' own buffer: a fresh output buffer
+        # (lax.map's) has no inputs, and XLA schedules its allocation early, so every
+        # layer's would be live at once.
+        out = jax.lax.fori_loop(0, n_blocks, lambda b, out: out.at[b].set(
+            any_block(qg[b], seq[b], limit[b])), qg)
+    return out.reshape(n_blocks * R, H, Dh)[:T]

@@ -11,7 +11,7 @@ kv_cache_memory_bytes split over the devices that share the kv_heads axis (or, w
 on GPU gpu_memory_utilization of each device less the weights and activations, as vLLM;
 on CPU cpu_kv_cache_space GiB, or CPU_AUTO_KV_FRACTION of the host memory the weights and
 activations leave); activations = the largest step's live buffers
-(residual, q/k/v, with XLA attention the gathered context K/V and f32 scores, MLP, f32 logits, the
+(residual, q/k/v, with XLA attention one block's gathered K/V and f32 scores, MLP, f32 logits, the
 logits controls' and the prompt-logprobs block's buffers). A drafter
 of speculative decoding (a draft model, an EAGLE head) keeps its own pool over the same
 pages: each page of the budget pays for both (as jaxserve.engine.builder.build_engine sizes them), so
@@ -35,6 +35,7 @@ from jaxserve.checkpoint import is_checkpoint, load_model_config
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import Config, ConfigError, KernelConfig, ModelConfig, SpeculativeConfig
+from jaxserve.model.attention import xla_attention_temp_bytes
 from jaxserve.model.kv_cache import KV_AXES, page_bytes
 from jaxserve.model.params import abstract_params
 from jaxserve.sample.sampler import PROMPT_LOGPROBS_BLOCK
@@ -294,25 +295,25 @@ def drafter_page_bytes(spec: SpeculativeConfig | None, target: ModelConfig, page
 def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules,
                      attention_impl: str = "xla") -> int:
     """Peak live activation bytes per device of the largest step (prefill or decode).
-    attention_impl: the resolved kernel ("xla" gathers each sequence's context K/V out of
-    the pool and materialises f32 scores; the kernels, "cpu" and "pallas", read the pages
-    in place and keep one block's scores at a time, counted as nothing here)."""
+    attention_impl: the resolved kernel ("xla" gathers a block of rows' context K/V out
+    of the pool and keeps that block's f32 scores, xla_attention_temp_bytes; the kernels,
+    "cpu" and "pallas", read the pages in place and keep one block's scores at a time in
+    on-chip memory, counted as nothing here)."""
     ecfg = config.engine
     materialised = attention_impl == "xla"
     tp = rules.mesh.shape["model"]
     b = jnp.dtype(model.dtype).itemsize
-    kvb = jnp.dtype(ecfg.cache.cache_dtype or model.dtype).itemsize
 
     def split(n):  # a head/mlp/vocab axis splits only when divisible, as in ShardingRules
         return n // tp if n % tp == 0 else n
 
-    def step(B, Q, S):
+    def step(B, Q):
         T = B * Q
         return (2 * T * model.hidden_size * b                                          # residual + normed
                 + T * (split(model.num_heads) + 2 * split(model.num_kv_heads)) * model.head_dim * b
-                + materialised * (
-                    2 * B * S * split(model.num_kv_heads) * model.head_dim * kvb        # gathered K, V
-                    + B * split(model.num_heads) * Q * S * 4)                           # f32 scores
+                + materialised * xla_attention_temp_bytes(                              # one block
+                    split(model.num_heads), split(model.num_kv_heads), model.head_dim,
+                    ecfg.cache.page_size)
                 + 3 * T * split(model.intermediate_size) * b                            # gate, up, product
                 + B * split(model.vocab_size) * 4                                       # f32 logits
                 + (B * model.vocab_size * 4 if tp > 1 else 0)   # gathered whole for the sampler
@@ -321,8 +322,7 @@ def activation_bytes(model: ModelConfig, config: Config, rules: ShardingRules,
                 + (2 * min(T, PROMPT_LOGPROBS_BLOCK) * model.vocab_size * 4 if Q > 1 else 0))
 
     limits = ecfg.scheduler
-    # a prompt chunk of the whole budget over the longest context, or every sequence's
-    # decode token
-    chunk = step(1, min(limits.max_num_batched_tokens, ecfg.max_model_len), ecfg.max_model_len)
-    decode = step(limits.max_num_seqs, 1, ecfg.max_model_len)
+    # a prompt chunk of the whole budget, or every sequence's decode token
+    chunk = step(1, min(limits.max_num_batched_tokens, ecfg.max_model_len))
+    decode = step(limits.max_num_seqs, 1)
     return max(chunk, decode)

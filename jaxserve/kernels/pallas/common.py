@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels.common import FLOAT_DTYPES, cdiv, check, check_array, check_page_pool  # noqa: F401
+from jaxserve.kernels.common import (FLOAT_DTYPES, MASK_VALUE, cdiv, check,  # noqa: F401
+                                     check_array, check_page_pool, finish_softmax,
+                                     softmax_block)
 
-# Finite, so a row whose keys are all masked gives exp(MASK - MASK) = 1 rather than NaN,
-# and such a row's output is discarded (or merged with weight exp(-huge) = 0).
-MASK_VALUE = -1e30
 # The smallest side Triton's tensor-core dot accepts.
 MIN_DOT = 16
 
@@ -72,29 +71,16 @@ def triton_call_params(impl: str, *, num_warps: int = 4, num_stages: int = 2) ->
 
 def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, scores: jax.Array,
                         v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One block of the online softmax (FlashAttention, Alg. 1).
+    """One block of the online softmax (FlashAttention, Alg. 1) inside a kernel.
 
     acc: [M, D] f32 running sum of p @ v (unnormalised); m: [M] f32 running max;
     l: [M] f32 running sum of p; scores: [M, N] f32, already scaled and masked with
     MASK_VALUE; v: [N, D] (any float dtype; p is cast to it for the dot, f32 accumulate).
-    Returns the updated (acc, m, l).
+    Returns the updated (acc, m, l). The statistics: jaxserve.kernels.common.softmax_block.
     """
-    m_new = jnp.maximum(m, scores.max(axis=-1))
-    correction = jnp.exp(m - m_new)
-    p = jnp.exp(scores - m_new[:, None])
-    l_new = l * correction + p.sum(axis=-1)
+    p, correction, m_new, l_new = softmax_block(m, l, scores)
     pv = plgpu.dot(p.astype(v.dtype), v)  # [M, D]; M, N, D >= MIN_DOT for Triton
     return acc * correction[:, None] + pv.astype(jnp.float32), m_new, l_new
-
-
-def finish_softmax(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The normalised output acc / l ([M, D] f32) and its log-sum-exp m + log l ([M] f32)
-    of an online softmax. A row that saw no visible key (l == 0) gives output 0 and
-    lse MASK_VALUE, so `merge_partials` gives it zero weight."""
-    empty = l == 0.0
-    out = acc / jnp.where(empty, 1.0, l)[:, None]
-    lse = jnp.where(empty, MASK_VALUE, m + jnp.log(jnp.where(empty, 1.0, l)))
-    return out, lse
 
 
 def causal_visible(q_pos: jax.Array, k_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
