@@ -160,10 +160,31 @@ REAL_MODEL_FIXTURES = frozenset({"smollm2_gguf", "smollm2_checkpoint"})
 
 def pytest_collection_modifyitems(config, items):
     """`real_model` is applied from the fixtures a test uses (their whole closure), never
-    by hand: `pytest -m "not real_model"` then skips exactly what needs the model."""
+    by hand: `pytest -m "not real_model"` then skips exactly what needs the model. `gpu`
+    tests are skipped where JAX has no GPU."""
+    gpu = None
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
+        if item.get_closest_marker("gpu") is not None:
+            if gpu is None:
+                import jax
+                gpu = jax.default_backend() == "gpu"
+            if not gpu:
+                item.add_marker(pytest.mark.skip(reason="a native Pallas kernel: needs a GPU"))
+
+
+# --- Pallas kernels: in interpret mode everywhere, natively on a GPU ------------------------
+
+def pytest_generate_tests(metafunc):
+    """A test taking `pallas_impl` runs its kernel twice: "pallas_interpret" (Pallas
+    interpret mode, on every machine) and "pallas" (the kernel compiled for the device,
+    marked `gpu`: skipped without a GPU). `pytest -m gpu tests/test_kernel_*.py` on a GPU
+    machine is the native tier (issue 29: the f32 cases failed there and nowhere else)."""
+    if "pallas_impl" in metafunc.fixturenames:
+        metafunc.parametrize("pallas_impl", [
+            pytest.param("pallas_interpret", id="interpret"),
+            pytest.param("pallas", id="native", marks=pytest.mark.gpu)])
 
 
 # --- fuzzing ------------------------------------------------------------------------------

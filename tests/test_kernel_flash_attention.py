@@ -102,25 +102,25 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_reference(name, dtype):
+def test_kernel_matches_reference(name, dtype, pallas_impl):
     seqs, total, hq, hkv, d, ps, pps, bq, bkv = CASES[name]
     args = _case(np.random.default_rng(1234), seqs, total=total, q_heads=hq, kv_heads=hkv,
                  head_dim=d, page_size=ps, pages_per_seq=pps, dtype=dtype)
-    out = flash_attention(*args, block_q=bq, block_kv=bkv, impl=INTERPRET)
+    out = flash_attention(*args, block_q=bq, block_kv=bkv, impl=pallas_impl)
     _assert_matches(out, args, dtype)
 
 
-def test_sm_scale_and_default_blocks():
+def test_sm_scale_and_default_blocks(pallas_impl):
     """A non-default sm_scale reaches both; default blocks on a ragged batch."""
     args = _case(np.random.default_rng(1234), [(7, 19), (9, 9)], total=24, q_heads=4, kv_heads=2,
                  head_dim=64, page_size=16, pages_per_seq=2)
-    out = flash_attention(*args, sm_scale=0.3, impl=INTERPRET)
+    out = flash_attention(*args, sm_scale=0.3, impl=pallas_impl)
     got = _assert_matches(out, args, jnp.float32, sm_scale=0.3)
     default = np.asarray(flash_attention_reference(*args))
     assert np.abs(got - default).max() > 100 * TOLERANCES[jnp.float32]["atol"]
 
 
-def test_context_past_the_block_table_is_clamped():
+def test_context_past_the_block_table_is_clamped(pallas_impl):
     """The engine may pass kv_len > pages_per_seq * page_size for padding tokens: keys past
     the table count as absent (no column past the table is read; the pool stays NaN
     outside the live context), and the output is finite and equals the reference's."""
@@ -128,18 +128,18 @@ def test_context_past_the_block_table_is_clamped():
     q, kp, vp, tables, cu, _ = _case(rng, [(8, 16), (8, 16)], total=16, q_heads=2, kv_heads=1,
                                      head_dim=64, page_size=8, pages_per_seq=2)
     kv_lens = jnp.array([20, 16], jnp.int32)  # sequence 0's last 4 tokens sit past its table
-    out = flash_attention(q, kp, vp, tables, cu, kv_lens, block_q=8, block_kv=16, impl=INTERPRET)
+    out = flash_attention(q, kp, vp, tables, cu, kv_lens, block_q=8, block_kv=16, impl=pallas_impl)
     _assert_matches(out, (q, kp, vp, tables, cu, kv_lens), jnp.float32)
 
 
-def test_wrong_block_table_gives_a_different_result():
+def test_wrong_block_table_gives_a_different_result(pallas_impl):
     """The test can fail: the reference on a shuffled block table (same pages, wrong order)
     is far from the kernel's output on the true one. (Swapping two pages that every query
     sees in full would not do: attention is invariant to permuting the keys it sees.)"""
     rng = np.random.default_rng(1234)
     args = _case(rng, [(16, 32), (6, 20)], total=24, q_heads=4, kv_heads=2, head_dim=64,
                  page_size=8, pages_per_seq=4, spare_pages=0)
-    out = np.asarray(flash_attention(*args, block_q=8, block_kv=16, impl=INTERPRET))
+    out = np.asarray(flash_attention(*args, block_q=8, block_kv=16, impl=pallas_impl))
     q, kp, vp, tables, cu, kv_lens = args
     np.testing.assert_allclose(out, np.asarray(flash_attention_reference(*args)),
                                **TOLERANCES[jnp.float32])

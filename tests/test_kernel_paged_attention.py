@@ -109,29 +109,29 @@ CASES = {
 }
 
 
-def _run_case(name, dtype, fmt=None):
+def _run_case(name, dtype, fmt=None, impl=INTERPRET):
     ctx, hq, hkv, d, ps, pps, ppcb, splits = CASES[name]
     args, kw = _case(np.random.default_rng(1234), ctx, q_heads=hq, kv_heads=hkv, head_dim=d,
                      page_size=ps, pages_per_seq=pps, dtype=dtype, fmt=fmt)
     out = paged_attention(*args, **kw, pages_per_compute_block=ppcb, num_splits=splits,
-                          impl=INTERPRET)
+                          impl=impl)
     return out, args, kw
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_reference(name, dtype):
-    out, args, _ = _run_case(name, dtype)
+def test_kernel_matches_reference(name, dtype, pallas_impl):
+    out, args, _ = _run_case(name, dtype, impl=pallas_impl)
     _assert_matches(out, paged_attention_reference(*args), args, dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("name", ["splits-tail-gqa3", "mixed-padding-gqa4-d128"])
-def test_quantized_pages_match_dequantize_then_reference(name, fmt, dtype):
+def test_quantized_pages_match_dequantize_then_reference(name, fmt, dtype, pallas_impl):
     """int8 / fp8 pages with per-page-per-head scales vs the reference on the dequantised
     pages (in q's dtype) and vs the reference given the scales."""
-    out, args, kw = _run_case(name, dtype, FORMATS[fmt])
+    out, args, kw = _run_case(name, dtype, FORMATS[fmt], impl=pallas_impl)
     deq = _dequantized(args, kw, FORMATS[fmt], dtype)
     _assert_matches(out, paged_attention_reference(*deq), args, dtype)
     _assert_matches(out, paged_attention_reference(*args, **kw), args, dtype)
@@ -160,13 +160,13 @@ def test_reference_is_dense_softmax(ctx, hq, hkv):
     assert bf.dtype == jnp.bfloat16
 
 
-def test_sm_scale_and_wrong_block_table():
+def test_sm_scale_and_wrong_block_table(pallas_impl):
     """A non-default sm_scale reaches both; and the test can fail: the reference on a
     shuffled block table (same pages, wrong order) is far from the kernel's output."""
     args, _ = _case(np.random.default_rng(1234), [40, 23], q_heads=4, kv_heads=2, head_dim=32,
                     page_size=8, pages_per_seq=8, spare_pages=0)
     out = paged_attention(*args, sm_scale=0.3, pages_per_compute_block=2, num_splits=2,
-                          impl=INTERPRET)
+                          impl=pallas_impl)
     got = _assert_matches(out, paged_attention_reference(*args, sm_scale=0.3), args, jnp.float32)
     atol = TOLERANCES[jnp.float32]["atol"]
     assert np.abs(got - np.asarray(paged_attention_reference(*args))).max() > 100 * atol

@@ -62,13 +62,13 @@ FORMATS = [("int8", None, 96, 80), ("int8", None, 576, 200), ("fp8_e4m3", None, 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt,group,k,n", FORMATS, ids=[f"{f}-g{g}-{k}x{n}" for f, g, k, n in FORMATS])
-def test_kernel_matches_reference(fmt, group, k, n, dtype):
+def test_kernel_matches_reference(fmt, group, k, n, dtype, pallas_impl):
     """Default blocks; every M in one test (one compile each) to keep the grid small."""
     rng = np.random.default_rng(SEED)
     w_q, scales = quantize_weights(_weights(rng, k, n, group), fmt, group)
     for m in (1, 5, 16, 37):
         x = _acts(rng, m, k, dtype)
-        out = quantized_matmul(x, w_q, scales, impl=INTERPRET)
+        out = quantized_matmul(x, w_q, scales, impl=pallas_impl)
         _assert_close(out, quantized_matmul_reference(x, w_q, scales), dtype)
 
 
@@ -77,26 +77,27 @@ def test_kernel_matches_reference(fmt, group, k, n, dtype):
     ("int8", 64, (32, 32, 16)),       # 4 K blocks per group: group row picked by kb * 16 // 64
     ("fp8_e4m3", None, (16, 64, 32)),
 ])
-def test_explicit_blocks_with_ragged_edges(fmt, group, blocks):
+def test_explicit_blocks_with_ragged_edges(fmt, group, blocks, pallas_impl):
     rng = np.random.default_rng(SEED)
     k, n, m = (128, 80, 37) if group else (96, 80, 37)
     bm, bn, bk = blocks
     w_q, scales = quantize_weights(_weights(rng, k, n, group), fmt, group)
     x = _acts(rng, m, k, jnp.float32)
-    out = quantized_matmul(x, w_q, scales, block_m=bm, block_n=bn, block_k=bk, impl=INTERPRET)
+    out = quantized_matmul(x, w_q, scales, block_m=bm, block_n=bn, block_k=bk, impl=pallas_impl)
     _assert_close(out, quantized_matmul_reference(x, w_q, scales), jnp.float32)
 
 
-def test_wrong_scales_change_the_result():
+def test_wrong_scales_change_the_result(pallas_impl):
     """The kernel really applies per-group scales: swapping two groups' scale rows (or
     flattening them to per-channel) changes its output well beyond the tolerance."""
     rng = np.random.default_rng(SEED)
     k, n, g = 128, 32, 32
     w_q, scales = quantize_weights(_weights(rng, k, n, g), "int8", g)
     x = _acts(rng, 16, k, jnp.float32)
-    good = np.asarray(quantized_matmul(x, w_q, scales, impl=INTERPRET))
-    swapped = np.asarray(quantized_matmul(x, w_q, scales[jnp.array([1, 0, 2, 3])], impl=INTERPRET))
-    channel = np.asarray(quantized_matmul(x, w_q, scales.mean(axis=0), impl=INTERPRET))
+    good = np.asarray(quantized_matmul(x, w_q, scales, impl=pallas_impl))
+    swapped = np.asarray(quantized_matmul(x, w_q, scales[jnp.array([1, 0, 2, 3])],
+                                          impl=pallas_impl))
+    channel = np.asarray(quantized_matmul(x, w_q, scales.mean(axis=0), impl=pallas_impl))
     ref = np.asarray(quantized_matmul_reference(x, w_q, scales))
     np.testing.assert_allclose(good, ref, **TOLERANCES[jnp.float32])
     for bad in (swapped, channel):

@@ -70,16 +70,19 @@ def triton_call_params(impl: str, *, num_warps: int = 4, num_stages: int = 2) ->
 # These operate on values (not refs) and lower both to Triton and in interpret mode.
 
 def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, scores: jax.Array,
-                        v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        v: jax.Array, precision: Any = None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One block of the online softmax (FlashAttention, Alg. 1) inside a kernel.
 
     acc: [M, D] f32 running sum of p @ v (unnormalised); m: [M] f32 running max;
     l: [M] f32 running sum of p; scores: [M, N] f32, already scaled and masked with
     MASK_VALUE; v: [N, D] (any float dtype; p is cast to it for the dot, f32 accumulate).
+    precision: the p @ v dot's (`plgpu.dot`; the kernel's q @ k precision, so an f32
+    kernel is f32 in both products: None would be TF32 on the GPU).
     Returns the updated (acc, m, l). The statistics: jaxserve.kernels.common.softmax_block.
     """
     p, correction, m_new, l_new = softmax_block(m, l, scores)
-    pv = plgpu.dot(p.astype(v.dtype), v)  # [M, D]; M, N, D >= MIN_DOT for Triton
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]; M, N, D >= MIN_DOT
     return acc * correction[:, None] + pv.astype(jnp.float32), m_new, l_new
 
 

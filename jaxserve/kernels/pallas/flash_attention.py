@@ -96,7 +96,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, bt_ref, cu_ref, kvl_ref, o_ref, *, block_
             s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [rows, block_kv]
             if masked:
                 s = jnp.where(causal_visible(q_pos, k_pos, kv_len), s, MASK_VALUE)
-            return online_softmax_step(acc, m, l, s, v)
+            return online_softmax_step(acc, m, l, s, v, precision)
 
         last_pos = context - q_len + jnp.minimum(q_len, (i + 1) * block_q) - 1
         seen = jnp.maximum(jnp.minimum(kv_len, last_pos + 1), 0)  # keys any row sees
@@ -195,7 +195,9 @@ def flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     b lives in page block_tables[b, p // page_size] at slot p % page_size; if kv_lens[b]
     runs past the table (the engine's padding tokens), keys past it count as absent.
     Returns [total_tokens, q_heads, head_dim] q.dtype; rows >= cu_q_lens[batch] are 0.
-    sm_scale: a Python float (default head_dim ** -0.5); softmax in f32.
+    sm_scale: a Python float (default head_dim ** -0.5); softmax in f32. f32 q: both
+    products (q @ k, p @ v) IEEE f32 on the GPU (Precision.HIGHEST), so the result meets
+    f32 tolerances; bf16 / f16 q: tensor-core products in q's dtype, f32 accumulation.
     block_q: tokens per tile (power of two; block_q * next_power_of_2(group) >= 16);
     block_kv: keys per KV step (power of two >= 16); both default from the shapes.
     impl: "pallas" (GPU, Triton) or "pallas_interpret" (CPU). head_dim must be a power of

@@ -36,9 +36,12 @@ from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, MASK_VALUE, MIN
                                             next_power_of_2, online_softmax_step, quant_format_of,
                                             triton_call_params)
 
-# The q @ k dot's precision for f32 q: 3xTF32 on the GPU (about f32 accuracy on tensor cores),
-# the plain f32 dot in interpret mode (XLA:CPU has no 3xTF32). The p @ v dot of
-# `online_softmax_step` runs at default precision (TF32 for f32 on the GPU).
+# Both dots' precision (q @ k, and p @ v in `online_softmax_step`) for f32 q: 3xTF32 on the
+# GPU, the plain f32 dot in interpret mode (XLA:CPU has no 3xTF32). 3xTF32 splits each
+# operand x = hi + lo (hi = x rounded to TF32's 11-bit significand, lo = the rest rounded
+# again) and sums hi*hi + hi*lo + lo*hi in f32: a product's relative error is at most about
+# 3 x 2^-22 (the dropped lo*lo and the second rounding), against TF32's 2^-10 and f32's
+# 2^-24, so f32 kernels meet f32 tolerances (~1e-5 at O(1) values) on tensor cores.
 F32_DOT_PRECISION = {"pallas": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                      "pallas_interpret": jax.lax.Precision.HIGHEST}
 
@@ -103,7 +106,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, o_ref, 
             v_scale = plgpu.load(vs_ref.at[page, h], mask=ok, other=None if ok is None else 0)
             v = _load_kv(v_ref, idx, ok2, jnp.float32) * v_scale[:, None]  # [block_kv, head_dim]
             v = v.astype(q.dtype)
-        return online_softmax_step(acc, m, l, scores, v)
+        return online_softmax_step(acc, m, l, scores, v, precision)
 
     lo = s * blocks_per_split
     hi = lo + blocks_per_split
@@ -214,7 +217,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     sequence's last page may be any page id); context_lens: [batch] int32 in [0, pages_per_seq
     * page_size] (0 = a padding row, whose output is exactly 0).
     Returns [batch, q_heads, head_dim] q.dtype. Scores are scaled by sm_scale (a Python float,
-    default head_dim ** -0.5), softmax in f32. q heads [h * group, (h + 1) * group) use KV
+    default head_dim ** -0.5), softmax in f32. f32 q: both products (q @ k, p @ v) in 3xTF32
+    on the GPU, a relative error of about 3 x 2^-22 per product (F32_DOT_PRECISION), plain
+    f32 in interpret mode; bf16 / f16 q: products in q's dtype, f32 accumulation. q heads
+    [h * group, (h + 1) * group) use KV
     head h (GQA, group = q_heads // kv_heads).
     pages_per_compute_block: pages per kernel step (power of two, times page_size >= 16);
     num_splits: split-K partitions of the table (power of two); both default from the shapes
