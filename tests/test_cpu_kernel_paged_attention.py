@@ -88,6 +88,30 @@ def test_long_decode_contexts_split_and_stay_batch_invariant():
         np.testing.assert_array_equal(np.asarray(paged_attention(**alone))[0], together[b])
 
 
+@pytest.mark.parametrize("head_dim,pool", [(64, "float32"), (128, "bfloat16")])
+def test_a_row_has_the_same_bits_in_decode_and_in_a_prefill(head_dim, pool):
+    """A work item of many rows (a prefill block) scores 16 keys at a time from a
+    transposed page, one of a few rows (decode: the GQA group) key by key from the page as
+    stored; both sum in the same order, so each query row is bit for bit the same alone, in
+    decode, as inside a prefill of 20 rows (any q_block), and causal limits mid-page hold."""
+    rng = np.random.default_rng(SEED + 13)
+    ctx, n = 57, 20
+    args, clean = _problem(rng, [ctx], [n], heads=6, kv_heads=2, head_dim=head_dim,
+                           page_size=16, pages_per_seq=4)
+    if pool == "bfloat16":
+        args = dict(args, **{name: jax.lax.bitcast_convert_type(
+            args[name].astype(jnp.bfloat16), jnp.uint16) for name in ("k_pages", "v_pages")})
+    else:
+        _check(args, clean)
+    prefill = {q_block: np.asarray(paged_attention(**args, q_block=q_block)) for q_block in (1, 7, 32)}
+    for t in (0, 5, n - 1):  # positions 37, 42, 56: mid-page causal limits
+        alone = dict(args, q=args["q"][t:t + 1], positions=args["positions"][t:t + 1],
+                     query_start=jnp.asarray([0, 1], jnp.int32))
+        row = np.asarray(paged_attention(**alone))[0]
+        for q_block, out in prefill.items():
+            np.testing.assert_array_equal(out[t], row, err_msg=f"q_block {q_block}, row {t}")
+
+
 def test_bf16_pool_matches_reference_on_the_widened_pool():
     """A bf16 pool (half the bytes read): the reference on the same bf16 values, decode
     and a ragged prefill, the Dh=64 and generic head-dim paths."""
