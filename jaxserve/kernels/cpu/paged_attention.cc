@@ -179,6 +179,58 @@ struct Scratch {
   std::vector<float> page;  // the tiled path's f32 K^T and V of one page
 };
 
+// What both item paths keep: the item's rows (row r = (t - q0) * G + g: query row t, head
+// h * G + g), their running output, max and sum (online softmax) and visible keys, in
+// `scratch` (extra: floats of the path's own after them).
+struct Item {
+  const Problem& p;
+  int64_t b, q0, h, G, rows, dh, max_limit = 0;
+  float *acc, *m, *l, *extra;  // [rows, dh], [rows], [rows], [extra]
+  int64_t* limit;              // [rows] keys visible to the row
+
+  Item(const Problem& p_, const Chunk& c, int64_t h_, int64_t dh_, Scratch& scratch,
+       int64_t extra_floats)
+      : p(p_), b(c.b), q0(c.q0), h(h_), G(p_.H / p_.K), rows((c.q1 - c.q0) * G), dh(dh_) {
+    scratch.f.resize(rows * dh + 2 * rows + extra_floats);
+    scratch.limit.resize(rows);
+    acc = scratch.f.data();
+    m = acc + rows * dh;
+    l = m + rows;
+    extra = l + rows;
+    limit = scratch.limit.data();
+    const int64_t seq_len = p.seq_lens[b];
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t lim = std::min<int64_t>(seq_len, int64_t{p.positions[q0 + r / G]} + 1);
+      limit[r] = std::max<int64_t>(lim, 0);
+      max_limit = std::max(max_limit, lim);
+      m[r] = -std::numeric_limits<float>::infinity();
+      l[r] = 0.0f;
+      std::fill(acc + r * dh, acc + (r + 1) * dh, 0.0f);
+    }
+  }
+  bool context_fits() const { return p.seq_lens[b] <= p.P * p.ps; }
+  int64_t num_pages() const { return (max_limit + p.ps - 1) / p.ps; }
+  const float* q_row(int64_t r) const {
+    return p.q + ((q0 + r / G) * p.H + h * G + r % G) * dh;
+  }
+  // The pool rows of page `pi` of the sequence's table in `pool` (K or V), or null for a
+  // page id outside [0, N).
+  template <typename T>
+  const T* page_rows(const void* pool, int64_t pi) const {
+    const int64_t page = p.block_tables[b * p.P + pi];
+    if (page < 0 || page >= p.N) return nullptr;
+    return static_cast<const T*>(pool) + ((h * p.N + page) * p.ps) * dh;
+  }
+  // out rows = acc / l; a row with no visible key -> 0.
+  void finish() const {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = p.out + ((q0 + r / G) * p.H + h * G + r % G) * dh;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      for (int64_t d = 0; d < dh; ++d) o[d] = acc[r * dh + d] * inv;
+    }
+  }
+};
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // ----------------------------------------------------------------------------- tiled path
 // With AVX-512, a head dim that is a multiple of 16 and pages of a multiple of 16 keys,
@@ -300,56 +352,33 @@ constexpr int64_t kTransposeRows = 8;
 
 template <int DH, typename T>
 bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
-  const int64_t b = c.b, q0 = c.q0;
-  const int64_t G = p.H / p.K;
-  const int64_t rows = (c.q1 - q0) * G;
-  const int64_t seq_len = p.seq_lens[b];
-  if (seq_len > p.P * p.ps) return false;
-  auto q_row = [&](int64_t r) { return p.q + ((q0 + r / G) * p.H + h * G + r % G) * DH; };
-  auto out_row = [&](int64_t r) { return p.out + ((q0 + r / G) * p.H + h * G + r % G) * DH; };
-
+  Item it(p, c, h, DH, scratch, 16);
+  if (!it.context_fits()) return false;
+  const int64_t rows = it.rows;
   const bool transposed = rows >= kTransposeRows;
-  scratch.f.resize(rows * DH + 2 * rows + 16);
-  scratch.limit.resize(rows);
   scratch.page.resize(2 * p.ps * DH);
-  float* acc = scratch.f.data();    // [rows, DH] unnormalised output
-  float* m = acc + rows * DH;       // [rows] running max
-  float* l = m + rows;              // [rows] running sum
-  float* pr = l + rows;             // [16] one row's probabilities over one key block
+  float *acc = it.acc, *m = it.m, *l = it.l;
+  float* pr = it.extra;             // [16] one row's probabilities over one key block
   float* kt = scratch.page.data();  // [ps / 16][DH, 16] K^T of the page, f32
   float* vf = kt + p.ps * DH;       // [ps, DH] V of the page, f32 (bf16 pools)
-  int64_t* limit = scratch.limit.data();
-  int64_t max_limit = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t lim = std::min<int64_t>(seq_len, int64_t{p.positions[q0 + r / G]} + 1);
-    limit[r] = std::max<int64_t>(lim, 0);
-    max_limit = std::max(max_limit, lim);
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.0f;
-    std::fill(acc + r * DH, acc + (r + 1) * DH, 0.0f);
-  }
+  const int64_t* limit = it.limit;
+  auto q_row = [&](int64_t r) { return it.q_row(r); };
 
-  const int64_t n_pages = (max_limit + p.ps - 1) / p.ps;
+  const int64_t n_pages = it.num_pages();
   for (int64_t pi = 0; pi < n_pages; ++pi) {
-    const int64_t page = p.block_tables[b * p.P + pi];
-    if (page < 0 || page >= p.N) return false;
-    const T* kp = static_cast<const T*>(p.k) + ((h * p.N + page) * p.ps) * DH;
-    const T* vp = static_cast<const T*>(p.v) + ((h * p.N + page) * p.ps) * DH;
+    const T* kp = it.page_rows<T>(p.k, pi);
+    const T* vp = it.page_rows<T>(p.v, pi);
+    if (kp == nullptr) return false;
     const int64_t first = pi * p.ps;
-    const int64_t used = std::min<int64_t>(max_limit - first, p.ps);  // keys any row sees
+    const int64_t used = std::min<int64_t>(it.max_limit - first, p.ps);  // keys any row sees
     // The next page's K and V into L2 while this one is transposed, a cache line per
     // loaded row (all at once at the page's start, they came too late: the 32-row decode
     // step's attention took 1.5x).
     const char* kn = nullptr;
     const char* vn = nullptr;
-    if (pi + 1 < n_pages) {
-      const int64_t next = p.block_tables[b * p.P + pi + 1];
-      if (next >= 0 && next < p.N) {
-        kn = reinterpret_cast<const char*>(static_cast<const T*>(p.k) +
-                                           ((h * p.N + next) * p.ps) * DH);
-        vn = reinterpret_cast<const char*>(static_cast<const T*>(p.v) +
-                                           ((h * p.N + next) * p.ps) * DH);
-      }
+    if (pi + 1 < n_pages && it.page_rows<T>(p.k, pi + 1) != nullptr) {
+      kn = reinterpret_cast<const char*>(it.page_rows<T>(p.k, pi + 1));
+      vn = reinterpret_cast<const char*>(it.page_rows<T>(p.v, pi + 1));
     }
     const int64_t page_bytes = p.ps * DH * int64_t{sizeof(T)};
     int64_t fetched = 0;
@@ -413,11 +442,7 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = out_row(r);
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // a row with no visible key -> 0
-    for (int64_t d = 0; d < DH; ++d) o[d] = acc[r * DH + d] * inv;
-  }
+  it.finish();
   return true;
 }
 #endif
@@ -425,39 +450,18 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
 template <int DH, typename T>
 bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
   const int64_t dh = DH > 0 ? DH : p.Dh;
-  const int64_t b = c.b, q0 = c.q0;
-  const int64_t G = p.H / p.K;
-  const int64_t rows = (c.q1 - q0) * G;
-  const int64_t seq_len = p.seq_lens[b];
-  if (seq_len > p.P * p.ps) return false;
+  Item it(p, c, h, dh, scratch, p.ps);
+  if (!it.context_fits()) return false;
+  const int64_t rows = it.rows;
+  float *acc = it.acc, *m = it.m, *l = it.l;
+  float* s = it.extra;  // [ps] scores of one row over one page
+  const int64_t* limit = it.limit;
 
-  // Row r = (t - q0) * G + g: query row t, head h * G + g.
-  auto q_row = [&](int64_t r) { return p.q + ((q0 + r / G) * p.H + h * G + r % G) * dh; };
-  auto out_row = [&](int64_t r) { return p.out + ((q0 + r / G) * p.H + h * G + r % G) * dh; };
-
-  scratch.f.resize(rows * dh + 2 * rows + p.ps);
-  scratch.limit.resize(rows);
-  float* acc = scratch.f.data();    // [rows, dh] unnormalised output
-  float* m = acc + rows * dh;       // [rows] running max
-  float* l = m + rows;              // [rows] running sum
-  float* s = l + rows;              // [ps] scores of one row over one page
-  int64_t* limit = scratch.limit.data();  // [rows] keys visible to the row
-  int64_t max_limit = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t lim = std::min<int64_t>(seq_len, int64_t{p.positions[q0 + r / G]} + 1);
-    limit[r] = std::max<int64_t>(lim, 0);
-    max_limit = std::max(max_limit, lim);
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.0f;
-    std::fill(acc + r * dh, acc + (r + 1) * dh, 0.0f);
-  }
-
-  const int64_t n_pages = (max_limit + p.ps - 1) / p.ps;
+  const int64_t n_pages = it.num_pages();
   for (int64_t pi = 0; pi < n_pages; ++pi) {
-    const int64_t page = p.block_tables[b * p.P + pi];
-    if (page < 0 || page >= p.N) return false;
-    const T* kp = static_cast<const T*>(p.k) + ((h * p.N + page) * p.ps) * dh;
-    const T* vp = static_cast<const T*>(p.v) + ((h * p.N + page) * p.ps) * dh;
+    const T* kp = it.page_rows<T>(p.k, pi);
+    const T* vp = it.page_rows<T>(p.v, pi);
+    if (kp == nullptr) return false;
     const int64_t first = pi * p.ps;
     // The next page's K and V rows, fetched into L2 a key at a time while the first row's
     // scores over this page are computed: pages lie anywhere in the pool, so no hardware
@@ -465,19 +469,14 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
     // attention per layer; the same 128 prefetches issued at once per page did nothing).
     const char* k_next = nullptr;
     const char* v_next = nullptr;
-    if (pi + 1 < n_pages) {
-      const int64_t next = p.block_tables[b * p.P + pi + 1];
-      if (next >= 0 && next < p.N) {
-        k_next = reinterpret_cast<const char*>(static_cast<const T*>(p.k) +
-                                               ((h * p.N + next) * p.ps) * dh);
-        v_next = reinterpret_cast<const char*>(static_cast<const T*>(p.v) +
-                                               ((h * p.N + next) * p.ps) * dh);
-      }
+    if (pi + 1 < n_pages && it.page_rows<T>(p.k, pi + 1) != nullptr) {
+      k_next = reinterpret_cast<const char*>(it.page_rows<T>(p.k, pi + 1));
+      v_next = reinterpret_cast<const char*>(it.page_rows<T>(p.v, pi + 1));
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::min<int64_t>(limit[r] - first, p.ps);
       if (n <= 0) continue;
-      score_keys<DH, T>(s, q_row(r), kp, n, dh, p.scale, r == 0 ? k_next : nullptr,
+      score_keys<DH, T>(s, it.q_row(r), kp, n, dh, p.scale, r == 0 ? k_next : nullptr,
                         r == 0 ? v_next : nullptr);
       float mx = m[r];
       for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
@@ -492,39 +491,28 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
       m[r] = mx;
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = out_row(r);
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // a row with no visible key -> 0
-    for (int64_t d = 0; d < dh; ++d) o[d] = acc[r * dh + d] * inv;
-  }
+  it.finish();
   return true;
 }
 
-bool attend(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
+// DH: 64, 128 (compile-time head dims) or 0 (any); the tiled path where it applies.
+template <int DH>
+bool attend_dh(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-  if (p.ps % 16 == 0) {
-    switch (p.Dh) {
-      case 64:
-        return p.kv_bf16 ? attend_item_tiled<64, uint16_t>(p, c, h, scratch)
-                         : attend_item_tiled<64, float>(p, c, h, scratch);
-      case 128:
-        return p.kv_bf16 ? attend_item_tiled<128, uint16_t>(p, c, h, scratch)
-                         : attend_item_tiled<128, float>(p, c, h, scratch);
-      default:
-        break;
-    }
-  }
+  if constexpr (DH > 0)
+    if (p.ps % 16 == 0)
+      return p.kv_bf16 ? attend_item_tiled<DH, uint16_t>(p, c, h, scratch)
+                       : attend_item_tiled<DH, float>(p, c, h, scratch);
 #endif
+  return p.kv_bf16 ? attend_item<DH, uint16_t>(p, c, h, scratch)
+                   : attend_item<DH, float>(p, c, h, scratch);
+}
+
+bool attend(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
   switch (p.Dh) {
-    case 64:
-      return p.kv_bf16 ? attend_item<64, uint16_t>(p, c, h, scratch)
-                       : attend_item<64, float>(p, c, h, scratch);
-    case 128:
-      return p.kv_bf16 ? attend_item<128, uint16_t>(p, c, h, scratch)
-                       : attend_item<128, float>(p, c, h, scratch);
-    default:
-      return p.kv_bf16 ? attend_item<0, uint16_t>(p, c, h, scratch)
-                       : attend_item<0, float>(p, c, h, scratch);
+    case 64: return attend_dh<64>(p, c, h, scratch);
+    case 128: return attend_dh<128>(p, c, h, scratch);
+    default: return attend_dh<0>(p, c, h, scratch);
   }
 }
 
