@@ -236,9 +236,9 @@ def _xla_blocking(num_rows: int, table_pages: int, page_size: int, key_bytes: in
 def _chunked_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata, layout: str
                            ) -> jax.Array:
     """Attention of the ragged batch q [T, H, Dh] over the pool (either layout, as stored:
-    jaxserve.kernels.common.kv_values) by an online
-    softmax: the rows in blocks of R, each block looping over chunks of C pages of its
-    rows' own block tables, up to the block's longest visible context (row_limit). Per
+    jaxserve.kernels.common.kv_values) by an online softmax: the rows in blocks of R, each
+    block looping over chunks of C pages of its rows' own block tables, up to the block's
+    longest visible context (row_limit). Per
     step of the loop: K, V gathered [R, C * ps, K, Dh], f32 scores [R, K, G, C * ps]; a
     block whose rows are all one sequence's (a prompt's; not in decode steps) gathers
     each chunk once, [C * ps, K, Dh], and multiplies it with all R rows.
