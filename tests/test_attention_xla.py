@@ -142,7 +142,7 @@ def _llama3_8b_step_temp_bytes(T, S, P):
                       logits_indices=i32(S), decode=T == S)
     step = jax.jit(lambda p, c, b: forward(p, c, b, cfg), donate_argnums=1)
     exe = step.lower(abstract_params(cfg), cache, batch).compile()
-    return exe.memory_analysis().temp_size_in_bytes, config
+    return exe.memory_analysis().temp_size_in_bytes
 
 
 def test_llama3_8b_steps_keep_attention_temporaries_bounded():
@@ -153,8 +153,8 @@ def test_llama3_8b_steps_keep_attention_temporaries_bounded():
     residual stream, q / k / v and the MLP's f32 [8192, 14336] buffers included."""
     config = load_config("configs/llama3_8b.py")
     sched, ps = config.engine.scheduler, config.engine.cache.page_size
-    mixed, _ = _llama3_8b_step_temp_bytes(sched.max_num_batched_tokens, 64, 1024 // ps)
+    mixed = _llama3_8b_step_temp_bytes(sched.max_num_batched_tokens, 64, 1024 // ps)
     assert mixed < 2 * GiB, mixed / GiB
-    decode, _ = _llama3_8b_step_temp_bytes(sched.max_num_seqs, sched.max_num_seqs,
+    decode = _llama3_8b_step_temp_bytes(sched.max_num_seqs, sched.max_num_seqs,
                                            config.engine.max_model_len // ps)
     assert decode < 2 * GiB, decode / GiB

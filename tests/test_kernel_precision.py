@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools import compile_triton as ct  # noqa: E402
-
-from jaxserve.kernels.pallas.flash_attention import flash_attention  # noqa: E402
-from jaxserve.kernels.pallas.paged_attention import paged_attention  # noqa: E402
-from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul  # noqa: E402
+from jaxserve.kernels.pallas.flash_attention import flash_attention
+from jaxserve.kernels.pallas.paged_attention import paged_attention
+from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul
+from tools import compile_triton as ct
 
 S, i32 = jax.ShapeDtypeStruct, jnp.int32
 DOT = re.compile(r"tt\.dot [^\n]*?(?:inputPrecision = (\w+) )?: tensor<[0-9x]+x(\w+)>")

@@ -66,6 +66,9 @@
 
 namespace ffi = xla::ffi;
 using jaxserve::exp_nonpositive;
+#if defined(__AVX512F__)
+using jaxserve::exp16;
+#endif
 
 namespace {
 
@@ -267,24 +270,6 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
-// exp(x) for x <= 0 on 16 lanes: exp_nonpositive's reduction and polynomial, 2^n by scalef.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 q = _mm512_set1_ps(1.9875691500e-4f);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
-
 // A row's score over one key: the products of its 16-lane slices summed lane by lane,
 // slice after slice (P_j = sum_c q[16c + j] k[16c + j], j the lane), then the lanes in a
 // fixed tree: (P_j + P_j+8), then + 4, + 2, + 1 lanes apart. `score_direct` computes it key
@@ -362,7 +347,6 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
   float* kt = scratch.page.data();  // [ps / 16][DH, 16] K^T of the page, f32
   float* vf = kt + p.ps * DH;       // [ps, DH] V of the page, f32 (bf16 pools)
   const int64_t* limit = it.limit;
-  auto q_row = [&](int64_t r) { return it.q_row(r); };
 
   const int64_t n_pages = it.num_pages();
   for (int64_t pi = 0; pi < n_pages; ++pi) {
@@ -418,14 +402,15 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
         if (transposed && i == 0) {
           const int64_t nr = std::min<int64_t>(kRows, rows - r);
           const float* qs[kRows];
-          for (int64_t u = 0; u < kRows; ++u) qs[u] = q_row(r + std::min(u, nr - 1));
+          for (int64_t u = 0; u < kRows; ++u) qs[u] = it.q_row(r + std::min(u, nr - 1));
           if (nr == kRows) score_transposed<DH, kRows>(tile, qs, kt + kb * 16 * DH, p.scale);
           else for (int64_t u = 0; u < nr; ++u)
             score_transposed<DH, 1>(tile + u, qs + u, kt + kb * 16 * DH, p.scale);
         }
         if (n <= 0) continue;
         const __m512 s = transposed ? tile[i]
-                                    : score_direct<DH, T>(q_row(r), kp + kb * 16 * DH, n, p.scale);
+                                    : score_direct<DH, T>(it.q_row(r), kp + kb * 16 * DH, n,
+                                                          p.scale);
         const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
         const float mx = std::max(m[r], _mm512_mask_reduce_max_ps(live, s));
         // no new maximum: no rescaling (exp(0) is exactly 1: the same bits); on the row's
