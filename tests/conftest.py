@@ -162,7 +162,8 @@ def pytest_collection_modifyitems(config, items):
     """`real_model` is applied from the fixtures a test uses (their whole closure), never
     by hand: `pytest -m "not real_model"` then skips exactly what needs the model. `gpu`
     tests are skipped where JAX has no GPU."""
-    gpu = None
+    from jaxserve.config import is_hopper
+    gpu = hopper = None
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
@@ -170,8 +171,11 @@ def pytest_collection_modifyitems(config, items):
             if gpu is None:
                 import jax
                 gpu = jax.default_backend() == "gpu"
+                hopper = gpu and is_hopper(getattr(jax.devices()[0], "compute_capability", None))
             if not gpu:
                 item.add_marker(pytest.mark.skip(reason="a native Pallas kernel: needs a GPU"))
+            elif item.get_closest_marker("hopper") is not None and not hopper:
+                item.add_marker(pytest.mark.skip(reason="a Mosaic GPU kernel: needs Hopper (sm_90)"))
 
 
 # --- Pallas kernels: in interpret mode everywhere, natively on a GPU ------------------------
@@ -180,11 +184,17 @@ def pytest_generate_tests(metafunc):
     """A test taking `pallas_impl` runs its kernel twice: "pallas_interpret" (Pallas
     interpret mode, on every machine) and "pallas" (the kernel compiled for the device,
     marked `gpu`: skipped without a GPU). `pytest -m gpu tests/test_kernel_*.py` on a GPU
-    machine is the native tier (issue 29: the f32 cases failed there and nowhere else)."""
+    machine is the native tier (issue 29: the f32 cases failed there and nowhere else).
+    `mosaic_impl` does the same for the Mosaic GPU kernels ("pallas_mosaic_interpret",
+    and "pallas_mosaic" marked `gpu` and `hopper`: skipped on other GPUs)."""
     if "pallas_impl" in metafunc.fixturenames:
         metafunc.parametrize("pallas_impl", [
             pytest.param("pallas_interpret", id="interpret"),
             pytest.param("pallas", id="native", marks=pytest.mark.gpu)])
+    if "mosaic_impl" in metafunc.fixturenames:  # the Mosaic GPU kernels: the same, on Hopper
+        metafunc.parametrize("mosaic_impl", [
+            pytest.param("pallas_mosaic_interpret", id="interpret"),
+            pytest.param("pallas_mosaic", id="native", marks=[pytest.mark.gpu, pytest.mark.hopper])])
 
 
 # --- fuzzing ------------------------------------------------------------------------------

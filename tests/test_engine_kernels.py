@@ -127,6 +127,10 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("cpu", "xla", "cpu")
     assert select_kernels(auto, "cpu", 1, "float16", tmp_path) == Kernels("xla", "xla", "cpu")
     assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
+    # Hopper's quantised matmul is the Mosaic GPU kernel; Ampere's and Blackwell's Triton
+    assert select_kernels(auto, "gpu", 1, "float32", tmp_path, "9.0") == Kernels("pallas", "pallas_mosaic")
+    for other in ("8.0", "10.0"):
+        assert select_kernels(auto, "gpu", 1, "float32", tmp_path, other) == Kernels("pallas", "pallas")
     bf16 = KernelConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
     assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu", "cpu")
     assert select_kernels(bf16, "cpu", 2, "float32", tmp_path) == Kernels("cpu", "cpu", "xla")
@@ -178,6 +182,9 @@ def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group)
 
 def test_impl_config_validation_and_auto():
     assert resolve_impl("auto", "cpu") == "xla" and resolve_impl("auto", "gpu") == "pallas"
+    assert resolve_impl("auto", "gpu", "9.0") == "pallas_mosaic"
+    assert resolve_impl("auto", "cpu", "9.0") == "xla" and resolve_impl("pallas", "gpu", "9.0") == "pallas"
+    assert KernelConfig(matmul_impl="pallas_mosaic").matmul_impl == "pallas_mosaic"
     assert resolve_impl("pallas_interpret", "cpu") == "pallas_interpret"
     assert resolve_attention_impl("auto", "cpu") == "cpu"
     assert resolve_attention_impl("auto", "gpu") == "pallas"
@@ -329,6 +336,28 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     # identical kernel calls are lowered once and shared: attention + the 4 distinct
     # projection shapes (576x576, 576x192, 576x1536, 1536x576)
     assert text.count("xla.gpu.triton") == 1 + 4
+
+
+def test_engine_decode_step_with_mosaic_matmuls_lowers_for_cuda():
+    """The bf16 decode step of a SmolLM2-shaped int8 model with the Hopper matmul
+    ("pallas_mosaic"): each of the 4 distinct projection shapes is one Mosaic GPU call,
+    attention stays the one Triton call."""
+    from jaxserve.worker.compilation import StepKey, abstract_inputs
+    from jaxserve.worker.step import forward_step
+
+    cfg = tiny_config(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                      num_layers=2, vocab_size=4096, dtype="bfloat16")
+    params = jax.eval_shape(lambda p: quantize_params(p, "int8", None), abstract_params(cfg))
+    cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
+    batch, sampling, prev_index = abstract_inputs(StepKey("decode", 8, 8, 16), None, 300, cfg.vocab_size)
+    pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)
+    prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    text = _lower(functools.partial(forward_step, cfg=cfg, drafter=None, rules=None,
+                                    kernels=Kernels("pallas", "pallas_mosaic"), num_top=20),
+                  params, cache, batch, sampling.prompt_targets, prev_tokens, prev_index, None,
+                  None, pool)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 4
+    assert text.count("xla.gpu.triton") == 1
 
 
 def test_bf16_models_on_cpu_resolve_to_the_packed_cpp_matmul():

@@ -27,9 +27,9 @@ from jaxserve.config.compilation import CompilationConfig
 from jaxserve.config.deployment import LOAD_FORMATS, Config
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.kernel import (ATTENTION_IMPLS, ATTENTION_KERNEL_IMPLS, KERNEL_IMPLS,
-                                    MATMUL_IMPLS, MATMUL_KERNEL_IMPLS, SAMPLING_IMPLS,
-                                    WEIGHT_QUANT_FORMATS, KernelConfig, resolve_attention_impl,
-                                    resolve_impl)
+                                    MATMUL_IMPLS, MATMUL_KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS,
+                                    SAMPLING_IMPLS, WEIGHT_QUANT_FORMATS, KernelConfig,
+                                    is_hopper, resolve_attention_impl, resolve_impl)
 from jaxserve.config.model import ModelConfig, ModelSource, RopeScaling
 from jaxserve.config.parallel import ParallelConfig, check_deployment
 from jaxserve.config.sampler import SamplerConfig
@@ -41,12 +41,13 @@ from jaxserve.config.validation import ConfigError
 
 __all__ = [
     "ATTENTION_IMPLS", "ATTENTION_KERNEL_IMPLS", "KERNEL_IMPLS", "LOAD_FORMATS",
-    "MATMUL_IMPLS", "MATMUL_KERNEL_IMPLS", "MAX_SPECULATIVE_TOKENS", "NULL_PAGE",
+    "MATMUL_IMPLS", "MATMUL_KERNEL_IMPLS", "MAX_SPECULATIVE_TOKENS", "MOSAIC_KERNEL_IMPLS",
+    "NULL_PAGE",
     "SAMPLING_IMPLS", "SHIPPED_CONFIGS", "SPECULATIVE_METHODS", "WEIGHT_QUANT_FORMATS",
     "CacheConfig", "CompilationConfig", "Config", "ConfigError", "EngineConfig",
     "KernelConfig", "ModelConfig", "ModelSource", "ParallelConfig", "RopeScaling",
     "SamplerConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
-    "check_deployment", "config_path", "load_config", "resolve_attention_impl",
+    "check_deployment", "config_path", "is_hopper", "load_config", "resolve_attention_impl",
     "resolve_impl", "shipped_config_names",
 ]
 

@@ -13,22 +13,37 @@ from jaxserve.config.validation import ConfigError
 # interpret mode on CPU: tests), and "cpu": the C++ kernels of `jaxserve/kernels/cpu/` (XLA FFI,
 # compiled on first use; the default on a single CPU device) for attention and for the
 # bf16 weight copies of bf16_matmul_min_rows.
+# The quantised matmul also has a Mosaic GPU kernel for Hopper (sm_90: TMA + wgmma):
+# "pallas_mosaic" (falling back to the Triton kernel for shapes it does not take) and
+# "pallas_mosaic_interpret" (Mosaic GPU interpret mode on CPU: tests).
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
+MOSAIC_KERNEL_IMPLS = ("pallas_mosaic", "pallas_mosaic_interpret")
 ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
 ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
-MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
+MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",) + MOSAIC_KERNEL_IMPLS
 MATMUL_IMPLS = ("auto",) + MATMUL_KERNEL_IMPLS
 SAMPLING_IMPLS = ("auto", "xla", "cpu")
 WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
 
 
-def resolve_impl(impl: str, platform: str) -> str:
+def is_hopper(compute_capability: str | None) -> bool:
+    """Whether a CUDA device's compute capability ("9.0", a JAX device's
+    `compute_capability`; None elsewhere) is Hopper's, the one the Mosaic GPU kernels'
+    wgmma runs on (Blackwell, "10.x", has no wgmma)."""
+    return compute_capability is not None and compute_capability.split(".")[0] == "9"
+
+
+def resolve_impl(impl: str, platform: str, compute_capability: str | None = None) -> str:
     """The matmul implementation `impl` ("auto" or one of MATMUL_KERNEL_IMPLS) stands for on
-    a device `platform` ("cpu", "gpu"/"cuda", "tpu"): "auto" -> "pallas" on GPU, else
-    "xla" (jaxserve.worker.kernel_selection.select_kernels then picks "cpu" for bf16 weight copies)."""
+    a device `platform` ("cpu", "gpu"/"cuda", "tpu") of `compute_capability` (CUDA's
+    "9.0"; None if unknown): "auto" -> "pallas_mosaic" on a Hopper GPU, "pallas" (Triton)
+    on other GPUs, else "xla" (jaxserve.worker.kernel_selection.select_kernels then picks
+    "cpu" for bf16 weight copies)."""
     if impl != "auto":
         return impl
-    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "pallas_mosaic" if is_hopper(compute_capability) else "pallas"
+    return "xla"
 
 
 def resolve_attention_impl(impl: str, platform: str) -> str:
@@ -40,7 +55,7 @@ def resolve_attention_impl(impl: str, platform: str) -> str:
         return impl
     if platform == "cpu":
         return "cpu"
-    return resolve_impl(impl, platform)
+    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +69,13 @@ class KernelConfig:
     kernel of jaxserve/kernels/cpu/, per device under TP), "pallas", "pallas_interpret"
     (see ATTENTION_KERNEL_IMPLS)."""
     matmul_impl: str = dataclasses.field(default="auto", metadata={"choices": MATMUL_IMPLS})
-    """The matmul kernel: "auto" (pallas on GPU; on CPU "cpu" when bf16_matmul_min_rows is
+    """The matmul kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; on CPU "cpu" when bf16_matmul_min_rows is
     set or the model is bfloat16 (then bf16_matmul_min_rows resolves to 1: its weights
     packed for the C++ kernel as they are,
     jaxserve.worker.kernel_selection.resolve_kernel_config); xla otherwise), "xla",
-    "pallas", "pallas_interpret" (the quantised projections of weight_quant), "cpu" (the
+    "pallas", "pallas_interpret" (the quantised projections of weight_quant, Triton),
+    "pallas_mosaic", "pallas_mosaic_interpret" (the same in the Mosaic GPU kernel for
+    Hopper, the Triton one for shapes it does not take), "cpu" (the
     bf16 weight copies of bf16_matmul_min_rows in the C++ kernel of jaxserve/kernels/cpu/,
     AVX512-BF16 where the CPU has it)."""
     sampling_impl: str = dataclasses.field(default="auto", metadata={"choices": SAMPLING_IMPLS})

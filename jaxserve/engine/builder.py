@@ -84,7 +84,8 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     check_fits(plan, device_bytes, memory_name(platform, len(devices)))
     num_pages = plan.kv_pages
     kernels = select_kernels(ecfg.kernels, platform, config.parallel.num_devices,
-                             str(jnp.dtype(kv_dtype)), cache_dir / "kernels")
+                             str(jnp.dtype(kv_dtype)), cache_dir / "kernels",
+                             getattr(devices[0], "compute_capability", None))
     if config.load_format == "dummy":
         raw = dummy_params(model_cfg, rules)
     else:

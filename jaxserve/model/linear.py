@@ -7,8 +7,9 @@ head_dim], [mlp, embed], ...) and its scales as the kernel wants them, flattened
 output features: [out_features] per channel, or [in_features // group, out_features] per
 group. `dense` contracts the leading `n_in` axes of the weight with the trailing ones of
 the activations; with a QuantizedWeight it calls `jaxserve.kernels.pallas.quantized_matmul`
-("pallas" / "pallas_interpret") or its plain-jnp reference ("xla": dequantise, then an f32
-matmul). Embeddings, norms, biases and the LM head are never quantised.
+("pallas" / "pallas_interpret", Triton), `quantized_matmul_mosaic` ("pallas_mosaic" /
+"pallas_mosaic_interpret", Hopper) or the plain-jnp reference ("xla": dequantise, then an
+f32 matmul). Embeddings, norms, biases and the LM head are never quantised.
 
 Source: weight-only per-channel int8 (LLM.int8 / vLLM's W8A16), per-group int8 as in
 GPTQ/AWQ's group scales, FP8 e4m3 per-channel as in vLLM's fp8 W8A16 path.
@@ -24,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import KERNEL_IMPLS, ConfigError
+from jaxserve.config import KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS, ConfigError
 from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.kernels.impl_table import lookup
 from jaxserve.pytree import pytree_dataclass
@@ -374,7 +375,8 @@ class Matmul:
 
     def _quantized(self, x2: jax.Array, w2: jax.Array, scales: jax.Array) -> jax.Array:
         """x2 [M, K] times a quantised w2 [K, N] with its scales -> [M, N] in x2.dtype."""
-        raise ValueError(f"quantised weights need a matmul impl of {KERNEL_IMPLS}, "
+        raise ValueError(f"quantised weights need a matmul impl of "
+                         f"{KERNEL_IMPLS + MOSAIC_KERNEL_IMPLS}, "
                          f"got {self.name!r}")
 
 
@@ -400,28 +402,41 @@ class CpuMatmul(Matmul):
 
 @dataclasses.dataclass(frozen=True)
 class PallasMatmul(Matmul):
-    """Quantised weights in the Pallas kernel of jaxserve/kernels/pallas/quantized_matmul
-    (interpret: in Pallas interpret mode, on CPU, for tests)."""
+    """Quantised weights in the Pallas kernels of jaxserve/kernels/pallas: the Triton one
+    (quantized_matmul) or, with `mosaic`, the Mosaic GPU one for Hopper
+    (quantized_matmul_mosaic) wherever it takes the shapes and dtypes, the Triton one
+    elsewhere (f32 activations, widths not a multiple of 64). interpret: in the backend's
+    interpret mode, on CPU, for tests."""
 
     interpret: bool = False
+    mosaic: bool = False
 
     @property
     def name(self) -> str:
-        return "pallas_interpret" if self.interpret else "pallas"
+        return ("pallas_mosaic" if self.mosaic else "pallas") + ("_interpret" if self.interpret else "")
 
     def _quantized(self, x2, w2, scales):
         from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul
-        return quantized_matmul(x2, w2, scales, impl=self.name)
+        if self.mosaic:
+            from jaxserve.kernels.pallas.quantized_matmul_mosaic import (mosaic_supports,
+                                                                         quantized_matmul_mosaic)
+            (k, n), group = w2.shape, None if scales.ndim == 1 else w2.shape[0] // scales.shape[0]
+            if mosaic_supports(x2.dtype, w2.dtype, k, n, group):
+                return quantized_matmul_mosaic(x2, w2, scales, impl=self.name)
+        return quantized_matmul(x2, w2, scales,
+                                impl="pallas_interpret" if self.interpret else "pallas")
 
 
 _MATMULS = {"xla": XlaMatmul(), "cpu": CpuMatmul(), "pallas": PallasMatmul(),
-            "pallas_interpret": PallasMatmul(interpret=True)}
+            "pallas_interpret": PallasMatmul(interpret=True),
+            "pallas_mosaic": PallasMatmul(mosaic=True),
+            "pallas_mosaic_interpret": PallasMatmul(interpret=True, mosaic=True)}
 
 
 def matmul_backend(impl: "str | Matmul") -> Matmul:
     """The Matmul a matmul_impl name stands for ("xla", "cpu", "pallas",
-    "pallas_interpret"); a Matmul is returned as it is. Raises ValueError for an unknown
-    name."""
+    "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"); a Matmul is returned
+    as it is. Raises ValueError for an unknown name."""
     return lookup(_MATMULS, impl, Matmul, "matmul impl")
 
 

@@ -40,9 +40,10 @@ def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str) -
 
 
 def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype: str,
-                   build_dir: Path) -> Kernels:
+                   build_dir: Path, compute_capability: str | None = None) -> Kernels:
     """The resolved Kernels for `kcfg` on `num_devices` devices of `platform`
-    ("cpu", "gpu", ...) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
+    ("cpu", "gpu", ...) of `compute_capability` (a CUDA device's "9.0": "auto" picks the
+    Mosaic GPU matmul on Hopper) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
     bf16 matmuls builds (once, cached in `build_dir`) and registers the C++ kernels
     (jaxserve.kernels.cpu.build.load_library, ~5 to 20 s the first time). Under tensor
     parallelism (num_devices > 1) every device runs the attention and matmul kernels on
@@ -64,7 +65,7 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
             raise ConfigError(f"KernelConfig.attention_impl='cpu' reads a float32 or bfloat16 "
                               f"KV pool, kv_dtype is {kv_dtype}")
         attention = "xla"
-    matmul = resolve_impl(kcfg.matmul_impl, platform)
+    matmul = resolve_impl(kcfg.matmul_impl, platform, compute_capability)
     if (kcfg.matmul_impl == "auto" and platform == "cpu"
             and kcfg.bf16_matmul_min_rows is not None):
         matmul = "cpu"

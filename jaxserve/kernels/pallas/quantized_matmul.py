@@ -108,8 +108,10 @@ def _qmm_call(x, w_q, scales, *, block_m: int, block_n: int, block_k: int,
 
 # ----------------------------------------------------------------------------- checks
 
-def _check_operands(fn: str, x, w_q, scales) -> int | None:
-    """Validate x / w_q / scales; return the group size (None for per-channel scales)."""
+def check_qmm_operands(fn: str, x, w_q, scales) -> int | None:
+    """Validate x / w_q / scales for a quantised matmul (both kernels and the reference;
+    ValueErrors name `fn`, the argument and the limit); return the group size (None for
+    per-channel scales)."""
     check_array(fn, "x", x, (None, None), FLOAT_DTYPES)
     check(fn, x.shape[0] >= 1, f"x must have at least one row, got shape {list(x.shape)}")
     check_array(fn, "w_q", w_q, (x.shape[1], None), WEIGHT_DTYPES)
@@ -179,7 +181,7 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     """
     fn = "quantized_matmul"
     check(fn, impl in IMPLS, f"impl must be one of {IMPLS}, got {impl!r}")
-    group = _check_operands(fn, x, w_q, scales)
+    group = check_qmm_operands(fn, x, w_q, scales)
     m, k = x.shape
     n = w_q.shape[1]
     small = m <= 64  # decode: more, narrower column tiles to spread the weight over SMs
@@ -204,7 +206,7 @@ def quantized_matmul_reference(x: jax.Array, w_q: jax.Array, scales: jax.Array) 
     Same arguments, shapes, dtypes and ValueErrors as `quantized_matmul`; returns
     [M, out_features] in x.dtype.
     """
-    group = _check_operands("quantized_matmul_reference", x, w_q, scales)
+    group = check_qmm_operands("quantized_matmul_reference", x, w_q, scales)
     k, n = w_q.shape
     f = quant_format_of(w_q.dtype)
     if group is None:

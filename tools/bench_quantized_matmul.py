@@ -1,0 +1,160 @@
+"""Quantised matmuls against the memory bound, per shape: achieved GB/s and the fraction of
+the device's read bandwidth, and each kernel's time against XLA's bf16 dot in the same run.
+
+    python -m tools.bench_quantized_matmul [--shapes 4096x4096 4096x1024 4096x14336 14336x4096]
+        [--m 1 64 256] [--impls xla_bf16 xla pallas pallas_mosaic] [--formats int8 fp8_e4m3]
+        [--group G] [--repeats 20] [--json OUT]
+
+For each weight shape [in_features, out_features] (default: Llama-3-8B's projections), each
+row count M (1: single-stream decode, 64: a batch of decodes, 256+: prefill chunks) and each
+implementation it times the median of `repeats` calls (after a compile and a warm call):
+
+- `xla_bf16`: the baseline, XLA's dot of bf16 x and a bf16 weight (what an unquantised model
+  runs); bytes = the bf16 weight + x + out.
+- `xla`: the plain-jnp reference (dequantise the whole weight, f32 dot): what an engine
+  without the kernels would do.
+- `pallas`: the Triton kernel (`quantized_matmul`, any GPU).
+- `pallas_mosaic`: the Hopper kernel (`quantized_matmul_mosaic`, sm_90 only).
+
+bytes = the stored weight (1 byte per element) + its f32 scales + x + out, read or written
+once: the least any implementation must move. GB/s = bytes / time; "of peak" divides it by
+the device's read bandwidth, measured in the same run as an XLA reduction over a 1 GiB array
+(jaxserve.bench.bandwidth; the nominal HBM figure of an H100 SXM is 3.35 TB/s, an H200's
+4.8 TB/s, and a streaming read reaches ~90% of it). "vs bf16" is the bf16 baseline's time
+over this one's: the issue-29 target is >= 1.6x at M = 1 (the bytes ratio is ~2x per matmul)
+and >= 1.0x at M = 64. Kernels that do not run here (no GPU, not Hopper) are reported as
+skipped with the reason. A benchmark, not a test: run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+LLAMA3_8B_SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096")
+IMPLS = ("xla_bf16", "xla", "pallas", "pallas_mosaic")
+
+
+def _time(fn, args, repeats: int) -> float:
+    """Median seconds of `repeats` calls of the compiled fn (after one warm call)."""
+    import jax
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _runnable(impl: str, platform: str, capability: str | None) -> str | None:
+    """None if `impl` runs on this device, else why not."""
+    from jaxserve.config import is_hopper
+    if impl in ("pallas", "pallas_mosaic") and platform != "gpu":
+        return "needs a GPU"
+    if impl == "pallas_mosaic" and not is_hopper(capability):
+        return f"needs Hopper (sm_90), this device is {capability}"
+    return None
+
+
+def bench(shapes, ms, impls, formats, group, repeats) -> dict:
+    """{"device", "read_gb_s", "rows": [...]} for every (shape, M, format, impl)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.bench.bandwidth import read_bandwidth_gb_s
+    from jaxserve.kernels.pallas.quantized_matmul import (quantize_weights, quantized_matmul,
+                                                          quantized_matmul_reference)
+    from jaxserve.kernels.pallas.quantized_matmul_mosaic import (mosaic_supports,
+                                                                 quantized_matmul_mosaic)
+
+    dev = jax.devices()[0]
+    capability = getattr(dev, "compute_capability", None)
+    read_gb_s = statistics.median(read_bandwidth_gb_s(1.0, 7))
+    rows = []
+    for shape in shapes:
+        k, n = (int(v) for v in shape.split("x"))
+        w = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) / k ** 0.5
+        w_bf16 = w.astype(jnp.bfloat16)
+        for m in ms:
+            x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+            io = (m * k + m * n) * 2  # x in, out
+            base = _time(jax.jit(lambda x, w: x @ w), (x, w_bf16), repeats) \
+                if "xla_bf16" in impls else None
+            if base is not None:
+                rows.append(dict(shape=shape, m=m, format="bf16", impl="xla_bf16", seconds=base,
+                                 bytes=k * n * 2 + io))
+            for fmt in formats:
+                g = group if fmt == "int8" else None
+                w_q, scales = quantize_weights(w, fmt, g)
+                nbytes = k * n + scales.size * 4 + io
+                for impl in impls:
+                    if impl == "xla_bf16":
+                        continue
+                    why = _runnable(impl, dev.platform, capability)
+                    if impl == "pallas_mosaic" and why is None and not mosaic_supports(
+                            x.dtype, w_q.dtype, k, n, g):
+                        why = "shape not supported by the Mosaic kernel (mosaic_supports)"
+                    if why is not None:
+                        rows.append(dict(shape=shape, m=m, format=fmt, impl=impl, skipped=why))
+                        continue
+                    fn = {"xla": quantized_matmul_reference,
+                          "pallas": functools.partial(quantized_matmul, impl="pallas"),
+                          "pallas_mosaic": functools.partial(quantized_matmul_mosaic,
+                                                             impl="pallas_mosaic")}[impl]
+                    secs = _time(jax.jit(fn), (x, w_q, scales), repeats)
+                    rows.append(dict(shape=shape, m=m, format=fmt, impl=impl, seconds=secs,
+                                     bytes=nbytes))
+            for r in rows:
+                if r.get("shape") == shape and r.get("m") == m and "seconds" in r:
+                    r["gb_s"] = r["bytes"] / r["seconds"] / 1e9
+                    r["of_peak"] = r["gb_s"] / read_gb_s
+                    if base is not None:
+                        r["vs_bf16"] = base / r["seconds"]
+    return {"device": dev.device_kind, "platform": dev.platform, "compute_capability": capability,
+            "read_gb_s": read_gb_s, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(LLAMA3_8B_SHAPES),
+                    help="weight shapes in_featuresxout_features")
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 64, 256], help="activation rows")
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--formats", nargs="+", default=["int8", "fp8_e4m3"],
+                    choices=["int8", "fp8_e4m3"])
+    ap.add_argument("--group", type=int, default=None, help="int8 group size (default per channel)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    for s in args.shapes:
+        parts = s.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            ap.error(f"--shapes: expected IN_FEATURESxOUT_FEATURES like 4096x1024, got {s!r}")
+    if args.repeats < 1 or any(m < 1 for m in args.m):
+        ap.error("--repeats and --m must be >= 1")
+    res = bench(args.shapes, args.m, args.impls, args.formats, args.group, args.repeats)
+    print(f"{res['device']} ({res['platform']}, compute capability {res['compute_capability']}): "
+          f"read bandwidth {res['read_gb_s']:.1f} GB/s (XLA reduction, this run)")
+    print(f"{'shape':>12} {'M':>5} {'format':>9} {'impl':>14} {'us':>9} {'GB/s':>8} "
+          f"{'of peak':>8} {'vs bf16':>8}")
+    for r in res["rows"]:
+        head = f"{r['shape']:>12} {r['m']:>5} {r['format']:>9} {r['impl']:>14}"
+        if "skipped" in r:
+            print(f"{head}   skipped: {r['skipped']}")
+            continue
+        vs = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"
+        print(f"{head} {r['seconds'] * 1e6:>9.1f} {r['gb_s']:>8.1f} {r['of_peak']:>8.0%} {vs:>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
