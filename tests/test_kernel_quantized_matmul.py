@@ -87,6 +87,24 @@ def test_explicit_blocks_with_ragged_edges(fmt, group, blocks, pallas_impl):
     _assert_close(out, quantized_matmul_reference(x, w_q, scales), jnp.float32)
 
 
+@pytest.mark.parametrize("group", [None, 16])
+def test_split_k_ranges_sum_to_the_product(group, pallas_impl):
+    """Split-K over 7 K blocks: 1, 2, 3 (3 + 3 + 1 blocks) and 7 ranges give the
+    reference's product, per channel and per group; the default splits decode-sized M only."""
+    from jaxserve.kernels.pallas.quantized_matmul import _default_splits
+    rng = np.random.default_rng(SEED)
+    k, n = 112, 48
+    w_q, scales = quantize_weights(_weights(rng, k, n, group), "int8", group)
+    x = _acts(rng, 3, k, jnp.float32)
+    ref = quantized_matmul_reference(x, w_q, scales)
+    for splits in (1, 2, 3, 7):
+        out = quantized_matmul(x, w_q, scales, block_k=16, splits=splits, impl=pallas_impl)
+        _assert_close(out, ref, jnp.float32)
+    assert _default_splits(1, 4096, 32, 64) == 4  # Llama-3-8B q/o at decode: 64 tiles x 4
+    assert _default_splits(1, 1024, 32, 64) == 8  # k/v: 16 tiles x 8 (>= 4 K blocks each)
+    assert _default_splits(256, 4096, 32, 64) == 1
+
+
 def test_wrong_scales_change_the_result(pallas_impl):
     """The kernel really applies per-group scales: swapping two groups' scale rows (or
     flattening them to per-channel) changes its output well beyond the tolerance."""
@@ -175,6 +193,7 @@ def _bad_calls():
         ((x, w8, s), dict(block_n=8), r"block_n must be a power of two >= 16, got 8"),
         ((x, w8, s), dict(block_k=48), r"block_k must be a power of two >= 16, got 48"),
         ((x, w8, S((2, 32), jnp.float32)), dict(block_k=64), r"block_k must divide the group size 32, got 64"),
+        ((x, w8, s), dict(splits=0), r"splits must be in \[1, cdiv\(in_features, block_k\) = 1\], got 0"),
         ((x, w8, s), dict(impl="triton"), r"impl must be one of \('pallas', 'pallas_interpret'\), got 'triton'"),
     ]
 
