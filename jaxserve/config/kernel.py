@@ -69,8 +69,8 @@ class KernelConfig:
     kernel of jaxserve/kernels/cpu/, per device under TP), "pallas", "pallas_interpret"
     (see ATTENTION_KERNEL_IMPLS)."""
     matmul_impl: str = dataclasses.field(default="auto", metadata={"choices": MATMUL_IMPLS})
-    """The matmul kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; on CPU "cpu" when bf16_matmul_min_rows is
-    set or the model is bfloat16 (then bf16_matmul_min_rows resolves to 1: its weights
+    """The matmul kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; on CPU
+    "cpu" when bf16_matmul_min_rows is set or the model is bfloat16 (then bf16_matmul_min_rows resolves to 1: its weights
     packed for the C++ kernel as they are,
     jaxserve.worker.kernel_selection.resolve_kernel_config); xla otherwise), "xla",
     "pallas", "pallas_interpret" (the quantised projections of weight_quant, Triton),

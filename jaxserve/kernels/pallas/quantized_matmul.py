@@ -2,11 +2,12 @@
 fp8 e4m3 weight [K, N] with f32 scales per output channel or per (K-group, channel).
 
 Layout and blocking. The grid is (cdiv(M, block_m), cdiv(N, block_n), splits); one program
-owns an output tile [block_m, block_n] and walks its split's range of K in blocks of block_k. Every step loads an
-activation block [block_m, block_k] and a quantised weight block [block_k, block_n] with
-masked loads (edges of M, K and N need not be multiples of the blocks: SmolLM2's 576 /
-1536 / 49152), converts the weight block to the activations' dtype in registers (int8 and
-e4m3 values are exact in bf16/f16/f32), and accumulates `plgpu.dot` in f32.
+owns an output tile [block_m, block_n] and walks its split's range of K in blocks of
+block_k. Every step loads an activation block [block_m, block_k] and a quantised weight
+block [block_k, block_n] with masked loads (edges of M, K and N need not be multiples of the
+blocks: SmolLM2's 576 / 1536 / 49152), converts the weight block to the activations' dtype
+in registers (int8 and e4m3 values are exact in bf16/f16/f32), and accumulates `plgpu.dot`
+in f32.
 Per-channel scales multiply the accumulator once after the K loop; per-group scales
 multiply each block's partial dot by that group's scale row (block_k divides the group,
 so a block never straddles two groups). No dequantised copy of the weight exists anywhere:

@@ -79,11 +79,10 @@ def _split_count(k_steps: int, tiles: int) -> int:
     """The number of K ranges for a GEMV of `tiles` output tiles and `k_steps` K tiles: the
     largest divisor of k_steps that keeps >= MIN_STEPS_PER_SPLIT steps per range and no more
     than cdiv(TARGET_CTAS, tiles) ranges."""
-    best = 1
-    for d in range(1, k_steps + 1):
-        if k_steps % d == 0 and k_steps // d >= MIN_STEPS_PER_SPLIT and d <= cdiv(TARGET_CTAS, tiles):
-            best = d
-    return best
+    most = cdiv(TARGET_CTAS, tiles)
+    return max(d for d in range(1, k_steps + 1)
+               if k_steps % d == 0 and (d == 1 or (k_steps // d >= MIN_STEPS_PER_SPLIT
+                                                   and d <= most)))
 
 
 def _qmm_mosaic_call(x, w_q, scales, *, rows: int, group_size: int | None, tile_m: int,
