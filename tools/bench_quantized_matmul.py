@@ -84,11 +84,19 @@ def bench(shapes, ms, impls, formats, group, repeats) -> dict:
         for m in ms:
             x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
             io = (m * k + m * n) * 2  # x in, out
-            base = _time(jax.jit(lambda x, w: x @ w), (x, w_bf16), repeats) \
-                if "xla_bf16" in impls else None
-            if base is not None:
-                rows.append(dict(shape=shape, m=m, format="bf16", impl="xla_bf16", seconds=base,
-                                 bytes=k * n * 2 + io))
+            base = None
+
+            def row(fmt, impl, seconds, nbytes):
+                gb_s = nbytes / seconds / 1e9
+                r = dict(shape=shape, m=m, format=fmt, impl=impl, seconds=seconds,
+                         bytes=nbytes, gb_s=gb_s, of_peak=gb_s / read_gb_s)
+                if base is not None:
+                    r["vs_bf16"] = base / seconds
+                return r
+
+            if "xla_bf16" in impls:
+                base = _time(jax.jit(lambda x, w: x @ w), (x, w_bf16), repeats)
+                rows.append(row("bf16", "xla_bf16", base, k * n * 2 + io))
             for fmt in formats:
                 g = group if fmt == "int8" else None
                 w_q, scales = quantize_weights(w, fmt, g)
@@ -107,15 +115,8 @@ def bench(shapes, ms, impls, formats, group, repeats) -> dict:
                           "pallas": functools.partial(quantized_matmul, impl="pallas"),
                           "pallas_mosaic": functools.partial(quantized_matmul_mosaic,
                                                              impl="pallas_mosaic")}[impl]
-                    secs = _time(jax.jit(fn), (x, w_q, scales), repeats)
-                    rows.append(dict(shape=shape, m=m, format=fmt, impl=impl, seconds=secs,
-                                     bytes=nbytes))
-            for r in rows:
-                if r.get("shape") == shape and r.get("m") == m and "seconds" in r:
-                    r["gb_s"] = r["bytes"] / r["seconds"] / 1e9
-                    r["of_peak"] = r["gb_s"] / read_gb_s
-                    if base is not None:
-                        r["vs_bf16"] = base / r["seconds"]
+                    rows.append(row(fmt, impl, _time(jax.jit(fn), (x, w_q, scales), repeats),
+                                    nbytes))
     return {"device": dev.device_kind, "platform": dev.platform, "compute_capability": capability,
             "read_gb_s": read_gb_s, "rows": rows}
 

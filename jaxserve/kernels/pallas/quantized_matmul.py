@@ -42,8 +42,10 @@ WEIGHT_DTYPES = tuple(f.dtype for f in QUANT_FORMATS.values())  # int8, float8_e
 # dot). On the GPU 3xTF32 (near-f32 accuracy on tensor cores): an IEEE f32 dot
 # (HIGHEST) spills heavily at these tiles (compile_triton, sm_90). XLA:CPU has no 3xTF32,
 # and there HIGHEST is the plain f32 dot.
-# Split-K's program count target: ~2 per SM of a 132-SM H100 / H200.
+# Split-K (both quantised-matmul kernels): programs (CTAs) to aim for, ~2 per SM of a 132-SM
+# H100 / H200, and the fewest K blocks a range walks.
 TARGET_PROGRAMS = 264
+MIN_BLOCKS_PER_SPLIT = 4
 F32_DOT_PRECISION = {"pallas": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                      "pallas_interpret": jax.lax.Precision.HIGHEST}
 
@@ -121,22 +123,29 @@ def _qmm_call(x, w_q, scales, *, block_m: int, block_n: int, block_k: int, split
         name="quantized_matmul",
         **triton_call_params(impl, num_warps=num_warps, num_stages=num_stages),
     )(x, w_q, scales)
-    if splits == 1:
-        return out
-    total = out.sum(axis=0)  # [M, N] f32
+    return out if splits == 1 else finish_split_k(out, scales, group_size, x.dtype)
+
+
+def finish_split_k(partials: jax.Array, scales: jax.Array, group_size: int | None,
+                   dtype) -> jax.Array:
+    """The product from split-K partials: partials [splits, M, N] f32 (group scales already
+    applied in the kernel, per-channel ones not); scales [N] or [K // g, N] f32. Returns
+    [M, N] `dtype`: the partials summed in f32, times the per-channel scales, in one fused
+    XLA pass."""
+    total = partials.sum(axis=0)  # [M, N] f32
     if group_size is None:
         total = total * scales[None, :]
-    return total.astype(x.dtype)
+    return total.astype(dtype)
 
 
 def _default_splits(m: int, n: int, k_blocks: int, block_n: int) -> int:
-    """Split-K ranges for M <= 64 (decode): the largest power of two keeping >= 4 K blocks
-    per range and about TARGET_PROGRAMS programs over the N tiles (1 for larger M, whose M
+    """Split-K ranges for M <= 64 (decode): the largest power of two keeping >=
+    MIN_BLOCKS_PER_SPLIT K blocks per range and <= TARGET_PROGRAMS programs over the N tiles (1 for larger M, whose M
     tiles give the grid its size, and where partials would cost M x N x 4 bytes each)."""
     if m > 64:
         return 1
     splits = 1
-    while (splits * 2 * 4 <= k_blocks
+    while (splits * 2 * MIN_BLOCKS_PER_SPLIT <= k_blocks
            and splits * 2 * cdiv(n, block_n) <= TARGET_PROGRAMS):
         splits *= 2
     return splits

@@ -44,7 +44,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.kernels.pallas.common import cdiv, check
 from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, mosaic_interpret_params, with_layout
-from jaxserve.kernels.pallas.quantized_matmul import check_qmm_operands
+from jaxserve.kernels.pallas.quantized_matmul import (MIN_BLOCKS_PER_SPLIT, TARGET_PROGRAMS,
+                                                      check_qmm_operands, finish_split_k)
 
 X_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit inputs (f32 x: the Triton kernel)
 WGMMA_ROWS = 64  # one warpgroup's wgmma is 64 rows tall
@@ -52,10 +53,6 @@ TILE_N = 128
 TILE_K = 64  # one 128-byte swizzle row of 16-bit x
 GEMM_TILE_M = 128
 MAX_CONCURRENT_STEPS = 4
-# Split-K for the GEMV: enough CTAs for ~2 per SM of a 132-SM H100/H200, each walking at
-# least MIN_STEPS_PER_SPLIT K tiles (a pipeline shorter than its depth never fills).
-TARGET_CTAS = 264
-MIN_STEPS_PER_SPLIT = 4
 
 
 def mosaic_supports(x_dtype, w_dtype, k: int, n: int, group_size: int | None) -> bool:
@@ -77,11 +74,12 @@ def _swizzled(tile_minor_bytes: int, itemsize: int, what: str):
 
 def _split_count(k_steps: int, tiles: int) -> int:
     """The number of K ranges for a GEMV of `tiles` output tiles and `k_steps` K tiles: the
-    largest divisor of k_steps that keeps >= MIN_STEPS_PER_SPLIT steps per range and no more
-    than cdiv(TARGET_CTAS, tiles) ranges."""
-    most = cdiv(TARGET_CTAS, tiles)
+    largest divisor of k_steps (every range a whole pipeline of equal length) that keeps >=
+    MIN_BLOCKS_PER_SPLIT steps per range (a pipeline shorter than its depth never fills) and
+    no more than cdiv(TARGET_PROGRAMS, tiles) ranges."""
+    most = cdiv(TARGET_PROGRAMS, tiles)
     return max(d for d in range(1, k_steps + 1)
-               if k_steps % d == 0 and (d == 1 or (k_steps // d >= MIN_STEPS_PER_SPLIT
+               if k_steps % d == 0 and (d == 1 or (k_steps // d >= MIN_BLOCKS_PER_SPLIT
                                                    and d <= most)))
 
 
@@ -239,12 +237,7 @@ def quantized_matmul_mosaic(x: jax.Array, w_q: jax.Array, scales: jax.Array, *,
                            group_size=group, tile_m=tile_m, tile_n=tile_n, splits=splits,
                            max_concurrent_steps=max_concurrent_steps,
                            interpret=impl == "pallas_mosaic_interpret")
-    if splits == 1:
-        return out[:m]
-    total = out.sum(axis=0)  # [M, N] f32
-    if group is None:
-        total = total * scales[None, :]
-    return total.astype(x.dtype)
+    return out[:m] if splits == 1 else finish_split_k(out, scales, group, x.dtype)
 
 
 __all__ = ["mosaic_supports", "quantized_matmul_mosaic"]
