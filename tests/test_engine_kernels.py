@@ -43,6 +43,10 @@ QUANT_ATOL = 1e-4  # kernel vs reference on the same quantised weights: f32 sums
 # correct implementations agree only to bf16 precision: half a bf16 ulp (2^-9) of the
 # largest logit. A wrong mask or page is off by far more.
 BF16_KV_RTOL_OF_MAX = 2.0 ** -9
+# Two attention kernels of a bf16 model (each output within 2 bf16 ulps of the exact one,
+# their kernel tests) agree to 2 bf16 ulps (2 x 2^-7 relative) of the largest logit; a wrong
+# page, mask or split merge is off by far more.
+BF16_LOGIT_RTOL_OF_MAX = 2 * 2.0 ** -7
 
 
 def _drive(params, kernels, steps, layout="token_major", kv_dtype=None, cfg=CFG,
@@ -83,6 +87,29 @@ def test_pallas_attention_in_the_model_matches_xla():
     want = _drive(params, Kernels("xla", "xla"), steps)
     got = _drive(params, Kernels("pallas_interpret", "xla"), steps)
     _assert_same(got, want, F32_ATOL)
+
+
+def test_mosaic_decode_attention_in_the_model_matches_triton():
+    """A bf16 model with "pallas_mosaic_interpret" attention: prefill steps run the Triton
+    kernel (the same logits as "pallas_interpret", bit for bit), decode steps the Mosaic
+    GPU kernel, whose logits match the Triton kernel's to bf16 precision (the two round p
+    and their outputs to bf16 at different points: an attention output one bf16 ulp apart,
+    carried through the bf16 layers)."""
+    cfg = CFG.replace(dtype="bfloat16")
+    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    steps = _steps(np.random.default_rng(99))
+    want = _drive(params, Kernels("pallas_interpret", "xla"), steps, cfg=cfg)
+    got = _drive(params, Kernels("pallas_mosaic_interpret", "xla"), steps, cfg=cfg)
+    for (chunks, _, _), g_step, w_step in zip(steps, got, want, strict=True):
+        decode = all(len(ids) == 1 for ids in chunks.values())
+        for name in w_step:
+            assert np.isfinite(g_step[name]).all()
+            if not decode:
+                np.testing.assert_array_equal(g_step[name], w_step[name], err_msg=name)
+            else:
+                scale = np.abs(w_step[name]).max()
+                np.testing.assert_allclose(g_step[name], w_step[name], rtol=0,
+                                           atol=BF16_LOGIT_RTOL_OF_MAX * scale, err_msg=name)
 
 
 def test_pallas_attention_reads_a_bf16_bits_pool_as_bf16():
@@ -127,8 +154,10 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("cpu", "xla", "cpu")
     assert select_kernels(auto, "cpu", 1, "float16", tmp_path) == Kernels("xla", "xla", "cpu")
     assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
-    # Hopper's quantised matmul is the Mosaic GPU kernel; Ampere's and Blackwell's Triton
-    assert select_kernels(auto, "gpu", 1, "float32", tmp_path, "9.0") == Kernels("pallas", "pallas_mosaic")
+    # Hopper's quantised matmul and decode attention are the Mosaic GPU kernels; Ampere's
+    # and Blackwell's Triton
+    assert (select_kernels(auto, "gpu", 1, "float32", tmp_path, "9.0")
+            == Kernels("pallas_mosaic", "pallas_mosaic"))
     for other in ("8.0", "10.0"):
         assert select_kernels(auto, "gpu", 1, "float32", tmp_path, other) == Kernels("pallas", "pallas")
     bf16 = KernelConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
@@ -188,6 +217,11 @@ def test_impl_config_validation_and_auto():
     assert resolve_impl("pallas_interpret", "cpu") == "pallas_interpret"
     assert resolve_attention_impl("auto", "cpu") == "cpu"
     assert resolve_attention_impl("auto", "gpu") == "pallas"
+    assert resolve_attention_impl("auto", "gpu", "8.0") == "pallas"
+    assert resolve_attention_impl("auto", "gpu", "9.0") == "pallas_mosaic"
+    assert resolve_attention_impl("auto", "gpu", "10.0") == "pallas"  # Blackwell: no wgmma
+    assert resolve_attention_impl("auto", "cpu", "9.0") == "cpu"
+    assert KernelConfig(attention_impl="pallas_mosaic").attention_impl == "pallas_mosaic"
     assert resolve_attention_impl("xla", "cpu") == "xla"
     for kw, match in [({"attention_impl": "triton"}, "attention_impl must be one of"),
                       ({"matmul_impl": "cuda"}, "matmul_impl must be one of"),
@@ -220,16 +254,19 @@ def test_real_model_pallas_attention_gives_the_xla_greedy_tokens(small_llm, smol
 
 # --- CUDA lowering of every kernel call the engine can make ----------------------------------
 
-def _lower(fn, *specs) -> str:
+def _lower(fn, *specs, call: str = "xla.gpu.triton") -> str:
     text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in text
+    assert call in text
     return text
 
 
 def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
-    """(name, fn, specs) for every distinct kernel call the engine's warm-up shapes make."""
+    """{key: (fn, specs, custom call)} for every distinct kernel call the engine's warm-up
+    shapes make: Triton's, and on Hopper the Mosaic GPU decode kernel where it takes them."""
     from jaxserve.kernels.pallas.flash_attention import flash_attention
     from jaxserve.kernels.pallas.paged_attention import paged_attention
+    from jaxserve.kernels.pallas.paged_attention_mosaic import (mosaic_supports,
+                                                                paged_attention_mosaic)
 
     S = jax.ShapeDtypeStruct
     H, K, Dh, ps = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, ecfg.cache.page_size
@@ -242,12 +279,17 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
         if kind == "sample":  # the sampler program calls no kernel
             continue
         if kind == "decode":
-            calls[("decode", B, P)] = (functools.partial(paged_attention, impl="pallas"),
-                                       (S((B, H, Dh), dtype), pages, pages, S((B, P), i32), S((B,), i32)))
+            specs = (S((B, H, Dh), dtype), pages, pages, S((B, P), i32), S((B,), i32))
+            calls[("decode", B, P)] = (functools.partial(paged_attention, impl="pallas"), specs,
+                                       "xla.gpu.triton")
+            if mosaic_supports(dtype, dtype, Dh, ps):
+                calls[("decode-mosaic", B, P)] = (
+                    functools.partial(paged_attention_mosaic, impl="pallas_mosaic"), specs,
+                    "mosaic_gpu")
         else:
             calls[("mixed", T, B, P)] = (functools.partial(flash_attention, impl="pallas"),
                                            (S((T, H, Dh), dtype), pages, pages, S((B, P), i32),
-                                            S((B + 1,), i32), S((B,), i32)))
+                                            S((B + 1,), i32), S((B,), i32)), "xla.gpu.triton")
     return calls
 
 
@@ -281,12 +323,13 @@ def _configs(smollm2_checkpoint):
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.full), "bfloat16"])
 def test_every_engine_attention_call_lowers_for_cuda(smollm2_checkpoint, dtype):
-    total = 0
+    total = mosaic = 0
     for name, (model_cfg, ecfg) in _configs(smollm2_checkpoint).items():
-        for key, (fn, specs) in _kernel_calls(model_cfg, ecfg, jnp.dtype(dtype)).items():
-            _lower(fn, *specs)
+        for key, (fn, specs, call) in _kernel_calls(model_cfg, ecfg, jnp.dtype(dtype)).items():
+            _lower(fn, *specs, call=call)
             total += 1
-    assert total > 40
+            mosaic += call == "mosaic_gpu"
+    assert total > 40 and (mosaic > 10) == (dtype == "bfloat16")
 
 
 def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
@@ -338,10 +381,12 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     assert text.count("xla.gpu.triton") == 1 + 4
 
 
-def test_engine_decode_step_with_mosaic_matmuls_lowers_for_cuda():
+@pytest.mark.parametrize("attention", ["pallas", "pallas_mosaic"])
+def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention):
     """The bf16 decode step of a SmolLM2-shaped int8 model with the Hopper matmul
-    ("pallas_mosaic"): each of the 4 distinct projection shapes is one Mosaic GPU call,
-    attention stays the one Triton call."""
+    ("pallas_mosaic"): each of the 4 distinct projection shapes is one Mosaic GPU call;
+    attention is one Triton call, or with "pallas_mosaic" attention (what "auto" picks on
+    Hopper) a fifth Mosaic GPU call and no Triton at all."""
     from jaxserve.worker.compilation import StepKey, abstract_inputs
     from jaxserve.worker.step import forward_step
 
@@ -352,12 +397,14 @@ def test_engine_decode_step_with_mosaic_matmuls_lowers_for_cuda():
     batch, sampling, prev_index = abstract_inputs(StepKey("decode", 8, 8, 16), None, 300, cfg.vocab_size)
     pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)
     prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
-    text = _lower(functools.partial(forward_step, cfg=cfg, drafter=None, rules=None,
-                                    kernels=Kernels("pallas", "pallas_mosaic"), num_top=20),
-                  params, cache, batch, sampling.prompt_targets, prev_tokens, prev_index, None,
-                  None, pool)
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 4
-    assert text.count("xla.gpu.triton") == 1
+    step = functools.partial(forward_step, cfg=cfg, drafter=None, rules=None,
+                             kernels=Kernels(attention, "pallas_mosaic"), num_top=20)
+    text = jax.jit(step).trace(params, cache, batch, sampling.prompt_targets, prev_tokens,
+                               prev_index, None, None, pool).lower(
+        lowering_platforms=("cuda",)).as_text()
+    mosaic = attention == "pallas_mosaic"
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 4 + mosaic
+    assert text.count("xla.gpu.triton") == (0 if mosaic else 1)
 
 
 def test_bf16_models_on_cpu_resolve_to_the_packed_cpp_matmul():

@@ -13,12 +13,13 @@ from jaxserve.config.validation import ConfigError
 # interpret mode on CPU: tests), and "cpu": the C++ kernels of `jaxserve/kernels/cpu/` (XLA FFI,
 # compiled on first use; the default on a single CPU device) for attention and for the
 # bf16 weight copies of bf16_matmul_min_rows.
-# The quantised matmul also has a Mosaic GPU kernel for Hopper (sm_90: TMA + wgmma):
-# "pallas_mosaic" (falling back to the Triton kernel for shapes it does not take) and
+# The quantised matmul and paged decode attention also have Mosaic GPU kernels for Hopper
+# (sm_90: TMA + wgmma): "pallas_mosaic" (falling back to the Triton kernels for shapes and
+# dtypes they do not take; prefill attention is still Triton's) and
 # "pallas_mosaic_interpret" (Mosaic GPU interpret mode on CPU: tests).
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
 MOSAIC_KERNEL_IMPLS = ("pallas_mosaic", "pallas_mosaic_interpret")
-ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",)
+ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",) + MOSAIC_KERNEL_IMPLS
 ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
 MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",) + MOSAIC_KERNEL_IMPLS
 MATMUL_IMPLS = ("auto",) + MATMUL_KERNEL_IMPLS
@@ -46,16 +47,21 @@ def resolve_impl(impl: str, platform: str, compute_capability: str | None = None
     return "xla"
 
 
-def resolve_attention_impl(impl: str, platform: str) -> str:
+def resolve_attention_impl(impl: str, platform: str, compute_capability: str | None = None
+                           ) -> str:
     """The attention implementation `impl` ("auto" or one of ATTENTION_KERNEL_IMPLS) stands
-    for: "auto" -> "pallas" on GPU, "cpu" on CPU (under tensor parallelism each device
-    runs it on its own heads). Whether "cpu" can be built is checked where it is loaded
+    for on a device `platform` of `compute_capability` (as resolve_impl): "auto" ->
+    "pallas_mosaic" on a Hopper GPU, "pallas" (Triton) on other GPUs, "cpu" on CPU (under
+    tensor parallelism each device runs it on its own heads), else "xla". Whether "cpu"
+    can be built is checked where it is loaded
     (jaxserve.worker.kernel_selection.select_kernels)."""
     if impl != "auto":
         return impl
     if platform == "cpu":
         return "cpu"
-    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "pallas_mosaic" if is_hopper(compute_capability) else "pallas"
+    return "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +71,11 @@ class KernelConfig:
 
     attention_impl: str = dataclasses.field(default="auto",
                                             metadata={"choices": ATTENTION_IMPLS})
-    """The attention kernel: "auto" (pallas on GPU, cpu on CPU), "xla", "cpu" (the C++
-    kernel of jaxserve/kernels/cpu/, per device under TP), "pallas", "pallas_interpret"
-    (see ATTENTION_KERNEL_IMPLS)."""
+    """The attention kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; cpu
+    on CPU), "xla", "cpu" (the C++ kernel of jaxserve/kernels/cpu/, per device under TP),
+    "pallas", "pallas_interpret" (Triton), "pallas_mosaic", "pallas_mosaic_interpret"
+    (decode steps in the Mosaic GPU kernel for Hopper where it takes the dtypes and shapes,
+    the Triton kernels otherwise and for prefill) (see ATTENTION_KERNEL_IMPLS)."""
     matmul_impl: str = dataclasses.field(default="auto", metadata={"choices": MATMUL_IMPLS})
     """The matmul kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; on CPU
     "cpu" when bf16_matmul_min_rows is set or the model is bfloat16 (then bf16_matmul_min_rows resolves to 1: its weights

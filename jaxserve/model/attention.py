@@ -158,30 +158,43 @@ class CpuAttention(Attention):
 class PallasAttention(Attention):
     """The Pallas kernels (jaxserve/kernels/pallas/): decode steps call the paged decode kernel,
     other steps the ragged flash-prefill kernel over the pool. interpret: run them in
-    Pallas interpret mode (on CPU, for tests)."""
+    Pallas interpret mode (on CPU, for tests). mosaic: decode steps call the Mosaic GPU
+    (Hopper) decode kernel wherever it takes the dtypes and shapes
+    (paged_attention_mosaic.mosaic_supports: bf16 / f16, head_dim 64 / 128), the Triton
+    one otherwise; prefill stays on the Triton kernel."""
 
     interpret: bool = False
+    mosaic: bool = False
     kv_layout = "token_major"
     layouts = ("token_major",)
     pads_pages = False  # their loops over a sequence's pages stop at its seq_len
 
     @property
     def name(self) -> str:
-        return "pallas_interpret" if self.interpret else "pallas"
+        return ("pallas_mosaic" if self.mosaic else "pallas") + ("_interpret" if self.interpret else "")
 
     def _attend(self, q, k_pages, v_pages, meta, layout):
         k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
-        return _paged_attention_pallas(q, k_pages, v_pages, meta, self.name)
+        if self.mosaic and meta.decode:
+            from jaxserve.kernels.pallas.paged_attention_mosaic import (mosaic_supports,
+                                                                        paged_attention_mosaic)
+            if mosaic_supports(q.dtype, k_pages.dtype, q.shape[-1], k_pages.shape[1]):
+                return paged_attention_mosaic(q, k_pages, v_pages, meta.block_tables,
+                                              meta.seq_lens, impl=self.name)
+        triton = "pallas_interpret" if self.interpret else "pallas"
+        return _paged_attention_pallas(q, k_pages, v_pages, meta, triton)
 
 
 _ATTENTIONS = {"xla": XlaAttention(), "cpu": CpuAttention(), "pallas": PallasAttention(),
-               "pallas_interpret": PallasAttention(interpret=True)}
+               "pallas_interpret": PallasAttention(interpret=True),
+               "pallas_mosaic": PallasAttention(mosaic=True),
+               "pallas_mosaic_interpret": PallasAttention(interpret=True, mosaic=True)}
 
 
 def attention_backend(impl: "str | Attention") -> Attention:
     """The Attention an implementation name stands for ("xla", "cpu", "pallas",
-    "pallas_interpret"); an Attention is returned as it is. Raises ValueError for an
-    unknown name."""
+    "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"); an Attention is
+    returned as it is. Raises ValueError for an unknown name."""
     return lookup(_ATTENTIONS, impl, Attention, "attention impl")
 
 

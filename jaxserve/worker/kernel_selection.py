@@ -43,7 +43,7 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
                    build_dir: Path, compute_capability: str | None = None) -> Kernels:
     """The resolved Kernels for `kcfg` on `num_devices` devices of `platform`
     ("cpu", "gpu", ...) of `compute_capability` (a CUDA device's "9.0": "auto" picks the
-    Mosaic GPU matmul on Hopper) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
+    Mosaic GPU matmul and decode attention on Hopper) with a KV pool of `kv_dtype`. Picking "cpu" for attention or the
     bf16 matmuls builds (once, cached in `build_dir`) and registers the C++ kernels
     (jaxserve.kernels.cpu.build.load_library, ~5 to 20 s the first time). Under tensor
     parallelism (num_devices > 1) every device runs the attention and matmul kernels on
@@ -59,7 +59,7 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
     dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (probed here,
     in a few ms).
     """
-    attention = resolve_attention_impl(kcfg.attention_impl, platform)
+    attention = resolve_attention_impl(kcfg.attention_impl, platform, compute_capability)
     if attention == "cpu" and kv_dtype not in ("float32", "bfloat16"):
         if kcfg.attention_impl != "auto":
             raise ConfigError(f"KernelConfig.attention_impl='cpu' reads a float32 or bfloat16 "

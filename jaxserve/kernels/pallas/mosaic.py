@@ -30,4 +30,37 @@ def with_layout(x, layout, interpret: bool):
     return plgpu.layout_cast(x, layout)
 
 
-__all__ = ["MOSAIC_IMPLS", "mosaic_interpret_params", "with_layout"]
+def broadcasted_iota(dtype, shape, dimension: int, layout, interpret: bool):
+    """`plgpu.broadcasted_iota(..., layout=layout)` in a kernel being lowered (Mosaic needs
+    the register layout of an iota); `lax.broadcasted_iota` in interpret mode (no rule for
+    the layout there)."""
+    if interpret:
+        from jax import lax
+        return lax.broadcasted_iota(dtype, shape, dimension)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.broadcasted_iota(dtype, shape, dimension, layout=layout)
+
+
+def matmul_transposed(a_smem, b_smem, interpret: bool):
+    """a @ b^T with f32 accumulation, in a kernel: a_smem [64, K] and b_smem [N, K] 16-bit
+    SMEM refs (wgmma's operands, 128-byte swizzled). Lowered: one wgmma reading b through
+    `plgpu.transpose_ref` (as JAX's FlashAttention-3 reads K); returns [64, N] f32 in the
+    WGMMA layout. Interpret mode: the same product from registers (`lax.dot_general`, f32
+    accumulation), since the interpreter's wgmma takes only sliced operands, not transposed
+    ones; the transposed read itself is checked by CUDA lowering and the native tier."""
+    import jax.numpy as jnp
+    from jax import lax
+    if interpret:
+        return lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
+
+
+__all__ = ["MOSAIC_IMPLS", "broadcasted_iota", "matmul_transposed", "mosaic_interpret_params", "with_layout"]

@@ -158,7 +158,7 @@ def _decode_call(q, k_pages, v_pages, k_scales, v_scales, block_tables, context_
 
 # ----------------------------------------------------------------------------- checks
 
-def _check_operands(fn: str, q, k_pages, v_pages, block_tables, context_lens, k_scales,
+def check_operands(fn: str, q, k_pages, v_pages, block_tables, context_lens, k_scales,
                     v_scales):
     """Static shape / dtype checks shared by the kernel and the reference; returns the
     QuantFormat of the pages (None for float pages)."""
@@ -232,7 +232,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     """
     fn = "paged_attention"
     check(fn, impl in IMPLS, f"impl must be one of {IMPLS}, got {impl!r}")
-    _check_operands(fn, q, k_pages, v_pages, block_tables, context_lens, k_scales, v_scales)
+    check_operands(fn, q, k_pages, v_pages, block_tables, context_lens, k_scales, v_scales)
     head_dim, page_size = q.shape[2], k_pages.shape[1]
     check(fn, is_power_of_2(head_dim) and head_dim >= MIN_DOT,
           f"head_dim must be a power of two >= {MIN_DOT} for the kernel, got {head_dim}")
@@ -267,7 +267,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     it equals itself on the f32 dequantised pages exactly. Raises ValueError for bad shapes,
     dtypes or scales.
     """
-    fmt = _check_operands("paged_attention_reference", q, k_pages, v_pages, block_tables,
+    fmt = check_operands("paged_attention_reference", q, k_pages, v_pages, block_tables,
                           context_lens, k_scales, v_scales)
     batch, q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
