@@ -1,7 +1,8 @@
-"""Inputs shared by the attention-kernel tests: a shuffled page pool."""
+"""Inputs shared by the attention-kernel tests: a shuffled page pool, a ragged prefill batch."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -28,3 +29,28 @@ def shuffled_pool(rng, ctx_lens, *, kv_heads, head_dim, page_size, pages_per_seq
         for pos in range(c):
             live[tables[b, pos // page_size], pos % page_size] = True
     return k.astype(np.float32), v.astype(np.float32), tables.astype(np.int32), live
+
+
+def ragged_prefill_case(rng, seqs, *, total, q_heads, kv_heads, head_dim, page_size,
+                        pages_per_seq, dtype=None, spare_pages=3):
+    """Random inputs for `seqs` = [(q_len, kv_len), ...] packed into `total` rows.
+
+    Each sequence gets cdiv(kv_len, page_size) distinct pages drawn from a shuffled pool;
+    its remaining block-table columns point at random pages (any, possibly NaN ones).
+    Pool slots that hold no context token are NaN; q padding rows are random. Returns
+    (q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens), the floats in `dtype`
+    (default float32)."""
+    dtype = jnp.float32 if dtype is None else dtype
+    q_lens = np.array([s[0] for s in seqs])
+    kv_lens = np.array([s[1] for s in seqs])
+    assert q_lens.sum() <= total and (q_lens <= kv_lens).all()
+    assert (kv_lens <= pages_per_seq * page_size).all()
+    k, v, tables, live = shuffled_pool(rng, kv_lens, kv_heads=kv_heads, head_dim=head_dim,
+                                       page_size=page_size, pages_per_seq=pages_per_seq,
+                                       spare_pages=spare_pages, max_pages=10**6)
+    k[~live], v[~live] = np.nan, np.nan
+    q = rng.standard_normal((total, q_heads, head_dim))
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(tables, jnp.int32), jnp.asarray(cu, jnp.int32),
+            jnp.asarray(kv_lens, jnp.int32))

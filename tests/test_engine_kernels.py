@@ -89,10 +89,10 @@ def test_pallas_attention_in_the_model_matches_xla():
     _assert_same(got, want, F32_ATOL)
 
 
-def test_mosaic_decode_attention_in_the_model_matches_triton():
-    """A bf16 model with "pallas_mosaic_interpret" attention: prefill steps run the Triton
-    kernel (the same logits as "pallas_interpret", bit for bit), decode steps the Mosaic
-    GPU kernel, whose logits match the Triton kernel's to bf16 precision (the two round p
+def test_mosaic_attention_in_the_model_matches_triton():
+    """A bf16 model with "pallas_mosaic_interpret" attention (the Mosaic GPU prefill and
+    decode kernels) gives the Triton kernels' logits to bf16 precision in every step: packed
+    prefill with padding rows, a continuation over cached pages, decode (the two round p
     and their outputs to bf16 at different points: an attention output one bf16 ulp apart,
     carried through the bf16 layers)."""
     cfg = CFG.replace(dtype="bfloat16")
@@ -100,16 +100,12 @@ def test_mosaic_decode_attention_in_the_model_matches_triton():
     steps = _steps(np.random.default_rng(99))
     want = _drive(params, Kernels("pallas_interpret", "xla"), steps, cfg=cfg)
     got = _drive(params, Kernels("pallas_mosaic_interpret", "xla"), steps, cfg=cfg)
-    for (chunks, _, _), g_step, w_step in zip(steps, got, want, strict=True):
-        decode = all(len(ids) == 1 for ids in chunks.values())
+    for g_step, w_step in zip(got, want, strict=True):
         for name in w_step:
             assert np.isfinite(g_step[name]).all()
-            if not decode:
-                np.testing.assert_array_equal(g_step[name], w_step[name], err_msg=name)
-            else:
-                scale = np.abs(w_step[name]).max()
-                np.testing.assert_allclose(g_step[name], w_step[name], rtol=0,
-                                           atol=BF16_LOGIT_RTOL_OF_MAX * scale, err_msg=name)
+            np.testing.assert_allclose(g_step[name], w_step[name], rtol=0,
+                                       atol=BF16_LOGIT_RTOL_OF_MAX * np.abs(w_step[name]).max(),
+                                       err_msg=name)
 
 
 def test_pallas_attention_reads_a_bf16_bits_pool_as_bf16():
@@ -262,11 +258,12 @@ def _lower(fn, *specs, call: str = "xla.gpu.triton") -> str:
 
 def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     """{key: (fn, specs, custom call)} for every distinct kernel call the engine's warm-up
-    shapes make: Triton's, and on Hopper the Mosaic GPU decode kernel where it takes them."""
+    shapes make: Triton's, and on Hopper the Mosaic GPU kernels where they take them."""
     from jaxserve.kernels.pallas.flash_attention import flash_attention
     from jaxserve.kernels.pallas.paged_attention import paged_attention
-    from jaxserve.kernels.pallas.paged_attention_mosaic import (mosaic_supports,
-                                                                paged_attention_mosaic)
+    from jaxserve.kernels.pallas.attention_mosaic import mosaic_attention_supports
+    from jaxserve.kernels.pallas.flash_attention_mosaic import flash_attention_mosaic
+    from jaxserve.kernels.pallas.paged_attention_mosaic import paged_attention_mosaic
 
     S = jax.ShapeDtypeStruct
     H, K, Dh, ps = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, ecfg.cache.page_size
@@ -275,6 +272,7 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     i32 = jnp.int32
     calls = {}
     shapes = StepShapes(ecfg, bucket_pages=PallasAttention().pads_pages).warmup()
+    mosaic = mosaic_attention_supports(dtype, dtype, Dh, ps)
     for kind, T, B, P, _ in shapes:
         if kind == "sample":  # the sampler program calls no kernel
             continue
@@ -282,14 +280,19 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
             specs = (S((B, H, Dh), dtype), pages, pages, S((B, P), i32), S((B,), i32))
             calls[("decode", B, P)] = (functools.partial(paged_attention, impl="pallas"), specs,
                                        "xla.gpu.triton")
-            if mosaic_supports(dtype, dtype, Dh, ps):
+            if mosaic:
                 calls[("decode-mosaic", B, P)] = (
                     functools.partial(paged_attention_mosaic, impl="pallas_mosaic"), specs,
                     "mosaic_gpu")
         else:
+            specs = (S((T, H, Dh), dtype), pages, pages, S((B, P), i32), S((B + 1,), i32),
+                     S((B,), i32))
             calls[("mixed", T, B, P)] = (functools.partial(flash_attention, impl="pallas"),
-                                           (S((T, H, Dh), dtype), pages, pages, S((B, P), i32),
-                                            S((B + 1,), i32), S((B,), i32)), "xla.gpu.triton")
+                                         specs, "xla.gpu.triton")
+            if mosaic:
+                calls[("mixed-mosaic", T, B, P)] = (
+                    functools.partial(flash_attention_mosaic, impl="pallas_mosaic"), specs,
+                    "mosaic_gpu")
     return calls
 
 
@@ -386,7 +389,8 @@ def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention):
     """The bf16 decode step of a SmolLM2-shaped int8 model with the Hopper matmul
     ("pallas_mosaic"): each of the 4 distinct projection shapes is one Mosaic GPU call;
     attention is one Triton call, or with "pallas_mosaic" attention (what "auto" picks on
-    Hopper) a fifth Mosaic GPU call and no Triton at all."""
+    Hopper) a fifth Mosaic GPU call and no Triton at all (prefill steps alike: the
+    engine-shape lowering test)."""
     from jaxserve.worker.compilation import StepKey, abstract_inputs
     from jaxserve.worker.step import forward_step
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels.pallas.flash_attention import flash_attention, flash_attention_reference
-from kernel_utils import shuffled_pool
+from kernel_utils import ragged_prefill_case as _case
 
 INTERPRET = "pallas_interpret"
 # Kernel vs reference: same inputs, f32 scores and softmax in both; they differ by the f32
@@ -28,28 +28,6 @@ INTERPRET = "pallas_interpret"
 TOLERANCES = {jnp.float32: dict(rtol=5e-5, atol=5e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 # Reference (f32) vs float64 numpy: f32 rounding only.
 F64_TOL = dict(rtol=2e-5, atol=2e-5)
-
-
-def _case(rng, seqs, *, total, q_heads, kv_heads, head_dim, page_size, pages_per_seq,
-          dtype=jnp.float32, spare_pages=3):
-    """Random inputs for `seqs` = [(q_len, kv_len), ...] packed into `total` rows.
-
-    Each sequence gets cdiv(kv_len, page_size) distinct pages drawn from a shuffled pool;
-    its remaining block-table columns point at random pages (any, possibly NaN ones).
-    Pool slots that hold no context token are NaN; q padding rows are random."""
-    q_lens = np.array([s[0] for s in seqs])
-    kv_lens = np.array([s[1] for s in seqs])
-    assert q_lens.sum() <= total and (q_lens <= kv_lens).all()
-    assert (kv_lens <= pages_per_seq * page_size).all()
-    k, v, tables, live = shuffled_pool(rng, kv_lens, kv_heads=kv_heads, head_dim=head_dim,
-                                       page_size=page_size, pages_per_seq=pages_per_seq,
-                                       spare_pages=spare_pages, max_pages=10**6)
-    k[~live], v[~live] = np.nan, np.nan
-    q = rng.standard_normal((total, q_heads, head_dim))
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(tables, jnp.int32), jnp.asarray(cu, jnp.int32),
-            jnp.asarray(kv_lens, jnp.int32))
 
 
 def _dense_numpy(q, k_pages, v_pages, tables, cu, kv_lens, sm_scale):

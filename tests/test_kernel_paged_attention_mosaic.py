@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from kernel_utils import shuffled_pool
+from jaxserve.kernels.pallas.attention_mosaic import mosaic_attention_supports as mosaic_supports
 from jaxserve.kernels.pallas.paged_attention import paged_attention_reference
-from jaxserve.kernels.pallas.paged_attention_mosaic import (_default_blocks, mosaic_supports,
-                                                            paged_attention_mosaic)
+from jaxserve.kernels.pallas.paged_attention_mosaic import _default_blocks, paged_attention_mosaic
 
 INTERPRET = "pallas_mosaic_interpret"
 # Kernel vs reference (f32 on the same 16-bit inputs): products of 16-bit values are exact in

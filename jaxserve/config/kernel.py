@@ -13,9 +13,9 @@ from jaxserve.config.validation import ConfigError
 # interpret mode on CPU: tests), and "cpu": the C++ kernels of `jaxserve/kernels/cpu/` (XLA FFI,
 # compiled on first use; the default on a single CPU device) for attention and for the
 # bf16 weight copies of bf16_matmul_min_rows.
-# The quantised matmul and paged decode attention also have Mosaic GPU kernels for Hopper
-# (sm_90: TMA + wgmma): "pallas_mosaic" (falling back to the Triton kernels for shapes and
-# dtypes they do not take; prefill attention is still Triton's) and
+# The quantised matmul and attention (decode and prefill) also have Mosaic GPU kernels for
+# Hopper (sm_90: TMA + wgmma): "pallas_mosaic" (falling back to the Triton kernels for shapes
+# and dtypes they do not take) and
 # "pallas_mosaic_interpret" (Mosaic GPU interpret mode on CPU: tests).
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
 MOSAIC_KERNEL_IMPLS = ("pallas_mosaic", "pallas_mosaic_interpret")
@@ -74,8 +74,8 @@ class KernelConfig:
     """The attention kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; cpu
     on CPU), "xla", "cpu" (the C++ kernel of jaxserve/kernels/cpu/, per device under TP),
     "pallas", "pallas_interpret" (Triton), "pallas_mosaic", "pallas_mosaic_interpret"
-    (decode steps in the Mosaic GPU kernel for Hopper where it takes the dtypes and shapes,
-    the Triton kernels otherwise and for prefill) (see ATTENTION_KERNEL_IMPLS)."""
+    (the Mosaic GPU decode and prefill kernels for Hopper where they take the dtypes and
+    shapes, the Triton kernels otherwise) (see ATTENTION_KERNEL_IMPLS)."""
     matmul_impl: str = dataclasses.field(default="auto", metadata={"choices": MATMUL_IMPLS})
     """The matmul kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; on CPU
     "cpu" when bf16_matmul_min_rows is set or the model is bfloat16 (then bf16_matmul_min_rows resolves to 1: its weights

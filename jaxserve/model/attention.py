@@ -158,10 +158,10 @@ class CpuAttention(Attention):
 class PallasAttention(Attention):
     """The Pallas kernels (jaxserve/kernels/pallas/): decode steps call the paged decode kernel,
     other steps the ragged flash-prefill kernel over the pool. interpret: run them in
-    Pallas interpret mode (on CPU, for tests). mosaic: decode steps call the Mosaic GPU
-    (Hopper) decode kernel wherever it takes the dtypes and shapes
-    (paged_attention_mosaic.mosaic_supports: bf16 / f16, head_dim 64 / 128), the Triton
-    one otherwise; prefill stays on the Triton kernel."""
+    Pallas interpret mode (on CPU, for tests). mosaic: the Mosaic GPU (Hopper) decode and
+    prefill kernels wherever they take the dtypes and shapes
+    (attention_mosaic.mosaic_attention_supports: bf16 / f16, head_dim 64 / 128), the
+    Triton ones otherwise."""
 
     interpret: bool = False
     mosaic: bool = False
@@ -175,12 +175,10 @@ class PallasAttention(Attention):
 
     def _attend(self, q, k_pages, v_pages, meta, layout):
         k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
-        if self.mosaic and meta.decode:
-            from jaxserve.kernels.pallas.paged_attention_mosaic import (mosaic_supports,
-                                                                        paged_attention_mosaic)
-            if mosaic_supports(q.dtype, k_pages.dtype, q.shape[-1], k_pages.shape[1]):
-                return paged_attention_mosaic(q, k_pages, v_pages, meta.block_tables,
-                                              meta.seq_lens, impl=self.name)
+        if self.mosaic:
+            from jaxserve.kernels.pallas.attention_mosaic import mosaic_attention_supports
+            if mosaic_attention_supports(q.dtype, k_pages.dtype, q.shape[-1], k_pages.shape[1]):
+                return _attention_mosaic(q, k_pages, v_pages, meta, self.name)
         triton = "pallas_interpret" if self.interpret else "pallas"
         return _paged_attention_pallas(q, k_pages, v_pages, meta, triton)
 
@@ -222,6 +220,17 @@ def _paged_attention_pallas(q, k_pages, v_pages, meta: AttentionMetadata, impl: 
         return paged_decode(q, k_pages, v_pages, meta.block_tables, meta.seq_lens, impl=impl)
     return flash_attention(q, k_pages, v_pages, meta.block_tables, meta.query_start,
                            meta.seq_lens, impl=impl)
+
+
+def _attention_mosaic(q, k_pages, v_pages, meta: AttentionMetadata, impl: str) -> jax.Array:
+    from jaxserve.kernels.pallas.flash_attention_mosaic import flash_attention_mosaic
+    from jaxserve.kernels.pallas.paged_attention_mosaic import paged_attention_mosaic
+
+    if meta.decode:
+        return paged_attention_mosaic(q, k_pages, v_pages, meta.block_tables, meta.seq_lens,
+                                      impl=impl)
+    return flash_attention_mosaic(q, k_pages, v_pages, meta.block_tables, meta.query_start,
+                                  meta.seq_lens, impl=impl)
 
 
 def xla_attention_temp_bytes(num_heads: int, num_kv_heads: int, head_dim: int,

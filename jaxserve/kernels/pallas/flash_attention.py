@@ -143,7 +143,7 @@ def _flash_call(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, sm_sca
 
 # ----------------------------------------------------------------------------- checks
 
-def _check_operands(fn: str, q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens) -> None:
+def check_operands(fn: str, q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens) -> None:
     """Static shape / dtype checks shared by the kernel and the reference."""
     check_array(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     total, q_heads, head_dim = q.shape
@@ -208,7 +208,7 @@ def flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     """
     fn = "flash_attention"
     check(fn, impl in IMPLS, f"impl must be one of {IMPLS}, got {impl!r}")
-    _check_operands(fn, q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens)
+    check_operands(fn, q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens)
     total, q_heads, head_dim = q.shape
     check(fn, is_power_of_2(head_dim) and head_dim >= MIN_DOT,
           f"head_dim must be a power of two >= {MIN_DOT} for the kernel, got {head_dim}")
@@ -242,7 +242,7 @@ def flash_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     [total_tokens, q_heads, head_dim] q.dtype with rows >= cu_q_lens[batch] (and rows that
     see no key) equal to 0. Raises ValueError for bad shapes or dtypes.
     """
-    _check_operands("flash_attention_reference", q, k_pages, v_pages, block_tables, cu_q_lens,
+    check_operands("flash_attention_reference", q, k_pages, v_pages, block_tables, cu_q_lens,
                     kv_lens)
     total, q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape

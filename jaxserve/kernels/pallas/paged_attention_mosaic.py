@@ -1,27 +1,23 @@
 """Paged decode attention for Hopper in Pallas' Mosaic GPU backend (TMA + wgmma).
 
 The same function as `paged_attention` (Triton) and `paged_attention_reference`, for the
-operands this kernel takes (`mosaic_supports`): one new token per sequence attends to its
-context in the KV pool.
+operands the Mosaic kernels take (`attention_mosaic.mosaic_attention_supports`): one new
+token per sequence attends to its context in the KV pool.
 
 Layout and blocking. Grid (batch, kv_heads, num_splits), one warpgroup per CTA: a CTA owns
 sequence b, KV head h and split s of its context, and the `group = q_heads // kv_heads`
-query heads sharing h are the first rows of a 64-row q tile (wgmma's M is 64; the padded
+query heads sharing h are the first rows of the 64-row q tile (wgmma's M is 64; the padded
 rows are never loaded or stored: each output row depends only on its own q row, so whatever
-the tile holds there stays in rows nobody reads). The context is walked in blocks of
-`pages_per_compute_block` pages (block_kv keys); split s owns blocks [s * blocks_per_split,
-(s + 1) * blocks_per_split). Each block's pages are TMA'd straight from the pool,
-`k_pages[page, :, h, :]` ([page_size, head_dim], page ids read from the block table in GMEM)
-into 128-byte-swizzled SMEM slots, `max_concurrent_steps` blocks in flight (one barrier per
-slot for K and one for V, each expecting a TMA per page). A step computes S = q @ K^T
-([64, block_kv] f32, wgmma with K transposed in SMEM), masks keys past the context (the last
-block only), runs the online softmax in registers and accumulates P @ V with P as wgmma's
-register operand. Each split writes its normalised partial output and log-sum-exp for the
-group's rows; `merge_partials` combines the splits outside the kernel.
+the tile holds there stays in rows nobody reads). Split s owns KV blocks [s *
+blocks_per_split, (s + 1) * blocks_per_split) of block_kv keys; `attention_mosaic.
+walk_kv_blocks` TMAs each block's pages from the pool through the block table and runs the
+online softmax over them (wgmma products, the last block masked by the context length).
+Each split writes its normalised partial output and log-sum-exp for the group's rows;
+`merge_partials` combines the splits outside the kernel.
 
 Sources: PagedAttention (Kwon et al., 2023) block tables; Flash-Decoding (Dao et al., 2023)
 split-K with a log-sum-exp merge; FlashAttention-3 (Shah et al., 2024) as JAX writes it in
-Mosaic GPU (`pallas/ops/gpu/attention_mgpu.py`: wgmma with a transposed K, P from registers).
+Mosaic GPU (`pallas/ops/gpu/attention_mgpu.py`).
 """
 
 from __future__ import annotations
@@ -34,35 +30,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.kernels.pallas.common import MASK_VALUE, cdiv, check, merge_partials
-from jaxserve.kernels.pallas.mosaic import (MOSAIC_IMPLS, broadcasted_iota, matmul_transposed,
-                                            mosaic_interpret_params, with_layout)
+from jaxserve.kernels.pallas.attention_mosaic import (BLOCK_KVS, HEAD_DIMS, MAX_CONCURRENT_STEPS,
+                                                      WGMMA_ROWS, kv_scratch,
+                                                      mosaic_attention_supports, normalize,
+                                                      walk_kv_blocks)
+from jaxserve.kernels.pallas.common import cdiv, check, merge_partials
+from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, mosaic_interpret_params
 from jaxserve.kernels.pallas.paged_attention import check_operands
 from jaxserve.kernels.pallas.quantized_matmul import TARGET_PROGRAMS
 
-Q_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit inputs (f32 q: the Triton kernel)
-HEAD_DIMS = (64, 128)  # whole 128-byte swizzle rows; 128 keeps K, V, P and the output in SMEM
-WGMMA_ROWS = 64  # one warpgroup's wgmma is 64 rows tall: the q tile
 ROW_ALIGN = 8  # SMEM tiles are (8, 64)-tiled: q rows are loaded / stored 8 at a time
-BLOCK_KVS = (64, 128)  # keys per step: P's 128-byte swizzle (as V's) needs >= 64
-MAX_CONCURRENT_STEPS = 2  # K / V blocks in flight: 2 x 64 KiB at 128 keys, head_dim 128
 MIN_BLOCKS_PER_SPLIT = 2  # a split walks at least this many blocks (a full pipeline)
-
-
-def mosaic_supports(q_dtype, page_dtype, head_dim: int, page_size: int) -> bool:
-    """Whether `paged_attention_mosaic` takes these operands: q and the pages both bf16 or
-    both f16, head_dim 64 or 128, page_size a power of two from 8 to 128 (whole (8, 64) SMEM
-    tiles, a whole number of pages per 64- or 128-key block). Anything else (f32, int8 /
-    fp8 pages, other head sizes) runs the Triton kernel (PallasAttention's choice)."""
-    return (jnp.dtype(q_dtype) in [jnp.dtype(d) for d in Q_DTYPES]
-            and jnp.dtype(page_dtype) == jnp.dtype(q_dtype) and head_dim in HEAD_DIMS
-            and page_size in (8, 16, 32, 64, 128))
-
-
-def _swizzle(d: int, itemsize: int):
-    """(tiling, swizzle) for an SMEM tile whose minor dimension is d elements."""
-    swizzle = plgpu.find_swizzle(d * itemsize * 8, "attention tile")
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _default_blocks(batch: int, kv_heads: int, pages_per_seq: int, page_size: int
@@ -86,98 +64,34 @@ def _decode_mosaic_call(q, k_pages, v_pages, block_tables, context_lens, *, sm_s
     log-sum-exps; an empty split: 0 and MASK_VALUE)."""
     batch, kv_heads, rows, head_dim = q.shape
     num_pages, page_size, _, _ = k_pages.shape
-    dtype = q.dtype
-    pages_per_block = block_kv // page_size
     pages_per_seq = block_tables.shape[1]
     max_context = pages_per_seq * page_size
     blocks_per_split = cdiv(cdiv(max_context, block_kv), num_splits)
-    stages = max_concurrent_steps
-    tf = _swizzle(head_dim, 2)
 
-    def kernel(q_gmem, k_gmem, v_gmem, bt_gmem, len_gmem, o_gmem, lse_gmem,
-               q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
+    def kernel(q_gmem, k_gmem, v_gmem, bt_gmem, len_gmem, o_gmem, lse_gmem, o_smem, lse_smem,
+               **scratch):
         # q_gmem [batch, kv_heads, rows, D]; k_gmem, v_gmem [num_pages, page_size, kv_heads,
         # D]; bt_gmem [batch, pages_per_seq] int32; len_gmem [batch] int32; o_gmem [batch,
         # splits, kv_heads, rows, D] f32; lse_gmem [batch, splits, kv_heads, rows] f32;
-        # q_smem [64, D]; k_smem, v_smem [stages, block_kv, D]; p_smem [64, block_kv];
-        # o_smem [64, D] f32; lse_smem [64] f32.
+        # o_smem [64, D] f32; lse_smem [64] f32 (the epilogue's tiles).
         b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         kv_len = jnp.clip(len_gmem[b], 0, max_context)  # scalar int32
         n_full = kv_len // block_kv  # blocks entirely inside the context
         n_all = (kv_len + block_kv - 1) // block_kv  # blocks holding a key of it
         lo = s * blocks_per_split
         hi = jnp.minimum(lo + blocks_per_split, n_all)
-
         # the group's q rows: the first `rows` of the 64-row tile (the rest never stored)
-        plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem.at[pl.ds(0, rows)], q_bar)
+        plgpu.copy_gmem_to_smem(q_gmem.at[b, h], scratch["q_smem"].at[pl.ds(0, rows)],
+                                scratch["q_bar"])
 
-        def fetch(kb, slot):  # TMA block kb's pages into `slot`: a copy per page, K and V
-            for j in range(pages_per_block):
-                col = jnp.minimum(kb * pages_per_block + j, pages_per_seq - 1)
-                page = jnp.clip(bt_gmem[b, col], 0, num_pages - 1)  # never outside the pool
-                dst = pl.ds(j * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_gmem.at[page, :, h], k_smem.at[slot, dst],
-                                        k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_gmem.at[page, :, h], v_smem.at[slot, dst],
-                                        v_bar.at[slot])
+        def page_id(col):
+            col = jnp.minimum(col, pages_per_seq - 1)  # never past the table
+            return jnp.clip(bt_gmem[b, col], 0, num_pages - 1)  # never outside the pool
 
-        for i in range(stages):
-            @pl.when(lo + i < hi)
-            def _():
-                fetch(lo + i, i)
-
-        plgpu.barrier_wait(q_bar)
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        carry = (with_layout(jnp.zeros((WGMMA_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA,
-                             interpret),
-                 with_layout(jnp.full((WGMMA_ROWS,), MASK_VALUE, jnp.float32), row_layout,
-                             interpret),
-                 with_layout(jnp.zeros((WGMMA_ROWS,), jnp.float32), row_layout, interpret))
-
-        def step(kb, carry, masked: bool):
-            acc, m, l = carry  # [64, D] f32 (unnormalised), [64] f32 max, [64] f32 sum
-            slot = lax.rem(kb - lo, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            scores = matmul_transposed(q_smem, k_smem.at[slot], interpret) * sm_scale
-            if masked:  # the context's last, partial block: keys past it are absent
-                left = kv_len - kb * block_kv
-                key = broadcasted_iota(jnp.int32, (WGMMA_ROWS, block_kv), 1, plgpu.Layout.WGMMA,
-                                       interpret)
-                scores = jnp.where(key < left, scores, MASK_VALUE)
-            m_new = jnp.maximum(m, scores.max(axis=1))
-            correction = jnp.exp(m - m_new)
-            p = jnp.exp(scores - lax.broadcast_in_dim(m_new, scores.shape, [0]))
-            l = l * correction + p.sum(axis=1)
-            p_smem[...] = p.astype(dtype)
-            plgpu.barrier_wait(v_bar.at[slot])
-            if masked:  # stale slots may hold anything, NaN too: p = 0 times NaN is NaN
-                v_ref = v_smem.at[slot]
-                slot_row = broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
-                                            plgpu.Layout.WGMMA, interpret)
-                v_ref[...] = jnp.where(slot_row < left,
-                                       with_layout(v_ref[...], plgpu.Layout.WGMMA, interpret), 0)
-            plgpu.commit_smem()  # the registers' stores (P, masked V) visible to wgmma
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-            acc = (acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-                   + pl.run_scoped(pv, plgpu.ACC((WGMMA_ROWS, head_dim), jnp.float32)))
-
-            @pl.when(kb + stages < hi)  # the slot is free again (both wgmmas done)
-            def _():
-                fetch(kb + stages, slot)
-            return acc, m_new, l
-
-        carry = lax.fori_loop(lo, jnp.minimum(hi, n_full),
-                              functools.partial(step, masked=False), carry)
-        acc, m, l = lax.fori_loop(jnp.maximum(lo, n_full), hi,
-                                  functools.partial(step, masked=True), carry)
-        empty = l == 0.0  # a split that saw no key
-        acc = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
-        o_smem[...] = acc
-        lse_smem[...] = jnp.where(empty, MASK_VALUE, m + jnp.log(jnp.where(empty, 1.0, l)))
+        carry = walk_kv_blocks(scratch, k_gmem, v_gmem, page_id, h, lo, n_full, hi, kv_len,
+                               sm_scale=sm_scale, block_kv=block_kv, page_size=page_size,
+                               stages=max_concurrent_steps, visible=None, interpret=interpret)
+        o_smem[...], lse_smem[...] = normalize(*carry)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_gmem.at[b, s, h])
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_gmem.at[b, s, h])
@@ -187,17 +101,10 @@ def _decode_mosaic_call(q, k_pages, v_pages, block_tables, context_lens, *, sm_s
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_splits, kv_heads, rows, head_dim), jnp.float32),
                   jax.ShapeDtypeStruct((batch, num_splits, kv_heads, rows), jnp.float32)),
-        scratch_types=dict(
-            q_smem=plgpu.SMEM((WGMMA_ROWS, head_dim), dtype, transforms=tf),
-            k_smem=plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tf),
-            v_smem=plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tf),
-            p_smem=plgpu.SMEM((WGMMA_ROWS, block_kv), dtype, transforms=_swizzle(block_kv, 2)),
-            o_smem=plgpu.SMEM((WGMMA_ROWS, head_dim), jnp.float32),
-            lse_smem=plgpu.SMEM((WGMMA_ROWS,), jnp.float32),
-            q_bar=plgpu.Barrier(),
-            # one arrival per page's TMA
-            k_bar=plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
-            v_bar=plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)),
+        scratch_types=dict(o_smem=plgpu.SMEM((WGMMA_ROWS, head_dim), jnp.float32),
+                           lse_smem=plgpu.SMEM((WGMMA_ROWS,), jnp.float32),
+                           **kv_scratch(q.dtype, head_dim, block_kv, page_size,
+                                        max_concurrent_steps)),
         grid=(batch, kv_heads, num_splits),
         grid_names=("b", "h", "s"),
         interpret=mosaic_interpret_params() if interpret else None,
@@ -225,7 +132,7 @@ def paged_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     product (as the Triton kernel). q heads [h * group, (h + 1) * group) use KV head h.
     Stale pool slots (keys at or past a context's length) never reach the output, whatever
     they hold (NaN included).
-    Operands (`mosaic_supports`): head_dim 64 / 128, page_size a power of two in 8..128.
+    Operands (`mosaic_attention_supports`): head_dim 64 / 128, page_size a power of two in 8..128.
     block_kv: keys per step, 64 or 128 and a multiple of page_size; num_splits: split-K
     partitions of the table (>= 1); both default from the shapes (`_default_blocks`);
     max_concurrent_steps: K / V blocks in flight (SMEM). impl: "pallas_mosaic" (a Hopper
@@ -241,7 +148,7 @@ def paged_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     check_operands(fn, q, k_pages, v_pages, block_tables, context_lens, None, None)
     batch, q_heads, head_dim = q.shape
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
-    check(fn, mosaic_supports(q.dtype, k_pages.dtype, head_dim, page_size),
+    check(fn, mosaic_attention_supports(q.dtype, k_pages.dtype, head_dim, page_size),
           f"needs q and pages both bf16 or both f16 (got {jnp.dtype(q.dtype)}, "
           f"{jnp.dtype(k_pages.dtype)}), head_dim in {HEAD_DIMS} (got {head_dim}) and "
           f"page_size a power of two in 8..128 (got {page_size})")
@@ -268,4 +175,4 @@ def paged_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
 
 
-__all__ = ["mosaic_supports", "paged_attention_mosaic"]
+__all__ = ["paged_attention_mosaic"]
