@@ -70,9 +70,9 @@ def test_continuous_batching_equals_alone(small_llm):
 def test_preemption_completes_everything_with_same_outputs(small_llm):
     engine, tok = small_llm.engine, small_llm.tokenizer
     rng = np.random.default_rng(2)
-    # 6 x (~200 prompt + 60 output tokens) = ~100 pages > the 80-page pool
+    # 6 x (~200 prompt + 40 output tokens) = ~90 pages > the 80-page pool
     requests = [(f"p{i}", make_prompt(tok, rng, 180 + 5 * i),
-                 SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)) for i in range(6)]
+                 SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) for i in range(6)]
     need = sum(engine.pool.pages_for(len(p) + sp.max_tokens) for _, p, sp in requests)
     assert need > engine.pool.capacity
     preempted_before = engine.scheduler.num_preemptions

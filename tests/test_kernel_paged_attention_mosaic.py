@@ -72,8 +72,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("name", list(CASES))
+# f16 runs the same code with another element type: two cases (head_dim 64 and 128)
+F16_CASES = ("ctx-short-gqa3", "block-boundaries-gqa4-d128")
+
+
+@pytest.mark.parametrize("name,dtype", [(n, jnp.bfloat16) for n in CASES]
+                         + [(n, jnp.float16) for n in F16_CASES],
+                         ids=[f"{n}-bf16" for n in CASES] + [f"{n}-f16" for n in F16_CASES])
 def test_kernel_matches_reference(name, dtype, mosaic_impl):
     ctx, hq, hkv, d, ps, pps, block_kv, splits = CASES[name]
     args = _case(np.random.default_rng(SEED), ctx, q_heads=hq, kv_heads=hkv, head_dim=d,
@@ -160,12 +165,14 @@ def test_rejects_bad_inputs(args, kwargs, match):
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,dtype", [(m, jnp.bfloat16) for m in MODELS]
+                         + [("llama3-8b", jnp.float16)],
+                         ids=[f"{m}-bf16" for m in MODELS] + ["llama3-8b-f16"])
 def test_lowers_for_cuda_at_engine_shapes(model, dtype):
     """batch 1 / 8 / 64 x pages_per_seq 4 / 32 / 512 (page_size 16, default blocks and
     splits) and both block sizes: one Mosaic GPU call each (layouts, TMA shapes and the SMEM
-    budget pass Mosaic's checks), output [batch, q_heads, head_dim] in q's dtype."""
+    budget pass Mosaic's checks), output [batch, q_heads, head_dim] in q's dtype. (Every
+    decode shape of the engine's warm-up lowers in tests/test_engine_kernels.py.)"""
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     hq, hkv, d = MODELS[model]
     start, count = time.perf_counter(), 0
