@@ -171,7 +171,8 @@ class PallasAttention(Attention):
 
     @property
     def name(self) -> str:
-        return ("pallas_mosaic" if self.mosaic else "pallas") + ("_interpret" if self.interpret else "")
+        base = "pallas_mosaic" if self.mosaic else "pallas"
+        return base + ("_interpret" if self.interpret else "")
 
     def _attend(self, q, k_pages, v_pages, meta, layout):
         k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)

@@ -63,4 +63,5 @@ def matmul_transposed(a_smem, b_smem, interpret: bool):
     return pl.run_scoped(run, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
 
 
-__all__ = ["MOSAIC_IMPLS", "broadcasted_iota", "matmul_transposed", "mosaic_interpret_params", "with_layout"]
+__all__ = ["MOSAIC_IMPLS", "broadcasted_iota", "matmul_transposed", "mosaic_interpret_params",
+           "with_layout"]
