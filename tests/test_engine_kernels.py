@@ -272,7 +272,7 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     i32 = jnp.int32
     calls = {}
     shapes = StepShapes(ecfg, bucket_pages=PallasAttention().pads_pages).warmup()
-    mosaic = mosaic_attention_supports(dtype, dtype, Dh, ps)
+    mosaic = mosaic_attention_supports(dtype, dtype, Dh, ps, H // K)
     for kind, T, B, P, _ in shapes:
         if kind == "sample":  # the sampler program calls no kernel
             continue

@@ -123,12 +123,12 @@ def test_default_blocks():
 
 
 def test_supports():
-    assert mosaic_supports(jnp.bfloat16, jnp.bfloat16, 128, 16)
-    assert mosaic_supports(jnp.float16, jnp.float16, 64, 8)
-    assert not mosaic_supports(jnp.float32, jnp.float32, 64, 16)  # f32: the Triton kernel
-    assert not mosaic_supports(jnp.bfloat16, jnp.int8, 64, 16)  # quantised pages: Triton
-    assert not mosaic_supports(jnp.bfloat16, jnp.bfloat16, 256, 16)  # K, V, P over SMEM
-    assert not mosaic_supports(jnp.bfloat16, jnp.bfloat16, 64, 4)  # under one (8, 64) tile
+    assert mosaic_supports(jnp.bfloat16, jnp.bfloat16, 128, 16, 4)
+    assert mosaic_supports(jnp.float16, jnp.float16, 64, 8, 4)
+    assert not mosaic_supports(jnp.float32, jnp.float32, 64, 16, 4)  # f32: the Triton kernel
+    assert not mosaic_supports(jnp.bfloat16, jnp.int8, 64, 16, 4)  # quantised pages: Triton
+    assert not mosaic_supports(jnp.bfloat16, jnp.bfloat16, 256, 16, 4)  # K, V, P over SMEM
+    assert not mosaic_supports(jnp.bfloat16, jnp.bfloat16, 64, 4, 4)  # under one (8, 64) tile
 
 
 def _bad_calls():

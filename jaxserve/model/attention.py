@@ -160,8 +160,8 @@ class PallasAttention(Attention):
     other steps the ragged flash-prefill kernel over the pool. interpret: run them in
     Pallas interpret mode (on CPU, for tests). mosaic: the Mosaic GPU (Hopper) decode and
     prefill kernels wherever they take the dtypes and shapes
-    (attention_mosaic.mosaic_attention_supports: bf16 / f16, head_dim 64 / 128), the
-    Triton ones otherwise."""
+    (attention_mosaic.mosaic_attention_supports: bf16 / f16, head_dim 64 / 128, GQA
+    groups <= 64), the Triton ones otherwise."""
 
     interpret: bool = False
     mosaic: bool = False
@@ -178,7 +178,9 @@ class PallasAttention(Attention):
         k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
         if self.mosaic:
             from jaxserve.kernels.pallas.attention_mosaic import mosaic_attention_supports
-            if mosaic_attention_supports(q.dtype, k_pages.dtype, q.shape[-1], k_pages.shape[1]):
+            _, page_size, kv_heads, head_dim = k_pages.shape
+            if mosaic_attention_supports(q.dtype, k_pages.dtype, head_dim, page_size,
+                                         q.shape[1] // kv_heads):
                 return _attention_mosaic(q, k_pages, v_pages, meta, self.name)
         triton = "pallas_interpret" if self.interpret else "pallas"
         return _paged_attention_pallas(q, k_pages, v_pages, meta, triton)

@@ -224,6 +224,13 @@ struct Item {
     if (page < 0 || page >= p.N) return nullptr;
     return static_cast<const T*>(pool) + ((h * p.N + page) * p.ps) * dh;
   }
+  // Page pi + 1's rows in `pool` as bytes, for prefetching; null past the last page or for
+  // a page id outside [0, N) (K and V pages share the id, so both are null or neither).
+  template <typename T>
+  const char* next_page_bytes(const void* pool, int64_t pi) const {
+    if (pi + 1 >= num_pages()) return nullptr;
+    return reinterpret_cast<const char*>(page_rows<T>(pool, pi + 1));
+  }
   // out rows = acc / l; a row with no visible key -> 0.
   void finish() const {
     for (int64_t r = 0; r < rows; ++r) {
@@ -358,12 +365,8 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
     // The next page's K and V into L2 while this one is transposed, a cache line per
     // loaded row (all at once at the page's start, they came too late: the 32-row decode
     // step's attention took 1.5x).
-    const char* kn = nullptr;
-    const char* vn = nullptr;
-    if (pi + 1 < n_pages && it.page_rows<T>(p.k, pi + 1) != nullptr) {
-      kn = reinterpret_cast<const char*>(it.page_rows<T>(p.k, pi + 1));
-      vn = reinterpret_cast<const char*>(it.page_rows<T>(p.v, pi + 1));
-    }
+    const char* kn = it.next_page_bytes<T>(p.k, pi);
+    const char* vn = it.next_page_bytes<T>(p.v, pi);
     const int64_t page_bytes = p.ps * DH * int64_t{sizeof(T)};
     int64_t fetched = 0;
     // K^T per 16-key block (rows past `used` are transposed too: never read unmasked)
@@ -452,12 +455,8 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
     // scores over this page are computed: pages lie anywhere in the pool, so no hardware
     // prefetcher sees them coming (32-row decode step on a 2-core VM: 540 -> ~445 us of
     // attention per layer; the same 128 prefetches issued at once per page did nothing).
-    const char* k_next = nullptr;
-    const char* v_next = nullptr;
-    if (pi + 1 < n_pages && it.page_rows<T>(p.k, pi + 1) != nullptr) {
-      k_next = reinterpret_cast<const char*>(it.page_rows<T>(p.k, pi + 1));
-      v_next = reinterpret_cast<const char*>(it.page_rows<T>(p.v, pi + 1));
-    }
+    const char* k_next = it.next_page_bytes<T>(p.k, pi);
+    const char* v_next = it.next_page_bytes<T>(p.v, pi);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::min<int64_t>(limit[r] - first, p.ps);
       if (n <= 0) continue;

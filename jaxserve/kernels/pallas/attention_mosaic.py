@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.kernels.pallas.common import MASK_VALUE
+from jaxserve.kernels.pallas.common import MASK_VALUE, check
 from jaxserve.kernels.pallas.mosaic import broadcasted_iota, matmul_transposed, with_layout
 
 Q_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit inputs (f32 q: the Triton kernels)
@@ -38,13 +38,46 @@ BLOCK_KVS = (64, 128)  # keys per step: P's 128-byte swizzle (as V's) needs >= 6
 MAX_CONCURRENT_STEPS = 2  # K / V blocks in flight: 2 x 64 KiB at 128 keys, head_dim 128
 
 
-def mosaic_attention_supports(q_dtype, page_dtype, head_dim: int, page_size: int) -> bool:
+def mosaic_attention_supports(q_dtype, page_dtype, head_dim: int, page_size: int,
+                              group: int) -> bool:
     """Whether the Mosaic GPU attention kernels take these operands: q and the pages both
-    bf16 or both f16, head_dim 64 or 128, page_size a power of two from 8 to 128. Anything
-    else (f32, int8 / fp8 pages, other head sizes) runs the Triton kernels."""
+    bf16 or both f16, head_dim 64 or 128, page_size a power of two from 8 to 128, a GQA
+    group (q_heads / kv_heads) of at most 64 (its rows fit the q tile). Anything else (f32,
+    int8 / fp8 pages, other head sizes) runs the Triton kernels."""
     return (jnp.dtype(q_dtype) in [jnp.dtype(d) for d in Q_DTYPES]
             and jnp.dtype(page_dtype) == jnp.dtype(q_dtype) and head_dim in HEAD_DIMS
-            and page_size in PAGE_SIZES)
+            and page_size in PAGE_SIZES and group <= WGMMA_ROWS)
+
+
+def default_block_kv(table_keys: int, page_size: int) -> int:
+    """Keys per step when the caller gives none: 128, or 64 for a table of at most 64 keys
+    (`table_keys` = pages_per_seq x page_size); never fewer than one page."""
+    return max(64 if table_keys <= 64 else 128, page_size)
+
+
+def check_mosaic_attention(fn: str, q, k_pages, block_tables, block_kv: int | None,
+                           max_concurrent_steps: int) -> int:
+    """The checks both Mosaic attention kernels make after their operand checks: operands
+    they take (`mosaic_attention_supports`), block_kv (one of BLOCK_KVS, whole pages) and
+    max_concurrent_steps (1 to 4). q: [tokens, q_heads, head_dim]; k_pages: [num_pages,
+    page_size, kv_heads, head_dim]. Returns block_kv (`default_block_kv` for None). Raises
+    ValueError naming the argument, the limit and what it got."""
+    _, q_heads, head_dim = q.shape
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = q_heads // kv_heads
+    check(fn, mosaic_attention_supports(q.dtype, k_pages.dtype, head_dim, page_size, group),
+          f"needs q and pages both bf16 or both f16 (got {jnp.dtype(q.dtype)}, "
+          f"{jnp.dtype(k_pages.dtype)}), head_dim in {HEAD_DIMS} (got {head_dim}), page_size "
+          f"a power of two in 8..128 (got {page_size}) and q_heads / kv_heads <= {WGMMA_ROWS} "
+          f"(got {group})")
+    if block_kv is None:
+        block_kv = default_block_kv(block_tables.shape[1] * page_size, page_size)
+    check(fn, block_kv in BLOCK_KVS and block_kv % page_size == 0,
+          f"block_kv must be one of {BLOCK_KVS} and a multiple of page_size ({page_size}), "
+          f"got {block_kv}")
+    check(fn, isinstance(max_concurrent_steps, int) and 1 <= max_concurrent_steps <= 4,
+          f"max_concurrent_steps must be 1 to 4, got {max_concurrent_steps}")
+    return block_kv
 
 
 def swizzled(d: int, itemsize: int):
@@ -158,5 +191,5 @@ def normalize(acc, m, l):
 
 
 __all__ = ["BLOCK_KVS", "HEAD_DIMS", "MAX_CONCURRENT_STEPS", "PAGE_SIZES", "Q_DTYPES",
-           "WGMMA_ROWS", "kv_scratch", "mosaic_attention_supports", "normalize", "swizzled",
-           "walk_kv_blocks"]
+           "WGMMA_ROWS", "check_mosaic_attention", "default_block_kv", "kv_scratch",
+           "mosaic_attention_supports", "normalize", "swizzled", "walk_kv_blocks"]

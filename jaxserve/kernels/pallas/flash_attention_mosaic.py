@@ -32,10 +32,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.kernels.pallas.attention_mosaic import (BLOCK_KVS, HEAD_DIMS, MAX_CONCURRENT_STEPS,
-                                                      WGMMA_ROWS, kv_scratch,
-                                                      mosaic_attention_supports, normalize,
-                                                      swizzled, walk_kv_blocks)
+from jaxserve.kernels.pallas.attention_mosaic import (MAX_CONCURRENT_STEPS, WGMMA_ROWS,
+                                                      check_mosaic_attention, kv_scratch,
+                                                      normalize, swizzled, walk_kv_blocks)
 from jaxserve.kernels.pallas.common import cdiv, check, next_power_of_2
 from jaxserve.kernels.pallas.flash_attention import check_operands
 from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, broadcasted_iota, mosaic_interpret_params
@@ -43,15 +42,17 @@ from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, broadcasted_iota, mosai
 
 def _tile_table(cu_q_lens, block_q: int, num_tiles: int):
     """[3, num_tiles] int32: each tile's sequence, its index among that sequence's tiles,
-    and 1 if it holds tokens (0 for the tiles past the last); and the [batch + 1] int32 first
-    tile of each sequence (the last entry: the number of tiles in use)."""
+    and 1 if it holds tokens (0 for the tiles past the last); the [batch + 1] int32 first
+    tile of each sequence (the last entry: the number of tiles in use); and the [batch]
+    int32 new tokens of each sequence."""
     batch = cu_q_lens.shape[0] - 1
     q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)
     first = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                              jnp.cumsum(cdiv(q_len, block_q)).astype(jnp.int32)])
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(first[1:], t, side="right"), 0, batch - 1).astype(jnp.int32)
-    return jnp.stack([seq, t - first[seq], (t < first[batch]).astype(jnp.int32)]), first
+    used = (t < first[batch]).astype(jnp.int32)
+    return jnp.stack([seq, t - first[seq], used]), first, q_len
 
 
 def _prefill_mosaic_call(q_tiles, tiles, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *,
@@ -151,29 +152,17 @@ def flash_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     check(fn, impl in MOSAIC_IMPLS, f"impl must be one of {MOSAIC_IMPLS}, got {impl!r}")
     check_operands(fn, q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens)
     total, q_heads, head_dim = q.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
-    batch, pages_per_seq = block_tables.shape
+    kv_heads = k_pages.shape[2]
+    batch = block_tables.shape[0]
     group = q_heads // kv_heads
-    check(fn, mosaic_attention_supports(q.dtype, k_pages.dtype, head_dim, page_size)
-          and group <= WGMMA_ROWS,
-          f"needs q and pages both bf16 or both f16 (got {jnp.dtype(q.dtype)}, "
-          f"{jnp.dtype(k_pages.dtype)}), head_dim in {HEAD_DIMS} (got {head_dim}), page_size "
-          f"a power of two in 8..128 (got {page_size}) and q_heads / kv_heads <= {WGMMA_ROWS} "
-          f"(got {group})")
-    if block_kv is None:
-        block_kv = max(64 if pages_per_seq * page_size <= 64 else 128, page_size)
-    check(fn, block_kv in BLOCK_KVS and block_kv % page_size == 0,
-          f"block_kv must be one of {BLOCK_KVS} and a multiple of page_size ({page_size}), "
-          f"got {block_kv}")
-    check(fn, isinstance(max_concurrent_steps, int) and 1 <= max_concurrent_steps <= 4,
-          f"max_concurrent_steps must be 1 to 4, got {max_concurrent_steps}")
+    block_kv = check_mosaic_attention(fn, q, k_pages, block_tables, block_kv,
+                                      max_concurrent_steps)
     group_pad = next_power_of_2(group)
     block_q = WGMMA_ROWS // group_pad
     num_tiles = cdiv(total, block_q) + batch
-    tiles, first = _tile_table(cu_q_lens, block_q, num_tiles)
+    tiles, first, q_len = _tile_table(cu_q_lens, block_q, num_tiles)
     # gather the tiles' tokens: [num_tiles, block_q] rows of q (clamped; rows a tile does
     # not own are zero and their outputs never read)
-    q_len = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)
     seq, idx = tiles[0], tiles[1]
     local = idx[:, None] * block_q + jnp.arange(block_q, dtype=jnp.int32)[None, :]
     own = (tiles[2][:, None] == 1) & (local < q_len[seq][:, None])

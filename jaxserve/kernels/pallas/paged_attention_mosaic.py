@@ -30,10 +30,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.kernels.pallas.attention_mosaic import (BLOCK_KVS, HEAD_DIMS, MAX_CONCURRENT_STEPS,
-                                                      WGMMA_ROWS, kv_scratch,
-                                                      mosaic_attention_supports, normalize,
-                                                      walk_kv_blocks)
+from jaxserve.kernels.pallas.attention_mosaic import (MAX_CONCURRENT_STEPS, WGMMA_ROWS,
+                                                      check_mosaic_attention, default_block_kv,
+                                                      kv_scratch, normalize, walk_kv_blocks)
 from jaxserve.kernels.pallas.common import cdiv, check, merge_partials
 from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, mosaic_interpret_params
 from jaxserve.kernels.pallas.paged_attention import check_operands
@@ -45,11 +44,10 @@ MIN_BLOCKS_PER_SPLIT = 2  # a split walks at least this many blocks (a full pipe
 
 def _default_blocks(batch: int, kv_heads: int, pages_per_seq: int, page_size: int
                     ) -> tuple[int, int]:
-    """(block_kv, num_splits): 128-key blocks (64 when the table holds at most 64 keys);
-    num_splits so that batch x
+    """(block_kv, num_splits): `default_block_kv` keys per block; num_splits so that batch x
     kv_heads x num_splits CTAs reach ~TARGET_PROGRAMS (2 per SM of an H100 / H200), each
     split walking >= MIN_BLOCKS_PER_SPLIT blocks of the table."""
-    block_kv = max(64 if pages_per_seq * page_size <= 64 else 128, page_size)
+    block_kv = default_block_kv(pages_per_seq * page_size, page_size)
     n_blocks = cdiv(pages_per_seq * page_size, block_kv)
     splits = min(cdiv(TARGET_PROGRAMS, batch * kv_heads), max(1, n_blocks // MIN_BLOCKS_PER_SPLIT))
     return block_kv, splits
@@ -132,7 +130,8 @@ def paged_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     product (as the Triton kernel). q heads [h * group, (h + 1) * group) use KV head h.
     Stale pool slots (keys at or past a context's length) never reach the output, whatever
     they hold (NaN included).
-    Operands (`mosaic_attention_supports`): head_dim 64 / 128, page_size a power of two in 8..128.
+    Operands (`mosaic_attention_supports`): head_dim 64 / 128, page_size a power of two in
+    8..128, q_heads / kv_heads <= 64.
     block_kv: keys per step, 64 or 128 and a multiple of page_size; num_splits: split-K
     partitions of the table (>= 1); both default from the shapes (`_default_blocks`);
     max_concurrent_steps: K / V blocks in flight (SMEM). impl: "pallas_mosaic" (a Hopper
@@ -148,20 +147,12 @@ def paged_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     check_operands(fn, q, k_pages, v_pages, block_tables, context_lens, None, None)
     batch, q_heads, head_dim = q.shape
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
-    check(fn, mosaic_attention_supports(q.dtype, k_pages.dtype, head_dim, page_size),
-          f"needs q and pages both bf16 or both f16 (got {jnp.dtype(q.dtype)}, "
-          f"{jnp.dtype(k_pages.dtype)}), head_dim in {HEAD_DIMS} (got {head_dim}) and "
-          f"page_size a power of two in 8..128 (got {page_size})")
-    default_kv, default_splits = _default_blocks(batch, kv_heads, block_tables.shape[1], page_size)
-    block_kv = default_kv if block_kv is None else block_kv
-    num_splits = default_splits if num_splits is None else num_splits
-    check(fn, block_kv in BLOCK_KVS and block_kv % page_size == 0,
-          f"block_kv must be one of {BLOCK_KVS} and a multiple of page_size ({page_size}), "
-          f"got {block_kv}")
+    block_kv = check_mosaic_attention(fn, q, k_pages, block_tables, block_kv,
+                                      max_concurrent_steps)
+    if num_splits is None:
+        num_splits = _default_blocks(batch, kv_heads, block_tables.shape[1], page_size)[1]
     check(fn, isinstance(num_splits, int) and num_splits >= 1,
           f"num_splits must be an int >= 1, got {num_splits}")
-    check(fn, isinstance(max_concurrent_steps, int) and 1 <= max_concurrent_steps <= 4,
-          f"max_concurrent_steps must be 1 to 4, got {max_concurrent_steps}")
     group = q_heads // kv_heads
     rows = cdiv(group, ROW_ALIGN) * ROW_ALIGN
     qg = q.reshape(batch, kv_heads, group, head_dim)
