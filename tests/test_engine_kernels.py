@@ -258,10 +258,16 @@ def _lower(fn, *specs, call: str = "xla.gpu.triton") -> str:
 
 def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     """{key: (fn, specs, custom call)} for every distinct kernel call the engine's warm-up
-    shapes make: Triton's, and on Hopper the Mosaic GPU kernels where they take them."""
+    shapes make: Triton's, and on Hopper the Mosaic GPU kernels where they take them.
+
+    Mosaic prefill: the kernel's body depends on block_kv (with dtype, head_dim, GQA group
+    and page size, fixed per model), not on the step's tokens, batch or table width (grid
+    and operand shapes; the tile gather around it is XLA's): it is lowered at the smallest
+    and the largest mixed step of each block_kv (a lowering takes ~0.5 s, and a model has
+    ~50 mixed shapes)."""
     from jaxserve.kernels.pallas.flash_attention import flash_attention
     from jaxserve.kernels.pallas.paged_attention import paged_attention
-    from jaxserve.kernels.pallas.attention_mosaic import mosaic_attention_supports
+    from jaxserve.kernels.pallas.attention_mosaic import default_block_kv, mosaic_attention_supports
     from jaxserve.kernels.pallas.flash_attention_mosaic import flash_attention_mosaic
     from jaxserve.kernels.pallas.paged_attention_mosaic import paged_attention_mosaic
 
@@ -273,6 +279,11 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     calls = {}
     shapes = StepShapes(ecfg, bucket_pages=PallasAttention().pads_pages).warmup()
     mosaic = mosaic_attention_supports(dtype, dtype, Dh, ps, H // K)
+    mixed = sorted((T, B, P) for kind, T, B, P, _ in shapes if kind not in ("sample", "decode"))
+    by_block = {}
+    for T, B, P in mixed:
+        by_block.setdefault(default_block_kv(P * ps, ps), []).append((T, B, P))
+    mosaic_mixed = {s for group in by_block.values() for s in (group[0], group[-1])}
     for kind, T, B, P, _ in shapes:
         if kind == "sample":  # the sampler program calls no kernel
             continue
@@ -289,7 +300,7 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
                      S((B,), i32))
             calls[("mixed", T, B, P)] = (functools.partial(flash_attention, impl="pallas"),
                                          specs, "xla.gpu.triton")
-            if mosaic:
+            if mosaic and (T, B, P) in mosaic_mixed:
                 calls[("mixed-mosaic", T, B, P)] = (
                     functools.partial(flash_attention_mosaic, impl="pallas_mosaic"), specs,
                     "mosaic_gpu")
