@@ -335,7 +335,9 @@ def _configs(smollm2_checkpoint):
             "llama3_8b": (llama.model, llama.engine)}
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.full), "bfloat16"])
+# fast tier: each kernel's own lowering at engine shapes (tests/test_kernel_*), the whole step's
+@pytest.mark.full
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_engine_attention_call_lowers_for_cuda(smollm2_checkpoint, dtype):
     total = mosaic = 0
     for name, (model_cfg, ecfg) in _configs(smollm2_checkpoint).items():

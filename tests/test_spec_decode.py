@@ -701,6 +701,8 @@ def _planned_as_built(llm):
     assert "drafter pool" in plan.table()
 
 
+# fast tier: an EAGLE head (tiny) keeps greedy output; n-gram greedy on the real model
+@pytest.mark.full
 def test_real_model_eagle_head_greedy_is_the_plain_greedy(small_llm, cache_dir):
     """The EAGLE head that ships (configs/smollm2_135m_eagle.py's), loaded through the
     config: token for token the plain greedy output, batched and alone, every page back;
