@@ -56,6 +56,7 @@ def _check(args, clean, **kw):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [
     (9, 3, 64, 16),    # SmolLM2: GQA 3, the Dh=64 specialisation
+    (9, 3, 64, 48),    # 32-key softmax steps across page ends
     (4, 4, 128, 8),    # MHA, the Dh=128 specialisation
     (6, 2, 40, 4),     # the generic head-dim path
 ])
@@ -88,16 +89,19 @@ def test_long_decode_contexts_split_and_stay_batch_invariant():
         np.testing.assert_array_equal(np.asarray(paged_attention(**alone))[0], together[b])
 
 
-@pytest.mark.parametrize("head_dim,pool", [(64, "float32"), (128, "bfloat16")])
-def test_a_row_has_the_same_bits_in_decode_and_in_a_prefill(head_dim, pool):
+@pytest.mark.parametrize("head_dim,pool,page_size", [(64, "float32", 16), (128, "bfloat16", 16),
+                                                    (64, "float32", 48)])
+def test_a_row_has_the_same_bits_in_decode_and_in_a_prefill(head_dim, pool, page_size):
     """A work item of many rows (a prefill block) scores 16 keys at a time from a
     transposed page, one of a few rows (decode: the GQA group) key by key from the page as
     stored; both sum in the same order, so each query row is bit for bit the same alone, in
-    decode, as inside a prefill of 20 rows (any q_block), and causal limits mid-page hold."""
+    decode, as inside a prefill of 20 rows (any q_block), and causal limits mid-page hold.
+    Pages of 48 keys: a 32-key softmax step spans the end of one page and the start of the
+    next (keys 32..63)."""
     rng = np.random.default_rng(SEED + 13)
     ctx, n = 57, 20
     args, clean = _problem(rng, [ctx], [n], heads=6, kv_heads=2, head_dim=head_dim,
-                           page_size=16, pages_per_seq=4)
+                           page_size=page_size, pages_per_seq=4)
     if pool == "bfloat16":
         args = dict(args, **{name: jax.lax.bitcast_convert_type(
             args[name].astype(jnp.bfloat16), jnp.uint16) for name in ("k_pages", "v_pages")})

@@ -16,7 +16,8 @@
 // multiple of 16 keys, items of >= 8 rows (prefill) first transpose each page's K (and
 // widen a bf16 V) into f32 scratch and score 16 keys per FMA (`attend_item_tiled`); every
 // row, transposed or not, sums its scores in the same order, so its bits do not depend on
-// the rows beside it.
+// the rows beside it. That path's online softmax steps over 32 keys (two 16-key tiles) and
+// its p @ V loads each V vector once for up to 4 rows (the GQA group's in decode).
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
@@ -179,7 +180,7 @@ inline void score_keys(float* s, const float* q, const T* k, int64_t n, int64_t 
 struct Scratch {
   std::vector<float> f;
   std::vector<int64_t> limit;
-  std::vector<float> page;  // the tiled path's f32 K^T and V of one page
+  std::vector<float> page;  // the tiled path's f32 K^T and V of one 32-key block
 };
 
 // What both item paths keep: the item's rows (row r = (t - q0) * G + g: query row t, head
@@ -341,93 +342,181 @@ inline void score_transposed(__m512* s, const float* const* q, const float* kt, 
 // 16 keys per FMA instead of one key and a lane sum; fewer rows (decode: the group) do
 // not repay the transpose.
 constexpr int64_t kTransposeRows = 8;
+// Keys per online-softmax step: two 16-key tiles (two 16-token pages, or part of a longer
+// page). A row's max, rescaling of its running output and sum come once per step: per
+// 16-key step they were ~40 instructions beside the 64 FMAs of scores and 64 of p @ V.
+constexpr int64_t kBlockKeys = 32;
+// Rows scored together from K^T (each K^T vector loaded once for them); their p @ V
+// shares each V load (4 rows at head dim 64, 2 + 2 at 128: registers).
+constexpr int kRows = 4;
+
+// acc[i][0 .. DH) = corr[i] * acc[i] + sum_{t < n} p[i * kBlockKeys + t] * v[t] for R rows,
+// v[t] the row t % 16 of tile v[t / 16] ([16, DH]). Each V vector is loaded once for the R
+// rows, their outputs held in registers across the keys; a row's sum runs in key order with
+// one FMA per key whatever R is, so its bits do not depend on the rows beside it (a row
+// whose keys end before n adds p = 0 times a visible key's finite V: + 0).
+template <int DH, int R, typename V>
+inline void accumulate_rows(float* const* acc, const float* corr, const float* p,
+                            const V* const* v, int64_t n) {
+  constexpr int C = DH / 16;
+  __m512 a[R][C];
+  for (int i = 0; i < R; ++i) {
+    const __m512 ci = _mm512_set1_ps(corr[i]);
+    for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16 * c), ci);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const V* vt = v[t / 16] + (t % 16) * DH;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vt + 16 * c);
+    for (int i = 0; i < R; ++i) {
+      const __m512 pt = _mm512_set1_ps(p[i * kBlockKeys + t]);
+      for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(pt, vv[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc[i] + 16 * c, a[i][c]);
+}
+
+// accumulate_rows over a group of nr <= kRows rows, as many at once as registers hold.
+template <int DH, typename V>
+inline void accumulate_group(float* const* acc, const float* corr, const float* p,
+                             const V* const* v, int64_t n, int nr) {
+  constexpr int kMax = DH <= 64 ? 4 : 2;
+  for (int i = 0; i < nr; i += kMax) {
+    const float* pi = p + i * kBlockKeys;
+    switch (std::min(kMax, nr - i)) {
+      case 1: accumulate_rows<DH, 1, V>(acc + i, corr + i, pi, v, n); break;
+      case 2: accumulate_rows<DH, 2, V>(acc + i, corr + i, pi, v, n); break;
+      case 3: accumulate_rows<DH, (kMax >= 3 ? 3 : 1), V>(acc + i, corr + i, pi, v, n); break;
+      default: accumulate_rows<DH, kMax, V>(acc + i, corr + i, pi, v, n); break;
+    }
+  }
+}
+
+// Lanes [0, n) of 16 live (n clamped to [0, 16]).
+inline __mmask16 first_lanes(int64_t n) {
+  return n <= 0 ? 0 : n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u);
+}
 
 template <int DH, typename T>
 bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
-  Item it(p, c, h, DH, scratch, 16);
+  Item it(p, c, h, DH, scratch, kRows * kBlockKeys + kRows);
   if (!it.context_fits()) return false;
   const int64_t rows = it.rows;
   const bool transposed = rows >= kTransposeRows;
-  scratch.page.resize(2 * p.ps * DH);
+  const bool widen = transposed && !std::is_same_v<T, float>;  // V in f32 once for many rows
+  scratch.page.resize(2 * kBlockKeys * DH);
   float *acc = it.acc, *m = it.m, *l = it.l;
-  float* pr = it.extra;             // [16] one row's probabilities over one key block
-  float* kt = scratch.page.data();  // [ps / 16][DH, 16] K^T of the page, f32
-  float* vf = kt + p.ps * DH;       // [ps, DH] V of the page, f32 (bf16 pools)
+  float* pr = it.extra;                   // [kRows, kBlockKeys] a group's probabilities
+  float* corr = pr + kRows * kBlockKeys;  // [kRows] their running outputs' rescaling
+  float* kt = scratch.page.data();        // [2][DH, 16] K^T of the block's tiles, f32
+  float* vf = kt + kBlockKeys * DH;       // [kBlockKeys, DH] V of the block, f32 (widen)
+  const float* vf_tiles[2] = {vf, vf + 16 * DH};
   const int64_t* limit = it.limit;
+  constexpr int64_t kTileBytes = 16 * DH * int64_t{sizeof(T)};
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // The pool rows of the 16-key tile from key `key` (a multiple of 16: pages hold a multiple
+  // of 16 keys, so a tile never spans two), or null for a page id outside [0, N).
+  auto tile = [&](const void* pool, int64_t key) -> const T* {
+    const T* page = it.page_rows<T>(pool, key / p.ps);
+    return page == nullptr ? nullptr : page + (key % p.ps) * DH;
+  };
 
-  const int64_t n_pages = it.num_pages();
-  for (int64_t pi = 0; pi < n_pages; ++pi) {
-    const T* kp = it.page_rows<T>(p.k, pi);
-    const T* vp = it.page_rows<T>(p.v, pi);
-    if (kp == nullptr) return false;
-    const int64_t first = pi * p.ps;
-    const int64_t used = std::min<int64_t>(it.max_limit - first, p.ps);  // keys any row sees
-    // The next page's K and V into L2 while this one is transposed, a cache line per
-    // loaded row (all at once at the page's start, they came too late: the 32-row decode
-    // step's attention took 1.5x).
-    const char* kn = it.next_page_bytes<T>(p.k, pi);
-    const char* vn = it.next_page_bytes<T>(p.v, pi);
-    const int64_t page_bytes = p.ps * DH * int64_t{sizeof(T)};
-    int64_t fetched = 0;
-    // K^T per 16-key block (rows past `used` are transposed too: never read unmasked)
-    for (int64_t kb = 0; transposed && kb * 16 < used; ++kb)
+  const int64_t n_keys = it.max_limit;  // keys any row sees
+  for (int64_t key0 = 0; key0 < n_keys; key0 += kBlockKeys) {
+    const int64_t used = std::min(n_keys - key0, kBlockKeys);
+    const int tiles = used > 16 ? 2 : 1;
+    const T* kp[2] = {nullptr, nullptr};
+    const T* vp[2] = {nullptr, nullptr};
+    for (int j = 0; j < tiles; ++j) {
+      kp[j] = tile(p.k, key0 + 16 * j);
+      vp[j] = tile(p.v, key0 + 16 * j);
+      if (kp[j] == nullptr) return false;
+    }
+    // The next block's K and V tiles into L2 while this one is transposed, a cache line of
+    // each per loaded row (pages lie anywhere in the pool: no hardware prefetcher sees them
+    // coming; all at once at the page's start they came too late: the 32-row decode step's
+    // attention took 1.5x). Decode items (no transpose) issue them all here.
+    const char* next[4];
+    int n_next = 0;
+    for (int64_t key = key0 + kBlockKeys; key < std::min(n_keys, key0 + 2 * kBlockKeys);
+         key += 16) {
+      const T* kn = tile(p.k, key);
+      if (kn == nullptr) break;  // a bad page id: reported when its block comes
+      next[n_next++] = reinterpret_cast<const char*>(kn);
+      next[n_next++] = reinterpret_cast<const char*>(tile(p.v, key));
+    }
+    int64_t fetched = 0;  // bytes of each next tile prefetched
+    auto prefetch_line = [&] {
+      for (int i = 0; i < n_next; ++i) __builtin_prefetch(next[i] + fetched, 0, 2);
+      fetched += 64;
+    };
+    // K^T per tile (rows past `used` are transposed too: never read unmasked)
+    for (int j = 0; transposed && j < tiles; ++j)
       for (int cc = 0; cc < DH / 16; ++cc) {
         __m512 r16[16];
         for (int t = 0; t < 16; ++t) {
-          r16[t] = load16(kp + (kb * 16 + t) * DH + cc * 16);
-          if (kn != nullptr && fetched < page_bytes) {
-            __builtin_prefetch(kn + fetched, 0, 2);
-            __builtin_prefetch(vn + fetched, 0, 2);
-            fetched += 64;
-          }
+          r16[t] = load16(kp[j] + t * DH + cc * 16);
+          if (fetched < kTileBytes) prefetch_line();
         }
         transpose16(r16);
         for (int d = 0; d < 16; ++d)
-          _mm512_storeu_ps(kt + kb * 16 * DH + (cc * 16 + d) * 16, r16[d]);
+          _mm512_storeu_ps(kt + j * 16 * DH + (cc * 16 + d) * 16, r16[d]);
       }
-    for (; kn != nullptr && fetched < page_bytes; fetched += 64) {  // a partial last page
-      __builtin_prefetch(kn + fetched, 0, 2);
-      __builtin_prefetch(vn + fetched, 0, 2);
-    }
-    // V in f32 once for many rows (a bf16 pool); a few rows widen it as they read it
-    const bool widen = transposed && !std::is_same_v<T, float>;
+    while (n_next > 0 && fetched < kTileBytes) prefetch_line();
     if (widen)
       for (int64_t t = 0; t < used; ++t)
         for (int cc = 0; cc < DH / 16; ++cc)
-          _mm512_storeu_ps(vf + t * DH + cc * 16, load16(vp + t * DH + cc * 16));
-    constexpr int kRows = 4;  // rows per score_transposed call
-    for (int64_t kb = 0; kb * 16 < used; ++kb) {
-      const int64_t key0 = first + kb * 16;
-      __m512 tile[kRows];
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min<int64_t>(limit[r] - key0, 16);
-        const int64_t i = r % kRows;
-        if (transposed && i == 0) {
-          const int64_t nr = std::min<int64_t>(kRows, rows - r);
-          const float* qs[kRows];
-          for (int64_t u = 0; u < kRows; ++u) qs[u] = it.q_row(r + std::min(u, nr - 1));
-          if (nr == kRows) score_transposed<DH, kRows>(tile, qs, kt + kb * 16 * DH, p.scale);
-          else for (int64_t u = 0; u < nr; ++u)
-            score_transposed<DH, 1>(tile + u, qs + u, kt + kb * 16 * DH, p.scale);
+          _mm512_storeu_ps(vf + t * DH + cc * 16, load16(vp[t / 16] + (t % 16) * DH + cc * 16));
+
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+      __m512 st[2][kRows];  // the group's scores over the two tiles (transposed)
+      if (transposed) {
+        const float* qs[kRows];
+        for (int u = 0; u < kRows; ++u) qs[u] = it.q_row(r0 + std::min(u, nr - 1));
+        for (int j = 0; j < 2; ++j) {
+          const float* ktj = kt + j * 16 * DH;
+          if (j == tiles) for (int u = 0; u < kRows; ++u) st[j][u] = ninf;
+          else if (nr == kRows) score_transposed<DH, kRows>(st[j], qs, ktj, p.scale);
+          else for (int u = 0; u < nr; ++u) score_transposed<DH, 1>(st[j] + u, qs + u, ktj, p.scale);
         }
-        if (n <= 0) continue;
-        const __m512 s = transposed ? tile[i]
-                                    : score_direct<DH, T>(it.q_row(r), kp + kb * 16 * DH, n,
-                                                          p.scale);
-        const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
-        const float mx = std::max(m[r], _mm512_mask_reduce_max_ps(live, s));
+      }
+      int64_t n_group = 0;  // keys any row of the group sees in this block
+      for (int u = 0; u < nr; ++u) {
+        const int64_t r = r0 + u;
+        const int64_t n = std::min(limit[r] - key0, kBlockKeys);
+        float* pu = pr + u * kBlockKeys;
+        if (n <= 0) {  // no key of this block: output unchanged (p = 0, corr = 1)
+          corr[u] = 1.0f;
+          std::fill(pu, pu + kBlockKeys, 0.0f);
+          continue;
+        }
+        n_group = std::max(n_group, n);
+        const __m512 s0 = transposed ? st[0][u]
+                                     : score_direct<DH, T>(it.q_row(r), kp[0], std::min<int64_t>(n, 16), p.scale);
+        const __m512 s1 = transposed ? st[1][u]
+                          : n > 16 ? score_direct<DH, T>(it.q_row(r), kp[1], n - 16, p.scale)
+                                   : ninf;
+        const __mmask16 live0 = first_lanes(n), live1 = first_lanes(n - 16);
+        const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(
+            _mm512_mask_mov_ps(ninf, live0, s0), _mm512_mask_mov_ps(ninf, live1, s1))));
         // no new maximum: no rescaling (exp(0) is exactly 1: the same bits); on the row's
-        // first key block acc and l are 0, whatever corr
-        const float corr = mx == m[r] ? 1.0f : exp_nonpositive(m[r] - mx);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-        _mm512_storeu_ps(pr, e);
-        if (widen)
-          accumulate_values<DH, float>(acc + r * DH, corr, pr, vf + kb * 16 * DH, n, DH);
-        else
-          accumulate_values<DH, T>(acc + r * DH, corr, pr, vp + kb * 16 * DH, n, DH);
-        l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
+        // first block acc and l are 0, whatever corr
+        corr[u] = mx == m[r] ? 1.0f : exp_nonpositive(m[r] - mx);
+        const __m512 vmx = _mm512_set1_ps(mx);
+        const __m512 e0 = _mm512_maskz_mov_ps(live0, exp16(_mm512_sub_ps(s0, vmx)));
+        const __m512 e1 = _mm512_maskz_mov_ps(live1, exp16(_mm512_sub_ps(s1, vmx)));
+        _mm512_storeu_ps(pu, e0);
+        _mm512_storeu_ps(pu + 16, e1);
+        l[r] = l[r] * corr[u] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
         m[r] = mx;
       }
+      if (n_group == 0) continue;
+      float* accs[kRows];
+      for (int u = 0; u < nr; ++u) accs[u] = acc + (r0 + u) * DH;
+      if (widen) accumulate_group<DH, float>(accs, corr, pr, vf_tiles, n_group, nr);
+      else accumulate_group<DH, T>(accs, corr, pr, vp, n_group, nr);
     }
   }
   it.finish();
