@@ -479,7 +479,9 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
           const float* ktj = kt + j * 16 * DH;
           if (j == tiles) for (int u = 0; u < kRows; ++u) st[j][u] = ninf;
           else if (nr == kRows) score_transposed<DH, kRows>(st[j], qs, ktj, p.scale);
-          else for (int u = 0; u < nr; ++u) score_transposed<DH, 1>(st[j] + u, qs + u, ktj, p.scale);
+          else
+            for (int u = 0; u < nr; ++u)
+              score_transposed<DH, 1>(st[j] + u, qs + u, ktj, p.scale);
         }
       }
       int64_t n_group = 0;  // keys any row of the group sees in this block
@@ -494,7 +496,8 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
         }
         n_group = std::max(n_group, n);
         const __m512 s0 = transposed ? st[0][u]
-                                     : score_direct<DH, T>(it.q_row(r), kp[0], std::min<int64_t>(n, 16), p.scale);
+                                     : score_direct<DH, T>(it.q_row(r), kp[0],
+                                                           std::min<int64_t>(n, 16), p.scale);
         const __m512 s1 = transposed ? st[1][u]
                           : n > 16 ? score_direct<DH, T>(it.q_row(r), kp[1], n - 16, p.scale)
                                    : ninf;
