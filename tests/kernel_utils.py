@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def shuffled_pool(rng, ctx_lens, *, kv_heads, head_dim, page_size, pages_per_seq, spare_pages=3,
@@ -54,3 +55,11 @@ def ragged_prefill_case(rng, seqs, *, total, q_heads, kv_heads, head_dim, page_s
     return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
             jnp.asarray(tables, jnp.int32), jnp.asarray(cu, jnp.int32),
             jnp.asarray(kv_lens, jnp.int32))
+
+
+def bf16_and_f16_cases(names, f16_names) -> list:
+    """pytest params (name, dtype) for a Mosaic kernel test: every case in bf16, and the
+    few `f16_names` again in f16 (the same code with another element type); ids
+    "NAME-bf16" / "NAME-f16"."""
+    return ([pytest.param(n, jnp.bfloat16, id=f"{n}-bf16") for n in names]
+            + [pytest.param(n, jnp.float16, id=f"{n}-f16") for n in f16_names])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_utils import ragged_prefill_case
+from kernel_utils import bf16_and_f16_cases, ragged_prefill_case
 from jaxserve.kernels.pallas.flash_attention import flash_attention_reference
 from jaxserve.kernels.pallas.flash_attention_mosaic import flash_attention_mosaic
 
@@ -64,9 +64,7 @@ CASES = {
 F16_CASES = ("cached-prefix-gqa3", "many-kv-blocks-gqa4-d128")
 
 
-@pytest.mark.parametrize("name,dtype", [(n, jnp.bfloat16) for n in CASES]
-                         + [(n, jnp.float16) for n in F16_CASES],
-                         ids=[f"{n}-bf16" for n in CASES] + [f"{n}-f16" for n in F16_CASES])
+@pytest.mark.parametrize("name,dtype", bf16_and_f16_cases(CASES, F16_CASES))
 def test_kernel_matches_reference(name, dtype, mosaic_impl):
     seqs, total, hq, hkv, d, ps, pps, block_kv = CASES[name]
     args = ragged_prefill_case(np.random.default_rng(SEED), seqs, total=total, q_heads=hq,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_utils import shuffled_pool
+from kernel_utils import bf16_and_f16_cases, shuffled_pool
 from jaxserve.kernels.pallas.attention_mosaic import mosaic_attention_supports as mosaic_supports
 from jaxserve.kernels.pallas.paged_attention import paged_attention_reference
 from jaxserve.kernels.pallas.paged_attention_mosaic import _default_blocks, paged_attention_mosaic
@@ -76,9 +76,7 @@ CASES = {
 F16_CASES = ("ctx-short-gqa3", "block-boundaries-gqa4-d128")
 
 
-@pytest.mark.parametrize("name,dtype", [(n, jnp.bfloat16) for n in CASES]
-                         + [(n, jnp.float16) for n in F16_CASES],
-                         ids=[f"{n}-bf16" for n in CASES] + [f"{n}-f16" for n in F16_CASES])
+@pytest.mark.parametrize("name,dtype", bf16_and_f16_cases(CASES, F16_CASES))
 def test_kernel_matches_reference(name, dtype, mosaic_impl):
     ctx, hq, hkv, d, ps, pps, block_kv, splits = CASES[name]
     args = _case(np.random.default_rng(SEED), ctx, q_heads=hq, kv_heads=hkv, head_dim=d,

@@ -15,8 +15,8 @@ from jaxserve.config.validation import ConfigError
 # bf16 weight copies of bf16_matmul_min_rows.
 # The quantised matmul and attention (decode and prefill) also have Mosaic GPU kernels for
 # Hopper (sm_90: TMA + wgmma): "pallas_mosaic" (falling back to the Triton kernels for shapes
-# and dtypes they do not take) and
-# "pallas_mosaic_interpret" (Mosaic GPU interpret mode on CPU: tests).
+# and dtypes they do not take) and "pallas_mosaic_interpret" (Mosaic GPU interpret mode on
+# CPU: tests).
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
 MOSAIC_KERNEL_IMPLS = ("pallas_mosaic", "pallas_mosaic_interpret")
 ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",) + MOSAIC_KERNEL_IMPLS
@@ -59,9 +59,7 @@ def resolve_attention_impl(impl: str, platform: str, compute_capability: str | N
         return impl
     if platform == "cpu":
         return "cpu"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "pallas_mosaic" if is_hopper(compute_capability) else "pallas"
-    return "xla"
+    return resolve_impl(impl, platform, compute_capability)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +76,14 @@ class KernelConfig:
     shapes, the Triton kernels otherwise) (see ATTENTION_KERNEL_IMPLS)."""
     matmul_impl: str = dataclasses.field(default="auto", metadata={"choices": MATMUL_IMPLS})
     """The matmul kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; on CPU
-    "cpu" when bf16_matmul_min_rows is set or the model is bfloat16 (then bf16_matmul_min_rows resolves to 1: its weights
-    packed for the C++ kernel as they are,
+    "cpu" when bf16_matmul_min_rows is set or the model is bfloat16 (then
+    bf16_matmul_min_rows resolves to 1: its weights packed for the C++ kernel as they are,
     jaxserve.worker.kernel_selection.resolve_kernel_config); xla otherwise), "xla",
     "pallas", "pallas_interpret" (the quantised projections of weight_quant, Triton),
     "pallas_mosaic", "pallas_mosaic_interpret" (the same in the Mosaic GPU kernel for
-    Hopper, the Triton one for shapes it does not take), "cpu" (the
-    bf16 weight copies of bf16_matmul_min_rows in the C++ kernel of jaxserve/kernels/cpu/,
-    AVX512-BF16 where the CPU has it)."""
+    Hopper, the Triton one for shapes it does not take), "cpu" (the bf16 weight copies of
+    bf16_matmul_min_rows in the C++ kernel of jaxserve/kernels/cpu/, AVX512-BF16 where the
+    CPU has it)."""
     sampling_impl: str = dataclasses.field(default="auto", metadata={"choices": SAMPLING_IMPLS})
     """What computes each row's argmax and log-sum-exp over the vocabulary for the sampler
     (greedy tokens, logprobs): "auto" ("cpu" on one CPU device, xla otherwise), "xla",

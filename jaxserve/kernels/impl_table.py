@@ -1,5 +1,5 @@
 """Turning an implementation name into the backend object it stands for: one lookup that
-the attention, matmul and sampler backends share."""
+the attention, matmul and sampler backends share, and the names of the Pallas backends."""
 
 from __future__ import annotations
 
@@ -15,3 +15,9 @@ def lookup(table: Mapping[str, Any], impl: Any, base: type, what: str) -> Any:
         return table[impl]
     except (KeyError, TypeError):
         raise ValueError(f"{what} must be one of {tuple(table)}, got {impl!r}") from None
+
+
+def pallas_impl(mosaic: bool, interpret: bool) -> str:
+    """The impl name of a Pallas backend: "pallas" (Triton) or "pallas_mosaic" (Mosaic GPU),
+    with "_interpret" for the backend's interpret mode."""
+    return ("pallas_mosaic" if mosaic else "pallas") + ("_interpret" if interpret else "")

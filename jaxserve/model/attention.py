@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.impl_table import lookup
+from jaxserve.kernels.impl_table import lookup, pallas_impl
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.kernels.common import (MASK_VALUE, cdiv, finish_softmax, kv_values,
                                      query_sequence, softmax_block)
@@ -171,8 +171,7 @@ class PallasAttention(Attention):
 
     @property
     def name(self) -> str:
-        base = "pallas_mosaic" if self.mosaic else "pallas"
-        return base + ("_interpret" if self.interpret else "")
+        return pallas_impl(self.mosaic, self.interpret)
 
     def _attend(self, q, k_pages, v_pages, meta, layout):
         k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
@@ -182,8 +181,8 @@ class PallasAttention(Attention):
             if mosaic_attention_supports(q.dtype, k_pages.dtype, head_dim, page_size,
                                          q.shape[1] // kv_heads):
                 return _attention_mosaic(q, k_pages, v_pages, meta, self.name)
-        triton = "pallas_interpret" if self.interpret else "pallas"
-        return _paged_attention_pallas(q, k_pages, v_pages, meta, triton)
+        return _paged_attention_pallas(q, k_pages, v_pages, meta,
+                                       pallas_impl(False, self.interpret))
 
 
 _ATTENTIONS = {"xla": XlaAttention(), "cpu": CpuAttention(), "pallas": PallasAttention(),

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS, ConfigError
 from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
-from jaxserve.kernels.impl_table import lookup
+from jaxserve.kernels.impl_table import lookup, pallas_impl
 from jaxserve.pytree import pytree_dataclass
 
 # The LayerParams fields that are projections, with how many leading axes are inputs.
@@ -413,7 +413,7 @@ class PallasMatmul(Matmul):
 
     @property
     def name(self) -> str:
-        return ("pallas_mosaic" if self.mosaic else "pallas") + ("_interpret" if self.interpret else "")
+        return pallas_impl(self.mosaic, self.interpret)
 
     def _quantized(self, x2, w2, scales):
         from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul
@@ -423,8 +423,7 @@ class PallasMatmul(Matmul):
             (k, n), group = w2.shape, None if scales.ndim == 1 else w2.shape[0] // scales.shape[0]
             if mosaic_supports(x2.dtype, w2.dtype, k, n, group):
                 return quantized_matmul_mosaic(x2, w2, scales, impl=self.name)
-        return quantized_matmul(x2, w2, scales,
-                                impl="pallas_interpret" if self.interpret else "pallas")
+        return quantized_matmul(x2, w2, scales, impl=pallas_impl(False, self.interpret))
 
 
 _MATMULS = {"xla": XlaMatmul(), "cpu": CpuMatmul(), "pallas": PallasMatmul(),
