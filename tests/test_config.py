@@ -149,6 +149,7 @@ MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     "--async-scheduling", "--no-async-scheduling", "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
     "--cpu-kv-cache-space",  # added with the memory check (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    "--quantization", "-q",  # added with GGUF blocks served as they are (vLLM's)
 }
 SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",

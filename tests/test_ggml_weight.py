@@ -30,7 +30,7 @@ def test_random_blocks_dequantise_as_llama_cpp(fmt):
     x[5] = 0.0
     raw = gguf.quants.quantize(x, QTYPES[fmt])
     w = from_gguf_bytes(raw, fmt)
-    assert w.shape == (48, 256) and w.nbytes == raw.nbytes
+    assert w.matrix_shape == (48, 256) and w.nbytes == raw.nbytes
     got = jax.jit(dequantize)(jax.tree.map(jax.numpy.asarray, w))
     want = gguf.quants.dequantize(raw, QTYPES[fmt])
     np.testing.assert_array_equal(_bits(got), _bits(want))
@@ -62,7 +62,7 @@ def test_every_quantised_tensor_of_the_real_model_dequantises_as_llama_cpp(smoll
         if fmt is None:
             continue
         w = from_gguf_bytes(t.data, fmt)
-        assert w.shape == (int(t.shape[1]), int(t.shape[0])), t.name  # GGUF lists [in, out]
+        assert w.matrix_shape == (int(t.shape[1]), int(t.shape[0])), t.name  # GGUF lists [in, out]
         want = gguf.quants.dequantize(t.data, t.tensor_type)
         np.testing.assert_array_equal(_bits(deq(jax.tree.map(jax.numpy.asarray, w))), _bits(want),
                                       err_msg=t.name)

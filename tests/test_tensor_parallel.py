@@ -56,6 +56,18 @@ def test_tiny_model_tp2_tp4_and_pipeline_stages_match_tp1(variant, cache_dir):
         assert r["diff"][mesh] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
 
 
+@pytest.mark.full  # fast tier: the GGUF blocks on one device (test_gguf_serving.py)
+def test_gguf_block_weights_split_over_devices_in_whole_blocks(cache_dir):
+    """Every projection, the embedding and the LM head in GGUF blocks (each format): rows
+    of column-parallel weights and whole 32-wide blocks of row-parallel ones (wo, w_down)
+    per device, the vocab-parallel lookup and head over block rows; TP 2 / 4 and TP 2 x
+    PP 2 give TP 1's logits."""
+    r = tp_check("tiny-gguf", "xla", "2,4,2x2,2x2m4", cache_dir)
+    for mesh in ("2", "4", "2x2", "2x2m4"):
+        assert {"embed", "layers.0.wq", "layers.0.wo", "layers.0.w_down"} <= set(r["sharded"][mesh])
+        assert r["diff"][mesh] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
+
+
 @pytest.mark.full  # fast tier: the real model under TP 3 (test_real_model_cpp_kernels_per_device_under_tp3)
 @pytest.mark.parametrize("variant", ["xla", "cpu"])
 def test_fewer_kv_heads_than_devices_are_repeated(variant, cache_dir):

@@ -12,7 +12,8 @@ the same way.
 
     python tests/tp_check.py SRC VARIANT TPS CACHE_DIR [REFERENCE]
     SRC: "tiny" (random weights, every axis divisible by 4), "tiny-gqa" (8 query / 2 KV
-    heads: at TP 4 each KV head repeated over 2 devices) or a jaxserve checkpoint
+    heads: at TP 4 each KV head repeated over 2 devices), "tiny-gguf" (tiny's shape, its
+    matrices in GGUF blocks of every format, untied head) or a jaxserve checkpoint
     VARIANT: xla | cpu (C++ attention and packed bf16 matmuls) | int8 (quantised weights,
     XLA) | pallas (Pallas attention and int8 matmul, interpret mode); TPS: e.g. 1,2,4,2x2
 """
@@ -102,11 +103,15 @@ def sharded_weights(params) -> list[str]:
 def main():
     src, variant, tps, cache_dir = sys.argv[1:5]
     reference = sys.argv[5] if len(sys.argv) > 5 else variant
-    if src in ("tiny", "tiny-gqa"):
+    if src in ("tiny", "tiny-gqa", "tiny-gguf"):
         from jaxserve.config import ModelConfig
+        formats = (("embed", "q8_0"), ("lm_head", "q8_0"), ("wq", "q4_1"), ("wk", "q4_0"),
+                   ("wv", "q8_0"), ("wo", "q4_1"), ("w_gate", "q4_1"), ("w_up", "q4_0"),
+                   ("w_down", "q4_1"))
         cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
-                          num_heads=8, num_kv_heads=4 if src == "tiny" else 2, head_dim=16,
-                          attention_bias=True)
+                          num_heads=8, num_kv_heads=2 if src == "tiny-gqa" else 4, head_dim=16,
+                          attention_bias=True,
+                          weight_formats=formats if src == "tiny-gguf" else ())
         host = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0), scale=0.2))
     else:
         from jaxserve.checkpoint import load_model_config, load_params

@@ -12,6 +12,7 @@ mapping, not the whole tree (SmolLM2-135M f32: ~0.5 GB of weights, groups of <= 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -27,11 +28,14 @@ from jaxserve.checkpoint.gguf import GGUFSource
 from jaxserve.checkpoint.hf import HFSource
 from jaxserve.checkpoint.store import write_checkpoint
 from jaxserve.config import ModelConfig
-from jaxserve.model.params import LayerParams
+from jaxserve.model.ggml_weight import GGMLWeight
+from jaxserve.model.params import LayerParams, param_specs
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
+# what `convert(quantization=)` takes: None (floats) or "gguf" (a GGUF file's blocks kept)
+CONVERT_QUANTIZATIONS = (None, "gguf")
 # Tensors a source may hold that conversion consumes elsewhere or that carry nothing.
 _NOT_WEIGHTS = {"rope_freqs.weight"}
 
@@ -87,13 +91,54 @@ def convert_tensor(source: TensorSource, t: PlannedTensor, dtype: np.dtype) -> n
     return np.ascontiguousarray(t.transform.apply(x, t.shape), dtype=dtype)
 
 
+def _weight_name(t: PlannedTensor) -> tuple[str, int | None]:
+    """(ModelConfig.weight_format's name, layer) of a planned tensor."""
+    return (t.path[2], t.path[1]) if t.path[0] == "layers" else (t.path[0], None)
+
+
+def gguf_weight_formats(source: GGUFSource, plan: list[PlannedTensor]) -> tuple[tuple[str, str], ...]:
+    """ModelConfig.weight_formats for serving a GGUF file's block-quantised weights in
+    their blocks: every planned matrix (embedding, LM head, projections) whose tensor is
+    Q4_0 / Q4_1 / Q8_0 (source.block_format); a projection once for all layers when every
+    layer's has the same format, else per layer. Other types (F32, F16, K-quants) stay
+    floats."""
+    layers = {t.path[1] for t in plan if t.path[0] == "layers"}
+    found: dict[str, dict[int | None, str]] = {}
+    for t in plan:
+        name, layer = _weight_name(t)
+        if len(t.shape) > 1 and (fmt := source.block_format(t.hf_name)) is not None:
+            found.setdefault(name, {})[layer] = fmt
+    out = []
+    for name, per_layer in found.items():
+        if None in per_layer:  # embed / lm_head
+            out.append((name, per_layer[None]))
+        elif set(per_layer) == layers and len(set(per_layer.values())) == 1:
+            out.append((name, per_layer[min(layers)]))
+        else:
+            out += [(f"layers.{i}.{name}", f) for i, f in sorted(per_layer.items())]
+    return tuple(out)
+
+
 def convert_group(source: TensorSource, group: ParamGroup, plan: list[PlannedTensor],
-                  dtype: np.dtype, on_tensor: Callable[[], Any] = lambda: None) -> Any:
+                  dtype: np.dtype, on_tensor: Callable[[], Any] = lambda: None,
+                  cfg: ModelConfig | None = None) -> Any:
     """The subtree of `group` (as `ParamGroup.subtree` lays it out) converted from `source`
     tensor by tensor with `convert_tensor`, calling `on_tensor()` after each. plan: the
-    validated `tensor_plan(cfg)`. Raises CheckpointError for an unreadable tensor."""
-    def one(t: PlannedTensor) -> np.ndarray:
-        x = convert_tensor(source, t, dtype)
+    validated `tensor_plan(cfg)`. cfg: the ModelConfig written, whose weight_formats name
+    the weights kept in their GGUF blocks (GGMLWeight leaves as param_specs(cfg) lays them
+    out; `source` a GGUFSource); None: all floats. Raises CheckpointError for an
+    unreadable tensor."""
+    specs = param_specs(cfg) if cfg is not None and cfg.weight_formats else None
+
+    def one(t: PlannedTensor) -> Any:
+        spec = specs
+        for k in t.path if specs is not None else ():
+            spec = spec[k] if isinstance(k, int) else getattr(spec, k)
+        if isinstance(spec, GGMLWeight):  # stored as in the file: no transform, no cast
+            w = source.read_blocks(t.hf_name)
+            x = dataclasses.replace(w, logical_shape=spec.logical_shape)
+        else:
+            x = convert_tensor(source, t, dtype)
         on_tensor()
         return x
 
@@ -113,26 +158,38 @@ def _warn_unused(source: TensorSource, plan: list[PlannedTensor]) -> None:
 
 
 def convert(src: str | Path, out: str | Path, dtype: str | None = None,
-            progress: bool = True) -> Path:
+            progress: bool = True, quantization: str | None = None) -> Path:
     """Convert an HF model directory or GGUF file `src` into a checkpoint at `out`.
 
     dtype: "float32" / "bfloat16", or None for the source's own (bf16 HF stays bf16;
-    quantised GGUF becomes float32). Every tensor is validated first; then the params are
+    quantised GGUF becomes float32). quantization: None (every weight dequantised to
+    `dtype`) or "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks:
+    gguf_weight_formats; norms and other types in `dtype`; q / k rows un-permuted as
+    whole rows). Every tensor is validated first; then the params are
     converted and saved one group at a time (`write_checkpoint`), with a tqdm bar of
     tensors unless `progress` is False. Returns the checkpoint path. Raises CheckpointError
     (one line naming the architecture / tensor / file) for anything wrong with the source;
     OSError if `out` cannot be written.
     """
+    if quantization not in CONVERT_QUANTIZATIONS:
+        raise CheckpointError(f"quantization must be one of {CONVERT_QUANTIZATIONS}, got "
+                              f"{quantization!r}")
     source = open_source(src)
     cfg = source.model_config(dtype)
-    log.info("converting %s (%s, %d layers, %s) -> %s", source.path, cfg.family, cfg.num_layers,
-             cfg.dtype, out)
     plan = tensor_plan(cfg)
     validate(source, plan)
+    if quantization == "gguf":
+        if not isinstance(source, GGUFSource):
+            raise CheckpointError(f"quantization 'gguf' serves a GGUF file's own blocks; {src} "
+                                  "is a Hugging Face directory")
+        cfg = cfg.replace(weight_formats=gguf_weight_formats(source, plan))
+    log.info("converting %s (%s, %d layers, %s%s) -> %s", source.path, cfg.family,
+             cfg.num_layers, cfg.dtype, ", GGUF blocks kept" if cfg.weight_formats else "", out)
     _warn_unused(source, plan)
     tokenizer_json, tokenizer_config = source.tokenizer()
     info = {**source.source_info(), "native_dtype": source.native_dtype}
     np_dtype = jnp.dtype(cfg.dtype)
     with tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress) as bar:
-        return write_checkpoint(out, cfg, lambda g: convert_group(source, g, plan, np_dtype, bar.update),
+        return write_checkpoint(out, cfg, lambda g: convert_group(source, g, plan, np_dtype,
+                                                                  bar.update, cfg),
                                 tokenizer_json, tokenizer_config, info)

@@ -109,7 +109,8 @@ class PlannedTensor:
 
 def tensor_plan(cfg: ModelConfig) -> list[PlannedTensor]:
     """Every leaf of `param_specs(cfg)` (None leaves skipped, so a tied model has no
-    lm_head) with the HF tensor it is converted from, in Params flattening order.
+    lm_head) with the HF tensor it is converted from, in Params flattening order; a
+    block-quantised weight (cfg.weight_formats) is one entry, planned as its float form.
 
     Raises CheckpointError for an unknown `cfg.family`.
     """
@@ -118,7 +119,8 @@ def tensor_plan(cfg: ModelConfig) -> list[PlannedTensor]:
         raise CheckpointError(f"unsupported model family {cfg.family!r}; supported: {sorted(FAMILIES)}")
     plan = []
     for keypath, spec in jax.tree_util.tree_flatten_with_path(
-            param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))[0]:
+            param_specs(cfg.replace(weight_formats=())),
+            is_leaf=lambda x: isinstance(x, ParamSpec))[0]:
         path = tuple(getattr(k, "name", getattr(k, "idx", None)) for k in keypath)
         if path[0] == "layers":
             name, transform = family.layer_tensors[path[2]]

@@ -21,6 +21,7 @@ from jaxserve.checkpoint.errors import CheckpointError
 from jaxserve.checkpoint.families import LLAMA, QWEN2
 from jaxserve.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
 from jaxserve.config import ConfigError, ModelConfig, RopeScaling
+from jaxserve.model.ggml_weight import GGUF_TYPES, GGMLWeight, from_gguf_bytes
 from jaxserve.model.layers import rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,36 @@ class GGUFSource:
             key = "attention.head_count" if ".attn_q." in gname else "attention.head_count_kv"
             x = reverse_permute(x, int(self._meta(key)))
         return x
+
+    def block_format(self, name: str) -> str | None:
+        """The GGML block format (jaxserve.model.ggml_weight.GGUF_TYPES: "q4_0", "q4_1",
+        "q8_0") HF tensor `name` is stored in, or None for any other type (F32, F16,
+        BF16, K-quants: read as floats)."""
+        t = self._tensors[self._gguf_name(name)]
+        return GGUF_TYPES.get(gguf.GGMLQuantizationType(t.tensor_type).name)
+
+    def read_blocks(self, name: str) -> GGMLWeight:
+        """HF tensor `name` [out, in] in its own blocks (GGMLWeight of numpy arrays, rows
+        output features as stored), q/k rows un-permuted as `read` does (whole rows move:
+        the blocks are unchanged). Raises CheckpointError if it is not in a block format
+        (block_format None) or its bytes do not split into blocks."""
+        gname = self._gguf_name(name)
+        t = self._tensors[gname]
+        fmt = self.block_format(name)
+        if fmt is None:
+            raise CheckpointError(f"{self.path}: tensor {gname} is "
+                                  f"{gguf.GGMLQuantizationType(t.tensor_type).name}, not one of "
+                                  f"the block formats {sorted(GGUF_TYPES)}")
+        try:
+            w = from_gguf_bytes(np.asarray(t.data).reshape(int(t.shape[-1]), -1), fmt)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: cannot split tensor {gname} into blocks ({e})") from None
+        if self.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
+            key = "attention.head_count" if ".attn_q." in gname else "attention.head_count_kv"
+            heads = int(self._meta(key))
+            w = GGMLWeight(**{f: None if a is None else reverse_permute(a, heads)
+                              for f, a in (("qs", w.qs), ("d", w.d), ("m", w.m))}, fmt=fmt)
+        return w
 
     def tokenizer(self) -> tuple[str, dict[str, Any]]:
         """(tokenizer.json text, tokenizer_config dict) built from the GGUF vocabulary; see

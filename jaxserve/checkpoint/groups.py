@@ -18,10 +18,9 @@ import math
 from typing import Any, Iterable
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.params import LayerParams, Params, ParamSpec, param_specs
+from jaxserve.model.params import LayerParams, Params, ParamSpec, param_specs, spec_dtype
 
 # Target size of one layer group in bytes (in the checkpoint dtype). Large enough that
 # orbax's per-item overhead (~10s of ms) is paid a few times, small enough that a group is
@@ -59,10 +58,10 @@ class ParamGroup:
 
 
 def layer_bytes(cfg: ModelConfig) -> int:
-    """Bytes of one layer's weights in `cfg.dtype`."""
+    """Bytes of one layer's weights as stored (`cfg.dtype`, or their blocks)."""
     layer = param_specs(cfg).layers[0]
     leaves = jax.tree.leaves(layer, is_leaf=lambda x: isinstance(x, ParamSpec))
-    return sum(math.prod(s.shape) for s in leaves) * jnp.dtype(cfg.dtype).itemsize
+    return sum(math.prod(s.shape) * spec_dtype(s, cfg).itemsize for s in leaves)
 
 
 def param_groups(cfg: ModelConfig, group_bytes: int | None = None) -> list[ParamGroup]:

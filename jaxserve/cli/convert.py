@@ -1,9 +1,11 @@
 """`jaxserve convert`: an HF model directory or a GGUF file into a jaxserve checkpoint.
 
-    jaxserve convert SRC OUT [--dtype float32|bfloat16]
+    jaxserve convert SRC OUT [--dtype float32|bfloat16] [--quantization gguf]
 
 SRC: an HF directory (config.json, *.safetensors, tokenizer.json) or a .gguf file.
 OUT: the checkpoint directory to write (an existing checkpoint there is replaced).
+--quantization gguf keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices in their blocks
+(served as they are: `jaxserve serve --model OUT`); otherwise they are dequantised.
 Exits 1 with a one-line error if the source cannot be converted.
 """
 
@@ -21,6 +23,8 @@ def main(argv=None, prog: str = "jaxserve convert") -> int:
     ap.add_argument("out", help="checkpoint directory to write")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="param dtype (default: the source's; quantised GGUF -> float32)")
+    ap.add_argument("--quantization", "-q", choices=("gguf",), default=None,
+                    help="gguf: keep a GGUF file's block-quantised matrices as they are")
     ap.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     args = ap.parse_args(argv)
     handler = logging.StreamHandler()
@@ -29,7 +33,8 @@ def main(argv=None, prog: str = "jaxserve convert") -> int:
     logging.getLogger("jaxserve").setLevel(logging.WARNING if args.quiet else logging.INFO)
     logging.getLogger("jaxserve").propagate = False
     try:
-        out = convert(args.src, args.out, dtype=args.dtype, progress=not args.quiet)
+        out = convert(args.src, args.out, dtype=args.dtype, progress=not args.quiet,
+                      quantization=args.quantization)
     except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -65,7 +65,7 @@ FLAGS: dict[type, tuple[str | Flag, ...]] = {
         # --model PATH: the command turns the path into a ModelSource
         # (jaxserve.cli.args.apply_flags: what a path holds is the checkpoint layer's).
         Flag("source", name="model", type=str),
-        "tokenizer", "load_format", "num_layers"),
+        "tokenizer", "load_format", Flag("quantization", aliases=("-q",)), "num_layers"),
     ParallelConfig: (
         Flag("tensor_parallel_size", aliases=("-tp",)),
         Flag("pipeline_parallel_size", aliases=("-pp",)),

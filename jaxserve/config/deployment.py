@@ -12,6 +12,8 @@ from jaxserve.config.server import ServerConfig
 from jaxserve.config.validation import ConfigError
 
 LOAD_FORMATS = ("auto", "dummy")
+# Config.quantization's values (vLLM's --quantization names): None, or "gguf"
+QUANTIZATIONS = ("gguf",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,12 @@ class Config:
     """The weights: "auto" (those of `source`) or "dummy" (vLLM's name: random weights made
     on the devices, already sharded, in the shape of `model` or of the source's
     checkpoint; for benchmarks and tests; outputs are meaningless)."""
+    quantization: str | None = dataclasses.field(default=None, metadata={"choices": QUANTIZATIONS})
+    """How the weights are served quantised (vLLM's --quantization, -q): None (as the
+    source converts by default: a GGUF file dequantised to `dtype`; a checkpoint as it
+    was converted) or "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices served in their
+    own blocks, jaxserve.model.ggml_weight: the source a .gguf file or a checkpoint
+    converted with `jaxserve convert --quantization gguf`)."""
     num_layers: int | None = None
     """Serve only the first N decoder layers (None = all): a deep config made cheap for
     tests (with real weights, the first N layers of the checkpoint)."""
@@ -62,6 +70,9 @@ class Config:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"Config.load_format must be one of {LOAD_FORMATS}, "
                               f"got {self.load_format!r}")
+        if self.quantization not in (None,) + QUANTIZATIONS:
+            raise ConfigError(f"Config.quantization must be None or one of {QUANTIZATIONS}, "
+                              f"got {self.quantization!r}")
         if self.num_layers is not None:
             if not isinstance(self.num_layers, int) or self.num_layers < 1:
                 raise ConfigError(f"Config.num_layers must be None or an integer >= 1, "

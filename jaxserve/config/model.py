@@ -9,6 +9,12 @@ from typing import Any
 
 from jaxserve.config.validation import ConfigError
 
+# GGML block formats a weight may be stored in (jaxserve.model.ggml_weight.FORMATS)
+WEIGHT_BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
+BLOCK_SIZE = 32  # inputs per block of each of them
+# the layer projections (jaxserve.model.linear.PROJECTIONS)
+_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -71,7 +77,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Tokens that end a generation (with the tokenizer's own)."""
     dtype: str = "float32"
-    """The dtype the params are stored and computed in ("float32" or "bfloat16")."""
+    """The dtype the params are stored and computed in ("float32" or "bfloat16"); weights
+    named in weight_formats are stored in their blocks instead."""
+    weight_formats: tuple[tuple[str, str], ...] = ()
+    """The weights kept in a GGML block format ("q4_0", "q4_1", "q8_0":
+    jaxserve.model.ggml_weight) instead of `dtype`, as (name, format) pairs: name "embed",
+    "lm_head", a layer projection ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down":
+    every layer's) or "layers.N.<projection>" (layer N's, over the former). Empty: every
+    weight in `dtype`. Written by `jaxserve convert --quantization gguf`."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -87,6 +100,28 @@ class ModelConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        pairs = tuple((str(n), str(f)) for n, f in self.weight_formats)
+        object.__setattr__(self, "weight_formats", pairs)
+        for name, fmt in pairs:
+            if fmt not in WEIGHT_BLOCK_FORMATS:
+                raise ConfigError(f"ModelConfig.weight_formats: {name} has format {fmt!r}; "
+                                  f"supported: {WEIGHT_BLOCK_FORMATS}")
+            parts = name.split(".")
+            ok = (name in ("embed", "lm_head") or name in _PROJECTIONS
+                  or (len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit()
+                      and parts[2] in _PROJECTIONS))
+            if not ok or (name == "lm_head" and self.tie_word_embeddings):
+                raise ConfigError(f"ModelConfig.weight_formats: no weight {name!r} (names: embed, "
+                                  f"lm_head (untied), {', '.join(_PROJECTIONS)}, "
+                                  "layers.N.<projection>)")
+
+    def weight_format(self, name: str, layer: int | None = None) -> str | None:
+        """The block format weight `name` ("embed", "lm_head", or with `layer` a
+        projection of that layer) is stored in, or None (stored in `dtype`)."""
+        formats = dict(self.weight_formats)
+        if layer is not None:
+            return formats.get(f"layers.{layer}.{name}", formats.get(name))
+        return formats.get(name)
 
     @property
     def q_per_kv(self) -> int:
@@ -96,6 +131,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["weight_formats"] = [list(p) for p in self.weight_formats]
         return d
 
     @classmethod
@@ -108,6 +144,7 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["weight_formats"] = tuple(tuple(p) for p in d.get("weight_formats", ()))
         return cls(**d)
 
     def to_json(self) -> str:

@@ -60,7 +60,8 @@ def check_deployment(engine: EngineConfig, model: ModelConfig,
     """What the engine config needs of the model and the mesh (raises ConfigError): the
     tensor-parallel size splits the query and KV heads alike (both or neither, or the KV
     heads repeated when fewer than the devices); the bf16
-    weight copies need float32 weights, or bfloat16 ones used for every row count."""
+    weight copies need float32 weights, or bfloat16 ones used for every row count; GGUF
+    block weights are not re-quantised, and split over devices in whole blocks."""
     k, tp = engine.kernels, parallel.tensor_parallel_size
     H, K = model.num_heads, model.num_kv_heads
     repeated = H % tp == 0 and K < tp and tp % K == 0  # each KV head over tp / K devices
@@ -77,7 +78,23 @@ def check_deployment(engine: EngineConfig, model: ModelConfig,
             raise ConfigError("KernelConfig.bf16_matmul_min_rows needs float32 weights (or "
                               "bfloat16 ones with min_rows 1 and no max_rows), the model is "
                               f"served in {model.dtype}")
+    if model.weight_formats and k.weight_quant is not None:
+        raise ConfigError(f"KernelConfig.weight_quant={k.weight_quant!r} re-quantises float "
+                          "weights; this model's are GGUF blocks (--quantization gguf): "
+                          "leave weight_quant unset")
+    if model.weight_formats and tp > 1:
+        from jaxserve.config.model import BLOCK_SIZE
+        for name, width in (("wo", H * model.head_dim), ("w_down", model.intermediate_size)):
+            if H % tp == 0 and (width // tp) % BLOCK_SIZE:
+                raise ConfigError(f"ParallelConfig.tensor_parallel_size={tp}: each device's "
+                                  f"{width // tp} input columns of {name} are not whole "
+                                  f"{BLOCK_SIZE}-wide GGUF blocks")
     pp = parallel.pipeline_parallel_size
+    per_layer = [n for n, _ in model.weight_formats if n.startswith("layers.")]
+    if pp > 1 and per_layer:
+        raise ConfigError(f"ParallelConfig.pipeline_parallel_size={pp} stacks the layers of a "
+                          f"stage, which needs every layer in the same format; this model's "
+                          f"{per_layer[0]} is stored in another block format than its peers")
     if pp > model.num_layers:
         raise ConfigError(f"ParallelConfig.pipeline_parallel_size={pp} exceeds the model's "
                           f"{model.num_layers} layers (each stage needs at least one)")

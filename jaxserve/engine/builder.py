@@ -135,6 +135,13 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     return engine
 
 
+# --quantization gguf with dummy weights of a config's shape: SmolLM2's file's mix (Q4_1
+# projections, Q8_0 embedding and head).
+DUMMY_GGUF_FORMATS = (("embed", "q8_0"), ("lm_head", "q8_0"), ("wq", "q4_1"), ("wk", "q4_1"),
+                      ("wv", "q4_1"), ("wo", "q4_1"), ("w_gate", "q4_1"), ("w_up", "q4_1"),
+                      ("w_down", "q4_1"))
+
+
 def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, Path | None]:
     """The served model's shape and its checkpoint (None for dummy weights of a config
     that gives the shape): the source's checkpoint config, with Config.dtype and
@@ -142,7 +149,7 @@ def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, 
     num_layers exceeds the model's."""
     ckpt = None
     if config.source is not None and (config.load_format == "auto" or config.model is None):
-        ckpt = resolve_checkpoint(config.source, cache_dir)
+        ckpt = resolve_checkpoint(config.source, cache_dir, config.quantization)
     elif config.load_format == "auto":
         raise ConfigError(
             f"Config {config.name!r} has no weights: give --model PATH (a Hugging Face "
@@ -150,6 +157,10 @@ def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, 
             "`jaxserve convert`; or name it in the config's `source`), or "
             "--load-format dummy for random weights (benchmarks, tests)")
     model_cfg = load_model_config(ckpt) if ckpt is not None else config.model
+    if config.quantization == "gguf" and not model_cfg.weight_formats:  # dummy weights
+        model_cfg = model_cfg.replace(weight_formats=tuple(
+            (n, f) for n, f in DUMMY_GGUF_FORMATS
+            if not (n == "lm_head" and model_cfg.tie_word_embeddings)))
     if config.dtype is not None:
         model_cfg = model_cfg.replace(dtype=config.dtype)
     if config.num_layers is not None:

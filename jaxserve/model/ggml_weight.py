@@ -2,16 +2,9 @@
 their dequantisation, bit for bit as llama.cpp's.
 
 A GGUF matrix of `out` rows by `in` columns is stored row by row (a row: one output
-feature's weights over the inputs), each row cut into blocks of 32 consecutive inputs:
-
-| format | bytes per block | fields, in order         | element j (0..31) of the block |
-|--------|-----------------|--------------------------|--------------------------------|
-| Q4_0   | 18              | d f16, qs u8[16]         | (nibble_j - 8) * d             |
-| Q4_1   | 20              | d f16, m f16, qs u8[16]  | nibble_j * d + m               |
-| Q8_0   | 34              | d f16, qs i8[32]         | qs[j] * d                      |
-
-with nibble_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 for j >= 16 (the low nibbles
-hold the block's first half), products and sums in f32 (d and m widened from f16).
+feature's weights over the inputs), each row cut into blocks of 32 consecutive inputs, in
+the formats of jaxserve.kernels.ggml_blocks (its table: fields and element values);
+products and sums in f32 (d and m widened from f16).
 
 `GGMLWeight` keeps those fields as separate arrays, output-major as stored, so that one
 output feature's blocks are contiguous (what a matrix-vector kernel streams):
@@ -28,47 +21,64 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.kernels.cpu.ggml_matmul import COLS as PANEL_COLS
+from jaxserve.kernels.cpu.ggml_matmul import can_pack, pack, packed_fields
+from jaxserve.kernels.ggml_blocks import BLOCK, FORMATS, check_format, unpack_nibbles
 from jaxserve.pytree import pytree_dataclass
 
-BLOCK = 32  # inputs per block, every format here
-# format -> (bytes per block, bytes of scale fields before the quants)
-FORMATS = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2)}
+__all__ = ["BLOCK", "FORMATS", "GGUF_TYPES", "GGMLWeight", "block_fields", "check_format",
+           "dequantize", "dequantize_rows", "from_gguf_bytes", "ggml_matmul_reference",
+           "pack_for_cpu", "to_gguf_bytes", "unpack_nibbles"]
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> format
 GGUF_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 
 
-@pytree_dataclass(meta=("fmt",))
+@pytree_dataclass(meta=("fmt", "logical_shape"))
 class GGMLWeight:
     """One GGML block-quantised matrix [out, in] (module docstring for the layout).
 
     qs: u8 [out, in / 32, 16] (q4_0, q4_1: two 4-bit quants per byte) or i8
     [out, in / 32, 32] (q8_0); d: f16 [out, in / 32] block scales; m: f16 [out, in / 32]
-    block minimums (q4_1), else None; fmt: "q4_0", "q4_1" or "q8_0"."""
+    block minimums (q4_1), else None; fmt: "q4_0", "q4_1" or "q8_0". Or, `packed` for
+    the C++ CPU kernel (`pack_for_cpu`): qs its panel records, d and m None.
+    logical_shape: None, or the shape of the float weight the blocks stand for in the
+    model's layout (jaxserve.model.params): a projection's [*in, *out] (its `out` rows are
+    prod(*out), its `in` columns prod(*in)); an embedding's or LM head's [vocab, embed]
+    (vocab-major, as stored). Under tensor parallelism a device's blocks are part of it."""
 
     qs: Any
     d: Any
     m: Any = None
     fmt: str = "q4_1"
+    logical_shape: tuple[int, ...] | None = None
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """(out, in): the matrix the blocks hold."""
-        return int(self.qs.shape[0]), int(self.qs.shape[1]) * BLOCK
+    def packed(self) -> bool:
+        """Whether qs holds the C++ kernel's panel records (jaxserve.kernels.cpu.ggml_matmul
+        .pack: u8 [out / 16, in / 32, record bytes], d and m None) instead of the fields."""
+        return self.d is None
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """(out, in): the matrix these arrays hold."""
+        rows = int(self.qs.shape[0]) * (PANEL_COLS if self.packed else 1)
+        return rows, int(self.qs.shape[1]) * BLOCK
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape when given (as the other weight types' `shape`), else
+        matrix_shape."""
+        return self.logical_shape if self.logical_shape is not None else self.matrix_shape
 
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays (the GGUF tensor's bytes)."""
         return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.qs, self.d, self.m)
                    if a is not None)
-
-
-def check_format(fmt: str) -> None:
-    """Raises ValueError naming `fmt` and the formats there are."""
-    if fmt not in FORMATS:
-        raise ValueError(f"GGML block format must be one of {sorted(FORMATS)}, got {fmt!r}")
 
 
 def from_gguf_bytes(raw: np.ndarray, fmt: str) -> GGMLWeight:
@@ -103,9 +113,14 @@ def to_gguf_bytes(w: GGMLWeight) -> np.ndarray:
     return blocks.reshape(blocks.shape[0], -1)
 
 
-def unpack_nibbles(qs):
-    """u8 [..., 16] -> u8 [..., 32]: each block's 32 4-bit quants, low nibbles first."""
-    return jnp.concatenate([qs & 15, qs >> 4], axis=-1)
+def block_fields(fmt: str) -> dict[str, tuple[int | None, str]]:
+    """The arrays of a `fmt` weight: field -> (its last dim, or None for [out, in / 32]
+    only; numpy dtype name). Raises ValueError for an unknown format."""
+    check_format(fmt)
+    fields = {"qs": (32, "int8") if fmt == "q8_0" else (16, "uint8"), "d": (None, "float16")}
+    if fmt == "q4_1":
+        fields["m"] = (None, "float16")
+    return fields
 
 
 def dequantize(w: GGMLWeight):
@@ -123,3 +138,33 @@ def dequantize(w: GGMLWeight):
         else:
             x = nib.astype(jnp.float32) * d + jnp.asarray(w.m).astype(jnp.float32)[..., None]
     return x.reshape(x.shape[0], -1)
+
+
+def dequantize_rows(w: GGMLWeight, ids):
+    """f32 [T, in]: rows `ids` (int32 [T], each in 0..out-1) of `w` (packed or not),
+    dequantised as `dequantize` does (bit for bit): an embedding lookup over a
+    block-quantised table."""
+    if w.packed:
+        qs, d, m = packed_fields(w.qs, ids, w.fmt)
+        return dequantize(GGMLWeight(qs=qs, d=d, m=m, fmt=w.fmt))
+    take = lambda a: None if a is None else jnp.take(jnp.asarray(a), ids, axis=0)  # noqa: E731
+    return dequantize(GGMLWeight(qs=take(w.qs), d=take(w.d), m=take(w.m), fmt=w.fmt))
+
+
+def pack_for_cpu(w: GGMLWeight) -> GGMLWeight:
+    """`w` with its fields packed into the C++ CPU kernel's panel records (the same bytes;
+    jaxserve.kernels.cpu.ggml_matmul.pack), or `w` itself when its rows do not make whole
+    16-row panels. Runs one jitted packing."""
+    if w.packed or not can_pack(w.matrix_shape[0]):
+        return w
+    data = jax.jit(pack, static_argnums=3)(w.qs, w.d, w.m, w.fmt)
+    return GGMLWeight(qs=data, d=None, m=None, fmt=w.fmt, logical_shape=w.logical_shape)
+
+
+def ggml_matmul_reference(x2, w: GGMLWeight):
+    """x2 [rows, in] (any float) times `w`'s matrix transposed -> [rows, out] f32: the
+    weights dequantised (`dequantize`), then one f32 matmul at HIGHEST precision. The
+    reference of the C++ kernel (jaxserve.kernels.cpu.ggml_matmul), which quantises x
+    per block as llama.cpp does and so differs from it by that rounding."""
+    return jnp.einsum("ri,oi->ro", jnp.asarray(x2).astype(jnp.float32), dequantize(w),
+                      precision="highest", preferred_element_type=jnp.float32)

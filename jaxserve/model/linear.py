@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS, ConfigError
+from jaxserve.model.ggml_weight import GGMLWeight, ggml_matmul_reference, pack_for_cpu
 from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.kernels.impl_table import lookup, pallas_impl
 from jaxserve.pytree import pytree_dataclass
@@ -65,8 +66,8 @@ def quantize_weight(w: jax.Array, n_in: int, fmt: str, group_size: int | None = 
 
 def quantize_params(params: Params, fmt: str, group_size: int | None = None,
                     rules: Any = None) -> Params:
-    """`params` with every layer projection (PROJECTIONS) replaced by a QuantizedWeight;
-    everything else unchanged. Runs one small jitted quantisation per weight, so peak
+    """`params` with every float layer projection (PROJECTIONS) replaced by a
+    QuantizedWeight; everything else (GGMLWeight projections too) unchanged. Runs one small jitted quantisation per weight, so peak
     memory stays near the float weights plus one quantised copy. rules: the ShardingRules
     of a tensor-parallel mesh (None: one device); each device's input rows of a row-split
     weight must hold whole groups. Raises ConfigError (a ValueError) when they do not."""
@@ -87,7 +88,8 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None,
     def layer(lp: LayerParams) -> LayerParams:
         return dataclasses.replace(lp, **{name: jax.block_until_ready(
                                               quantize(getattr(lp, name), n_in, fmt, group_size))
-                                          for name, n_in in PROJECTIONS.items()})
+                                          for name, n_in in PROJECTIONS.items()
+                                          if not isinstance(getattr(lp, name), GGMLWeight)})
 
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
 
@@ -246,7 +248,9 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
     wq | wk | wv, in w_gate: w_gate | w_up; fewer, larger kernel calls, every output
     column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight.
     rules: the ShardingRules of a tensor-parallel mesh (None: one device): packing and
-    fusion are then done per shard of each weight's split (jaxserve.model.tensor_parallel)."""
+    fusion are then done per shard of each weight's split (jaxserve.model.tensor_parallel).
+    GGMLWeight leaves (block-quantised weights) are kept as they are, and a layer holding
+    one is not fused."""
     def split(shape, axes, n_in) -> tuple[int, int]:
         if rules is None:
             return 1, 1
@@ -262,10 +266,13 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
 
     def proj(lp: LayerParams, name: str):
         w, n_in = getattr(lp, name), PROJECTIONS[name]
+        if isinstance(w, GGMLWeight):  # served in its blocks
+            return w
         return dual(w, split(w.shape, LAYER_AXES[name], n_in), n_in)
 
     def layer(lp: LayerParams) -> LayerParams:
-        if not (packed and fuse):
+        if not (packed and fuse) or any(isinstance(getattr(lp, name), GGMLWeight)
+                                        for name in PROJECTIONS):
             return dataclasses.replace(lp, **{name: proj(lp, name) for name in PROJECTIONS})
         q_shards = split(lp.wq.shape, LAYER_AXES["wq"], 1)[1]
         mlp_shards = split(lp.w_gate.shape, LAYER_AXES["w_gate"], 1)[1]
@@ -278,10 +285,40 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
             w_up=None, w_down=proj(lp, "w_down"))
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
+    if isinstance(head, GGMLWeight):  # a block-quantised head is served in its blocks
+        return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
     head_split = (split(head.shape, EMBED_AXES, 1)[::-1] if tied
                   else split(head.shape, LM_HEAD_AXES, 1))
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
                                lm_head=dual(head, head_split, vocab_major=tied))
+
+
+def pack_ggml_params(params: Params, rules: Any = None) -> Params:
+    """`params` with every GGMLWeight leaf (projections, embedding, LM head) packed for the
+    C++ kernel (jaxserve.model.ggml_weight.pack_for_cpu: the same bytes in 16-row panels),
+    where each device's rows make whole panels (rules: the ShardingRules of a
+    tensor-parallel mesh; None: one device); the others stay as they are (run by the
+    jnp reference)."""
+    def rows_split(w: GGMLWeight, axes: tuple, n_in: int | None) -> int:
+        if rules is None:
+            return 1
+        spec = tuple(rules.spec(EMBED_AXES if n_in is None else axes, w.shape))
+        ax = spec[0] if n_in is None else next((a for a in spec[n_in:] if a is not None), None)
+        return rules.mesh.shape[ax] if ax is not None else 1
+
+    def pack(w: Any, axes: tuple, n_in: int | None) -> Any:
+        if not isinstance(w, GGMLWeight) or w.packed:
+            return w
+        from jaxserve.kernels.cpu.ggml_matmul import COLS
+        if (w.matrix_shape[0] // rows_split(w, axes, n_in)) % COLS:
+            return w
+        return jax.block_until_ready(pack_for_cpu(w))
+
+    layers = tuple(dataclasses.replace(lp, **{n: pack(getattr(lp, n), LAYER_AXES[n], k)
+                                              for n, k in PROJECTIONS.items()})
+                   for lp in params.layers)
+    return dataclasses.replace(params, layers=layers, embed=pack(params.embed, EMBED_AXES, None),
+                               lm_head=pack(params.lm_head, LM_HEAD_AXES, None))
 
 
 def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
@@ -318,8 +355,9 @@ class Matmul:
         w: a float array (a plain dot_general in x.dtype), a DualPrecisionWeight (its f32
         or bf16 copy by the number of rows of x, prod(x.shape[:-n_in]); a packed bf16 copy
         runs in the C++ CPU kernel, the only one that reads that layout; result in
-        x.dtype) or a QuantizedWeight (f32 accumulation, result in x.dtype, in this
-        implementation's kernel: `_quantized`)."""
+        x.dtype), a QuantizedWeight (f32 accumulation, result in x.dtype, in this
+        implementation's kernel: `_quantized`) or a GGMLWeight (its blocks [out, in]
+        standing for w.logical_shape; result in x.dtype, by `_ggml`)."""
         if isinstance(w, DualPrecisionWeight):
             lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
             if w.packed and w.uses_bf16(rows):
@@ -330,6 +368,10 @@ class Matmul:
                 return jnp.tensordot(x, wx, axes=n_in)
             y = bf16_matmul(x.reshape(rows, -1), wx.reshape(math.prod(wx.shape[:n_in]), -1))
             return y.reshape(*lead, *wx.shape[n_in:]).astype(x.dtype)
+        if isinstance(w, GGMLWeight):  # [out, in] blocks standing for [*in, *out]
+            lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
+            y = self._ggml(x.reshape(rows, -1), w)
+            return y.reshape(*lead, *_out_shape(w.shape[n_in:], y.shape[-1])).astype(x.dtype)
         if not isinstance(w, QuantizedWeight):
             return jnp.tensordot(x, w, axes=n_in)
         in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
@@ -354,11 +396,16 @@ class Matmul:
 
     def lm_head(self, hidden: jax.Array, embed: jax.Array, head: Any) -> jax.Array:
         """LM head: hidden [..., D] -> logits [..., vocab] f32. head: None (tied to `embed`
-        [vocab, D]), an array [D, vocab], or a DualPrecisionWeight, which picks its copy by
+        [vocab, D]), an array [D, vocab], a DualPrecisionWeight, which picks its copy by
         the rows of hidden and is [vocab, D] when tied, [D, vocab] otherwise (a packed bf16
-        copy runs in the C++ CPU kernel)."""
+        copy runs in the C++ CPU kernel), or a GGMLWeight [vocab, D] (as a block-quantised
+        `embed` is when tied: `_ggml`)."""
         vocab_major, packed = head is None, None
         rows = math.prod(hidden.shape[:-1])
+        table = embed if head is None else head
+        if isinstance(table, GGMLWeight):  # [vocab, D] blocks
+            logits = self._ggml(hidden.reshape(rows, -1), table)
+            return logits.reshape(*hidden.shape[:-1], -1)
         if isinstance(head, DualPrecisionWeight):
             packed = head if head.packed and head.uses_bf16(rows) else None
             head, vocab_major = head.pick(rows), head.vocab_major
@@ -372,6 +419,16 @@ class Matmul:
             return jnp.einsum("...d,vd->...v", hidden, embed if head is None else head,
                               preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def _ggml(self, x2: jax.Array, w: GGMLWeight) -> jax.Array:
+        """x2 [M, in] times a GGML block-quantised w [out, in], transposed -> [M, out] f32:
+        a packed w (CpuMatmul packs them at load) in the C++ kernel, the only one that
+        reads that layout (x quantised per block to int8 as llama.cpp does); otherwise the
+        plain-jnp reference (dequantise, f32 matmul)."""
+        if w.packed:
+            from jaxserve.kernels.cpu.ggml_matmul import ggml_matmul
+            return ggml_matmul(x2.astype(jnp.float32), w.qs, w.fmt)
+        return ggml_matmul_reference(x2, w)
 
     def _quantized(self, x2: jax.Array, w2: jax.Array, scales: jax.Array) -> jax.Array:
         """x2 [M, K] times a quantised w2 [K, N] with its scales -> [M, N] in x2.dtype."""

@@ -33,17 +33,44 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.ggml_weight import BLOCK, GGMLWeight, block_fields
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.distributed.sharding import ShardingRules
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """Description of one weight: shape, logical axes, initializer ("normal", "ones", "zeros")."""
+    """Description of one weight: shape, logical axes, initializer ("normal", "ones",
+    "zeros"; for the arrays of a block-quantised weight "quants": random bytes,
+    "scales_q4" / "scales_q8" / "mins_q4": block scales and minimums that make its values
+    span about what "normal" does: _block_field), dtype (None: the model's)."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: str = "normal"
+    dtype: str | None = None
+
+
+def ggml_spec(fmt: str, logical_shape: tuple[int, ...], axes: tuple[str | None, ...],
+              n_in: int | None) -> GGMLWeight:
+    """The GGMLWeight of ParamSpecs of a weight of `logical_shape` and logical `axes`
+    stored in GGML block format `fmt`. A projection ([*in, *out], its first `n_in` axes
+    contracted): out rows = prod(out) on the first output axis, in / 32 blocks on the
+    first input axis. n_in None: a vocab-major table [vocab, embed] (an embedding or LM
+    head), rows over vocab."""
+    if n_in is None:
+        (n, k), (ax_out, ax_in) = logical_shape, axes
+    else:
+        k, n = math.prod(logical_shape[:n_in]), math.prod(logical_shape[n_in:])
+        ax_in, ax_out = axes[0], axes[n_in]
+    fields = {}
+    for name, (last, dtype) in block_fields(fmt).items():
+        shape = (n, k // BLOCK) + (() if last is None else (last,))
+        init = {"qs": "quants", "d": "scales_q8" if fmt == "q8_0" else "scales_q4",
+                "m": "mins_q4"}[name]
+        fields[name] = ParamSpec(shape, (ax_out, ax_in) + (() if last is None else (None,)),
+                                 init, dtype)
+    return GGMLWeight(**fields, fmt=fmt, logical_shape=tuple(logical_shape))
 
 
 @pytree_dataclass
@@ -82,6 +109,8 @@ LAYER_AXES = {
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "bq": ("q_heads", "head_dim"), "bk": ("kv_heads", "head_dim"), "bv": ("kv_heads", "head_dim"),
 }
+# the projections' contracted leading axes (jaxserve.model.linear.PROJECTIONS)
+_N_IN = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 EMBED_AXES = ("vocab", "embed")
 LM_HEAD_AXES = ("embed", "vocab")
 
@@ -95,17 +124,25 @@ def param_specs(cfg: ModelConfig) -> Params:
               "w_down": (F, D), "bq": (H, Dh), "bk": (K, Dh), "bv": (K, Dh)}
     inits = {"attn_norm": "ones", "mlp_norm": "ones", "bq": "zeros", "bk": "zeros", "bv": "zeros"}
 
-    def layer() -> LayerParams:
-        return LayerParams(**{
-            name: ParamSpec(shape, LAYER_AXES[name], inits.get(name, "normal"))
-            for name, shape in shapes.items()
-            if cfg.attention_bias or name not in ("bq", "bk", "bv")})
+    def spec(name: str, shape: tuple[int, ...], i: int) -> Any:
+        fmt = cfg.weight_format(name, i) if name in _N_IN else None
+        if fmt is not None:
+            return ggml_spec(fmt, shape, LAYER_AXES[name], _N_IN[name])
+        return ParamSpec(shape, LAYER_AXES[name], inits.get(name, "normal"))
+
+    def layer(i: int) -> LayerParams:
+        return LayerParams(**{name: spec(name, shape, i) for name, shape in shapes.items()
+                              if cfg.attention_bias or name not in ("bq", "bk", "bv")})
+
+    def vocab_major(name: str, axes: tuple, shape: tuple[int, int]) -> Any:
+        fmt = cfg.weight_format(name)  # stored [vocab, embed] whatever our float layout
+        return ParamSpec(shape, axes) if fmt is None else ggml_spec(fmt, (V, D), EMBED_AXES, None)
 
     return Params(
-        embed=ParamSpec((V, D), EMBED_AXES),
-        layers=tuple(layer() for _ in range(cfg.num_layers)),
+        embed=vocab_major("embed", EMBED_AXES, (V, D)),
+        layers=tuple(layer(i) for i in range(cfg.num_layers)),
         final_norm=ParamSpec((D,), ("embed",), "ones"),
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((D, V), LM_HEAD_AXES),
+        lm_head=None if cfg.tie_word_embeddings else vocab_major("lm_head", LM_HEAD_AXES, (D, V)),
     )
 
 
@@ -139,17 +176,38 @@ def abstract_params(cfg: ModelConfig, rules: ShardingRules | None = None,
     """ShapeDtypeStructs of the param tree (with shardings if `rules`: param_shardings);
     allocates nothing. staged_layers: the layer count pipeline stages are computed for
     (default cfg.num_layers; a checkpoint group read past the served layers)."""
-    dtype = jnp.dtype(cfg.dtype)
     if rules is None:
-        return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(cfg))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+        return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, spec_dtype(s, cfg)),
+                         param_specs(cfg))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, spec_dtype(s, cfg), sharding=sh),
                         param_specs(cfg), param_shardings(cfg, rules, staged_layers),
                         is_leaf=_is_spec)
 
 
+def spec_dtype(spec: ParamSpec, cfg: ModelConfig) -> jnp.dtype:
+    """The dtype of a leaf: its own, else the model's."""
+    return jnp.dtype(spec.dtype or cfg.dtype)
+
+
 def param_count(cfg: ModelConfig) -> int:
-    """Number of weights (elements), counting a tied embedding once."""
-    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec))
+    """Number of weights (elements of the float weights they stand for, block-quantised
+    ones included), counting a tied embedding once."""
+    count = lambda x: math.prod(x.logical_shape if isinstance(x, GGMLWeight) else x.shape)  # noqa: E731
+    return sum(count(x) for x in jax.tree.leaves(
+        param_specs(cfg), is_leaf=lambda x: _is_spec(x) or isinstance(x, GGMLWeight)))
+
+
+def _block_field(init: str, uniform: jax.Array, scale, dtype) -> jax.Array | None:
+    """A random block-quantised weight's array from `uniform` (values in [-1, 1), its
+    shape) for the inits of ParamSpec ("quants", "scales_q4", "scales_q8", "mins_q4"), or
+    None for another init. Its values then lie in about [-scale, scale]: 4-bit quants
+    0..15 with d = scale / 8 and m = -scale; 8-bit -127..127 with d = scale / 127."""
+    if init == "quants":
+        if jnp.dtype(dtype) == jnp.int8:
+            return jnp.round(uniform * 127).astype(jnp.int8)
+        return jnp.floor((uniform + 1) * 128).astype(jnp.uint8)
+    per = {"scales_q4": 1 / 8, "scales_q8": 1 / 127, "mins_q4": -1.0}.get(init)
+    return None if per is None else jnp.full(uniform.shape, scale * per, dtype)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, rules: ShardingRules | None = None,
@@ -161,13 +219,16 @@ def init_params(cfg: ModelConfig, key: jax.Array, rules: ShardingRules | None = 
     """
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-    dtype = jnp.dtype(cfg.dtype)
     out = []
     for i, s in enumerate(leaves):
+        dtype = spec_dtype(s, cfg)
         if s.init == "ones":
             x = jnp.ones(s.shape, dtype)
         elif s.init == "zeros":
             x = jnp.zeros(s.shape, dtype)
+        elif s.init != "normal":  # a block-quantised weight's arrays
+            u = jax.random.uniform(jax.random.fold_in(key, i), s.shape, jnp.float32, -1, 1)
+            x = _block_field(s.init, u, scale * 1.7, dtype)  # ~ the std of `scale` normals
         else:
             x = (scale * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)).astype(dtype)
         if rules is not None:
@@ -201,6 +262,8 @@ def _dummy_maker(shape: tuple[int, ...], dtype, init: str, sharding) -> Callable
             return jnp.ones(shape, dtype)
         if init == "zeros":
             return jnp.zeros(shape, dtype)
+        if init != "normal":  # a block-quantised weight's arrays
+            return _block_field(init, _hash_uniform(shape, jnp.float32, seed, 1.0), scale, dtype)
         return _hash_uniform(shape, dtype, seed, scale)
     return jax.jit(make, out_shardings=sharding)
 
@@ -213,12 +276,11 @@ def dummy_params(cfg: ModelConfig, rules: ShardingRules | None = None, seed: int
     one leaf at a time: no host copy, peak memory the params themselves. Deterministic in
     `seed`; does not depend on `rules`. For benchmarks and tests of big configs; outputs
     are meaningless."""
-    dtype = jnp.dtype(cfg.dtype)
     leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_spec)
     shardings = (jax.tree.leaves(param_shardings(cfg, rules)) if rules is not None
                  else [None] * len(leaves))
     out = []
     for i, (s, sharding) in enumerate(zip(leaves, shardings, strict=True)):
-        make = _dummy_maker(tuple(s.shape), dtype, s.init, sharding)
+        make = _dummy_maker(tuple(s.shape), spec_dtype(s, cfg), s.init, sharding)
         out.append(make(jnp.uint32((seed * 1_000_003 + i) % 2**32), jnp.float32(scale)))
     return jax.tree.unflatten(treedef, out)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.ggml_weight import GGMLWeight, dequantize_rows
 from jaxserve.model.kv_cache import KVCache, kv_axes
 from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.model.linear import (PROJECTIONS, DualPrecisionWeight, FusedWeight, QuantizedWeight)
@@ -72,6 +73,13 @@ def node_spec(node: Any, axes: tuple, n_in: int, rules: ShardingRules) -> Any:
         inner = (_dual_spec(node.w, fused, None, out) if isinstance(node.w, DualPrecisionWeight)
                  else fused)
         return dataclasses.replace(node, w=inner)
+    if isinstance(node, GGMLWeight):  # [out, in / 32, ...] blocks: rows, then blocks
+        vocab_major = len(axes) == 2 and "vocab" in axes
+        table = EMBED_AXES if vocab_major else axes
+        spec = rules.spec(table, node.shape)
+        ax_out, ax_in = (spec[0], spec[1]) if vocab_major else _split_axes(spec, n_in)[::-1]
+        return jax.tree.map(lambda a: PartitionSpec(ax_out, ax_in, *(None,) * (a.ndim - 2)),
+                            node)
     if isinstance(node, QuantizedWeight):
         spec = rules.spec(axes, node.shape)
         ax_in, ax_out = _split_axes(spec, n_in)
@@ -146,6 +154,8 @@ def vocab_axis(params: Params, rules: ShardingRules) -> str | None:
     if params.lm_head is None:
         return rules.spec(EMBED_AXES, params.embed.shape)[0]
     head = params.lm_head
+    if isinstance(head, GGMLWeight):  # [vocab, D] blocks
+        return rules.spec(EMBED_AXES, head.shape)[0]
     if isinstance(head, DualPrecisionWeight):  # [V, D] when tied or packed: vocab first
         spec = node_spec(head, LM_HEAD_AXES, 1, rules).w_bf16
         return spec[0] if head.packed or head.vocab_major else spec[1]
@@ -153,24 +163,31 @@ def vocab_axis(params: Params, rules: ShardingRules) -> str | None:
 
 
 def embed_tokens(embed: jax.Array, tokens: jax.Array, rules: ShardingRules | None) -> jax.Array:
-    """embed [vocab, D] rows of tokens [T] int32 -> [T, D]. Under tensor parallelism with
+    """embed [vocab, D] rows of tokens [T] int32 -> [T, D] (a GGMLWeight table's
+    dequantised, f32). Under tensor parallelism with
     the vocabulary split, each device looks up the ids in its own rows (others give
     zeros) and a psum assembles them (Megatron's vocab-parallel embedding): the table is
     never gathered."""
     axis = tp_axis(rules)
     spec = rules.spec(EMBED_AXES, embed.shape) if axis else None
     if axis is None or spec[0] is None:
-        return embed[tokens]
+        return _rows(embed, tokens)
 
     def local(e, ids):
-        rows = e.shape[0]
+        rows = e.matrix_shape[0] if isinstance(e, GGMLWeight) else e.shape[0]
         ids = ids - jax.lax.axis_index(axis) * rows
         mine = (ids >= 0) & (ids < rows)
-        x = jnp.where(mine[:, None], e[jnp.clip(ids, 0, rows - 1)], 0)
+        x = jnp.where(mine[:, None], _rows(e, jnp.clip(ids, 0, rows - 1)), 0)
         return jax.lax.psum(x, axis)
 
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(spec, REPLICATED),
+    in_spec = node_spec(embed, EMBED_AXES, 1, rules) if isinstance(embed, GGMLWeight) else spec
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(in_spec, REPLICATED),
                          out_specs=REPLICATED, check_vma=False)(embed, tokens)
+
+
+def _rows(embed: Any, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of an embedding table: an array's, or a GGMLWeight's dequantised (f32)."""
+    return dequantize_rows(embed, ids) if isinstance(embed, GGMLWeight) else embed[ids]
 
 
 def served_kv_heads(cfg: ModelConfig, tp: int) -> int:
@@ -193,8 +210,17 @@ def expand_kv_heads(params: Params, cfg: ModelConfig, tp: int) -> tuple[Params, 
         return params, cfg
     rep = k2 // cfg.num_kv_heads
 
+    def grow(w, axis):
+        if isinstance(w, GGMLWeight):  # [K * Dh, in] rows -> [K * rep * Dh, in]
+            k = w.logical_shape[1]
+            def rows(a):
+                return jnp.repeat(a.reshape(k, -1, *a.shape[1:]), rep, axis=0).reshape(
+                    -1, *a.shape[1:])
+            lshape = (w.logical_shape[0], k * rep, *w.logical_shape[2:])
+            return dataclasses.replace(jax.tree.map(rows, w), logical_shape=lshape)
+        return None if w is None else jnp.repeat(w, rep, axis=axis)
+
     def layer(lp: LayerParams) -> LayerParams:
-        grow = lambda w, axis: None if w is None else jnp.repeat(w, rep, axis=axis)  # noqa: E731
         return dataclasses.replace(lp, wk=grow(lp.wk, 1), wv=grow(lp.wv, 1),
                                    bk=grow(lp.bk, 0), bv=grow(lp.bv, 0))
 

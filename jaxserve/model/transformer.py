@@ -98,7 +98,8 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
     Under a tensor-parallel mesh (`rules`) the embedding and the layers run per device
     (jaxserve.model.tensor_parallel); the hidden states come back replicated.
     """
-    x = constrain(rules, tp.embed_tokens(params.embed, batch.tokens, rules), ACT_AXES)
+    x = tp.embed_tokens(params.embed, batch.tokens, rules).astype(cfg.dtype)
+    x = constrain(rules, x, ACT_AXES)
     x, cache = decoder_layers(x, params.layers, cache, batch, cfg, rules, kernels)
     return rms_norm(x, params.final_norm, cfg.rms_norm_eps), cache
 

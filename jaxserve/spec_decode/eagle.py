@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.kernels.common import query_sequence
+from jaxserve.model.ggml_weight import GGMLWeight, dequantize_rows
 from jaxserve.model.kv_cache import KVCache, page_bytes
 from jaxserve.model.layers import rms_norm
 from jaxserve.model.params import LayerParams, Params, init_params
@@ -89,11 +90,14 @@ def init_head(target: ModelConfig, target_params: Params, vocab: np.ndarray, key
 
 def draft_lm_head(target_params: Params, vocab: np.ndarray) -> jax.Array:
     """[D, N]: the target's LM head columns of the draft vocabulary (the embedding rows
-    when tied)."""
+    when tied; dequantised, f32, from a block-quantised head or embedding)."""
     ids = jnp.asarray(vocab, jnp.int32)
+    head = target_params.embed if target_params.lm_head is None else target_params.lm_head
+    if isinstance(head, GGMLWeight):  # [vocab, D] blocks
+        return dequantize_rows(head, ids).T
     if target_params.lm_head is None:
-        return jnp.asarray(target_params.embed)[ids].T
-    return jnp.asarray(target_params.lm_head)[:, ids]
+        return jnp.asarray(head)[ids].T
+    return jnp.asarray(head)[:, ids]
 
 
 def head_features(hp: EagleParams, embed: jax.Array, kv: KVCache, batch: StepBatch,
@@ -105,7 +109,7 @@ def head_features(hp: EagleParams, embed: jax.Array, kv: KVCache, batch: StepBat
     x = jnp.concatenate([embed_tokens(embed, batch.tokens, rules).astype(jnp.float32),
                          prev.astype(jnp.float32)],
                         axis=-1)
-    x = jnp.dot(x, hp.fc.astype(jnp.float32)).astype(embed.dtype)
+    x = jnp.dot(x, hp.fc.astype(jnp.float32)).astype(cfg.dtype)
     x, kv = decoder_layers(x, hp.body.layers, kv, batch, cfg, rules, kernels)
     return rms_norm(x, hp.body.final_norm, cfg.rms_norm_eps), kv
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jaxserve.config import ConfigError, KernelConfig, resolve_attention_impl, resolve_impl
 from jaxserve.model.params import Params
-from jaxserve.model.linear import dual_precision_params, quantize_params
+from jaxserve.model.linear import dual_precision_params, pack_ggml_params, quantize_params
 from jaxserve.model.tensor_parallel import shard_params, tp_axis
 from jaxserve.model.transformer import Kernels
 from jaxserve.distributed.sharding import ShardingRules
@@ -121,6 +121,8 @@ def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
                                        packed=kernels.matmul.packs_bf16,
                                        max_rows=kcfg.bf16_matmul_max_rows,
                                        round_x_min_rows=kernels.round_x_min_rows, rules=rules)
+    if kernels.matmul.packs_bf16:  # GGUF blocks in the C++ kernel's panels
+        params = pack_ggml_params(params, rules)
     if tp_axis(rules) is not None:
         params = shard_params(params, rules)
     return params

@@ -6,5 +6,5 @@ the sources once with the system C++ compiler against the XLA FFI headers shippe
 jaxlib, caches the shared library by a hash of everything that goes into it, and registers
 the handlers with JAX.
 
-May import: jax, numpy and jaxserve.kernels.common only.
+May import: jax, numpy, jaxserve.kernels.common and jaxserve.kernels.ggml_blocks only.
 """

@@ -266,27 +266,10 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       xb[i] = to_bf16(p.x[2 * i]) | (static_cast<uint32_t>(to_bf16(p.x[2 * i + 1])) << 16);
     p.xb = xb.data();
   }
-  // Items are runs of consecutive panels (about kItemsPerCall of them a call), so each
-  // thread streams long contiguous stretches of W. A weight of few panels (9 for
-  // 1536 x 576) is also split by rows when there are many (prefill), else the two threads
-  // get 5 and 4 panels: 10% of the call idle.
-  const int64_t panels = wd[0];
-  const int64_t run = std::max<int64_t>(1, panels / kItemsPerCall);
-  const int64_t runs = (panels + run - 1) / run;
-  int64_t chunk = p.M;  // rows per item
-  if (runs < kItemsPerCall && p.M >= 2 * kMinSplitRows) {
-    const int64_t want = std::min((kItemsPerCall + runs - 1) / runs, p.M / kMinSplitRows);
-    // a multiple of the register block, so only the last chunk has a remainder
-    chunk = (p.M / want + kMaxRows - 1) / kMaxRows * kMaxRows;
-  }
-  const int64_t row_chunks = (p.M + chunk - 1) / chunk;
-  jaxserve::parallel_for(pool, runs * row_chunks, [&p, run, panels, chunk, row_chunks](int64_t item) {
-    const int64_t r = item / row_chunks, m_begin = item % row_chunks * chunk;
-    const int64_t m_end = std::min(p.M, m_begin + chunk);
-    for (int64_t pi = r * run; pi < std::min(panels, (r + 1) * run); ++pi)
-      run_panel(p, pi, m_begin, m_end);
-    return true;
-  });
+  jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
+                            [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
+                              run_panel(p, pi, m_begin, m_end);
+                            });
   return ffi::Error::Success();
 }
 

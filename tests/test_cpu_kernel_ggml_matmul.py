@@ -1,0 +1,143 @@
+"""jaxserve.kernels.cpu.ggml_matmul: the panel packing (the GGUF bytes reordered), the C++
+kernel against the plain-jnp reference of its arithmetic (x quantised per block, integer
+block sums) for every format and row-block remainder, the portable loop against the VNNI
+one, the error x's quantisation adds against the dequantised weights' exact product, and
+input checks."""
+
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels.cpu.ggml_matmul import (COLS, FMT_IDS, RECORD_BYTES, ggml_matmul,
+                                              ggml_matmul_q8_reference, pack, quantize_x)
+from jaxserve.model.ggml_weight import GGUF_TYPES, dequantize, from_gguf_bytes
+
+SEED = 20261127
+QTYPES = {fmt: gguf.GGMLQuantizationType[name] for name, fmt in GGUF_TYPES.items()}
+FORMATS = sorted(QTYPES)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library(cpu_kernels_library):
+    return cpu_kernels_library
+
+
+def _weight(rng, n, k, fmt):
+    """A [n, k] matrix quantised by gguf-py (llama.cpp's quantiser) as a GGMLWeight."""
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    w[1, :32] = 0.0  # a zero block (d = 0)
+    return jax.tree.map(jnp.asarray, from_gguf_bytes(gguf.quants.quantize(w, QTYPES[fmt]), fmt))
+
+
+def _fields(w):
+    return w.qs, w.d, w.m, w.fmt
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pack_keeps_the_bytes_and_places_each_quant(fmt):
+    """Record (panel p, block b): 16 f16 scales (and Q4_1's minimums) of its columns, then
+    the quants: weight (16p + c, 32b + j) at the byte and nibble the kernel reads."""
+    rng = np.random.default_rng(SEED)
+    w = _weight(rng, 48, 96, fmt)
+    packed = np.asarray(pack(*_fields(w)))
+    assert packed.shape == (3, 3, RECORD_BYTES[fmt]) and packed.dtype == np.uint8
+    assert packed.size == w.nbytes  # the GGUF tensor's bytes, reordered
+    qs, d = np.asarray(w.qs), np.asarray(w.d)
+    for n, k in [(0, 0), (17, 45), (47, 95), (33, 70), (20, 8), (5, 20)]:
+        p, c, b, j = n // COLS, n % COLS, k // 32, k % 32
+        rec = packed[p, b]
+        assert rec[:32].view(np.float16)[c] == d[n, b]
+        if fmt == "q4_1":
+            assert rec[32:64].view(np.float16)[c] == np.asarray(w.m)[n, b]
+        body = rec[64 if fmt == "q4_1" else 32:]
+        if fmt == "q8_0":
+            assert int(body[(j // 4) * 64 + c * 4 + j % 4]) == int(qs[n, b, j]) + 128
+        else:
+            nib = qs[n, b, j] & 15 if j < 16 else qs[n, b, j - 16] >> 4
+            byte = body[(j // 8) * 64 + c * 4 + (j % 8) % 4]
+            assert (byte & 15 if j % 8 < 4 else byte >> 4) == nib, (n, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(64, 96), (16 * 37, 64)])
+def test_kernel_matches_the_reference_of_its_arithmetic(fmt, n, k):
+    """Row counts 0 .. 9, 37 and 200 cover every remainder of the 8-row register blocks,
+    runs of panels with one left over (37 panels) and the split by row chunks (200 rows
+    over 4 panels). x's quantisation and the integer sums are exact in both; only f32
+    rounding of the scaled terms may differ (contraction, order)."""
+    rng = np.random.default_rng(SEED + n + k)
+    w = _weight(rng, n, k, fmt)
+    packed = pack(*_fields(w))
+    for m in list(range(10)) + [37, 200]:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        x = x.at[:, 32:64].set(0.0) if m else x  # a zero block of x (d_x = 0)
+        out = np.asarray(ggml_matmul(x, packed, fmt))
+        ref = np.asarray(ggml_matmul_q8_reference(x, *_fields(w)))
+        assert out.shape == (m, n) and np.isfinite(out).all()
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(ref).max(initial=0)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_x_quantisation_error_against_the_dequantised_product(fmt):
+    """Against the dequantised weights times x unquantised (f32): the only difference is
+    x rounded to 8 bits per block, |x - d_x q_x| <= d_x / 2 = max|x_block| / 254 per
+    element, so each output's error is bounded by sum_k |w_k| max|x_block(k)| / 254;
+    checked per output (the bound is the worst case, errors mostly cancel)."""
+    rng = np.random.default_rng(SEED + 1)
+    w = _weight(rng, 64, 256, fmt)
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.float32)
+    wf = np.asarray(dequantize(w))  # [N, K]
+    exact = np.asarray(x) @ wf.T
+    got = np.asarray(ggml_matmul(x, pack(*_fields(w)), fmt))
+    xmax = np.abs(np.asarray(x)).reshape(5, -1, 32).max(-1).repeat(32, axis=1)  # [M, K]
+    bound = (xmax / 254) @ np.abs(wf).T + 1e-5 * np.abs(exact).max()
+    assert (np.abs(got - exact) <= bound).all()
+    assert np.abs(got - exact).max() > 0  # x really was quantised
+
+
+def test_quantize_x_rounds_half_away_from_zero_and_sums():
+    x = jnp.zeros((1, 32), jnp.float32).at[0, 0].set(127.0).at[0, 1].set(2.5).at[0, 2].set(-2.5)
+    q, d, s = quantize_x(x)
+    assert float(d[0, 0]) == 1.0
+    assert q[0, 0, :3].tolist() == [127, 3, -3] and int(s[0, 0]) == 127
+    q0, d0, s0 = quantize_x(jnp.zeros((2, 64), jnp.float32))
+    assert not np.asarray(q0).any() and not np.asarray(d0).any() and not np.asarray(s0).any()
+
+
+def test_portable_path_matches_the_vnni_one(portable_cpu_kernels):
+    """The loop machines without AVX512-VNNI run (built for x86-64-v2): the same integer
+    sums and f32 steps."""
+    name = "jaxserve_ggml_matmul_portable_test"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(portable_cpu_kernels.JaxserveGgmlMatmul),
+                                platform="cpu")
+    rng = np.random.default_rng(SEED + 2)
+    for fmt in FORMATS:
+        w = _weight(rng, 48, 128, fmt)
+        packed = pack(*_fields(w))
+        x = jnp.asarray(rng.standard_normal((11, 128)), jnp.float32)
+        call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((11, 48), jnp.float32))
+        got = np.asarray(call(x, packed, fmt=np.int64(FMT_IDS[fmt])))
+        want = np.asarray(ggml_matmul(x, packed, fmt))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    assert isinstance(portable_cpu_kernels, ctypes.CDLL)
+
+
+def test_bad_inputs_name_the_argument():
+    rng = np.random.default_rng(SEED)
+    w = _weight(rng, 32, 64, "q4_1")
+    packed = pack(*_fields(w))
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        ggml_matmul(jnp.zeros((1, 64)), packed, "q5_0")
+    with pytest.raises(ValueError, match="w_packed"):
+        ggml_matmul(jnp.zeros((1, 64)), packed, "q8_0")  # a Q4_1 record is 320 bytes, not 544
+    with pytest.raises(ValueError, match="x"):
+        ggml_matmul(jnp.zeros((1, 96)), packed, "q4_1")
+    w48 = _weight(rng, 40, 64, "q8_0")
+    with pytest.raises(ValueError, match="output rows a multiple of 16, got 40"):
+        pack(*_fields(w48))
