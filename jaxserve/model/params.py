@@ -12,6 +12,10 @@ Layouts (logical axes in brackets), all in `ModelConfig.dtype`:
               w_down [mlp, embed]
   final_norm  [embed]
   lm_head     [embed, vocab], None when tied to `embed`
+A weight named in ModelConfig.weight_formats is a GGMLWeight instead (its GGUF blocks,
+output-major: a projection's [prod(out), prod(in) / 32, ...] rows, the embedding's and LM
+head's [vocab, embed / 32, ...]; jaxserve.model.ggml_weight), each array with its own
+dtype (ParamSpec.dtype) and the logical axes of its rows and blocks.
 A tree for the C++ CPU matmul (jaxserve.model.linear.dual_precision_params, packed)
 fuses the projections that share their input into one matmul each: wq holds a
 FusedWeight of wq | wk | wv (wk, wv None) and w_gate one of w_gate | w_up (w_up None);
