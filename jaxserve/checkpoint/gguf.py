@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import jax
 import numpy as np
 
 from jaxserve.checkpoint.errors import CheckpointError
@@ -210,9 +211,7 @@ class GGUFSource:
             raise CheckpointError(f"{self.path}: cannot split tensor {gname} into blocks ({e})") from None
         if self.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             key = "attention.head_count" if ".attn_q." in gname else "attention.head_count_kv"
-            heads = int(self._meta(key))
-            w = GGMLWeight(**{f: None if a is None else reverse_permute(a, heads)
-                              for f, a in (("qs", w.qs), ("d", w.d), ("m", w.m))}, fmt=fmt)
+            w = jax.tree.map(lambda a: reverse_permute(a, int(self._meta(key))), w)
         return w
 
     def tokenizer(self) -> tuple[str, dict[str, Any]]:

@@ -18,6 +18,7 @@ GPTQ/AWQ's group scales, FP8 e4m3 per-channel as in vLLM's fp8 W8A16 path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any
@@ -26,13 +27,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS, ConfigError
+from jaxserve.kernels.cpu.ggml_matmul import can_pack
 from jaxserve.model.ggml_weight import GGMLWeight, ggml_matmul_reference, pack_for_cpu
-from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
+from jaxserve.model.params import (EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, PROJECTIONS,
+                                   LayerParams, Params)
 from jaxserve.kernels.impl_table import lookup, pallas_impl
 from jaxserve.pytree import pytree_dataclass
 
-# The LayerParams fields that are projections, with how many leading axes are inputs.
-PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# PROJECTIONS (jaxserve.model.params): the LayerParams fields that are projections, with
+# how many leading axes are inputs; imported from here too.
 
 
 @pytree_dataclass(meta=("fmt", "n_in"))
@@ -67,8 +70,9 @@ def quantize_weight(w: jax.Array, n_in: int, fmt: str, group_size: int | None = 
 def quantize_params(params: Params, fmt: str, group_size: int | None = None,
                     rules: Any = None) -> Params:
     """`params` with every float layer projection (PROJECTIONS) replaced by a
-    QuantizedWeight; everything else (GGMLWeight projections too) unchanged. Runs one small jitted quantisation per weight, so peak
-    memory stays near the float weights plus one quantised copy. rules: the ShardingRules
+    QuantizedWeight; everything else (GGMLWeight projections too) unchanged. Runs one
+    small jitted quantisation per weight, so peak memory stays near the float weights plus
+    one quantised copy. rules: the ShardingRules
     of a tensor-parallel mesh (None: one device); each device's input rows of a row-split
     weight must hold whole groups. Raises ConfigError (a ValueError) when they do not."""
     quantize = jax.jit(quantize_weight, static_argnums=(1, 2, 3))
@@ -237,6 +241,19 @@ def fused_weight(ws: list[jax.Array], n_in: int = 1, shards: int = 1) -> tuple[j
     return jnp.concatenate(parts, axis=2).reshape(k, -1), shapes
 
 
+def _shards(rules: Any, shape: tuple[int, ...], axes: tuple, n_in: int) -> tuple[int, int]:
+    """(devices the input dims split over, devices the output dims split over) of a
+    weight of logical `shape` and `axes` (its first n_in contracted) under the
+    ShardingRules `rules` of a tensor-parallel mesh; (1, 1) when rules is None."""
+    if rules is None:
+        return 1, 1
+    spec = tuple(rules.spec(axes, shape))
+    size = lambda ax: rules.mesh.shape[ax] if ax is not None else 1  # noqa: E731
+    ins = [a for a in spec[:n_in] if a is not None]
+    outs = [a for a in spec[n_in:] if a is not None]
+    return size(ins[0] if ins else None), size(outs[0] if outs else None)
+
+
 def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
                           max_rows: int | None = None, fuse: bool = True,
                           round_x_min_rows: int | None = None, rules: Any = None) -> Params:
@@ -251,15 +268,7 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
     fusion are then done per shard of each weight's split (jaxserve.model.tensor_parallel).
     GGMLWeight leaves (block-quantised weights) are kept as they are, and a layer holding
     one is not fused."""
-    def split(shape, axes, n_in) -> tuple[int, int]:
-        if rules is None:
-            return 1, 1
-        spec = tuple(rules.spec(axes, shape))
-        size = lambda ax: rules.mesh.shape[ax] if ax is not None else 1
-        ins = [a for a in spec[:n_in] if a is not None]
-        outs = [a for a in spec[n_in:] if a is not None]
-        return size(ins[0] if ins else None), size(outs[0] if outs else None)
-
+    split = functools.partial(_shards, rules)
     def dual(w, split_, n_in=1, **kw):
         return dual_precision(w, min_rows, packed=packed, max_rows=max_rows, n_in=n_in,
                               round_x_min_rows=round_x_min_rows, split=split_, **kw)
@@ -285,12 +294,12 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
             w_up=None, w_down=proj(lp, "w_down"))
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
+    params = dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
     if isinstance(head, GGMLWeight):  # a block-quantised head is served in its blocks
-        return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
+        return params
     head_split = (split(head.shape, EMBED_AXES, 1)[::-1] if tied
                   else split(head.shape, LM_HEAD_AXES, 1))
-    return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
-                               lm_head=dual(head, head_split, vocab_major=tied))
+    return dataclasses.replace(params, lm_head=dual(head, head_split, vocab_major=tied))
 
 
 def pack_ggml_params(params: Params, rules: Any = None) -> Params:
@@ -299,18 +308,13 @@ def pack_ggml_params(params: Params, rules: Any = None) -> Params:
     where each device's rows make whole panels (rules: the ShardingRules of a
     tensor-parallel mesh; None: one device); the others stay as they are (run by the
     jnp reference)."""
-    def rows_split(w: GGMLWeight, axes: tuple, n_in: int | None) -> int:
-        if rules is None:
-            return 1
-        spec = tuple(rules.spec(EMBED_AXES if n_in is None else axes, w.shape))
-        ax = spec[0] if n_in is None else next((a for a in spec[n_in:] if a is not None), None)
-        return rules.mesh.shape[ax] if ax is not None else 1
-
     def pack(w: Any, axes: tuple, n_in: int | None) -> Any:
         if not isinstance(w, GGMLWeight) or w.packed:
             return w
-        from jaxserve.kernels.cpu.ggml_matmul import COLS
-        if (w.matrix_shape[0] // rows_split(w, axes, n_in)) % COLS:
+        # rows: a projection's outputs; a vocab-major table's [vocab, embed] first axis
+        devices = (_shards(rules, w.shape, EMBED_AXES, 1)[0] if n_in is None
+                   else _shards(rules, w.shape, axes, n_in)[1])
+        if not can_pack(w.matrix_shape[0] // devices):
             return w
         return jax.block_until_ready(pack_for_cpu(w))
 

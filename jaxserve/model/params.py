@@ -113,8 +113,8 @@ LAYER_AXES = {
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "bq": ("q_heads", "head_dim"), "bk": ("kv_heads", "head_dim"), "bv": ("kv_heads", "head_dim"),
 }
-# the projections' contracted leading axes (jaxserve.model.linear.PROJECTIONS)
-_N_IN = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# The LayerParams fields that are projections, with how many leading axes are inputs.
+PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 EMBED_AXES = ("vocab", "embed")
 LM_HEAD_AXES = ("embed", "vocab")
 
@@ -129,9 +129,9 @@ def param_specs(cfg: ModelConfig) -> Params:
     inits = {"attn_norm": "ones", "mlp_norm": "ones", "bq": "zeros", "bk": "zeros", "bv": "zeros"}
 
     def spec(name: str, shape: tuple[int, ...], i: int) -> Any:
-        fmt = cfg.weight_format(name, i) if name in _N_IN else None
+        fmt = cfg.weight_format(name, i) if name in PROJECTIONS else None
         if fmt is not None:
-            return ggml_spec(fmt, shape, LAYER_AXES[name], _N_IN[name])
+            return ggml_spec(fmt, shape, LAYER_AXES[name], PROJECTIONS[name])
         return ParamSpec(shape, LAYER_AXES[name], inits.get(name, "normal"))
 
     def layer(i: int) -> LayerParams:

@@ -119,17 +119,17 @@ def ggml_matmul_q8_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.A
     isum = jnp.einsum("mbj,nbj->mnb", q, wq, preferred_element_type=jnp.int32)
     isum = isum - QUANT_OFFSET[fmt] * sx[:, None, :]
     dw = jnp.asarray(d).astype(jnp.float32)  # [N, KB]
-    scale = dw[None] * dx[:, None, :]
-    terms = [(isum.astype(jnp.float32), scale)]
-    if fmt == "q4_1":
-        terms.append((jnp.asarray(m).astype(jnp.float32)[None] + jnp.zeros_like(scale),
-                      (dx * sx.astype(jnp.float32))[:, None, :] + jnp.zeros_like(scale)))
+    terms = [(isum.astype(jnp.float32), dw[None] * dx[:, None, :])]  # [M, N, KB] each
+    if fmt == "q4_1":  # [1, N, KB] x [M, 1, KB]
+        terms.append((jnp.asarray(m).astype(jnp.float32)[None],
+                      (dx * sx.astype(jnp.float32))[:, None, :]))
 
     def step(acc, b):
         for a, s in terms:
             acc = a[..., b] * s[..., b] + acc
         return acc, None
-    acc, _ = jax.lax.scan(step, jnp.zeros(scale.shape[:2], jnp.float32), jnp.arange(scale.shape[2]))
+    acc, _ = jax.lax.scan(step, jnp.zeros(isum.shape[:2], jnp.float32),
+                          jnp.arange(isum.shape[2]))
     return acc
 
 
