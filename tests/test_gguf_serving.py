@@ -68,6 +68,64 @@ def test_block_weights_run_as_their_dequantised_floats(tied):
     np.testing.assert_allclose(np.concatenate(got), ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("formats", [
+    (("embed", "q8_0"), *((n, "q4_1") for n in PROJECTIONS)),  # SmolLM2's: all fused
+    FORMATS,  # wq | wk | wv and w_gate | w_up of mixed formats: kept apart
+])
+def test_cpp_kernel_fuses_the_projections_of_one_input_and_sums_the_same(cpu_kernels_library,
+                                                                        formats):
+    """pack_ggml_params with `fuse`: a layer's wq | wk | wv and w_gate | w_up in one
+    format become one FusedWeight of their panels (one x quantisation, one kernel call),
+    giving the unfused C++ path's logits exactly (the same x blocks, integer dots and
+    scales per output column); parts of different formats stay apart."""
+    from jaxserve.model.linear import FusedWeight, pack_ggml_params
+    from jaxserve.model.transformer import Kernels
+    cfg = _cfg(weight_formats=formats)
+    params = init_params(cfg, jax.random.key(5), scale=0.2)
+    fused, apart = pack_ggml_params(params), pack_ggml_params(params, fuse=False)
+    mixed = formats is FORMATS
+    for lp in fused.layers:
+        assert isinstance(lp.wq, FusedWeight) != mixed and (lp.wk is None) != mixed
+        assert isinstance(lp.w_gate, FusedWeight) != mixed and (lp.w_up is None) != mixed
+        assert isinstance(lp.wo, GGMLWeight) and lp.wo.packed
+    assert isinstance(apart.layers[0].wq, GGMLWeight) and apart.layers[0].wq.packed
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, 13).tolist()
+
+    def run(p):
+        drv = PagedDriver(p, cfg, page_size=4, kernels=Kernels(matmul="cpu"))
+        out = [drv.step({"s": ids[:9]}, T=16, P=8)["s"]]
+        return np.concatenate(out + [drv.step({"s": [t]}, T=1, P=8)["s"] for t in ids[9:]])
+    got, want = run(fused), run(apart)
+    np.testing.assert_array_equal(got, want)  # the unfused C++ path: test_cpu_kernel_ggml_matmul
+
+
+def test_fused_panels_are_grouped_per_shard():
+    """Under tensor parallelism (shards devices splitting the output rows) a fused GGML
+    weight holds shard 0's panels of every part, then shard 1's, ...: a contiguous split
+    gives each device its own parts, in order, as `fused_weight` groups float columns.
+    Parts whose panels do not split over the shards, or of different formats, are not
+    fused."""
+    from jaxserve.model.ggml_weight import pack_for_cpu
+    from jaxserve.model.linear import fused_ggml_weight
+    cfg = _cfg(weight_formats=tuple((n, "q4_1") for n in PROJECTIONS))
+    lp = init_params(cfg, jax.random.key(6), scale=0.2).layers[0]
+    q, k, v = (pack_for_cpu(w) for w in (lp.wq, lp.wk, lp.wv))
+    assert [w.qs.shape[0] for w in (q, k, v)] == [4, 2, 2]  # panels of 16 rows
+    f = fused_ggml_weight([q, k, v], shards=2)
+    assert f.shards == 2
+    assert f.out_shapes == tuple((w.shape[1] // 2, *w.shape[2:]) for w in (q, k, v))
+    assert f.w.logical_shape == (64, sum(int(np.prod(w.shape[1:])) for w in (q, k, v)))
+    halves = np.split(np.asarray(f.w.qs), 2)
+    for i, half in enumerate(halves):
+        want = np.concatenate([np.split(np.asarray(w.qs), 2)[i] for w in (q, k, v)])
+        np.testing.assert_array_equal(half, want)
+    assert fused_ggml_weight([q, k, v], shards=4) is None  # k's 2 panels over 4 devices
+    q8 = pack_for_cpu(init_params(_cfg(weight_formats=(("wq", "q8_0"),)), jax.random.key(6),
+                                  scale=0.2).layers[0].wq)
+    assert fused_ggml_weight([q8, k, v]) is None
+    assert fused_ggml_weight([lp.wq, lp.wk, lp.wv]) is None  # not packed
+
+
 def test_abstract_tree_holds_the_blocks_bytes():
     """abstract_params: a q4_1 [out, in] matrix is 20 bytes per 32 weights (u8 quants, f16
     scale and minimum), q8_0 34; norms stay f32; param_count counts the weights the blocks
@@ -147,7 +205,35 @@ def test_real_model_converts_keeping_its_blocks(gguf_checkpoint, smollm2_checkpo
     assert nbytes(blocks) == want
 
 
-def test_real_model_engine_on_blocks_gives_the_float_models_tokens(smollm2_gguf, cache_dir):
+XLA_F32 = dict(warmup=False, bf16_matmul_min_rows=None, bf16_matmul_round_x_min_rows=None,
+               matmul_impl="xla", attention_impl="xla", cache_dtype=None, max_num_seqs=8)
+CONTINUATION_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+NEXT_TOKEN_PROMPTS = CONTINUATION_PROMPTS + [
+    "Water boils at", "The largest planet in the solar system is", "Once upon a time",
+    "import numpy as np\n", "The quick brown fox", "In 1492, Columbus"]
+
+
+def continuation_params():
+    from jaxserve import SamplingParams
+    return SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def float_outputs(smollm2_gguf, cache_dir):
+    """The same GGUF file dequantised to f32, served with XLA's matmuls and attention and
+    f32 K/V (one engine for both tests below): (24-token greedy continuations with
+    logprobs of CONTINUATION_PROMPTS, the greedy next token of each NEXT_TOKEN_PROMPTS)."""
+    import jaxserve
+    from jaxserve import SamplingParams
+    llm = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, cache_dir=cache_dir, **XLA_F32)
+    continuations = llm.generate(CONTINUATION_PROMPTS, continuation_params())
+    next_tokens = [c.token_ids for c in llm.generate(
+        NEXT_TOKEN_PROMPTS, SamplingParams(max_tokens=1, temperature=0.0))]
+    return continuations, next_tokens
+
+
+def test_real_model_engine_on_blocks_gives_the_float_models_tokens(smollm2_gguf, cache_dir,
+                                                                    float_outputs):
     """`LLM(model=the .gguf, quantization="gguf")` against the same file dequantised to
     f32 (both with XLA's matmuls and attention, f32 K/V): the same weights, so the same
     greedy tokens, and log-probabilities equal up to f32 summation order (the blocks'
@@ -155,18 +241,11 @@ def test_real_model_engine_on_blocks_gives_the_float_models_tokens(smollm2_gguf,
     dot): measured up to 2.3e-5, the bound 1e-3 is 40x that; a wrong block or row moves
     them by O(1)."""
     import jaxserve
-    from jaxserve import SamplingParams
-    kw = dict(warmup=False, bf16_matmul_min_rows=None, bf16_matmul_round_x_min_rows=None,
-              matmul_impl="xla", attention_impl="xla", cache_dtype=None, max_num_seqs=4,
-              cache_dir=cache_dir)
-    sp = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    blocks = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, quantization="gguf", **kw)
+    blocks = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, quantization="gguf",
+                          cache_dir=cache_dir, **XLA_F32)
     assert isinstance(blocks.engine.runner.params.layers[0].wq, GGMLWeight)
-    got = blocks.generate(prompts, sp)
-    del blocks
-    want = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, **kw).generate(prompts, sp)
-    for g, w in zip(got, want):
+    got = blocks.generate(CONTINUATION_PROMPTS, continuation_params())
+    for g, w in zip(got, float_outputs[0]):
         assert g.token_ids == w.token_ids
         lp = lambda c: np.array([t.logprob for t in c.logprobs])  # noqa: E731
         np.testing.assert_allclose(lp(g), lp(w), atol=1e-3)
@@ -184,7 +263,8 @@ def test_quantization_gguf_needs_a_gguf_source(tmp_path, cache_dir, smollm2_chec
         resolve_checkpoint(ModelSource(checkpoint=str(smollm2_checkpoint)), cache_dir, "gguf")
 
 
-def test_real_model_cpp_kernel_on_blocks_keeps_the_float_models_first_tokens(smollm2_gguf, cache_dir):
+def test_real_model_cpp_kernel_on_blocks_keeps_the_float_models_first_tokens(smollm2_gguf, cache_dir,
+                                                                           float_outputs):
     """The default CPU engine with quantization="gguf": every matrix packed into the C++
     kernel's panels (x quantised per block to int8, as llama.cpp does), against the same
     file dequantised to f32 in XLA: the most likely next token of 8 prompts is the same
@@ -192,18 +272,13 @@ def test_real_model_cpp_kernel_on_blocks_keeps_the_float_models_first_tokens(smo
     panel, nibble or scale makes the output noise)."""
     import jaxserve
     from jaxserve import SamplingParams
-    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
-               "The largest planet in the solar system is", "Once upon a time",
-               "import numpy as np\n", "The quick brown fox", "In 1492, Columbus"]
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
     llm = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, quantization="gguf", warmup=False,
                        cache_dir=cache_dir, max_num_seqs=8)
+    from jaxserve.model.linear import FusedWeight
     lp = llm.engine.runner.params
+    assert isinstance(lp.layers[0].wq, FusedWeight) and lp.layers[0].wk is None
     assert all(isinstance(w, GGMLWeight) and w.packed
-               for w in (lp.embed, lp.layers[0].wq, lp.layers[0].w_down))
-    got = [c.token_ids for c in llm.generate(prompts, sp)]
-    del llm
-    ref = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, warmup=False, cache_dir=cache_dir,
-                       max_num_seqs=8, bf16_matmul_min_rows=None,
-                       bf16_matmul_round_x_min_rows=None, matmul_impl="xla", cache_dtype=None)
-    assert got == [c.token_ids for c in ref.generate(prompts, sp)]
+               for w in (lp.embed, lp.layers[0].wq.w, lp.layers[0].w_gate.w, lp.layers[0].w_down))
+    got = [c.token_ids for c in llm.generate(NEXT_TOKEN_PROMPTS,
+                                             SamplingParams(max_tokens=1, temperature=0.0))]
+    assert got == float_outputs[1]

@@ -70,8 +70,12 @@ def node_spec(node: Any, axes: tuple, n_in: int, rules: ShardingRules) -> Any:
     if isinstance(node, FusedWeight):  # [in, parts' columns], fused per shard
         out = rules.mesh_axis(axes[n_in]) if node.shards > 1 else None
         fused = PartitionSpec(None, out)
-        inner = (_dual_spec(node.w, fused, None, out) if isinstance(node.w, DualPrecisionWeight)
-                 else fused)
+        if isinstance(node.w, DualPrecisionWeight):
+            inner = _dual_spec(node.w, fused, None, out)
+        elif isinstance(node.w, GGMLWeight):  # packed panels [rows / 16, in / 32, B]
+            inner = jax.tree.map(lambda a: PartitionSpec(out, *(None,) * (a.ndim - 1)), node.w)
+        else:
+            inner = fused
         return dataclasses.replace(node, w=inner)
     if isinstance(node, GGMLWeight):  # [out, in / 32, ...] blocks: rows, then blocks
         vocab_major = len(axes) == 2 and "vocab" in axes
