@@ -18,6 +18,7 @@ from jaxserve.model.ggml_weight import GGMLWeight, dequantize
 from jaxserve.model.linear import PROJECTIONS
 from jaxserve.model.params import abstract_params, init_params, param_count
 from model_utils import PagedDriver, dense_reference_logits, tiny_config
+from tools import quant_accuracy
 
 # every format, per-layer overrides, dims multiples of the 32-wide blocks
 FORMATS = (("embed", "q8_0"), ("wq", "q4_1"), ("wk", "q4_0"), ("wv", "q8_0"), ("wo", "q4_1"),
@@ -205,8 +206,8 @@ def test_real_model_converts_keeping_its_blocks(gguf_checkpoint, smollm2_checkpo
     assert nbytes(blocks) == want
 
 
-XLA_F32 = dict(warmup=False, bf16_matmul_min_rows=None, bf16_matmul_round_x_min_rows=None,
-               matmul_impl="xla", attention_impl="xla", cache_dtype=None, max_num_seqs=8)
+# the f32 reference variant of tools/quant_accuracy.py, without warm-up
+XLA_F32 = dict(quant_accuracy.XLA_F32, warmup=False, max_num_seqs=8)
 NEXT_TOKEN_PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Water boils at",
     "The largest planet in the solar system is", "Once upon a time", "import numpy as np\n",
@@ -215,10 +216,9 @@ ACCURACY_WINDOW = 384  # tokens of tests/data/accuracy_text.txt, BOS first (one 
 
 
 def accuracy_window(llm) -> list[int]:
-    from tools.quant_accuracy import DEFAULT_TEXT, windows
     tok = llm.tokenizer
-    ids = tok.encode(DEFAULT_TEXT.read_text(), add_special_tokens=False)
-    return windows(ids, ACCURACY_WINDOW, tok.bos_token_id)[0]
+    ids = tok.encode(quant_accuracy.DEFAULT_TEXT.read_text(), add_special_tokens=False)
+    return quant_accuracy.windows(ids, ACCURACY_WINDOW, tok.bos_token_id)[0]
 
 
 @pytest.fixture(scope="module")
@@ -229,11 +229,10 @@ def float_outputs(smollm2_gguf, cache_dir):
     accuracy text's first window and its next tokens [383])."""
     import jaxserve
     from jaxserve import SamplingParams
-    from tools.quant_accuracy import next_token_logprobs
     llm = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, cache_dir=cache_dir, **XLA_F32)
     next_tokens = [c.token_ids for c in llm.generate(
         NEXT_TOKEN_PROMPTS, SamplingParams(max_tokens=1, temperature=0.0))]
-    return next_tokens, next_token_logprobs(llm, [accuracy_window(llm)])
+    return next_tokens, quant_accuracy.next_token_logprobs(llm, [accuracy_window(llm)])
 
 
 def assert_close_distributions(llm, float_outputs, max_kl: float) -> dict:
@@ -241,11 +240,10 @@ def assert_close_distributions(llm, float_outputs, max_kl: float) -> dict:
     the f32 engine's: mean KL(f32 || llm) <= max_kl nats, the same most likely token
     wherever the f32 model's top two are >= 1 nat apart (tools/quant_accuracy.py's
     measures). Returns them."""
-    from tools.quant_accuracy import compare, next_token_logprobs
     ref_logp, targets = float_outputs[1]
-    logp, got_targets = next_token_logprobs(llm, [accuracy_window(llm)])
+    logp, got_targets = quant_accuracy.next_token_logprobs(llm, [accuracy_window(llm)])
     np.testing.assert_array_equal(got_targets, targets)
-    r = compare(ref_logp, logp, targets)
+    r = quant_accuracy.compare(ref_logp, logp, targets)
     assert r["kl"] <= max_kl and r["top1_confident"] == 1.0 and r["confident"] > 0.3, r
     return r
 
@@ -260,11 +258,10 @@ def test_real_model_engine_on_blocks_gives_the_float_models_distributions(smollm
     XLA's dot: measured equal here, and up to 2.3e-5 apart in engine decode steps; the
     bound 1e-3 is 40x that); a wrong block or row moves them by O(1)."""
     import jaxserve
-    from tools.quant_accuracy import next_token_logprobs
     blocks = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, quantization="gguf",
                           cache_dir=cache_dir, **XLA_F32)
     assert isinstance(blocks.engine.runner.params.layers[0].wq, GGMLWeight)
-    logp, targets = next_token_logprobs(blocks, [accuracy_window(blocks)])
+    logp, targets = quant_accuracy.next_token_logprobs(blocks, [accuracy_window(blocks)])
     ref_logp, ref_targets = float_outputs[1]
     np.testing.assert_array_equal(targets, ref_targets)
     np.testing.assert_allclose(logp, ref_logp, atol=1e-3)
@@ -295,8 +292,8 @@ def test_quantization_gguf_needs_a_gguf_source(tmp_path, cache_dir, smollm2_chec
 ONE_ROUNDING_KL = 0.01
 
 
-def test_real_model_cpp_kernel_on_blocks_keeps_the_float_models_distributions(smollm2_gguf, cache_dir,
-                                                                             float_outputs):
+def test_real_model_cpp_kernel_on_blocks_keeps_the_float_models_distributions(
+        smollm2_gguf, cache_dir, float_outputs):
     """The default CPU engine with quantization="gguf": every matrix packed into the C++
     kernel's panels (x quantised per block to int8, as llama.cpp does; qkv and gate|up
     fused), against the same file dequantised to f32 in XLA: the same most likely next
@@ -326,8 +323,7 @@ def test_real_model_q8_0_file_served_in_its_blocks_stays_close(smollm2_gguf, cac
     C++ kernel, within twice ONE_ROUNDING_KL of the f32 model (two 8-bit roundings: the
     weights' and x's), confident positions unflipped."""
     import jaxserve
-    from tools.quant_accuracy import q8_0_gguf
-    llm = jaxserve.LLM("smollm2_135m", model=q8_0_gguf(smollm2_gguf, cache_dir),
+    llm = jaxserve.LLM("smollm2_135m", model=quant_accuracy.q8_0_gguf(smollm2_gguf, cache_dir),
                        quantization="gguf", warmup=False, cache_dir=cache_dir, max_num_seqs=8)
     assert dict(llm.engine.runner.model_cfg.weight_formats) == {
         "embed": "q8_0", **{n: "q8_0" for n in PROJECTIONS}}

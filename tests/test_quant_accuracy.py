@@ -16,7 +16,8 @@ def test_windows_start_with_bos_and_cover_the_text_once():
     assert all(x[0] == 1 for x in w) and all(len(x) <= 8 for x in w)
     assert [t for x in w for t in x[1:]] == ids  # each token once, in order
     assert qa.windows(list(range(15)), 8, bos=0) == [[0, *range(7)], [0, *range(7, 14)]]
-    assert qa.windows([5, 6, 7, 8, 9, 10, 11, 12], 8, bos=0) == [[0, 5, 6, 7, 8, 9, 10, 11]]  # 1 left: dropped
+    # the last piece, 1 token: dropped
+    assert qa.windows([5, 6, 7, 8, 9, 10, 11, 12], 8, bos=0) == [[0, 5, 6, 7, 8, 9, 10, 11]]
     with pytest.raises(ValueError, match="window must be >= 3"):
         qa.windows(ids, 2, bos=1)
 

@@ -1,7 +1,7 @@
 """Compare jaxserve with its peers (llama.cpp's llama-server, HF transformers) on this machine.
 
     python -m tools.bench_peers --setup-only                 # build / download the peers once
-    python -m tools.bench_peers [--peers jaxserve,jaxserve-eagle,llamacpp-bf16,llamacpp-q4_1,hf-bf16]
+    python -m tools.bench_peers [--peers jaxserve,jaxserve-eagle,jaxserve-q4_1,llamacpp-bf16,...]
                                 [--concurrency 32] [--output-len 128] [--num-prompts 64]
                                 [--result-json out.json] [--cache-dir DIR] [--config CFG]
 
@@ -30,11 +30,11 @@ llama-server is built with cmake from the llama.cpp sources vendored in the sdis
 llama-cpp-python==LLAMA_CPP_PYTHON_VERSION (PyPI has no prebuilt binary), once, under the
 cache dir (default ~/.cache/jaxserve/peers): ~12 min on 2 busy cores, then cached
 (cmake: Release, GGML_NATIVE=ON, static; LLAMA_OPENSSL/LLAMA_USE_PREBUILT_UI off so the build
-fetches nothing; LLAMA_CURL=OFF only matters for older pins). The BF16 (Q8_0) GGUF is made with
-`llama-quantize --allow-requantize Q4_1.gguf BF16.gguf BF16` (... Q8_0), or, if that is
-refused, with the gguf package (same bytes). The peers run one after another, never at the same time:
-llama.cpp's figures collapse when anything else uses the CPU, so run it on an otherwise
-idle machine (numbers taken beside other CPU work are not comparable). Never run in CI.
+fetches nothing; LLAMA_CURL=OFF only matters for older pins). The BF16 (Q8_0) GGUF is made
+with `llama-quantize --allow-requantize Q4_1.gguf BF16.gguf BF16` (... Q8_0), or, if that is
+refused, with the gguf package (same bytes). The peers run one after another, never at the
+same time: llama.cpp's figures collapse when anything else uses the CPU, so run it on an
+otherwise idle machine (numbers taken beside other CPU work are not comparable). Never run in CI.
 
 Workload, the same for every peer:
   (i)   single stream: --single-prompts prompts one at a time, --output-len tokens each
@@ -83,15 +83,14 @@ from typing import Any, Callable, Sequence
 
 from tools.peers.common import (ALL_PEERS, BASELINE, DEFAULT_PEERS, GGUF_PEERS, HF_ENV, METRICS,
                                 REQUANTIZED_FORMATS, ROOT, SERVED_MODEL, SPEC_CONFIGS,
-                                TTFT_PASSAGE, TTFT_PROMPT_TOKENS, TTFT_REPEATS, Server, SetupError, cpu_model, default_cache_dir,
-                                free_port, run_logged)
+                                TTFT_PASSAGE, TTFT_PROMPT_TOKENS, TTFT_REPEATS, Server, SetupError,
+                                cpu_model, default_cache_dir, free_port, run_logged)
 from tools.peers.hf import hf_tokenizer, hf_worker, run_hf_peer
 from tools.peers.llamacpp import (LlamaCpp, llama_ngram_flags, llama_server_cmd, llama_server_flags,
                                   setup_llamacpp, setup_q4_1_gguf, setup_requantized_gguf)
 from tools.peers.report import (fmt_value, combine_bandwidth, describe_bandwidth,
                                 format_ratio_table, format_same_format, format_speculation,
-                                measure_bandwidth_bound,
-                                ratio, summarise_serving)
+                                measure_bandwidth_bound, ratio, summarise_serving)
 
 
 def jaxserve_cmd(python: str, config: str, port: int, cache_dir: str | None = None,
@@ -454,7 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "dataset": args.dataset, "seed": args.seed, "threads": args.threads,
                          "llama_ctx_per_slot": args.ctx_per_slot,
                          "hf_max_prompt_tokens": args.hf_max_prompt_tokens},
-            "requantized_ggufs": {f: how for f, (_, how) in st.requantized.items()}, "peers": {}, "errors": {}}
+            "requantized_ggufs": {f: how for f, (_, how) in st.requantized.items()},
+            "peers": {}, "errors": {}}
     bandwidth = [measure_bandwidth_bound(args.config)]
     for peer in args.peers:  # one after another, never at the same time
         t0 = time.perf_counter()

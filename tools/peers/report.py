@@ -58,15 +58,9 @@ def format_ratio_table(results: dict[str, dict[str, Any]], metrics=METRICS,
     """`results` ({peer: {metric: value}}) as an aligned text table with a header line
     explaining the ratio columns ("x vs P": jaxserve/P for throughputs, P/jaxserve for
     latencies, > 1 means jaxserve is better)."""
-    rows = ratio_rows(results, metrics, baseline)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"'x vs P' = {baseline}/P for tok/s, P/{baseline} for ms: > 1 means {baseline} is better"]
-    for n, r in enumerate(rows):
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_rows(ratio_rows(results, metrics, baseline),
+                       f"'x vs P' = {baseline}/P for tok/s, P/{baseline} for ms: > 1 means "
+                       f"{baseline} is better", names=1)
 
 
 def pair_rows(results: dict[str, dict[str, Any]], pairs: dict[str, str],
@@ -115,16 +109,17 @@ def same_format_rows(results: dict[str, dict[str, Any]],
     return pair_rows(results, pairs, SAME_FORMAT_KEYS, "jaxserve peer")
 
 
-def format_rows(rows: list[list[str]], title: str) -> str:
-    """`rows` (a header row, then rows; the first two columns names) as an aligned text
-    table under `title`; "" when there are no rows."""
+def format_rows(rows: list[list[str]], title: str, names: int = 2) -> str:
+    """`rows` (a header row, then rows whose first `names` columns are names, left-aligned;
+    the others right-aligned) as an aligned text table under `title`; "" when there are
+    no rows."""
     if not rows:
         return ""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [title]
     for n, r in enumerate(rows):
-        lines.append("  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1])] +
-                               [c.rjust(w) for c, w in zip(r[2:], widths[2:])]).rstrip())
+        lines.append("  ".join(c.ljust(w) if i < names else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
