@@ -85,10 +85,12 @@ def cpu_kernels_library(cache_dir):
 
 
 @pytest.fixture(scope="session")
-def portable_cpu_kernels(tmp_path_factory):
+def portable_cpu_kernels(cache_dir):
     """The C++ kernels built for x86-64-v2 (a later -march wins over -march=native): the
     loops machines without AVX-512 run, as a loaded ctypes library whose handlers each test
-    registers under its own target name. Skips off x86."""
+    registers under its own target name. Skips off x86. Cached beside the native library
+    under the same kind of key (build.build_key: sources, flags, compiler, jaxlib, CPU):
+    the build takes ~11 s, which each xdist worker paid every run."""
     import ctypes
     import platform
 
@@ -96,9 +98,13 @@ def portable_cpu_kernels(tmp_path_factory):
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64-v2 is an x86 target")
-    lib_path = tmp_path_factory.mktemp("portable") / "portable.so"
-    build._compile(build.find_compiler(), sorted(build.SOURCE_DIR.glob("*.cc")), lib_path,
-                   extra_flags=("-march=x86-64-v2",))
+    flags = ("-march=x86-64-v2",)
+    compiler = build.find_compiler()
+    sources = sorted(build.SOURCE_DIR.glob("*.cc"))
+    key = build.build_key(compiler, sources + sorted(build.SOURCE_DIR.glob("*.h")), flags)
+    lib_path = cache_dir / "kernels" / f"jaxserve_cpu_kernels_portable-{key}.so"
+    if not lib_path.exists():  # _compile writes it atomically: two workers may both build
+        build._compile(compiler, sources, lib_path, extra_flags=flags)
     return ctypes.CDLL(str(lib_path))
 
 

@@ -214,12 +214,15 @@ def test_bad_inputs_name_the_field(field, value, match):
 def test_library_is_built_once_and_cached(tmp_path, cpu_kernels_library):
     """The cached file is keyed by what goes into it, and a second load reuses it."""
     from jaxserve.kernels.cpu import build
-    key_a = build._build_key(build.find_compiler(), sorted(build.SOURCE_DIR.glob("*.cc")))
+    key_a = build.build_key(build.find_compiler(), sorted(build.SOURCE_DIR.glob("*.cc")))
     src = tmp_path / "extra.cc"
     src.write_text("// a change to any source changes the key\n")
-    key_b = build._build_key(build.find_compiler(),
+    key_b = build.build_key(build.find_compiler(),
                              sorted(build.SOURCE_DIR.glob("*.cc")) + [src])
     assert key_a != key_b and len(key_a) == 16
+    # and so does a flag (the tests' portable build is cached beside the native one)
+    assert build.build_key(build.find_compiler(), sorted(build.SOURCE_DIR.glob("*.cc")),
+                           ("-march=x86-64-v2",)) != key_a
     assert build.load_library(tmp_path) is cpu_kernels_library  # loaded once per process
 
 

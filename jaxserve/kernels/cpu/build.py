@@ -67,11 +67,15 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_key(compiler: str, sources: list[Path]) -> str:
+def build_key(compiler: str, sources: list[Path], extra_flags: tuple[str, ...] = ()) -> str:
+    """The cache key of a library built from `sources` (sources and headers) with
+    CXXFLAGS + extra_flags by `compiler`: 16 hex digits of a hash of the sources, the
+    flags, the compiler's version, jaxlib's version and this CPU's instruction-set flags."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
+    flags = " ".join(CXXFLAGS + tuple(extra_flags))
     for part in ([s.read_bytes() for s in sources] +
-                 [" ".join(CXXFLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+                 [flags.encode(), version.encode(), jaxlib.__version__.encode(),
                   platform.machine().encode(), _cpu_flags().encode()]):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()[:16]
@@ -108,7 +112,7 @@ def load_library(build_dir: Path, compiler: str | None = None) -> ctypes.CDLL:
                                    "on PATH); install g++ or use attention_impl='xla'")
         sources = sorted(SOURCE_DIR.glob("*.cc"))
         headers = sorted(SOURCE_DIR.glob("*.h"))
-        key = _build_key(compiler, sources + headers)
+        key = build_key(compiler, sources + headers)
         target = Path(build_dir) / f"jaxserve_cpu_kernels-{key}.so"
         if not target.exists():
             _compile(compiler, sources, target)
