@@ -59,7 +59,26 @@ def ragged_prefill_case(rng, seqs, *, total, q_heads, kv_heads, head_dim, page_s
 
 def bf16_and_f16_cases(names, f16_names) -> list:
     """pytest params (name, dtype) for a Mosaic kernel test: every case in bf16, and the
-    few `f16_names` again in f16 (the same code with another element type); ids
-    "NAME-bf16" / "NAME-f16"."""
+    few `f16_names` again in f16 (the same code with another element type; the full tier
+    only); ids "NAME-bf16" / "NAME-f16"."""
     return ([pytest.param(n, jnp.bfloat16, id=f"{n}-bf16") for n in names]
-            + [pytest.param(n, jnp.float16, id=f"{n}-f16") for n in f16_names])
+            + [pytest.param(n, jnp.float16, id=f"{n}-f16", marks=pytest.mark.full)
+               for n in f16_names])
+
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def case_grid(cases, variants: dict, ids=None) -> list:
+    """pytest params of every case in every variant: (*case, value) for a tuple case,
+    (case, value) otherwise; `variants` maps an id to its value (DTYPES: f32, bf16), ids
+    "CASE-VARIANT" (`ids`: the cases' own, default str(case)). The fast tier keeps one
+    variant per case, taking the variants in turn (case i runs variant i mod len), so each
+    variant still runs on its share of the cases; the other combinations are marked
+    `full` (an interpret-mode kernel run costs ~1 s here)."""
+    names = list(variants)
+    ids = ids or [str(c) for c in cases]
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), variants[v],
+                         id=f"{cid}-{v}",
+                         marks=() if (i - j) % len(names) == 0 else pytest.mark.full)
+            for i, (c, cid) in enumerate(zip(cases, ids)) for j, v in enumerate(names)]

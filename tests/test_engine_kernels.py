@@ -89,7 +89,8 @@ def test_pallas_attention_in_the_model_matches_xla():
     _assert_same(got, want, F32_ATOL)
 
 
-def test_mosaic_attention_in_the_model_matches_triton():
+@pytest.mark.full  # fast tier: each Mosaic kernel against its reference, and the engine
+def test_mosaic_attention_in_the_model_matches_triton():  # step with them lowered for CUDA
     """A bf16 model with "pallas_mosaic_interpret" attention (the Mosaic GPU prefill and
     decode kernels) gives the Triton kernels' logits to bf16 precision in every step: packed
     prefill with padding rows, a continuation over cached pages, decode (the two round p

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels.pallas.flash_attention import flash_attention, flash_attention_reference
+from kernel_utils import DTYPES, case_grid
 from kernel_utils import ragged_prefill_case as _case
 
 INTERPRET = "pallas_interpret"
@@ -78,8 +79,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,dtype", case_grid(list(CASES), DTYPES))
 def test_kernel_matches_reference(name, dtype, pallas_impl):
     seqs, total, hq, hkv, d, ps, pps, bq, bkv = CASES[name]
     args = _case(np.random.default_rng(1234), seqs, total=total, q_heads=hq, kv_heads=hkv,
@@ -193,8 +193,7 @@ def test_rejects_bad_inputs(args, kwargs, match):
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,dtype", case_grid(list(MODELS), DTYPES))
 def test_lowers_for_cuda_at_engine_shapes(model, dtype):
     """total_tokens 16 / 128 / 512 x batch 1 / 4 x pages_per_seq 8 / 32 (page_size 16): one
     Triton custom call each, output [total_tokens, q_heads, head_dim] in q's dtype."""

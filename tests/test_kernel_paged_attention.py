@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_utils import shuffled_pool
+from kernel_utils import DTYPES, case_grid, shuffled_pool
 from jaxserve.kernels.pallas.common import FP8_E4M3, INT8
 from jaxserve.kernels.pallas.paged_attention import (_default_blocks, paged_attention,
                                                      paged_attention_reference)
@@ -118,8 +118,7 @@ def _run_case(name, dtype, fmt=None, impl=INTERPRET):
     return out, args, kw
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,dtype", case_grid(list(CASES), DTYPES))
 def test_kernel_matches_reference(name, dtype, pallas_impl):
     out, args, _ = _run_case(name, dtype, impl=pallas_impl)
     _assert_matches(out, paged_attention_reference(*args), args, dtype)
@@ -257,8 +256,7 @@ PAGES = {"f32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.bfloat16)
          "bf16-int8": (jnp.bfloat16, jnp.int8), "bf16-fp8": (jnp.bfloat16, jnp.float8_e4m3fn)}
 
 
-@pytest.mark.parametrize("pages", list(PAGES))
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,pages", case_grid(list(MODELS), {p: p for p in PAGES}))
 def test_lowers_for_cuda_at_engine_shapes(model, pages):
     """batch 1 / 8 / 32 x pages_per_seq 4 / 32 (page_size 16, default blocks and splits):
     one Triton custom call each, output [batch, q_heads, head_dim] in q's dtype."""

@@ -14,6 +14,7 @@ import pytest
 
 from jaxserve.kernels.pallas.quantized_matmul import (quantize_weights, quantized_matmul,
                                                       quantized_matmul_reference)
+from kernel_utils import DTYPES, case_grid
 
 INTERPRET = "pallas_interpret"
 # Kernel vs reference. Both see the same x values and exactly representable weights, so
@@ -60,8 +61,8 @@ FORMATS = [("int8", None, 96, 80), ("int8", None, 576, 200), ("fp8_e4m3", None, 
            ("int8", 128, 384, 80)]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("fmt,group,k,n", FORMATS, ids=[f"{f}-g{g}-{k}x{n}" for f, g, k, n in FORMATS])
+@pytest.mark.parametrize("fmt,group,k,n,dtype",
+                         case_grid(FORMATS, DTYPES, [f"{f}-g{g}-{k}x{n}" for f, g, k, n in FORMATS]))
 def test_kernel_matches_reference(fmt, group, k, n, dtype, pallas_impl):
     """Default blocks; every M in one test (one compile each) to keep the grid small."""
     rng = np.random.default_rng(SEED)

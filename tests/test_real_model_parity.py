@@ -82,42 +82,60 @@ FAST_PARITY = {c for c in PARITY_CASES if c[2] == "cpu" and (c[0] == "long" or c
 FAST_PARITY.add(("long", "f32", "xla"))
 
 
+def paged_logits(params, cfg, ids, attention, kv_dtype=None) -> np.ndarray:
+    """Teacher-forced logits [len(ids), vocab] f32 of our paged forward: the prompt's first
+    part as one prefill step over shuffled pages, then N_DECODE single-token decode steps
+    (`attention` over a head-major pool of `kv_dtype`, None = the params' dtype)."""
+    from jaxserve.model.transformer import Kernels
+    from model_utils import PagedDriver
+    driver = PagedDriver(params, cfg, num_pages=48, page_size=16, seed=len(ids),
+                         kernels=Kernels(attention, "xla"), layout="head_major",
+                         kv_dtype=kv_dtype)
+    n_prefill = len(ids) - N_DECODE
+    Q = 1 << (n_prefill - 1).bit_length()
+    P = 40
+    got = [driver.step({"s": ids[:n_prefill]}, T=Q, P=P)["s"]]
+    got += [driver.step({"s": [t]}, T=1, P=P)["s"] for t in ids[n_prefill:]]
+    return np.concatenate(got)
+
+
+@pytest.fixture(scope="module")
+def references(prompts, model, hf_smollm2_model):
+    """(prompt name, attention) -> (HF's logits, our f32 forward's logits), each computed
+    once per worker: every precision's case of a prompt compares against the same two."""
+    memo = {}
+
+    def get(name, attention):
+        if name not in memo:
+            memo[name] = hf_logits(hf_smollm2_model, prompts[name])
+        if (name, attention) not in memo:
+            memo[name, attention] = paged_logits(model[1], model[0], prompts[name], attention)
+        return memo[name], memo[name, attention]
+    return get
+
+
 @pytest.mark.parametrize("name,precision,attention",
                          [pytest.param(*c, id="-".join(c),
                                        marks=() if c in FAST_PARITY else pytest.mark.full)
                           for c in PARITY_CASES])
 def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, model,
-                                        hf_smollm2_model, cpu_kernels_library):
+                                        references, cpu_kernels_library):
     from jaxserve.model.linear import dual_precision_params
-    from jaxserve.model.transformer import Kernels
-    from model_utils import PagedDriver
     cfg, params = model
-    if precision != "f32":  # the C++ kernel; the prefill step rounds x with bf16_round_x
+    want, f32 = references(name, attention)
+    if precision == "f32":
+        got = f32
+    else:  # the C++ kernel; the prefill step rounds x with bf16_round_x
         params = dual_precision_params(params, min_rows=1, packed=True,
                                        round_x_min_rows=None if precision == "bf16_matmul" else 8)
-    ids = prompts[name]
-    want = hf_logits(hf_smollm2_model, ids)
-    # "bf16_kv": also a bf16 KV pool
-    driver = PagedDriver(params, cfg, num_pages=48, page_size=16, seed=len(ids),
-                         kernels=Kernels(attention, "xla"), layout="head_major",
-                         kv_dtype="bfloat16" if precision == "bf16_kv" else None)
-    n_prefill = len(ids) - N_DECODE
-    Q = 1 << (n_prefill - 1).bit_length()
-    P = 40
-    got = [driver.step({"s": ids[:n_prefill]}, T=Q, P=P)["s"]]
-    for t in ids[n_prefill:]:
-        got.append(driver.step({"s": [t]}, T=1, P=P)["s"])
-    got = np.concatenate(got)
+        # "bf16_kv": also a bf16 KV pool
+        got = paged_logits(params, cfg, prompts[name], attention,
+                           "bfloat16" if precision == "bf16_kv" else None)
     assert got.shape == want.shape
     diff = np.abs(got - want).max()
-    assert diff <= LOGIT_ATOL[precision], f"{name}: max |logit diff| {diff:.2e} over {len(ids)} tokens"
-    if precision == "f32":
-        return
-    f32 = PagedDriver(model[1], cfg, num_pages=48, page_size=16, seed=len(ids),
-                      kernels=Kernels(attention, "xla"), layout="head_major")
-    ref = [f32.step({"s": ids[:n_prefill]}, T=Q, P=P)["s"]]
-    ref += [f32.step({"s": [t]}, T=1, P=P)["s"] for t in ids[n_prefill:]]
-    assert np.abs(np.concatenate(ref) - want).max() < diff, "bf16 weights do round"
+    assert diff <= LOGIT_ATOL[precision], f"{name}: max |logit diff| {diff:.2e} over {len(got)} tokens"
+    if precision != "f32":
+        assert np.abs(f32 - want).max() < diff, "bf16 weights do round"
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from tools import stress_server
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "tests" / "configs" / "smollm2_small.py"
+TWO_SHAPES = ROOT / "tests" / "configs" / "smollm2_two_shapes.py"
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-jaxserve-test"
 SHUTDOWN_TIMEOUT_S = 3
@@ -40,12 +41,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @contextlib.contextmanager
-def launched_server(cache_dir, log_dir: Path):
+def launched_server(cache_dir, log_dir: Path, config: Path = CONFIG):
     """serve.py with an API key from the environment, once /ready answers 200; killed on
     exit if still running."""
     log = log_dir / "serve.log"
     proc, url, _ = bench_serving.launch(
-        CONFIG, cache_dir, log_path=log,
+        config, cache_dir, log_path=log,
         extra_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
         env={**os.environ, "JAXSERVE_API_KEY": KEY, "PYTHONUNBUFFERED": "1"})
     base = url.removesuffix("/v1")
@@ -122,6 +123,7 @@ def test_hostile_clients_harm_no_other_request(server, fuzz_examples):
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-4000:]
 
 
+@pytest.mark.full  # fast tier: the same over the app (tests/test_server_limits.py, 1 MB)
 def test_health_answers_while_a_4mb_prompt_is_tokenised(server):
     """The body is parsed, and the prompt tokenised, off the event loop (and the tokenizer
     releases the GIL): /health keeps answering throughout. Measured against the request's
@@ -229,8 +231,9 @@ def _stream(base: str, max_tokens: int, out: dict, started: threading.Event) -> 
 
 def test_sigterm_drains_then_exits_0(smollm2_checkpoint, cache_dir, tmp_path):
     """A server of its own (SIGTERM stops it; the module's stays up for the other tests, in
-    any order)."""
-    with launched_server(cache_dir, tmp_path) as srv:
+    any order), of the two-shape config: its warm-up, which the test waits for, is two
+    compilations instead of twelve."""
+    with launched_server(cache_dir, tmp_path, TWO_SHAPES) as srv:
         _drain(*srv)
 
 
