@@ -62,6 +62,21 @@ def test_buckets_end_at_their_limit():
     assert default.seq_buckets == (1, 2, 4, 6) and default.token_buckets == (16, 32, 40)
 
 
+def test_warmup_compiles_exactly_the_mixed_shapes_a_step_can_take():
+    """Every (sequence count, token count) a mixed step can have lands on a warmed-up
+    shape, and every warmed-up mixed shape is reached by one: T 16 x S 32 is not compiled
+    (17 sequences or more bring 17 tokens or more)."""
+    from jaxserve.worker.compilation import StepShapes
+    shapes = StepShapes(EngineConfig(max_model_len=64).override(
+        page_size=16, max_num_seqs=32, max_num_batched_tokens=96, seq_buckets=(1, 4, 16, 32),
+        token_buckets=(16, 32, 64)))
+    warm = {(T, S, P) for kind, T, S, P, _ in shapes.warmup() if kind == "mixed" and P == 4}
+    reached = {shapes.shape_of([1] * (n - 1) + [total - n + 1], 4, decode=False)
+               for n in range(1, 33) for total in range(n, 97)}
+    assert reached == warm
+    assert (16, 32, 4) not in warm and (32, 32, 4) in warm and (16, 16, 4) in warm
+
+
 def test_a_group_must_be_of_its_type():
     with pytest.raises(ConfigError, match="EngineConfig.cache must be a CacheConfig"):
         EngineConfig(cache=SchedulerConfig())
