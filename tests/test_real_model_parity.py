@@ -3,16 +3,17 @@ dequantised GGUF weights.
 
 1. Teacher-forced logits of our paged forward (the prompt's first part as one prefill
    step over shuffled pages, the rest as single-token decode steps) vs HF's all-position
-   logits: max |diff| <= 1e-3 with f32 weights; <= 0.75 with the bf16 matmul weights the
-   default config serves with (measured up to 0.52 on logits of magnitude ~35), with and
-   without the activations rounded to bf16 in the prefill step (bf16_round_x), and with
-   that and a bf16 KV pool too (bf16_kv, as the default config serves). Attention runs in
+   logits: max |diff| <= 1e-3 with f32 weights; <= 0.75 with the bf16 matmul weights
+   configs/smollm2_135m_bf16.py serves with (measured up to 0.52 on logits of magnitude
+   ~35), with and without the activations rounded to bf16 in the prefill step
+   (bf16_round_x), and with that and a bf16 KV pool too (bf16_kv, as that config serves;
+   the default serves the GGUF's Q4_1 blocks: tests/test_gguf_serving.py). Attention runs in
    the C++ CPU kernel (the default on CPU) over a head-major pool; the XLA attention once
    more on the long prompt, over an f32 and a bf16 pool.
 2. Greedy 64-token continuations through the whole engine (`LLM.generate`, all prompts
    batched together) vs HF's greedy loop: identical, except that they may part after a
    step where HF's top-2 logit margin was a near tie that rounding may break either way:
-   below 1e-3 for an f32 engine, below 2 x the bf16 logit tolerance for the default
+   below 1e-3 for an f32 engine, below 2 x the bf16 logit tolerance for the bf16 config's
    engine (bf16 matmuls).
 """
 
@@ -21,7 +22,7 @@ import pytest
 from hf_reference import hf_greedy
 
 # bf16_matmul: measured up to 0.52 (|logits| ~35); bf16_round_x (x also rounded to bf16 from
-# 8 rows, as the default serves where the CPU's bf16 dot product is fast): up to 0.53 on
+# 8 rows, as the bf16 config serves where the CPU's bf16 dot product is fast): up to 0.53 on
 # these prompts (bf16_matmul 0.19-0.29 on them); "bf16_kv" (that and a bf16 KV pool, which
 # the C++ attention reads): 0.37-0.70 (chat 0.70), 2026-11-24
 LOGIT_ATOL = {"f32": 1e-3, "bf16_matmul": 0.75, "bf16_round_x": 0.75, "bf16_kv": 0.75}
@@ -139,20 +140,21 @@ def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, mod
 
 
 @pytest.fixture(scope="module")
-def default_precision_llm(small_llm, cache_dir):
-    """The small test engine (f32 matmuls) with the default config's matmul precision
-    instead (bf16 matmuls), its KV dtype and its multi-step decode; compiles its shapes on
-    first use."""
-    from jaxserve.api import DEFAULT_CONFIG, LLM
+def bf16_precision_llm(small_llm, cache_dir):
+    """The small test engine (f32 matmuls) with configs/smollm2_135m_bf16.py's matmul
+    precision instead (bf16 matmuls), its KV dtype and its multi-step decode; compiles its
+    shapes on first use. (The default config serves the GGUF's Q4_1 blocks, whose distance
+    to the f32 model tests/test_gguf_serving.py bounds.)"""
+    from jaxserve.api import LLM
     from jaxserve.engine.builder import build_engine
     from jaxserve.config import load_config
     from conftest import SMALL_CONFIG
     cfg = load_config(SMALL_CONFIG)
-    default = load_config(DEFAULT_CONFIG).engine
-    assert default.kernels.bf16_matmul_min_rows is not None, "the default serves bf16 matmuls; update this test if not"
+    bf16 = load_config("smollm2_135m_bf16").engine
+    assert bf16.kernels.bf16_matmul_min_rows is not None, "the bf16 config serves bf16 matmuls"
     cfg = cfg.replace(engine=cfg.engine.override(
-        kernels=default.kernels, cache_dtype=default.cache.cache_dtype,
-        decode_steps=default.scheduler.decode_steps))
+        kernels=bf16.kernels, cache_dtype=bf16.cache.cache_dtype,
+        decode_steps=bf16.scheduler.decode_steps))
     return LLM(engine=build_engine(cfg, cache_dir, warmup=False))
 
 
@@ -169,12 +171,12 @@ def hf_continuations(prompts, hf_smollm2_model):
     return get
 
 
-@pytest.mark.parametrize("engine", ["default", pytest.param("f32", marks=pytest.mark.full)])
+@pytest.mark.parametrize("engine", ["bf16", pytest.param("f32", marks=pytest.mark.full)])
 def test_greedy_continuations_match_hf(engine, prompts, small_llm, hf_continuations, request):
     from jaxserve import SamplingParams
-    llm = request.getfixturevalue("default_precision_llm") if engine == "default" else small_llm
+    llm = request.getfixturevalue("bf16_precision_llm") if engine == "bf16" else small_llm
     precision = "f32" if llm.engine.engine_config.kernels.bf16_matmul_min_rows is None else "bf16_matmul"
-    assert precision == ("bf16_matmul" if engine == "default" else "f32")
+    assert precision == ("bf16_matmul" if engine == "bf16" else "f32")
     tie_margin = TIE_MARGIN[precision]
     names = list(prompts)
     outs = llm.generate([prompts[n] for n in names],

