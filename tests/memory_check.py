@@ -1,6 +1,7 @@
 """Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: the memory
 plan of configs/smollm2_135m.py (the real model, the preset's kernels and its GGUF Q4_1
-blocks in the C++ kernel's panels) against what the built engine holds on one device, at tensor parallel TP.
+blocks in the C++ kernel's panels) against what the built engine holds on one device, at
+tensor parallel TP.
 
 Measured on device 0: the params' and the KV pool's shard bytes (the live arrays), and for
 the largest mixed and decode buckets the compiled step's own accounting

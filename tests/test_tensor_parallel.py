@@ -125,12 +125,14 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_and_pipeline_stages(
     """The whole engine (jaxserve.LLM: scheduler, runner, sampler) on 4 simulated devices:
     TP 3 splits SmolLM2's 9 query / 3 KV heads and the KV pool over the devices, TP 2
     replicates the heads (3 KV heads do not split over 2) and splits the MLP and the
-    vocabulary (TP 4 serves in tests/test_distributed.py); all give TP 1's greedy tokens for a batch of prompts, TP 2 with XLA kernels
-    and TP 3 with the default ones (the C++ attention kernel, each device on its own heads;
-    XLA's at TP 3: test_real_model_tp2_tp3_tp4_match_tp1's logits).
-    Pipeline stages: TP 2 x PP 2 (XLA kernels) and TP 1 x PP 4 (the default ones; 30 layers as 4 stages of 8 slots, the
-    last two zero layers; the default microbatches: a prefill split in 4 or 8, the
-    prompts cut between them, decode whole) give the same tokens, each device holding its stage's layers and pool."""
+    vocabulary (TP 4 serves in tests/test_distributed.py); all give TP 1's greedy tokens
+    for a batch of prompts, TP 2 with XLA kernels and TP 3 with the default ones (the C++
+    attention kernel, each device on its own heads; XLA's at TP 3:
+    test_real_model_tp2_tp3_tp4_match_tp1's logits). Pipeline stages: TP 2 x PP 2 (XLA
+    kernels) and TP 1 x PP 4 (the default ones; 30 layers as 4 stages of 8 slots, the last
+    two zero layers; the default microbatches: a prefill split in 4 or 8, the prompts cut
+    between them, decode whole) give the same tokens, each device holding its stage's
+    layers and pool."""
     r = on_4_devices(TP_CHECK.parent / "tp_engine_check.py", str(cache_dir))
     t = r["tokens"]
     assert all(t["xla-1"]) and sum(map(len, t["xla-1"])) >= 48

@@ -1,12 +1,13 @@
 """Run as a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: the whole
 engine (scheduler, runner, sampler; jaxserve.LLM) on SmolLM2-135M (tests/configs/
 smollm2_small.py) under tensor parallel 1 and 2 with XLA attention and matmuls
-("xla-TP"; XLA at TP 3: tests/tp_check.py's logits), and 1 and 3 with the default kernels ("auto-TP": the C++ attention kernel,
-per device under TP), and pipeline stages "TPxPP" (xla-2x2, auto-1x4: 30 layers
-in 4 stages of 8 slots, the last 2 zero layers), the same prompts batched, greedy; prints JSON {"tokens": {run:
-[token ids per prompt]}, "wq": {run: layer 0's wq sharding spec}, "kv": {run: the KV
-pool's sharding spec}, "attention": {run: the attention kernel}, "device0_bytes": {run:
-bytes of the params' shards on device 0}, "layer_bytes": one layer's bytes (XLA layout),
+("xla-TP"; XLA at TP 3: tests/tp_check.py's logits), and 1 and 3 with the default
+kernels ("auto-TP": the C++ attention kernel, per device under TP), and pipeline stages
+"TPxPP" (xla-2x2, auto-1x4: 30 layers in 4 stages of 8 slots, the last 2 zero layers),
+the same prompts batched, greedy; prints JSON {"tokens": {run: [token ids per prompt]},
+"wq": {run: layer 0's wq sharding spec}, "kv": {run: the KV pool's sharding spec},
+"attention": {run: the attention kernel}, "device0_bytes": {run: bytes of the params'
+shards on device 0}, "layer_bytes": one layer's bytes (XLA layout),
 "loaded_on": [device ids of each layer as load_params places it at PP 4], "devices": n}.
 
     python tests/tp_engine_check.py CACHE_DIR

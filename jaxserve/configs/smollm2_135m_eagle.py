@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct (configs/smollm2_135m_bf16.py: bf16 matmuls, the model the head
-was trained against) with speculative decoding by the EAGLE head that ships in jaxserve/spec_decode/heads/smollm2_135m (trained for this model by
+was trained against) with speculative decoding by the EAGLE head that ships in
+jaxserve/spec_decode/heads/smollm2_135m (trained for this model by
 `python -m tools.train_draft_head`; its config.json records how, and its held-out
 acceptance). One decoder layer over the model's hidden states proposes 3 tokens a step
 from a 4,096-token draft vocabulary; the model verifies them in the same dispatch. For
