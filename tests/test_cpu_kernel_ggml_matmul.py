@@ -122,10 +122,29 @@ def test_portable_path_matches_the_vnni_one(portable_cpu_kernels):
         packed = pack(*_fields(w))
         x = jnp.asarray(rng.standard_normal((11, 128)), jnp.float32)
         call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((11, 48), jnp.float32))
-        got = np.asarray(call(x, packed, fmt=np.int64(FMT_IDS[fmt])))
+        got = np.asarray(call(x, packed, jnp.zeros((), jnp.int32), fmt=np.int64(FMT_IDS[fmt])))
         want = np.asarray(ggml_matmul(x, packed, fmt))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     assert isinstance(portable_cpu_kernels, ctypes.CDLL)
+
+
+def test_a_stacked_weight_is_read_at_its_layer():
+    """A stack of packed weights [L, ...] (a layer loop's) at `layer`, given as an int and
+    traced inside lax.scan: each layer's product is the unstacked call's exactly; a layer
+    outside the stack fails the call, naming it."""
+    rng = np.random.default_rng(SEED + 3)
+    ws = [pack(*_fields(_weight(rng, 48, 64, "q4_1"))) for _ in range(3)]
+    stacked = jnp.stack(ws)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    want = np.stack([np.asarray(ggml_matmul(x, w, "q4_1")) for w in ws])
+    assert np.abs(want[0] - want[1]).max() > 0.1  # the layers differ
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(ggml_matmul(x, stacked, "q4_1", i)), want[i])
+    _, got = jax.lax.scan(lambda c, i: (c, ggml_matmul(x, stacked, "q4_1", i)), 0,
+                          jnp.arange(3, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(Exception, match="ggml_matmul: layer must be in"):
+        np.asarray(ggml_matmul(x, stacked, "q4_1", 3))
 
 
 def test_bad_inputs_name_the_argument():
@@ -138,6 +157,10 @@ def test_bad_inputs_name_the_argument():
         ggml_matmul(jnp.zeros((1, 64)), packed, "q8_0")  # a Q4_1 record is 320 bytes, not 544
     with pytest.raises(ValueError, match="x"):
         ggml_matmul(jnp.zeros((1, 96)), packed, "q4_1")
+    with pytest.raises(ValueError, match=r"w_packed must have shape \[\*, \*, 2, 320\]"):
+        ggml_matmul(jnp.zeros((1, 64)), packed, "q4_1", 0)  # a layer of an unstacked weight
+    with pytest.raises(ValueError, match="layer must be one of \\(int32\\)"):
+        ggml_matmul(jnp.zeros((1, 64)), packed[None], "q4_1", 0.0)
     w48 = _weight(rng, 40, 64, "q8_0")
     with pytest.raises(ValueError, match="output rows a multiple of 16, got 40"):
         pack(*_fields(w48))

@@ -28,8 +28,9 @@
 // AVX512-VNNI a portable loop does the same integer and f32 arithmetic in the same order
 // (bit-identical results).
 //
-// Shapes: x [M, K] f32; w [N / 16, K / 32, B] u8; out [M, N] f32; attribute fmt (0 Q4_0,
-// 1 Q4_1, 2 Q8_0).
+// Shapes: x [M, K] f32; w [N / 16, K / 32, B] u8, or a stack of them [L, N / 16, K / 32, B]
+// (a layer loop's weights) read at layer (s32 scalar, 0 for an unstacked w) in place; out
+// [M, N] f32; attribute fmt (0 Q4_0, 1 Q4_1, 2 Q8_0).
 //
 // Sources: llama.cpp's ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 and quantize_row_q8_0
 // / q8_1 (ggml/src/ggml-cpu/quants.c); the interleaved repacking of its ggml-cpu/repack.cpp
@@ -242,14 +243,23 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 }
 
 ffi::Error GgmlMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> out, int64_t fmt) {
+                          ffi::Buffer<ffi::U8> w, ffi::BufferR0<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t fmt) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
+  const auto wd_all = w.dimensions();
   if (fmt < kQ4_0 || fmt > kQ8_0)
     return ffi::Error::InvalidArgument("ggml_matmul: fmt must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
-  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] * kBlock || wd[2] != record_bytes(fmt))
+  if (wd_all.size() != 3 && wd_all.size() != 4)
+    return ffi::Error::InvalidArgument("ggml_matmul: w must be [N / 16, K / 32, B] or [L, ...]");
+  const size_t lead = wd_all.size() - 3;  // 1 for a stack of layers
+  const int64_t wd[3] = {wd_all[lead], wd_all[lead + 1], wd_all[lead + 2]};
+  const int64_t num_layers = lead ? wd_all[0] : 1;
+  if (xd.size() != 2 || xd[1] != wd[1] * kBlock || wd[2] != record_bytes(fmt))
     return ffi::Error::InvalidArgument(
         "ggml_matmul: x must be [M, K] and w [N / 16, K / 32, record bytes of fmt]");
+  const int64_t li = *layer.typed_data();
+  if (li < 0 || li >= num_layers)
+    return ffi::Error::InvalidArgument("ggml_matmul: layer must be in [0, the stack's length)");
   Problem p;
   p.M = xd[0]; p.KB = wd[1]; p.N = wd[0] * kCols; p.fmt = fmt; p.B = wd[2];
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
@@ -258,7 +268,7 @@ ffi::Error GgmlMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::vector<int32_t> sx(p.M * p.KB);
   quantize_rows(x.typed_data(), p.M, p.KB * kBlock, xq.data(), dx.data(), sx.data());
   p.xq = xq.data(); p.dx = dx.data(); p.sx = sx.data();
-  p.w = w.typed_data();
+  p.w = w.typed_data() + li * wd[0] * wd[1] * wd[2];  // the layer's panels, not a copy
   p.out = out->typed_data();
   jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
                             [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
@@ -274,5 +284,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgmlMatmul, GgmlMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::U8>>()   // w, packed
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<int64_t>("fmt"));

@@ -134,20 +134,32 @@ def ggml_matmul_q8_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.A
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
-def ggml_matmul(x: jax.Array, w_packed: jax.Array, fmt: str) -> jax.Array:
+def ggml_matmul(x: jax.Array, w_packed: jax.Array, fmt: str,
+                layer: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] f32 times a packed GGML weight [N / 16, K / 32, B] u8 (`pack`) of format
-    `fmt` ("q4_0", "q4_1", "q8_0"), transposed -> [M, N] f32 (any M >= 0). Needs
-    `jaxserve.kernels.cpu.build.load_library` called first. Raises ValueError for bad
-    shapes, dtypes or an unknown fmt, naming the argument."""
+    `fmt` ("q4_0", "q4_1", "q8_0"), transposed -> [M, N] f32 (any M >= 0).
+
+    layer: with a stack of packed weights w_packed [L, N / 16, K / 32, B] (a loop over
+    layers), the int32 index of the one to use, traced or not: the kernel reads that
+    layer's panels where they lie, where `w_packed[layer]` handed to the call is copied
+    first (+44% per call inside lax.scan, PERFORMANCE.md "Against llama.cpp in its own
+    formats"). Needs `jaxserve.kernels.cpu.build.load_library` called first. Raises
+    ValueError for bad shapes, dtypes or an unknown fmt, naming the argument; a layer
+    outside the stack fails the call (the kernel checks it: XLA's runtime error names it)."""
     fn = "cpu ggml_matmul"
     check(fn, fmt in FMT_IDS, f"fmt must be one of {sorted(FMT_IDS)}, got {fmt!r}")
     check_array(fn, "x", x, (None, None), (jnp.float32,))
-    check_array(fn, "w_packed", w_packed, (None, x.shape[1] // BLOCK, RECORD_BYTES[fmt]),
-                (jnp.uint8,))
+    stack = () if layer is None else (None,)
+    check_array(fn, "w_packed", w_packed,
+                stack + (None, x.shape[1] // BLOCK, RECORD_BYTES[fmt]), (jnp.uint8,))
     check(fn, x.shape[1] % BLOCK == 0, f"x's columns must be whole blocks of {BLOCK}, got {x.shape[1]}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[0] * COLS),
+    if layer is None:
+        layer = jnp.zeros((), jnp.int32)
+    else:
+        check_array(fn, "layer", layer, (), (jnp.int32,))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[-3] * COLS),
                                                          jnp.float32))
-    return call(x, w_packed, fmt=FMT_IDS[fmt])
+    return call(x, w_packed, layer, fmt=FMT_IDS[fmt])
 
 
 __all__ = ["COLS", "RECORD_BYTES", "can_pack", "ggml_matmul", "ggml_matmul_q8_reference",
