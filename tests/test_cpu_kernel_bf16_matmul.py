@@ -98,7 +98,8 @@ def test_portable_path_matches_reference(portable_cpu_kernels):
                                 jax.ShapeDtypeStruct((m, 80), jnp.float32))
         for round_x in (False, True):
             ref = np.asarray(bf16_matmul_reference(x, wp, round_x=round_x))
-            np.testing.assert_allclose(np.asarray(call(x, wp, round_x=round_x)), ref, rtol=1e-5,
+            got = call(x, wp, jnp.zeros((), jnp.int32), round_x=round_x)
+            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5,
                                        atol=1e-5 * np.abs(ref).max())
     assert bf16_dot_speedup(portable_cpu_kernels) == 0.0, "no AVX512-BF16 in the portable build"
 
@@ -140,6 +141,29 @@ def test_bf16_dot_speedup_is_measured(cpu_kernels_library):
 def test_bad_inputs_name_the_argument(x, w, match):
     with pytest.raises(ValueError, match=match):
         bf16_matmul(x, w)
+
+
+def test_a_stacked_weight_is_read_at_its_layer():
+    """A stack of packed weights [L, ...] (a layer loop's) at `layer`, given as an int and
+    traced inside lax.scan, with and without round_x: each layer's product is the
+    unstacked call's exactly; a layer outside the stack fails the call, naming it; a
+    layer of an unstacked weight is refused, naming the argument."""
+    rng = np.random.default_rng(SEED + 5)
+    ws = [pack_weight(_w(rng, 96, 80)) for _ in range(3)]
+    stacked = jnp.stack(ws)
+    x = jnp.asarray(rng.standard_normal((9, 96)), jnp.float32)
+    for round_x in (False, True):
+        want = np.stack([np.asarray(bf16_matmul(x, w, round_x)) for w in ws])
+        assert np.abs(want[0] - want[1]).max() > 0.1  # the layers differ
+        for i in range(3):
+            np.testing.assert_array_equal(np.asarray(bf16_matmul(x, stacked, round_x, i)), want[i])
+        _, got = jax.lax.scan(lambda c, i: (c, bf16_matmul(x, stacked, round_x, i)), 0,
+                              jnp.arange(3, dtype=jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(Exception, match="bf16_matmul: layer must be in"):
+        np.asarray(bf16_matmul(x, stacked, False, -1))
+    with pytest.raises(ValueError, match=r"w_packed must have shape \[\*, \*, 48, \*, 2\]"):
+        bf16_matmul(x, ws[0], False, 0)
 
 
 def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():

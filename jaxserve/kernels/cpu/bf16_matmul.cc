@@ -31,8 +31,9 @@
 // block runs one vdpbf16ps per row, 16 columns and k pair on the packed weights as they are
 // (the pair layout is the instruction's). 512-token prefill steps: 0.63-0.67x the time.
 //
-// Shapes: x [M, K] f32; w [N / P, K / 2, P, 2] bf16 (P a multiple of 16, K even);
-// out [M, N] f32; attribute round_x (bool).
+// Shapes: x [M, K] f32; w [N / P, K / 2, P, 2] bf16 (P a multiple of 16, K even), or a
+// stack of them [L, N / P, K / 2, P, 2] (a layer loop's weights) read at layer (s32 scalar,
+// 0 for an unstacked w) in place; out [M, N] f32; attribute round_x (bool).
 //
 // Sources: the VNNI-style pair packing of oneDNN's bf16 GEMM; the panel / register-block
 // structure of GotoBLAS (Goto & van de Geijn, 2008).
@@ -245,19 +246,28 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 }
 
 ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> out,
-                          bool round_x) {
+                          ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out, bool round_x) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[3] != 2 || wd[2] % 16 != 0 || xd[1] != 2 * wd[1])
+  const auto wd_all = w.dimensions();
+  if (wd_all.size() != 4 && wd_all.size() != 5)
+    return ffi::Error::InvalidArgument("bf16_matmul: w must be [N / P, K / 2, P, 2] or [L, ...]");
+  const size_t lead = wd_all.size() - 4;  // 1 for a stack of layers
+  const int64_t wd[4] = {wd_all[lead], wd_all[lead + 1], wd_all[lead + 2], wd_all[lead + 3]};
+  const int64_t num_layers = lead ? wd_all[0] : 1;
+  if (xd.size() != 2 || wd[3] != 2 || wd[2] % 16 != 0 || xd[1] != 2 * wd[1])
     return ffi::Error::InvalidArgument(
         "bf16_matmul: x must be [M, K] and w [N / P, K / 2, P, 2] with P % 16 == 0");
+  const int64_t li = *layer.typed_data();
+  if (li < 0 || li >= num_layers)
+    return ffi::Error::InvalidArgument("bf16_matmul: layer must be in [0, the stack's length)");
   Problem p;
   p.M = xd[0]; p.K2 = wd[1]; p.P = wd[2]; p.N = wd[0] * wd[2];
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   p.x = x.typed_data();
   p.xb = nullptr;
-  p.w = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) +
+        li * wd[0] * wd[1] * wd[2] * wd[3];  // the layer's panels, not a copy
   p.out = out->typed_data();
   std::vector<uint32_t> xb;
   if (round_x) {  // x rounded to bf16 once, as (x[2k], x[2k + 1]) pairs in 32 bits
@@ -280,6 +290,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<bool>("round_x"));
 

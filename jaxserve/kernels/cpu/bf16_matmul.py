@@ -66,27 +66,39 @@ def unpack_weight(w_packed: jax.Array) -> jax.Array:
     return w_packed.transpose(1, 3, 0, 2).reshape(2 * k2, nb * p)
 
 
-def _check_operands(fn: str, x, w_packed) -> None:
+def _check_operands(fn: str, x, w_packed, stacked: bool = False) -> None:
     check_array(fn, "x", x, (None, None), (jnp.float32,))
-    check_array(fn, "w_packed", w_packed, (None, x.shape[1] // 2, None, 2), (jnp.bfloat16,))
+    check_array(fn, "w_packed", w_packed,
+                (None,) * stacked + (None, x.shape[1] // 2, None, 2), (jnp.bfloat16,))
     check(fn, x.shape[1] % 2 == 0, f"x must have an even number of columns, got {x.shape[1]}")
-    check(fn, w_packed.shape[2] % LANES == 0,
-          f"w_packed's panel width must be a multiple of {LANES}, got {w_packed.shape[2]}")
+    check(fn, w_packed.shape[-2] % LANES == 0,
+          f"w_packed's panel width must be a multiple of {LANES}, got {w_packed.shape[-2]}")
 
 
 @functools.partial(jax.jit, static_argnames=("round_x",))
-def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False) -> jax.Array:
+def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
+                layer: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] f32 times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N] f32: the weights
     widened to f32, products and sums in f32 (any M >= 0). round_x: x rounded to bf16 first
     (round to nearest even) and the products summed by the CPU's bf16 dot-product
     instruction (AVX512-BF16 vdpbf16ps, f32 accumulation; the portable build does the same
     arithmetic in f32): twice the f32 FMA rate where `bf16_dot_speedup()` says so, for
-    compute-bound row counts. Needs `jaxserve.kernels.cpu.build.load_library` called first. Raises
-    ValueError for bad shapes or dtypes, naming the argument."""
-    _check_operands("cpu bf16_matmul", x, w_packed)
-    n = w_packed.shape[0] * w_packed.shape[2]
+    compute-bound row counts. layer: with a stack of packed weights [L, N / P, K / 2, P, 2]
+    (a loop over layers), the int32 index of the one to use, traced or not, read where it
+    lies (a slice of the stack handed to the call would be copied first; see
+    jaxserve.kernels.cpu.ggml_matmul.ggml_matmul). Needs
+    `jaxserve.kernels.cpu.build.load_library` called first. Raises ValueError for bad
+    shapes or dtypes, naming the argument; a layer outside the stack fails the call (the
+    kernel checks it)."""
+    fn = "cpu bf16_matmul"
+    _check_operands(fn, x, w_packed, stacked=layer is not None)
+    if layer is None:
+        layer = jnp.zeros((), jnp.int32)
+    else:
+        check_array(fn, "layer", layer, (), (jnp.int32,))
+    n = w_packed.shape[-4] * w_packed.shape[-2]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, w_packed, round_x=round_x)
+    return call(x, w_packed, layer, round_x=round_x)
 
 
 def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = False) -> jax.Array:
