@@ -211,6 +211,37 @@ def test_bad_inputs_name_the_field(field, value, match):
         paged_attention(**args)
 
 
+def test_a_stacked_pool_is_read_at_its_layer():
+    """Stacked pools [L, K, N, ps, Dh] (a layer loop's) at `layer`, given as an int and
+    traced inside lax.scan, f32 and bf16 bits: each layer's output is the one-layer call's
+    exactly; a layer outside the stack fails the call, naming it."""
+    rng = np.random.default_rng(SEED + 7)
+    problems = [_problem(rng, [37, 5, 60], [1, 5, 12], heads=9, kv_heads=3, head_dim=64,
+                         page_size=16, pages_per_seq=4, poison=False)[0] for _ in range(3)]
+    args = problems[0]
+    for dtype in (jnp.float32, jnp.uint16):
+        pools = [(p["k_pages"], p["v_pages"]) for p in problems]
+        if dtype == jnp.uint16:  # a bf16 pool as jaxserve stores it: the bits
+            pools = [tuple(jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16)
+                           for a in kv) for kv in pools]
+        k = jnp.stack([kv[0] for kv in pools])
+        v = jnp.stack([kv[1] for kv in pools])
+        want = np.stack([np.asarray(paged_attention(**dict(args, k_pages=kv[0], v_pages=kv[1])))
+                         for kv in pools])
+        assert np.abs(want[0] - want[1]).max() > 0.1  # the layers differ
+        for i in range(3):
+            got = paged_attention(**dict(args, k_pages=k, v_pages=v), layer=i)
+            np.testing.assert_array_equal(np.asarray(got), want[i])
+        _, got = jax.lax.scan(
+            lambda c, i: (c, paged_attention(**dict(args, k_pages=k, v_pages=v), layer=i)), 0,
+            jnp.arange(3, dtype=jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(Exception, match="paged_attention: layer must be in"):
+        np.asarray(paged_attention(**dict(args, k_pages=k, v_pages=v), layer=3))
+    with pytest.raises(ValueError, match="k_pages must have shape"):
+        paged_attention(**args, layer=0)  # a layer of one layer's pool
+
+
 def test_library_is_built_once_and_cached(tmp_path, cpu_kernels_library):
     """The cached file is keyed by what goes into it, and a second load reuses it."""
     from jaxserve.kernels.cpu import build

@@ -26,6 +26,9 @@
 //                                       f32 on load: half the bytes of a long context's
 //                                       K/V; jaxserve stores a bf16 pool as u16 bits)
 //   v_pages      [K, N, ps, Dh]   the dtype of k_pages
+//                (either pool may be a stack of layers' pools [L, K, N, ps, Dh], both alike,
+//                read at `layer` in place: a layer loop's pool)
+//   layer        []               s32   the layer of stacked pools (0 for one layer's)
 //   block_tables [S, P]           s32   page ids (< N) of each sequence, in order
 //   seq_lens     [S]              s32   context length (0 = padding sequence: output 0)
 //   query_start  [S + 1]          s32   first query row of each sequence (non-decreasing, <= T)
@@ -594,15 +597,23 @@ bool attend(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                              ffi::BufferR0<ffi::S32> layer,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> positions,
                               ffi::ResultBuffer<ffi::F32> out, int64_t q_block) {
   const auto qd = q.dimensions();
-  const auto kd = k_pages.dimensions();
+  const auto kd_all = k_pages.dimensions();
   const auto bd = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
+  if (qd.size() != 3 || (kd_all.size() != 4 && kd_all.size() != 5) || bd.size() != 2)
     return ffi::Error::InvalidArgument(
-        "paged_attention: q must be 3-D, k_pages 4-D, block_tables 2-D");
+        "paged_attention: q must be 3-D, k_pages 4-D (5-D stacked), block_tables 2-D");
+  const size_t lead = kd_all.size() - 4;  // 1 for a stack of layers' pools
+  const int64_t kd[4] = {kd_all[lead], kd_all[lead + 1], kd_all[lead + 2], kd_all[lead + 3]};
+  const int64_t num_layers = lead ? kd_all[0] : 1;
+  const int64_t li = *layer.typed_data();
+  if (li < 0 || li >= num_layers)
+    return ffi::Error::InvalidArgument(
+        "paged_attention: layer must be in [0, the stack's length)");
   Problem p;
   p.T = qd[0]; p.H = qd[1]; p.Dh = qd[2];
   p.K = kd[0]; p.N = kd[1]; p.ps = kd[2]; p.S = bd[0]; p.P = bd[1];
@@ -612,13 +623,17 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
   const auto kt = k_pages.element_type();
   if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16) ||
-      v_pages.element_type() != kt || v_pages.dimensions().size() != 4 ||
+      v_pages.element_type() != kt || v_pages.dimensions().size() != kd_all.size() ||
       v_pages.element_count() != k_pages.element_count())
     return ffi::Error::InvalidArgument(
         "paged_attention: k_pages and v_pages must be one shape, both f32, both bf16 or both "
         "u16 (bf16 bits)");
   p.kv_bf16 = kt != ffi::DataType::F32;
-  p.q = q.typed_data(); p.k = k_pages.untyped_data(); p.v = v_pages.untyped_data();
+  // the layer's pool where it lies, not a copy
+  const int64_t layer_bytes = kd[0] * kd[1] * kd[2] * kd[3] * (p.kv_bf16 ? 2 : 4);
+  p.q = q.typed_data();
+  p.k = static_cast<const char*>(k_pages.untyped_data()) + li * layer_bytes;
+  p.v = static_cast<const char*>(v_pages.untyped_data()) + li * layer_bytes;
   p.block_tables = block_tables.typed_data(); p.seq_lens = seq_lens.typed_data();
   p.positions = positions.typed_data(); p.out = out->typed_data();
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.Dh));
@@ -664,6 +679,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::AnyBuffer>()         // k_pages f32, bf16 or u16
                                   .Arg<ffi::AnyBuffer>()         // v_pages, the same
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // layer of stacked pools
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start

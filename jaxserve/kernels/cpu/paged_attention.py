@@ -30,13 +30,13 @@ DEFAULT_Q_BLOCK = 32
 
 
 def _check_operands(fn: str, q, k_pages, v_pages, block_tables, seq_lens, query_start,
-                    positions) -> None:
+                    positions, stacked: bool = False) -> None:
     check_array(fn, "q", q, (None, None, None), (jnp.float32,))
     T, H, Dh = q.shape
-    check_array(fn, "k_pages", k_pages, (None, None, None, Dh),
+    check_array(fn, "k_pages", k_pages, (None,) * stacked + (None, None, None, Dh),
                 (jnp.float32, jnp.bfloat16, jnp.uint16))
     check_array(fn, "v_pages", v_pages, k_pages.shape, (k_pages.dtype,))
-    K = k_pages.shape[0]
+    K = k_pages.shape[-4]
     check(fn, K >= 1 and H % K == 0,
           f"q_heads must be a multiple of kv_heads, got q_heads {H}, kv_heads {K}")
     check_array(fn, "block_tables", block_tables, (None, None), (jnp.int32,))
@@ -49,7 +49,8 @@ def _check_operands(fn: str, q, k_pages, v_pages, block_tables, seq_lens, query_
 @functools.partial(jax.jit, static_argnames=("q_block",))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
-                    positions: jax.Array, *, q_block: int = DEFAULT_Q_BLOCK) -> jax.Array:
+                    positions: jax.Array, *, q_block: int = DEFAULT_Q_BLOCK,
+                    layer: jax.Array | int | None = None) -> jax.Array:
     """Causal attention of a flat ragged batch of queries over a head-major page pool, on
     the CPU.
 
@@ -62,16 +63,27 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     query. Returns [T, H, Dh] f32, scale 1/sqrt(Dh), GQA with the H heads grouped
     [K, H // K]; rows of padding sequences and rows past query_start[S] are 0.
 
+    layer: with stacked pools k_pages, v_pages [L, K, num_pages, page_size, Dh] (a loop
+    over layers), the int32 index of the layer to read, traced or not, read where it lies
+    (a slice of the stack handed to the call would be copied first; see
+    jaxserve.kernels.cpu.ggml_matmul.ggml_matmul).
+
     Needs `jaxserve.kernels.cpu.build.load_library(...)` called first (registers the target).
     Raises ValueError for bad shapes or dtypes (naming the argument) at trace time; at run
     time a page id outside [0, num_pages) in a used block-table entry, seq_lens above
-    P * page_size, or a bad query_start raises instead of reading out of bounds.
+    P * page_size, a bad query_start or a layer outside the stack raises instead of reading
+    out of bounds.
     """
-    _check_operands("cpu paged_attention", q, k_pages, v_pages, block_tables, seq_lens,
-                    query_start, positions)
-    check("cpu paged_attention", q_block >= 1, f"q_block must be >= 1, got {q_block}")
+    fn = "cpu paged_attention"
+    _check_operands(fn, q, k_pages, v_pages, block_tables, seq_lens, query_start, positions,
+                    stacked=layer is not None)
+    check(fn, q_block >= 1, f"q_block must be >= 1, got {q_block}")
+    if layer is None:
+        layer = jnp.zeros((), jnp.int32)
+    else:
+        check_array(fn, "layer", layer, (), (jnp.int32,))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_pages, v_pages, block_tables, seq_lens, query_start, positions,
+    return call(q, k_pages, v_pages, layer, block_tables, seq_lens, query_start, positions,
                 q_block=q_block)
 
 
