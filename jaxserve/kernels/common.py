@@ -50,6 +50,16 @@ def check(fn: str, cond: bool, message: str) -> None:
         raise ValueError(f"{fn}: {message}")
 
 
+def layer_operand(fn: str, layer: Any) -> jax.Array:
+    """The int32 scalar a C++ kernel reads a stacked operand [L, ...] at (a layer loop's
+    weights or pool, read in place: jaxserve/kernels/cpu/stacked.h): `layer` checked, or 0
+    when None (one layer's operand). Raises ValueError unless it is an int32 scalar."""
+    if layer is None:
+        return jnp.zeros((), jnp.int32)
+    check_array(fn, "layer", layer, (), (jnp.int32,))
+    return layer
+
+
 def check_page_pool(fn: str, k_pages: Any, v_pages: Any, q_heads: int, head_dim: int,
                     dtypes: Sequence[Any]) -> tuple[int, int, int]:
     """Check one layer's K/V pool against the queries: k_pages [num_pages, page_size,

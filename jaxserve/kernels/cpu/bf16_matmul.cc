@@ -51,6 +51,7 @@
 
 #include "bf16.h"
 #include "parallel.h"
+#include "stacked.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -249,25 +250,24 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
                           ffi::ResultBuffer<ffi::F32> out, bool round_x) {
   const auto xd = x.dimensions();
-  const auto wd_all = w.dimensions();
-  if (wd_all.size() != 4 && wd_all.size() != 5)
-    return ffi::Error::InvalidArgument("bf16_matmul: w must be [N / P, K / 2, P, 2] or [L, ...]");
-  const size_t lead = wd_all.size() - 4;  // 1 for a stack of layers
-  const int64_t wd[4] = {wd_all[lead], wd_all[lead + 1], wd_all[lead + 2], wd_all[lead + 3]};
-  const int64_t num_layers = lead ? wd_all[0] : 1;
+  int64_t wd[4], offset;
+  switch (jaxserve::layer_of_stack(w.dimensions(), 4, *layer.typed_data(), wd, &offset)) {
+    case jaxserve::StackError::kRank:
+      return ffi::Error::InvalidArgument("bf16_matmul: w must be [N / P, K / 2, P, 2] or [L, ...]");
+    case jaxserve::StackError::kLayer:
+      return ffi::Error::InvalidArgument("bf16_matmul: layer must be in [0, the stack's length)");
+    case jaxserve::StackError::kNone: break;
+  }
   if (xd.size() != 2 || wd[3] != 2 || wd[2] % 16 != 0 || xd[1] != 2 * wd[1])
     return ffi::Error::InvalidArgument(
         "bf16_matmul: x must be [M, K] and w [N / P, K / 2, P, 2] with P % 16 == 0");
-  const int64_t li = *layer.typed_data();
-  if (li < 0 || li >= num_layers)
-    return ffi::Error::InvalidArgument("bf16_matmul: layer must be in [0, the stack's length)");
   Problem p;
   p.M = xd[0]; p.K2 = wd[1]; p.P = wd[2]; p.N = wd[0] * wd[2];
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   p.x = x.typed_data();
   p.xb = nullptr;
-  p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) +
-        li * wd[0] * wd[1] * wd[2] * wd[3];  // the layer's panels, not a copy
+  // the layer's panels, not a copy
+  p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + offset;
   p.out = out->typed_data();
   std::vector<uint32_t> xb;
   if (round_x) {  // x rounded to bf16 once, as (x[2k], x[2k + 1]) pairs in 32 bits

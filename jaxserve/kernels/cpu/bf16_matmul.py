@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.common import check, check_array
+from jaxserve.kernels.common import check, check_array, layer_operand
 
 TARGET = "jaxserve_bf16_matmul"
 LANES = 16  # f32 lanes of one AVX-512 register: panel widths are multiples of this
@@ -92,13 +92,9 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
     kernel checks it)."""
     fn = "cpu bf16_matmul"
     _check_operands(fn, x, w_packed, stacked=layer is not None)
-    if layer is None:
-        layer = jnp.zeros((), jnp.int32)
-    else:
-        check_array(fn, "layer", layer, (), (jnp.int32,))
     n = w_packed.shape[-4] * w_packed.shape[-2]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, w_packed, layer, round_x=round_x)
+    return call(x, w_packed, layer_operand(fn, layer), round_x=round_x)
 
 
 def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = False) -> jax.Array:

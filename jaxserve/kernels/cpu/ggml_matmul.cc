@@ -47,6 +47,7 @@
 #endif
 
 #include "parallel.h"
+#include "stacked.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -246,20 +247,19 @@ ffi::Error GgmlMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::U8> w, ffi::BufferR0<ffi::S32> layer,
                           ffi::ResultBuffer<ffi::F32> out, int64_t fmt) {
   const auto xd = x.dimensions();
-  const auto wd_all = w.dimensions();
   if (fmt < kQ4_0 || fmt > kQ8_0)
     return ffi::Error::InvalidArgument("ggml_matmul: fmt must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
-  if (wd_all.size() != 3 && wd_all.size() != 4)
-    return ffi::Error::InvalidArgument("ggml_matmul: w must be [N / 16, K / 32, B] or [L, ...]");
-  const size_t lead = wd_all.size() - 3;  // 1 for a stack of layers
-  const int64_t wd[3] = {wd_all[lead], wd_all[lead + 1], wd_all[lead + 2]};
-  const int64_t num_layers = lead ? wd_all[0] : 1;
+  int64_t wd[3], offset;
+  switch (jaxserve::layer_of_stack(w.dimensions(), 3, *layer.typed_data(), wd, &offset)) {
+    case jaxserve::StackError::kRank:
+      return ffi::Error::InvalidArgument("ggml_matmul: w must be [N / 16, K / 32, B] or [L, ...]");
+    case jaxserve::StackError::kLayer:
+      return ffi::Error::InvalidArgument("ggml_matmul: layer must be in [0, the stack's length)");
+    case jaxserve::StackError::kNone: break;
+  }
   if (xd.size() != 2 || xd[1] != wd[1] * kBlock || wd[2] != record_bytes(fmt))
     return ffi::Error::InvalidArgument(
         "ggml_matmul: x must be [M, K] and w [N / 16, K / 32, record bytes of fmt]");
-  const int64_t li = *layer.typed_data();
-  if (li < 0 || li >= num_layers)
-    return ffi::Error::InvalidArgument("ggml_matmul: layer must be in [0, the stack's length)");
   Problem p;
   p.M = xd[0]; p.KB = wd[1]; p.N = wd[0] * kCols; p.fmt = fmt; p.B = wd[2];
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
@@ -268,7 +268,7 @@ ffi::Error GgmlMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::vector<int32_t> sx(p.M * p.KB);
   quantize_rows(x.typed_data(), p.M, p.KB * kBlock, xq.data(), dx.data(), sx.data());
   p.xq = xq.data(); p.dx = dx.data(); p.sx = sx.data();
-  p.w = w.typed_data() + li * wd[0] * wd[1] * wd[2];  // the layer's panels, not a copy
+  p.w = w.typed_data() + offset;  // the layer's panels, not a copy
   p.out = out->typed_data();
   jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
                             [&p](int64_t pi, int64_t m_begin, int64_t m_end) {

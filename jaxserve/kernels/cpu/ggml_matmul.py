@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.common import check, check_array
+from jaxserve.kernels.common import check, check_array, layer_operand
 from jaxserve.kernels.ggml_blocks import BLOCK, check_format, unpack_nibbles
 
 TARGET = "jaxserve_ggml_matmul"
@@ -153,13 +153,9 @@ def ggml_matmul(x: jax.Array, w_packed: jax.Array, fmt: str,
     check_array(fn, "w_packed", w_packed,
                 stack + (None, x.shape[1] // BLOCK, RECORD_BYTES[fmt]), (jnp.uint8,))
     check(fn, x.shape[1] % BLOCK == 0, f"x's columns must be whole blocks of {BLOCK}, got {x.shape[1]}")
-    if layer is None:
-        layer = jnp.zeros((), jnp.int32)
-    else:
-        check_array(fn, "layer", layer, (), (jnp.int32,))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[-3] * COLS),
                                                          jnp.float32))
-    return call(x, w_packed, layer, fmt=FMT_IDS[fmt])
+    return call(x, w_packed, layer_operand(fn, layer), fmt=FMT_IDS[fmt])
 
 
 __all__ = ["COLS", "RECORD_BYTES", "can_pack", "ggml_matmul", "ggml_matmul_q8_reference",

@@ -66,6 +66,7 @@
 #include "bf16.h"
 #include "exp_nonpositive.h"
 #include "parallel.h"
+#include "stacked.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -602,16 +603,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> positions,
                               ffi::ResultBuffer<ffi::F32> out, int64_t q_block) {
   const auto qd = q.dimensions();
-  const auto kd_all = k_pages.dimensions();
   const auto bd = block_tables.dimensions();
-  if (qd.size() != 3 || (kd_all.size() != 4 && kd_all.size() != 5) || bd.size() != 2)
+  int64_t kd[4], offset;
+  const auto stack = jaxserve::layer_of_stack(k_pages.dimensions(), 4, *layer.typed_data(), kd,
+                                              &offset);
+  if (qd.size() != 3 || stack == jaxserve::StackError::kRank || bd.size() != 2)
     return ffi::Error::InvalidArgument(
         "paged_attention: q must be 3-D, k_pages 4-D (5-D stacked), block_tables 2-D");
-  const size_t lead = kd_all.size() - 4;  // 1 for a stack of layers' pools
-  const int64_t kd[4] = {kd_all[lead], kd_all[lead + 1], kd_all[lead + 2], kd_all[lead + 3]};
-  const int64_t num_layers = lead ? kd_all[0] : 1;
-  const int64_t li = *layer.typed_data();
-  if (li < 0 || li >= num_layers)
+  if (stack == jaxserve::StackError::kLayer)
     return ffi::Error::InvalidArgument(
         "paged_attention: layer must be in [0, the stack's length)");
   Problem p;
@@ -623,17 +622,18 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
   const auto kt = k_pages.element_type();
   if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16) ||
-      v_pages.element_type() != kt || v_pages.dimensions().size() != kd_all.size() ||
+      v_pages.element_type() != kt ||
+      v_pages.dimensions().size() != k_pages.dimensions().size() ||
       v_pages.element_count() != k_pages.element_count())
     return ffi::Error::InvalidArgument(
         "paged_attention: k_pages and v_pages must be one shape, both f32, both bf16 or both "
         "u16 (bf16 bits)");
   p.kv_bf16 = kt != ffi::DataType::F32;
   // the layer's pool where it lies, not a copy
-  const int64_t layer_bytes = kd[0] * kd[1] * kd[2] * kd[3] * (p.kv_bf16 ? 2 : 4);
+  const int64_t offset_bytes = offset * (p.kv_bf16 ? 2 : 4);
   p.q = q.typed_data();
-  p.k = static_cast<const char*>(k_pages.untyped_data()) + li * layer_bytes;
-  p.v = static_cast<const char*>(v_pages.untyped_data()) + li * layer_bytes;
+  p.k = static_cast<const char*>(k_pages.untyped_data()) + offset_bytes;
+  p.v = static_cast<const char*>(v_pages.untyped_data()) + offset_bytes;
   p.block_tables = block_tables.typed_data(); p.seq_lens = seq_lens.typed_data();
   p.positions = positions.typed_data(); p.out = out->typed_data();
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.Dh));

@@ -21,7 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.common import check, check_array, kv_values, query_sequence
+from jaxserve.kernels.common import (check, check_array, kv_values, layer_operand,
+                                     query_sequence)
 
 TARGET = "jaxserve_paged_attention"
 # Queries per work item: one item reads its sequence's pages once for this many queries
@@ -78,12 +79,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     _check_operands(fn, q, k_pages, v_pages, block_tables, seq_lens, query_start, positions,
                     stacked=layer is not None)
     check(fn, q_block >= 1, f"q_block must be >= 1, got {q_block}")
-    if layer is None:
-        layer = jnp.zeros((), jnp.int32)
-    else:
-        check_array(fn, "layer", layer, (), (jnp.int32,))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_pages, v_pages, layer, block_tables, seq_lens, query_start, positions,
+    return call(q, k_pages, v_pages, layer_operand(fn, layer), block_tables, seq_lens, query_start, positions,
                 q_block=q_block)
 
 
