@@ -171,8 +171,9 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
     whose weights are rounded to bf16 (x, products and sums f32), up to summation order, on
     prefill and decode, with the LM head tied (packed from [vocab, embed])."""
     from jaxserve.model.params import init_params
-    from jaxserve.model.linear import (PROJECTIONS, DualPrecisionWeight, FusedWeight,
-                                       dual_precision, dual_precision_params)
+    from jaxserve.model.params import PROJECTIONS
+    from jaxserve.model.weight_layouts import (DualPrecisionWeight, FusedWeight,
+                                               dual_precision, dual_precision_params)
     from jaxserve.model.transformer import Kernels
     from model_utils import PagedDriver, tiny_config
 

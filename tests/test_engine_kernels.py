@@ -28,7 +28,8 @@ from jaxserve.worker.compilation import StepShapes
 from jaxserve.model.kv_cache import abstract_kv_cache, num_pages_for_budget
 from jaxserve.model.attention import PallasAttention
 from jaxserve.model.params import abstract_params, init_params
-from jaxserve.model.linear import PROJECTIONS, QuantizedWeight, quantize_params
+from jaxserve.model.params import PROJECTIONS
+from jaxserve.model.weight_layouts import QuantizedWeight, quantize_params
 from jaxserve.model.transformer import Kernels
 from model_utils import PagedDriver, tiny_config
 
@@ -438,7 +439,7 @@ def test_bf16_models_on_cpu_resolve_to_the_packed_cpp_matmul():
 
 def test_bf16_weights_pack_losslessly_and_panels_split_over_shards(cpu_kernels_library):
     from jaxserve.kernels.cpu.bf16_matmul import unpack_weight
-    from jaxserve.model.linear import dual_precision
+    from jaxserve.model.weight_layouts import dual_precision
 
     w = jax.random.normal(jax.random.key(0), (64, 96)).astype(jnp.bfloat16)
     d = dual_precision(w, 1, packed=True)
@@ -460,7 +461,7 @@ def test_quant_groups_must_fit_each_devices_rows():
     input rows over 4 devices are 16 each, which a group of 32 would straddle."""
     from jaxserve.config import ParallelConfig
     from jaxserve.model.params import abstract_params
-    from jaxserve.model.linear import quantize_params
+    from jaxserve.model.weight_layouts import quantize_params
     from jaxserve.distributed.sharding import ShardingRules, make_abstract_mesh
     from model_utils import tiny_config
 

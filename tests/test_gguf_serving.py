@@ -15,8 +15,7 @@ import pytest
 
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.model.ggml_weight import GGMLWeight, dequantize
-from jaxserve.model.linear import PROJECTIONS
-from jaxserve.model.params import abstract_params, init_params, param_count
+from jaxserve.model.params import PROJECTIONS, abstract_params, init_params, param_count
 from model_utils import PagedDriver, dense_reference_logits, tiny_config
 from tools import quant_accuracy
 
@@ -79,7 +78,7 @@ def test_cpp_kernel_fuses_the_projections_of_one_input_and_sums_the_same(cpu_ker
     format become one FusedWeight of their panels (one x quantisation, one kernel call),
     giving the unfused C++ path's logits exactly (the same x blocks, integer dots and
     scales per output column); parts of different formats stay apart."""
-    from jaxserve.model.linear import FusedWeight, pack_ggml_params
+    from jaxserve.model.weight_layouts import FusedWeight, pack_ggml_params
     from jaxserve.model.transformer import Kernels
     cfg = _cfg(weight_formats=formats)
     params = init_params(cfg, jax.random.key(5), scale=0.2)
@@ -107,7 +106,7 @@ def test_fused_panels_are_grouped_per_shard():
     Parts whose panels do not split over the shards, or of different formats, are not
     fused."""
     from jaxserve.model.ggml_weight import pack_for_cpu
-    from jaxserve.model.linear import fused_ggml_weight
+    from jaxserve.model.weight_layouts import fused_ggml_weight
     cfg = _cfg(weight_formats=tuple((n, "q4_1") for n in PROJECTIONS))
     lp = init_params(cfg, jax.random.key(6), scale=0.2).layers[0]
     q, k, v = (pack_for_cpu(w) for w in (lp.wq, lp.wk, lp.wv))
@@ -302,7 +301,7 @@ def test_real_model_cpp_kernel_on_blocks_keeps_the_float_models_distributions(
     weights exactly: only x's rounding and bf16 K/V differ)."""
     import jaxserve
     from jaxserve import SamplingParams
-    from jaxserve.model.linear import FusedWeight
+    from jaxserve.model.weight_layouts import FusedWeight
     llm = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, quantization="gguf", warmup=False,
                        cache_dir=cache_dir, max_num_seqs=8)
     lp = llm.engine.runner.params

@@ -173,7 +173,8 @@ def test_dual_precision_weights_pick_by_rows():
     what the same row gives inside a larger batch."""
     import jax.numpy as jnp
     from jaxserve.config import ConfigError, KernelConfig
-    from jaxserve.model.linear import DualPrecisionWeight, dense, dual_precision_params
+    from jaxserve.model.linear import dense
+    from jaxserve.model.weight_layouts import DualPrecisionWeight, dual_precision_params
 
     cfg = CONFIGS["gqa4_tied"]
     params = _params(cfg, 6)

@@ -121,7 +121,7 @@ def references(prompts, model, hf_smollm2_model):
                           for c in PARITY_CASES])
 def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, model,
                                         references, cpu_kernels_library):
-    from jaxserve.model.linear import dual_precision_params
+    from jaxserve.model.weight_layouts import dual_precision_params
     cfg, params = model
     want, f32 = references(name, attention)
     if precision == "f32":

@@ -18,7 +18,7 @@ def weight_bytes_per_token(model, engine) -> dict[str, int]:
     and left out). model: ModelConfig; engine: EngineConfig (its bf16_matmul_min_rows /
     weight_quant pick the format)."""
     from jaxserve.model.params import param_specs
-    from jaxserve.model.linear import PROJECTIONS
+    from jaxserve.model.params import PROJECTIONS
 
     spec = param_specs(model).layers[0]
     layer = sum(math.prod(getattr(spec, name).shape) for name in PROJECTIONS)

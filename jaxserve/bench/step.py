@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     from jaxserve.worker.runner import Runner
     from jaxserve.worker.kernel_selection import select_kernels
     from jaxserve.model.kv_cache import init_kv_cache, num_pages_for_budget
-    from jaxserve.model.linear import dual_precision_params
+    from jaxserve.model.weight_layouts import dual_precision_params
     from jaxserve.model.transformer import Kernels
     from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
 

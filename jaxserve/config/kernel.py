@@ -101,7 +101,7 @@ class KernelConfig:
     """None (every matmul in the model dtype), or for float32 models: matmuls over at least
     this many activation rows (B x Q for the projections, B for the LM head) use a bf16
     copy of the weights with f32 accumulation, smaller ones the f32 weights
-    (jaxserve.model.linear.DualPrecisionWeight; 1.5x weight memory). Pick it by
+    (jaxserve.model.weight_layouts.DualPrecisionWeight; 1.5x weight memory). Pick it by
     measurement: jaxserve bench step. Not with weight_quant. For bfloat16 models only 1
     (no bf16_matmul_max_rows): the weights themselves, repacked."""
     bf16_matmul_max_rows: int | None = None

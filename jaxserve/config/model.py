@@ -12,7 +12,7 @@ from jaxserve.config.validation import ConfigError
 # GGML block formats a weight may be stored in (jaxserve.model.ggml_weight.FORMATS)
 WEIGHT_BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
 BLOCK_SIZE = 32  # inputs per block of each of them
-# the layer projections (jaxserve.model.linear.PROJECTIONS)
+# the layer projections (jaxserve.model.params.PROJECTIONS)
 _PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 

@@ -16,10 +16,10 @@ A weight named in ModelConfig.weight_formats is a GGMLWeight instead (its GGUF b
 output-major: a projection's [prod(out), prod(in) / 32, ...] rows, the embedding's and LM
 head's [vocab, embed / 32, ...]; jaxserve.model.ggml_weight), each array with its own
 dtype (ParamSpec.dtype) and the logical axes of its rows and blocks.
-A tree for the C++ CPU matmul (jaxserve.model.linear.dual_precision_params, packed)
+A tree for the C++ CPU matmul (jaxserve.model.weight_layouts.dual_precision_params, packed)
 fuses the projections that share their input into one matmul each: wq holds a
 FusedWeight of wq | wk | wv (wk, wv None) and w_gate one of w_gate | w_up (w_up None);
-jaxserve.model.linear. Checkpoints always hold them unfused.
+jaxserve.model.weight_layouts. Checkpoints always hold them unfused.
 
 Layers are a tuple of per-layer trees, not one stacked array: on XLA:CPU slicing stacked
 weights inside a scan copies them each step (a scanned step was slower: PERFORMANCE.md,

@@ -39,7 +39,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.ggml_weight import GGMLWeight, dequantize_rows
 from jaxserve.model.kv_cache import KVCache, kv_axes
 from jaxserve.model.params import EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, LayerParams, Params
-from jaxserve.model.linear import (PROJECTIONS, DualPrecisionWeight, FusedWeight, QuantizedWeight)
+from jaxserve.model.params import PROJECTIONS
+from jaxserve.model.weight_layouts import DualPrecisionWeight, FusedWeight, QuantizedWeight
 from jaxserve.distributed.sharding import ShardingRules
 
 REPLICATED = PartitionSpec()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jaxserve.config import ConfigError, KernelConfig, resolve_attention_impl, resolve_impl
 from jaxserve.model.params import Params
-from jaxserve.model.linear import dual_precision_params, pack_ggml_params, quantize_params
+from jaxserve.model.weight_layouts import dual_precision_params, pack_ggml_params, quantize_params
 from jaxserve.model.tensor_parallel import shard_params, tp_axis
 from jaxserve.model.transformer import Kernels
 from jaxserve.distributed.sharding import ShardingRules
