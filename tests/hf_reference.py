@@ -56,6 +56,17 @@ def load_gguf_model(gguf_path: str | Path):
     return _with_memo_dir(model, kept)
 
 
+def float_hf_dir(gguf_path: str | Path) -> Path:
+    """The HF directory (config.json, model.safetensors float32) `load_gguf_model` keeps
+    beside the GGUF file, written on first use."""
+    import transformers
+    p = Path(gguf_path)
+    kept = p.parent / f"{p.stem}.hf-float32-transformers-{transformers.__version__}"
+    if not kept.is_dir():
+        load_gguf_model(gguf_path)
+    return kept
+
+
 def _with_memo_dir(model, kept: Path):
     """`model` with the directory of its memoised outputs (`_memo`) beside its kept
     weights."""

@@ -274,7 +274,7 @@ def test_quantization_gguf_needs_a_gguf_source(tmp_path, cache_dir, smollm2_chec
     hf.mkdir()
     with pytest.raises(CheckpointError, match="gguf serves a GGUF file's own blocks; .*Hugging Face"):
         resolve_checkpoint(ModelSource(hf_dir=str(hf)), cache_dir, "gguf")
-    with pytest.raises(CheckpointError, match="holds no GGUF blocks"):
+    with pytest.raises(CheckpointError, match="holds no quantised blocks"):
         resolve_checkpoint(ModelSource(checkpoint=str(smollm2_checkpoint)), cache_dir, "gguf")
 
 

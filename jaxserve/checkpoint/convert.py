@@ -27,15 +27,16 @@ from jaxserve.checkpoint.groups import ParamGroup
 from jaxserve.checkpoint.gguf import GGUFSource
 from jaxserve.checkpoint.hf import HFSource
 from jaxserve.checkpoint.store import write_checkpoint
-from jaxserve.config import ModelConfig
+from jaxserve.config import QUANTIZATIONS, ModelConfig
 from jaxserve.model.ggml_weight import GGMLWeight
 from jaxserve.model.params import LayerParams, param_specs
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-# what `convert(quantization=)` takes: None (floats) or "gguf" (a GGUF file's blocks kept)
-CONVERT_QUANTIZATIONS = (None, "gguf")
+# what `convert(quantization=)` takes: None (floats; a quantised HF directory in its own
+# method), "gguf" (a GGUF file's blocks kept) or a quantised HF directory's method
+CONVERT_QUANTIZATIONS = (None,) + QUANTIZATIONS
 # Tensors a source may hold that conversion consumes elsewhere or that carry nothing.
 _NOT_WEIGHTS = {"rope_freqs.weight"}
 
@@ -96,12 +97,13 @@ def _weight_name(t: PlannedTensor) -> tuple[str, int | None]:
     return (t.path[2], t.path[1]) if t.path[0] == "layers" else (t.path[0], None)
 
 
-def gguf_weight_formats(source: GGUFSource, plan: list[PlannedTensor]) -> tuple[tuple[str, str], ...]:
-    """ModelConfig.weight_formats for serving a GGUF file's block-quantised weights in
+def block_weight_formats(source: GGUFSource | HFSource, plan: list[PlannedTensor]
+                         ) -> tuple[tuple[str, str], ...]:
+    """ModelConfig.weight_formats for serving a source's block-quantised weights in
     their blocks: every planned matrix (embedding, LM head, projections) whose tensor is
-    Q4_0 / Q4_1 / Q8_0 (source.block_format); a projection once for all layers when every
-    layer's has the same format, else per layer. Other types (F32, F16, K-quants) stay
-    floats."""
+    Q4_0 / Q4_1 / Q8_0 (source.block_format: a GGUF tensor's type, or a quantised HF
+    linear's blocks); a projection once for all layers when every layer's has the same
+    format, else per layer. Other types (F32, F16, K-quants) stay floats."""
     layers = {t.path[1] for t in plan if t.path[0] == "layers"}
     found: dict[str, dict[int | None, str]] = {}
     for t in plan:
@@ -119,14 +121,32 @@ def gguf_weight_formats(source: GGUFSource, plan: list[PlannedTensor]) -> tuple[
     return tuple(out)
 
 
+def checked_quantization(source: TensorSource, quantization: str | None) -> str | None:
+    """The quantization `source` is converted with: `quantization`, or for None a quantised
+    HF directory's own method (vLLM's detection from quantization_config). Raises
+    CheckpointError when they disagree: "gguf" for a non-GGUF source, an HF method for a
+    directory not quantised so."""
+    own = getattr(source, "quantization", None)  # an HFSource's QuantScheme
+    if quantization == "gguf" and not isinstance(source, GGUFSource):
+        raise CheckpointError(f"quantization 'gguf' serves a GGUF file's own blocks; {source.path} "
+                              "is a Hugging Face directory")
+    if quantization not in (None, "gguf") and (own is None or own.method != quantization):
+        found = f"is {own.method}" if own is not None else "has no quantization_config"
+        raise CheckpointError(f"quantization {quantization!r}: {source.path} {found}")
+    if quantization is None and own is not None:
+        return own.method
+    return quantization
+
+
 def convert_group(source: TensorSource, group: ParamGroup, plan: list[PlannedTensor],
                   dtype: np.dtype, on_tensor: Callable[[], Any] = lambda: None,
                   cfg: ModelConfig | None = None) -> Any:
     """The subtree of `group` (as `ParamGroup.subtree` lays it out) converted from `source`
     tensor by tensor with `convert_tensor`, calling `on_tensor()` after each. plan: the
     validated `tensor_plan(cfg)`. cfg: the ModelConfig written, whose weight_formats name
-    the weights kept in their GGUF blocks (GGMLWeight leaves as param_specs(cfg) lays them
-    out; `source` a GGUFSource); None: all floats. Raises CheckpointError for an
+    the weights kept in their GGML blocks (GGMLWeight leaves as param_specs(cfg) lays them
+    out; `source` a GGUFSource or a quantised HFSource: its read_blocks); None: all
+    floats. Raises CheckpointError for an
     unreadable tensor."""
     specs = param_specs(cfg) if cfg is not None and cfg.weight_formats else None
 
@@ -175,16 +195,15 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None,
         raise CheckpointError(f"quantization must be one of {CONVERT_QUANTIZATIONS}, got "
                               f"{quantization!r}")
     source = open_source(src)
+    quantization = checked_quantization(source, quantization)
     cfg = source.model_config(dtype)
     plan = tensor_plan(cfg)
     validate(source, plan)
-    if quantization == "gguf":
-        if not isinstance(source, GGUFSource):
-            raise CheckpointError(f"quantization 'gguf' serves a GGUF file's own blocks; {src} "
-                                  "is a Hugging Face directory")
-        cfg = cfg.replace(weight_formats=gguf_weight_formats(source, plan))
+    if quantization is not None:
+        cfg = cfg.replace(weight_formats=block_weight_formats(source, plan))
     log.info("converting %s (%s, %d layers, %s%s) -> %s", source.path, cfg.family,
-             cfg.num_layers, cfg.dtype, ", GGUF blocks kept" if cfg.weight_formats else "", out)
+             cfg.num_layers, cfg.dtype,
+             f", {quantization} blocks kept" if cfg.weight_formats else "", out)
     _warn_unused(source, plan)
     tokenizer_json, tokenizer_config = source.tokenizer()
     info = {**source.source_info(), "native_dtype": source.native_dtype}

@@ -2,7 +2,10 @@
 
 Tensors are streamed one at a time with `safetensors.safe_open` (memory-mapped; only the
 tensor asked for is copied). Shards come from `model.safetensors.index.json` when present,
-else every `*.safetensors` file in the directory.
+else every `*.safetensors` file in the directory. A weight-only quantised directory
+(GPTQ, AWQ, compressed-tensors: jaxserve.checkpoint.hf_quantized) shows each quantised
+linear layer as one `<layer>.weight` [out, in] in place of its stored parts, readable as
+GGML blocks (`read_blocks`) or dequantised (`read`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from jaxserve.checkpoint import hf_quantized
 from jaxserve.checkpoint.errors import CheckpointError
 from jaxserve.checkpoint.families import model_config_from_hf, source_dtype, token_ids
 from jaxserve.config import ModelConfig
+from jaxserve.model.ggml_weight import GGMLWeight, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +65,10 @@ class HFSource:
     """An HF model directory opened for conversion (the `TensorSource` of convert.py).
 
     Tensor names are HF's (`model.layers.0.self_attn.q_proj.weight`). Opening reads only
-    config.json and the safetensors headers. Raises CheckpointError naming the file when
-    config.json is missing/invalid or a safetensors file is unreadable or truncated.
+    config.json and the safetensors headers. `quantization`: the checkpoint's
+    hf_quantized.QuantScheme, None when unquantised. Raises CheckpointError naming the file
+    when config.json is missing/invalid or a safetensors file is unreadable or truncated,
+    and naming the field when its quantization_config is not served.
     """
 
     kind = "hf_dir"
@@ -83,6 +90,13 @@ class HFSource:
                         self._shapes[name] = tuple(st.get_slice(name).get_shape())
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+        self.quantization = hf_quantized.quant_scheme(self.hf_config, self.path)
+        # quantised linear layers: their "<prefix>.weight" name -> (prefix, (out, in))
+        self._linears: dict[str, tuple[str, tuple[int, int]]] = {}
+        if self.quantization is not None:
+            for prefix in hf_quantized.linear_prefixes(self.quantization, set(self._files)):
+                shape = hf_quantized.check_parts(self.quantization, prefix, self._shapes.get)
+                self._linears[f"{prefix}.weight"] = (prefix, shape)
 
     @property
     def native_dtype(self) -> str:
@@ -95,24 +109,56 @@ class HFSource:
         return model_config_from_hf(self.hf_config, dtype, token_ids(self._gen_eos))
 
     def tensor_names(self) -> set[str]:
-        """Every tensor name in the shards."""
-        return set(self._files)
+        """Every tensor name in the shards, a quantised linear's parts as its one weight."""
+        if not self._linears:
+            return set(self._files)
+        parts = {n for prefix, _ in self._linears.values()
+                 for n in hf_quantized.part_names(self.quantization, prefix)}
+        return (set(self._files) - parts) | set(self._linears)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
-        """Shape of tensor `name` as stored, or None if absent."""
+        """Shape of tensor `name` as stored ([out, in] for a quantised linear's weight), or
+        None if absent."""
+        if name in self._linears:
+            return self._linears[name][1]
         return self._shapes.get(name)
 
     def source_name(self, name: str) -> str | None:
         """The stored name of tensor `name` (the same for HF), None if absent."""
-        return name if name in self._files else None
+        return name if name in self._files or name in self._linears else None
+
+    def block_format(self, name: str) -> str | None:
+        """The GGML block format ("q4_0", "q4_1", "q8_0") quantised linear weight `name` is
+        read in (hf_quantized.block_format: from its zero points), None for a float
+        tensor."""
+        if name not in self._linears:
+            return None
+        return hf_quantized.block_format(self.quantization, self._linears[name][0],
+                                         self._read_stored, self._files.__contains__)
+
+    def read_blocks(self, name: str) -> GGMLWeight:
+        """Quantised linear weight `name` [out, in] as GGML blocks (GGMLWeight of numpy
+        arrays; hf_quantized.read_blocks). Raises CheckpointError if it is not quantised or
+        its parts are missing or mis-shaped."""
+        if name not in self._linears:
+            raise CheckpointError(f"{self.path}: tensor {name} is not a quantised linear layer")
+        return hf_quantized.read_blocks(self.quantization, self._linears[name][0],
+                                        self._read_stored, self._files.__contains__)
 
     def describe(self, name: str) -> str:
         """`name` for error messages."""
         return name
 
     def read(self, name: str) -> np.ndarray:
-        """Tensor `name` as a numpy array in its stored dtype (bf16 as ml_dtypes.bfloat16).
-        Raises CheckpointError naming the file if its data cannot be read."""
+        """Tensor `name` as a numpy array in its stored dtype (bf16 as ml_dtypes.bfloat16);
+        a quantised linear's weight dequantised from its blocks (f32 [out, in]). Raises
+        CheckpointError naming the file if its data cannot be read."""
+        if name in self._linears:
+            return np.asarray(dequantize(self.read_blocks(name)))
+        return self._read_stored(name)
+
+    def _read_stored(self, name: str) -> np.ndarray:
+        """Stored tensor `name` as a numpy array in its stored dtype."""
         f = self._files[name]
         try:
             with safe_open(f, framework="numpy") as st:
@@ -136,6 +182,9 @@ class HFSource:
 
     def source_info(self) -> dict[str, Any]:
         """Provenance for the checkpoint's config.json."""
-        return {"kind": self.kind, "path": str(self.path),
+        info = {"kind": self.kind, "path": str(self.path),
                 "architecture": (self.hf_config.get("architectures") or [None])[0],
                 "files": sorted({f.name for f in self._files.values()})}
+        if self.quantization is not None:
+            info["quantization"] = self.quantization.describe()
+        return info

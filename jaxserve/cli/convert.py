@@ -1,11 +1,14 @@
 """`jaxserve convert`: an HF model directory or a GGUF file into a jaxserve checkpoint.
 
-    jaxserve convert SRC OUT [--dtype float32|bfloat16] [--quantization gguf]
+    jaxserve convert SRC OUT [--dtype float32|bfloat16]
+                             [--quantization gguf|gptq|awq|compressed-tensors]
 
 SRC: an HF directory (config.json, *.safetensors, tokenizer.json) or a .gguf file.
 OUT: the checkpoint directory to write (an existing checkpoint there is replaced).
 --quantization gguf keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices in their blocks
 (served as they are: `jaxserve serve --model OUT`); otherwise they are dequantised.
+A GPTQ, AWQ or compressed-tensors (pack-quantized) HF directory keeps its int4 / int8
+codes as GGML blocks whether or not --quantization names its method (which must match).
 Exits 1 with a one-line error if the source cannot be converted.
 """
 
@@ -14,6 +17,7 @@ import logging
 import sys
 
 from jaxserve.checkpoint import CheckpointError, convert
+from jaxserve.config import QUANTIZATIONS
 
 
 def main(argv=None, prog: str = "jaxserve convert") -> int:
@@ -23,8 +27,10 @@ def main(argv=None, prog: str = "jaxserve convert") -> int:
     ap.add_argument("out", help="checkpoint directory to write")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="param dtype (default: the source's; quantised GGUF -> float32)")
-    ap.add_argument("--quantization", "-q", choices=("gguf",), default=None,
-                    help="gguf: keep a GGUF file's block-quantised matrices as they are")
+    ap.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                    help="gguf: keep a GGUF file's block-quantised matrices as they are; "
+                         "gptq / awq / compressed-tensors: the HF directory's method "
+                         "(detected when not given)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     args = ap.parse_args(argv)
     handler = logging.StreamHandler()

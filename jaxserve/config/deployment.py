@@ -12,8 +12,10 @@ from jaxserve.config.server import ServerConfig
 from jaxserve.config.validation import ConfigError
 
 LOAD_FORMATS = ("auto", "dummy")
-# Config.quantization's values (vLLM's --quantization names): None, or "gguf"
-QUANTIZATIONS = ("gguf",)
+# Config.quantization's values (vLLM's --quantization names): None, "gguf" (a GGUF file's
+# blocks), or a weight-only quantised Hugging Face checkpoint's method
+HF_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
+QUANTIZATIONS = ("gguf",) + HF_QUANTIZATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +52,13 @@ class Config:
     checkpoint; for benchmarks and tests; outputs are meaningless)."""
     quantization: str | None = dataclasses.field(default=None, metadata={"choices": QUANTIZATIONS})
     """How the weights are served quantised (vLLM's --quantization, -q): None (as the
-    source converts by default: a GGUF file dequantised to `dtype`; a checkpoint as it
-    was converted) or "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices served in their
-    own blocks, jaxserve.model.ggml_weight: the source a .gguf file or a checkpoint
-    converted with `jaxserve convert --quantization gguf`)."""
+    source converts by default: a GGUF file dequantised to `dtype`; a quantised Hugging
+    Face directory in its own method, as vLLM detects it; a checkpoint as it was
+    converted), "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices served in their own
+    blocks, jaxserve.model.ggml_weight: the source a .gguf file or a checkpoint converted
+    with `jaxserve convert --quantization gguf`), or "gptq", "awq", "compressed-tensors"
+    (a Hugging Face directory quantised so, which it must be: its int4 / int8 codes served
+    as GGML blocks, jaxserve.checkpoint.hf_quantized)."""
     num_layers: int | None = None
     """Serve only the first N decoder layers (None = all): a deep config made cheap for
     tests (with real weights, the first N layers of the checkpoint)."""

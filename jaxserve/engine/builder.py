@@ -21,7 +21,7 @@ from jaxserve.config import Config, ConfigError, ModelConfig, check_deployment
 from jaxserve.distributed.sharding import ShardingRules, make_mesh
 from jaxserve.engine.engine import Engine
 from jaxserve.model.kv_cache import init_kv_cache
-from jaxserve.model.params import dummy_params
+from jaxserve.model.params import PROJECTIONS, dummy_params
 from jaxserve.model.pipeline import stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.spec_decode.draft_model import DraftModel
@@ -140,6 +140,13 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
 DUMMY_GGUF_FORMATS = (("embed", "q8_0"), ("lm_head", "q8_0"), ("wq", "q4_1"), ("wk", "q4_1"),
                       ("wv", "q4_1"), ("wo", "q4_1"), ("w_gate", "q4_1"), ("w_up", "q4_1"),
                       ("w_down", "q4_1"))
+# --quantization gptq / awq / compressed-tensors with dummy weights: 4-bit projections as
+# each method's default checkpoints hold them (GPTQ and compressed-tensors symmetric:
+# Q4_0; AWQ with zero points: Q4_1), embedding and head floats
+DUMMY_FORMATS = {"gguf": DUMMY_GGUF_FORMATS,
+                 "gptq": tuple((n, "q4_0") for n in PROJECTIONS),
+                 "compressed-tensors": tuple((n, "q4_0") for n in PROJECTIONS),
+                 "awq": tuple((n, "q4_1") for n in PROJECTIONS)}
 
 
 def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, Path | None]:
@@ -157,9 +164,9 @@ def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, 
             "`jaxserve convert`; or name it in the config's `source`), or "
             "--load-format dummy for random weights (benchmarks, tests)")
     model_cfg = load_model_config(ckpt) if ckpt is not None else config.model
-    if config.quantization == "gguf" and not model_cfg.weight_formats:  # dummy weights
+    if config.quantization is not None and not model_cfg.weight_formats:  # dummy weights
         model_cfg = model_cfg.replace(weight_formats=tuple(
-            (n, f) for n, f in DUMMY_GGUF_FORMATS
+            (n, f) for n, f in DUMMY_FORMATS[config.quantization]
             if not (n == "lm_head" and model_cfg.tie_word_embeddings)))
     if config.dtype is not None:
         model_cfg = model_cfg.replace(dtype=config.dtype)
