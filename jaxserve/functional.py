@@ -52,12 +52,14 @@ def _prefill_batch(tokens: jax.Array, lengths: jax.Array, tables: jax.Array) -> 
                      query_start=starts, logits_indices=starts[1:] - 1, decode=False)
 
 
-def _page_pool(cfg: ModelConfig, B: int, num_tokens: int, kernels: Kernels):
-    """(block tables [B, pages] int32, zeroed KV pool): each of B sequences its own pages
-    for num_tokens tokens, in order; page 0 is the null page."""
+def _page_pool(cfg: ModelConfig, B: int, num_tokens: int, kernels: Kernels,
+               kv_dtype: str | None = None):
+    """(block tables [B, pages] int32, zeroed KV pool of kv_dtype values, None: the
+    model's dtype): each of B sequences its own pages for num_tokens tokens, in order;
+    page 0 is the null page."""
     pages = -(-num_tokens // PAGE_SIZE)
     tables = (1 + jnp.arange(B * pages, dtype=jnp.int32)).reshape(B, pages)
-    cache = init_kv_cache(cfg, 1 + B * pages, PAGE_SIZE, cfg.dtype, None,
+    cache = init_kv_cache(cfg, 1 + B * pages, PAGE_SIZE, kv_dtype or cfg.dtype, None,
                           kernels.attention.kv_layout)
     return tables, cache
 
@@ -133,16 +135,18 @@ def generate(params: Params, cfg: ModelConfig, prompt_tokens: jax.Array,
     return out_t.T, out_l.T
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "kv_dtype"))
 def logits(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-           kernels: Kernels = Kernels()) -> jax.Array:
+           kernels: Kernels = Kernels(), kv_dtype: str | None = None) -> jax.Array:
     """Teacher-forced logits of sequences: one forward over tokens [B, L] int32 (sequence
     b in its first lengths[b] entries, each >= 1) -> [B, L, vocab] f32, entry [b, t] the
-    raw logits of the token after tokens[b, :t + 1] (garbage past lengths[b]). Raises
-    ValueError for mismatched shapes (at trace time)."""
+    raw logits of the token after tokens[b, :t + 1] (garbage past lengths[b]). kv_dtype:
+    the dtype the K/V are stored in and read back from (an engine's
+    CacheConfig.kv_dtype, e.g. "float8_e4m3fn"); None: the model's. Raises ValueError for
+    mismatched shapes (at trace time)."""
     _check(tokens, lengths, 1)
     B, L = tokens.shape
-    tables, cache = _page_pool(cfg, B, L, kernels)
+    tables, cache = _page_pool(cfg, B, L, kernels, kv_dtype)
     lengths = lengths.astype(jnp.int32)
     batch = _prefill_batch(tokens.astype(jnp.int32), lengths, tables)
     hidden, _ = forward(params, cache, batch, cfg, None, kernels)  # [B * L, D] packed

@@ -32,7 +32,7 @@ def test_override_routes_each_field_to_its_group():
 @pytest.mark.parametrize("fields, match", [
     ({"page_sise": 8}, "EngineConfig has no field 'page_sise'"),
     ({"page_size": 0}, "CacheConfig.page_size must be > 0, got 0"),
-    ({"cache_dtype": "int4"}, "CacheConfig.cache_dtype must be None, 'float32'"),
+    ({"cache_dtype": "int4"}, r"CacheConfig.cache_dtype must be None or one of \['auto', 'float32'"),
     ({"max_num_seqs": -1}, "SchedulerConfig.max_num_seqs must be > 0"),
     ({"seq_buckets": (0, 4)}, "CompilationConfig.seq_buckets must be positive"),
     ({"matmul_impl": "cpu"}, "KernelConfig.matmul_impl='cpu' runs the bf16 weight copies"),
@@ -165,6 +165,7 @@ MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
     "--cpu-kv-cache-space",  # added with the memory check (vLLM's VLLM_CPU_KVCACHE_SPACE)
     "--quantization", "-q",  # added with GGUF blocks served as they are (vLLM's)
+    "--kv-cache-dtype",  # added with the fp8 KV cache (vLLM's)
 }
 SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",

@@ -102,6 +102,19 @@ def test_prepared_weight_bytes_equal_the_prepared_arrays(kernels):
     assert total != plain  # the layout changed what is held
 
 
+def test_fp8_kv_cache_holds_twice_the_bf16_pages():
+    """--kv-cache-dtype fp8: one byte per K/V element, so the same pool bytes hold twice a
+    bf16 pool's pages (the pages gained are what /health and the plan report)."""
+    cfg = load_config(ROOT / "configs/llama70b.py")
+    bf16 = plan_memory(cfg.override(kv_cache_memory_bytes=FIXED_POOL, cache_dtype="bfloat16"))
+    fp8 = plan_memory(cfg.override(kv_cache_memory_bytes=FIXED_POOL, cache_dtype="fp8"))
+    auto = plan_memory(cfg.override(kv_cache_memory_bytes=FIXED_POOL, cache_dtype="auto"))
+    assert fp8.kv_pool // fp8.kv_pages * 2 == bf16.kv_pool // bf16.kv_pages
+    assert fp8.kv_pages in (2 * bf16.kv_pages, 2 * bf16.kv_pages + 1)
+    assert auto.kv_pages == bf16.kv_pages  # the model's dtype: llama70b's bf16
+    assert fp8.weights == bf16.weights
+
+
 def test_kv_pool_from_gpu_memory_utilization():
     cfg = load_config(ROOT / "configs/llama70b.py")
     assert cfg.engine.cache.kv_cache_memory_bytes is None, "the config sizes from memory"

@@ -16,7 +16,8 @@ kernels) against the reference variant's (the first: f32 weights and XLA matmuls
           tokens are >= CONFIDENT_MARGIN nats apart ("confident", their fraction)
   ppl     perplexity of the variant on the text, exp(mean negative log-likelihood)
 
-Variants (each `jaxserve.LLM` on the SmolLM2 preset, warm-up off):
+Variants (each `jaxserve.LLM` on the SmolLM2 bf16 preset with the variant's overrides,
+warm-up off):
   f32       the Q4_1 file dequantised to f32, XLA matmuls at f32, f32 K/V (the reference)
   bf16      the preset: bf16 weight copies in the C++ matmul, bf16 K/V
   q4_1      --quantization gguf: the file's own Q4_1 / Q8_0 blocks in the C++ kernel (x
@@ -25,6 +26,8 @@ Variants (each `jaxserve.LLM` on the SmolLM2 preset, warm-up off):
             model's weights exactly, so its distance to f32 is summation order only
   q8_0      a Q8_0 GGUF requantized from the Q4_1 file (gguf-py, as llamacpp-q8_0's)
             served in its blocks: Q8_0's rounding of the Q4_1 values on top of q4_1's
+  bf16-fp8kv  the bf16 preset with --kv-cache-dtype fp8 (K/V stored as float8_e4m3fn,
+            read by the C++ attention kernel)
 
 Never run in CI (tests/test_quant_accuracy.py checks the bounds on a shorter text).
 """
@@ -50,6 +53,7 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "q4_1": ({"quantization": "gguf"}, None),
     "q4_1-xla": ({"quantization": "gguf", **XLA_F32}, None),
     "q8_0": ({"quantization": "gguf"}, "Q8_0"),
+    "bf16-fp8kv": ({"cache_dtype": "fp8"}, None),
 }
 REFERENCE = "f32"
 # A position whose reference top-2 log-probabilities are this far apart (nats) is
@@ -70,8 +74,9 @@ def windows(ids: Sequence[int], window: int, bos: int) -> list[list[int]]:
 
 def next_token_logprobs(llm, seqs: list[list[int]]):
     """[sum over seqs of (len - 1), vocab] f32 numpy: log-softmax of the logits after each
-    prefix of each sequence (jaxserve.functional.logits over llm's prepared params and
-    kernels, one sequence per call), and the [same] int array of the tokens that follow."""
+    prefix of each sequence (jaxserve.functional.logits over llm's prepared params,
+    kernels and KV dtype, one sequence per call), and the [same] int array of the tokens
+    that follow."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -81,7 +86,8 @@ def next_token_logprobs(llm, seqs: list[list[int]]):
     out, targets = [], []
     for s in seqs:
         toks = jnp.asarray([s], jnp.int32)
-        lg = logits(runner.params, runner.model_cfg, toks, jnp.asarray([len(s)]), runner.kernels)
+        lg = logits(runner.params, runner.model_cfg, toks, jnp.asarray([len(s)]), runner.kernels,
+                    str(runner.cache.dtype))
         out.append(np.asarray(jax.nn.log_softmax(lg[0, :-1].astype(jnp.float32), axis=-1)))
         targets.append(np.asarray(s[1:]))
     return np.concatenate(out), np.concatenate(targets)
@@ -138,8 +144,10 @@ def measure(variants: Sequence[str], text: str, window: int, cache_dir: Path | N
         kw, fmt = VARIANTS[name]
         model = q8_0_gguf(q4_1, cache_dir) if fmt == "Q8_0" else q4_1
         t0 = time.perf_counter()
-        llm = jaxserve.LLM("smollm2_135m", model=str(model), warmup=False, cache_dir=cache_dir,
-                           **kw)
+        # the bf16 preset (the default config but quantization None): each variant says
+        # its own quantization
+        llm = jaxserve.LLM("smollm2_135m_bf16", model=str(model), warmup=False,
+                           cache_dir=cache_dir, **kw)
         if seqs is None:
             tok = llm.tokenizer
             seqs = windows(tok.encode(text, add_special_tokens=False), window, tok.bos_token_id)

@@ -77,7 +77,7 @@ FLAGS: dict[type, tuple[str | Flag, ...]] = {
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                       "async_scheduling"),
     CacheConfig: ("enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization",
-                  "cpu_kv_cache_space"),
+                  "cpu_kv_cache_space", Flag("cache_dtype", name="kv-cache-dtype", none_if="auto")),
     SamplerConfig: ("max_logprobs", "max_logit_bias"),
     ServerConfig: (
         "max_request_body_bytes", "max_queued_requests",

@@ -10,6 +10,11 @@ from jaxserve.config.validation import ConfigError, _positive
 # padding block-table entries point at it (the host's page pool and the device's step
 # arrays both rely on it).
 NULL_PAGE = 0
+# CacheConfig.cache_dtype's values (vLLM's --kv-cache-dtype) -> the dtype K/V are stored in
+# (None: the model's). fp8 is e4m3fn with a per-tensor scale of 1 (vLLM's default without
+# calibrated scales in the checkpoint).
+KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16",
+                   "float16": "float16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +29,12 @@ class CacheConfig:
     """Bytes of device memory for the pool (K and V, all layers, all devices together), as
     vLLM's `--kv-cache-memory-bytes`; None: sized from the devices' memory by
     gpu_memory_utilization."""
-    cache_dtype: str | None = None
-    """Dtype K/V are stored in (vLLM's `--kv-cache-dtype`); None = the model's."""
+    cache_dtype: str | None = dataclasses.field(default=None,
+                                                metadata={"choices": tuple(KV_CACHE_DTYPES)})
+    """Dtype K/V are stored in (vLLM's `--kv-cache-dtype`): None or "auto" (the model's),
+    "float32", "bfloat16", "float16", or "fp8" / "fp8_e4m3" (float8_e4m3fn, a quarter of
+    f32's bytes: twice a bf16 pool's pages in the same memory; K/V clipped to +-448 and
+    rounded, per-tensor scale 1 as vLLM's default; jaxserve.model.kv_cache)."""
     enable_prefix_caching: bool = True
     """Keep the K/V pages of finished and preempted sequences, by chained page hash, for
     later prompts with the same prefix (jaxserve.engine.page_pool; evicted least recently
@@ -50,6 +59,10 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], "
                               f"got {self.gpu_memory_utilization!r}")
-        if self.cache_dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigError(f"CacheConfig.cache_dtype must be None, 'float32', 'bfloat16' or "
-                              f"'float16', got {self.cache_dtype!r}")
+        if self.cache_dtype is not None and self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"CacheConfig.cache_dtype must be None or one of "
+                              f"{list(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The dtype name K/V are stored in for a model of `model_dtype`."""
+        return KV_CACHE_DTYPES.get(self.cache_dtype or "auto") or model_dtype

@@ -76,7 +76,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     ecfg = dataclasses.replace(config.engine, kernels=resolve_kernel_config(
         config.engine.kernels, platform, model_cfg.dtype))
     check_deployment(ecfg, model_cfg, config.parallel)
-    kv_dtype = ecfg.cache.cache_dtype or model_cfg.dtype
+    kv_dtype = ecfg.cache.kv_dtype(model_cfg.dtype)
     # the memory plan against what the devices really have, before anything is allocated
     devices = list(rules.mesh.local_devices) if rules else [jax.devices()[0]]
     device_bytes = device_available_bytes(devices)

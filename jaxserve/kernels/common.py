@@ -4,8 +4,9 @@ kernels -> jaxserve.kernels.common; nothing here imports jaxserve or a kernel pa
 
 - input checks whose ValueErrors name the function, the argument and the limit;
 - the flat ragged batch: which sequence owns each token row (`query_sequence`);
-- the KV pool's storage: a bfloat16 pool held as its uint16 bits (`BF16_BITS`), read
-  through `kv_values` (a bitcast, no copy);
+- the KV pool's storage: a bfloat16 pool held as its uint16 bits (`BF16_BITS`), an fp8
+  e4m3fn pool as its uint8 bits (`FP8_BITS`), read through `kv_values` (a bitcast, no
+  copy);
 - the online softmax's statistics (`softmax_block`, `finish_softmax`), written once for the
   Pallas kernels and the model's XLA attention.
 
@@ -23,6 +24,15 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # A KV pool of this storage dtype holds bfloat16 values as their bits: XLA:CPU updates a
 # uint16 array in place, where it float-normalises a bfloat16 one (jaxserve.model.kv_cache).
 BF16_BITS = jnp.dtype(jnp.uint16)
+# ... and of this one, fp8 e4m3fn values (vLLM's --kv-cache-dtype fp8): as bf16's, a narrow
+# float dynamic-update-slice is float-normalised on XLA:CPU, uint8 is updated in place.
+FP8_BITS = jnp.dtype(jnp.uint8)
+# storage dtype -> the values' dtype, for pools held as bits
+KV_BITS_VALUES = {BF16_BITS: jnp.dtype(jnp.bfloat16), FP8_BITS: jnp.dtype(jnp.float8_e4m3fn)}
+# The largest finite float8_e4m3fn: K/V are clipped to +-FP8_E4M3_MAX before the cast
+# (e4m3fn has no infinity; XLA's convert would make an overflow NaN), as vLLM's
+# scaled_fp8_quant clamps.
+FP8_E4M3_MAX = 448.0
 # The score of a masked key. Finite, so a row whose keys are all masked gives
 # exp(MASK - MASK) = 1 rather than NaN; such a row's output is discarded (or merged with
 # weight exp(-huge) = 0).
@@ -96,10 +106,11 @@ def query_sequence(query_start: jax.Array, num_tokens: int) -> jax.Array:
 # ----------------------------------------------------------------------------- KV storage
 
 def kv_values(pages: jax.Array) -> jax.Array:
-    """A pool array as its values: the bf16 view of a uint16 (bits) pool (a bitcast, no
-    copy), any other pool unchanged. Same shape."""
-    if pages.dtype == BF16_BITS:
-        return jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
+    """A pool array as its values: the bf16 view of a uint16 (bits) pool, the fp8 e4m3fn
+    view of a uint8 one (a bitcast, no copy), any other pool unchanged. Same shape."""
+    values = KV_BITS_VALUES.get(jnp.dtype(pages.dtype))
+    if values is not None:
+        return jax.lax.bitcast_convert_type(pages, values)
     return pages
 
 

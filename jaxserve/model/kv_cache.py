@@ -18,6 +18,10 @@ back, so every layer's K/V write copied the whole pool twice (PERFORMANCE.md, "M
 behind the code"). On uint16 the write updates the new rows in place.
 `write_kv` rounds the new rows to bf16 and stores their bits; `jaxserve.kernels.common.kv_values` gives
 readers the bf16 view (a bitcast, no copy); the C++ CPU kernel reads the bits directly.
+An fp8 pool (vLLM's `--kv-cache-dtype fp8`: float8_e4m3fn values with a per-tensor scale
+of 1, vLLM's default when a checkpoint gives no K/V scales) is stored the same way, as
+uint8 bits: `write_kv` clips the new rows to +-448 (e4m3fn's largest finite value) and
+rounds them to e4m3fn, a quarter of f32's bytes per element.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.distributed.sharding import ShardingRules, layers_per_stage
-from jaxserve.kernels.common import BF16_BITS
+from jaxserve.kernels.common import FP8_E4M3_MAX, KV_BITS_VALUES
 
 KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
 KV_LAYOUTS = ("token_major", "head_major")
@@ -76,17 +80,21 @@ def kv_axes(layout: str, staged: bool = False) -> tuple[str, ...]:
     raise ValueError(f"KV cache layout must be one of {KV_LAYOUTS}, got {layout!r}")
 
 
+_BITS_OF = {values: bits for bits, values in KV_BITS_VALUES.items()}
+
+
 def storage_dtype(dtype: Any) -> jnp.dtype:
     """The array dtype a pool of `dtype` values is stored in: uint16 (the bits) for
-    bfloat16, `dtype` itself otherwise."""
+    bfloat16, uint8 for float8_e4m3fn, `dtype` itself otherwise."""
     dtype = jnp.dtype(dtype)
-    return BF16_BITS if dtype == jnp.bfloat16 else dtype
+    return _BITS_OF.get(dtype, dtype)
 
 
 def value_dtype(stored: Any) -> jnp.dtype:
-    """Inverse of `storage_dtype`: bfloat16 for uint16 pool arrays, else the dtype itself."""
+    """Inverse of `storage_dtype`: bfloat16 for uint16 pool arrays, float8_e4m3fn for
+    uint8, else the dtype itself."""
     stored = jnp.dtype(stored)
-    return jnp.dtype(jnp.bfloat16) if stored == BF16_BITS else stored
+    return KV_BITS_VALUES.get(stored, stored)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
@@ -141,15 +149,20 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
     [K, num_pages, page_size, Dh] head-major); new: [..., K, Dh] (the step's [T, K, Dh]);
     slot_mapping: [...] (the step's [T]) int32 flat slots (padding -> slots of the null
     page). `new` is cast to the pool's value dtype (a uint16 pool: rounded to bf16, its
-    bits stored). Returns the updated pool (in place when the pool is donated).
+    bits stored; a uint8 pool: clipped to +-448, rounded to fp8 e4m3fn, its bits stored).
+    Returns the updated pool (in place when the pool is donated).
     """
     # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
     # XLA:CPU copy the whole pool every step once the pool was also read.
     slots = slot_mapping.reshape(-1)
     K, Dh = new.shape[-2:]
-    rows = new.reshape(-1, K, Dh).astype(value_dtype(pages.dtype))
-    if pages.dtype == BF16_BITS:
-        rows = jax.lax.bitcast_convert_type(rows, BF16_BITS)
+    values = value_dtype(pages.dtype)
+    rows = new.reshape(-1, K, Dh)
+    if values == jnp.float8_e4m3fn:
+        rows = jnp.clip(rows, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    rows = rows.astype(values)
+    if values != pages.dtype:  # stored as bits
+        rows = jax.lax.bitcast_convert_type(rows, pages.dtype)
     if layout == "head_major":
         ps = pages.shape[2]
         return pages.at[:, slots // ps, slots % ps].set(rows.transpose(1, 0, 2), mode="drop")

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 # bf16 dot products are used (KernelConfig.bf16_matmul_round_x_min_rows) where they run at
 # least this many times the f32 FMA rate in flops (what machines showed: PERFORMANCE.md).
 BF16_DOT_MIN_SPEEDUP = 1.5
+# the KV pool dtypes each attention kernel reads (XLA's reads any): the C++ kernel widens
+# bf16 and fp8 e4m3fn in registers; the engine's Pallas path does not pass fp8 pages their
+# scales yet (jaxserve.kernels.pallas.paged_attention reads them given per-page scales)
+CPU_ATTENTION_KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+PALLAS_ATTENTION_KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str) -> KernelConfig:
@@ -53,18 +58,23 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
     a mesh they are split over the vocabulary and XLA reduces them).
 
     Raises ConfigError when "cpu" is asked for explicitly and the kernels cannot be built
-    or loaded, when sampling_impl="cpu" meets a mesh, or (attention) the KV pool is
-    neither float32 nor bfloat16; with "auto" a failed build logs a warning and falls back
-    to "xla", and another pool dtype picks XLA attention. bf16_matmul_round_x_min_rows is
+    or loaded, when sampling_impl="cpu" meets a mesh, or (attention) the KV pool is of a
+    dtype the kernel does not read (CPU_ATTENTION_KV_DTYPES, PALLAS_ATTENTION_KV_DTYPES);
+    with "auto" a failed build logs a warning and falls back to "xla", and another pool
+    dtype picks XLA attention (logged). bf16_matmul_round_x_min_rows is
     kept (as Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16
     dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (probed here,
     in a few ms).
     """
     attention = resolve_attention_impl(kcfg.attention_impl, platform, compute_capability)
-    if attention == "cpu" and kv_dtype not in ("float32", "bfloat16"):
+    pools = CPU_ATTENTION_KV_DTYPES if attention == "cpu" else PALLAS_ATTENTION_KV_DTYPES
+    if attention != "xla" and kv_dtype not in pools:
         if kcfg.attention_impl != "auto":
-            raise ConfigError(f"KernelConfig.attention_impl='cpu' reads a float32 or bfloat16 "
-                              f"KV pool, kv_dtype is {kv_dtype}")
+            raise ConfigError(f"KernelConfig.attention_impl={attention!r} reads a KV pool of "
+                              f"{' or '.join(pools)}, kv_dtype is {kv_dtype} (attention_impl "
+                              "'xla' reads any)")
+        log.warning("attention_impl 'auto': %s attention does not read a %s KV pool; using XLA",
+                    attention, kv_dtype)
         attention = "xla"
     matmul = resolve_impl(kcfg.matmul_impl, platform, compute_capability)
     if (kcfg.matmul_impl == "auto" and platform == "cpu"

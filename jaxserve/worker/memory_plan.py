@@ -189,7 +189,7 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
         replicated = tuple(sorted({jax.tree_util.keystr(p).split(".")[-1] for p, x in leaves
                                    if len(x.shape) > 1 and "model" not in x.sharding.spec}))
 
-    kv_dtype = jnp.dtype(ecfg.cache.cache_dtype or model.dtype)
+    kv_dtype = jnp.dtype(ecfg.cache.kv_dtype(model.dtype))
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_dtype.itemsize
     page_size = ecfg.cache.page_size
     draft_page = drafter_page_bytes(ecfg.speculative, model, page_size, kv_dtype)

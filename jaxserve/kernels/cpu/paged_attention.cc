@@ -21,10 +21,12 @@
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
-//   k_pages      [K, N, ps, Dh]   f32, or bf16 / u16 holding bf16 bits (head-major pool: K kv
-//                                       heads, N pages, ps tokens/page; bf16 widened to
-//                                       f32 on load: half the bytes of a long context's
-//                                       K/V; jaxserve stores a bf16 pool as u16 bits)
+//   k_pages      [K, N, ps, Dh]   f32, or bf16 / u16 holding bf16 bits, or f8e4m3fn / u8
+//                                       holding its bits (head-major pool: K kv heads, N
+//                                       pages, ps tokens/page; bf16 and fp8 widened to f32
+//                                       on load, exactly: half / a quarter of the bytes of
+//                                       a long context's K/V; jaxserve stores these pools
+//                                       as their bits)
 //   v_pages      [K, N, ps, Dh]   the dtype of k_pages
 //                (either pool may be a stack of layers' pools [L, K, N, ps, Dh], both alike,
 //                read at `layer` in place: a layer loop's pool)
@@ -64,6 +66,7 @@
 #endif
 
 #include "bf16.h"
+#include "fp8.h"
 #include "exp_nonpositive.h"
 #include "parallel.h"
 #include "stacked.h"
@@ -77,11 +80,13 @@ using jaxserve::exp16;
 
 namespace {
 
+enum class KvType { kF32, kBF16, kFP8 };
+
 struct Problem {
   const float* q;
-  const void* k;  // float, or bf16 (uint16_t) when kv_bf16
+  const void* k;  // float, bf16 bits (uint16_t) or fp8 e4m3fn bits (uint8_t), as `kv`
   const void* v;
-  bool kv_bf16;
+  KvType kv;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* positions;
@@ -99,9 +104,10 @@ struct Chunk {
 // With AVX-512 and a compile-time head dim the row of acc stays in registers across the
 // keys (through memory, each key's update waited on the previous one's stores: a 512-token
 // prefill's attention took 1.6x as long).
-// A K/V element as f32: an f32 pool's value, or a bf16 pool's widened (the top half of an f32).
+// A K/V element as f32: an f32 pool's value, or a bf16 / fp8 e4m3fn pool's widened (exact).
 inline float kv_value(float x) { return x; }
 inline float kv_value(uint16_t b) { return jaxserve::from_bf16(b); }
+inline float kv_value(uint8_t b) { return jaxserve::from_fp8_e4m3(b); }
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -109,6 +115,7 @@ inline __m512 load16(const uint16_t* x) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
+inline __m512 load16(const uint8_t* x) { return jaxserve::load16_fp8_e4m3(x); }
 #endif
 
 template <int DH, typename T>
@@ -576,16 +583,22 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
 }
 
 // DH: 64, 128 (compile-time head dims) or 0 (any); the tiled path where it applies.
-template <int DH>
-bool attend_dh(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
+template <int DH, typename T>
+bool attend_dh_typed(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   if constexpr (DH > 0)
-    if (p.ps % 16 == 0)
-      return p.kv_bf16 ? attend_item_tiled<DH, uint16_t>(p, c, h, scratch)
-                       : attend_item_tiled<DH, float>(p, c, h, scratch);
+    if (p.ps % 16 == 0) return attend_item_tiled<DH, T>(p, c, h, scratch);
 #endif
-  return p.kv_bf16 ? attend_item<DH, uint16_t>(p, c, h, scratch)
-                   : attend_item<DH, float>(p, c, h, scratch);
+  return attend_item<DH, T>(p, c, h, scratch);
+}
+
+template <int DH>
+bool attend_dh(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
+  switch (p.kv) {
+    case KvType::kBF16: return attend_dh_typed<DH, uint16_t>(p, c, h, scratch);
+    case KvType::kFP8: return attend_dh_typed<DH, uint8_t>(p, c, h, scratch);
+    default: return attend_dh_typed<DH, float>(p, c, h, scratch);
+  }
 }
 
 bool attend(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
@@ -621,16 +634,17 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       q_block <= 0)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
   const auto kt = k_pages.element_type();
-  if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16) ||
-      v_pages.element_type() != kt ||
+  const bool bf16 = kt == ffi::DataType::BF16 || kt == ffi::DataType::U16;
+  const bool fp8 = kt == ffi::DataType::F8E4M3FN || kt == ffi::DataType::U8;
+  if ((kt != ffi::DataType::F32 && !bf16 && !fp8) || v_pages.element_type() != kt ||
       v_pages.dimensions().size() != k_pages.dimensions().size() ||
       v_pages.element_count() != k_pages.element_count())
     return ffi::Error::InvalidArgument(
-        "paged_attention: k_pages and v_pages must be one shape, both f32, both bf16 or both "
-        "u16 (bf16 bits)");
-  p.kv_bf16 = kt != ffi::DataType::F32;
+        "paged_attention: k_pages and v_pages must be one shape and one dtype: f32, bf16 "
+        "(or u16 bf16 bits) or f8e4m3fn (or u8 fp8 bits)");
+  p.kv = bf16 ? KvType::kBF16 : fp8 ? KvType::kFP8 : KvType::kF32;
   // the layer's pool where it lies, not a copy
-  const int64_t offset_bytes = offset * (p.kv_bf16 ? 2 : 4);
+  const int64_t offset_bytes = offset * (bf16 ? 2 : fp8 ? 1 : 4);
   p.q = q.typed_data();
   p.k = static_cast<const char*>(k_pages.untyped_data()) + offset_bytes;
   p.v = static_cast<const char*>(v_pages.untyped_data()) + offset_bytes;
@@ -677,7 +691,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pages f32, bf16 or u16
+                                  .Arg<ffi::AnyBuffer>()         // k_pages f32, bf16/u16, f8/u8
                                   .Arg<ffi::AnyBuffer>()         // v_pages, the same
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // layer of stacked pools
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables

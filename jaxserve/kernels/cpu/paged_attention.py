@@ -35,7 +35,7 @@ def _check_operands(fn: str, q, k_pages, v_pages, block_tables, seq_lens, query_
     check_array(fn, "q", q, (None, None, None), (jnp.float32,))
     T, H, Dh = q.shape
     check_array(fn, "k_pages", k_pages, (None,) * stacked + (None, None, None, Dh),
-                (jnp.float32, jnp.bfloat16, jnp.uint16))
+                (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.float8_e4m3fn, jnp.uint8))
     check_array(fn, "v_pages", v_pages, k_pages.shape, (k_pages.dtype,))
     K = k_pages.shape[-4]
     check(fn, K >= 1 and H % K == 0,
