@@ -124,6 +124,14 @@ def hf_smollm2_tokenizer(smollm2_gguf):
     return load_gguf_tokenizer(smollm2_gguf)
 
 
+@pytest.fixture(scope="session")
+def float_outputs(smollm2_gguf, cache_dir):
+    """The f32 reference engine's outputs the served-format tests compare against
+    (served_formats.float_outputs_of: one engine per worker)."""
+    from served_formats import float_outputs_of
+    return float_outputs_of(smollm2_gguf, cache_dir)
+
+
 # --- a warmed-up engine on the real model (tests/configs/smollm2_small.py) ---------------
 
 SMALL_CONFIG = ROOT / "tests" / "configs" / "smollm2_small.py"

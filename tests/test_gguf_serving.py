@@ -17,6 +17,8 @@ from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.model.ggml_weight import GGMLWeight, dequantize
 from jaxserve.model.params import PROJECTIONS, abstract_params, init_params, param_count
 from model_utils import PagedDriver, dense_reference_logits, tiny_config
+from served_formats import (NEXT_TOKEN_PROMPTS, ONE_ROUNDING_KL, XLA_F32, accuracy_window,
+                             assert_close_distributions)
 from tools import quant_accuracy
 
 # every format, per-layer overrides, dims multiples of the 32-wide blocks
@@ -205,48 +207,6 @@ def test_real_model_converts_keeping_its_blocks(gguf_checkpoint, smollm2_checkpo
     assert nbytes(blocks) == want
 
 
-# the f32 reference variant of tools/quant_accuracy.py, without warm-up
-XLA_F32 = dict(quant_accuracy.XLA_F32, warmup=False, max_num_seqs=8)
-NEXT_TOKEN_PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Water boils at",
-    "The largest planet in the solar system is", "Once upon a time", "import numpy as np\n",
-    "The quick brown fox", "In 1492, Columbus"]
-ACCURACY_WINDOW = 384  # tokens of tests/data/accuracy_text.txt, BOS first (one window)
-
-
-def accuracy_window(llm) -> list[int]:
-    tok = llm.tokenizer
-    ids = tok.encode(quant_accuracy.DEFAULT_TEXT.read_text(), add_special_tokens=False)
-    return quant_accuracy.windows(ids, ACCURACY_WINDOW, tok.bos_token_id)[0]
-
-
-@pytest.fixture(scope="module")
-def float_outputs(smollm2_gguf, cache_dir):
-    """The same GGUF file dequantised to f32, served with XLA's matmuls and attention and
-    f32 K/V (one engine for the tests below): (the greedy next token of each
-    NEXT_TOKEN_PROMPTS, the teacher-forced next-token log-probabilities [383, vocab] of the
-    accuracy text's first window and its next tokens [383])."""
-    import jaxserve
-    from jaxserve import SamplingParams
-    llm = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, cache_dir=cache_dir, **XLA_F32)
-    next_tokens = [c.token_ids for c in llm.generate(
-        NEXT_TOKEN_PROMPTS, SamplingParams(max_tokens=1, temperature=0.0))]
-    return next_tokens, quant_accuracy.next_token_logprobs(llm, [accuracy_window(llm)])
-
-
-def assert_close_distributions(llm, float_outputs, max_kl: float) -> dict:
-    """`llm`'s teacher-forced next-token distributions over the accuracy window against
-    the f32 engine's: mean KL(f32 || llm) <= max_kl nats, the same most likely token
-    wherever the f32 model's top two are >= 1 nat apart (tools/quant_accuracy.py's
-    measures). Returns them."""
-    ref_logp, targets = float_outputs[1]
-    logp, got_targets = quant_accuracy.next_token_logprobs(llm, [accuracy_window(llm)])
-    np.testing.assert_array_equal(got_targets, targets)
-    r = quant_accuracy.compare(ref_logp, logp, targets)
-    assert r["kl"] <= max_kl and r["top1_confident"] == 1.0 and r["confident"] > 0.3, r
-    return r
-
-
 @pytest.mark.full  # fast tier: the tiny model over blocks (XLA) and the real model's C++ path
 def test_real_model_engine_on_blocks_gives_the_float_models_distributions(smollm2_gguf, cache_dir,
                                                                           float_outputs):
@@ -278,17 +238,6 @@ def test_quantization_gguf_needs_a_gguf_source(tmp_path, cache_dir, smollm2_chec
         resolve_checkpoint(ModelSource(checkpoint=str(smollm2_checkpoint)), cache_dir, "gguf")
 
 
-# Bounds of the C++ kernel's paths against the f32 model (tools/quant_accuracy.py gives
-# the whole text's table: PERFORMANCE.md, "Accuracy of the served formats"). Its 8-bit
-# roundings (x per 32-block, Q8_0 weights) each move an element by at most half a step of
-# its block's largest value / 127: the issue's bound for an 8-bit rounding, KL <= 0.01
-# nats, holds for one; q8_0 serving adds a second (the weights'), so twice that. Plain
-# top-1 agreement is not bounded: SmolLM2-135M's next-token distributions are flat
-# (perplexity ~21 on this text) and its argmax flips at near-ties (measured 0.96 for
-# both); where the f32 model's two most likely tokens are >= 1 nat apart
-# (quant_accuracy.CONFIDENT_MARGIN, ~6x the ~0.15 nats these roundings move a
-# log-probability) none may flip. A wrong panel, nibble or scale gives KL of O(1).
-ONE_ROUNDING_KL = 0.01
 
 
 def test_real_model_cpp_kernel_on_blocks_keeps_the_float_models_distributions(

@@ -200,20 +200,18 @@ def test_dummy_weights_with_an_hf_method_get_its_default_blocks(tmp_path):
 # --- the real model -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def float_dir(smollm2_gguf, tmp_path_factory):
+def float_dir(smollm2_gguf, smollm2_checkpoint, tmp_path_factory):
     """The real model as a float32 HF directory (transformers' dequantisation of the GGUF;
     its config.json given the architecture transformers leaves out of a GGUF's) with the
-    tokenizer jaxserve builds from the GGUF."""
+    tokenizer jaxserve built from the GGUF (the converted checkpoint's files)."""
     from hf_reference import float_hf_dir
-    from jaxserve.checkpoint.gguf import GGUFSource
     d = tmp_path_factory.mktemp("smollm2-float")
     src = float_hf_dir(smollm2_gguf)
     (d / "model.safetensors").symlink_to(src / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]} | cfg))
-    tok_json, tok_cfg = GGUFSource(smollm2_gguf).tokenizer()
-    (d / "tokenizer.json").write_text(tok_json)
-    (d / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).symlink_to(smollm2_checkpoint / f)
     return d
 
 
@@ -222,9 +220,13 @@ def quantized_dir(float_dir, tmp_path_factory, variant):
     return d, write_quantized_dir(float_dir, d, variant)
 
 
+CHECKED_LAYERS = (0, 14, 29)  # first, middle, last: every layer goes through one code path
+
+
 def _check_converted(ckpt, codes, variant):
-    """Every projection of converted checkpoint `ckpt` is the tests' own dequantisation of
-    its codes (within _bound), in the format the table gives; the rest floats."""
+    """Every projection of CHECKED_LAYERS of converted checkpoint `ckpt` is the tests' own
+    dequantisation of its codes (within _bound), in the format the table gives (every
+    layer's, by the config); the embedding float."""
     from jaxserve.checkpoint import load_model_config, load_params
     from jaxserve.model.ggml_weight import GGMLWeight
     from jaxserve.model.params import PROJECTIONS
@@ -236,7 +238,8 @@ def _check_converted(ckpt, codes, variant):
     hf_names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
                 "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
                 "w_down": "mlp.down_proj"}
-    for i, lp in enumerate(params.layers):
+    for i in CHECKED_LAYERS:
+        lp = params.layers[i]
         for name, hf in hf_names.items():
             u, z, s = codes[f"model.layers.{i}.{hf}.weight"]
             w = getattr(lp, name)
@@ -282,22 +285,27 @@ def test_real_model_awq_dir_serves_the_distributions_of_its_dequantised_weights(
     confident positions unflipped. A misread nibble, order or zero point gives KL of O(1)."""
     import jaxserve
     from safetensors.numpy import save_file
-    from test_gguf_serving import (ONE_ROUNDING_KL, XLA_F32, accuracy_window,
-                                   assert_close_distributions)
+    from served_formats import (ONE_ROUNDING_KL, XLA_F32, accuracy_window,
+                                assert_close_distributions)
     from tools import quant_accuracy
+    from jaxserve.checkpoint import convert
     variant = Variant("awq", 4, 128, sym=False)
     d, codes = quantized_dir(float_dir, tmp_path_factory, variant)
     ref = tmp_path_factory.mktemp("awq-dequantised")
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (ref / f).write_text((float_dir / f).read_text())
+        (ref / f).symlink_to(float_dir / f)
     tensors = float_tensors(float_dir)
     tensors.update({n: dequantized(*c, variant.group) for n, c in codes.items()})
     save_file(tensors, ref / "model.safetensors")
-    f32 = jaxserve.LLM("smollm2_135m_bf16", model=ref, cache_dir=cache_dir, **XLA_F32)
+    del tensors
+    # converted here, not into the shared cache (whose entries are keyed by source path)
+    f32 = jaxserve.LLM("smollm2_135m_bf16", model=convert(ref, ref / "ckpt", progress=False),
+                       cache_dir=cache_dir, **XLA_F32)
     float_outputs = (None, quant_accuracy.next_token_logprobs(f32, [accuracy_window(f32)]))
     del f32
-    llm = jaxserve.LLM("smollm2_135m_bf16", model=d, cache_dir=cache_dir, warmup=False,
-                       max_num_seqs=8)
+    # the method detected from config.json, as `--model DIR` does
+    llm = jaxserve.LLM("smollm2_135m_bf16", model=convert(d, d.parent / "ckpt", progress=False),
+                       cache_dir=cache_dir, warmup=False, max_num_seqs=8)
     assert dict(llm.engine.runner.model_cfg.weight_formats) == {
         n: "q4_1" for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
     assert_close_distributions(llm, float_outputs, ONE_ROUNDING_KL)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from test_gguf_serving import ONE_ROUNDING_KL, assert_close_distributions, float_outputs  # noqa: F401
+from served_formats import ONE_ROUNDING_KL, assert_close_distributions
 
 
 @pytest.mark.full  # fast tier: the kernel's exact fp8 widening, the model's fp8 pool writes
 def test_real_model_fp8_kv_cache_keeps_the_float_models_distributions(smollm2_gguf, cache_dir,
-                                                                      float_outputs):  # noqa: F811
+                                                                      float_outputs):
     """The bf16 preset with cache_dtype="fp8": a uint8 pool, the C++ attention kernel,
     and teacher-forced next-token distributions (K/V written to and read back from the
     fp8 pool) within ONE_ROUNDING_KL of the f32 model's, confident positions unflipped:

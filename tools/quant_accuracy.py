@@ -28,6 +28,10 @@ warm-up off):
             served in its blocks: Q8_0's rounding of the Q4_1 values on top of q4_1's
   bf16-fp8kv  the bf16 preset with --kv-cache-dtype fp8 (K/V stored as float8_e4m3fn,
             read by the C++ attention kernel)
+  int8 / int4  --quantization int8 / int4: the file's values requantised when converted
+            (gguf-py: Q8_0 everywhere / Q4_1 projections with a Q8_0 embedding), C++ kernel
+  fp8       --quantization fp8: projections e4m3 per output channel at load (XLA's
+            dequantising reference on CPU)
 
 Never run in CI (tests/test_quant_accuracy.py checks the bounds on a shorter text).
 """
@@ -54,6 +58,9 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "q4_1-xla": ({"quantization": "gguf", **XLA_F32}, None),
     "q8_0": ({"quantization": "gguf"}, "Q8_0"),
     "bf16-fp8kv": ({"cache_dtype": "fp8"}, None),
+    "int8": ({"quantization": "int8"}, None),
+    "int4": ({"quantization": "int4"}, None),
+    "fp8": ({"quantization": "fp8"}, None),
 }
 REFERENCE = "f32"
 # A position whose reference top-2 log-probabilities are this far apart (nats) is

@@ -27,16 +27,24 @@ from jaxserve.checkpoint.groups import ParamGroup
 from jaxserve.checkpoint.gguf import GGUFSource
 from jaxserve.checkpoint.hf import HFSource
 from jaxserve.checkpoint.store import write_checkpoint
-from jaxserve.config import QUANTIZATIONS, ModelConfig
-from jaxserve.model.ggml_weight import GGMLWeight
+from jaxserve.config import CONVERTED_QUANTIZATIONS, HF_QUANTIZATIONS, ModelConfig
+from jaxserve.model.ggml_weight import GGMLWeight, from_gguf_bytes
 from jaxserve.model.params import LayerParams, param_specs
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 # what `convert(quantization=)` takes: None (floats; a quantised HF directory in its own
-# method), "gguf" (a GGUF file's blocks kept) or a quantised HF directory's method
-CONVERT_QUANTIZATIONS = (None,) + QUANTIZATIONS
+# method), "gguf" (a GGUF file's blocks kept), a quantised HF directory's method, or
+# "int8" / "int4" (a float source quantised here); "fp8" is applied when loaded
+CONVERT_QUANTIZATIONS = (None, "gguf") + HF_QUANTIZATIONS + CONVERTED_QUANTIZATIONS
+# "int8" / "int4": each matrix's GGML format by the ModelConfig.weight_formats name it has
+# (the embedding and LM head 8-bit under int4 too, as llama.cpp's Q4_1 files keep theirs:
+# a 4-bit LM head costs the most accuracy for the fewest bytes)
+QUANTIZE_FORMATS = {"int8": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q8_0"},
+                    "int4": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"}}
+# GGML format -> gguf-py's quantisation type
+_GGUF_QTYPES = {"q8_0": "Q8_0", "q4_1": "Q4_1", "q4_0": "Q4_0"}
 # Tensors a source may hold that conversion consumes elsewhere or that carry nothing.
 _NOT_WEIGHTS = {"rope_freqs.weight"}
 
@@ -125,12 +133,15 @@ def checked_quantization(source: TensorSource, quantization: str | None) -> str 
     """The quantization `source` is converted with: `quantization`, or for None a quantised
     HF directory's own method (vLLM's detection from quantization_config). Raises
     CheckpointError when they disagree: "gguf" for a non-GGUF source, an HF method for a
-    directory not quantised so."""
+    directory not quantised so, "int8" / "int4" for a directory already quantised."""
     own = getattr(source, "quantization", None)  # an HFSource's QuantScheme
     if quantization == "gguf" and not isinstance(source, GGUFSource):
         raise CheckpointError(f"quantization 'gguf' serves a GGUF file's own blocks; {source.path} "
                               "is a Hugging Face directory")
-    if quantization not in (None, "gguf") and (own is None or own.method != quantization):
+    if quantization in CONVERTED_QUANTIZATIONS and own is not None:
+        raise CheckpointError(f"quantization {quantization!r} quantises float weights; "
+                              f"{source.path} is already quantised ({own.method})")
+    if quantization in HF_QUANTIZATIONS and (own is None or own.method != quantization):
         found = f"is {own.method}" if own is not None else "has no quantization_config"
         raise CheckpointError(f"quantization {quantization!r}: {source.path} {found}")
     if quantization is None and own is not None:
@@ -138,23 +149,47 @@ def checked_quantization(source: TensorSource, quantization: str | None) -> str 
     return quantization
 
 
+def quantized_weight_formats(plan: list[PlannedTensor], quantization: str
+                             ) -> tuple[tuple[str, str], ...]:
+    """ModelConfig.weight_formats for quantising a float source's matrices
+    (QUANTIZE_FORMATS[quantization]): every projection, the embedding and the LM head."""
+    formats = QUANTIZE_FORMATS[quantization]
+    names = dict.fromkeys(_weight_name(t)[0] for t in plan if len(t.shape) > 1)
+    return tuple((n, formats[n if n in ("embed", "lm_head") else "layers"]) for n in names)
+
+
+def quantize_blocks(x: np.ndarray, fmt: str) -> GGMLWeight:
+    """A float matrix x [out, in] (in a multiple of 32) as GGML blocks of `fmt` ("q8_0",
+    "q4_1", "q4_0"), quantised by gguf-py (gguf.quants.quantize: llama.cpp's reference
+    quantize_row_*: Q8_0 d = absmax / 127; Q4_1 d = (max - min) / 15, m = min; per block
+    of 32). Raises CheckpointError if `in` is not whole blocks."""
+    import gguf
+    if x.ndim != 2 or x.shape[1] % 32:
+        raise CheckpointError(f"a matrix of shape {x.shape} is not whole blocks of 32 inputs")
+    qtype = gguf.GGMLQuantizationType[_GGUF_QTYPES[fmt]]
+    return from_gguf_bytes(gguf.quants.quantize(np.ascontiguousarray(x, np.float32), qtype), fmt)
+
+
 def convert_group(source: TensorSource, group: ParamGroup, plan: list[PlannedTensor],
                   dtype: np.dtype, on_tensor: Callable[[], Any] = lambda: None,
-                  cfg: ModelConfig | None = None) -> Any:
+                  cfg: ModelConfig | None = None, quantize: bool = False) -> Any:
     """The subtree of `group` (as `ParamGroup.subtree` lays it out) converted from `source`
     tensor by tensor with `convert_tensor`, calling `on_tensor()` after each. plan: the
     validated `tensor_plan(cfg)`. cfg: the ModelConfig written, whose weight_formats name
     the weights kept in their GGML blocks (GGMLWeight leaves as param_specs(cfg) lays them
-    out; `source` a GGUFSource or a quantised HFSource: its read_blocks); None: all
-    floats. Raises CheckpointError for an
-    unreadable tensor."""
+    out; `source` a GGUFSource or a quantised HFSource: its read_blocks, or with
+    `quantize` any source's float matrices quantised by `quantize_blocks`); None: all
+    floats. Raises CheckpointError for an unreadable tensor."""
     specs = param_specs(cfg) if cfg is not None and cfg.weight_formats else None
 
     def one(t: PlannedTensor) -> Any:
         spec = specs
         for k in t.path if specs is not None else ():
             spec = spec[k] if isinstance(k, int) else getattr(spec, k)
-        if isinstance(spec, GGMLWeight):  # stored as in the file: no transform, no cast
+        if isinstance(spec, GGMLWeight) and quantize:  # a float matrix [out, in] quantised
+            w = quantize_blocks(np.asarray(source.read(t.hf_name), np.float32), spec.fmt)
+            x = dataclasses.replace(w, logical_shape=spec.logical_shape)
+        elif isinstance(spec, GGMLWeight):  # stored as in the file: no transform, no cast
             w = source.read_blocks(t.hf_name)
             x = dataclasses.replace(w, logical_shape=spec.logical_shape)
         else:
@@ -183,9 +218,14 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None,
 
     dtype: "float32" / "bfloat16", or None for the source's own (bf16 HF stays bf16;
     quantised GGUF becomes float32). quantization: None (every weight dequantised to
-    `dtype`) or "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks:
-    gguf_weight_formats; norms and other types in `dtype`; q / k rows un-permuted as
-    whole rows). Every tensor is validated first; then the params are
+    `dtype`; but a quantised HF directory is converted in its own method, as vLLM serves
+    it); "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks:
+    block_weight_formats; norms and other types in `dtype`; q / k rows un-permuted as
+    whole rows); "gptq" / "awq" / "compressed-tensors" (an HF directory quantised so, its
+    linear layers' codes kept as GGML blocks: jaxserve.checkpoint.hf_quantized); or
+    "int8" / "int4" (any float source's matrices quantised here: QUANTIZE_FORMATS, by
+    gguf-py's own Q8_0 / Q4_1 quantisers, llama.cpp's reference ones). Norms and other
+    small tensors stay in `dtype`. Every tensor is validated first; then the params are
     converted and saved one group at a time (`write_checkpoint`), with a tqdm bar of
     tensors unless `progress` is False. Returns the checkpoint path. Raises CheckpointError
     (one line naming the architecture / tensor / file) for anything wrong with the source;
@@ -199,7 +239,10 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None,
     cfg = source.model_config(dtype)
     plan = tensor_plan(cfg)
     validate(source, plan)
-    if quantization is not None:
+    quantize = quantization in CONVERTED_QUANTIZATIONS
+    if quantize:
+        cfg = cfg.replace(weight_formats=quantized_weight_formats(plan, quantization))
+    elif quantization is not None:
         cfg = cfg.replace(weight_formats=block_weight_formats(source, plan))
     log.info("converting %s (%s, %d layers, %s%s) -> %s", source.path, cfg.family,
              cfg.num_layers, cfg.dtype,
@@ -210,5 +253,5 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None,
     np_dtype = jnp.dtype(cfg.dtype)
     with tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress) as bar:
         return write_checkpoint(out, cfg, lambda g: convert_group(source, g, plan, np_dtype,
-                                                                  bar.update, cfg),
+                                                                  bar.update, cfg, quantize),
                                 tokenizer_json, tokenizer_config, info)

@@ -138,10 +138,13 @@ def resolve_checkpoint(source: ModelSource, cache_dir: str | Path,
     """A jaxserve checkpoint directory for `source`, fetching/converting into `cache_dir`
     on first use (see the module docstring); quantization: Config.quantization (None;
     "gguf": a GGUF source converted keeping its blocks; "gptq" / "awq" /
-    "compressed-tensors": an HF directory quantised so; a checkpoint source must hold
-    blocks for any of them). Raises CheckpointError naming the path, requirement or
-    tensor at fault."""
+    "compressed-tensors": an HF directory quantised so; "int8" / "int4": a float source
+    quantised when converted; a checkpoint source must hold blocks for any of these;
+    "fp8" is applied when loaded: the source converts as for None). Raises
+    CheckpointError naming the path, requirement or tensor at fault."""
     cache_dir = Path(cache_dir).expanduser().resolve()
+    if quantization == "fp8":  # quantised at load (KernelConfig.weight_quant)
+        quantization = None
     if source.checkpoint is not None:
         path = Path(source.checkpoint).expanduser().resolve()
         if not is_checkpoint(path):

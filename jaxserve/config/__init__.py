@@ -24,7 +24,8 @@ from pathlib import Path
 
 from jaxserve.config.cache import NULL_PAGE, CacheConfig
 from jaxserve.config.compilation import CompilationConfig
-from jaxserve.config.deployment import HF_QUANTIZATIONS, LOAD_FORMATS, QUANTIZATIONS, Config
+from jaxserve.config.deployment import (CONVERTED_QUANTIZATIONS, HF_QUANTIZATIONS, LOAD_FORMATS,
+                                       QUANTIZATIONS, Config)
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.kernel import (ATTENTION_IMPLS, ATTENTION_KERNEL_IMPLS, KERNEL_IMPLS,
                                     MATMUL_IMPLS, MATMUL_KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS,
@@ -40,9 +41,9 @@ from jaxserve.config.speculative import (MAX_SPECULATIVE_TOKENS, SPECULATIVE_MET
 from jaxserve.config.validation import ConfigError
 
 __all__ = [
-    "ATTENTION_IMPLS", "ATTENTION_KERNEL_IMPLS", "HF_QUANTIZATIONS", "KERNEL_IMPLS",
-    "LOAD_FORMATS", "MATMUL_IMPLS", "MATMUL_KERNEL_IMPLS", "MAX_SPECULATIVE_TOKENS",
-    "MOSAIC_KERNEL_IMPLS", "NULL_PAGE", "QUANTIZATIONS",
+    "ATTENTION_IMPLS", "ATTENTION_KERNEL_IMPLS", "CONVERTED_QUANTIZATIONS", "HF_QUANTIZATIONS",
+    "KERNEL_IMPLS", "LOAD_FORMATS", "MATMUL_IMPLS", "MATMUL_KERNEL_IMPLS",
+    "MAX_SPECULATIVE_TOKENS", "MOSAIC_KERNEL_IMPLS", "NULL_PAGE", "QUANTIZATIONS",
     "SAMPLING_IMPLS", "SHIPPED_CONFIGS", "SPECULATIVE_METHODS", "WEIGHT_QUANT_FORMATS",
     "CacheConfig", "CompilationConfig", "Config", "ConfigError", "EngineConfig",
     "KernelConfig", "ModelConfig", "ModelSource", "ParallelConfig", "RopeScaling",

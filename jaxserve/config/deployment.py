@@ -12,10 +12,13 @@ from jaxserve.config.server import ServerConfig
 from jaxserve.config.validation import ConfigError
 
 LOAD_FORMATS = ("auto", "dummy")
-# Config.quantization's values (vLLM's --quantization names): None, "gguf" (a GGUF file's
-# blocks), or a weight-only quantised Hugging Face checkpoint's method
+# Config.quantization's values (vLLM's --quantization names where vLLM has them): None,
+# "gguf" (a GGUF file's blocks), a weight-only quantised Hugging Face checkpoint's method,
+# or a float source's weights quantised by jaxserve: "int8" / "int4" into GGML blocks when
+# converted, "fp8" (e4m3, per output channel) when loaded
 HF_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
-QUANTIZATIONS = ("gguf",) + HF_QUANTIZATIONS
+CONVERTED_QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("gguf",) + HF_QUANTIZATIONS + CONVERTED_QUANTIZATIONS + ("fp8",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +57,16 @@ class Config:
     """How the weights are served quantised (vLLM's --quantization, -q): None (as the
     source converts by default: a GGUF file dequantised to `dtype`; a quantised Hugging
     Face directory in its own method, as vLLM detects it; a checkpoint as it was
-    converted), "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices served in their own
+    converted); "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices served in their own
     blocks, jaxserve.model.ggml_weight: the source a .gguf file or a checkpoint converted
-    with `jaxserve convert --quantization gguf`), or "gptq", "awq", "compressed-tensors"
-    (a Hugging Face directory quantised so, which it must be: its int4 / int8 codes served
-    as GGML blocks, jaxserve.checkpoint.hf_quantized)."""
+    with `jaxserve convert --quantization gguf`); "gptq", "awq", "compressed-tensors" (a
+    Hugging Face directory quantised so, which it must be: its int4 / int8 codes served as
+    GGML blocks, jaxserve.checkpoint.hf_quantized); "int8" / "int4" (a float source's
+    matrices quantised when converted, llama.cpp's Q8_0 / Q4_1 blocks of 32:
+    jaxserve.checkpoint.convert.QUANTIZE_FORMATS); or "fp8" (its projections quantised
+    when loaded to float8_e4m3fn with one scale per output channel, vLLM's dynamic fp8:
+    KernelConfig.weight_quant "fp8_e4m3", the Pallas kernels on a GPU, XLA's reference
+    elsewhere)."""
     num_layers: int | None = None
     """Serve only the first N decoder layers (None = all): a deep config made cheap for
     tests (with real weights, the first N layers of the checkpoint)."""

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.checkpoint import is_checkpoint, load_model_config, load_params
+from jaxserve.checkpoint.convert import QUANTIZE_FORMATS
 from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
 from jaxserve.config import Config, ConfigError, ModelConfig, check_deployment
 from jaxserve.distributed.sharding import ShardingRules, make_mesh
@@ -74,7 +75,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
                  rules.mesh.devices.flat[0].platform)
     platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
     ecfg = dataclasses.replace(config.engine, kernels=resolve_kernel_config(
-        config.engine.kernels, platform, model_cfg.dtype))
+        config.engine.kernels, platform, model_cfg.dtype, config.quantization))
     check_deployment(ecfg, model_cfg, config.parallel)
     kv_dtype = ecfg.cache.kv_dtype(model_cfg.dtype)
     # the memory plan against what the devices really have, before anything is allocated
@@ -146,7 +147,11 @@ DUMMY_GGUF_FORMATS = (("embed", "q8_0"), ("lm_head", "q8_0"), ("wq", "q4_1"), ("
 DUMMY_FORMATS = {"gguf": DUMMY_GGUF_FORMATS,
                  "gptq": tuple((n, "q4_0") for n in PROJECTIONS),
                  "compressed-tensors": tuple((n, "q4_0") for n in PROJECTIONS),
-                 "awq": tuple((n, "q4_1") for n in PROJECTIONS)}
+                 "awq": tuple((n, "q4_1") for n in PROJECTIONS),
+                 # int8 / int4: the formats `jaxserve convert` quantises a float source to
+                 **{q: (("embed", f["embed"]), ("lm_head", f["lm_head"]))
+                    + tuple((n, f["layers"]) for n in PROJECTIONS)
+                    for q, f in QUANTIZE_FORMATS.items()}}
 
 
 def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, Path | None]:
@@ -164,7 +169,7 @@ def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, 
             "`jaxserve convert`; or name it in the config's `source`), or "
             "--load-format dummy for random weights (benchmarks, tests)")
     model_cfg = load_model_config(ckpt) if ckpt is not None else config.model
-    if config.quantization is not None and not model_cfg.weight_formats:  # dummy weights
+    if config.quantization in DUMMY_FORMATS and not model_cfg.weight_formats:  # dummy weights
         model_cfg = model_cfg.replace(weight_formats=tuple(
             (n, f) for n, f in DUMMY_FORMATS[config.quantization]
             if not (n == "lm_head" and model_cfg.tie_word_embeddings)))

@@ -31,13 +31,23 @@ CPU_ATTENTION_KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 PALLAS_ATTENTION_KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str) -> KernelConfig:
+def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str,
+                          quantization: str | None = None) -> KernelConfig:
     """`kcfg` with what "auto" means for the model: a bfloat16 model on CPU with the
     matmul left to "auto" (no weight_quant, no bf16_matmul_min_rows) runs its projections
     and LM head in the C++ bf16 kernel, weights packed as they are (bf16_matmul_min_rows
     = 1): XLA:CPU widens a bf16 weight to f32 on every matmul, a whole f32 temporary of
     the weight each time, where the C++ kernel widens it in registers (PERFORMANCE.md,
-    "Tensor parallel"). Anything else unchanged."""
+    "Tensor parallel"). quantization: Config.quantization; "fp8" quantises the
+    projections at load (weight_quant "fp8_e4m3", per output channel, vLLM's dynamic fp8)
+    in place of any bf16 copies (bf16_matmul_* cleared, a "cpu" matmul back to "auto").
+    Anything else unchanged."""
+    if quantization == "fp8":
+        kcfg = dataclasses.replace(
+            kcfg, weight_quant="fp8_e4m3", weight_quant_group_size=None,
+            bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
+            bf16_matmul_round_x_min_rows=None,
+            matmul_impl="auto" if kcfg.matmul_impl == "cpu" else kcfg.matmul_impl)
     if (platform == "cpu" and model_dtype == "bfloat16" and kcfg.matmul_impl == "auto"
             and kcfg.weight_quant is None and kcfg.bf16_matmul_min_rows is None):
         return dataclasses.replace(kcfg, bf16_matmul_min_rows=1)

@@ -182,7 +182,7 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     rules = ShardingRules(make_abstract_mesh(config.parallel))
     params = abstract_params(model, rules)
     leaves = jax.tree.leaves_with_path(params)
-    kcfg = resolve_kernel_config(ecfg.kernels, platform, model.dtype)
+    kcfg = resolve_kernel_config(ecfg.kernels, platform, model.dtype, config.quantization)
     weights, weights_total = prepared_weight_bytes(model, kcfg, rules)
     replicated = ()
     if config.parallel.tensor_parallel_size > 1:  # matrices that could not be split over `model`
