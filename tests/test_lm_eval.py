@@ -21,6 +21,7 @@ import lm_eval  # a test extra: a missing one fails this real-model test, never 
 import pytest
 
 from app_server import uvicorn_thread
+from tools.quant_accuracy import MC_TASK  # the multiple-choice task, shared with the tool
 
 pytestmark = pytest.mark.full  # fast tier: logprobs with echo through the server (test_logprobs_real)
 
@@ -30,22 +31,6 @@ PER_TOKEN_ATOL = 2e-3
 # top-2 margin below twice that may be ranked either way
 TIE_MARGIN = 2e-3
 
-MC_TASK = """task: jaxserve_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: answer
-target_delimiter: " "
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 QA_TASK = """task: jaxserve_qa
 dataset_path: json
 dataset_kwargs:

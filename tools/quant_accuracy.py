@@ -1,7 +1,8 @@
 """How far each served weight format moves SmolLM2-135M's next-token distributions.
 
     python -m tools.quant_accuracy [--variants f32,bf16,q4_1,q4_1-xla,q8_0] [--window 512]
-                                   [--text tests/data/accuracy_text.txt] [--json OUT]
+                                   [--text tests/data/accuracy_text.txt] [--lm-eval]
+                                   [--json OUT]
 
 Teacher-forced over a fixed text (default: tests/data/accuracy_text.txt, ~2,500 tokens of
 prose, a dialogue of questions, a list and Python code), cut into windows of --window
@@ -15,6 +16,10 @@ kernels) against the reference variant's (the first: f32 weights and XLA matmuls
   top1_confident  the same over the positions where the reference's two most likely
           tokens are >= CONFIDENT_MARGIN nats apart ("confident", their fraction)
   ppl     perplexity of the variant on the text, exp(mean negative log-likelihood)
+  mc_acc  with --lm-eval: lm-eval's multiple-choice accuracy on tests/test_lm_eval.py's
+          task (tests/data/lm_eval/mc.jsonl, 24 questions: one question is 0.042), lm-eval
+          scoring through `EngineLM` (each choice's summed log-likelihood from the
+          variant's engine, contexts and continuations split as lm-eval's own models do)
 
 Variants (each `jaxserve.LLM` on the SmolLM2 bf16 preset with the variant's overrides,
 warm-up off):
@@ -132,9 +137,10 @@ def q8_0_gguf(q4_1_gguf: Path, cache_dir: Path) -> Path:
 
 
 def measure(variants: Sequence[str], text: str, window: int, cache_dir: Path | None = None,
-            log=print) -> dict[str, Any]:
+            log=print, mc: bool = False) -> dict[str, Any]:
     """{variant: compare(...) against the first variant} (the first's own row: itself)
-    over `text` in windows of `window` tokens, each variant's LLM built, used and dropped
+    over `text` in windows of `window` tokens, with `mc` also lm-eval's multiple-choice
+    accuracy (`mc_acc`: lm_eval_mc_accuracy), each variant's LLM built, used and dropped
     in turn. Raises ValueError for an unknown variant."""
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -159,22 +165,106 @@ def measure(variants: Sequence[str], text: str, window: int, cache_dir: Path | N
             tok = llm.tokenizer
             seqs = windows(tok.encode(text, add_special_tokens=False), window, tok.bos_token_id)
         logp, targets = next_token_logprobs(llm, seqs)
+        mc_acc = lm_eval_mc_accuracy(llm) if mc else None
         del llm
         if ref is None:
             ref = logp
         results[name] = compare(ref, logp, targets)
+        if mc_acc is not None:
+            results[name]["mc_acc"] = mc_acc
         log(f"[{name}] {results[name]} ({time.perf_counter() - t0:.0f} s)")
     return results
 
 
 def format_table(results: dict[str, dict[str, float]], reference: str) -> str:
     """The results as a text table, one row per variant."""
+    mc = any("mc_acc" in r for r in results.values())
     lines = [f"{'variant':10} {'mean KL vs ' + reference:>16} {'KL p99':>10} {'top-1':>7} "
-             f"{'top-1 confident':>16} {'perplexity':>10}"]
+             f"{'top-1 confident':>16} {'perplexity':>10}" + (f" {'MC acc':>7}" if mc else "")]
     for name, r in results.items():
         lines.append(f"{name:10} {r['kl']:16.2e} {r['kl_p99']:10.2e} {r['top1']:7.4f} "
-                     f"{r['top1_confident']:16.4f} {r['ppl']:10.3f}")
+                     f"{r['top1_confident']:16.4f} {r['ppl']:10.3f}"
+                     + (f" {r.get('mc_acc', float('nan')):7.4f}" if mc else ""))
     return "\n".join(lines)
+
+
+MC_DATA = ROOT / "tests" / "data" / "lm_eval" / "mc.jsonl"
+# tests/test_lm_eval.py's multiple-choice task, over MC_DATA
+MC_TASK = """task: jaxserve_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+MC_BUCKET = 32  # sequences padded to a multiple of this many tokens: few compiled shapes
+
+
+def continuation_logprob(llm, context: str, continuation: str) -> tuple[float, bool]:
+    """(summed log-probability of `continuation` after `context`, whether each of its
+    tokens is the most likely one) from llm's engine (jaxserve.functional.logits over its
+    prepared params, kernels and KV dtype), split into tokens as lm-eval's models do
+    (TemplateLM._encode_pair: the context's trailing spaces moved to the continuation, the
+    continuation the tokens of context + continuation after the context's own)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.functional import logits
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    tok = llm.tokenizer
+    whole = tok.encode(context + continuation, add_special_tokens=False)
+    n_ctx = len(tok.encode(context, add_special_tokens=False))
+    padded = np.zeros(-(-len(whole) // MC_BUCKET) * MC_BUCKET, np.int32)
+    padded[:len(whole)] = whole
+    runner = llm.engine.runner
+    lg = logits(runner.params, runner.model_cfg, jnp.asarray(padded[None]),
+                jnp.asarray([len(whole)]), runner.kernels, str(runner.cache.dtype))
+    logp = np.asarray(jax.nn.log_softmax(lg[0, :len(whole) - 1].astype(jnp.float32), axis=-1))
+    rows, targets = np.arange(n_ctx - 1, len(whole) - 1), np.asarray(whole[n_ctx:])
+    picked = logp[rows, targets]
+    return float(picked.sum()), bool((logp[rows].argmax(-1) == targets).all())
+
+
+def lm_eval_mc_accuracy(llm, data: Path = MC_DATA) -> float:
+    """lm-eval's `acc` on the multiple-choice task MC_TASK over `data`, llm's engine
+    scoring each choice (continuation_logprob)."""
+    import tempfile
+
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    class EngineLM(LM):
+        """lm-eval's model interface over a jaxserve.LLM: log-likelihoods only."""
+
+        def loglikelihood(self, requests):
+            return [continuation_logprob(llm, *r.args) for r in requests]
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError("EngineLM scores multiple-choice tasks only")
+
+        def generate_until(self, requests):
+            raise NotImplementedError("EngineLM scores multiple-choice tasks only")
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "jaxserve_mc.yaml").write_text(MC_TASK.format(path=data))
+        out = lm_eval.simple_evaluate(
+            model=EngineLM(), tasks=["jaxserve_mc"],
+            task_manager=TaskManager(include_path=d, include_defaults=False),
+            random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    return float(out["results"]["jaxserve_mc"]["acc,none"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,11 +276,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     ap.add_argument("--window", type=int, default=512, help="tokens per window, BOS included")
     ap.add_argument("--cache-dir", type=Path, help="jaxserve's cache (default: its own)")
+    ap.add_argument("--lm-eval", action="store_true",
+                    help="also lm-eval's multiple-choice accuracy on tests/data/lm_eval/mc.jsonl")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.lm_eval:  # the task's data is a local file: nothing to fetch from a hub
+        import os
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
-        results = measure(variants, args.text.read_text(), args.window, args.cache_dir)
+        results = measure(variants, args.text.read_text(), args.window, args.cache_dir,
+                          mc=args.lm_eval)
     except ValueError as e:
         ap.error(str(e))
     print(f"\ncommand: {' '.join(sys.argv)}\ntext: {args.text} "
