@@ -84,28 +84,42 @@ def cpu_kernels_library(cache_dir):
     return load_library(cache_dir / "kernels")
 
 
-@pytest.fixture(scope="session")
-def portable_cpu_kernels(cache_dir):
-    """The C++ kernels built for x86-64-v2 (a later -march wins over -march=native): the
-    loops machines without AVX-512 run, as a loaded ctypes library whose handlers each test
-    registers under its own target name. Skips off x86. Cached beside the native library
-    under the same kind of key (build.build_key: sources, flags, compiler, jaxlib, CPU):
-    the build takes ~11 s, which each xdist worker paid every run."""
+def _cpu_kernels_built_for(cache_dir, march: str):
+    """The C++ kernels built for `march` (a later -march wins over -march=native), as a
+    loaded ctypes library whose handlers each test registers under its own target name.
+    Skips off x86, or when this CPU cannot run that target. Cached beside the native
+    library under the same kind of key (build.build_key: sources, flags, compiler, jaxlib,
+    CPU): a build takes ~11 s, which each xdist worker paid every run."""
     import ctypes
     import platform
 
     from jaxserve.kernels.cpu import build
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64-v2 is an x86 target")
-    flags = ("-march=x86-64-v2",)
+        pytest.skip(f"{march} is an x86 target")
+    if march == "x86-64-v3" and "avx2" not in build._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    flags = (f"-march={march}",)
     compiler = build.find_compiler()
     sources = sorted(build.SOURCE_DIR.glob("*.cc"))
     key = build.build_key(compiler, sources + sorted(build.SOURCE_DIR.glob("*.h")), flags)
-    lib_path = cache_dir / "kernels" / f"jaxserve_cpu_kernels_portable-{key}.so"
+    lib_path = cache_dir / "kernels" / f"jaxserve_cpu_kernels_{march}-{key}.so"
     if not lib_path.exists():  # _compile writes it atomically: two workers may both build
         build._compile(compiler, sources, lib_path, extra_flags=flags)
     return ctypes.CDLL(str(lib_path))
+
+
+@pytest.fixture(scope="session")
+def portable_cpu_kernels(cache_dir):
+    """The kernels built for x86-64-v2: the loops machines without AVX2 run."""
+    return _cpu_kernels_built_for(cache_dir, "x86-64-v2")
+
+
+@pytest.fixture(scope="session")
+def avx2_cpu_kernels(cache_dir):
+    """The kernels built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512): what an AVX2-only
+    machine runs."""
+    return _cpu_kernels_built_for(cache_dir, "x86-64-v3")
 
 
 # --- HF transformers references (slow to load: one per session) -------------------------

@@ -128,6 +128,29 @@ def test_portable_path_matches_the_vnni_one(portable_cpu_kernels):
     assert isinstance(portable_cpu_kernels, ctypes.CDLL)
 
 
+def test_avx2_path_is_the_vnni_one_bit_for_bit(avx2_cpu_kernels):
+    """The AVX2 path (built for x86-64-v3: vpmaddubsw / vpmaddwd in place of vpdpbusd, two
+    8-column halves per record load) gives the native path's outputs exactly, every format
+    (Q8_0's full-range weights: -127 and +127 quants, no 16-bit pair saturating), every
+    remainder of its 4-row blocks and extreme x (a +-127 quant in every block)."""
+    name = "jaxserve_ggml_matmul_avx2_test"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(avx2_cpu_kernels.JaxserveGgmlMatmul),
+                                platform="cpu")
+    rng = np.random.default_rng(SEED + 4)
+    for fmt in FORMATS:
+        w = _weight(rng, 48, 128, fmt)
+        packed = pack(*_fields(w))
+        if fmt == "q8_0":  # each block's absmax weight quantises to +-127
+            assert np.abs(np.asarray(w.qs)).max() == 127
+        for m in (1, 2, 3, 4, 5, 9):
+            x = rng.standard_normal((m, 128)).astype(np.float32)
+            x[:, ::32] = 50.0 * np.sign(x[:, ::32])  # the block maximum: a quant of +-127
+            x = jnp.asarray(x)
+            call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((m, 48), jnp.float32))
+            got = np.asarray(call(x, packed, jnp.zeros((), jnp.int32), fmt=np.int64(FMT_IDS[fmt])))
+            np.testing.assert_array_equal(got, np.asarray(ggml_matmul(x, packed, fmt)))
+
+
 def test_a_stacked_weight_is_read_at_its_layer():
     """A stack of packed weights [L, ...] (a layer loop's) at `layer`, given as an int and
     traced inside lax.scan: each layer's product is the unstacked call's exactly; a layer

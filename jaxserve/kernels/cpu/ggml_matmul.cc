@@ -25,8 +25,12 @@
 //
 // Work split as bf16_matmul.cc: items of consecutive panels over XLA's intra-op threads
 // (parallel.h), split by rows too when x has many and the weight few panels. Without
-// AVX512-VNNI a portable loop does the same integer and f32 arithmetic in the same order
-// (bit-identical results).
+// AVX512-VNNI, an AVX2 (+ FMA, F16C) path takes each 64-byte load as two 8-column halves
+// and each 4-product lane sum as vpmaddubsw then vpmaddwd against ones (llama.cpp's
+// mul_sum_us8_pairs_float; Q8_0's weights made signed, their sign moved onto x so no
+// 16-bit pair sum saturates), and elsewhere a portable loop; all three do the same
+// integer and f32 arithmetic in the same order (bit-identical results). Which one runs is
+// fixed when the library is built for the machine (-march=native, build.py).
 //
 // Shapes: x [M, K] f32; w [N / 16, K / 32, B] u8, or a stack of them [L, N / 16, K / 32, B]
 // (a layer loop's weights) read at layer (s32 scalar, 0 for an unstacked w) in place; out
@@ -42,7 +46,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -231,12 +235,118 @@ void panel_vnni(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// Sum of 4 u8 x s8 products per 32-bit lane (as vpdpbusd), for weights below 128 (Q4's
+// nibbles): a 16-bit pair sum is at most 2 * 15 * 128.
+inline __m256i dot4(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// R rows (m0 ..) of panel pi, as block_vnni: per block and row, two 8-column int32 sums
+// (the record's two 32-byte halves), then the same scaled f32 FMAs.
+template <int R, int64_t kFmt>
+inline void block_avx2(const Problem& p, int64_t pi, int64_t m0, bool prefetch) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const uint8_t* rec = p.w + pi * p.KB * p.B;
+  constexpr int64_t head = kFmt == kQ4_1 ? 64 : 32;
+  // Q8_0's sums here are of the signed quants (the stored + 128 made signed): no offset
+  constexpr int32_t off = kFmt == kQ4_0 ? 8 : 0;
+  for (int64_t b = 0; b < p.KB; ++b, rec += p.B) {
+    if (prefetch)
+      for (int64_t o = 0; o < p.B; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * p.B + o), _MM_HINT_T0);
+    __m256i isum[R][2];
+    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    const uint8_t* qs = rec + head;
+    if constexpr (kFmt == kQ8_0) {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int q = 0; q < 8; ++q)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * q + 32 * h)), flip);
+          const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (-128 stays 0x80: 128 unsigned)
+          for (int r = 0; r < R; ++r) {
+            int32_t xv;
+            std::memcpy(&xv, p.xq + ((m0 + r) * p.KB + b) * kBlock + 4 * q, 4);
+            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xv), w);
+            isum[r][h] = _mm256_add_epi32(
+                isum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+          }
+        }
+    } else {
+      for (int g = 0; g < 4; ++g)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * g + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = p.xq + ((m0 + r) * p.KB + b) * kBlock + 8 * g;
+            int32_t x0, x1;
+            std::memcpy(&x0, xr, 4);
+            std::memcpy(&x1, xr + 4, 4);
+            isum[r][h] = _mm256_add_epi32(isum[r][h], dot4(lo, _mm256_set1_epi32(x0)));
+            isum[r][h] = _mm256_add_epi32(isum[r][h], dot4(hi, _mm256_set1_epi32(x1)));
+          }
+        }
+    }
+    __m256 dw[2], mw[2];
+    for (int h = 0; h < 2; ++h) {
+      dw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+      if constexpr (kFmt == kQ4_1)
+        mw[h] = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * p.KB + b;
+      const float dx = p.dx[i];
+      for (int h = 0; h < 2; ++h) {
+        __m256i s = isum[r][h];
+        if constexpr (off != 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(off * p.sx[i]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[h], _mm256_set1_ps(dx)),
+                                    acc[r][h]);
+        if constexpr (kFmt == kQ4_1)
+          acc[r][h] = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(dx * static_cast<float>(p.sx[i])),
+                                      acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(p.out + (m0 + r) * p.N + pi * kCols + 8 * h, acc[r][h]);
+}
+
+template <int64_t kFmt>
+void panel_avx2(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
+  constexpr int64_t kAvx2Rows = 4;  // 2 x 4 accumulators + 2 x 4 sums: 16 ymm registers
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kAvx2Rows) {
+    const bool first = m0 == m_begin;
+    switch (std::min(kAvx2Rows, m_end - m0)) {
+      case 4: block_avx2<4, kFmt>(p, pi, m0, first); break;
+      case 3: block_avx2<3, kFmt>(p, pi, m0, first); break;
+      case 2: block_avx2<2, kFmt>(p, pi, m0, first); break;
+      default: block_avx2<1, kFmt>(p, pi, m0, first);
+    }
+  }
+}
+#define JAXSERVE_GGML_AVX2 1
+#endif
+
 void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   switch (p.fmt) {
     case kQ4_0: return panel_vnni<kQ4_0>(p, pi, m_begin, m_end);
     case kQ4_1: return panel_vnni<kQ4_1>(p, pi, m_begin, m_end);
     default: return panel_vnni<kQ8_0>(p, pi, m_begin, m_end);
+  }
+#elif defined(JAXSERVE_GGML_AVX2)
+  switch (p.fmt) {
+    case kQ4_0: return panel_avx2<kQ4_0>(p, pi, m_begin, m_end);
+    case kQ4_1: return panel_avx2<kQ4_1>(p, pi, m_begin, m_end);
+    default: return panel_avx2<kQ8_0>(p, pi, m_begin, m_end);
   }
 #else
   panel_portable(p, pi, m_begin, m_end);
