@@ -35,28 +35,38 @@ class Variant:
     sym: bool = True
     v1: bool = True
     scale_dtype: str = "float16"
+    act_order: bool = False  # GPTQ desc_act: each layer's groups over a random input order
 
     @property
     def id(self) -> str:
         g = f"g{self.group}" if self.group else "ch"
         extra = ("-v1" if self.v1 else "-v2") if self.method == "gptq" else ""
+        extra += "-actorder" if self.act_order else ""
         return f"{self.method}-{self.bits}b-{g}-{'sym' if self.sym else 'asym'}{extra}"
 
 
-def group_index(n_in: int, group: int | None) -> np.ndarray:
+def group_index(n_in: int, group: int | None, order: np.ndarray | None = None) -> np.ndarray:
     """Each input's group: i // group (the last group shorter when group does not divide
-    n_in, as GPTQ's g_idx), all 0 per channel."""
-    return np.arange(n_in) // (group or n_in)
+    n_in, as GPTQ's g_idx), all 0 per channel; with `order` (a permutation of the inputs,
+    GPTQ desc_act's), input order[j] is in group j // group."""
+    gi = np.arange(n_in) // (group or n_in)
+    if order is None:
+        return gi
+    out = np.empty_like(gi)
+    out[order] = gi
+    return out
 
 
-def rtn(w: np.ndarray, bits: int, group: int | None, sym: bool, scale_dtype: str):
+def rtn(w: np.ndarray, bits: int, group: int | None, sym: bool, scale_dtype: str,
+        gi: np.ndarray | None = None):
     """Round-to-nearest quantisation of w f32 [out, in] per output row and group ->
     (u u8 [out, in] in 0..2^bits-1, z i32 [out, groups], s [out, groups] of scale_dtype)
-    with w ~ s * (u - z) per group. Symmetric: z = 2^(bits-1), s = max|w| / (2^(bits-1)-1);
-    asymmetric: s = (max - min) / (2^bits - 1), z = round(-min / s)."""
+    with w ~ s * (u - z) per group (gi: each input's group, default group_index).
+    Symmetric: z = 2^(bits-1), s = max|w| / (2^(bits-1)-1); asymmetric:
+    s = (max - min) / (2^bits - 1), z = round(-min / s)."""
     out, n_in = w.shape
-    gi = group_index(n_in, group)
-    groups = int(gi[-1]) + 1
+    gi = group_index(n_in, group) if gi is None else gi
+    groups = int(gi.max()) + 1
     w = w.astype(np.float32)
     top = (1 << bits) - 1
     reduce = lambda f: np.stack([f(w[:, gi == g], axis=1) for g in range(groups)], 1)  # noqa: E731
@@ -74,9 +84,10 @@ def rtn(w: np.ndarray, bits: int, group: int | None, sym: bool, scale_dtype: str
     return u, z, s.astype(scale_dtype)
 
 
-def dequantized(u, z, s, group: int | None) -> np.ndarray:
-    """The test's own dequantisation: s * (u - z) per element's group, f32 [out, in]."""
-    gi = group_index(u.shape[1], group)
+def dequantized(u, z, s, group: int | None, gi: np.ndarray | None = None) -> np.ndarray:
+    """The test's own dequantisation: s * (u - z) per element's group (gi, default
+    group_index), f32 [out, in]."""
+    gi = group_index(u.shape[1], group) if gi is None else gi
     return (u.astype(np.float32) - z[:, gi]) * np.asarray(s, np.float32)[:, gi]
 
 
@@ -93,9 +104,9 @@ def _pack(values: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(packed, 0, axis)).view(np.int32)
 
 
-def pack(variant: Variant, prefix: str, u, z, s) -> dict[str, np.ndarray]:
-    """The stored tensors of one linear layer (u, z, s as `rtn` gives them) in `variant`'s
-    format."""
+def pack(variant: Variant, prefix: str, u, z, s, gi=None) -> dict[str, np.ndarray]:
+    """The stored tensors of one linear layer (u, z, s as `rtn` gives them, gi its inputs'
+    groups when not in order) in `variant`'s format."""
     out, n_in = u.shape
     b = variant.bits
     if variant.method == "gptq":
@@ -103,7 +114,8 @@ def pack(variant: Variant, prefix: str, u, z, s) -> dict[str, np.ndarray]:
         return {f"{prefix}.qweight": _pack(u.T, b, 0),
                 f"{prefix}.qzeros": _pack((zs.T & ((1 << b) - 1)), b, 1),
                 f"{prefix}.scales": np.ascontiguousarray(s.T).astype(np.float16),
-                f"{prefix}.g_idx": group_index(n_in, variant.group).astype(np.int32)}
+                f"{prefix}.g_idx": (group_index(n_in, variant.group) if gi is None
+                                    else gi).astype(np.int32)}
     if variant.method == "awq":
         order = lambda a: np.concatenate([a[:, c * 8:(c + 1) * 8][:, AWQ_ORDER]  # noqa: E731
                                           for c in range(a.shape[1] // 8)], axis=1)
@@ -151,8 +163,9 @@ def float_tensors(src: Path) -> dict[str, np.ndarray]:
 def write_quantized_dir(src: Path, out: Path, variant: Variant) -> dict[str, tuple]:
     """An HF directory at `out`: the float HF directory `src` (config.json,
     model.safetensors, tokenizer files) with every decoder linear layer quantised
-    (`rtn`) and packed in `variant`'s format, the rest copied. Returns
-    {"<prefix>.weight": (u, z, s)} of every quantised layer."""
+    (`rtn`) and packed in `variant`'s format (act_order: each layer's groups over its own
+    random input order), the rest copied. Returns {"<prefix>.weight": (u, z, s, gi)} of
+    every quantised layer (gi None when its groups are in order)."""
     import shutil
 
     from safetensors.numpy import save_file
@@ -164,13 +177,16 @@ def write_quantized_dir(src: Path, out: Path, variant: Variant) -> dict[str, tup
     cfg["quantization_config"] = quantization_config(variant)
     (out / "config.json").write_text(json.dumps(cfg))
     tensors, codes = {}, {}
+    rng = np.random.default_rng(0)
     for name, w in float_tensors(src).items():
         prefix = name[:-len(".weight")]
         if name.endswith(".weight") and prefix.split(".", 3)[-1] in LINEARS:
+            gi = (group_index(w.shape[1], variant.group, rng.permutation(w.shape[1]))
+                  if variant.act_order else None)
             u, z, s = rtn(np.asarray(w, np.float32), variant.bits, variant.group, variant.sym,
-                          variant.scale_dtype)
-            tensors.update(pack(variant, prefix, u, z, s))
-            codes[name] = (u, z, s)
+                          variant.scale_dtype, gi)
+            tensors.update(pack(variant, prefix, u, z, s, gi))
+            codes[name] = (u, z, s, gi)
         else:
             tensors[name] = w
     save_file(tensors, out / "model.safetensors")

@@ -101,8 +101,6 @@ def test_awq_order_and_gptq_v1_offset_matter():
 @pytest.mark.parametrize("qc, message", [
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"bits 3 is not served \(only \[4, 8\]\)"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 16}, r"group_size 16 is not served"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
-     r"desc_act true .* not served yet"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      r"checkpoint_format 'marlin' is not served"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
@@ -125,20 +123,62 @@ def test_unsupported_scheme_is_one_line_naming_it(qc, message):
     assert "\n" not in str(e.value)
 
 
-def test_activation_ordered_g_idx_and_asymmetric_8bit_refused():
+def test_activation_ordered_groups_dequantise_exactly_and_8bit_asymmetric_is_refused():
+    """GPTQ desc_act (a layer's groups over a permuted input order, g_idx stored): no block
+    of 32 inputs shares a scale, so read_blocks refuses it and dequantize_linear gives
+    the tests' own s[g_idx] * (u - z[g_idx]) exactly; in-order layers dequantise to their
+    blocks' values. Asymmetric 8-bit codes have no GGML block: refused."""
+    from quantized_checkpoints import group_index
     rng = np.random.default_rng(2)
-    w = rng.standard_normal((16, 64)).astype(np.float32)
-    variant = Variant("gptq", 4, 32, sym=True, v1=False)
-    stored = pack(variant, "l", *rtn(w, 4, 32, True, "float16"))
-    stored["l.g_idx"] = stored["l.g_idx"][::-1].copy()
-    scheme = hq.quant_scheme({"quantization_config": quantization_config(variant)})
+    w = rng.standard_normal((16, 320)).astype(np.float32)
+    variant = Variant("gptq", 4, 128, sym=False, v1=False, act_order=True)
+    gi = group_index(320, 128, rng.permutation(320))
+    u, z, s = rtn(w, 4, 128, False, "float16", gi)
+    stored = pack(variant, "l", u, z, s, gi)
+    scheme = hq.quant_scheme({"quantization_config": quantization_config(variant)
+                              | {"desc_act": True}})
+    assert hq.act_order(scheme, "l", 320, stored.__getitem__, stored.__contains__) is not None
     with pytest.raises(CheckpointError, match=r"l\.g_idx is not in group order"):
         hq.read_blocks(scheme, "l", stored.__getitem__, stored.__contains__)
+    got = hq.dequantize_linear(scheme, "l", stored.__getitem__, stored.__contains__)
+    np.testing.assert_array_equal(got, dequantized(u, z, s, 128, gi))
+    assert np.abs(got - w).max() <= np.asarray(s, np.float32).max()  # really w, quantised
+    u, z, s = rtn(w, 4, 128, False, "float16")
+    in_order = pack(variant, "m", u, z, s)
+    assert hq.act_order(scheme, "m", 320, in_order.__getitem__, in_order.__contains__) is None
+    exact = hq.dequantize_linear(scheme, "m", in_order.__getitem__, in_order.__contains__)
+    np.testing.assert_array_equal(exact, dequantized(u, z, s, 128))
+    blocks = np.asarray(dequantize(hq.read_blocks(scheme, "m", in_order.__getitem__,
+                                                  in_order.__contains__)))
+    assert np.all(np.abs(blocks - exact) <= _bound(u, z, s, 128, "float16") + np.spacing(exact))
     variant = Variant("gptq", 8, 32, sym=False, v1=False)
-    stored = pack(variant, "l", *rtn(w, 8, 32, False, "float16"))
+    stored = pack(variant, "l", *rtn(w[:, :64], 8, 32, False, "float16"))
     scheme = hq.quant_scheme({"quantization_config": quantization_config(variant)})
     with pytest.raises(CheckpointError, match=r"asymmetric 8-bit weights"):
         hq.block_format(scheme, "l", stored.__getitem__, stored.__contains__)
+
+
+def test_act_ordered_directory_converts_those_layers_to_floats(tmp_path, caplog):
+    """A GPTQ desc_act directory of a tiny model (hidden size 32: one group, so only
+    down_proj's 64 inputs are really reordered): those layers are float leaves equal to
+    the tests' dequantisation (f32 model: exactly), counted in the warning; the other
+    projections stay blocks."""
+    from hf_reference import save_hf_dir, tiny_hf_model
+    from jaxserve.checkpoint import convert, load_model_config, load_params
+    from jaxserve.model.params import PROJECTIONS
+    src = save_hf_dir(tiny_hf_model("LlamaForCausalLM", intermediate_size=64), tmp_path / "f",
+                      max_shard_size=None)
+    variant = Variant("gptq", 4, 32, sym=False, v1=False, act_order=True)
+    codes = write_quantized_dir(src, tmp_path / "q", variant)
+    with caplog.at_level("WARNING"):
+        ckpt = convert(tmp_path / "q", tmp_path / "ckpt", progress=False)
+    assert "2 of 14 quantised linear layers have activation-ordered groups" in caplog.text
+    cfg = load_model_config(ckpt)
+    assert dict(cfg.weight_formats) == {n: "q4_1" for n in PROJECTIONS if n != "w_down"}
+    params = load_params(ckpt, cfg)
+    u, z, s, gi = codes["model.layers.1.mlp.down_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(params.layers[1].w_down).T,
+                                  dequantized(u, z, s, 32, gi))
 
 
 @pytest.fixture
@@ -241,7 +281,7 @@ def _check_converted(ckpt, codes, variant):
     for i in CHECKED_LAYERS:
         lp = params.layers[i]
         for name, hf in hf_names.items():
-            u, z, s = codes[f"model.layers.{i}.{hf}.weight"]
+            u, z, s, _ = codes[f"model.layers.{i}.{hf}.weight"]
             w = getattr(lp, name)
             assert isinstance(w, GGMLWeight) and w.fmt == fmt
             got, want = np.asarray(dequantize(w)), dequantized(u, z, s, variant.group)
@@ -295,7 +335,7 @@ def test_real_model_awq_dir_serves_the_distributions_of_its_dequantised_weights(
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (ref / f).symlink_to(float_dir / f)
     tensors = float_tensors(float_dir)
-    tensors.update({n: dequantized(*c, variant.group) for n, c in codes.items()})
+    tensors.update({n: dequantized(u, z, s, variant.group) for n, (u, z, s, _) in codes.items()})
     save_file(tensors, ref / "model.safetensors")
     del tensors
     # converted here, not into the shared cache (whose entries are keyed by source path)

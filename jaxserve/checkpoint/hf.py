@@ -93,10 +93,18 @@ class HFSource:
         self.quantization = hf_quantized.quant_scheme(self.hf_config, self.path)
         # quantised linear layers: their "<prefix>.weight" name -> (prefix, (out, in))
         self._linears: dict[str, tuple[str, tuple[int, int]]] = {}
+        self._act_ordered: set[str] = set()  # of those, the ones read dequantised
         if self.quantization is not None:
             for prefix in hf_quantized.linear_prefixes(self.quantization, set(self._files)):
                 shape = hf_quantized.check_parts(self.quantization, prefix, self._shapes.get)
                 self._linears[f"{prefix}.weight"] = (prefix, shape)
+                if hf_quantized.act_order(self.quantization, prefix, shape[1],
+                                          self._read_stored, self._files.__contains__) is not None:
+                    self._act_ordered.add(f"{prefix}.weight")
+        if self._act_ordered:
+            log.warning("%d of %d quantised linear layers have activation-ordered groups "
+                        "(desc_act / actorder): served dequantised to the model's dtype, not "
+                        "in blocks", len(self._act_ordered), len(self._linears))
 
     @property
     def native_dtype(self) -> str:
@@ -130,8 +138,8 @@ class HFSource:
     def block_format(self, name: str) -> str | None:
         """The GGML block format ("q4_0", "q4_1", "q8_0") quantised linear weight `name` is
         read in (hf_quantized.block_format: from its zero points), None for a float
-        tensor."""
-        if name not in self._linears:
+        tensor or an act-ordered layer (read dequantised)."""
+        if name not in self._linears or name in self._act_ordered:
             return None
         return hf_quantized.block_format(self.quantization, self._linears[name][0],
                                          self._read_stored, self._files.__contains__)
@@ -153,6 +161,9 @@ class HFSource:
         """Tensor `name` as a numpy array in its stored dtype (bf16 as ml_dtypes.bfloat16);
         a quantised linear's weight dequantised from its blocks (f32 [out, in]). Raises
         CheckpointError naming the file if its data cannot be read."""
+        if name in self._act_ordered:
+            return hf_quantized.dequantize_linear(self.quantization, self._linears[name][0],
+                                                  self._read_stored, self._files.__contains__)
         if name in self._linears:
             return np.asarray(dequantize(self.read_blocks(name)))
         return self._read_stored(name)

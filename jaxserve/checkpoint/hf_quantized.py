@@ -43,9 +43,15 @@ Packing, by format (the source files each follows):
   packed the same way, signed plus 2^(bits - 1); `weight_shape` [2] = (out, in).
   strategy "group" or "channel", num_bits 4 or 8, type "int", no activation quantisation.
 
+Act-order (GPTQ `desc_act`, compressed-tensors `actorder` "group": a g_idx that is not
+i // group_size) puts inputs of one group anywhere in the row, so no block of 32
+consecutive inputs shares one scale: such a layer is served dequantised, exactly
+s[g_idx] * (u - z[g_idx]) in the checkpoint's float dtype (`dequantize_linear`), the
+others of the checkpoint in blocks; a warning says how many (serving the codes would
+need the activations gathered into group order in the model: not yet).
+
 Not read (a one-line CheckpointError naming the field, before any weight is read):
-other bit widths, groups that are not whole blocks of 32, act-order (`desc_act` /
-`actorder` "group": a g_idx that is not i // group_size), AWQ GEMV / Marlin / Exllama
+other bit widths, groups that are not whole blocks of 32, AWQ GEMV / Marlin / Exllama
 packings, compressed-tensors `float-quantized` (fp8), activation quantisation (W8A8) and
 8-bit asymmetric codes (no GGML block holds them).
 """
@@ -138,9 +144,6 @@ def _compressed_tensors_scheme(qc: dict[str, Any], where: str) -> QuantScheme:
         if strategy not in ("group", "channel"):
             raise CheckpointError(f"{where}: config group {name!r} has strategy {strategy!r}; "
                                   "only 'group' and 'channel' are served")
-        if w.get("actorder") == "group":
-            raise CheckpointError(f"{where}: config group {name!r} has actorder 'group' "
-                                  "(activation-ordered groups) which is not served yet")
         group_size = _group_size(w.get("group_size") if strategy == "group" else None,
                                  f"{where}: config group {name!r}")
         if strategy == "group" and group_size is None:
@@ -169,9 +172,6 @@ def quant_scheme(hf_config: dict[str, Any], path: Path | None = None) -> QuantSc
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == "gptq":
-        if qc.get("desc_act") and not qc.get("static_groups"):
-            raise CheckpointError(f"{where}: desc_act true (activation-ordered groups) is not "
-                                  "served yet")
         fmt = _field(qc, "checkpoint_format", "format", default="gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise CheckpointError(f"{where}: GPTQ checkpoint_format {fmt!r} is not served "
@@ -300,13 +300,35 @@ def block_format(scheme: QuantScheme, prefix: str, read: Callable[[str], np.ndar
     return _format(scheme.bits, _zeros(scheme, prefix, read, has), prefix)
 
 
+def _g_idx_name(scheme: QuantScheme, prefix: str) -> str:
+    return f"{prefix}.{'weight_g_idx' if scheme.method == 'compressed-tensors' else 'g_idx'}"
+
+
+def act_order(scheme: QuantScheme, prefix: str, n_in: int, read: Callable[[str], np.ndarray],
+              has: Callable[[str], bool]) -> np.ndarray | None:
+    """Linear `prefix`'s g_idx (int64 [in]: each input's group) when its groups are
+    activation-ordered, None when they are in order (i // group_size) or no g_idx is
+    stored. Raises CheckpointError for a g_idx of the wrong shape or range."""
+    name = _g_idx_name(scheme, prefix)
+    if not has(name):
+        return None
+    g_idx = read(name).astype(np.int64)
+    groups = _groups(scheme, n_in, prefix)
+    if g_idx.shape != (n_in,) or g_idx.min(initial=0) < 0 or g_idx.max(initial=0) >= groups:
+        raise CheckpointError(f"tensor {name} must be [{n_in}] group indices in [0, {groups})")
+    in_order = np.arange(n_in) // (scheme.group_size or n_in)
+    return None if np.array_equal(g_idx, in_order) else g_idx
+
+
 def read_codes(scheme: QuantScheme, prefix: str, read: Callable[[str], np.ndarray],
-               has: Callable[[str], bool]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+               has: Callable[[str], bool], act_ordered: bool = False
+               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """(u u8 [out, in], z i32 [out, groups] or None, s f32 [out, groups]) of quantised
     linear `prefix`: codes, zero points (None: all 2^(bits - 1)) and scales as the module
     docstring defines them, W = s * (u - z) per group. read / has: the source's tensor
     reader and presence test. Raises CheckpointError naming the tensor when one is
-    missing or mis-shaped, or when the groups are activation-ordered (g_idx)."""
+    missing or mis-shaped, or when the groups are activation-ordered (g_idx) unless
+    `act_ordered` (the caller reads them: dequantize_linear)."""
     name = lambda part: f"{prefix}.{part}"  # noqa: E731
     codes_name, scales_name = ((_CODES[scheme.method], "scales") if scheme.method != "compressed-tensors"
                                else ("weight_packed", "weight_scale"))
@@ -332,13 +354,10 @@ def read_codes(scheme: QuantScheme, prefix: str, read: Callable[[str], np.ndarra
     if s.shape != (out, groups):
         raise CheckpointError(f"tensor {name(scales_name)} holds scales of shape "
                               f"{tuple(s.shape)}, expected {(out, groups)} (out, groups)")
-    g_idx_name = name("weight_g_idx" if scheme.method == "compressed-tensors" else "g_idx")
-    if has(g_idx_name):
-        g_idx = read(g_idx_name).astype(np.int64)
-        if not np.array_equal(g_idx, np.arange(n_in) // (scheme.group_size or n_in)):
-            raise CheckpointError(f"tensor {g_idx_name} is not in group order "
-                                  "(activation-ordered groups: desc_act / actorder), which is "
-                                  "not served yet")
+    if not act_ordered and act_order(scheme, prefix, n_in, read, has) is not None:
+        raise CheckpointError(f"tensor {_g_idx_name(scheme, prefix)} is not in group order "
+                              "(activation-ordered groups: desc_act / actorder): read it with "
+                              "dequantize_linear, not as blocks")
     z = _zeros(scheme, prefix, read, has)
     if z is not None:
         if z.shape[0] < out or z.shape[1] != groups:
@@ -383,6 +402,20 @@ def to_blocks(u: np.ndarray, z: np.ndarray | None, s: np.ndarray, bits: int,
         return GGMLWeight(qs=qs, d=d, m=None, fmt=fmt)
     zs = z[:, group_of_block].astype(np.float32) * s[:, group_of_block]
     return GGMLWeight(qs=qs, d=d, m=_f16(-zs, "zero point times scale", prefix), fmt=fmt)
+
+
+def dequantize_linear(scheme: QuantScheme, prefix: str, read: Callable[[str], np.ndarray],
+                      has: Callable[[str], bool]) -> np.ndarray:
+    """Quantised linear `prefix` as floats, f32 [out, in]: s[o, g] * (u[o, i] - z[o, g])
+    with g = g_idx[i] (activation-ordered groups) or i // group_size, one f32 subtraction
+    and one product per weight (exact for codes and zero points below 2^24). Raises
+    CheckpointError as read_codes does."""
+    u, z, s = read_codes(scheme, prefix, read, has, act_ordered=True)
+    g = act_order(scheme, prefix, u.shape[1], read, has)
+    if g is None:
+        g = np.arange(u.shape[1]) // (scheme.group_size or u.shape[1])
+    zs = np.float32(1 << (scheme.bits - 1)) if z is None else z[:, g].astype(np.float32)
+    return (u.astype(np.float32) - zs) * s[:, g]
 
 
 def read_blocks(scheme: QuantScheme, prefix: str, read: Callable[[str], np.ndarray],
