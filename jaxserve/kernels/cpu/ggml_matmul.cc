@@ -128,32 +128,48 @@ inline int32_t weight_quant(const uint8_t* qs, int64_t fmt, int c, int j) {
   return t < 4 ? (byte & 15) : (byte >> 4);
 }
 
-// Portable: rows m_begin .. m_end of panel pi, the kernel's arithmetic in its order.
+// Portable: rows m_begin .. m_end of panel pi, the kernel's arithmetic in its order. Each
+// record's quants are unpacked once into q[32][16] (input-major, the 16 columns contiguous)
+// for all the rows, whose integer sums then run over the columns as plain loops the compiler
+// vectorises (SSE, NEON): the same integer sums and f32 steps as the SIMD paths.
 void panel_portable(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
   const int64_t head = p.fmt == kQ4_1 ? 64 : 32;
   const int32_t off = p.fmt == kQ4_0 ? 8 : p.fmt == kQ8_0 ? 128 : 0;
-  for (int64_t m = m_begin; m < m_end; ++m) {
-    float acc[kCols] = {};
+  constexpr int64_t kRows = 8;  // rows sharing one unpacked record
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kRows) {
+    const int64_t rows = std::min(kRows, m_end - m0);
+    float acc[kRows][kCols] = {};
     for (int64_t b = 0; b < p.KB; ++b) {
       const uint8_t* rec = p.w + (pi * p.KB + b) * p.B;
-      const int8_t* xq = p.xq + (m * p.KB + b) * kBlock;
-      const float dx = p.dx[m * p.KB + b];
-      const int32_t sx = p.sx[m * p.KB + b];
+      int32_t q[kBlock][kCols];
+      for (int j = 0; j < kBlock; ++j)
+        for (int c = 0; c < kCols; ++c) q[j][c] = weight_quant(rec + head, p.fmt, c, j);
+      float dw[kCols], mw[kCols];
       for (int c = 0; c < kCols; ++c) {
         uint16_t h;
         std::memcpy(&h, rec + 2 * c, 2);
-        const float dw = from_f16(h);
-        int32_t isum = 0;
-        for (int j = 0; j < kBlock; ++j) isum += weight_quant(rec + head, p.fmt, c, j) * xq[j];
-        isum -= off * sx;
-        acc[c] = std::fma(static_cast<float>(isum), dw * dx, acc[c]);
+        dw[c] = from_f16(h);
         if (p.fmt == kQ4_1) {
           std::memcpy(&h, rec + 32 + 2 * c, 2);
-          acc[c] = std::fma(from_f16(h), dx * static_cast<float>(sx), acc[c]);
+          mw[c] = from_f16(h);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = (m0 + r) * p.KB + b;
+        const int8_t* xq = p.xq + i * kBlock;
+        const float dx = p.dx[i];
+        const int32_t sx = p.sx[i];
+        int32_t isum[kCols] = {};
+        for (int j = 0; j < kBlock; ++j)
+          for (int c = 0; c < kCols; ++c) isum[c] += q[j][c] * xq[j];
+        for (int c = 0; c < kCols; ++c) {
+          acc[r][c] = std::fma(static_cast<float>(isum[c] - off * sx), dw[c] * dx, acc[r][c]);
+          if (p.fmt == kQ4_1) acc[r][c] = std::fma(mw[c], dx * static_cast<float>(sx), acc[r][c]);
         }
       }
     }
-    std::copy(acc, acc + kCols, p.out + m * p.N + pi * kCols);
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(acc[r], acc[r] + kCols, p.out + (m0 + r) * p.N + pi * kCols);
   }
 }
 
