@@ -110,20 +110,25 @@ def test_quantize_x_rounds_half_away_from_zero_and_sums():
     assert not np.asarray(q0).any() and not np.asarray(d0).any() and not np.asarray(s0).any()
 
 
+def _built_call(library, name: str, x, packed, fmt: str):
+    """ggml_matmul of x by `packed` through `library`'s handler (a build for another
+    target), registered as target `name`."""
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(library.JaxserveGgmlMatmul),
+                                platform="cpu")
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], COLS * packed.shape[0]),
+                                                       jnp.float32))
+    return np.asarray(call(x, packed, jnp.zeros((), jnp.int32), fmt=np.int64(FMT_IDS[fmt])))
+
+
 def test_portable_path_matches_the_vnni_one(portable_cpu_kernels):
     """The loop machines without AVX2 run (built for x86-64-v2; non-x86 CPUs too): the
     same integer sums and f32 steps, so the same bits, for 11 rows (a block of 8 and a
     remainder of 3 sharing each unpacked record)."""
-    name = "jaxserve_ggml_matmul_portable_test"
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(portable_cpu_kernels.JaxserveGgmlMatmul),
-                                platform="cpu")
     rng = np.random.default_rng(SEED + 2)
     for fmt in FORMATS:
-        w = _weight(rng, 48, 128, fmt)
-        packed = pack(*_fields(w))
+        packed = pack(*_fields(_weight(rng, 48, 128, fmt)))
         x = jnp.asarray(rng.standard_normal((11, 128)), jnp.float32)
-        call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((11, 48), jnp.float32))
-        got = np.asarray(call(x, packed, jnp.zeros((), jnp.int32), fmt=np.int64(FMT_IDS[fmt])))
+        got = _built_call(portable_cpu_kernels, "jaxserve_ggml_matmul_portable_test", x, packed, fmt)
         np.testing.assert_array_equal(got, np.asarray(ggml_matmul(x, packed, fmt)))
     assert isinstance(portable_cpu_kernels, ctypes.CDLL)
 
@@ -133,9 +138,6 @@ def test_avx2_path_is_the_vnni_one_bit_for_bit(avx2_cpu_kernels):
     8-column halves per record load) gives the native path's outputs exactly, every format
     (Q8_0's full-range weights: -127 and +127 quants, no 16-bit pair saturating), every
     remainder of its 4-row blocks and extreme x (a +-127 quant in every block)."""
-    name = "jaxserve_ggml_matmul_avx2_test"
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(avx2_cpu_kernels.JaxserveGgmlMatmul),
-                                platform="cpu")
     rng = np.random.default_rng(SEED + 4)
     for fmt in FORMATS:
         w = _weight(rng, 48, 128, fmt)
@@ -146,8 +148,7 @@ def test_avx2_path_is_the_vnni_one_bit_for_bit(avx2_cpu_kernels):
             x = rng.standard_normal((m, 128)).astype(np.float32)
             x[:, ::32] = 50.0 * np.sign(x[:, ::32])  # the block maximum: a quant of +-127
             x = jnp.asarray(x)
-            call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((m, 48), jnp.float32))
-            got = np.asarray(call(x, packed, jnp.zeros((), jnp.int32), fmt=np.int64(FMT_IDS[fmt])))
+            got = _built_call(avx2_cpu_kernels, "jaxserve_ggml_matmul_avx2_test", x, packed, fmt)
             np.testing.assert_array_equal(got, np.asarray(ggml_matmul(x, packed, fmt)))
 
 

@@ -120,6 +120,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
   }
 }
 
+// x's quants of row m, block b, inputs 8g .. 8g + 3 and 8g + 4 .. 8g + 7 as two 32-bit words
+// (what a Q4 record's low and high nibbles of group g multiply).
+inline void x_quads(const Problem& p, int64_t m, int64_t b, int g, int32_t* x0, int32_t* x1) {
+  const int8_t* xr = p.xq + (m * p.KB + b) * kBlock + 8 * g;
+  std::memcpy(x0, xr, 4);
+  std::memcpy(x1, xr + 4, 4);
+}
+
 // The quant of column c, input j (0..31) of a record's qs (the packing above).
 inline int32_t weight_quant(const uint8_t* qs, int64_t fmt, int c, int j) {
   if (fmt == kQ8_0) return static_cast<int32_t>(qs[(j / 4) * 64 + c * 4 + j % 4]);  // + 128
@@ -206,10 +214,8 @@ inline void block_vnni(const Problem& p, int64_t pi, int64_t m0, bool prefetch) 
         const __m512i lo = _mm512_and_si512(v, low4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int r = 0; r < R; ++r) {
-          const int8_t* xr = p.xq + ((m0 + r) * p.KB + b) * kBlock + 8 * g;
           int32_t x0, x1;
-          std::memcpy(&x0, xr, 4);
-          std::memcpy(&x1, xr + 4, 4);
+          x_quads(p, m0 + r, b, g, &x0, &x1);
           isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(x0));
           isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(x1));
         }
@@ -300,10 +306,8 @@ inline void block_avx2(const Problem& p, int64_t pi, int64_t m0, bool prefetch) 
           const __m256i lo = _mm256_and_si256(v, low4);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           for (int r = 0; r < R; ++r) {
-            const int8_t* xr = p.xq + ((m0 + r) * p.KB + b) * kBlock + 8 * g;
             int32_t x0, x1;
-            std::memcpy(&x0, xr, 4);
-            std::memcpy(&x1, xr + 4, 4);
+            x_quads(p, m0 + r, b, g, &x0, &x1);
             isum[r][h] = _mm256_add_epi32(isum[r][h], dot4(lo, _mm256_set1_epi32(x0)));
             isum[r][h] = _mm256_add_epi32(isum[r][h], dot4(hi, _mm256_set1_epi32(x1)));
           }
