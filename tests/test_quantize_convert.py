@@ -65,6 +65,17 @@ def test_float_source_quantised_into_blocks_when_converted(tiny_dir, tmp_path, q
         assert err.max() > 0, "the weights were quantised"
 
 
+def test_matrices_of_partial_blocks_are_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
+    from hf_reference import save_hf_dir, tiny_hf_model
+    from jaxserve.checkpoint.hf import HFSource
+    src = save_hf_dir(tiny_hf_model("LlamaForCausalLM", intermediate_size=48), tmp_path / "f",
+                      max_shard_size=None)
+    monkeypatch.setattr(HFSource, "read", lambda *a: pytest.fail("a tensor was read"))
+    with pytest.raises(CheckpointError, match=r"quantization 'int4': tensor model\.layers\.0\."
+                                              r"mlp\.down_proj\.weight has 48 inputs"):
+        convert(src, tmp_path / "out", progress=False, quantization="int4")
+
+
 def test_int8_int4_refuse_an_already_quantised_directory(tmp_path):
     from hf_reference import save_hf_dir, tiny_hf_model
     from quantized_checkpoints import Variant, write_quantized_dir

@@ -152,7 +152,13 @@ def checked_quantization(source: TensorSource, quantization: str | None) -> str 
 def quantized_weight_formats(plan: list[PlannedTensor], quantization: str
                              ) -> tuple[tuple[str, str], ...]:
     """ModelConfig.weight_formats for quantising a float source's matrices
-    (QUANTIZE_FORMATS[quantization]): every projection, the embedding and the LM head."""
+    (QUANTIZE_FORMATS[quantization]): every projection, the embedding and the LM head.
+    Raises CheckpointError naming the first matrix whose inputs are not whole blocks of
+    32 (before any tensor is read)."""
+    for t in plan:
+        if len(t.hf_shape) > 1 and t.hf_shape[-1] % 32:
+            raise CheckpointError(f"quantization {quantization!r}: tensor {t.hf_name} has "
+                                  f"{t.hf_shape[-1]} inputs, not whole GGML blocks of 32")
     formats = QUANTIZE_FORMATS[quantization]
     names = dict.fromkeys(_weight_name(t)[0] for t in plan if len(t.shape) > 1)
     return tuple((n, formats[n if n in ("embed", "lm_head") else "layers"]) for n in names)
