@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -27,6 +28,28 @@ from jaxserve.model.ggml_weight import GGMLWeight, dequantize
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtypes its numpy API cannot return (it asks numpy for a float8 type numpy
+# lacks: safetensors issue #682): read from the file's bytes as ml_dtypes' types instead
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def read_raw_tensor(path: Path, name: str, dtype: str) -> np.ndarray:
+    """Tensor `name` of safetensors file `path` as a numpy array of RAW_DTYPES[dtype], read
+    from the file's bytes: an 8-byte little-endian header length, the JSON header (each
+    tensor's dtype, shape and data_offsets into the data after the header), the data
+    (the safetensors format). Raises CheckpointError naming the file if it does not hold
+    the tensor as described."""
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            info = json.loads(fh.read(n))[name]
+            begin, end = info["data_offsets"]
+            fh.seek(8 + n + begin)
+            data = fh.read(end - begin)
+        out = np.frombuffer(data, np.uint8).view(RAW_DTYPES[dtype]).reshape(info["shape"])
+    except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
+    return out.copy()
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -82,12 +105,16 @@ class HFSource:
         self._gen_eos = read_json(gen).get("eos_token_id") if gen.is_file() else None
         self._files: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._raw: dict[str, str] = {}  # tensors read from their bytes: name -> dtype
         for f in _shard_files(self.path):
             try:
                 with safe_open(f, framework="numpy") as st:
                     for name in st.keys():
                         self._files[name] = f
-                        self._shapes[name] = tuple(st.get_slice(name).get_shape())
+                        sl = st.get_slice(name)
+                        self._shapes[name] = tuple(sl.get_shape())
+                        if sl.get_dtype() in RAW_DTYPES:
+                            self._raw[name] = sl.get_dtype()
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
         self.quantization = hf_quantized.quant_scheme(self.hf_config, self.path)
@@ -139,7 +166,8 @@ class HFSource:
         """The GGML block format ("q4_0", "q4_1", "q8_0") quantised linear weight `name` is
         read in (hf_quantized.block_format: from its zero points), None for a float
         tensor or an act-ordered layer (read dequantised)."""
-        if name not in self._linears or name in self._act_ordered:
+        if (name not in self._linears or name in self._act_ordered
+                or self.quantization.float_weights):
             return None
         return hf_quantized.block_format(self.quantization, self._linears[name][0],
                                          self._read_stored, self._files.__contains__)
@@ -161,7 +189,8 @@ class HFSource:
         """Tensor `name` as a numpy array in its stored dtype (bf16 as ml_dtypes.bfloat16);
         a quantised linear's weight dequantised from its blocks (f32 [out, in]). Raises
         CheckpointError naming the file if its data cannot be read."""
-        if name in self._act_ordered:
+        if name in self._act_ordered or (name in self._linears
+                                         and self.quantization.float_weights):
             return hf_quantized.dequantize_linear(self.quantization, self._linears[name][0],
                                                   self._read_stored, self._files.__contains__)
         if name in self._linears:
@@ -169,8 +198,11 @@ class HFSource:
         return self._read_stored(name)
 
     def _read_stored(self, name: str) -> np.ndarray:
-        """Stored tensor `name` as a numpy array in its stored dtype."""
+        """Stored tensor `name` as a numpy array in its stored dtype (fp8 as
+        ml_dtypes.float8_e4m3fn / e5m2: read_raw_tensor)."""
         f = self._files[name]
+        if name in self._raw:
+            return read_raw_tensor(f, name, self._raw[name])
         try:
             with safe_open(f, framework="numpy") as st:
                 return st.get_tensor(name)

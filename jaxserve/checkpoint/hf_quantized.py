@@ -50,10 +50,16 @@ s[g_idx] * (u - z[g_idx]) in the checkpoint's float dtype (`dequantize_linear`),
 others of the checkpoint in blocks; a warning says how many (serving the codes would
 need the activations gathered into group order in the model: not yet).
 
+compressed-tensors `float-quantized` (fp8 e4m3 `weight` times `weight_scale` per output
+channel or per tensor; compressed_tensors/compressors/quantized_compressors/
+naive_quantized.py `FloatQuantizationCompressor`) is read dequantised (an fp8 value
+times its f32 scale, rounded once to f32), and its activation quantisation ignored (W8A16, as vLLM on GPUs without fp8):
+`-q fp8` then serves the projections as fp8 again, quantised per output channel at load.
+
 Not read (a one-line CheckpointError naming the field, before any weight is read):
 other bit widths, groups that are not whole blocks of 32, AWQ GEMV / Marlin / Exllama
-packings, compressed-tensors `float-quantized` (fp8), activation quantisation (W8A8) and
-8-bit asymmetric codes (no GGML block holds them).
+packings, integer activation quantisation (W8A8 int) and 8-bit asymmetric codes (no GGML
+block holds them).
 """
 
 from __future__ import annotations
@@ -75,6 +81,8 @@ _PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"),
           "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point",
                                  "weight_shape", "weight_g_idx")}
 _CODES = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
+# compressed-tensors float-quantized: the stored tensors of a linear layer
+_FLOAT_PARTS = ("weight", "weight_scale", "input_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,18 +92,22 @@ class QuantScheme:
     method: "gptq", "awq" or "compressed-tensors"; bits: 4 or 8; group_size: inputs per
     group (a multiple of 32), None for one scale per output feature; zero_offset: added to
     the stored zero points (1 for GPTQ v1's z - 1); symmetric: compressed-tensors' flag
-    (its symmetric checkpoints store no zero points), None where zero points are stored."""
+    (its symmetric checkpoints store no zero points), None where zero points are stored;
+    float_weights: compressed-tensors `float-quantized` (fp8 e4m3 weights times a scale
+    per output channel or per tensor; read dequantised)."""
 
     method: str
     bits: int
     group_size: int | None
     zero_offset: int = 0
     symmetric: bool | None = None
+    float_weights: bool = False  # compressed-tensors float-quantized: fp8 e4m3 weights
 
     def describe(self) -> str:
         """e.g. "gptq 4-bit, group 128" (for logs and the checkpoint's provenance)."""
         group = f"group {self.group_size}" if self.group_size else "per channel"
-        return f"{self.method} {self.bits}-bit, {group}"
+        kind = "fp8" if self.float_weights else f"{self.bits}-bit"
+        return f"{self.method} {kind}, {group}"
 
 
 def _field(qc: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -129,14 +141,25 @@ def _compressed_tensors_scheme(qc: dict[str, Any], where: str) -> QuantScheme:
     schemes = set()
     for name, group in groups.items():
         gfmt = group.get("format") or fmt
+        w = group.get("weights") or {}
+        if gfmt == "float-quantized":
+            if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in (
+                    "channel", "tensor"):
+                raise CheckpointError(f"{where}: config group {name!r}: float-quantized weights "
+                                      "are served as fp8 (type 'float', num_bits 8) per channel "
+                                      "or per tensor only")
+            # fp8 activations (W8A8, dynamic or static scales): the weights are served
+            # dequantised and the activations unquantised (vLLM's W8A16 fallback on GPUs
+            # without fp8)
+            schemes.add(QuantScheme("compressed-tensors", 8, None, float_weights=True))
+            continue
         if gfmt != "pack-quantized":
             raise CheckpointError(f"{where}: compressed-tensors format {gfmt!r} of config group "
-                                  f"{name!r} is not served (only 'pack-quantized': int4 / int8 "
-                                  "weights)")
+                                  f"{name!r} is not served (only 'pack-quantized' int4 / int8 "
+                                  "and 'float-quantized' fp8 weights)")
         if group.get("input_activations") or group.get("output_activations"):
             raise CheckpointError(f"{where}: config group {name!r} quantises activations "
                                   "(W8A8); only weight-only schemes are served")
-        w = group.get("weights") or {}
         if w.get("type", "int") != "int":
             raise CheckpointError(f"{where}: config group {name!r} has weights of type "
                                   f"{w.get('type')!r}; only 'int' is served")
@@ -205,19 +228,23 @@ def unpack_int32(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
 def linear_prefixes(scheme: QuantScheme, names: set[str]) -> set[str]:
     """The quantised linear layers of a checkpoint: prefixes p (e.g.
-    "model.layers.0.mlp.up_proj") whose codes tensor p.<qweight / weight_packed> exists."""
-    suffix = "." + _CODES[scheme.method]
+    "model.layers.0.mlp.up_proj") whose codes tensor p.<qweight / weight_packed> (fp8:
+    whose weight_scale) exists."""
+    suffix = ".weight_scale" if scheme.float_weights else "." + _CODES[scheme.method]
     return {n[:-len(suffix)] for n in names if n.endswith(suffix)}
 
 
 def part_names(scheme: QuantScheme, prefix: str) -> tuple[str, ...]:
     """Every tensor name a quantised linear `prefix` may store."""
-    return tuple(f"{prefix}.{p}" for p in _PARTS[scheme.method])
+    parts = _FLOAT_PARTS if scheme.float_weights else _PARTS[scheme.method]
+    return tuple(f"{prefix}.{p}" for p in parts)
 
 
 def linear_shape(scheme: QuantScheme, prefix: str,
                  shape: Callable[[str], tuple[int, ...] | None]) -> tuple[int, int]:
     """(out, in) of quantised linear `prefix`, from its stored tensors' shapes."""
+    if scheme.float_weights:
+        return tuple(shape(f"{prefix}.weight"))
     codes = shape(f"{prefix}.{_CODES[scheme.method]}")
     per = 32 // scheme.bits
     if scheme.method == "gptq":
@@ -232,6 +259,14 @@ def check_parts(scheme: QuantScheme, prefix: str,
     """(out, in) of quantised linear `prefix`, after checking from the stored shapes alone
     (no data read) that every tensor it needs is present and shaped as its format says.
     Raises CheckpointError naming the first missing or mis-shaped tensor."""
+    if scheme.float_weights:
+        w, sc = shape(f"{prefix}.weight"), shape(f"{prefix}.weight_scale")
+        if w is None or len(w) != 2:
+            raise CheckpointError(f"tensor {prefix}.weight is missing or not 2-D")
+        if sc is None or tuple(sc) not in ((w[0], 1), (w[0],), (1,), ()):
+            raise CheckpointError(f"tensor {prefix}.weight_scale has shape {sc}, expected "
+                                  f"{(w[0], 1)} (per channel) or (1,) (per tensor)")
+        return tuple(w)
     out, n_in = linear_shape(scheme, prefix, shape)
     groups = _groups(scheme, n_in, prefix)
     per = 32 // scheme.bits
@@ -410,6 +445,10 @@ def dequantize_linear(scheme: QuantScheme, prefix: str, read: Callable[[str], np
     with g = g_idx[i] (activation-ordered groups) or i // group_size, one f32 subtraction
     and one product per weight (exact for codes and zero points below 2^24). Raises
     CheckpointError as read_codes does."""
+    if scheme.float_weights:  # fp8 e4m3 times its scale, rounded once to f32
+        w = read(f"{prefix}.weight").astype(np.float32)
+        scale = np.asarray(read(f"{prefix}.weight_scale"), np.float32)
+        return w * (scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(()))
     u, z, s = read_codes(scheme, prefix, read, has, act_ordered=True)
     g = act_order(scheme, prefix, u.shape[1], read, has)
     if g is None:
