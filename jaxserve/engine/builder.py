@@ -136,22 +136,19 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     return engine
 
 
-# --quantization gguf with dummy weights of a config's shape: SmolLM2's file's mix (Q4_1
-# projections, Q8_0 embedding and head).
-DUMMY_GGUF_FORMATS = (("embed", "q8_0"), ("lm_head", "q8_0"), ("wq", "q4_1"), ("wk", "q4_1"),
-                      ("wv", "q4_1"), ("wo", "q4_1"), ("w_gate", "q4_1"), ("w_up", "q4_1"),
-                      ("w_down", "q4_1"))
-# --quantization gptq / awq / compressed-tensors with dummy weights: 4-bit projections as
-# each method's default checkpoints hold them (GPTQ and compressed-tensors symmetric:
-# Q4_0; AWQ with zero points: Q4_1), embedding and head floats
-DUMMY_FORMATS = {"gguf": DUMMY_GGUF_FORMATS,
-                 "gptq": tuple((n, "q4_0") for n in PROJECTIONS),
-                 "compressed-tensors": tuple((n, "q4_0") for n in PROJECTIONS),
-                 "awq": tuple((n, "q4_1") for n in PROJECTIONS),
-                 # int8 / int4: the formats `jaxserve convert` quantises a float source to
-                 **{q: (("embed", f["embed"]), ("lm_head", f["lm_head"]))
-                    + tuple((n, f["layers"]) for n in PROJECTIONS)
-                    for q, f in QUANTIZE_FORMATS.items()}}
+# Dummy weights of a config's shape under --quantization: int8 / int4 the formats `jaxserve
+# convert` quantises a float source to (int4's mix is SmolLM2's file's too: Q4_1
+# projections, Q8_0 embedding and head, so it stands for gguf); gptq / awq /
+# compressed-tensors 4-bit projections as each method's default checkpoints hold them (GPTQ
+# and compressed-tensors symmetric: Q4_0; AWQ with zero points: Q4_1), embedding and head
+# floats.
+DUMMY_FORMATS = {q: (("embed", f["embed"]), ("lm_head", f["lm_head"]))
+                 + tuple((n, f["layers"]) for n in PROJECTIONS)
+                 for q, f in QUANTIZE_FORMATS.items()}
+DUMMY_FORMATS |= {"gguf": DUMMY_FORMATS["int4"],
+                  "gptq": tuple((n, "q4_0") for n in PROJECTIONS),
+                  "compressed-tensors": tuple((n, "q4_0") for n in PROJECTIONS),
+                  "awq": tuple((n, "q4_1") for n in PROJECTIONS)}
 
 
 def resolve_model_config(config: Config, cache_dir: Path) -> tuple[ModelConfig, Path | None]:

@@ -259,8 +259,9 @@ void panel_vnni(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
     !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__))
-// Sum of 4 u8 x s8 products per 32-bit lane (as vpdpbusd), for weights below 128 (Q4's
-// nibbles): a 16-bit pair sum is at most 2 * 15 * 128.
+// Sum of 4 u8 x s8 products per 32-bit lane (as vpdpbusd), for weights of at most 128 (Q4's
+// nibbles; Q8_0's magnitudes, x carrying their signs): a 16-bit pair sum is at most
+// 2 * 128 * 127, no saturation.
 inline __m256i dot4(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
@@ -294,8 +295,7 @@ inline void block_avx2(const Problem& p, int64_t pi, int64_t m0, bool prefetch) 
             int32_t xv;
             std::memcpy(&xv, p.xq + ((m0 + r) * p.KB + b) * kBlock + 4 * q, 4);
             const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xv), w);
-            isum[r][h] = _mm256_add_epi32(
-                isum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+            isum[r][h] = _mm256_add_epi32(isum[r][h], dot4(aw, sx));
           }
         }
     } else {
