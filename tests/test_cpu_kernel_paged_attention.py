@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels.common import quantize_kv_int8
 from jaxserve.kernels.cpu.paged_attention import paged_attention, paged_attention_reference
 from kernel_utils import shuffled_pool
 
@@ -90,7 +91,8 @@ def test_long_decode_contexts_split_and_stay_batch_invariant():
 
 
 @pytest.mark.parametrize("head_dim,pool,page_size", [(64, "float32", 16), (128, "bfloat16", 16),
-                                                    (64, "float32", 48)])
+                                                    (64, "float32", 48), (64, "int8", 16),
+                                                    (128, "int8", 48)])
 def test_a_row_has_the_same_bits_in_decode_and_in_a_prefill(head_dim, pool, page_size):
     """A work item of many rows (a prefill block) scores 16 keys at a time from a
     transposed page, one of a few rows (decode: the GQA group) key by key from the page as
@@ -105,6 +107,8 @@ def test_a_row_has_the_same_bits_in_decode_and_in_a_prefill(head_dim, pool, page
     if pool == "bfloat16":
         args = dict(args, **{name: jax.lax.bitcast_convert_type(
             args[name].astype(jnp.bfloat16), jnp.uint16) for name in ("k_pages", "v_pages")})
+    elif pool == "int8":  # rows and scales; NaN slots' scales are NaN: still never read
+        args = dict(args, **{name: quantize_kv_int8(args[name]) for name in ("k_pages", "v_pages")})
     else:
         _check(args, clean)
     prefill = {q_block: np.asarray(paged_attention(**args, q_block=q_block)) for q_block in (1, 7, 32)}
@@ -141,6 +145,77 @@ def test_narrow_pool_matches_reference_on_the_widened_pool(narrow, bits):
             np.asarray(paged_attention_reference(**dict(args, **as_bits))), ref)
     with pytest.raises(ValueError, match="v_pages must be one of"):
         paged_attention(**dict(args, v_pages=args["v_pages"].astype(jnp.float32)))
+
+
+def _int8_pool(args, poison_clean=None):
+    """args' K/V pools quantised to int8 rows (jaxserve.kernels.common.quantize_kv_int8);
+    with `poison_clean` (the zeroed pools of _problem), the slots that hold no context token
+    get a NaN scale (the rows of the clean pool where it is 0 everywhere)."""
+    out = {}
+    for name, clean in zip(("k_pages", "v_pages"), poison_clean or (None, None)):
+        rows = quantize_kv_int8(args[name])
+        if clean is not None:
+            dead = jnp.all(clean == 0, axis=-1, keepdims=True)
+            nan = jax.lax.bitcast_convert_type(jnp.float32(jnp.nan), jnp.int8)
+            rows = jnp.where(dead, jnp.concatenate(
+                [rows[..., :-4], jnp.broadcast_to(nan, rows.shape[:-1] + (4,))], -1), rows)
+        out[name] = rows
+    return dict(args, **out)
+
+
+def test_int8_pool_matches_reference_on_the_same_values():
+    """An int8 pool (each (token, head) row: int8 values and their f32 scale): the
+    reference on the same dequantised values, decode and a ragged prefill (the tiled path),
+    head dims 64 / 128 / generic 40; a slot holding no context token (its scale NaN) is
+    never read; against the f32 pool, the int8 rounding's error: each value within half its
+    row's scale, so the output moves by more than nothing and less than the bound."""
+    rng = np.random.default_rng(SEED + 17)
+    for head_dim, q_lens, ctx in ((64, [1] * 5, [0, 1, 17, 40, 96]), (40, [3, 1, 5], [3, 21, 40]),
+                                  (64, [9, 12], [30, 12]), (128, [1, 14], [50, 33])):
+        f32_args, clean = _problem(rng, ctx, q_lens, heads=6, kv_heads=2, head_dim=head_dim,
+                                   page_size=16, pages_per_seq=6)
+        args = _int8_pool(dict(f32_args, k_pages=clean[0], v_pages=clean[1]), clean)
+        assert args["k_pages"].dtype == jnp.int8 and args["k_pages"].shape[-1] == head_dim + 4
+        out = np.asarray(paged_attention(**args))
+        assert np.isfinite(out).all(), "read a slot holding no context token"
+        ref = np.asarray(paged_attention_reference(**_int8_pool(
+            dict(f32_args, k_pages=clean[0], v_pages=clean[1]))))
+        np.testing.assert_allclose(out, ref, atol=ATOL, rtol=ATOL)
+        f32 = np.asarray(paged_attention_reference(**dict(f32_args, k_pages=clean[0],
+                                                          v_pages=clean[1])))
+        # a value moves by at most its row's max / 254 (~0.02 for rows of standard
+        # normals): the output's V part by that, its scores by |q| |dk| / sqrt(Dh) each
+        assert 1e-5 < np.abs(out - f32).max() < 0.1
+    with pytest.raises(ValueError, match=r"k_pages' last axis must be 132 \(head_dim 128 \+ 4"):
+        paged_attention(**dict(args, k_pages=args["k_pages"][..., :-1],
+                               v_pages=args["v_pages"][..., :-1]))
+
+
+@pytest.mark.parametrize("head_dim, rows", [(64, 1), (64, 8), (40, 1)],
+                         ids=["vector", "tiled", "scalar"])
+def test_every_int8_value_is_dequantised_as_its_product(head_dim, rows):
+    """Each int8 value -127..127 times its row's scale, as the only visible value of a
+    sequence (softmax over one key is 1), comes out as the f32 product q * s exactly: the
+    AVX-512 paths (decode, the tiled prefill's widened V) and the scalar one."""
+    values = np.arange(-127, 128, dtype=np.int8)
+    S = -(-values.size // head_dim)
+    v_vals = np.zeros(S * head_dim, np.int8)
+    v_vals[:values.size] = values
+    scales = np.float32(0.0123) * (1 + np.arange(S, dtype=np.float32))  # not powers of 2
+    ps = 16
+    v = np.zeros((1, S + 1, ps, head_dim + 4), np.int8)
+    v[0, 1:, 0, :head_dim] = v_vals.reshape(S, head_dim)
+    v[0, 1:, 0, head_dim:] = scales.view(np.int8).reshape(S, 4)
+    k = np.zeros_like(v)
+    q = jnp.asarray(np.random.default_rng(SEED).standard_normal((S * rows, 2, head_dim)),
+                    jnp.float32)
+    out = paged_attention(q, jnp.asarray(k), jnp.asarray(v),
+                          jnp.arange(1, S + 1, dtype=jnp.int32)[:, None],
+                          jnp.ones(S, jnp.int32), jnp.arange(S + 1, dtype=jnp.int32) * rows,
+                          jnp.zeros(S * rows, jnp.int32))
+    want = (v_vals.reshape(S, head_dim).astype(np.float32) * scales[:, None]).reshape(S, 1, 1, head_dim)
+    np.testing.assert_array_equal(np.asarray(out).reshape(S, rows, 2, head_dim),
+                                  np.broadcast_to(want, (S, rows, 2, head_dim)))
 
 
 @pytest.mark.parametrize("head_dim, rows", [(64, 1), (64, 8), (40, 1)],
@@ -225,7 +300,7 @@ def test_bad_page_id_raises_instead_of_reading_out_of_bounds():
 @pytest.mark.parametrize("field,value,match", [
     ("q", jnp.zeros((2, 9, 64), jnp.bfloat16), r"q must be one of \(float32\), got bfloat16"),
     ("q", jnp.zeros((2, 1, 9, 64), jnp.float32), r"q must have shape \[\*, \*, \*\]"),
-    ("k_pages", jnp.zeros((3, 4, 16, 32), jnp.float32), r"k_pages must have shape \[\*, \*, \*, 64\]"),
+    ("k_pages", jnp.zeros((3, 4, 16, 32), jnp.float32), r"k_pages' last axis must be 64 \(head_dim 64\), got 32"),
     ("v_pages", jnp.zeros((3, 5, 16, 64), jnp.float32), r"v_pages must have shape \[3, 4, 16, 64\]"),
     ("q", jnp.zeros((2, 8, 64), jnp.float32), "q_heads must be a multiple of kv_heads, got q_heads 8"),
     ("seq_lens", jnp.zeros((3,), jnp.int32), r"seq_lens must have shape \[2\]"),

@@ -169,11 +169,14 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     explicit = KernelConfig(attention_impl="cpu")
     assert select_kernels(explicit, "cpu", 2, "float32", tmp_path) == Kernels("cpu", "xla", "xla")
     with pytest.raises(ConfigError, match="'cpu' reads a KV pool of float32 or bfloat16 or "
-                                          "float8_e4m3fn, kv_dtype is float16"):
+                                          "float8_e4m3fn or int8, kv_dtype is float16"):
         select_kernels(explicit, "cpu", 1, "float16", tmp_path)
     # an fp8 pool: the C++ kernel reads it; the engine's Pallas path not yet (auto: XLA)
     assert select_kernels(auto, "cpu", 1, "float8_e4m3fn", tmp_path).attention.name == "cpu"
     assert select_kernels(auto, "gpu", 1, "float8_e4m3fn", tmp_path).attention.name == "xla"
+    # an int8 pool (rows with their scales) alike
+    assert select_kernels(auto, "cpu", 1, "int8", tmp_path).attention.name == "cpu"
+    assert select_kernels(auto, "gpu", 1, "int8", tmp_path).attention.name == "xla"
     with pytest.raises(ConfigError, match="'pallas' reads a KV pool of float32 or bfloat16 or "
                                           "float16, kv_dtype is float8_e4m3fn"):
         select_kernels(KernelConfig(attention_impl="pallas"), "gpu", 1, "float8_e4m3fn", tmp_path)

@@ -115,6 +115,19 @@ def test_fp8_kv_cache_holds_twice_the_bf16_pages():
     assert fp8.weights == bf16.weights
 
 
+def test_int8_kv_cache_pages_pay_for_their_scales():
+    """--kv-cache-dtype int8: a (token, KV head) row is head_dim int8 values and a 4-byte
+    scale, so the same pool bytes hold 2 * head_dim / (head_dim + 4) times a bf16 pool's
+    pages (llama70b's head_dim 128: 1.94x); the per-token bytes say the same."""
+    cfg = load_config(ROOT / "configs/llama70b.py")
+    bf16 = plan_memory(cfg.override(kv_cache_memory_bytes=FIXED_POOL, cache_dtype="bfloat16"))
+    int8 = plan_memory(cfg.override(kv_cache_memory_bytes=FIXED_POOL, cache_dtype="int8"))
+    assert int8.kv_bytes_per_token_total * 256 == bf16.kv_bytes_per_token_total * 132
+    want = bf16.kv_pages * 256 / 132
+    assert abs(int8.kv_pages - want) <= 1 + want * 1e-6
+    assert int8.weights == bf16.weights
+
+
 def test_kv_pool_from_gpu_memory_utilization():
     cfg = load_config(ROOT / "configs/llama70b.py")
     assert cfg.engine.cache.kv_cache_memory_bytes is None, "the config sizes from memory"

@@ -138,7 +138,41 @@ def test_narrow_pool_stores_bits_of_the_rounded_kv(layout, narrow, bits):
 
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_int8_pool_stores_each_rows_values_and_scale(layout):
+    """An int8 pool's arrays are [.., head_dim + 4] int8: each (token, KV head) row holds
+    round(x / s) and the f32 bits of s = max|x| / 127 of the K/V an f32 pool holds (layer 0,
+    from the embeddings alone: exactly the f32 pool's values quantised); every dequantised
+    value within s / 2 of the f32 one; slots never written stay zero; the logits close to
+    the f32 pool's (int8's step is 2^-7 of a row's largest value, between bf16's 2^-8
+    relative and fp8's 2^-3: the 5% bound of the bf16 pool's test)."""
+    import jax.numpy as jnp
+    from jaxserve.kernels.common import kv_rows_f32, quantize_kv_int8
+    cfg = CONFIGS["gqa2"]
+    params = _params(cfg, 6)
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 12).tolist()
+    drivers = {dt: PagedDriver(params, cfg, page_size=4, layout=layout, kv_dtype=dt)
+               for dt in ("float32", "int8")}
+    logits = {}
+    for dt, d in drivers.items():
+        logits[dt] = [d.step({"s": ids[:9]}, T=16, P=4)["s"]]
+        logits[dt] += [d.step({"s": [t]}, T=1, P=4)["s"] for t in ids[9:]]
+    q8, f32 = drivers["int8"].cache, drivers["float32"].cache
+    assert q8.k[0].dtype == jnp.int8 and q8.k[0].shape[-1] == cfg.head_dim + 4
+    assert q8.k[0].shape[:-1] == f32.k[0].shape[:-1]
+    for got, want in ((q8.k[0], f32.k[0]), (q8.v[0], f32.v[0])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(quantize_kv_int8(want)))
+        values, want = np.asarray(kv_rows_f32(got)), np.asarray(want)
+        half_step = np.abs(want).max(-1, keepdims=True) / 254
+        assert (np.abs(values - want) <= half_step * (1 + 1e-6)).all()
+        written = np.abs(want).max(-1) > 0
+        assert 0 < written.mean() < 1 and (np.asarray(got)[~written] == 0).all()
+    diff = np.abs(np.concatenate(logits["int8"]) - np.concatenate(logits["float32"])).max()
+    scale = np.abs(np.concatenate(logits["float32"])).max()
+    assert 0 < diff < 0.05 * scale, (diff, scale)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int8"])
 def test_kv_write_updates_the_donated_pool_in_place(dtype, layout):
     """A step's temporary buffers stay far below one pool buffer: the K/V write updates the
     donated pool in place. (A pool held as bfloat16 arrays failed this on XLA:CPU: the write

@@ -33,6 +33,8 @@ warm-up off):
             served in its blocks: Q8_0's rounding of the Q4_1 values on top of q4_1's
   bf16-fp8kv  the bf16 preset with --kv-cache-dtype fp8 (K/V stored as float8_e4m3fn,
             read by the C++ attention kernel)
+  bf16-int8kv  the bf16 preset with --kv-cache-dtype int8 (K/V int8 with a scale per token
+            and KV head, read by the C++ attention kernel)
   int8 / int4  --quantization int8 / int4: the file's values requantised when converted
             (gguf-py: Q8_0 everywhere / Q4_1 projections with a Q8_0 embedding), C++ kernel
   fp8       --quantization fp8: projections e4m3 per output channel at load (XLA's
@@ -63,6 +65,7 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "q4_1-xla": ({"quantization": "gguf", **XLA_F32}, None),
     "q8_0": ({"quantization": "gguf"}, "Q8_0"),
     "bf16-fp8kv": ({"cache_dtype": "fp8"}, None),
+    "bf16-int8kv": ({"cache_dtype": "int8"}, None),
     "int8": ({"quantization": "int8"}, None),
     "int4": ({"quantization": "int4"}, None),
     "fp8": ({"quantization": "fp8"}, None),

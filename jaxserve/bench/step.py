@@ -16,13 +16,14 @@
       dispatched step (the baseline) against multi-step decode (`--decode-steps`, default
       the config's decode_steps): 64 tokens per row dispatched back to back, as the engine
       does, then waited for. Decode shapes only.
-  --compare kv_dtype: the config's engine with an f32 KV pool (the baseline) against a
-      bf16 pool, each as many pages as the config's kv_cache_memory_bytes holds (the served pool
-      size: a step that copied the pool would show).
+  --compare kv_dtype: the config's engine with a KV pool of the first of --kv-dtypes (the
+      baseline; default f32) against one of the second (default bf16; also int8 or fp8:
+      --kv-cache-dtype's values), each as many pages as the config's kv_cache_memory_bytes
+      holds (the served pool size: a step that copied the pool would show).
 
     jaxserve bench step [--config smollm2_135m] [--repeats 7]
         [--compare precision|attention|matmul|fusion|round_x|decode_steps|kv_dtype]
-        [--decode-steps N]
+        [--decode-steps N] [--kv-dtypes float32,bfloat16]
         [--ragged]
         [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
 
@@ -148,10 +149,19 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
                     default="precision")
     ap.add_argument("--decode-steps", type=int,
                     help="multi-step decode tokens for --compare decode_steps (default: the config's)")
+    ap.add_argument("--kv-dtypes", default="float32,bfloat16",
+                    help="--compare kv_dtype: baseline,variant KV cache dtypes "
+                         "(--kv-cache-dtype's values)")
     ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    from jaxserve.config.cache import KV_CACHE_DTYPES
+    kv_pair = args.kv_dtypes.split(",")
+    if len(kv_pair) != 2 or not all(KV_CACHE_DTYPES.get(d) for d in kv_pair):
+        sys.exit(f"--kv-dtypes: two of {[d for d in KV_CACHE_DTYPES if d != 'auto']}, "
+                 f"comma-separated, got {args.kv_dtypes!r}")
+    kv_pair = [KV_CACHE_DTYPES[d] for d in kv_pair]
 
     from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.checkpoint import load_model_config, load_params
@@ -171,6 +181,10 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     params = load_params(ckpt, model_cfg)
     ps = cfg.engine.cache.page_size
     num_pages = 1 + max(B * (L if k == "decode" else -(-L // ps)) for k, B, L in shapes)
+    # room in the block tables for the longest shape (decode:32x256 is 4,096 tokens a row)
+    longest = max(L * ps if k == "decode" else L for k, _, L in shapes)
+    if longest > cfg.engine.max_model_len:
+        cfg = cfg.override(max_model_len=-(-longest // ps) * ps)
     if args.compare == "precision":
         ecfg = cfg.engine.override(bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
                                    bf16_matmul_round_x_min_rows=None, weight_quant=None)
@@ -205,9 +219,9 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         base, var = "1/step", f"{n}/step"
         variants = {base: (params, kernels)}  # one runner: both step kinds, same pool
     elif args.compare == "kv_dtype":
-        ecfg = cfg.engine.override(cache_dtype="bfloat16")  # kernels for a bf16 pool
+        ecfg = cfg.engine.override(cache_dtype=args.kv_dtypes.split(",")[1])  # kernels for it
         params, kernels = served(params, ecfg, cache_dir)
-        base, var = "f32kv", "bf16kv"
+        base, var = (f"{d}kv" for d in kv_pair)
         variants = {base: (params, kernels), var: (params, kernels)}
     else:  # the C++ bf16 matmul (every shape) against f32 in XLA's dot, or unfused calls
         ecfg = cfg.engine.override(matmul_impl="cpu", bf16_matmul_min_rows=1,
@@ -230,7 +244,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     if args.compare == "kv_dtype":
         pools = {name: (dt, max(num_pages, num_pages_for_budget(model_cfg, ps, dt,
                                                                 ecfg.cache.kv_cache_memory_bytes)))
-                 for name, dt in ((base, "float32"), (var, "bfloat16"))}
+                 for name, dt in zip((base, var), kv_pair)}
     runners = {name: Runner(model_cfg, ecfg, p,
                             init_kv_cache(model_cfg, pools[name][1], ps, pools[name][0],
                                           layout="head_major"), kernels)

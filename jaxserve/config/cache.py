@@ -12,9 +12,11 @@ from jaxserve.config.validation import ConfigError, _positive
 NULL_PAGE = 0
 # CacheConfig.cache_dtype's values (vLLM's --kv-cache-dtype) -> the dtype K/V are stored in
 # (None: the model's). fp8 is e4m3fn with a per-tensor scale of 1 (vLLM's default without
-# calibrated scales in the checkpoint).
+# calibrated scales in the checkpoint); int8 has a scale per token and KV head, computed as
+# each token is written (jaxserve.kernels.common.INT8_KV).
 KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16",
-                   "float16": "float16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+                   "float16": "float16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "int8": "int8"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +34,11 @@ class CacheConfig:
     cache_dtype: str | None = dataclasses.field(default=None,
                                                 metadata={"choices": tuple(KV_CACHE_DTYPES)})
     """Dtype K/V are stored in (vLLM's `--kv-cache-dtype`): None or "auto" (the model's),
-    "float32", "bfloat16", "float16", or "fp8" / "fp8_e4m3" (float8_e4m3fn, a quarter of
+    "float32", "bfloat16", "float16", "fp8" / "fp8_e4m3" (float8_e4m3fn, a quarter of
     f32's bytes: twice a bf16 pool's pages in the same memory; K/V clipped to +-448 and
-    rounded, per-tensor scale 1 as vLLM's default; jaxserve.model.kv_cache)."""
+    rounded, per-tensor scale 1 as vLLM's default), or "int8" (symmetric int8 with an f32
+    scale per token and KV head, set when the token is written: head_dim + 4 bytes a row,
+    1.88x a bf16 pool's pages at head_dim 64; jaxserve.model.kv_cache)."""
     enable_prefix_caching: bool = True
     """Keep the K/V pages of finished and preempted sequences, by chained page hash, for
     later prompts with the same prefix (jaxserve.engine.page_pool; evicted least recently

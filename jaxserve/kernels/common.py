@@ -6,7 +6,8 @@ kernels -> jaxserve.kernels.common; nothing here imports jaxserve or a kernel pa
 - the flat ragged batch: which sequence owns each token row (`query_sequence`);
 - the KV pool's storage: a bfloat16 pool held as its uint16 bits (`BF16_BITS`), an fp8
   e4m3fn pool as its uint8 bits (`FP8_BITS`), read through `kv_values` (a bitcast, no
-  copy);
+  copy); an int8 pool's rows (`INT8_KV`: a head's values and their scale in one row,
+  `quantize_kv_int8`, `kv_rows_f32`);
 - the online softmax's statistics (`softmax_block`, `finish_softmax`), written once for the
   Pallas kernels and the model's XLA attention.
 
@@ -33,6 +34,18 @@ KV_BITS_VALUES = {BF16_BITS: jnp.dtype(jnp.bfloat16), FP8_BITS: jnp.dtype(jnp.fl
 # (e4m3fn has no infinity; XLA's convert would make an overflow NaN), as vLLM's
 # scaled_fp8_quant clamps.
 FP8_E4M3_MAX = 448.0
+# ... and this one, int8 K/V with one f32 scale per (token, KV head) (--kv-cache-dtype int8):
+# each row of the pool's last axis is the head's head_dim int8 values q followed by the 4
+# bytes of their scale s (little-endian f32 bits, as every platform jaxserve runs on
+# stores it), values q * s. One array per layer, as every other pool: tensor and pipeline
+# parallel split it, write and read it as they do a float pool (its rows are head_dim +
+# INT8_SCALE_BYTES wide, `kv_row_width`). Symmetric per-token scales as llama.cpp's q8_0
+# K/V cache (a scale per 32 values there, per head here) and LMDeploy's int8 KV (per
+# token and head); a scale per token, not per page, because a page is written a token at
+# a time and a later token's larger values must not clip.
+INT8_KV = jnp.dtype(jnp.int8)
+INT8_SCALE_BYTES = 4
+INT8_KV_MAX = 127
 # The score of a masked key. Finite, so a row whose keys are all masked gives
 # exp(MASK - MASK) = 1 rather than NaN; such a row's output is discarded (or merged with
 # weight exp(-huge) = 0).
@@ -107,11 +120,41 @@ def query_sequence(query_start: jax.Array, num_tokens: int) -> jax.Array:
 
 def kv_values(pages: jax.Array) -> jax.Array:
     """A pool array as its values: the bf16 view of a uint16 (bits) pool, the fp8 e4m3fn
-    view of a uint8 one (a bitcast, no copy), any other pool unchanged. Same shape."""
+    view of a uint8 one (a bitcast, no copy), any other pool unchanged (an int8 pool's
+    values need their scales: `kv_rows_f32`). Same shape."""
     values = KV_BITS_VALUES.get(jnp.dtype(pages.dtype))
     if values is not None:
         return jax.lax.bitcast_convert_type(pages, values)
     return pages
+
+
+def kv_row_width(dtype: Any, head_dim: int) -> int:
+    """Elements in one (token, KV head) row of a pool stored as `dtype` (its storage
+    dtype): head_dim, or head_dim + INT8_SCALE_BYTES for an int8 pool (values, then the
+    scale's bytes)."""
+    return head_dim + (INT8_SCALE_BYTES if jnp.dtype(dtype) == INT8_KV else 0)
+
+
+def quantize_kv_int8(x: jax.Array) -> jax.Array:
+    """K or V rows [..., head_dim] (any float dtype) as int8 pool rows [..., head_dim + 4]
+    int8: q = round(x / s) (half to even) with s = max|x| / 127 over the row (f32; a row of
+    zeros: s = 0, q = 0), then s's bytes. Every value is within s / 2 of q * s."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / INT8_KV_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(x / safe), -INT8_KV_MAX, INT8_KV_MAX).astype(INT8_KV)
+    scale_bytes = jax.lax.bitcast_convert_type(scale[..., 0], INT8_KV)  # [..., 4]
+    return jnp.concatenate([q, scale_bytes], axis=-1)
+
+
+def kv_rows_f32(x: jax.Array) -> jax.Array:
+    """Pool rows (any storage: f32, bf16 / fp8 bits, int8 with scales) as their values,
+    f32 [..., head_dim]: an int8 row's q * s (one f32 product, as the C++ kernel computes
+    it), the others widened exactly."""
+    if jnp.dtype(x.dtype) == INT8_KV:
+        scale = jax.lax.bitcast_convert_type(x[..., -INT8_SCALE_BYTES:], jnp.float32)
+        return x[..., :-INT8_SCALE_BYTES].astype(jnp.float32) * scale[..., None]
+    return kv_values(x).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- online softmax

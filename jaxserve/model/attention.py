@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxserve.kernels.impl_table import lookup, pallas_impl
 from jaxserve.pytree import pytree_dataclass
-from jaxserve.kernels.common import (MASK_VALUE, cdiv, finish_softmax, kv_values,
+from jaxserve.kernels.common import (MASK_VALUE, cdiv, finish_softmax, kv_rows_f32, kv_values,
                                      query_sequence, softmax_block)
 
 # XlaAttention's blocking: each step of its loop gathers one chunk of about XLA_KV_CHUNK
@@ -266,7 +266,8 @@ def _chunked_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata, layout:
     step of the loop: K, V gathered [R, C * ps, K, Dh], f32 scores [R, K, G, C * ps]; a
     block whose rows are all one sequence's (a prompt's; not in decode steps) gathers
     each chunk once, [C * ps, K, Dh], and multiplies it with all R rows.
-    Scores, softmax and products in f32 (f32 inputs: IEEE products)."""
+    Scores, softmax and products in f32 (f32 inputs: IEEE products). An int8 pool's rows
+    (values and scale) are dequantised as they are gathered (kv_rows_f32)."""
     T, H, Dh = q.shape
     S, P = meta.block_tables.shape
     if layout == "head_major":
@@ -276,10 +277,12 @@ def _chunked_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata, layout:
     G = H // K
     # Products in f32: f32 inputs at HIGHEST precision (IEEE products on GPUs, whose
     # default is TF32); narrower inputs (bf16, f16) at the default, exact for them (TF32
-    # holds their mantissas). (XLA:CPU's DotThunk has no bf16 x bf16 -> f32 for every
-    # shape.)
+    # holds their mantissas; an int8 pool's q * s products lose at most TF32's 2^-11
+    # relative, below the int8 rounding's 2^-8 of the row's largest value). (XLA:CPU's
+    # DotThunk has no bf16 x bf16 -> f32 for every shape.)
     f32 = jnp.float32
     narrow = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(kv_values(k_pages).dtype).itemsize) < 4
+    W = k_pages.shape[-1]  # a pool row: Dh values (int8: and their scale's bytes)
     precision = None if narrow else jax.lax.Precision.HIGHEST
     R, C = _xla_blocking(T, P, ps, K * Dh * 4)
     n_blocks = cdiv(T, R)
@@ -294,13 +297,14 @@ def _chunked_attention_xla(q, k_pages, v_pages, meta: AttentionMetadata, layout:
 
     def gather(pages, pool):  # pages [..., C] -> [..., C * ps, K, Dh] f32
         # A bf16 pool stays its uint16 bits until gathered: XLA:CPU would convert a bf16
-        # array entering the loop to f32, the whole pool, every layer.
+        # array entering the loop to f32, the whole pool, every layer. An int8 pool's rows
+        # are dequantised once gathered.
         lead = pages.shape[:-1]
         if layout == "head_major":
-            x = jnp.moveaxis(pool[:, pages].reshape(K, *lead, keys, Dh), 0, -2)
+            x = jnp.moveaxis(pool[:, pages].reshape(K, *lead, keys, W), 0, -2)
         else:
-            x = pool[pages].reshape(*lead, keys, K, Dh)
-        return kv_values(x).astype(f32)
+            x = pool[pages].reshape(*lead, keys, K, W)
+        return kv_rows_f32(x)
 
     def block(qb, seq_b, limit_b, shared: bool):
         """One block of rows [R, K, G, Dh] (their sequences [R], visible keys [R]): with

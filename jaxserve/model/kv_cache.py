@@ -22,6 +22,10 @@ An fp8 pool (vLLM's `--kv-cache-dtype fp8`: float8_e4m3fn values with a per-tens
 of 1, vLLM's default when a checkpoint gives no K/V scales) is stored the same way, as
 uint8 bits: `write_kv` clips the new rows to +-448 (e4m3fn's largest finite value) and
 rounds them to e4m3fn, a quarter of f32's bytes per element.
+An int8 pool (`--kv-cache-dtype int8`) holds each (token, KV head) row as head_dim int8
+values and their f32 scale's 4 bytes (jaxserve.kernels.common.INT8_KV): its arrays' last
+axis is head_dim + 4 wide; `write_kv` quantises each new row on its own
+(`quantize_kv_int8`), so a page's earlier tokens are never rewritten.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.distributed.sharding import ShardingRules, layers_per_stage
-from jaxserve.kernels.common import FP8_E4M3_MAX, KV_BITS_VALUES
+from jaxserve.kernels.common import (FP8_E4M3_MAX, INT8_KV, KV_BITS_VALUES, kv_row_width,
+                                     quantize_kv_int8)
 
 KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
 KV_LAYOUTS = ("token_major", "head_major")
@@ -64,7 +69,8 @@ class KVCache:
 
     @property
     def dtype(self) -> jnp.dtype:
-        """The dtype of the values the pool holds (bfloat16 for a pool stored as bits)."""
+        """The dtype of the values the pool holds (bfloat16 for a pool stored as bits; int8
+        for an int8 pool, whose rows also hold their scales)."""
         return value_dtype(self.k[0].dtype)
 
 
@@ -97,9 +103,16 @@ def value_dtype(stored: Any) -> jnp.dtype:
     return KV_BITS_VALUES.get(stored, stored)
 
 
+def token_bytes(cfg: ModelConfig, dtype: Any) -> int:
+    """Bytes one token's K and V take across all layers in a pool of `dtype` values (an
+    int8 pool's rows with their scales)."""
+    stored = storage_dtype(dtype)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * kv_row_width(stored, cfg.head_dim) * stored.itemsize
+
+
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
     """Bytes one page takes across all layers, K and V together."""
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return page_size * token_bytes(cfg, dtype)
 
 
 def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: Any, budget_bytes: int) -> int:
@@ -117,11 +130,12 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: A
     KV_LAYOUTS)."""
     stages = rules.size("stages") if rules is not None else 1
     axes = kv_axes(layout, staged=stages > 1)
+    stored = storage_dtype(dtype)
     dims = {"stages": stages, "pages": num_pages, "page_slots": page_size,
-            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+            "kv_heads": cfg.num_kv_heads, "head_dim": kv_row_width(stored, cfg.head_dim)}
     shape = tuple(dims[a] for a in axes)
     sharding = rules.sharding(axes, shape) if rules is not None else None
-    one = jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
+    one = jax.ShapeDtypeStruct(shape, stored, sharding=sharding)
     n = layers_per_stage(cfg.num_layers, stages)
     return KVCache(k=(one,) * n, v=(one,) * n, layout=layout)
 
@@ -130,7 +144,7 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
                   rules: ShardingRules | None = None, layout: str = "token_major") -> KVCache:
     """Zeroed pool: 2 * num_layers buffers of num_pages pages of page_size tokens, in
     `layout` ("token_major" or "head_major", see module docstring), holding `dtype` values
-    (stored as `storage_dtype(dtype)`)."""
+    (stored as `storage_dtype(dtype)`; an int8 pool's rows head_dim + 4 wide, scales 0)."""
     abstract = abstract_kv_cache(cfg, num_pages, page_size, dtype, rules, layout)
 
     def zeros(s):
@@ -145,12 +159,14 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
              layout: str = "token_major") -> jax.Array:
     """Scatter new K (or V) into the pool.
 
-    pages: one layer's pool in `layout` ([num_pages, page_size, K, Dh] token-major or
-    [K, num_pages, page_size, Dh] head-major); new: [..., K, Dh] (the step's [T, K, Dh]);
-    slot_mapping: [...] (the step's [T]) int32 flat slots (padding -> slots of the null
-    page). `new` is cast to the pool's value dtype (a uint16 pool: rounded to bf16, its
-    bits stored; a uint8 pool: clipped to +-448, rounded to fp8 e4m3fn, its bits stored).
-    Returns the updated pool (in place when the pool is donated).
+    pages: one layer's pool in `layout` ([num_pages, page_size, K, W] token-major or
+    [K, num_pages, page_size, W] head-major, W = Dh, or Dh + 4 for int8); new: [..., K,
+    Dh] (the step's [T, K, Dh]); slot_mapping: [...] (the step's [T]) int32 flat slots
+    (padding -> slots of the null page). `new` is cast to the pool's value dtype (a uint16
+    pool: rounded to bf16, its bits stored; a uint8 pool: clipped to +-448, rounded to fp8
+    e4m3fn, its bits stored; an int8 pool: each row quantised with its own scale,
+    jaxserve.kernels.common.quantize_kv_int8). Returns the updated pool (in place when the
+    pool is donated).
     """
     # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
     # XLA:CPU copy the whole pool every step once the pool was also read.
@@ -158,9 +174,11 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
     K, Dh = new.shape[-2:]
     values = value_dtype(pages.dtype)
     rows = new.reshape(-1, K, Dh)
-    if values == jnp.float8_e4m3fn:
+    if values == INT8_KV:
+        rows = quantize_kv_int8(rows)
+    elif values == jnp.float8_e4m3fn:
         rows = jnp.clip(rows, -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    rows = rows.astype(values)
+    rows = rows.astype(values)  # (int8 rows are int8 already)
     if values != pages.dtype:  # stored as bits
         rows = jax.lax.bitcast_convert_type(rows, pages.dtype)
     if layout == "head_major":

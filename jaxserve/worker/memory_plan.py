@@ -6,7 +6,8 @@ tensor-parallel-8 plan runs on a laptop without allocating anything.
 Formulas (the usual serving back-of-envelope, as in vLLM's and the "LLM inference
 memory" guides): weights = sum of each leaf's shard size x dtype bytes, for the leaves
 the engine holds (quantised values and scales, bf16 copies: prepared_weight_bytes); KV
-per token = 2 (K, V) x layers x kv_heads x head_dim x dtype bytes; pool =
+per token = 2 (K, V) x layers x kv_heads x head_dim x dtype bytes (an int8 pool's rows
+also hold a 4-byte scale: head_dim + 4 bytes); pool =
 kv_cache_memory_bytes split over the devices that share the kv_heads axis (or, without it:
 on GPU gpu_memory_utilization of each device less the weights and activations, as vLLM;
 on CPU cpu_kv_cache_space GiB, or CPU_AUTO_KV_FRACTION of the host memory the weights and
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec
 
 from jaxserve.config import Config, ConfigError, KernelConfig, ModelConfig, SpeculativeConfig
 from jaxserve.model.attention import xla_attention_temp_bytes
-from jaxserve.model.kv_cache import KV_AXES, page_bytes
+from jaxserve.model.kv_cache import KV_AXES, page_bytes, token_bytes
 from jaxserve.model.params import abstract_params
 from jaxserve.sample.sampler import PROMPT_LOGPROBS_BLOCK
 from jaxserve.distributed.sharding import ShardingRules, layers_per_stage, make_abstract_mesh
@@ -190,7 +191,7 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
                                    if len(x.shape) > 1 and "model" not in x.sharding.spec}))
 
     kv_dtype = jnp.dtype(ecfg.cache.kv_dtype(model.dtype))
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_dtype.itemsize
+    per_token = token_bytes(model, kv_dtype)
     page_size = ecfg.cache.page_size
     draft_page = drafter_page_bytes(ecfg.speculative, model, page_size, kv_dtype)
     per_page = page_bytes(model, page_size, kv_dtype) + draft_page

@@ -27,7 +27,11 @@
 //                                       on load, exactly: half / a quarter of the bytes of
 //                                       a long context's K/V; jaxserve stores these pools
 //                                       as their bits)
-//   v_pages      [K, N, ps, Dh]   the dtype of k_pages
+//             or [K, N, ps, Dh + 4] s8: int8 rows, each a (token, head)'s Dh values q and
+//                                       the 4 bytes of their f32 scale s (little-endian);
+//                                       an element's value is the f32 product q * s
+//                                       (jaxserve.kernels.common.INT8_KV)
+//   v_pages      [K, N, ps, Dh(+4)] the dtype and shape of k_pages
 //                (either pool may be a stack of layers' pools [L, K, N, ps, Dh], both alike,
 //                read at `layer` in place: a layer loop's pool)
 //   layer        []               s32   the layer of stacked pools (0 for one layer's)
@@ -80,11 +84,12 @@ using jaxserve::exp16;
 
 namespace {
 
-enum class KvType { kF32, kBF16, kFP8 };
+enum class KvType { kF32, kBF16, kFP8, kInt8 };
 
 struct Problem {
   const float* q;
-  const void* k;  // float, bf16 bits (uint16_t) or fp8 e4m3fn bits (uint8_t), as `kv`
+  const void* k;  // float, bf16 bits (uint16_t), fp8 e4m3fn bits (uint8_t) or int8 rows
+                  // with their scales (int8_t), as `kv`
   const void* v;
   KvType kv;
   const int32_t* block_tables;
@@ -108,6 +113,31 @@ struct Chunk {
 inline float kv_value(float x) { return x; }
 inline float kv_value(uint16_t b) { return jaxserve::from_bf16(b); }
 inline float kv_value(uint8_t b) { return jaxserve::from_fp8_e4m3(b); }
+inline float kv_value(int8_t b) { return static_cast<float>(b); }
+
+// A pool row of type T: dh values, then (int8 pools, `kScaled`) their f32 scale's bytes.
+// row_value / row_load16 give the values as f32: q * s for int8 (one rounding, as the
+// XLA reference's kv_rows_f32), the widened element otherwise (no multiply: those paths'
+// bits are unchanged).
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t>;
+template <typename T>
+constexpr int64_t row_stride(int64_t dh) { return dh + (kScaled<T> ? 4 : 0); }
+template <typename T>
+inline float row_scale(const T* row, int64_t dh) {
+  if constexpr (kScaled<T>) {
+    float s;
+    std::memcpy(&s, row + dh, sizeof(float));
+    return s;
+  } else {
+    return 1.0f;
+  }
+}
+template <typename T>
+inline float row_value(const T* row, int64_t d, float s) {
+  if constexpr (kScaled<T>) return kv_value(row[d]) * s;
+  else return kv_value(row[d]);
+}
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -116,6 +146,16 @@ inline __m512 load16(const uint16_t* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 inline __m512 load16(const uint8_t* x) { return jaxserve::load16_fp8_e4m3(x); }
+inline __m512 load16(const int8_t* x) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+// Values d .. d + 15 of a row as f32 (s: the row's scale, broadcast; used for int8 only).
+template <typename T>
+inline __m512 row_load16(const T* row, int64_t d, __m512 s) {
+  if constexpr (kScaled<T>) return _mm512_mul_ps(load16(row + d), s);
+  else return load16(row + d);
+}
 #endif
 
 template <int DH, typename T>
@@ -129,8 +169,10 @@ inline void accumulate_values(float* acc, float corr, const float* p, const T* v
     for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), vc);
     for (int64_t t = 0; t < n; ++t) {
       const __m512 pt = _mm512_set1_ps(p[t]);
-      const T* vt = v + t * DH;
-      for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pt, load16(vt + 16 * c), a[c]);
+      const T* vt = v + t * row_stride<T>(DH);
+      const __m512 vs = _mm512_set1_ps(row_scale(vt, DH));
+      for (int c = 0; c < C; ++c)
+        a[c] = _mm512_fmadd_ps(pt, row_load16(vt, 16 * c, vs), a[c]);
     }
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
     return;
@@ -140,8 +182,9 @@ inline void accumulate_values(float* acc, float corr, const float* p, const T* v
   for (int64_t d = 0; d < dh; ++d) acc[d] *= corr;
   for (int64_t t = 0; t < n; ++t) {
     const float pt = p[t];
-    const T* vt = v + t * dh;
-    for (int64_t d = 0; d < dh; ++d) acc[d] += pt * kv_value(vt[d]);
+    const T* vt = v + t * row_stride<T>(dh);
+    const float vs = row_scale(vt, dh);
+    for (int64_t d = 0; d < dh; ++d) acc[d] += pt * row_value(vt, d, vs);
   }
 }
 
@@ -153,10 +196,10 @@ inline void accumulate_values(float* acc, float corr, const float* p, const T* v
 template <int DH, typename T>
 inline void score_keys(float* s, const float* q, const T* k, int64_t n, int64_t dh,
                        float scale, const char* k_next, const char* v_next) {
-  constexpr int64_t kBytes = sizeof(T);
+  const int64_t row_bytes = row_stride<T>(DH > 0 ? DH : dh) * int64_t{sizeof(T)};
   auto prefetch = [&](int64_t t) {
     if (k_next == nullptr) return;
-    for (int64_t o = t * dh * kBytes; o < (t + 1) * dh * kBytes; o += 64) {
+    for (int64_t o = t * row_bytes; o < (t + 1) * row_bytes; o += 64) {
       __builtin_prefetch(k_next + o, 0, 2);
       __builtin_prefetch(v_next + o, 0, 2);
     }
@@ -168,9 +211,10 @@ inline void score_keys(float* s, const float* q, const T* k, int64_t n, int64_t 
     for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
     for (int64_t t = 0; t < n; ++t) {
       prefetch(t);
-      const T* kt = k + t * DH;
-      __m512 a = _mm512_mul_ps(qv[0], load16(kt));
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), a);
+      const T* kt = k + t * row_stride<T>(DH);
+      const __m512 ks = _mm512_set1_ps(row_scale(kt, DH));
+      __m512 a = _mm512_mul_ps(qv[0], row_load16(kt, 0, ks));
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], row_load16(kt, 16 * c, ks), a);
       s[t] = _mm512_reduce_add_ps(a) * scale;
     }
     return;
@@ -179,9 +223,10 @@ inline void score_keys(float* s, const float* q, const T* k, int64_t n, int64_t 
   if (DH > 0) dh = DH;
   for (int64_t t = 0; t < n; ++t) {
     prefetch(t);
-    const T* kt = k + t * dh;
+    const T* kt = k + t * row_stride<T>(dh);
+    const float ks = row_scale(kt, dh);
     float dot = 0.0f;
-    for (int64_t d = 0; d < dh; ++d) dot += q[d] * kv_value(kt[d]);
+    for (int64_t d = 0; d < dh; ++d) dot += q[d] * row_value(kt, d, ks);
     s[t] = dot * scale;
   }
 }
@@ -234,7 +279,7 @@ struct Item {
   const T* page_rows(const void* pool, int64_t pi) const {
     const int64_t page = p.block_tables[b * p.P + pi];
     if (page < 0 || page >= p.N) return nullptr;
-    return static_cast<const T*>(pool) + ((h * p.N + page) * p.ps) * dh;
+    return static_cast<const T*>(pool) + ((h * p.N + page) * p.ps) * row_stride<T>(dh);
   }
   // Page pi + 1's rows in `pool` as bytes, for prefetching; null past the last page or for
   // a page id outside [0, N) (K and V pages share the id, so both are null or neither).
@@ -301,9 +346,10 @@ inline __m512 score_direct(const float* q, const T* k, int64_t n, float scale) {
   for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   alignas(64) float s[16] = {};
   for (int64_t t = 0; t < n; ++t) {
-    const T* kt = k + t * DH;
-    __m512 a = _mm512_mul_ps(qv[0], load16(kt));
-    for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), a);
+    const T* kt = k + t * row_stride<T>(DH);
+    const __m512 ks = _mm512_set1_ps(row_scale(kt, DH));
+    __m512 a = _mm512_mul_ps(qv[0], row_load16(kt, 0, ks));
+    for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], row_load16(kt, 16 * c, ks), a);
     const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
     const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
     const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
@@ -376,9 +422,10 @@ inline void accumulate_rows(float* const* acc, const float* corr, const float* p
     for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16 * c), ci);
   }
   for (int64_t t = 0; t < n; ++t) {
-    const V* vt = v[t / 16] + (t % 16) * DH;
+    const V* vt = v[t / 16] + (t % 16) * row_stride<V>(DH);
+    const __m512 vs = _mm512_set1_ps(row_scale(vt, DH));
     __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load16(vt + 16 * c);
+    for (int c = 0; c < C; ++c) vv[c] = row_load16(vt, 16 * c, vs);
     for (int i = 0; i < R; ++i) {
       const __m512 pt = _mm512_set1_ps(p[i * kBlockKeys + t]);
       for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(pt, vv[c], a[i][c]);
@@ -424,13 +471,14 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
   float* vf = kt + kBlockKeys * DH;       // [kBlockKeys, DH] V of the block, f32 (widen)
   const float* vf_tiles[2] = {vf, vf + 16 * DH};
   const int64_t* limit = it.limit;
-  constexpr int64_t kTileBytes = 16 * DH * int64_t{sizeof(T)};
+  constexpr int64_t kStride = row_stride<T>(DH);  // a pool row's elements
+  constexpr int64_t kTileBytes = 16 * kStride * int64_t{sizeof(T)};
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // The pool rows of the 16-key tile from key `key` (a multiple of 16: pages hold a multiple
   // of 16 keys, so a tile never spans two), or null for a page id outside [0, N).
   auto tile = [&](const void* pool, int64_t key) -> const T* {
     const T* page = it.page_rows<T>(pool, key / p.ps);
-    return page == nullptr ? nullptr : page + (key % p.ps) * DH;
+    return page == nullptr ? nullptr : page + (key % p.ps) * kStride;
   };
 
   const int64_t n_keys = it.max_limit;  // keys any row sees
@@ -467,7 +515,8 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       for (int cc = 0; cc < DH / 16; ++cc) {
         __m512 r16[16];
         for (int t = 0; t < 16; ++t) {
-          r16[t] = load16(kp[j] + t * DH + cc * 16);
+          const T* row = kp[j] + t * kStride;
+          r16[t] = row_load16(row, cc * 16, _mm512_set1_ps(row_scale(row, DH)));
           if (fetched < kTileBytes) prefetch_line();
         }
         transpose16(r16);
@@ -476,9 +525,12 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       }
     while (n_next > 0 && fetched < kTileBytes) prefetch_line();
     if (widen)
-      for (int64_t t = 0; t < used; ++t)
+      for (int64_t t = 0; t < used; ++t) {
+        const T* row = vp[t / 16] + (t % 16) * kStride;
+        const __m512 vs = _mm512_set1_ps(row_scale(row, DH));
         for (int cc = 0; cc < DH / 16; ++cc)
-          _mm512_storeu_ps(vf + t * DH + cc * 16, load16(vp[t / 16] + (t % 16) * DH + cc * 16));
+          _mm512_storeu_ps(vf + t * DH + cc * 16, row_load16(row, cc * 16, vs));
+      }
 
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
@@ -597,6 +649,7 @@ bool attend_dh(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
   switch (p.kv) {
     case KvType::kBF16: return attend_dh_typed<DH, uint16_t>(p, c, h, scratch);
     case KvType::kFP8: return attend_dh_typed<DH, uint8_t>(p, c, h, scratch);
+    case KvType::kInt8: return attend_dh_typed<DH, int8_t>(p, c, h, scratch);
     default: return attend_dh_typed<DH, float>(p, c, h, scratch);
   }
 }
@@ -629,22 +682,23 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   Problem p;
   p.T = qd[0]; p.H = qd[1]; p.Dh = qd[2];
   p.K = kd[0]; p.N = kd[1]; p.ps = kd[2]; p.S = bd[0]; p.P = bd[1];
-  if (kd[3] != p.Dh || p.K <= 0 || p.H % p.K != 0 || seq_lens.element_count() != p.S ||
+  const auto kt = k_pages.element_type();
+  const bool int8 = kt == ffi::DataType::S8;
+  if (kd[3] != p.Dh + (int8 ? 4 : 0) || p.K <= 0 || p.H % p.K != 0 || seq_lens.element_count() != p.S ||
       query_start.element_count() != p.S + 1 || positions.element_count() != p.T ||
       q_block <= 0)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
-  const auto kt = k_pages.element_type();
   const bool bf16 = kt == ffi::DataType::BF16 || kt == ffi::DataType::U16;
   const bool fp8 = kt == ffi::DataType::F8E4M3FN || kt == ffi::DataType::U8;
-  if ((kt != ffi::DataType::F32 && !bf16 && !fp8) || v_pages.element_type() != kt ||
+  if ((kt != ffi::DataType::F32 && !bf16 && !fp8 && !int8) || v_pages.element_type() != kt ||
       v_pages.dimensions().size() != k_pages.dimensions().size() ||
       v_pages.element_count() != k_pages.element_count())
     return ffi::Error::InvalidArgument(
         "paged_attention: k_pages and v_pages must be one shape and one dtype: f32, bf16 "
-        "(or u16 bf16 bits) or f8e4m3fn (or u8 fp8 bits)");
-  p.kv = bf16 ? KvType::kBF16 : fp8 ? KvType::kFP8 : KvType::kF32;
+        "(or u16 bf16 bits), f8e4m3fn (or u8 fp8 bits) or s8 rows with their scales");
+  p.kv = bf16 ? KvType::kBF16 : fp8 ? KvType::kFP8 : int8 ? KvType::kInt8 : KvType::kF32;
   // the layer's pool where it lies, not a copy
-  const int64_t offset_bytes = offset * (bf16 ? 2 : fp8 ? 1 : 4);
+  const int64_t offset_bytes = offset * (bf16 ? 2 : (fp8 || int8) ? 1 : 4);
   p.q = q.typed_data();
   p.k = static_cast<const char*>(k_pages.untyped_data()) + offset_bytes;
   p.v = static_cast<const char*>(v_pages.untyped_data()) + offset_bytes;
@@ -691,7 +745,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pages f32, bf16/u16, f8/u8
+                                  .Arg<ffi::AnyBuffer>()         // k_pages f32, bf16/u16, f8/u8, s8
                                   .Arg<ffi::AnyBuffer>()         // v_pages, the same
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // layer of stacked pools
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables

@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.common import (check, check_array, kv_values, layer_operand,
-                                     query_sequence)
+from jaxserve.kernels.common import (INT8_KV, check, check_array, kv_row_width, kv_rows_f32,
+                                     layer_operand, query_sequence)
 
 TARGET = "jaxserve_paged_attention"
 # Queries per work item: one item reads its sequence's pages once for this many queries
@@ -34,8 +34,12 @@ def _check_operands(fn: str, q, k_pages, v_pages, block_tables, seq_lens, query_
                     positions, stacked: bool = False) -> None:
     check_array(fn, "q", q, (None, None, None), (jnp.float32,))
     T, H, Dh = q.shape
-    check_array(fn, "k_pages", k_pages, (None,) * stacked + (None, None, None, Dh),
-                (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.float8_e4m3fn, jnp.uint8))
+    check_array(fn, "k_pages", k_pages, (None,) * stacked + (None, None, None, None),
+                (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.float8_e4m3fn, jnp.uint8, INT8_KV))
+    width = kv_row_width(k_pages.dtype, Dh)
+    check(fn, k_pages.shape[-1] == width,
+          f"k_pages' last axis must be {width} (head_dim {Dh}"
+          f"{' + 4 scale bytes' if width != Dh else ''}), got {k_pages.shape[-1]}")
     check_array(fn, "v_pages", v_pages, k_pages.shape, (k_pages.dtype,))
     K = k_pages.shape[-4]
     check(fn, K >= 1 and H % K == 0,
@@ -56,8 +60,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     the CPU.
 
     q: [T, H, Dh] f32, the new tokens packed by sequence; k_pages, v_pages: [K, num_pages,
-    page_size, Dh] f32, bf16, or uint16 holding bf16 bits, both the same (one layer's
-    head-major pool, jaxserve.model.kv_cache; bf16 is widened to f32 as it is read); block_tables:
+    page_size, Dh] f32, bf16, uint16 holding bf16 bits, float8_e4m3fn or uint8 holding its
+    bits, or [K, num_pages, page_size, Dh + 4] int8 rows with their f32 scales
+    (jaxserve.kernels.common.INT8_KV), both the same (one layer's head-major pool,
+    jaxserve.model.kv_cache; bf16 and fp8 are widened to f32 as they are read, int8 rows
+    dequantised to q * s); block_tables:
     [S, P] int32 page ids; seq_lens: [S] int32 context length (0 = padding sequence);
     query_start: [S + 1] int32, non-decreasing within [0, T] (sequence b owns rows
     query_start[b] : query_start[b + 1]); positions: [T] int32 absolute position of each
@@ -90,17 +97,17 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     """Plain-jnp `paged_attention` (same arguments, shapes and result): gather every
     sequence's P pages, let row t see the keys of its own sequence b at index < seq_lens[b]
     and <= positions[t], softmax in f32 at HIGHEST precision; rows with no visible key
-    give 0; a bf16 (or bf16-bits) pool widened to f32. Raises ValueError like it."""
+    give 0; a pool's values as kv_rows_f32 gives them (bf16 / fp8 widened, int8 rows
+    dequantised). Raises ValueError like it."""
     _check_operands("paged_attention_reference", q, k_pages, v_pages, block_tables, seq_lens,
                     query_start, positions)
     T, H, Dh = q.shape
-    K, N, ps, _ = k_pages.shape
+    K, N, ps, W = k_pages.shape
     S, P = block_tables.shape
     hp = jax.lax.Precision.HIGHEST
     pages = jnp.clip(block_tables, 0, N - 1)
-    k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
-    k = k_pages[:, pages].reshape(K, S, P * ps, Dh).astype(jnp.float32)
-    v = v_pages[:, pages].reshape(K, S, P * ps, Dh).astype(jnp.float32)
+    k = kv_rows_f32(k_pages[:, pages].reshape(K, S, P * ps, W))
+    v = kv_rows_f32(v_pages[:, pages].reshape(K, S, P * ps, W))
     key = jnp.arange(P * ps)
     row_seq = query_sequence(query_start, T)  # [T], S = no sequence
     own = row_seq[:, None] == jnp.arange(S)[None, :]  # [T, S]
