@@ -82,3 +82,22 @@ def case_grid(cases, variants: dict, ids=None) -> list:
                          id=f"{cid}-{v}",
                          marks=() if (i - j) % len(names) == 0 else pytest.mark.full)
             for i, (c, cid) in enumerate(zip(cases, ids)) for j, v in enumerate(names)]
+
+
+# The engine's narrow KV pools (jaxserve.model.kv_cache), as the attention kernels get them:
+# fp8 e4m3fn pages of scale 1, and int8 rows carrying their own scale.
+NARROW_POOLS = ("fp8", "int8-rows")
+
+
+def narrow_pool(pages, kind: str):
+    """A float pool [..., head_dim] (NaN in the slots no context uses) as the engine stores
+    it for --kv-cache-dtype fp8 ("fp8": float8_e4m3fn values, NaN kept) or int8
+    ("int8-rows": quantize_kv_int8's rows [..., head_dim + 4], a NaN row's scale NaN): the
+    poison survives, so a slot the kernel should not read still fails the test."""
+    from jaxserve.kernels.common import quantize_kv_int8
+    pages = jnp.asarray(pages, jnp.float32)
+    if kind == "fp8":
+        return pages.astype(jnp.float8_e4m3fn)
+    if kind == "int8-rows":
+        return quantize_kv_int8(pages)
+    raise ValueError(f"kind must be one of {NARROW_POOLS}, got {kind!r}")

@@ -140,6 +140,28 @@ def test_cpu_attention_in_the_model_matches_xla(kv_dtype, cpu_kernels_library):
         _drive(params, Kernels("cpu", "xla"), steps[:1])
 
 
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "int8"])
+def test_kernels_read_the_narrow_pools_as_xla_does(kv_dtype, cpu_kernels_library):
+    """An fp8 pool (uint8 bits, scale 1) and an int8 pool (rows carrying their scales)
+    behind the model: the Pallas kernels (token-major pool) and the C++ kernel (head-major)
+    give the XLA path's logits on the same pool within f32 summation order. One layer: its
+    K/V come from the embeddings alone, so every implementation writes the same pool bits
+    (with more layers an attention output one f32 ulp apart may round the next layer's
+    K/V to the neighbouring 8-bit value). Ragged prefill with padding, a continuation over
+    cached pages, decode."""
+    cfg = CFG.replace(num_layers=1)
+    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    steps = _steps(np.random.default_rng(77))
+    for layout, impl in (("token_major", "pallas_interpret"), ("head_major", "cpu")):
+        want = _drive(params, Kernels("xla", "xla"), steps, layout=layout, kv_dtype=kv_dtype,
+                      cfg=cfg)
+        got = _drive(params, Kernels(impl, "xla"), steps, layout=layout, kv_dtype=kv_dtype,
+                     cfg=cfg)
+        _assert_same(got, want, F32_ATOL)
+        f32 = _drive(params, Kernels("xla", "xla"), steps, layout=layout, cfg=cfg)
+        assert max(np.abs(g[n] - w[n]).max() for g, w in zip(got, f32) for n in w) > F32_ATOL
+
+
 def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_library):
     from jaxserve.kernels.cpu import build
     from jaxserve.worker.kernel_selection import select_kernels
@@ -171,15 +193,13 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     with pytest.raises(ConfigError, match="'cpu' reads a KV pool of float32 or bfloat16 or "
                                           "float8_e4m3fn or int8, kv_dtype is float16"):
         select_kernels(explicit, "cpu", 1, "float16", tmp_path)
-    # an fp8 pool: the C++ kernel reads it; the engine's Pallas path not yet (auto: XLA)
-    assert select_kernels(auto, "cpu", 1, "float8_e4m3fn", tmp_path).attention.name == "cpu"
-    assert select_kernels(auto, "gpu", 1, "float8_e4m3fn", tmp_path).attention.name == "xla"
-    # an int8 pool (rows with their scales) alike
-    assert select_kernels(auto, "cpu", 1, "int8", tmp_path).attention.name == "cpu"
-    assert select_kernels(auto, "gpu", 1, "int8", tmp_path).attention.name == "xla"
-    with pytest.raises(ConfigError, match="'pallas' reads a KV pool of float32 or bfloat16 or "
-                                          "float16, kv_dtype is float8_e4m3fn"):
-        select_kernels(KernelConfig(attention_impl="pallas"), "gpu", 1, "float8_e4m3fn", tmp_path)
+    # fp8 and int8 pools (int8 rows with their scales): the C++ and the Pallas (Triton)
+    # kernels read them
+    for narrow in ("float8_e4m3fn", "int8"):
+        assert select_kernels(auto, "cpu", 1, narrow, tmp_path).attention.name == "cpu"
+        assert select_kernels(auto, "gpu", 1, narrow, tmp_path).attention.name == "pallas"
+        assert select_kernels(KernelConfig(attention_impl="pallas"), "gpu", 1, narrow,
+                              tmp_path).attention.name == "pallas"
 
     def no_compiler(build_dir, compiler=None):
         raise build.KernelBuildError("no C++ compiler found")
@@ -409,20 +429,22 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     assert text.count("xla.gpu.triton") == 1 + 4
 
 
-@pytest.mark.parametrize("attention", ["pallas", "pallas_mosaic"])
-def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention):
+@pytest.mark.parametrize("attention,kv_dtype", [("pallas", "bfloat16"), ("pallas_mosaic", "bfloat16"),
+                                               ("pallas_mosaic", "int8")])
+def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention, kv_dtype):
     """The bf16 decode step of a SmolLM2-shaped int8 model with the Hopper matmul
     ("pallas_mosaic"): each of the 4 distinct projection shapes is one Mosaic GPU call;
     attention is one Triton call, or with "pallas_mosaic" attention (what "auto" picks on
     Hopper) a fifth Mosaic GPU call and no Triton at all (prefill steps alike: the
-    engine-shape lowering test)."""
+    engine-shape lowering test); over an int8 KV pool (rows with their scales, which the
+    Mosaic attention does not read) the Triton decode kernel again."""
     from jaxserve.worker.compilation import StepKey, abstract_inputs
     from jaxserve.worker.step import forward_step
 
     cfg = tiny_config(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       num_layers=2, vocab_size=4096, dtype="bfloat16")
     params = jax.eval_shape(lambda p: quantize_params(p, "int8", None), abstract_params(cfg))
-    cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
+    cache = abstract_kv_cache(cfg, 64, 16, kv_dtype)
     batch, sampling, prev_index = abstract_inputs(StepKey("decode", 8, 8, 16), None, 300, cfg.vocab_size)
     pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)
     prev_tokens = jax.ShapeDtypeStruct((32,), jnp.int32)
@@ -431,7 +453,7 @@ def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention):
     text = jax.jit(step).trace(params, cache, batch, sampling.prompt_targets, prev_tokens,
                                prev_index, None, None, pool).lower(
         lowering_platforms=("cuda",)).as_text()
-    mosaic = attention == "pallas_mosaic"
+    mosaic = attention == "pallas_mosaic" and kv_dtype == "bfloat16"
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 4 + mosaic
     assert text.count("xla.gpu.triton") == (0 if mosaic else 1)
 

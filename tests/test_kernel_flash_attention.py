@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels.pallas.flash_attention import flash_attention, flash_attention_reference
-from kernel_utils import DTYPES, case_grid
+from kernel_utils import DTYPES, NARROW_POOLS, case_grid, narrow_pool
 from kernel_utils import ragged_prefill_case as _case
 
 INTERPRET = "pallas_interpret"
@@ -86,6 +86,26 @@ def test_kernel_matches_reference(name, dtype, pallas_impl):
                  head_dim=d, page_size=ps, pages_per_seq=pps, dtype=dtype)
     out = flash_attention(*args, block_q=bq, block_kv=bkv, impl=pallas_impl)
     _assert_matches(out, args, dtype)
+
+
+@pytest.mark.parametrize("name,pool", case_grid(
+    ["cached-prefix-gqa3-d64", "qlen1-in-ragged-gqa8-d128", "ragged-mix-empty-padding-gqa3"],
+    {p: p for p in NARROW_POOLS}))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_engine_narrow_pools_match_reference(name, pool, dtype, pallas_impl):
+    """The engine's narrow pools: fp8 e4m3fn pages (scale 1, widened in registers) and
+    int8 rows carrying their f32 scale (values widened exactly; each key's K scale on its
+    scores, its V scale on its p): the reference on the same pool, dead slots (NaN, NaN
+    scales) never read; close to the f32 pool's result (an 8-bit rounding of K/V)."""
+    seqs, total, hq, hkv, d, ps, pps, bq, bkv = CASES[name]
+    q, k, v, tables, cu, kv_lens = _case(np.random.default_rng(1234), seqs, total=total,
+                                         q_heads=hq, kv_heads=hkv, head_dim=d, page_size=ps,
+                                         pages_per_seq=pps)
+    args = (q.astype(dtype), narrow_pool(k, pool), narrow_pool(v, pool), tables, cu, kv_lens)
+    out = flash_attention(*args, block_q=bq, block_kv=bkv, impl=pallas_impl)
+    got = _assert_matches(out, args, dtype)
+    f32 = np.asarray(flash_attention_reference(q, k, v, tables, cu, kv_lens))
+    assert np.abs(got - f32).max() < 0.2
 
 
 def test_sm_scale_and_default_blocks(pallas_impl):
@@ -158,7 +178,9 @@ def _bad_calls():
         (with_(1, S((9, 8, 2, 32), f32)), {},
          r"k_pages must have shape \[\*, \*, \*, 64\], got \[9, 8, 2, 32\]"),
         (with_(1, S((9, 8, 2, 64), jnp.bfloat16)), {},
-         r"k_pages must be one of \(float32\), got bfloat16"),
+         r"k_pages must be one of \(float32, float8_e4m3fn, int8\), got bfloat16"),
+        (with_(1, S((9, 8, 2, 64), jnp.int8)), {},  # int8 rows carry 4 scale bytes
+         r"k_pages must have shape \[\*, \*, \*, 68\], got \[9, 8, 2, 64\]"),
         (with_(2, S((9, 4, 2, 64), f32)), {},
          r"v_pages must have shape \[9, 8, 2, 64\], got \[9, 4, 2, 64\]"),
         ((q, S((9, 8, 3, 64), f32), S((9, 8, 3, 64), f32), bt, cu, kvl), {},
@@ -193,18 +215,26 @@ def test_rejects_bad_inputs(args, kwargs, match):
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
 
 
-@pytest.mark.parametrize("model,dtype", case_grid(list(MODELS), DTYPES))
-def test_lowers_for_cuda_at_engine_shapes(model, dtype):
+# q dtype, pool (a dtype, or the engine's int8 rows with their scales, head_dim + 4 wide)
+POOLS = {"f32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.bfloat16),
+         "bf16-fp8": (jnp.bfloat16, jnp.float8_e4m3fn), "bf16-int8-rows": (jnp.bfloat16, "int8-rows")}
+
+
+@pytest.mark.parametrize("model,pool", case_grid(list(MODELS), {p: p for p in POOLS}))
+def test_lowers_for_cuda_at_engine_shapes(model, pool):
     """total_tokens 16 / 128 / 512 x batch 1 / 4 x pages_per_seq 8 / 32 (page_size 16): one
     Triton custom call each, output [total_tokens, q_heads, head_dim] in q's dtype."""
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     hq, hkv, d = MODELS[model]
+    dtype, pages_dtype = POOLS[pool]
+    width = d + 4 if pages_dtype == "int8-rows" else d
+    pages_dtype = jnp.int8 if pages_dtype == "int8-rows" else pages_dtype
     fn = jax.jit(functools.partial(flash_attention, impl="pallas"))
     start, count = time.perf_counter(), 0
     for total in (16, 128, 512):
         for batch in (1, 4):
             for pps in (8, 32):
-                pages = S((batch * pps + 1, 16, hkv, d), dtype)
+                pages = S((batch * pps + 1, 16, hkv, width), pages_dtype)
                 traced = fn.trace(S((total, hq, d), dtype), pages, pages, S((batch, pps), i32),
                                   S((batch + 1,), i32), S((batch,), i32))
                 assert traced.out_info.shape == (total, hq, d) and traced.out_info.dtype == dtype

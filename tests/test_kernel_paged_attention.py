@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_utils import DTYPES, case_grid, shuffled_pool
+from kernel_utils import DTYPES, NARROW_POOLS, case_grid, narrow_pool, shuffled_pool
 from jaxserve.kernels.pallas.common import FP8_E4M3, INT8
 from jaxserve.kernels.pallas.paged_attention import (_default_blocks, paged_attention,
                                                      paged_attention_reference)
@@ -134,6 +134,33 @@ def test_quantized_pages_match_dequantize_then_reference(name, fmt, dtype, palla
     deq = _dequantized(args, kw, FORMATS[fmt], dtype)
     _assert_matches(out, paged_attention_reference(*deq), args, dtype)
     _assert_matches(out, paged_attention_reference(*args, **kw), args, dtype)
+
+
+@pytest.mark.parametrize("name,pool", case_grid(["splits-tail-gqa3", "mixed-padding-gqa4-d128"],
+                                                {p: p for p in NARROW_POOLS}))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_engine_narrow_pools_match_reference(name, pool, dtype, pallas_impl):
+    """The engine's own narrow pools, without separate scales: fp8 e4m3fn pages (scale 1)
+    and int8 rows carrying their f32 scale in their last 4 bytes (assembled in the kernel
+    from the bytes): the reference on the same pool, whose dead slots (NaN, NaN scales)
+    are never read; the rows' scales are applied (the reference on the f32 pool is close,
+    the int8 values alone far)."""
+    ctx, hq, hkv, d, ps, pps, ppcb, splits = CASES[name]
+    (q, k, v, tables, lens), _ = _case(np.random.default_rng(1234), ctx, q_heads=hq,
+                                       kv_heads=hkv, head_dim=d, page_size=ps,
+                                       pages_per_seq=pps, dtype=jnp.float32)
+    args = (q.astype(dtype), narrow_pool(k, pool), narrow_pool(v, pool), tables, lens)
+    assert args[1].shape[-1] == d + (4 if pool == "int8-rows" else 0)
+    out = paged_attention(*args, pages_per_compute_block=ppcb, num_splits=splits, impl=pallas_impl)
+    got = _assert_matches(out, paged_attention_reference(*args), args, dtype)
+    f32 = np.asarray(paged_attention_reference(q, k, v, tables, lens))
+    assert np.abs(got - f32).max() < 0.2  # an 8-bit rounding of K/V
+    if pool == "int8-rows":  # the values without their scales: another result
+        one = jax.lax.bitcast_convert_type(jnp.float32(1), jnp.int8)  # [4] bytes
+        unscaled = [x.at[..., d:].set(one) for x in args[1:3]]
+        far = np.asarray(paged_attention_reference(q.astype(dtype), *unscaled, tables, lens)
+                         .astype(jnp.float32))
+        assert np.abs(got - far)[np.asarray(lens) > 0].max() > 1.0
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -253,7 +280,9 @@ def test_rejects_bad_inputs(args, kwargs, match):
 # per device (8 q / 1 kv: GQA 8).
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
 PAGES = {"f32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.bfloat16),
-         "bf16-int8": (jnp.bfloat16, jnp.int8), "bf16-fp8": (jnp.bfloat16, jnp.float8_e4m3fn)}
+         "bf16-int8": (jnp.bfloat16, jnp.int8), "bf16-fp8": (jnp.bfloat16, jnp.float8_e4m3fn),
+         # the engine's pools: int8 rows with their scales, fp8 of scale 1 (no scale arrays)
+         "bf16-int8-rows": (jnp.bfloat16, "int8-rows"), "bf16-fp8-engine": (jnp.bfloat16, "fp8")}
 
 
 @pytest.mark.parametrize("model,pages", case_grid(list(MODELS), {p: p for p in PAGES}))
@@ -263,11 +292,13 @@ def test_lowers_for_cuda_at_engine_shapes(model, pages):
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     (hq, hkv, d), (qdt, pdt) = MODELS[model], PAGES[pages]
     quant = pdt in (jnp.int8, jnp.float8_e4m3fn)
+    width = d + 4 if pdt == "int8-rows" else d
+    pdt = {"int8-rows": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(pdt, pdt)
     start, count = time.perf_counter(), 0
     for batch in (1, 8, 32):
         for pps in (4, 32):
             num_pages = batch * pps + 1
-            kv = S((num_pages, 16, hkv, d), pdt)
+            kv = S((num_pages, 16, hkv, width), pdt)
             scales = dict(k_scales=S((num_pages, hkv), jnp.float32),
                           v_scales=S((num_pages, hkv), jnp.float32)) if quant else {}
             fn = jax.jit(lambda q, k, v, bt, cl, sc: paged_attention(q, k, v, bt, cl, **sc,

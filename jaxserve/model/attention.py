@@ -157,7 +157,8 @@ class CpuAttention(Attention):
 @dataclasses.dataclass(frozen=True)
 class PallasAttention(Attention):
     """The Pallas kernels (jaxserve/kernels/pallas/): decode steps call the paged decode kernel,
-    other steps the ragged flash-prefill kernel over the pool. interpret: run them in
+    other steps the ragged flash-prefill kernel over the pool (pages of the model's dtype,
+    fp8 pages of scale 1, int8 rows with their scales). interpret: run them in
     Pallas interpret mode (on CPU, for tests). mosaic: the Mosaic GPU (Hopper) decode and
     prefill kernels wherever they take the dtypes and shapes
     (attention_mosaic.mosaic_attention_supports: bf16 / f16, head_dim 64 / 128, GQA
@@ -174,10 +175,12 @@ class PallasAttention(Attention):
         return pallas_impl(self.mosaic, self.interpret)
 
     def _attend(self, q, k_pages, v_pages, meta, layout):
+        # bf16 / fp8 bits as their values (fp8: scale 1); int8 rows carry their scales
         k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
         if self.mosaic:
             from jaxserve.kernels.pallas.attention_mosaic import mosaic_attention_supports
-            _, page_size, kv_heads, head_dim = k_pages.shape
+            _, page_size, kv_heads, _ = k_pages.shape
+            head_dim = q.shape[-1]
             if mosaic_attention_supports(q.dtype, k_pages.dtype, head_dim, page_size,
                                          q.shape[1] // kv_heads):
                 return _attention_mosaic(q, k_pages, v_pages, meta, self.name)

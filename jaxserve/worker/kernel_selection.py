@@ -24,12 +24,11 @@ log = logging.getLogger(__name__)
 # bf16 dot products are used (KernelConfig.bf16_matmul_round_x_min_rows) where they run at
 # least this many times the f32 FMA rate in flops (what machines showed: PERFORMANCE.md).
 BF16_DOT_MIN_SPEEDUP = 1.5
-# the KV pool dtypes each attention kernel reads (XLA's reads any): the C++ kernel widens
-# bf16 and fp8 e4m3fn in registers and dequantises int8 rows; the engine's Pallas path does
-# not pass fp8 or int8 pages their scales yet (jaxserve.kernels.pallas.paged_attention
-# reads them given per-page scales)
+# the KV pool dtypes each attention kernel reads (XLA's reads any): the C++ kernel and the
+# Pallas (Triton) kernels widen bf16 and fp8 e4m3fn in registers and dequantise int8 rows
+# (the Mosaic GPU ones read bf16 / f16 pages: narrower pools take the Triton kernels)
 CPU_ATTENTION_KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
-PALLAS_ATTENTION_KV_DTYPES = ("float32", "bfloat16", "float16")
+PALLAS_ATTENTION_KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "int8")
 
 
 def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str,

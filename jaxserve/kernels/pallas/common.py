@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels.common import (FLOAT_DTYPES, MASK_VALUE, cdiv, check,  # noqa: F401
-                                     check_array, check_page_pool, finish_softmax,
-                                     softmax_block)
+from jaxserve.kernels.common import (FLOAT_DTYPES, INT8_KV, INT8_SCALE_BYTES,  # noqa: F401
+                                     MASK_VALUE, cdiv, check, check_array, check_page_pool,
+                                     finish_softmax, softmax_block)
 
 # The smallest side Triton's tensor-core dot accepts.
 MIN_DOT = 16
@@ -70,7 +70,7 @@ def triton_call_params(impl: str, *, num_warps: int = 4, num_stages: int = 2) ->
 # These operate on values (not refs) and lower both to Triton and in interpret mode.
 
 def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, scores: jax.Array,
-                        v: jax.Array, precision: Any = None
+                        v: jax.Array, precision: Any = None, v_scale: jax.Array | None = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One block of the online softmax (FlashAttention, Alg. 1) inside a kernel.
 
@@ -79,11 +79,39 @@ def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, scores: jax.
     MASK_VALUE; v: [N, D] (any float dtype; p is cast to it for the dot, f32 accumulate).
     precision: the p @ v dot's (`plgpu.dot`; the kernel's q @ k precision, so an f32
     kernel is f32 in both products: None would be TF32 on the GPU).
+    v_scale: [N] f32 or None: v's rows are v * v_scale (int8 rows' scales), computed as
+    (p * v_scale) @ v, so v's integers enter the dot exactly; l sums the unscaled p.
     Returns the updated (acc, m, l). The statistics: jaxserve.kernels.common.softmax_block.
     """
     p, correction, m_new, l_new = softmax_block(m, l, scores)
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]; M, N, D >= MIN_DOT
+    pw = p if v_scale is None else p * v_scale[None, :]
+    pv = plgpu.dot(pw.astype(v.dtype), v, precision=precision)  # [M, D]; M, N, D >= MIN_DOT
     return acc * correction[:, None] + pv.astype(jnp.float32), m_new, l_new
+
+
+def load_kv(ref, idx, ok, dtype):
+    """Gather K or V rows of a page pool and convert them to `dtype` (exact for int8 /
+    e4m3 into f32 / bf16 / f16). idx: integer indexers (rows, head, columns) giving
+    [block_kv, head_dim]; ok: [block_kv, 1] bool or None (all rows valid); rows not ok read
+    as 0 (a select after the cast: Triton cannot splat a fill into fp8)."""
+    if ref.dtype == dtype:
+        return plgpu.load(ref.at[idx], mask=ok, other=None if ok is None else 0)
+    x = plgpu.load(ref.at[idx], mask=ok).astype(dtype)
+    return x if ok is None else jnp.where(ok, x, 0)
+
+
+def load_row_scales(ref, row: jax.Array, h: Any, head_dim: int, ok: jax.Array | None
+                    ) -> jax.Array:
+    """[block_kv] f32: the scales of an int8 pool's rows (jaxserve.kernels.common.INT8_KV:
+    a row is head_dim int8 values, then the scale's INT8_SCALE_BYTES little-endian f32
+    bytes) `row` [block_kv] int32 of KV head h, the bytes assembled into the f32's bits;
+    rows not ok (ok: [block_kv] bool or None) give 0."""
+    bits = jnp.zeros(row.shape, jnp.int32)
+    for j in range(INT8_SCALE_BYTES):
+        byte = plgpu.load(ref.at[row, h, head_dim + j], mask=ok)  # [block_kv] int8
+        bits = bits | ((byte.astype(jnp.int32) & 0xFF) << (8 * j))
+    scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return scale if ok is None else jnp.where(ok, scale, 0.0)
 
 
 def causal_visible(q_pos: jax.Array, k_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
@@ -149,7 +177,7 @@ __all__ = [
     "FLOAT_DTYPES", "FP8_E4M3", "IMPLS", "INT8", "MASK_VALUE", "MIN_DOT", "QUANT_FORMATS",
     "QuantFormat", "block_size", "causal_visible", "cdiv", "check", "check_array",
     "check_page_pool",
-    "finish_softmax", "is_power_of_2", "merge_partials", "next_power_of_2",
-    "online_softmax_step", "quant_format_of", "triton_call_params",
+    "finish_softmax", "is_power_of_2", "load_kv", "load_row_scales", "merge_partials",
+    "next_power_of_2", "online_softmax_step", "quant_format_of", "triton_call_params",
 ]
 

@@ -21,6 +21,10 @@ as [num_pages * page_size, kv_heads, head_dim]), so block_kv may span several pa
 part of one; block-table columns are clamped to pages_per_seq - 1 and page ids to the
 pool, so the kernel never reads outside either, and keys at positions >= kv_len are
 masked loads (never read, so stale or NaN pool contents cannot leak in).
+Besides pages of q's dtype it reads the engine's narrow pools: fp8 e4m3fn pages (scale 1,
+vLLM's default; widened to q's dtype in registers, exactly) and int8 rows carrying their
+own scale (jaxserve.kernels.common.INT8_KV, [.., head_dim + 4]): the values widened
+exactly, each key's K scale multiplying its scores, its V scale its p before the p @ v dot.
 
 Sources: FlashAttention-2 (Dao, 2023) tiling / online softmax and causal block skipping;
 PagedAttention (Kwon et al., 2023) block tables; vLLM v1 / tpu-inference ragged paged
@@ -36,21 +40,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.kernels.common import INT8_KV, INT8_SCALE_BYTES, kv_rows_f32
 from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, MASK_VALUE, MIN_DOT,
                                             causal_visible, cdiv, check, check_array,
                                             check_page_pool, finish_softmax, is_power_of_2,
-                                            next_power_of_2, online_softmax_step,
-                                            triton_call_params)
+                                            load_kv, load_row_scales, next_power_of_2,
+                                            online_softmax_step, triton_call_params)
+
+# The page dtypes besides q's: fp8 e4m3fn (scale 1) and int8 rows with their scales.
+NARROW_PAGES = (jnp.float8_e4m3fn, INT8_KV)
 
 
 # ----------------------------------------------------------------------------- kernel body
 
 def _flash_kernel(q_ref, k_ref, v_ref, bt_ref, cu_ref, kvl_ref, o_ref, *, block_q: int,
-                  block_kv: int, group: int, group_pad: int, page_size: int, sm_scale: float):
+                  block_kv: int, group: int, group_pad: int, page_size: int, sm_scale: float,
+                  row_scales: bool):
     """One (sequence b, q block i, KV head h) tile.
 
     q_ref:  [total_tokens, q_heads, head_dim] q.dtype, whole (tile picked with pl.ds);
-    k_ref, v_ref: [num_pages * page_size, kv_heads, head_dim] q.dtype, the pool's token rows;
+    k_ref, v_ref: [num_pages * page_size, kv_heads, head_dim] q.dtype or float8_e4m3fn, the
+            pool's token rows; with row_scales [.., head_dim + 4] int8 rows whose last 4
+            bytes are the row's f32 scale;
     bt_ref: [batch, pages_per_seq] int32 block tables; cu_ref: [batch + 1] int32 row offsets;
     kvl_ref: [batch] int32 context lengths (new tokens included);
     o_ref:  [total_tokens, q_heads, head_dim] q.dtype, whole (this program stores its rows).
@@ -58,7 +69,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, bt_ref, cu_ref, kvl_ref, o_ref, *, block_
     b, h = pl.program_id(0), pl.program_id(2)
     # q blocks in reverse launch order: the longest KV loops (last blocks) start first.
     i = pl.num_programs(1) - 1 - pl.program_id(1)
-    total, _, head_dim = q_ref.shape
+    total, _, head_dim = q_ref.shape  # (the pool's rows may be wider: int8 rows' scales)
     pool_rows = k_ref.shape[0]
     pages_per_seq = bt_ref.shape[1]
     rows = block_q * group_pad
@@ -86,17 +97,21 @@ def _flash_kernel(q_ref, k_ref, v_ref, bt_ref, cu_ref, kvl_ref, o_ref, *, block_
             page = plgpu.load(bt_ref.at[b, col])  # [block_kv] int32 (a page id per key)
             page = jnp.minimum(jnp.maximum(page, 0), pool_rows // page_size - 1)
             kv_row = page * page_size + k_pos % page_size  # [block_kv] int32 row of the pool
-            kv_ok = (k_pos < kv_len)[:, None] if masked else None  # [block_kv, 1] bool
-            fill = 0 if masked else None
-            # gather [block_kv, head_dim] q.dtype (integer indexers only: interpret mode
+            ok = (k_pos < kv_len) if masked else None  # [block_kv] bool
+            kv_ok = None if ok is None else ok[:, None]  # [block_kv, 1] bool
+            # gather [block_kv, head_dim] in q.dtype (integer indexers only: interpret mode
             # cannot mix a gather with slices)
             idx = (kv_row[:, None], h, jnp.arange(head_dim)[None, :])
-            k = plgpu.load(k_ref.at[idx], mask=kv_ok, other=fill)
-            v = plgpu.load(v_ref.at[idx], mask=kv_ok, other=fill)
+            k = load_kv(k_ref, idx, kv_ok, q.dtype)
+            v = load_kv(v_ref, idx, kv_ok, q.dtype)
             s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [rows, block_kv]
+            v_scale = None
+            if row_scales:  # int8 rows: each key's own scales
+                s = s * load_row_scales(k_ref, kv_row, h, head_dim, ok)[None, :]
+                v_scale = load_row_scales(v_ref, kv_row, h, head_dim, ok)
             if masked:
                 s = jnp.where(causal_visible(q_pos, k_pos, kv_len), s, MASK_VALUE)
-            return online_softmax_step(acc, m, l, s, v, precision)
+            return online_softmax_step(acc, m, l, s, v, precision, v_scale)
 
         last_pos = context - q_len + jnp.minimum(q_len, (i + 1) * block_q) - 1
         seen = jnp.maximum(jnp.minimum(kv_len, last_pos + 1), 0)  # keys any row sees
@@ -126,12 +141,12 @@ def _flash_call(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, sm_sca
     passed whole (no BlockSpecs: the tiles are ragged and gathered); the pool is viewed as
     token rows [num_pages * page_size, kv_heads, head_dim] (a free reshape)."""
     total, q_heads, head_dim = q.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
+    num_pages, page_size, kv_heads, width = k_pages.shape
     group = q_heads // kv_heads
     kernel = functools.partial(_flash_kernel, block_q=block_q, block_kv=block_kv, group=group,
                                group_pad=next_power_of_2(group), page_size=page_size,
-                               sm_scale=sm_scale)
-    pool = (num_pages * page_size, kv_heads, head_dim)
+                               sm_scale=sm_scale, row_scales=width != head_dim)
+    pool = (num_pages * page_size, kv_heads, width)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -148,7 +163,9 @@ def check_operands(fn: str, q, k_pages, v_pages, block_tables, cu_q_lens, kv_len
     check_array(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     total, q_heads, head_dim = q.shape
     check(fn, total >= 1, f"q must have total_tokens >= 1, got shape {list(q.shape)}")
-    check_page_pool(fn, k_pages, v_pages, q_heads, head_dim, (q.dtype,))
+    rows = jnp.dtype(getattr(k_pages, "dtype", q.dtype)) == INT8_KV
+    check_page_pool(fn, k_pages, v_pages, q_heads, head_dim + (INT8_SCALE_BYTES if rows else 0),
+                    (q.dtype,) + NARROW_PAGES)
     check_array(fn, "block_tables", block_tables, (None, None), (jnp.int32,))
     batch, pages_per_seq = block_tables.shape
     check(fn, batch >= 1 and pages_per_seq >= 1,
@@ -187,8 +204,10 @@ def flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     """Ragged causal attention of packed new tokens over the paged KV pool (one Pallas kernel).
 
     q: [total_tokens, q_heads, head_dim] f32/bf16/f16, the new tokens of each sequence packed
-    in order; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] q.dtype, one
-    layer's pool, the new tokens' K/V already written; block_tables: [batch, pages_per_seq]
+    in order; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] q.dtype or
+    float8_e4m3fn (scale 1), or [.., head_dim + 4] int8 rows carrying their f32 scale
+    (jaxserve.kernels.common.INT8_KV), one layer's pool, the new tokens' K/V already
+    written; block_tables: [batch, pages_per_seq]
     int32; cu_q_lens: [batch + 1] int32, non-decreasing from 0 (sequence b owns rows
     cu_q_lens[b]:cu_q_lens[b+1]); kv_lens: [batch] int32 context length including the new
     tokens (q_len_b <= kv_lens[b] <= pages_per_seq * page_size). Key position p of sequence
@@ -249,6 +268,7 @@ def flash_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     batch, pages_per_seq = block_tables.shape
     scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     hp = jax.lax.Precision.HIGHEST
+    k_pages, v_pages = kv_rows_f32(k_pages), kv_rows_f32(v_pages)  # (int8 rows dequantised)
     k_pos = jnp.arange(pages_per_seq * page_size)  # [S]
     pages = jnp.clip(block_tables, 0, num_pages - 1)[:, k_pos // page_size]  # [batch, S]
     in_len = k_pos[None, :] < kv_lens[:, None]  # [batch, S]

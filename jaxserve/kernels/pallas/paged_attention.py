@@ -14,7 +14,11 @@ context are never visited (an empty split writes output 0 and log-sum-exp MASK_V
 Each split writes a normalised partial output and its log-sum-exp; `merge_partials`
 combines them outside the kernel (with one split the kernel writes the output directly).
 int8 / fp8 pages are converted in registers to q's dtype (exact); the per-page-per-head
-K scale multiplies the scores, the V scale the V rows before the p @ v dot.
+K scale multiplies the scores, the V scale the V rows before the p @ v dot. The engine's
+pools: fp8 pages without scales (vLLM's per-tensor scale 1), and int8 rows that carry
+their own scale (jaxserve.kernels.common.INT8_KV: [.., head_dim + 4], a scale per token
+and head): the K scale multiplies each key's score, the V scale each key's p before the
+p @ v dot, whose int8 operand stays exact.
 
 Sources: PagedAttention (Kwon et al., 2023) block tables; Flash-Decoding (Dao et al., 2023)
 split-K with a log-sum-exp merge; FlashAttention online softmax; JAX's
@@ -30,11 +34,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, MASK_VALUE, MIN_DOT, QUANT_FORMATS,
-                                            cdiv, check, check_array, check_page_pool,
-                                            finish_softmax, is_power_of_2, merge_partials,
-                                            next_power_of_2, online_softmax_step, quant_format_of,
-                                            triton_call_params)
+from jaxserve.kernels.common import INT8_SCALE_BYTES, kv_rows_f32
+from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, FP8_E4M3, IMPLS, INT8, MASK_VALUE,
+                                            MIN_DOT, QUANT_FORMATS, cdiv, check, check_array,
+                                            check_page_pool, finish_softmax, is_power_of_2,
+                                            load_kv, load_row_scales, merge_partials,
+                                            next_power_of_2, online_softmax_step,
+                                            quant_format_of, triton_call_params)
 
 # Both dots' precision (q @ k, and p @ v in `online_softmax_step`) for f32 q: 3xTF32 on the
 # GPU, the plain f32 dot in interpret mode (XLA:CPU has no 3xTF32). 3xTF32 splits each
@@ -48,25 +54,18 @@ F32_DOT_PRECISION = {"pallas": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
 
 # ----------------------------------------------------------------------------- kernel body
 
-def _load_kv(ref, idx, ok, dtype):
-    """Gather [block_kv, head_dim] rows of a page pool and convert them to `dtype` (exact for
-    int8 / e4m3 into f32/bf16/f16). ok: [block_kv, 1] bool or None (all rows valid); rows
-    not ok read as 0 (a select after the cast: Triton cannot splat a fill into fp8)."""
-    if ref.dtype == dtype:
-        return plgpu.load(ref.at[idx], mask=ok, other=None if ok is None else 0)
-    x = plgpu.load(ref.at[idx], mask=ok).astype(dtype)
-    return x if ok is None else jnp.where(ok, x, 0)
-
-
 def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, o_ref, lse_ref, *,
                    group: int, group_pad: int, page_size: int, block_kv: int,
-                   blocks_per_split: int, max_context: int, sm_scale: float, f32_precision):
+                   blocks_per_split: int, max_context: int, sm_scale: float, f32_precision,
+                   row_scales: bool):
     """One (sequence b, KV head h, split s) program.
 
     q_ref:  [batch, q_heads, head_dim] q.dtype, whole (rows h*group : h*group+group used);
     k_ref, v_ref: [num_pages * page_size, kv_heads, head_dim] page dtype (q.dtype, int8 or
-            float8_e4m3fn), the pool's token rows, whole;
-    ks_ref, vs_ref: [num_pages, kv_heads] f32 per-page-per-head scales, or None (float pages);
+            float8_e4m3fn), the pool's token rows, whole; with row_scales [.., head_dim + 4]
+            int8 rows whose last 4 bytes are the row's f32 scale;
+    ks_ref, vs_ref: [num_pages, kv_heads] f32 per-page-per-head scales, or None (float
+            pages, fp8 pages of scale 1, int8 rows);
     bt_ref: [batch, padded_pages] int32 block tables (padded to whole compute blocks with 0);
     len_ref: [batch] int32 context lengths;
     o_ref:  [batch, num_splits, q_heads, head_dim] f32 (q.dtype if num_splits == 1), whole:
@@ -74,7 +73,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, o_ref, 
     lse_ref: [batch, num_splits, q_heads] f32, whole: the partial's log-sum-exp.
     """
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    head_dim = q_ref.shape[-1]
+    head_dim = q_ref.shape[-1]  # (the pool's rows may be wider: int8 rows' scale bytes)
     pool_pages = k_ref.shape[0] // page_size
     kv_len = jnp.clip(len_ref[b], 0, max_context)  # scalar int32
     head_ok = jnp.arange(group_pad) < group  # [group_pad] bool
@@ -91,9 +90,14 @@ def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, o_ref, 
         ok = pos < kv_len if masked else None  # [block_kv] bool
         ok2 = None if ok is None else ok[:, None]
         idx = (row[:, None], h, jnp.arange(head_dim)[None, :])  # integer indexers only
-        k = _load_kv(k_ref, idx, ok2, q.dtype)  # [block_kv, head_dim] q.dtype
+        k = load_kv(k_ref, idx, ok2, q.dtype)  # [block_kv, head_dim] q.dtype
         scores = plgpu.dot(q, k, trans_b=True, precision=precision)  # [group_pad, block_kv] f32
-        if ks_ref is None:
+        v_scale = None
+        if row_scales:  # int8 rows: each key's own scales
+            k_scale = load_row_scales(k_ref, row, h, head_dim, ok)
+            scores = scores * (k_scale * sm_scale)[None, :]
+            v_scale = load_row_scales(v_ref, row, h, head_dim, ok)
+        elif ks_ref is None:
             scores = scores * sm_scale
         else:
             k_scale = plgpu.load(ks_ref.at[page, h], mask=ok, other=None if ok is None else 0)
@@ -101,12 +105,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, o_ref, 
         if masked:
             scores = jnp.where(ok[None, :], scores, MASK_VALUE)
         if vs_ref is None:
-            v = _load_kv(v_ref, idx, ok2, q.dtype)  # [block_kv, head_dim] q.dtype
+            v = load_kv(v_ref, idx, ok2, q.dtype)  # [block_kv, head_dim] q.dtype
         else:
-            v_scale = plgpu.load(vs_ref.at[page, h], mask=ok, other=None if ok is None else 0)
-            v = _load_kv(v_ref, idx, ok2, jnp.float32) * v_scale[:, None]  # [block_kv, head_dim]
+            vs = plgpu.load(vs_ref.at[page, h], mask=ok, other=None if ok is None else 0)
+            v = load_kv(v_ref, idx, ok2, jnp.float32) * vs[:, None]  # [block_kv, head_dim]
             v = v.astype(q.dtype)
-        return online_softmax_step(acc, m, l, scores, v, precision)
+        return online_softmax_step(acc, m, l, scores, v, precision, v_scale)
 
     lo = s * blocks_per_split
     hi = lo + blocks_per_split
@@ -131,7 +135,7 @@ def _decode_call(q, k_pages, v_pages, k_scales, v_scales, block_tables, context_
     """pallas_call over grid (batch, kv_heads, num_splits), every operand whole (no
     BlockSpecs: K/V rows are gathered through the block table); then the split merge."""
     batch, q_heads, head_dim = q.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
+    num_pages, page_size, kv_heads, width = k_pages.shape
     pages_per_seq = block_tables.shape[1]
     n_blocks = cdiv(pages_per_seq, pages_per_compute_block)
     tables = jnp.pad(block_tables, ((0, 0), (0, n_blocks * pages_per_compute_block - pages_per_seq)))
@@ -140,8 +144,8 @@ def _decode_call(q, k_pages, v_pages, k_scales, v_scales, block_tables, context_
         group_pad=max(MIN_DOT, next_power_of_2(q_heads // kv_heads)), page_size=page_size,
         block_kv=pages_per_compute_block * page_size, blocks_per_split=cdiv(n_blocks, num_splits),
         max_context=pages_per_seq * page_size, sm_scale=sm_scale,
-        f32_precision=F32_DOT_PRECISION[impl])
-    pool = (num_pages * page_size, kv_heads, head_dim)
+        f32_precision=F32_DOT_PRECISION[impl], row_scales=width != head_dim)
+    pool = (num_pages * page_size, kv_heads, width)
     out_dtype = q.dtype if num_splits == 1 else jnp.float32
     out, lse = pl.pallas_call(
         kernel,
@@ -161,22 +165,31 @@ def _decode_call(q, k_pages, v_pages, k_scales, v_scales, block_tables, context_
 def check_operands(fn: str, q, k_pages, v_pages, block_tables, context_lens, k_scales,
                     v_scales):
     """Static shape / dtype checks shared by the kernel and the reference; returns the
-    QuantFormat of the pages (None for float pages)."""
+    QuantFormat of pages given per-page scales (None for float pages, fp8 pages of scale
+    1 and int8 rows with their own scales)."""
     check_array(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     batch, q_heads, head_dim = q.shape
     check(fn, batch >= 1 and q_heads >= 1 and head_dim >= 1,
           f"q must have batch, q_heads, head_dim >= 1, got {list(q.shape)}")
+    fmt = quant_format_of(getattr(k_pages, "dtype", None) or jnp.float32)
+    # int8 pages without scales: the engine's rows [.., head_dim + 4] with their own scale
+    rows = fmt is INT8 and k_scales is None and v_scales is None
+    check(fn, not rows or k_pages.shape[-1] != head_dim,
+          f"k_scales [num_pages, kv_heads] f32 is required for int8 pages of head_dim "
+          f"{head_dim} (or rows of head_dim + {INT8_SCALE_BYTES} carrying their scales)")
     num_pages, _, kv_heads = check_page_pool(
-        fn, k_pages, v_pages, q_heads, head_dim,
+        fn, k_pages, v_pages, q_heads, head_dim + (INT8_SCALE_BYTES if rows else 0),
         (q.dtype,) + tuple(f.dtype for f in QUANT_FORMATS.values()))
-    fmt = quant_format_of(k_pages.dtype)
+    if rows or (fmt is FP8_E4M3 and k_scales is None and v_scales is None):
+        fmt = None  # scales in the rows / per-tensor 1
     check_array(fn, "block_tables", block_tables, (batch, None), (jnp.int32,))
     check(fn, block_tables.shape[1] >= 1,
           f"block_tables must have pages_per_seq >= 1, got {list(block_tables.shape)}")
     check_array(fn, "context_lens", context_lens, (batch,), (jnp.int32,))
     for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
         if fmt is None:
-            check(fn, scales is None, f"{name} must be None for {jnp.dtype(k_pages.dtype)} pages")
+            check(fn, scales is None, f"{name} must be None for {jnp.dtype(k_pages.dtype)} pages"
+                  + (" carrying their scales" if rows else ""))
         else:
             check(fn, scales is not None,
                   f"{name} [num_pages, kv_heads] f32 is required for {fmt.name} pages")
@@ -211,8 +224,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
 
     q: [batch, q_heads, head_dim] f32/bf16/f16; k_pages, v_pages: [num_pages, page_size,
     kv_heads, head_dim] one layer's pool, either q.dtype or int8 / float8_e4m3fn with
-    k_scales, v_scales: [num_pages, kv_heads] f32 (real value = stored * scale; given iff the
-    pages are quantised); block_tables: [batch, pages_per_seq] int32 page ids (key position p
+    k_scales, v_scales: [num_pages, kv_heads] f32 (real value = stored * scale), or
+    float8_e4m3fn without scales (scale 1: the engine's fp8 pool, vLLM's default), or
+    [num_pages, page_size, kv_heads, head_dim + 4] int8 rows carrying their f32 scale
+    without k_scales / v_scales (the engine's int8 pool, jaxserve.kernels.common.INT8_KV);
+    block_tables: [batch, pages_per_seq] int32 page ids (key position p
     of sequence b is page block_tables[b, p // page_size], slot p % page_size; entries past a
     sequence's last page may be any page id); context_lens: [batch] int32 in [0, pages_per_seq
     * page_size] (0 = a padding row, whose output is exactly 0).
@@ -273,8 +289,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     num_pages, page_size, kv_heads, _ = k_pages.shape
     scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     hp = jax.lax.Precision.HIGHEST
-    if fmt is None:
-        k, v = k_pages.astype(jnp.float32), v_pages.astype(jnp.float32)
+    if fmt is None:  # float pages, fp8 of scale 1, int8 rows and their scales
+        k, v = kv_rows_f32(k_pages), kv_rows_f32(v_pages)
     else:
         k = fmt.dequantize(k_pages, k_scales[:, None, :, None])
         v = fmt.dequantize(v_pages, v_scales[:, None, :, None])
