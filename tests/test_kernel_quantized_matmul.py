@@ -92,7 +92,7 @@ def test_explicit_blocks_with_ragged_edges(fmt, group, blocks, pallas_impl):
 def test_split_k_ranges_sum_to_the_product(group, pallas_impl):
     """Split-K over 7 K blocks: 1, 2, 3 (3 + 3 + 1 blocks) and 7 ranges give the
     reference's product, per channel and per group; the default splits decode-sized M only."""
-    from jaxserve.kernels.pallas.quantized_matmul import _default_splits
+    from jaxserve.kernels.pallas.quantized_matmul import default_splits
     rng = np.random.default_rng(SEED)
     k, n = 112, 48
     w_q, scales = quantize_weights(_weights(rng, k, n, group), "int8", group)
@@ -101,9 +101,9 @@ def test_split_k_ranges_sum_to_the_product(group, pallas_impl):
     for splits in (1, 2, 3, 7):
         out = quantized_matmul(x, w_q, scales, block_k=16, splits=splits, impl=pallas_impl)
         _assert_close(out, ref, jnp.float32)
-    assert _default_splits(1, 4096, 32, 64) == 4  # Llama-3-8B q/o at decode: 64 tiles x 4
-    assert _default_splits(1, 1024, 32, 64) == 8  # k/v: 16 tiles x 8 (>= 4 K blocks each)
-    assert _default_splits(256, 4096, 32, 64) == 1
+    assert default_splits(1, 4096, 32, 64) == 4  # Llama-3-8B q/o at decode: 64 tiles x 4
+    assert default_splits(1, 1024, 32, 64) == 8  # k/v: 16 tiles x 8 (>= 4 K blocks each)
+    assert default_splits(256, 4096, 32, 64) == 1
 
 
 def test_wrong_scales_change_the_result(pallas_impl):

@@ -48,7 +48,7 @@ TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
 # Newer jaxlibs compile the kernel at lowering time (needs a GPU) and embed PTX instead.
 TRITON_FFI_CALL_TARGET = "triton_kernel_call_ffi"
 DEFAULT_ARCHS = ("sm_80", "sm_90")
-KERNELS = ("paged_attention", "flash_attention", "quantized_matmul")
+KERNELS = ("paged_attention", "flash_attention", "quantized_matmul", "ggml_matmul")
 NO_TRITON_MESSAGE = ("compile_triton: pip's `triton` is not importable by this Python; "
                      "`pip install triton` in a separate venv (keep the project venv free of it) "
                      "and run this tool with that venv's python")
@@ -415,23 +415,28 @@ def kernel_configs(kernel: str, fn: Callable) -> list[KernelConfig]:
 
     bf16, i32 = jnp.bfloat16, jnp.int32
     out = []
+    # the KV pools: bf16, and the engine's narrow ones (fp8 of scale 1, int8 rows carrying
+    # their f32 scale: head_dim + 4 wide)
+    pools = (("", bf16, 0), ("/fp8kv", jnp.float8_e4m3fn, 0), ("/int8kv", jnp.int8, 4))
     if kernel == "paged_attention":
         for model, (hq, hkv, d) in MODELS.items():
             for batch in (1, 32):
-                pps = DECODE_CONTEXT // PAGE_SIZE
-                args = (_sds((batch, hq, d), bf16), _sds((batch * pps, PAGE_SIZE, hkv, d), bf16),
-                        _sds((batch * pps, PAGE_SIZE, hkv, d), bf16), _sds((batch, pps), i32),
-                        _sds((batch,), i32))
-                out.append(KernelConfig(f"paged_attention/{model}/decode-b{batch}", fn, args,
-                                        dict(impl="pallas")))
+                for tag, pdt, extra in pools:
+                    pps = DECODE_CONTEXT // PAGE_SIZE
+                    kv = _sds((batch * pps, PAGE_SIZE, hkv, d + extra), pdt)
+                    args = (_sds((batch, hq, d), bf16), kv, kv, _sds((batch, pps), i32),
+                            _sds((batch,), i32))
+                    out.append(KernelConfig(f"paged_attention/{model}/decode-b{batch}{tag}", fn,
+                                            args, dict(impl="pallas")))
     elif kernel == "flash_attention":
         for model, (hq, hkv, d) in MODELS.items():
-            batch, pps = 1, PREFILL_TOKENS // PAGE_SIZE
-            args = (_sds((PREFILL_TOKENS, hq, d), bf16), _sds((batch * pps, PAGE_SIZE, hkv, d), bf16),
-                    _sds((batch * pps, PAGE_SIZE, hkv, d), bf16), _sds((batch, pps), i32),
-                    _sds((batch + 1,), i32), _sds((batch,), i32))
-            out.append(KernelConfig(f"flash_attention/{model}/prefill-{PREFILL_TOKENS}", fn, args,
-                                    dict(impl="pallas")))
+            for tag, pdt, extra in pools:
+                batch, pps = 1, PREFILL_TOKENS // PAGE_SIZE
+                kv = _sds((batch * pps, PAGE_SIZE, hkv, d + extra), pdt)
+                args = (_sds((PREFILL_TOKENS, hq, d), bf16), kv, kv, _sds((batch, pps), i32),
+                        _sds((batch + 1,), i32), _sds((batch,), i32))
+                out.append(KernelConfig(f"flash_attention/{model}/prefill-{PREFILL_TOKENS}{tag}",
+                                        fn, args, dict(impl="pallas")))
     elif kernel == "quantized_matmul":
         formats = (("int8-channel", jnp.int8, (MATMUL_N,)),
                    (f"int8-g{GROUP}", jnp.int8, (MATMUL_K // GROUP, MATMUL_N)),
@@ -442,6 +447,16 @@ def kernel_configs(kernel: str, fn: Callable) -> list[KernelConfig]:
                         _sds(sshape, jnp.float32))
                 out.append(KernelConfig(f"quantized_matmul/{MATMUL_K}x{MATMUL_N}/{fmt}/M{m}", fn, args,
                                         dict(impl="pallas")))
+    elif kernel == "ggml_matmul":  # Llama-3-8B's w_down shape in each block format
+        for fmt in ("q4_0", "q4_1", "q8_0"):
+            q8 = fmt == "q8_0"
+            blocks = MATMUL_K // 32
+            qs = _sds((MATMUL_N, blocks, 32 if q8 else 16), jnp.int8 if q8 else jnp.uint8)
+            d = _sds((MATMUL_N, blocks), jnp.float16)
+            for m in (1, 256):
+                args = (_sds((m, MATMUL_K), bf16), qs, d, d if fmt == "q4_1" else None)
+                out.append(KernelConfig(f"ggml_matmul/{MATMUL_K}x{MATMUL_N}/{fmt}/M{m}", fn, args,
+                                        dict(fmt=fmt, impl="pallas")))
     else:
         raise KeyError(f"unknown kernel {kernel!r}; known: {KERNELS}")
     return out
@@ -476,7 +491,7 @@ def our_configs(kernels: Sequence[str], log: Callable[[str], None] = print
     Never raises for a broken kernel module."""
     configs, problems = [], []
     for k in kernels:
-        if not (REPO / "jaxserve.kernels.pallas" / f"{k}.py").exists():
+        if not (REPO / "jaxserve" / "kernels" / "pallas" / f"{k}.py").exists():
             log(f"skipped {k}: jaxserve/kernels/pallas/{k}.py does not exist (yet)")
             continue
         try:

@@ -30,3 +30,24 @@ def check_format(fmt: str) -> None:
 def unpack_nibbles(qs):
     """u8 [..., 16] -> u8 [..., 32]: each block's 32 4-bit quants, low nibbles first."""
     return jnp.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def dequantize_blocks(qs, d, m, fmt: str):
+    """f32 [out, in]: the blocks' elements as ggml's dequantize_row_* computes them (the
+    table above), bit for bit: one f32 product, and for q4_1 one f32 sum after it (never a
+    fused multiply-add: XLA:CPU does not contract them).
+
+    qs: u8 [out, in / 32, 16] (q4_0, q4_1) or i8 [out, in / 32, 32] (q8_0); d: f16
+    [out, in / 32]; m: f16 [out, in / 32] for q4_1, else None. Raises ValueError for an
+    unknown fmt."""
+    check_format(fmt)
+    d = jnp.asarray(d).astype(jnp.float32)[..., None]
+    if fmt == "q8_0":
+        x = jnp.asarray(qs).astype(jnp.float32) * d
+    else:
+        nib = unpack_nibbles(jnp.asarray(qs))
+        if fmt == "q4_0":
+            x = (nib.astype(jnp.int8) - 8).astype(jnp.float32) * d
+        else:
+            x = nib.astype(jnp.float32) * d + jnp.asarray(m).astype(jnp.float32)[..., None]
+    return x.reshape(x.shape[0], -1)

@@ -27,7 +27,8 @@ import numpy as np
 
 from jaxserve.kernels.cpu.ggml_matmul import COLS as PANEL_COLS
 from jaxserve.kernels.cpu.ggml_matmul import can_pack, pack, packed_fields
-from jaxserve.kernels.ggml_blocks import BLOCK, FORMATS, check_format, unpack_nibbles
+from jaxserve.kernels.ggml_blocks import (BLOCK, FORMATS, check_format, dequantize_blocks,
+                                          unpack_nibbles)
 from jaxserve.pytree import pytree_dataclass
 
 __all__ = ["BLOCK", "FORMATS", "GGUF_TYPES", "GGMLWeight", "block_fields", "check_format",
@@ -125,19 +126,8 @@ def block_fields(fmt: str) -> dict[str, tuple[int | None, str]]:
 
 def dequantize(w: GGMLWeight):
     """f32 [out, in]: each element as ggml's dequantize_row_* computes it (module
-    docstring), bit for bit: one f32 product, and for q4_1 one f32 sum after it (never a
-    fused multiply-add: XLA:CPU does not contract them)."""
-    check_format(w.fmt)
-    d = jnp.asarray(w.d).astype(jnp.float32)[..., None]
-    if w.fmt == "q8_0":
-        x = jnp.asarray(w.qs).astype(jnp.float32) * d
-    else:
-        nib = unpack_nibbles(jnp.asarray(w.qs))
-        if w.fmt == "q4_0":
-            x = (nib.astype(jnp.int8) - 8).astype(jnp.float32) * d
-        else:
-            x = nib.astype(jnp.float32) * d + jnp.asarray(w.m).astype(jnp.float32)[..., None]
-    return x.reshape(x.shape[0], -1)
+    docstring), bit for bit (jaxserve.kernels.ggml_blocks.dequantize_blocks)."""
+    return dequantize_blocks(w.qs, w.d, w.m, w.fmt)
 
 
 def dequantize_rows(w: GGMLWeight, ids):

@@ -183,8 +183,9 @@ class PallasMatmul(Matmul):
     """Quantised weights in the Pallas kernels of jaxserve/kernels/pallas: the Triton one
     (quantized_matmul) or, with `mosaic`, the Mosaic GPU one for Hopper
     (quantized_matmul_mosaic) wherever it takes the shapes and dtypes, the Triton one
-    elsewhere (f32 activations, widths not a multiple of 64). interpret: in the backend's
-    interpret mode, on CPU, for tests."""
+    elsewhere (f32 activations, widths not a multiple of 64); GGML blocks (GGUF, GPTQ, AWQ,
+    compressed-tensors) in the Triton ggml_matmul. interpret: in the backend's interpret
+    mode, on CPU, for tests."""
 
     interpret: bool = False
     mosaic: bool = False
@@ -192,6 +193,15 @@ class PallasMatmul(Matmul):
     @property
     def name(self) -> str:
         return pallas_impl(self.mosaic, self.interpret)
+
+    def _ggml(self, x2, w):
+        """GGML blocks (not packed for the CPU) in the Pallas (Triton) kernel
+        jaxserve.kernels.pallas.ggml_matmul, unpacked in registers; f32 out."""
+        if w.packed:
+            return super()._ggml(x2, w)
+        from jaxserve.kernels.pallas.ggml_matmul import ggml_matmul
+        return ggml_matmul(x2, w.qs, w.d, w.m, w.fmt, out_dtype=jnp.float32,
+                           impl=pallas_impl(False, self.interpret))
 
     def _quantized(self, x2, w2, scales):
         from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul

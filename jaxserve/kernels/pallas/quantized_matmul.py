@@ -138,7 +138,7 @@ def finish_split_k(partials: jax.Array, scales: jax.Array, group_size: int | Non
     return total.astype(dtype)
 
 
-def _default_splits(m: int, n: int, k_blocks: int, block_n: int) -> int:
+def default_splits(m: int, n: int, k_blocks: int, block_n: int) -> int:
     """Split-K ranges for M <= 64 (decode): the largest power of two keeping >=
     MIN_BLOCKS_PER_SPLIT K blocks per range and <= TARGET_PROGRAMS programs over the N tiles (1 for larger M, whose M
     tiles give the grid its size, and where partials would cost M x N x 4 bytes each)."""
@@ -222,7 +222,7 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     (about f32 accuracy), a plain f32 dot in interpret mode.
     block_m / block_n / block_k: power-of-two tiles >= 16 (defaults from the shapes; with
     groups block_k must divide g). splits: K ranges reduced in f32 outside the kernel
-    (split-K; default: `_default_splits`, > 1 only for M <= 64). impl: "pallas" (GPU) or
+    (split-K; default: `default_splits`, > 1 only for M <= 64). impl: "pallas" (GPU) or
     "pallas_interpret" (CPU).
     Raises ValueError for bad shapes, dtypes, scales, blocks or impl.
     Source: W8A16 weight-only quantised GEMM (vLLM / TensorRT-LLM), Triton's tiled matmul.
@@ -244,7 +244,7 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     check(fn, group is None or group % block_k == 0,
           f"block_k must divide the group size {group}, got {block_k}")
     k_blocks = cdiv(k, block_k)
-    splits = _default_splits(m, n, k_blocks, block_n) if splits is None else splits
+    splits = default_splits(m, n, k_blocks, block_n) if splits is None else splits
     check(fn, isinstance(splits, int) and 1 <= splits <= k_blocks,
           f"splits must be in [1, cdiv(in_features, block_k) = {k_blocks}], got {splits}")
     return _qmm_call(x, w_q, scales, block_m=block_m, block_n=block_n, block_k=block_k,
