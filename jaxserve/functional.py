@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import init_kv_cache
+from jaxserve.model.layer_loop import StackedLayers
 from jaxserve.model.params import Params
 from jaxserve.model.inputs import StepBatch, next_decode_batch
 from jaxserve.model.transformer import (Kernels, compute_logits, forward)
@@ -53,14 +54,15 @@ def _prefill_batch(tokens: jax.Array, lengths: jax.Array, tables: jax.Array) -> 
 
 
 def _page_pool(cfg: ModelConfig, B: int, num_tokens: int, kernels: Kernels,
-               kv_dtype: str | None = None):
+               kv_dtype: str | None = None, stacked: bool = False):
     """(block tables [B, pages] int32, zeroed KV pool of kv_dtype values, None: the
     model's dtype): each of B sequences its own pages for num_tokens tokens, in order;
-    page 0 is the null page."""
+    page 0 is the null page. stacked: the pool of params whose layers run as a loop
+    (jaxserve.model.layer_loop.StackedLayers, as an engine's may)."""
     pages = -(-num_tokens // PAGE_SIZE)
     tables = (1 + jnp.arange(B * pages, dtype=jnp.int32)).reshape(B, pages)
     cache = init_kv_cache(cfg, 1 + B * pages, PAGE_SIZE, kv_dtype or cfg.dtype, None,
-                          kernels.attention.kv_layout)
+                          kernels.attention.kv_layout, stacked=stacked)
     return tables, cache
 
 
@@ -98,7 +100,8 @@ def generate(params: Params, cfg: ModelConfig, prompt_tokens: jax.Array,
     """
     _check(prompt_tokens, prompt_lengths, max_new_tokens)
     B, P = prompt_tokens.shape
-    tables, cache = _page_pool(cfg, B, P + max_new_tokens, kernels)
+    tables, cache = _page_pool(cfg, B, P + max_new_tokens, kernels,
+                               stacked=isinstance(params.layers, StackedLayers))
     lengths = prompt_lengths.astype(jnp.int32)
     seeds = jax.vmap(lambda b: jax.random.bits(jax.random.fold_in(key, b), (2,), jnp.uint32))(
         jnp.arange(B))
@@ -146,7 +149,8 @@ def logits(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arr
     mismatched shapes (at trace time)."""
     _check(tokens, lengths, 1)
     B, L = tokens.shape
-    tables, cache = _page_pool(cfg, B, L, kernels, kv_dtype)
+    tables, cache = _page_pool(cfg, B, L, kernels, kv_dtype,
+                               stacked=isinstance(params.layers, StackedLayers))
     lengths = lengths.astype(jnp.int32)
     batch = _prefill_batch(tokens.astype(jnp.int32), lengths, tables)
     hidden, _ = forward(params, cache, batch, cfg, None, kernels)  # [B * L, D] packed

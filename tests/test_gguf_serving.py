@@ -250,13 +250,16 @@ def test_real_model_cpp_kernel_on_blocks_keeps_the_float_models_distributions(
     weights exactly: only x's rounding and bf16 K/V differ)."""
     import jaxserve
     from jaxserve import SamplingParams
+    from jaxserve.model.layer_loop import StackedLayers
     from jaxserve.model.weight_layouts import FusedWeight
     llm = jaxserve.LLM("smollm2_135m", model=smollm2_gguf, quantization="gguf", warmup=False,
                        cache_dir=cache_dir, max_num_seqs=8)
-    lp = llm.engine.runner.params
-    assert isinstance(lp.layers[0].wq, FusedWeight) and lp.layers[0].wk is None
+    params = llm.engine.runner.params
+    assert isinstance(params.layers, StackedLayers)  # the 30 layers run as a loop
+    lp = params.layers.layers  # each leaf [30, ...]
+    assert isinstance(lp.wq, FusedWeight) and lp.wk is None
     assert all(isinstance(w, GGMLWeight) and w.packed
-               for w in (lp.embed, lp.layers[0].wq.w, lp.layers[0].w_gate.w, lp.layers[0].w_down))
+               for w in (params.embed, lp.wq.w, lp.w_gate.w, lp.w_down))
     got = [c.token_ids for c in llm.generate(NEXT_TOKEN_PROMPTS,
                                              SamplingParams(max_tokens=1, temperature=0.0))]
     assert got == float_outputs[0]

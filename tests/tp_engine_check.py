@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 
+from jaxserve.model.layer_loop import StackedLayers
 from jaxserve.api import LLM
 from jaxserve.engine.builder import resolve_model_config
 from jaxserve.checkpoint import load_params
@@ -49,7 +50,10 @@ def main(cache_dir: str) -> None:
         runner = llm.engine.runner
         out["tokens"][name] = [c.token_ids for c in got]
         layers = runner.params.layers
-        layer0 = layers.layers[0] if pp > 1 else layers[0]  # a stage-stacked pipeline's
+        if isinstance(layers, StackedLayers):  # one device's layer loop: leaves [L, ...]
+            layer0 = layers.layers
+        else:
+            layer0 = layers.layers[0] if pp > 1 else layers[0]  # a stage-stacked pipeline's
         out["wq"][name] = str(getattr(layer0.wq.sharding, "spec", None))
         out["kv"][name] = str(getattr(runner.cache.k[0].sharding, "spec", None))
         out["attention"][name] = runner.kernels.attention.name

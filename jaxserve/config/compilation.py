@@ -29,9 +29,18 @@ class CompilationConfig:
     page_buckets: tuple[int, ...] | None = None
     """Block-table pages per sequence (up to max_model_len / page_size), for attention
     implementations whose cost grows with them (jaxserve.worker.compilation)."""
+    layer_loop: bool | None = None
+    """Run the decoder layers as one loop over their weights stacked [L, ...]
+    (jaxserve.model.layer_loop): each compiled step holds one layer's code instead of
+    num_layers' (XLA:CPU keeps ~17 MB of kernels per SmolLM2 step shape unrolled) and
+    compiles several times faster. None ("auto"): on where the C++ CPU kernels run the
+    attention on one device and the layers stack (the same weight types and shapes);
+    True: on, or a ConfigError saying why it cannot be; False: unrolled."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
+            if f.name == "layer_loop":
+                continue
             b = getattr(self, f.name)
             if b is not None:
                 b = tuple(sorted(int(x) for x in b))

@@ -29,7 +29,8 @@ from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead, load_head
 from jaxserve.tokenization.tokenizer import Tokenizer, placeholder_tokenizer
 from jaxserve.worker import compile_events
-from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config, select_kernels
+from jaxserve.worker.kernel_selection import (loop_layers, prepare_params, resolve_kernel_config,
+                                              select_kernels)
 from jaxserve.worker.device_memory import device_available_bytes, memory_name
 from jaxserve.worker.memory_plan import check_fits, plan_memory
 from jaxserve.worker.runner import Runner
@@ -119,8 +120,12 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     if config.parallel.pipeline_parallel_size > 1:  # loaded on their stages: stack them
         params = stage_params(params, rules, config.parallel.microbatches,
                               config.parallel.pipeline_decode_microbatches, donate=True)
+    # the layers as one loop over their stacked weights, where it runs (one device, C++ kernels)
+    params, looped = loop_layers(params, ecfg.compilation.layer_loop, kernels,
+                                 config.parallel.num_devices)
     # the drafter's pool has the same pages: one page costs both (the plan counts it so)
-    cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout)
+    cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout,
+                          stacked=looped)
     draft = make_draft(num_pages) if make_draft else None
     runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft)
     engine = Engine(model_cfg, ecfg, runner, tokenizer)

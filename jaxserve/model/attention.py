@@ -89,7 +89,8 @@ class Attention:
                                  query_start=query_start, positions=positions, decode=decode)
 
     def __call__(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                 meta: AttentionMetadata, layout: str = "token_major") -> jax.Array:
+                 meta: AttentionMetadata, layout: str = "token_major",
+                 layer: Any = None) -> jax.Array:
         """Attention of a flat ragged batch of new queries over one layer's paged K/V.
 
         q: [T, H, Dh]; k_pages, v_pages: the pool (this step's K/V already written) in
@@ -97,15 +98,22 @@ class Attention:
         [K, num_pages, page_size, Dh] (jaxserve.model.kv_cache), f32, bf16, or uint16 holding
         bf16 bits; returns [T, H, Dh] in q.dtype (rows outside every sequence: 0, or for
         XLA a harmless finite value). Scale 1/sqrt(Dh), softmax in f32. GQA: the H query
-        heads are grouped as [K, H // K]; K/V are never repeated in memory. Raises
-        ValueError for a layout this implementation cannot read."""
+        heads are grouped as [K, H // K]; K/V are never repeated in memory. layer: None,
+        or the int32 index of the layer to read of stacked pools [L, ...] (the layer
+        loop: the C++ kernel reads it in place, the others a slice). Raises ValueError
+        for a layout this implementation cannot read."""
         if layout not in self.layouts:
             raise ValueError(f"attention impl {self.name!r} reads only the "
                              f"{' or '.join(self.layouts)} KV layout, got {layout!r}")
-        return self._attend(q, k_pages, v_pages, meta, layout)
+        return self._attend(q, k_pages, v_pages, meta, layout, layer)
 
-    def _attend(self, q, k_pages, v_pages, meta, layout):
+    def _attend(self, q, k_pages, v_pages, meta, layout, layer=None):
         raise NotImplementedError
+
+
+def _layer_of(pool: jax.Array, layer: Any) -> jax.Array:
+    """One layer's pool of a stacked one (a slice), or the pool itself (layer None)."""
+    return pool if layer is None else jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +140,9 @@ class XlaAttention(Attention):
         limit = jnp.where(inside, jnp.minimum(seq_lens[seq], positions + 1), 0)
         return dataclasses.replace(meta, row_seq=seq, row_limit=limit.astype(jnp.int32))
 
-    def _attend(self, q, k_pages, v_pages, meta, layout):
-        return _chunked_attention_xla(q, k_pages, v_pages, meta, layout)
+    def _attend(self, q, k_pages, v_pages, meta, layout, layer=None):
+        return _chunked_attention_xla(q, _layer_of(k_pages, layer), _layer_of(v_pages, layer),
+                                      meta, layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +156,10 @@ class CpuAttention(Attention):
     layouts = ("head_major",)
     pads_pages = False  # reads each sequence's pages up to its seq_len only
 
-    def _attend(self, q, k_pages, v_pages, meta, layout):
+    def _attend(self, q, k_pages, v_pages, meta, layout, layer=None):
         from jaxserve.kernels.cpu.paged_attention import paged_attention as cpu_paged_attention
         out = cpu_paged_attention(q.astype(jnp.float32), k_pages, v_pages, meta.block_tables,
-                                  meta.seq_lens, meta.query_start, meta.positions)
+                                  meta.seq_lens, meta.query_start, meta.positions, layer=layer)
         return out.astype(q.dtype)
 
 
@@ -174,9 +183,10 @@ class PallasAttention(Attention):
     def name(self) -> str:
         return pallas_impl(self.mosaic, self.interpret)
 
-    def _attend(self, q, k_pages, v_pages, meta, layout):
+    def _attend(self, q, k_pages, v_pages, meta, layout, layer=None):
         # bf16 / fp8 bits as their values (fp8: scale 1); int8 rows carry their scales
-        k_pages, v_pages = kv_values(k_pages), kv_values(v_pages)
+        k_pages = kv_values(_layer_of(k_pages, layer))
+        v_pages = kv_values(_layer_of(v_pages, layer))
         if self.mosaic:
             from jaxserve.kernels.pallas.attention_mosaic import mosaic_attention_supports
             _, page_size, kv_heads, _ = k_pages.shape
@@ -211,10 +221,11 @@ def make_metadata(block_tables: jax.Array, seq_lens: jax.Array, query_start: jax
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     meta: AttentionMetadata, impl: "str | Attention" = "xla",
-                    layout: str = "token_major") -> jax.Array:
-    """`attention_backend(impl)(q, k_pages, v_pages, meta, layout)` (see Attention.__call__).
-    Raises ValueError for an unknown `impl` or a layout it cannot read."""
-    return attention_backend(impl)(q, k_pages, v_pages, meta, layout)
+                    layout: str = "token_major", layer: Any = None) -> jax.Array:
+    """`attention_backend(impl)(q, k_pages, v_pages, meta, layout, layer)` (see
+    Attention.__call__). Raises ValueError for an unknown `impl` or a layout it cannot
+    read."""
+    return attention_backend(impl)(q, k_pages, v_pages, meta, layout, layer)
 
 
 def _paged_attention_pallas(q, k_pages, v_pages, meta: AttentionMetadata, impl: str) -> jax.Array:

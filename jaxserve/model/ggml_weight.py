@@ -49,7 +49,8 @@ class GGMLWeight:
     logical_shape: None, or the shape of the float weight the blocks stand for in the
     model's layout (jaxserve.model.params): a projection's [*in, *out] (its `out` rows are
     prod(*out), its `in` columns prod(*in)); an embedding's or LM head's [vocab, embed]
-    (vocab-major, as stored). Under tensor parallelism a device's blocks are part of it."""
+    (vocab-major, as stored). Under tensor parallelism a device's blocks are part of it.
+    (Fields stacked [L, ...] over layers: jaxserve.model.layer_loop.)"""
 
     qs: Any
     d: Any
@@ -66,8 +67,8 @@ class GGMLWeight:
     @property
     def matrix_shape(self) -> tuple[int, int]:
         """(out, in): the matrix these arrays hold."""
-        rows = int(self.qs.shape[0]) * (PANEL_COLS if self.packed else 1)
-        return rows, int(self.qs.shape[1]) * BLOCK
+        rows = int(self.qs.shape[-3]) * (PANEL_COLS if self.packed else 1)
+        return rows, int(self.qs.shape[-2]) * BLOCK
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -46,26 +46,31 @@ KV_LAYOUTS = ("token_major", "head_major")
 _HEAD_MAJOR_AXES = ("kv_heads", "pages", "page_slots", "head_dim")
 
 
-@pytree_dataclass(meta=("layout",))
+@pytree_dataclass(meta=("layout", "stacked"))
 class KVCache:
     """k, v: tuples (one per layer) of pool arrays in `layout` (see module docstring); a
-    pipeline's pool holds one stage-stacked array [PP, ...] per stage-local layer."""
+    pipeline's pool holds one stage-stacked array [PP, ...] per stage-local layer; with
+    `stacked` (a loop over the layers, jaxserve.model.layer_loop) k and v hold one array
+    each, every layer's pool stacked [L, ...], written and read at the loop's layer."""
 
     k: tuple
     v: tuple
     layout: str = "token_major"
+    stacked: bool = False
 
     @property
     def staged(self) -> bool:
-        return self.k[0].ndim == 5
+        return not self.stacked and self.k[0].ndim == 5
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[(1 if self.layout == "head_major" else 0) + self.staged]
+        lead = self.staged or self.stacked
+        return self.k[0].shape[(1 if self.layout == "head_major" else 0) + lead]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[(2 if self.layout == "head_major" else 1) + self.staged]
+        lead = self.staged or self.stacked
+        return self.k[0].shape[(2 if self.layout == "head_major" else 1) + lead]
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -122,12 +127,13 @@ def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: Any, budget_by
 
 def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
                       rules: ShardingRules | None = None,
-                      layout: str = "token_major") -> KVCache:
+                      layout: str = "token_major", stacked: bool = False) -> KVCache:
     """ShapeDtypeStructs of the pool (allocates nothing), in `storage_dtype(dtype)`: one
     array per layer; on a mesh with pipeline stages (a `stage` axis of PP devices), one
     per stage-local layer, Lp = ceil(num_layers / PP) arrays of [PP, ...] split over
-    `stage` (jaxserve.model.pipeline). Raises ValueError for an unknown `layout` (one of
-    KV_LAYOUTS)."""
+    `stage` (jaxserve.model.pipeline); `stacked` (one device: a loop over the layers):
+    one array [num_layers, ...] for K and one for V. Raises ValueError for an unknown
+    `layout` (one of KV_LAYOUTS), or `stacked` on a mesh."""
     stages = rules.size("stages") if rules is not None else 1
     axes = kv_axes(layout, staged=stages > 1)
     stored = storage_dtype(dtype)
@@ -136,16 +142,23 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: A
     shape = tuple(dims[a] for a in axes)
     sharding = rules.sharding(axes, shape) if rules is not None else None
     one = jax.ShapeDtypeStruct(shape, stored, sharding=sharding)
+    if stacked:
+        if rules is not None:
+            raise ValueError("a stacked KV pool (the layer loop) is for one device, without a mesh")
+        whole = jax.ShapeDtypeStruct((cfg.num_layers, *shape), stored)
+        return KVCache(k=(whole,), v=(whole,), layout=layout, stacked=True)
     n = layers_per_stage(cfg.num_layers, stages)
     return KVCache(k=(one,) * n, v=(one,) * n, layout=layout)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
-                  rules: ShardingRules | None = None, layout: str = "token_major") -> KVCache:
+                  rules: ShardingRules | None = None, layout: str = "token_major",
+                  stacked: bool = False) -> KVCache:
     """Zeroed pool: 2 * num_layers buffers of num_pages pages of page_size tokens, in
     `layout` ("token_major" or "head_major", see module docstring), holding `dtype` values
-    (stored as `storage_dtype(dtype)`; an int8 pool's rows head_dim + 4 wide, scales 0)."""
-    abstract = abstract_kv_cache(cfg, num_pages, page_size, dtype, rules, layout)
+    (stored as `storage_dtype(dtype)`; an int8 pool's rows head_dim + 4 wide, scales 0);
+    `stacked`: the layers' buffers as one [num_layers, ...] array for K and one for V."""
+    abstract = abstract_kv_cache(cfg, num_pages, page_size, dtype, rules, layout, stacked)
 
     def zeros(s):
         if s.sharding is None:
@@ -156,7 +169,7 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any,
 
 
 def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
-             layout: str = "token_major") -> jax.Array:
+             layout: str = "token_major", layer: Any = None) -> jax.Array:
     """Scatter new K (or V) into the pool.
 
     pages: one layer's pool in `layout` ([num_pages, page_size, K, W] token-major or
@@ -165,8 +178,9 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
     (padding -> slots of the null page). `new` is cast to the pool's value dtype (a uint16
     pool: rounded to bf16, its bits stored; a uint8 pool: clipped to +-448, rounded to fp8
     e4m3fn, its bits stored; an int8 pool: each row quantised with its own scale,
-    jaxserve.kernels.common.quantize_kv_int8). Returns the updated pool (in place when the
-    pool is donated).
+    jaxserve.kernels.common.quantize_kv_int8). layer: None, or the int32 index of the
+    layer to write of a stacked pool [L, ...] (the layer loop). Returns the updated pool
+    (in place when the pool is donated).
     """
     # Index (page, offset) directly: scattering into a reshaped [n * ps, K, Dh] view made
     # XLA:CPU copy the whole pool every step once the pool was also read.
@@ -181,8 +195,16 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
     rows = rows.astype(values)  # (int8 rows are int8 already)
     if values != pages.dtype:  # stored as bits
         rows = jax.lax.bitcast_convert_type(rows, pages.dtype)
+    if layer is None:
+        if layout == "head_major":
+            ps = pages.shape[2]
+            return pages.at[:, slots // ps, slots % ps].set(rows.transpose(1, 0, 2), mode="drop")
+        ps = pages.shape[1]
+        return pages.at[slots // ps, slots % ps].set(rows, mode="drop")
+    # a stacked pool at `layer` (numpy's rule: the layer index and the slots' indices are
+    # not adjacent in the head-major index, so the update is [T, K, W] there too)
     if layout == "head_major":
-        ps = pages.shape[2]
-        return pages.at[:, slots // ps, slots % ps].set(rows.transpose(1, 0, 2), mode="drop")
-    ps = pages.shape[1]
-    return pages.at[slots // ps, slots % ps].set(rows, mode="drop")
+        ps = pages.shape[3]
+        return pages.at[layer, :, slots // ps, slots % ps].set(rows, mode="drop")
+    ps = pages.shape[2]
+    return pages.at[layer, slots // ps, slots % ps].set(rows, mode="drop")

@@ -48,7 +48,8 @@ def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
     count; from w.round_x_min_rows rows x rounded to bf16, bf16 dot products)."""
     from jaxserve.kernels.cpu.bf16_matmul import bf16_matmul as cpu_bf16_matmul
     round_x = w.round_x_min_rows is not None and x2.shape[0] >= w.round_x_min_rows
-    return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16, round_x=round_x)
+    return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16, round_x=round_x,
+                           layer=getattr(w, "layer", None))
 
 
 def _out_shape(logical: tuple[int, ...], cols: int) -> tuple[int, ...]:
@@ -148,7 +149,8 @@ class Matmul:
         plain-jnp reference (dequantise, f32 matmul)."""
         if w.packed:
             from jaxserve.kernels.cpu.ggml_matmul import ggml_matmul
-            return ggml_matmul(x2.astype(jnp.float32), w.qs, w.fmt)
+            return ggml_matmul(x2.astype(jnp.float32), w.qs, w.fmt,
+                               layer=getattr(w, "layer", None))
         return ggml_matmul_reference(x2, w)
 
     def _quantized(self, x2: jax.Array, w2: jax.Array, scales: jax.Array) -> jax.Array:

@@ -26,6 +26,7 @@ from jaxserve.model.kv_cache import KVCache, write_kv
 from jaxserve.model.attention import Attention, AttentionMetadata, attention_backend
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from jaxserve.model import pipeline
+from jaxserve.model.layer_loop import StackedLayers, layer_view
 from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.params import EMBED_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.model.linear import Matmul, matmul_backend
@@ -37,10 +38,11 @@ ACT_AXES = ("tokens", "embed")
 
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,
                      meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels,
-                     layout: str, reduce_heads: str | None = None):
+                     layout: str, reduce_heads: str | None = None, layer=None):
     """Attention with its residual input x [T, D] -> (output [T, D], K pool, V pool).
     reduce_heads: the mesh axis to psum wo's partial sums over (inside shard_map, the
-    heads split), else None."""
+    heads split), else None. layer: None, or the int32 layer index into stacked pools
+    (the layer loop)."""
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     q, k, v = kernels.matmul.project(h, (lp.wq, lp.wk, lp.wv))  # [T, H | K | K, Dh]
     if lp.bq is not None:
@@ -48,9 +50,9 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mappin
     q = constrain(rules, apply_rope(q, cos, sin), ("tokens", "q_heads", "head_dim"))
     k = constrain(rules, apply_rope(k, cos, sin), ("tokens", "kv_heads", "head_dim"))
     v = constrain(rules, v, ("tokens", "kv_heads", "head_dim"))
-    k_pages = write_kv(k_pages, k, slot_mapping, layout)
-    v_pages = write_kv(v_pages, v, slot_mapping, layout)
-    attn = kernels.attention(q, k_pages, v_pages, meta, layout)
+    k_pages = write_kv(k_pages, k, slot_mapping, layout, layer)
+    v_pages = write_kv(v_pages, v, slot_mapping, layout, layer)
+    attn = kernels.attention(q, k_pages, v_pages, meta, layout, layer)
     out = kernels.matmul.dense(attn, lp.wo, 2)  # [T, D]
     if reduce_heads is not None:
         out = jax.lax.psum(out, reduce_heads)
@@ -115,7 +117,13 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
     its own heads, MLP columns and KV pool shard, with a psum after wo and w_down where
     their inputs are split (x in and out replicated). Stage-stacked layers
     (jaxserve.model.pipeline.StagedLayers) run as a pipeline over the `stage` mesh axis,
-    each stage running its layers on its own tensor-parallel group as above."""
+    each stage running its layers on its own tensor-parallel group as above.
+    StackedLayers (one device, jaxserve.model.layer_loop) run as a loop over the stack,
+    with the cache's stacked pools."""
+    if isinstance(layers, StackedLayers):
+        if rules is not None and (tp.tp_axis(rules) is not None or pipeline.num_stages(rules) > 1):
+            raise ValueError("the layer loop runs on one device: no tensor or pipeline mesh")
+        return _looped_layers(x, layers, cache, batch, cfg, rules, kernels)
     if isinstance(layers, pipeline.StagedLayers):
         def local(x, lps, pool, b, reduce_heads, reduce_mlp):
             return _decoder_layers(x, lps, pool, b, cfg, None, kernels, reduce_heads, reduce_mlp)
@@ -132,6 +140,33 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
     rep = tp.REPLICATED
     return jax.shard_map(local, mesh=rules.mesh, in_specs=(rep, layer_specs, kv_specs, rep),
                          out_specs=(rep, kv_specs), check_vma=False)(x, tuple(layers), cache, batch)
+
+
+def _looped_layers(x, layers: StackedLayers, cache: KVCache, batch: StepBatch,
+                   cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
+    """The decoder layers as a fori_loop over `layers`' stack and the cache's stacked
+    pools (KVCache.stacked), carried through the loop and updated in place."""
+    if not cache.stacked:
+        raise ValueError("stacked layers need a stacked KV pool (init_kv_cache(stacked=True))")
+    cos, sin = rope_tables(batch.positions, cfg)
+    meta = kernels.attention.metadata(batch.block_tables, batch.seq_lens, batch.query_start,
+                                      batch.positions, cache.page_size, batch.decode)
+
+    def body(i, carry):
+        x, k_pool, v_pool = carry
+        lp = layer_view(layers, i)
+        a, k_pool, v_pool = _attention_block(x, lp, k_pool, v_pool, cos, sin,
+                                             batch.slot_mapping, meta, cfg, rules, kernels,
+                                             cache.layout, layer=i)
+        x = x + a
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        x = constrain(rules, x + swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules,
+                                            kernels.matmul), ACT_AXES)
+        return x, k_pool, v_pool
+
+    x, k_pool, v_pool = jax.lax.fori_loop(0, layers.num_layers, body,
+                                          (x, cache.k[0], cache.v[0]))
+    return x, KVCache(k=(k_pool,), v=(v_pool,), layout=cache.layout, stacked=True)
 
 
 def _decoder_layers(x, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,

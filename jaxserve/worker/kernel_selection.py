@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 from jaxserve.config import ConfigError, KernelConfig, resolve_attention_impl, resolve_impl
+from jaxserve.model.layer_loop import slices_projections, stack_layers, why_not_loop
 from jaxserve.model.params import Params
 from jaxserve.model.weight_layouts import dual_precision_params, pack_ggml_params, quantize_params
 from jaxserve.model.tensor_parallel import shard_params, tp_axis
@@ -123,6 +124,32 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
             round_x = None
     return Kernels(attention=attention, matmul=matmul, sampling=sampling,
                    round_x_min_rows=round_x if matmul == "cpu" else None)
+
+
+def loop_layers(params: Params, setting: bool | None, kernels: Kernels,
+                num_devices: int) -> tuple[Params, bool]:
+    """(params, whether the layers run as a loop): with CompilationConfig.layer_loop None
+    ("auto"), params' layers stacked (jaxserve.model.layer_loop) where the C++ attention
+    kernel runs on one device, the layers stack and every projection is a packed C++
+    kernel weight (read at the layer in place; another would be copied out of the stack
+    every step); True: stacked wherever it can run, or ConfigError naming why not (a mesh,
+    another attention, layers that do not stack); False: unchanged. The engine then
+    allocates a stacked KV pool (init_kv_cache stacked)."""
+    if setting is False:
+        return params, False
+    reason = why_not_loop(params.layers)
+    if reason is None and setting is None and slices_projections(params.layers) is not None:
+        return params, False  # auto: not where the loop would copy weights every step
+    if num_devices > 1:
+        reason = f"{num_devices} devices (the loop runs on one, without a mesh)"
+    elif kernels.attention.name != "cpu":
+        reason = (f"attention {kernels.attention.name!r} (the loop reads the stacked KV pool "
+                  "in place only through the C++ kernel)")
+    if reason is not None:
+        if setting:
+            raise ConfigError(f"CompilationConfig.layer_loop=True: {reason}")
+        return params, False
+    return dataclasses.replace(params, layers=stack_layers(params.layers)), True
 
 
 def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
