@@ -173,6 +173,7 @@ SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "--max-request-body-bytes", "--max-queued-requests", "--request-timeout",
     "--max-stream-buffer-bytes", "--max-stop-strings", "--max-stop-string-len",
     "--shutdown-timeout", "--allowed-origins",
+    "--malloc-arena-max",  # added with the layer loop's memory measurements (session 15)
 }
 BATCH_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "-i", "--input-file", "-o", "--output-file", "--config", "--cache-dir",
