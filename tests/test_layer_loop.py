@@ -121,6 +121,18 @@ def test_layer_view_keeps_packed_kernel_weights_stacked(cpu_kernels_library):
     np.testing.assert_array_equal(np.asarray(lp.mlp_norm), np.asarray(params.layers[1].mlp_norm))
 
 
+def test_stacking_with_donate_frees_the_packed_per_layer_arrays(cpu_kernels_library):
+    """donate (the engine's build): each packed weight's per-layer arrays are deleted once
+    stacked, so the weights are not held twice; the other leaves are left alone; the stack
+    holds each layer's values."""
+    params = dual_precision_params(init_params(CFG, jax.random.key(8), scale=0.3), 1, packed=True)
+    want = np.asarray(params.layers[2].w_down.w_bf16)
+    stacked = stack_layers(params.layers, donate=True)
+    assert all(lp.w_down.w_bf16.is_deleted() for lp in params.layers)
+    assert not any(lp.mlp_norm.is_deleted() for lp in params.layers)
+    np.testing.assert_array_equal(np.asarray(stacked.layers.w_down.w_bf16[2]), want)
+
+
 def test_why_not_loop_names_the_reason():
     params = init_params(CFG, jax.random.key(5), scale=0.3)
     assert why_not_loop(params.layers) is None

@@ -122,7 +122,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
                               config.parallel.pipeline_decode_microbatches, donate=True)
     # the layers as one loop over their stacked weights, where it runs (one device, C++ kernels)
     params, looped = loop_layers(params, ecfg.compilation.layer_loop, kernels,
-                                 config.parallel.num_devices)
+                                 config.parallel.num_devices, donate=True)
     # the drafter's pool has the same pages: one page costs both (the plan counts it so)
     cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout,
                           stacked=looped)

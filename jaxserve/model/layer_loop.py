@@ -103,14 +103,31 @@ def slices_projections(layers: tuple) -> str | None:
     return None
 
 
-def stack_layers(layers: tuple) -> StackedLayers:
+def stack_layers(layers: tuple, donate: bool = False) -> StackedLayers:
     """`layers` (a tuple of LayerParams of one structure: `why_not_loop` None) as
-    StackedLayers, each leaf stacked [L, ...] (a copy: the caller drops the tuple). Raises
-    ValueError with why_not_loop's reason otherwise."""
+    StackedLayers, each leaf stacked [L, ...] (a copy), leaf after leaf. donate: delete the
+    packed kernel weights' per-layer arrays once each is stacked (the engine's: it made
+    them when it packed the weights, and keeps only the stack), so stacking holds the
+    weights once plus one leaf, not twice. Raises ValueError with why_not_loop's reason
+    otherwise."""
     reason = why_not_loop(layers)
     if reason is not None:
         raise ValueError(f"the layers cannot run as a loop: {reason}")
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+    def stack(*ws):
+        if not _indexed(ws[0]):
+            return jax.tree.map(lambda *xs: jnp.stack(xs), *ws)
+
+        def field(*xs):
+            out = jax.block_until_ready(jnp.stack(xs))
+            if donate:
+                for x in xs:
+                    x.delete()
+            return out
+        return jax.tree.map(field, *ws)
+
+    is_weight = lambda x: isinstance(x, (GGMLWeight, DualPrecisionWeight))  # noqa: E731
+    stacked = jax.tree.map(stack, *layers, is_leaf=is_weight)
     return StackedLayers(layers=stacked, num_layers=len(layers))
 
 

@@ -127,14 +127,15 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
 
 
 def loop_layers(params: Params, setting: bool | None, kernels: Kernels,
-                num_devices: int) -> tuple[Params, bool]:
+                num_devices: int, donate: bool = False) -> tuple[Params, bool]:
     """(params, whether the layers run as a loop): with CompilationConfig.layer_loop None
     ("auto"), params' layers stacked (jaxserve.model.layer_loop) where the C++ attention
     kernel runs on one device, the layers stack and every projection is a packed C++
     kernel weight (read at the layer in place; another would be copied out of the stack
     every step); True: stacked wherever it can run, or ConfigError naming why not (a mesh,
     another attention, layers that do not stack); False: unchanged. The engine then
-    allocates a stacked KV pool (init_kv_cache stacked)."""
+    allocates a stacked KV pool (init_kv_cache stacked). donate: stack_layers' (the
+    engine's packed weights, deleted layer by layer as they are stacked)."""
     if setting is False:
         return params, False
     reason = why_not_loop(params.layers)
@@ -149,7 +150,7 @@ def loop_layers(params: Params, setting: bool | None, kernels: Kernels,
         if setting:
             raise ConfigError(f"CompilationConfig.layer_loop=True: {reason}")
         return params, False
-    return dataclasses.replace(params, layers=stack_layers(params.layers)), True
+    return dataclasses.replace(params, layers=stack_layers(params.layers, donate)), True
 
 
 def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
