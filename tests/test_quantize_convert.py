@@ -25,27 +25,34 @@ def tiny_dir(tmp_path_factory):
                        tmp_path_factory.mktemp("tiny") / "hf", max_shard_size=None)
 
 
-def _round_to_nearest_bound(x: np.ndarray, fmt: str) -> np.ndarray:
+def _round_to_nearest_bound(x: np.ndarray, fmt: str, group: int = 32) -> np.ndarray:
     """How far each element of x [out, in] may land from its value after llama.cpp's
-    quantiser: half a step of its block, plus the f16 rounding of the stored d (and m),
-    which the quants were computed without (<= 2^-11 relative, times the largest quant)."""
-    b = x.reshape(x.shape[0], -1, 32).astype(np.float64)
+    quantiser: half a step of its block (q4_1: of its group of `group` inputs, the last
+    one possibly shorter), plus the f16 rounding of the stored d (and m), which the quants
+    were computed without (<= 2^-11 relative, times the largest quant)."""
+    out, n = x.shape
+    cols = np.arange(n) // group  # each input's group
+    b = x.astype(np.float64)
     if fmt == "q8_0":
-        d = np.abs(b).max(-1) / 127
-        bound = d / 2 + d * 127 * 2.0 ** -11
+        d = np.abs(b.reshape(out, -1, 32)).max(-1) / 127
+        bound = np.repeat(d / 2 + d * 127 * 2.0 ** -11, 32, axis=1)
     else:  # q4_1
-        lo, hi = b.min(-1), b.max(-1)
+        lo = np.stack([b[:, cols == g].min(-1) for g in range(cols[-1] + 1)], -1)
+        hi = np.stack([b[:, cols == g].max(-1) for g in range(cols[-1] + 1)], -1)
         d = (hi - lo) / 15
-        bound = d / 2 + d * 15 * 2.0 ** -11 + np.abs(lo) * 2.0 ** -11
-    return np.repeat(bound, 32, axis=1).reshape(x.shape) * (1 + 1e-6) + 1e-12
+        bound = (d / 2 + d * 15 * 2.0 ** -11 + np.abs(lo) * 2.0 ** -11)[:, cols]
+    return bound * (1 + 1e-6) + 1e-12
 
 
-@pytest.mark.parametrize("quantization, layers_fmt", [("int8", "q8_0"), ("int4", "q4_1")])
+@pytest.mark.parametrize("quantization, layers_fmt, group", [
+    ("int8", "q8_0", 32), ("int4", "q4_1", 32), ("int4_g64", "q4_1", 64),
+    ("int4_g128", "q4_1", 128)])
 def test_float_source_quantised_into_blocks_when_converted(tiny_dir, tmp_path, quantization,
-                                                           layers_fmt):
+                                                           layers_fmt, group):
     """Every projection in the layers' format, the embedding and LM head Q8_0; each
     block's values within half a step (plus the f16 rounding of its scales) of the float
-    weight it replaces: round to nearest, the block's own range."""
+    weight it replaces: round to nearest over the block's own range, or (int4_g64 /
+    int4_g128) its group's, whose blocks repeat the group's d and m."""
     from safetensors.numpy import load_file
     ckpt = convert(tiny_dir, tmp_path / "ckpt", progress=False, quantization=quantization)
     cfg = load_model_config(ckpt)
@@ -60,9 +67,36 @@ def test_float_source_quantised_into_blocks_when_converted(tiny_dir, tmp_path, q
     for w, name, fmt in pairs:
         assert isinstance(w, GGMLWeight) and w.fmt == fmt, name
         x = hf[name].astype(np.float32)
+        g = group if name.startswith("model.layers.") else 32
         err = np.abs(np.asarray(dequantize(w)) - x)
-        assert np.all(err <= _round_to_nearest_bound(x, fmt)), (name, err.max())
+        assert np.all(err <= _round_to_nearest_bound(x, fmt, g)), (name, err.max())
         assert err.max() > 0, "the weights were quantised"
+        if g > 32:  # a group's blocks share its d and m (the last group may be shorter)
+            d = np.asarray(w.d)
+            starts = np.arange(0, d.shape[1], g // 32)
+            np.testing.assert_array_equal(d, np.repeat(d[:, starts], np.diff(
+                np.append(starts, d.shape[1])), axis=1))
+
+
+def test_int4_groups_follow_llama_cpps_q4_1_quantiser():
+    """The group quantiser is quantize_row_q4_1_ref's arithmetic over a group: with groups
+    of 32 it gives gguf-py's Q4_1 blocks bit for bit (d, m and every nibble); groups of 128
+    over 576 inputs (4.5 groups, SmolLM2's width) end in a group of 64; another format with
+    groups is refused."""
+    from jaxserve.checkpoint.convert import _q4_1_groups, quantize_blocks
+    x = np.random.default_rng(3).standard_normal((16, 576)).astype(np.float32)
+    x[3, :32] = 0.25  # a constant block: d 0
+    ours, ref = _q4_1_groups(x, 32), quantize_blocks(x, "q4_1")
+    for f in ("qs", "d", "m"):
+        np.testing.assert_array_equal(np.asarray(getattr(ours, f)), np.asarray(getattr(ref, f)))
+    g128 = quantize_blocks(x, "q4_1", 128)
+    d = np.asarray(g128.d)
+    assert d.shape == (16, 18) and (d[:, 16] == d[:, 17]).all() and (d[:, 0] == d[:, 3]).all()
+    assert (d[:, 3] != d[:, 4]).any()
+    err = np.abs(np.asarray(dequantize(g128)) - x)
+    assert np.all(err <= _round_to_nearest_bound(x, "q4_1", 128)) and err.max() > 0
+    with pytest.raises(CheckpointError, match="groups of 128 inputs are written as q4_1"):
+        quantize_blocks(x, "q8_0", 128)
 
 
 def test_matrices_of_partial_blocks_are_refused_before_any_tensor_is_read(tmp_path, monkeypatch):

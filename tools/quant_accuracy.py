@@ -37,6 +37,8 @@ warm-up off):
             and KV head, read by the C++ attention kernel)
   int8 / int4  --quantization int8 / int4: the file's values requantised when converted
             (gguf-py: Q8_0 everywhere / Q4_1 projections with a Q8_0 embedding), C++ kernel
+  int4_g64 / int4_g128  --quantization int4_g64 / int4_g128: as int4 with a scale and
+            minimum per 64 / 128 inputs
   fp8       --quantization fp8: projections e4m3 per output channel at load (XLA's
             dequantising reference on CPU)
 
@@ -68,6 +70,8 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "bf16-int8kv": ({"cache_dtype": "int8"}, None),
     "int8": ({"quantization": "int8"}, None),
     "int4": ({"quantization": "int4"}, None),
+    "int4_g64": ({"quantization": "int4_g64"}, None),
+    "int4_g128": ({"quantization": "int4_g128"}, None),
     "fp8": ({"quantization": "fp8"}, None),
 }
 REFERENCE = "f32"

@@ -42,7 +42,14 @@ CONVERT_QUANTIZATIONS = (None, "gguf") + HF_QUANTIZATIONS + CONVERTED_QUANTIZATI
 # (the embedding and LM head 8-bit under int4 too, as llama.cpp's Q4_1 files keep theirs:
 # a 4-bit LM head costs the most accuracy for the fewest bytes)
 QUANTIZE_FORMATS = {"int8": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q8_0"},
-                    "int4": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"}}
+                    "int4": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"},
+                    "int4_g64": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"},
+                    "int4_g128": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"}}
+# The inputs the layers' 4-bit matrices share a scale and minimum over (GPTQ / AWQ's "group
+# size"): 32 (one GGML block) unless named here. A group of 64 / 128 is written as 2 / 4
+# Q4_1 blocks with the group's d and m repeated: the same bytes as group 32, which fits the
+# weights more closely, so it is for matching a group-128 recipe, not for memory.
+QUANTIZE_GROUPS = {"int4_g64": 64, "int4_g128": 128}
 # GGML format -> gguf-py's quantisation type
 _GGUF_QTYPES = {"q8_0": "Q8_0", "q4_1": "Q4_1", "q4_0": "Q4_0"}
 # Tensors a source may hold that conversion consumes elsewhere or that carry nothing.
@@ -164,16 +171,45 @@ def quantized_weight_formats(plan: list[PlannedTensor], quantization: str
     return tuple((n, formats[n if n in ("embed", "lm_head") else "layers"]) for n in names)
 
 
-def quantize_blocks(x: np.ndarray, fmt: str) -> GGMLWeight:
+def quantize_blocks(x: np.ndarray, fmt: str, group: int = 32) -> GGMLWeight:
     """A float matrix x [out, in] (in a multiple of 32) as GGML blocks of `fmt` ("q8_0",
     "q4_1", "q4_0"), quantised by gguf-py (gguf.quants.quantize: llama.cpp's reference
     quantize_row_*: Q8_0 d = absmax / 127; Q4_1 d = (max - min) / 15, m = min; per block
-    of 32). Raises CheckpointError if `in` is not whole blocks."""
+    of 32). group (q4_1 only): 64 or 128 inputs share d and m, computed over the group
+    exactly as quantize_row_q4_1_ref computes them over a block (q = min(15, trunc((x -
+    min) / d + 0.5)), d and m stored f16), written as the group's blocks with d and m
+    repeated; the last group may be shorter (whole blocks: SmolLM2's 576 inputs are 4.5
+    groups of 128, as GPTQ groups them). Raises CheckpointError if `in` is not whole
+    blocks, or for a group other than 32 with another format."""
     import gguf
-    if x.ndim != 2 or x.shape[1] % 32:
-        raise CheckpointError(f"a matrix of shape {x.shape} is not whole blocks of 32 inputs")
+    if x.ndim != 2 or x.shape[1] % 32 or group % 32:
+        raise CheckpointError(f"a matrix of shape {x.shape} is not whole blocks of 32 inputs "
+                              f"(groups of {group})")
+    if group != 32:
+        if fmt != "q4_1":
+            raise CheckpointError(f"groups of {group} inputs are written as q4_1 blocks, not {fmt}")
+        return _q4_1_groups(np.ascontiguousarray(x, np.float32), group)
     qtype = gguf.GGMLQuantizationType[_GGUF_QTYPES[fmt]]
     return from_gguf_bytes(gguf.quants.quantize(np.ascontiguousarray(x, np.float32), qtype), fmt)
+
+
+def _q4_1_groups(x: np.ndarray, group: int) -> GGMLWeight:
+    """x [out, in] f32 as Q4_1 blocks whose d and m are per `group` inputs (ggml's
+    quantize_row_q4_1_ref over a group: d = (max - min) / 15, id = 1 / d (0 for d 0),
+    q = min(15, (int)((x - min) * id + 0.5)), all in f32; d and m stored as f16)."""
+    out, n = x.shape
+    groups = -(-n // group)
+    # a shorter last group: padded with its own last input (its min and max unchanged)
+    g = np.pad(x, ((0, 0), (0, groups * group - n)), mode="edge").reshape(out, groups, group)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    d = (hi - lo) / np.float32(15)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
+    q = np.minimum(15, ((g - lo[..., None]) * inv[..., None] + np.float32(0.5)).astype(np.int32))
+    q = q.astype(np.uint8).reshape(out, groups * group)[:, :n].reshape(out, n // 32, 32)
+    reps = [group // 32] * (n // group) + ([n % group // 32] if n % group else [])
+    return GGMLWeight(qs=(q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8),
+                      d=np.repeat(d.astype(np.float16), reps, axis=1),
+                      m=np.repeat(lo.astype(np.float16), reps, axis=1), fmt="q4_1")
 
 
 def convert_group(source: TensorSource, group: ParamGroup, plan: list[PlannedTensor],
@@ -185,15 +221,18 @@ def convert_group(source: TensorSource, group: ParamGroup, plan: list[PlannedTen
     the weights kept in their GGML blocks (GGMLWeight leaves as param_specs(cfg) lays them
     out; `source` a GGUFSource or a quantised HFSource: its read_blocks, or with
     `quantize` any source's float matrices quantised by `quantize_blocks`); None: all
-    floats. Raises CheckpointError for an unreadable tensor."""
+    floats. quantize: False, or the quantization (QUANTIZE_FORMATS' name; its layers'
+    group size QUANTIZE_GROUPS'). Raises CheckpointError for an unreadable tensor."""
     specs = param_specs(cfg) if cfg is not None and cfg.weight_formats else None
+    layers_group = QUANTIZE_GROUPS.get(quantize, 32) if isinstance(quantize, str) else 32
 
     def one(t: PlannedTensor) -> Any:
         spec = specs
         for k in t.path if specs is not None else ():
             spec = spec[k] if isinstance(k, int) else getattr(spec, k)
         if isinstance(spec, GGMLWeight) and quantize:  # a float matrix [out, in] quantised
-            w = quantize_blocks(np.asarray(source.read(t.hf_name), np.float32), spec.fmt)
+            group = layers_group if t.path[0] == "layers" else 32
+            w = quantize_blocks(np.asarray(source.read(t.hf_name), np.float32), spec.fmt, group)
             x = dataclasses.replace(w, logical_shape=spec.logical_shape)
         elif isinstance(spec, GGMLWeight):  # stored as in the file: no transform, no cast
             w = source.read_blocks(t.hf_name)
@@ -258,6 +297,6 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None,
     info = {**source.source_info(), "native_dtype": source.native_dtype}
     np_dtype = jnp.dtype(cfg.dtype)
     with tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress) as bar:
-        return write_checkpoint(out, cfg, lambda g: convert_group(source, g, plan, np_dtype,
-                                                                  bar.update, cfg, quantize),
+        return write_checkpoint(out, cfg, lambda g: convert_group(
+            source, g, plan, np_dtype, bar.update, cfg, quantization if quantize else False),
                                 tokenizer_json, tokenizer_config, info)

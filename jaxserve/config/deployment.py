@@ -17,7 +17,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # or a float source's weights quantised by jaxserve: "int8" / "int4" into GGML blocks when
 # converted, "fp8" (e4m3, per output channel) when loaded
 HF_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
-CONVERTED_QUANTIZATIONS = ("int8", "int4")
+CONVERTED_QUANTIZATIONS = ("int8", "int4", "int4_g64", "int4_g128")
 QUANTIZATIONS = ("gguf",) + HF_QUANTIZATIONS + CONVERTED_QUANTIZATIONS + ("fp8",)
 
 
@@ -63,7 +63,9 @@ class Config:
     Hugging Face directory quantised so, which it must be: its int4 / int8 codes served as
     GGML blocks, jaxserve.checkpoint.hf_quantized); "int8" / "int4" (a float source's
     matrices quantised when converted, llama.cpp's Q8_0 / Q4_1 blocks of 32:
-    jaxserve.checkpoint.convert.QUANTIZE_FORMATS); or "fp8" (its projections quantised
+    jaxserve.checkpoint.convert.QUANTIZE_FORMATS; "int4_g64" / "int4_g128": int4 with a
+    scale and minimum per 64 / 128 inputs, GPTQ / AWQ's usual group, in the same blocks);
+    or "fp8" (its projections quantised
     when loaded to float8_e4m3fn with one scale per output channel, vLLM's dynamic fp8:
     KernelConfig.weight_quant "fp8_e4m3", the Pallas kernels on a GPU, XLA's reference
     elsewhere)."""
