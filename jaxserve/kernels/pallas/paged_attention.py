@@ -171,7 +171,7 @@ def check_operands(fn: str, q, k_pages, v_pages, block_tables, context_lens, k_s
     batch, q_heads, head_dim = q.shape
     check(fn, batch >= 1 and q_heads >= 1 and head_dim >= 1,
           f"q must have batch, q_heads, head_dim >= 1, got {list(q.shape)}")
-    fmt = quant_format_of(getattr(k_pages, "dtype", None) or jnp.float32)
+    fmt = quant_format_of(getattr(k_pages, "dtype", q.dtype))  # (check_page_pool checks it)
     # int8 pages without scales: the engine's rows [.., head_dim + 4] with their own scale
     rows = fmt is INT8 and k_scales is None and v_scales is None
     check(fn, not rows or k_pages.shape[-1] != head_dim,
