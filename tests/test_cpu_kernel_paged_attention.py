@@ -206,16 +206,23 @@ def test_every_int8_value_is_dequantised_as_its_product(head_dim, rows):
     v = np.zeros((1, S + 1, ps, head_dim + 4), np.int8)
     v[0, 1:, 0, :head_dim] = v_vals.reshape(S, head_dim)
     v[0, 1:, 0, head_dim:] = scales.view(np.int8).reshape(S, 4)
-    k = np.zeros_like(v)
+    want = v_vals.reshape(S, head_dim).astype(np.float32) * scales[:, None]
+    _assert_one_key_per_sequence_gives(v, want, rows)
+
+
+def _assert_one_key_per_sequence_gives(v: np.ndarray, want: np.ndarray, rows: int) -> None:
+    """Sequence b's one token on page b + 1 of the pool v [1, S + 1, ps, W] (K zero), `rows`
+    query rows each, 2 query heads: every output row is V's value row want[b] exactly (a
+    softmax over one key is 1)."""
+    S, head_dim = want.shape
     q = jnp.asarray(np.random.default_rng(SEED).standard_normal((S * rows, 2, head_dim)),
                     jnp.float32)
-    out = paged_attention(q, jnp.asarray(k), jnp.asarray(v),
+    out = paged_attention(q, jnp.asarray(np.zeros_like(v)), jnp.asarray(v),
                           jnp.arange(1, S + 1, dtype=jnp.int32)[:, None],
                           jnp.ones(S, jnp.int32), jnp.arange(S + 1, dtype=jnp.int32) * rows,
                           jnp.zeros(S * rows, jnp.int32))
-    want = (v_vals.reshape(S, head_dim).astype(np.float32) * scales[:, None]).reshape(S, 1, 1, head_dim)
     np.testing.assert_array_equal(np.asarray(out).reshape(S, rows, 2, head_dim),
-                                  np.broadcast_to(want, (S, rows, 2, head_dim)))
+                                  np.broadcast_to(want[:, None, None], (S, rows, 2, head_dim)))
 
 
 @pytest.mark.parametrize("head_dim, rows", [(64, 1), (64, 8), (40, 1)],
@@ -233,16 +240,8 @@ def test_every_fp8_value_is_widened_exactly(head_dim, rows):
     ps = 16
     v = np.zeros((1, S + 1, ps, head_dim), np.uint8)
     v[0, 1:, 0] = v_rows.reshape(S, head_dim)  # sequence b's one token on page b + 1
-    k = np.zeros_like(v)
-    q = jnp.asarray(np.random.default_rng(SEED).standard_normal((S * rows, 2, head_dim)),
-                    jnp.float32)
-    out = paged_attention(q, jnp.asarray(k), jnp.asarray(v),
-                          jnp.arange(1, S + 1, dtype=jnp.int32)[:, None],
-                          jnp.ones(S, jnp.int32), jnp.arange(S + 1, dtype=jnp.int32) * rows,
-                          jnp.zeros(S * rows, jnp.int32))
-    want = v_rows.view(jnp.float8_e4m3fn).astype(np.float32).reshape(S, 1, 1, head_dim)
-    np.testing.assert_array_equal(np.asarray(out).reshape(S, rows, 2, head_dim),
-                                  np.broadcast_to(want, (S, rows, 2, head_dim)))
+    want = v_rows.view(jnp.float8_e4m3fn).astype(np.float32).reshape(S, head_dim)
+    _assert_one_key_per_sequence_gives(v, want, rows)
 
 
 @pytest.mark.parametrize("q_block", [1, 3, 32])

@@ -1,0 +1,108 @@
+"""jaxserve.lora: PEFT LoRA directories read into jaxserve's layout, the base model with an
+adapter merged giving HF peft's logits (the reference), and one-line errors for adapters
+that cannot be served."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.lora import AdapterError, load_peft_adapter, merge_adapter
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny random Llama (HF) saved and converted: (HF dir, jaxserve params f32, cfg)."""
+    from hf_reference import save_hf_dir, tiny_hf_model
+    from jaxserve.checkpoint import convert, load_model_config, load_params
+    d = tmp_path_factory.mktemp("lora_base")
+    hf_dir = save_hf_dir(tiny_hf_model("LlamaForCausalLM"), d / "hf", max_shard_size=None)
+    ckpt = convert(hf_dir, d / "ckpt", progress=False)
+    cfg = load_model_config(ckpt)
+    return hf_dir, load_params(ckpt, cfg), cfg
+
+
+def _peft_adapter(out, seed: int, **lora_kw):
+    """A random PEFT LoRA adapter (both factors random: init_lora_weights=False) of the tiny
+    base, saved to `out`; returns the PEFT model (the reference)."""
+    import torch
+    from hf_reference import tiny_hf_model
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    model = get_peft_model(tiny_hf_model("LlamaForCausalLM"),
+                           LoraConfig(init_lora_weights=False, **lora_kw))
+    model.save_pretrained(out)
+    return model.eval()
+
+
+def _jax_logits(params, cfg, ids):
+    import jax.numpy as jnp
+    from jaxserve.functional import logits
+    return np.asarray(logits(params, cfg, jnp.asarray([ids], jnp.int32),
+                             jnp.asarray([len(ids)], jnp.int32)))[0]
+
+
+@pytest.mark.parametrize("lora_kw", [
+    dict(r=4, lora_alpha=8, target_modules=MODULES),
+    dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True),
+    dict(r=2, lora_alpha=4, target_modules=["o_proj", "up_proj"], layers_to_transform=[1]),
+    dict(r=4, lora_alpha=4, target_modules="all-linear"),
+], ids=["all-modules", "rslora-some", "layer1-only", "all-linear"])
+def test_merged_adapter_gives_peft_logits(base, tmp_path, lora_kw):
+    """The base with the adapter merged (W + scaling A B) gives HF peft's logits on the same
+    adapter (f32 both; XLA's summation order against torch's), and differs from the base:
+    every module kind, rsLoRA's alpha / sqrt(r), one layer adapted, PEFT's all-linear."""
+    import torch
+    hf_dir, params, cfg = base
+    model = _peft_adapter(tmp_path / "adapter", seed=1, **lora_kw)
+    adapter = load_peft_adapter(tmp_path / "adapter", cfg, max_rank=16, name="a")
+    assert adapter.rank == lora_kw["r"] and adapter.name == "a"
+    ids = [1, 5, 9, 13, 40, 2, 7, 33]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    got = _jax_logits(merge_adapter(params, adapter), cfg, ids)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    plain = _jax_logits(params, cfg, ids)
+    assert np.abs(plain - want).max() > 100 * 1e-4 * np.abs(want).max(), "the adapter matters"
+
+
+def _edit_config(d, **changes):
+    conf = json.loads((d / "adapter_config.json").read_text())
+    conf.update(changes)
+    (d / "adapter_config.json").write_text(json.dumps(conf))
+
+
+def test_adapters_that_cannot_be_served_are_one_line_errors(base, tmp_path):
+    """A rank above --max-lora-rank, an unknown target module, a factor of another base's
+    shape, a missing file, DoRA: AdapterError naming the adapter, the field and the limit."""
+    from safetensors.numpy import load_file, save_file
+    _, _, cfg = base
+    d = tmp_path / "a"
+    _peft_adapter(d, seed=2, r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(AdapterError, match="LoRA adapter a: rank 8 is above --max-lora-rank 4"):
+        load_peft_adapter(d, cfg, max_rank=4)
+    _edit_config(d, target_modules=["q_proj", "embed_tokens"])
+    with pytest.raises(AdapterError, match=r"target_modules \['embed_tokens'\] not served"):
+        load_peft_adapter(d, cfg, max_rank=8)
+    _edit_config(d, target_modules=["q_proj", "v_proj"], use_dora=True)
+    with pytest.raises(AdapterError, match="use_dora=True is not served"):
+        load_peft_adapter(d, cfg, max_rank=8)
+    _edit_config(d, use_dora=False)
+    tensors = load_file(d / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({**tensors, key: np.zeros((8, 16), np.float32)}, d / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"q_proj has lora_A \[8, 16\] .* needs \[8, 32\] and "
+                                           r"\[32, 8\] \(an adapter of another model\?\)"):
+        load_peft_adapter(d, cfg, max_rank=8)
+    save_file({k: v for k, v in tensors.items() if k != key}, d / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"q_proj.lora_A.weight is missing"):
+        load_peft_adapter(d, cfg, max_rank=8)
+    (d / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
+        load_peft_adapter(d, cfg, max_rank=8)
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        load_peft_adapter(tmp_path / "nothing", cfg, max_rank=8)
