@@ -106,3 +106,41 @@ def test_adapters_that_cannot_be_served_are_one_line_errors(base, tmp_path):
         load_peft_adapter(d, cfg, max_rank=8)
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         load_peft_adapter(tmp_path / "nothing", cfg, max_rank=8)
+
+
+def test_rows_apply_their_own_adapter_from_the_slots():
+    """lora_delta over a batch mixing slots 0 (no adapter), 1, 2 and 3 (ranks 2, 4, 8 in
+    pools of rank 8, zero-padded): each row's delta is its own adapter's x A B, computed in
+    float64 numpy row by row; base + delta = x (W + A B), the merged weight's product;
+    slot 0 rows add exact zeros; refilling a slot changes only its rows."""
+    import jax.numpy as jnp
+    from jaxserve.lora.batched import empty_slots, lora_delta, put_adapter
+    rng = np.random.default_rng(7)
+    n_in, n_out, T = 24, 40, 11
+    pools = empty_slots(4, n_in, n_out, 8)
+    factors = {s: (rng.standard_normal((n_in, r)), rng.standard_normal((r, n_out)))
+               for s, r in ((1, 2), (2, 4), (3, 8))}
+    for s, (a, b) in factors.items():
+        pools = put_adapter(pools, s, jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    row_slot = np.array([0, 1, 2, 3, 3, 0, 2, 1, 1, 0, 3], np.int32)
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    got = np.asarray(lora_delta(jnp.asarray(x), pools, jnp.asarray(row_slot)))
+    for t, s in enumerate(row_slot):
+        want = np.zeros(n_out) if s == 0 else x[t].astype(np.float64) @ factors[s][0] @ factors[s][1]
+        np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-5 * max(1, np.abs(want).max()))
+        if s == 0:
+            assert (got[t] == 0).all()
+    w = rng.standard_normal((n_in, n_out)).astype(np.float32)
+    a, b = factors[2]
+    merged = x[row_slot == 2] @ (w + (a @ b).astype(np.float32))
+    np.testing.assert_allclose(x[row_slot == 2] @ w + got[row_slot == 2], merged,
+                               rtol=1e-4, atol=1e-4 * np.abs(merged).max())
+    new_a = jnp.asarray(rng.standard_normal((n_in, 4)), jnp.float32)
+    refilled = put_adapter(pools, 1, new_a, jnp.zeros((4, n_out), jnp.float32))
+    again = np.asarray(lora_delta(jnp.asarray(x), refilled, jnp.asarray(row_slot)))
+    assert (again[row_slot == 1] == 0).all()
+    np.testing.assert_array_equal(again[row_slot != 1], got[row_slot != 1])
+    with pytest.raises(ValueError, match=r"LoRA slot must be in 1..3 \(0 is no adapter\)"):
+        put_adapter(pools, 0, new_a, jnp.zeros((4, n_out)))
+    with pytest.raises(ValueError, match="r <= 8"):
+        put_adapter(pools, 1, jnp.zeros((n_in, 9)), jnp.zeros((9, n_out)))
