@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jaxserve"
 LAYERS = [
     ["jaxserve.pytree", "jaxserve.sampling_params", "jaxserve.tokenization"],
     ["jaxserve.config"],
-    ["jaxserve.configs", "jaxserve.kernels", "jaxserve.distributed"],
+    ["jaxserve.configs", "jaxserve.kernels", "jaxserve.distributed", "jaxserve.lora"],
     ["jaxserve.model", "jaxserve.sample"],
     ["jaxserve.checkpoint", "jaxserve.spec_decode"],
     ["jaxserve.worker", "jaxserve.functional"],
