@@ -25,11 +25,12 @@ CFG = tiny_config(hidden_size=64, intermediate_size=96, num_heads=6, num_kv_head
                   head_dim=64, num_layers=4)
 
 
-def _logits(params, kernels, layout, stacked, steps=4):
+def _logits(params, kernels, layout, stacked, steps=4, kv_dtype=None):
     ids = np.random.default_rng(11).integers(0, CFG.vocab_size, 9 + steps).tolist()
-    drv = PagedDriver(params, CFG, num_pages=24, page_size=16, kernels=kernels, layout=layout)
+    drv = PagedDriver(params, CFG, num_pages=24, page_size=16, kernels=kernels, layout=layout,
+                      kv_dtype=kv_dtype)
     if stacked:
-        drv.cache = init_kv_cache(CFG, 24, 16, CFG.dtype, layout=layout, stacked=True)
+        drv.cache = init_kv_cache(CFG, 24, 16, kv_dtype or CFG.dtype, layout=layout, stacked=True)
     out = [drv.step({"a": ids[:9], "b": ids[3:8]}, T=16, P=2)]
     out += [drv.step({"a": [t], "b": [t]}, T=2, P=2) for t in ids[9:]]
     return [np.concatenate([np.atleast_2d(o["a"]), np.atleast_2d(o["b"])]) for o in out]
@@ -51,15 +52,17 @@ def test_loop_gives_the_unrolled_logits_on_xla(layout):
         np.testing.assert_array_equal(g, w)
 
 
-def test_loop_gives_the_unrolled_logits_with_the_cpp_kernels(cpu_kernels_library):
-    """The C++ attention over the stacked head-major pool and the C++ bf16 matmul over
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float8_e4m3fn", "int8"])
+def test_loop_gives_the_unrolled_logits_with_the_cpp_kernels(kv_dtype, cpu_kernels_library):
+    """The C++ attention over the stacked head-major pool (f32, bf16 / fp8 bits, int8 rows
+    with their scales: the layer's offset in bytes of each) and the C++ bf16 matmul over
     packed copies stacked [L, ...], both read at the loop's layer in place: the unrolled
     model's logits bit for bit (each kernel's bits depend only on the layer it reads)."""
     params = init_params(CFG, jax.random.key(1), scale=0.3)
     packed = dual_precision_params(params, 1, packed=True)
     kernels = Kernels("cpu", "cpu")
-    want = _logits(packed, kernels, "head_major", stacked=False)
-    got = _logits(_looped(packed), kernels, "head_major", stacked=True)
+    want = _logits(packed, kernels, "head_major", stacked=False, kv_dtype=kv_dtype)
+    got = _logits(_looped(packed), kernels, "head_major", stacked=True, kv_dtype=kv_dtype)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
 
