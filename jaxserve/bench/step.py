@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     args = ap.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     from jaxserve.config.cache import KV_CACHE_DTYPES
-    kv_pair = args.kv_dtypes.split(",")
-    if len(kv_pair) != 2 or not all(KV_CACHE_DTYPES.get(d) for d in kv_pair):
+    kv_names = args.kv_dtypes.split(",")
+    if len(kv_names) != 2 or not all(KV_CACHE_DTYPES.get(d) for d in kv_names):
         sys.exit(f"--kv-dtypes: two of {[d for d in KV_CACHE_DTYPES if d != 'auto']}, "
                  f"comma-separated, got {args.kv_dtypes!r}")
-    kv_pair = [KV_CACHE_DTYPES[d] for d in kv_pair]
+    kv_pair = [KV_CACHE_DTYPES[d] for d in kv_names]
 
     from jaxserve.engine.builder import enable_compilation_cache
     from jaxserve.checkpoint import load_model_config, load_params
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         base, var = "1/step", f"{n}/step"
         variants = {base: (params, kernels)}  # one runner: both step kinds, same pool
     elif args.compare == "kv_dtype":
-        ecfg = cfg.engine.override(cache_dtype=args.kv_dtypes.split(",")[1])  # kernels for it
+        ecfg = cfg.engine.override(cache_dtype=kv_names[1])  # kernels for the variant's pool
         params, kernels = served(params, ecfg, cache_dir)
         base, var = (f"{d}kv" for d in kv_pair)
         variants = {base: (params, kernels), var: (params, kernels)}

@@ -41,10 +41,10 @@ CONVERT_QUANTIZATIONS = (None, "gguf") + HF_QUANTIZATIONS + CONVERTED_QUANTIZATI
 # "int8" / "int4": each matrix's GGML format by the ModelConfig.weight_formats name it has
 # (the embedding and LM head 8-bit under int4 too, as llama.cpp's Q4_1 files keep theirs:
 # a 4-bit LM head costs the most accuracy for the fewest bytes)
+_INT4_FORMATS = {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"}
 QUANTIZE_FORMATS = {"int8": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q8_0"},
-                    "int4": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"},
-                    "int4_g64": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"},
-                    "int4_g128": {"embed": "q8_0", "lm_head": "q8_0", "layers": "q4_1"}}
+                    "int4": _INT4_FORMATS, "int4_g64": _INT4_FORMATS,
+                    "int4_g128": _INT4_FORMATS}
 # The inputs the layers' 4-bit matrices share a scale and minimum over (GPTQ / AWQ's "group
 # size"): 32 (one GGML block) unless named here. A group of 64 / 128 is written as 2 / 4
 # Q4_1 blocks with the group's d and m repeated: the same bytes as group 32, which fits the
@@ -214,17 +214,17 @@ def _q4_1_groups(x: np.ndarray, group: int) -> GGMLWeight:
 
 def convert_group(source: TensorSource, group: ParamGroup, plan: list[PlannedTensor],
                   dtype: np.dtype, on_tensor: Callable[[], Any] = lambda: None,
-                  cfg: ModelConfig | None = None, quantize: bool = False) -> Any:
+                  cfg: ModelConfig | None = None, quantize: str | None = None) -> Any:
     """The subtree of `group` (as `ParamGroup.subtree` lays it out) converted from `source`
     tensor by tensor with `convert_tensor`, calling `on_tensor()` after each. plan: the
     validated `tensor_plan(cfg)`. cfg: the ModelConfig written, whose weight_formats name
     the weights kept in their GGML blocks (GGMLWeight leaves as param_specs(cfg) lays them
     out; `source` a GGUFSource or a quantised HFSource: its read_blocks, or with
     `quantize` any source's float matrices quantised by `quantize_blocks`); None: all
-    floats. quantize: False, or the quantization (QUANTIZE_FORMATS' name; its layers'
+    floats. quantize: None, or the quantization (QUANTIZE_FORMATS' name; its layers'
     group size QUANTIZE_GROUPS'). Raises CheckpointError for an unreadable tensor."""
     specs = param_specs(cfg) if cfg is not None and cfg.weight_formats else None
-    layers_group = QUANTIZE_GROUPS.get(quantize, 32) if isinstance(quantize, str) else 32
+    layers_group = QUANTIZE_GROUPS.get(quantize, 32)
 
     def one(t: PlannedTensor) -> Any:
         spec = specs
@@ -298,5 +298,5 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None,
     np_dtype = jnp.dtype(cfg.dtype)
     with tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress) as bar:
         return write_checkpoint(out, cfg, lambda g: convert_group(
-            source, g, plan, np_dtype, bar.update, cfg, quantization if quantize else False),
+            source, g, plan, np_dtype, bar.update, cfg, quantization if quantize else None),
                                 tokenizer_json, tokenizer_config, info)

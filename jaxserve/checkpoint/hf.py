@@ -166,8 +166,7 @@ class HFSource:
         """The GGML block format ("q4_0", "q4_1", "q8_0") quantised linear weight `name` is
         read in (hf_quantized.block_format: from its zero points), None for a float
         tensor or an act-ordered layer (read dequantised)."""
-        if (name not in self._linears or name in self._act_ordered
-                or self.quantization.float_weights):
+        if name not in self._linears or self._read_as_floats(name):
             return None
         return hf_quantized.block_format(self.quantization, self._linears[name][0],
                                          self._read_stored, self._files.__contains__)
@@ -189,13 +188,18 @@ class HFSource:
         """Tensor `name` as a numpy array in its stored dtype (bf16 as ml_dtypes.bfloat16);
         a quantised linear's weight dequantised from its blocks (f32 [out, in]). Raises
         CheckpointError naming the file if its data cannot be read."""
-        if name in self._act_ordered or (name in self._linears
-                                         and self.quantization.float_weights):
+        if self._read_as_floats(name):
             return hf_quantized.dequantize_linear(self.quantization, self._linears[name][0],
                                                   self._read_stored, self._files.__contains__)
         if name in self._linears:
             return np.asarray(dequantize(self.read_blocks(name)))
         return self._read_stored(name)
+
+    def _read_as_floats(self, name: str) -> bool:
+        """Whether quantised linear weight `name` is read dequantised, not as blocks: an
+        act-ordered layer, or compressed-tensors fp8 weights."""
+        return name in self._act_ordered or (name in self._linears
+                                             and self.quantization.float_weights)
 
     def _read_stored(self, name: str) -> np.ndarray:
         """Stored tensor `name` as a numpy array in its stored dtype (fp8 as

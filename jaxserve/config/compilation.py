@@ -34,16 +34,16 @@ class CompilationConfig:
     (jaxserve.model.layer_loop): each compiled step holds one layer's code instead of
     num_layers' (XLA:CPU keeps ~17 MB of kernels per SmolLM2 step shape unrolled) and
     compiles several times faster. None ("auto"): on where the C++ CPU kernels run the
-    attention on one device and the layers stack (the same weight types and shapes);
-    True: on, or a ConfigError saying why it cannot be; False: unrolled."""
+    attention on one device, the layers stack (the same weight types and shapes) and every
+    projection is a packed C++ kernel weight (read in place; another would be copied out
+    of the stack every step); True: on, or a ConfigError saying why it cannot be; False:
+    unrolled."""
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            if f.name == "layer_loop":
-                continue
-            b = getattr(self, f.name)
+        for name in ("seq_buckets", "token_buckets", "page_buckets"):
+            b = getattr(self, name)
             if b is not None:
                 b = tuple(sorted(int(x) for x in b))
                 if not b or b[0] <= 0:
-                    raise ConfigError(f"CompilationConfig.{f.name} must be positive, got {b}")
-                object.__setattr__(self, f.name, b)
+                    raise ConfigError(f"CompilationConfig.{name} must be positive, got {b}")
+                object.__setattr__(self, name, b)

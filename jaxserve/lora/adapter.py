@@ -19,12 +19,14 @@ its checkpoint names (peft/utils/save_and_load.py), vLLM's LoRA loading
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
@@ -171,10 +173,6 @@ def merge_adapter(params, adapter: LoraAdapter):
     into its weights: W + A @ B (B scaled) reshaped to W's shape, in W's dtype. The
     reference of the batched path: served logits with the adapter equal this model's.
     Raises AdapterError for a quantised or packed projection (merge into float weights)."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
     def merged(lp, a_i, b_i):
         updates = {}
         for proj in adapter.targets:

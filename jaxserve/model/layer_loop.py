@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.ggml_weight import GGMLWeight
-from jaxserve.model.params import LayerParams
-from jaxserve.model.weight_layouts import DualPrecisionWeight
+from jaxserve.model.params import PROJECTIONS, LayerParams
+from jaxserve.model.weight_layouts import DualPrecisionWeight, FusedWeight
 from jaxserve.pytree import pytree_dataclass
 
 
@@ -93,8 +93,6 @@ def slices_projections(layers: tuple) -> str | None:
     """None when every projection of `layers` (a tuple of LayerParams) is a weight the C++
     kernels read at a layer index in place (packed GGML blocks, a packed bf16 copy), else
     the name of one the loop would slice (copy) every step."""
-    from jaxserve.model.params import PROJECTIONS
-    from jaxserve.model.weight_layouts import FusedWeight
     for name in PROJECTIONS:
         w = getattr(layers[0], name)
         w = w.w if isinstance(w, FusedWeight) else w
@@ -114,20 +112,19 @@ def stack_layers(layers: tuple, donate: bool = False) -> StackedLayers:
     if reason is not None:
         raise ValueError(f"the layers cannot run as a loop: {reason}")
 
-    def stack(*ws):
-        if not _indexed(ws[0]):
-            return jax.tree.map(lambda *xs: jnp.stack(xs), *ws)
+    def stack(*ws):  # one leaf of every layer, or one packed kernel weight of every layer
+        free = donate and _indexed(ws[0])
 
         def field(*xs):
-            out = jax.block_until_ready(jnp.stack(xs))
-            if donate:
+            out = jnp.stack(xs)
+            if free:
+                jax.block_until_ready(out)
                 for x in xs:
                     x.delete()
             return out
         return jax.tree.map(field, *ws)
 
-    is_weight = lambda x: isinstance(x, (GGMLWeight, DualPrecisionWeight))  # noqa: E731
-    stacked = jax.tree.map(stack, *layers, is_leaf=is_weight)
+    stacked = jax.tree.map(stack, *layers, is_leaf=_indexed)
     return StackedLayers(layers=stacked, num_layers=len(layers))
 
 
@@ -140,12 +137,9 @@ def layer_view(stacked: StackedLayers, i: jax.Array) -> LayerParams:
             cls = StackedGGMLWeight if isinstance(x, GGMLWeight) else StackedDualPrecisionWeight
             fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
             return cls(**fields, layer=i)
-        if isinstance(x, (GGMLWeight, DualPrecisionWeight)):  # sliced field by field
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), x)
         return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
 
-    is_weight = lambda x: isinstance(x, (GGMLWeight, DualPrecisionWeight))  # noqa: E731
-    return jax.tree.map(view, stacked.layers, is_leaf=is_weight)
+    return jax.tree.map(view, stacked.layers, is_leaf=_indexed)
 
 
 __all__ = ["StackedDualPrecisionWeight", "StackedGGMLWeight", "StackedLayers", "layer_view",

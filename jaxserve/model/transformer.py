@@ -142,27 +142,45 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
                          out_specs=(rep, kv_specs), check_vma=False)(x, tuple(layers), cache, batch)
 
 
+def _step_tables(batch: StepBatch, cfg: ModelConfig, kernels: Kernels, page_size: int):
+    """What every layer of a step shares: the RoPE tables of its positions and the
+    attention metadata."""
+    cos, sin = rope_tables(batch.positions, cfg)
+    meta = kernels.attention.metadata(batch.block_tables, batch.seq_lens, batch.query_start,
+                                      batch.positions, page_size, batch.decode)
+    return cos, sin, meta
+
+
+def _decoder_layer(x, lp: LayerParams, k_pages, v_pages, cos, sin, batch: StepBatch,
+                   meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels,
+                   layout: str, reduce_heads: str | None = None,
+                   reduce_mlp: str | None = None, layer=None):
+    """One decoder layer over the residual stream x [T, D]: (x after it, K pool, V pool).
+    reduce_heads / reduce_mlp: mesh axes to psum the wo / w_down outputs over (inside
+    shard_map); layer: the int32 index into stacked pools (the layer loop) or None."""
+    a, k_pages, v_pages = _attention_block(x, lp, k_pages, v_pages, cos, sin,
+                                           batch.slot_mapping, meta, cfg, rules, kernels,
+                                           layout, reduce_heads, layer)
+    x = x + a
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    mlp = swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules, kernels.matmul)
+    if reduce_mlp is not None:
+        mlp = jax.lax.psum(mlp, reduce_mlp)
+    return constrain(rules, x + mlp, ACT_AXES), k_pages, v_pages
+
+
 def _looped_layers(x, layers: StackedLayers, cache: KVCache, batch: StepBatch,
                    cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
     """The decoder layers as a fori_loop over `layers`' stack and the cache's stacked
     pools (KVCache.stacked), carried through the loop and updated in place."""
     if not cache.stacked:
         raise ValueError("stacked layers need a stacked KV pool (init_kv_cache(stacked=True))")
-    cos, sin = rope_tables(batch.positions, cfg)
-    meta = kernels.attention.metadata(batch.block_tables, batch.seq_lens, batch.query_start,
-                                      batch.positions, cache.page_size, batch.decode)
+    cos, sin, meta = _step_tables(batch, cfg, kernels, cache.page_size)
 
     def body(i, carry):
         x, k_pool, v_pool = carry
-        lp = layer_view(layers, i)
-        a, k_pool, v_pool = _attention_block(x, lp, k_pool, v_pool, cos, sin,
-                                             batch.slot_mapping, meta, cfg, rules, kernels,
-                                             cache.layout, layer=i)
-        x = x + a
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        x = constrain(rules, x + swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules,
-                                            kernels.matmul), ACT_AXES)
-        return x, k_pool, v_pool
+        return _decoder_layer(x, layer_view(layers, i), k_pool, v_pool, cos, sin, batch, meta,
+                              cfg, rules, kernels, cache.layout, layer=i)
 
     x, k_pool, v_pool = jax.lax.fori_loop(0, layers.num_layers, body,
                                           (x, cache.k[0], cache.v[0]))
@@ -174,20 +192,11 @@ def _decoder_layers(x, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfi
                     reduce_heads: str | None = None, reduce_mlp: str | None = None):
     """decoder_layers on one device (or under GSPMD with `rules`); reduce_heads /
     reduce_mlp: mesh axes to psum the wo / w_down outputs over (inside shard_map)."""
-    cos, sin = rope_tables(batch.positions, cfg)
-    meta = kernels.attention.metadata(batch.block_tables, batch.seq_lens, batch.query_start,
-                                      batch.positions, cache.page_size, batch.decode)
+    cos, sin, meta = _step_tables(batch, cfg, kernels, cache.page_size)
     ks, vs = [], []
     for i, lp in enumerate(layers):
-        a, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], cos, sin,
-                                     batch.slot_mapping, meta, cfg, rules, kernels, cache.layout,
-                                     reduce_heads)
-        x = x + a
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        mlp = swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules, kernels.matmul)
-        if reduce_mlp is not None:
-            mlp = jax.lax.psum(mlp, reduce_mlp)
-        x = constrain(rules, x + mlp, ACT_AXES)
+        x, kp, vp = _decoder_layer(x, lp, cache.k[i], cache.v[i], cos, sin, batch, meta, cfg,
+                                   rules, kernels, cache.layout, reduce_heads, reduce_mlp)
         ks.append(kp)
         vs.append(vp)
     return x, KVCache(k=tuple(ks), v=tuple(vs), layout=cache.layout)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels.common import (FLOAT_DTYPES, INT8_KV, INT8_SCALE_BYTES,  # noqa: F401
-                                     MASK_VALUE, cdiv, check, check_array, check_page_pool,
+from jaxserve.kernels.common import (FLOAT_DTYPES, INT8_SCALE_BYTES, MASK_VALUE,  # noqa: F401
+                                     cdiv, check, check_array, check_page_pool,
                                      finish_softmax, softmax_block)
 
 # The smallest side Triton's tensor-core dot accepts.
