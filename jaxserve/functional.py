@@ -36,10 +36,11 @@ from jaxserve.sample.sampler import SamplingBatch, sample
 PAGE_SIZE = 16
 
 
-def _prefill_batch(tokens: jax.Array, lengths: jax.Array, tables: jax.Array) -> StepBatch:
+def _prefill_batch(tokens: jax.Array, lengths: jax.Array, tables: jax.Array,
+                   lora_slot: jax.Array | None = None) -> StepBatch:
     """The ragged prefill of B prompts tokens [B, P] int32 of lengths [B] (each >= 1),
     packed one after another in B * P rows (the rest padding), sequence b on its pages
-    tables[b]."""
+    tables[b]; lora_slot [B] int32: each sequence's LoRA slot (its rows'), or None."""
     B, P = tokens.shape
     T = B * P
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lengths)]).astype(jnp.int32)
@@ -48,9 +49,12 @@ def _prefill_batch(tokens: jax.Array, lengths: jax.Array, tables: jax.Array) -> 
     rows = jnp.where(valid, starts[:-1, None] + pos[None, :], T)  # T: dropped
     slots = tables[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE  # [B, P]
     put = lambda fill, x: jnp.full((T,), fill, jnp.int32).at[rows].set(x, mode="drop")  # noqa: E731
+    row_slot = None if lora_slot is None else put(
+        0, jnp.broadcast_to(lora_slot.astype(jnp.int32)[:, None], (B, P)))
     return StepBatch(tokens=put(0, tokens), positions=put(0, jnp.broadcast_to(pos, (B, P))),
                      slot_mapping=put(0, slots), block_tables=tables, seq_lens=lengths,
-                     query_start=starts, logits_indices=starts[1:] - 1, decode=False)
+                     query_start=starts, logits_indices=starts[1:] - 1, decode=False,
+                     lora_slot=row_slot)
 
 
 def _page_pool(cfg: ModelConfig, B: int, num_tokens: int, kernels: Kernels,
@@ -140,19 +144,21 @@ def generate(params: Params, cfg: ModelConfig, prompt_tokens: jax.Array,
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "kv_dtype"))
 def logits(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-           kernels: Kernels = Kernels(), kv_dtype: str | None = None) -> jax.Array:
+           kernels: Kernels = Kernels(), kv_dtype: str | None = None,
+           lora_slot: jax.Array | None = None) -> jax.Array:
     """Teacher-forced logits of sequences: one forward over tokens [B, L] int32 (sequence
     b in its first lengths[b] entries, each >= 1) -> [B, L, vocab] f32, entry [b, t] the
     raw logits of the token after tokens[b, :t + 1] (garbage past lengths[b]). kv_dtype:
     the dtype the K/V are stored in and read back from (an engine's
-    CacheConfig.kv_dtype, e.g. "float8_e4m3fn"); None: the model's. Raises ValueError for
-    mismatched shapes (at trace time)."""
+    CacheConfig.kv_dtype, e.g. "float8_e4m3fn"); None: the model's. lora_slot: [B] int32,
+    each sequence's LoRA adapter slot in params' pools (jaxserve.model.lora.attach_pools;
+    0: none), or None. Raises ValueError for mismatched shapes (at trace time)."""
     _check(tokens, lengths, 1)
     B, L = tokens.shape
     tables, cache = _page_pool(cfg, B, L, kernels, kv_dtype,
                                stacked=isinstance(params.layers, StackedLayers))
     lengths = lengths.astype(jnp.int32)
-    batch = _prefill_batch(tokens.astype(jnp.int32), lengths, tables)
+    batch = _prefill_batch(tokens.astype(jnp.int32), lengths, tables, lora_slot)
     hidden, _ = forward(params, cache, batch, cfg, None, kernels)  # [B * L, D] packed
     rows = jnp.clip(batch.query_start[:-1, None] + jnp.arange(L)[None, :], 0, B * L - 1)
     return compute_logits(params, hidden[rows], None, kernels.matmul)
@@ -160,15 +166,17 @@ def logits(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arr
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
 def score(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-          kernels: Kernels = Kernels()) -> jax.Array:
+          kernels: Kernels = Kernels(), lora_slot: jax.Array | None = None) -> jax.Array:
     """Teacher-forced log-probabilities of sequences: one forward over tokens [B, L] int32
     (sequence b in its first lengths[b] entries, each >= 1) -> [B, L] f32 whose entry
     [b, t] (t >= 1) is log p(tokens[b, t] | tokens[b, :t]) (log-softmax of the raw logits),
     0 at t = 0 and past lengths[b]. Differentiable in `params` for float32 models (a
-    policy-gradient loss is -sum(score * advantage); a bfloat16 pool stores bits). Raises
-    ValueError for mismatched shapes (at trace time)."""
+    policy-gradient loss is -sum(score * advantage); a bfloat16 pool stores bits), LoRA
+    pools included (lora_slot: as `logits`; training an adapter: jaxserve.train.lora).
+    Raises ValueError for mismatched shapes (at trace time)."""
     B, L = tokens.shape
-    logp = jax.nn.log_softmax(logits(params, cfg, tokens, lengths, kernels)[:, :-1], axis=-1)
+    logp = jax.nn.log_softmax(logits(params, cfg, tokens, lengths, kernels,
+                                     lora_slot=lora_slot)[:, :-1], axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     valid = jnp.arange(1, L)[None, :] < lengths[:, None]
     return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), jnp.where(valid, picked, 0.0)],

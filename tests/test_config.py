@@ -166,6 +166,9 @@ MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     "--cpu-kv-cache-space",  # added with the memory check (vLLM's VLLM_CPU_KVCACHE_SPACE)
     "--quantization", "-q",  # added with GGUF blocks served as they are (vLLM's)
     "--kv-cache-dtype",  # added with the fp8 KV cache (vLLM's)
+    # added with multi-LoRA serving (vLLM's)
+    "--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+    "--lora-modules", "--lora-dtype",
 }
 SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",
@@ -208,7 +211,7 @@ def test_field_names_are_unique_across_groups():
     hints = typing.get_type_hints(EngineConfig)
     held = {hints[f.name] for f in dataclasses.fields(EngineConfig)
             if dataclasses.is_dataclass(hints[f.name])}
-    assert len(held) == 5 and held <= set(OVERRIDE_GROUPS)
+    assert len(held) == 6 and held <= set(OVERRIDE_GROUPS)
 
 
 def test_a_field_name_in_two_groups_fails_naming_both():

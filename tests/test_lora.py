@@ -4,6 +4,7 @@ that cannot be served."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -144,3 +145,65 @@ def test_rows_apply_their_own_adapter_from_the_slots():
         put_adapter(pools, 0, new_a, jnp.zeros((4, n_out)))
     with pytest.raises(ValueError, match="r <= 8"):
         put_adapter(pools, 1, jnp.zeros((n_in, 9)), jnp.zeros((9, n_out)))
+
+
+def _served_pools(params, cfg, adapters, max_loras=3, max_rank=8, stacked=False):
+    """params with LoRA pools of max_loras slots, adapter i in slot i + 1 (written by the
+    engine's one program, jaxserve.model.lora.slot_writer); the layers stacked for the
+    layer loop when `stacked`."""
+    import jax.numpy as jnp
+    from jaxserve.config import LoRAConfig
+    from jaxserve.model import lora as model_lora
+    from jaxserve.model.layer_loop import stack_layers
+    lcfg = LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_rank)
+    params = model_lora.attach_pools(params, cfg, lcfg)
+    if stacked:
+        params = dataclasses.replace(params, layers=stack_layers(params.layers))
+    pools = model_lora.lora_pools(params)
+    write = model_lora.slot_writer(pools)
+    for i, adapter in enumerate(adapters):
+        pools = write(pools, jnp.int32(i + 1), model_lora.adapter_arrays(adapter, cfg, lcfg))
+    return model_lora.with_pools(params, pools), write, lcfg
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "layer-loop"])
+def test_served_rows_give_the_merged_models_logits(base, tmp_path, stacked):
+    """One forward over sequences of slots 0, 1, 2, 1 (adapters of ranks 4 and 2 in pools of
+    rank 8; different target modules) gives each sequence the logits of the base with its
+    own adapter merged (f32: within the f32 noise of the different summation order), slot
+    0 the base's bit for bit in value; unrolled and as the layer loop; clearing a slot
+    gives its rows the base's logits again."""
+    import jax.numpy as jnp
+    from jaxserve.functional import logits
+    from jaxserve.model import lora as model_lora
+    _, params, cfg = base
+    _peft_adapter(tmp_path / "a1", seed=3, r=4, lora_alpha=8, target_modules=MODULES)
+    _peft_adapter(tmp_path / "a2", seed=4, r=2, lora_alpha=4,
+                  target_modules=["q_proj", "o_proj", "down_proj"], use_rslora=True)
+    adapters = [load_peft_adapter(tmp_path / n, cfg, max_rank=8, name=n) for n in ("a1", "a2")]
+    served, write, lcfg = _served_pools(params, cfg, adapters, stacked=stacked)
+    rng = np.random.default_rng(0)
+    L = 9
+    tokens = rng.integers(1, cfg.vocab_size, (4, L)).astype(np.int32)
+    lengths = np.array([9, 7, 9, 5], np.int32)
+    slots = np.array([0, 1, 2, 1], np.int32)
+    got = np.asarray(logits(served, cfg, jnp.asarray(tokens), jnp.asarray(lengths),
+                            lora_slot=jnp.asarray(slots)))
+    refs = {0: params, 1: merge_adapter(params, adapters[0]), 2: merge_adapter(params, adapters[1])}
+    for b, s in enumerate(slots):
+        n = lengths[b]
+        want = _jax_logits(refs[int(s)], cfg, list(tokens[b, :n]))
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got[b, :n], want, rtol=1e-5, atol=2e-5 * scale)
+        if s:
+            base_logits = _jax_logits(params, cfg, list(tokens[b, :n]))
+            assert np.abs(base_logits - want).max() > 100 * 2e-5 * scale, "the adapter matters"
+    # clearing slot 1 (an unload): its rows are the base's again, slot 2's unchanged
+    pools = write(model_lora.lora_pools(served), jnp.int32(1),
+                  model_lora.adapter_arrays(None, cfg, lcfg))
+    cleared = np.asarray(logits(model_lora.with_pools(served, pools), cfg, jnp.asarray(tokens),
+                                jnp.asarray(lengths), lora_slot=jnp.asarray(slots)))
+    for b, s in enumerate(slots):
+        n = lengths[b]
+        want = got[b, :n] if s == 2 else _jax_logits(params, cfg, list(tokens[b, :n]))
+        np.testing.assert_allclose(cleared[b, :n], want, rtol=1e-5, atol=2e-5 * np.abs(want).max())

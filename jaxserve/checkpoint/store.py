@@ -145,7 +145,7 @@ def write_checkpoint(out_dir: str | Path, model_cfg: ModelConfig,
         # The checkpointer saves asynchronously: writing group k overlaps making k+1.
         with ocp.StandardCheckpointer() as ckptr:
             for group in groups:
-                tree = make_group(group)
+                tree = group.stored(make_group(group))
                 _check_tree(tree, group.subtree(abstract), group.leaf_name)
                 # jax Arrays (device_put of host numpy on CPU aliases it) cost orbax less
                 # host memory than numpy leaves (PERFORMANCE.md, "Measurements behind the code").

@@ -9,7 +9,7 @@ runs one.
 One module per group, each field documented by the string right after it (the help of
 its command-line flag): validation.py (ConfigError), model.py (ModelConfig, RopeScaling,
 ModelSource), cache.py, scheduler.py, sampler.py, compilation.py, kernel.py,
-speculative.py, engine.py (EngineConfig, which holds the groups), parallel.py
+speculative.py, lora.py, engine.py (EngineConfig, which holds the groups), parallel.py
 (ParallelConfig, check_deployment), server.py (ServerConfig), deployment.py (Config); and
 args.py, the command-line flags generated from the fields. Every name is imported from
 here (`from jaxserve.config import CacheConfig`).
@@ -31,6 +31,7 @@ from jaxserve.config.kernel import (ATTENTION_IMPLS, ATTENTION_KERNEL_IMPLS, KER
                                     MATMUL_IMPLS, MATMUL_KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS,
                                     SAMPLING_IMPLS, WEIGHT_QUANT_FORMATS, KernelConfig,
                                     is_hopper, resolve_attention_impl, resolve_impl)
+from jaxserve.config.lora import LORA_DTYPES, LoRAConfig
 from jaxserve.config.model import ModelConfig, ModelSource, RopeScaling
 from jaxserve.config.parallel import ParallelConfig, check_deployment
 from jaxserve.config.sampler import SamplerConfig
@@ -46,7 +47,7 @@ __all__ = [
     "MAX_SPECULATIVE_TOKENS", "MOSAIC_KERNEL_IMPLS", "NULL_PAGE", "QUANTIZATIONS",
     "SAMPLING_IMPLS", "SHIPPED_CONFIGS", "SPECULATIVE_METHODS", "WEIGHT_QUANT_FORMATS",
     "CacheConfig", "CompilationConfig", "Config", "ConfigError", "EngineConfig",
-    "KernelConfig", "ModelConfig", "ModelSource", "ParallelConfig", "RopeScaling",
+    "KernelConfig", "LORA_DTYPES", "LoRAConfig", "ModelConfig", "ModelSource", "ParallelConfig", "RopeScaling",
     "SamplerConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
     "check_deployment", "config_path", "is_hopper", "load_config", "resolve_attention_impl",
     "resolve_impl", "shipped_config_names",

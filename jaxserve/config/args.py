@@ -27,8 +27,8 @@ import types
 import typing
 from typing import Any, Callable, Iterable, Mapping
 
-from jaxserve.config import (CacheConfig, Config, ConfigError, EngineConfig, ParallelConfig,
-                             SamplerConfig, SchedulerConfig, ServerConfig, SpeculativeConfig)
+from jaxserve.config import (CacheConfig, Config, ConfigError, EngineConfig, LoRAConfig,
+                             ParallelConfig, SamplerConfig, SchedulerConfig, ServerConfig, SpeculativeConfig)
 from jaxserve.config.engine import ENGINE_GROUPS
 
 
@@ -79,6 +79,8 @@ FLAGS: dict[type, tuple[str | Flag, ...]] = {
     CacheConfig: ("enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization",
                   "cpu_kv_cache_space", Flag("cache_dtype", name="kv-cache-dtype", none_if="auto")),
     SamplerConfig: ("max_logprobs", "max_logit_bias"),
+    LoRAConfig: ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+                 Flag("lora_modules", metavar="NAME=PATH"), "lora_dtype"),
     ServerConfig: (
         "max_request_body_bytes", "max_queued_requests",
         Flag("request_timeout_s", name="request-timeout", none_if=0),
@@ -88,7 +90,7 @@ FLAGS: dict[type, tuple[str | Flag, ...]] = {
 # The groups a command adds: the weights and the mesh, the engine's settings (`jaxserve
 # serve` and `jaxserve batch`), the HTTP server's limits (`jaxserve serve`).
 MODEL_FLAGS = (Config, ParallelConfig)
-ENGINE_FLAGS = (EngineConfig, SchedulerConfig, CacheConfig, SamplerConfig)
+ENGINE_FLAGS = (EngineConfig, SchedulerConfig, CacheConfig, SamplerConfig, LoRAConfig)
 SERVER_FLAGS = (ServerConfig,)
 
 # The groups a field name is routed into (Config.override, EngineConfig.override, `apply`):

@@ -1,5 +1,5 @@
 """The serving engine's config (EngineConfig): the groups of cache.py, scheduler.py,
-compilation.py, kernel.py, sampler.py and speculative.py, what spans them, and
+compilation.py, kernel.py, sampler.py, speculative.py and lora.py, what spans them, and
 `override`, which sets a field by name wherever it lives."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import dataclasses
 from jaxserve.config.cache import CacheConfig
 from jaxserve.config.compilation import CompilationConfig
 from jaxserve.config.kernel import KernelConfig
+from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.sampler import SamplerConfig
 from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.config.speculative import SpeculativeConfig
@@ -18,7 +19,7 @@ from jaxserve.config.validation import ConfigError, _positive
 # group that has it (field names are unique across groups: tests/test_config.py).
 ENGINE_GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig,
                  "compilation": CompilationConfig, "kernels": KernelConfig,
-                 "sampler": SamplerConfig}
+                 "sampler": SamplerConfig, "lora": LoRAConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,8 @@ class EngineConfig:
     "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
     sampler: SamplerConfig = SamplerConfig()
     """What a request may ask of the sampler."""
+    lora: LoRAConfig = LoRAConfig()
+    """Serving LoRA adapters (off unless enable_lora)."""
 
     def __post_init__(self):
         _positive("EngineConfig", self, ("max_model_len",))

@@ -23,19 +23,23 @@ import jax.numpy as jnp
 from jaxserve.pytree import pytree_dataclass
 
 
-@pytree_dataclass
+@pytree_dataclass(meta=("logical_shape",))
 class LoraSlots:
-    """One projection's pools: a [S, in, R] f32, b [S, R, out] f32 (slot 0 zeros)."""
+    """One projection's pools: a [S, in, R], b [S, R, out] (slot 0 zeros), in the
+    adapter dtype; logical_shape: the base projection's logical shape (e.g. wq's
+    (embed, heads, head_dim)), whose inputs / outputs `in` / `out` flatten (what tensor
+    parallelism splits them by: jaxserve.model.tensor_parallel)."""
 
     a: jax.Array
     b: jax.Array
+    logical_shape: tuple = ()
 
 
 def empty_slots(num_slots: int, n_in: int, n_out: int, rank: int,
-                dtype=jnp.float32) -> LoraSlots:
+                dtype=jnp.float32, logical_shape: tuple = ()) -> LoraSlots:
     """Zeroed pools of `num_slots` slots (slot 0 = no adapter included) of rank `rank`."""
     return LoraSlots(a=jnp.zeros((num_slots, n_in, rank), dtype),
-                     b=jnp.zeros((num_slots, rank, n_out), dtype))
+                     b=jnp.zeros((num_slots, rank, n_out), dtype), logical_shape=logical_shape)
 
 
 def put_adapter(slots: LoraSlots, slot: int, a: jax.Array, b: jax.Array) -> LoraSlots:
@@ -52,7 +56,8 @@ def put_adapter(slots: LoraSlots, slot: int, a: jax.Array, b: jax.Array) -> Lora
                          f"got {list(a.shape)} and {list(b.shape)}")
     a_pad = jnp.zeros((n_in, R), slots.a.dtype).at[:, :r].set(a)
     b_pad = jnp.zeros((R, n_out), slots.b.dtype).at[:r].set(b)
-    return LoraSlots(a=slots.a.at[slot].set(a_pad), b=slots.b.at[slot].set(b_pad))
+    return LoraSlots(a=slots.a.at[slot].set(a_pad), b=slots.b.at[slot].set(b_pad),
+                     logical_shape=slots.logical_shape)
 
 
 def lora_delta(x: jax.Array, slots: LoraSlots, row_slot: jax.Array) -> jax.Array:
@@ -66,4 +71,15 @@ def lora_delta(x: jax.Array, slots: LoraSlots, row_slot: jax.Array) -> jax.Array
     return xa @ slots.b.astype(jnp.float32).reshape(S * R, -1)
 
 
-__all__ = ["LoraSlots", "empty_slots", "lora_delta", "put_adapter"]
+def add_lora(y: jax.Array, x: jax.Array, slots: LoraSlots | None,
+             row_slot: jax.Array | None) -> jax.Array:
+    """A projection's output y [T, *out] plus each row's adapter delta of its input x
+    [T, *in] (`lora_delta` over the flattened axes), summed in f32 and rounded once to
+    y's dtype; y itself when there are no pools or no row slots (LoRA off)."""
+    if slots is None or row_slot is None:
+        return y
+    delta = lora_delta(x.reshape(x.shape[0], -1), slots, row_slot)
+    return (y.astype(jnp.float32) + delta.reshape(y.shape)).astype(y.dtype)
+
+
+__all__ = ["LoraSlots", "add_lora", "empty_slots", "lora_delta", "put_adapter"]

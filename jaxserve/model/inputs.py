@@ -26,6 +26,8 @@ class StepBatch:
     which predicts its next token.
     decode (static): every sequence brings exactly one token and T == S, token row b being
     sequence b's (lets attention use its decode specialisation).
+    lora_slot: [T] int32, each token row's LoRA adapter slot (0: none; padding rows 0),
+    or None when the engine serves no adapters (jaxserve.lora.batched).
     """
 
     tokens: Any
@@ -36,6 +38,7 @@ class StepBatch:
     query_start: Any
     logits_indices: Any
     decode: bool = False
+    lora_slot: Any = None
 
 
 def next_decode_batch(batch: StepBatch, tokens: jax.Array, page_size: int,

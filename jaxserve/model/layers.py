@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.lora.batched import add_lora
 from jaxserve.model.linear import matmul_backend
 from jaxserve.distributed.sharding import ShardingRules, constrain
 
@@ -78,17 +79,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
-               rules: ShardingRules | None, matmul: Any = "xla") -> jax.Array:
+               rules: ShardingRules | None, matmul: Any = "xla", lora: dict | None = None,
+               row_slot: jax.Array | None = None) -> jax.Array:
     """SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down.
 
     x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [T, D]; the weights float
     arrays or QuantizedWeights / DualPrecisionWeights (`matmul`, a
     jaxserve.model.linear.Matmul or its name, then picks the kernel); w_gate may be a
     FusedWeight of w_gate | w_up (w_up None: one matmul). The F axis is the
-    tensor-parallel `mlp` axis.
+    tensor-parallel `mlp` axis. lora / row_slot: the layer's LoRA slots ({projection:
+    LoraSlots}) and each row's slot [T] int32 (jaxserve.lora.batched.add_lora): each
+    row's adapter delta joins w_gate's, w_up's and w_down's outputs; None: no LoRA.
     Source: Shazeer 2020, "GLU Variants Improve Transformer".
     """
     mm = matmul_backend(matmul)
+    lora = lora or {}
     gate, up = mm.project(x, (w_gate, w_up))
+    gate = add_lora(gate, x, lora.get("w_gate"), row_slot)
+    up = add_lora(up, x, lora.get("w_up"), row_slot)
     h = constrain(rules, jax.nn.silu(gate) * up, ("tokens", "mlp"))
-    return mm.dense(h, w_down, 1)
+    return add_lora(mm.dense(h, w_down, 1), h, lora.get("w_down"), row_slot)

@@ -91,6 +91,9 @@ class LayerParams:
     bq: Any = None
     bk: Any = None
     bv: Any = None
+    # LoRA adapter slots (serving with enable_lora): {projection: jaxserve.lora.LoraSlots},
+    # every projection's; None without LoRA (jaxserve.model.lora)
+    lora: Any = None
 
 
 @pytree_dataclass

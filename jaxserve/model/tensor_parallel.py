@@ -109,10 +109,29 @@ def _dual_spec(node: DualPrecisionWeight, spec: PartitionSpec, ax_in: str | None
 
 
 def layer_specs(lp: LayerParams, rules: ShardingRules) -> LayerParams:
-    """PartitionSpec trees of one layer's params (any prepared form)."""
-    return LayerParams(**{f.name: node_spec(getattr(lp, f.name), LAYER_AXES[f.name],
-                                            PROJECTIONS.get(f.name, 1), rules)
-                          for f in dataclasses.fields(LayerParams)})
+    """PartitionSpec trees of one layer's params (any prepared form; LoRA slots:
+    `lora_specs`)."""
+    specs = {f.name: node_spec(getattr(lp, f.name), LAYER_AXES[f.name],
+                               PROJECTIONS.get(f.name, 1), rules)
+             for f in dataclasses.fields(LayerParams) if f.name != "lora"}
+    return LayerParams(**specs, lora=lora_specs(lp.lora, rules))
+
+
+def lora_specs(lora: dict | None, rules: ShardingRules) -> dict | None:
+    """PartitionSpecs of a layer's LoRA slots ({projection: LoraSlots}): A [S, in, R]
+    split over its input as the base projection's input is, B [S, R, out] over its output
+    as the base's output is (Megatron's column / row split carried to the factors: a
+    column-parallel projection's B gives each device its own columns; a row-parallel
+    one's A its own rows, the partial products summed by the projection's psum)."""
+    if lora is None:
+        return None
+    out = {}
+    for name, slots in lora.items():
+        spec = rules.spec(LAYER_AXES[name], slots.logical_shape)
+        ax_in, ax_out = _split_axes(spec, PROJECTIONS[name])
+        out[name] = dataclasses.replace(slots, a=PartitionSpec(None, ax_in, None),
+                                        b=PartitionSpec(None, None, ax_out))
+    return out
 
 
 def params_specs(params: Params, rules: ShardingRules) -> Params:

@@ -31,29 +31,35 @@ from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.params import EMBED_AXES, LM_HEAD_AXES, LayerParams, Params
 from jaxserve.model.linear import Matmul, matmul_backend
 from jaxserve.kernels.sampling_ops import SamplerOps, sampler_ops
+from jaxserve.lora.batched import add_lora
 from jaxserve.distributed.sharding import ShardingRules, constrain
 
 ACT_AXES = ("tokens", "embed")
 
 
-def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, slot_mapping,
+def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, batch: StepBatch,
                      meta: AttentionMetadata, cfg: ModelConfig, rules, kernels: Kernels,
                      layout: str, reduce_heads: str | None = None, layer=None):
     """Attention with its residual input x [T, D] -> (output [T, D], K pool, V pool).
     reduce_heads: the mesh axis to psum wo's partial sums over (inside shard_map, the
     heads split), else None. layer: None, or the int32 layer index into stacked pools
-    (the layer loop)."""
+    (the layer loop). With LoRA slots (lp.lora, batch.lora_slot) each row's adapter
+    delta joins every projection's output, wo's before the psum (its input split as
+    wo's is: each device adds its heads' share)."""
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     q, k, v = kernels.matmul.project(h, (lp.wq, lp.wk, lp.wv))  # [T, H | K | K, Dh]
+    lora, row_slot = lp.lora or {}, batch.lora_slot
+    q, k, v = (add_lora(y, h, lora.get(name), row_slot)
+               for y, name in ((q, "wq"), (k, "wk"), (v, "wv")))
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = constrain(rules, apply_rope(q, cos, sin), ("tokens", "q_heads", "head_dim"))
     k = constrain(rules, apply_rope(k, cos, sin), ("tokens", "kv_heads", "head_dim"))
     v = constrain(rules, v, ("tokens", "kv_heads", "head_dim"))
-    k_pages = write_kv(k_pages, k, slot_mapping, layout, layer)
-    v_pages = write_kv(v_pages, v, slot_mapping, layout, layer)
+    k_pages = write_kv(k_pages, k, batch.slot_mapping, layout, layer)
+    v_pages = write_kv(v_pages, v, batch.slot_mapping, layout, layer)
     attn = kernels.attention(q, k_pages, v_pages, meta, layout, layer)
-    out = kernels.matmul.dense(attn, lp.wo, 2)  # [T, D]
+    out = add_lora(kernels.matmul.dense(attn, lp.wo, 2), attn, lora.get("wo"), row_slot)
     if reduce_heads is not None:
         out = jax.lax.psum(out, reduce_heads)
     return constrain(rules, out, ACT_AXES), k_pages, v_pages
@@ -158,12 +164,12 @@ def _decoder_layer(x, lp: LayerParams, k_pages, v_pages, cos, sin, batch: StepBa
     """One decoder layer over the residual stream x [T, D]: (x after it, K pool, V pool).
     reduce_heads / reduce_mlp: mesh axes to psum the wo / w_down outputs over (inside
     shard_map); layer: the int32 index into stacked pools (the layer loop) or None."""
-    a, k_pages, v_pages = _attention_block(x, lp, k_pages, v_pages, cos, sin,
-                                           batch.slot_mapping, meta, cfg, rules, kernels,
-                                           layout, reduce_heads, layer)
+    a, k_pages, v_pages = _attention_block(x, lp, k_pages, v_pages, cos, sin, batch, meta,
+                                           cfg, rules, kernels, layout, reduce_heads, layer)
     x = x + a
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    mlp = swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules, kernels.matmul)
+    mlp = swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down, rules, kernels.matmul, lp.lora,
+                     batch.lora_slot)
     if reduce_mlp is not None:
         mlp = jax.lax.psum(mlp, reduce_mlp)
     return constrain(rules, x + mlp, ACT_AXES), k_pages, v_pages
