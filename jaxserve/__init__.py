@@ -14,6 +14,7 @@ _EXPORTS = {
     "CacheConfig": "jaxserve.config", "SchedulerConfig": "jaxserve.config",
     "CompilationConfig": "jaxserve.config", "KernelConfig": "jaxserve.config",
     "ModelSource": "jaxserve.config", "RopeScaling": "jaxserve.config",
+    "LoRARequest": "jaxserve.lora.request",
     "InvalidRequest": "jaxserve.sampling_params", "SamplingParams": "jaxserve.sampling_params",
 }
 __all__ = sorted(_EXPORTS)

@@ -19,6 +19,7 @@ from jaxserve.checkpoint.sources import source_from_path
 from jaxserve.config import Config, ConfigError, load_config
 from jaxserve.engine.builder import build_engine
 from jaxserve.engine.engine import Engine
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_135m.py"
@@ -71,13 +72,17 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[Completion]:
         """Generate for each prompt (text, or token ids) with continuous batching.
 
         `sampling_params`: one for all prompts, or one per prompt (default: SamplingParams()).
+        `lora_request`: the LoRA adapter to run with (vLLM's argument; the engine built with
+        enable_lora), one for all prompts or one (or None: the base) per prompt; an adapter
+        not served yet is loaded from its lora_path first.
         Returns one Completion per prompt, in order. Raises InvalidRequest for a bad prompt
-        (nothing is left queued in the engine).
+        or adapter (nothing is left queued in the engine).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -86,13 +91,19 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise InvalidRequest("sampling_params", f"got {len(sampling_params)} for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise InvalidRequest("lora_request", f"got {len(lora_request)} for {len(prompts)} prompts")
+        for req in {r for r in lora_request if r is not None}:
+            self._ensure_lora(req)
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         rids = [f"gen-{next(self._ids)}" for _ in prompts]
         done: dict[str, object] = {}
         wanted = set(rids)
         try:
-            for rid, tok, sp in zip(rids, ids, sampling_params):
-                self.engine.add_request(rid, tok, sp)
+            for rid, tok, sp, lr in zip(rids, ids, sampling_params, lora_request):
+                self.engine.add_request(rid, tok, sp, None if lr is None else lr.lora_name)
             while len(done) < len(rids):
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
@@ -105,6 +116,16 @@ class LLM:
                            finish_reason=done[r].finish_reason, num_prompt_tokens=len(t),
                            logprobs=done[r].logprobs, prompt_logprobs=done[r].prompt_logprobs)
                 for p, r, t in zip(prompts, rids, ids)]
+
+    def _ensure_lora(self, req: LoRARequest) -> None:
+        """Serve `req`'s adapter if it is not served yet. Raises InvalidRequest for an
+        adapter that cannot be served (or LoRA off)."""
+        if req.lora_name in self.engine.lora_names():
+            return
+        try:
+            self.engine.add_lora(req.lora_name, req.lora_path)
+        except ValueError as e:  # AdapterError, or LoRA off
+            raise InvalidRequest("lora_request", str(e)) from None
 
 
 def generate(prompts, sampling_params=None, config: Config | str | Path | None = None,

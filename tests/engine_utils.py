@@ -49,22 +49,26 @@ def tiny_engine(params, draft_params=None, eagle=None, **engine_config):
         draft = (EagleHead(hcfg), hp,
                  (init_kv_cache(hcfg, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major"),
                   jnp.zeros((65 * TINY_PAGE, TINY_CFG.hidden_size), jnp.float32)))
+    if ecfg.lora.enable_lora:  # the adapter slots, as build_engine attaches them
+        from jaxserve.model.lora import attach_pools
+        params = attach_pools(params, TINY_CFG, ecfg.lora)
     runner = Runner(TINY_CFG, ecfg, params, cache, Kernels("xla", "xla", "xla"), draft=draft)
     return Engine(TINY_CFG, ecfg, runner, tiny_tokenizer())
 
 
 def run_staggered(engine, requests, arrivals, check=None, max_steps=5000):
-    """Add request i = (id, prompt ids, SamplingParams) at engine step arrivals[i]; step
+    """Add request i = (id, prompt ids, SamplingParams[, LoRA adapter name]) at engine step
+    arrivals[i]; step
     until all of them finish. `check`, if given, is called on every RequestOutput of theirs.
     Returns ({id: the final RequestOutput}, the largest number of running sequences seen).
     Fails the test if they have not finished after max_steps steps."""
     done, step, max_running = {}, 0, 0
-    ids = {rid for rid, _, _ in requests}
+    ids = {r[0] for r in requests}
     pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
     while len(done) < len(requests):
         while pending and arrivals[pending[0]] <= step:
-            rid, prompt, params = requests[pending.pop(0)]
-            engine.add_request(rid, prompt, params)
+            rid, prompt, params, *lora = requests[pending.pop(0)]
+            engine.add_request(rid, prompt, params, *lora)
         for out in engine.step():
             if out.request_id not in ids:
                 continue

@@ -27,9 +27,10 @@ WRITER = {
     "num_cached_pages": "engine/kv_cache_manager.py",
     "text": "engine/output_processor.py", "logprobs": "engine/output_processor.py",
     "prompt_logprobs": "engine/output_processor.py",
+    "lora_slot": "engine/lora_manager.py",
 }
 SET_ONCE = {"request_id", "prompt_ids", "params", "seed", "controls", "matcher",
-            "detokenizer", "stop_checker"}
+            "detokenizer", "stop_checker", "lora_name", "cache_salt"}
 
 
 def _seq_field(node) -> str | None:

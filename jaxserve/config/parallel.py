@@ -98,6 +98,9 @@ def check_deployment(engine: EngineConfig, model: ModelConfig,
     if pp > model.num_layers:
         raise ConfigError(f"ParallelConfig.pipeline_parallel_size={pp} exceeds the model's "
                           f"{model.num_layers} layers (each stage needs at least one)")
+    if pp > 1 and engine.lora.enable_lora:
+        raise ConfigError("LoRA adapters (enable_lora) are not served with pipeline stages: "
+                          "set pipeline_parallel_size=1 (tensor parallelism splits them)")
     if pp > 1 and engine.speculative is not None:
         raise ConfigError("speculative decoding (EngineConfig.speculative_config) does not run "
                           "with pipeline stages yet: set pipeline_parallel_size=1")

@@ -56,7 +56,7 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
     else:
         T, S, P = shapes.shape_of(num_new, max_pages, plan.decode)
     J = shapes.verify_rows if plan.verify else 0
-    b = empty_batch(T, S, P, decode=plan.decode, verify=J)
+    b = empty_batch(T, S, P, decode=plan.decode, verify=J, lora=shapes.lora)
     prev_index = np.full((T,), -1, np.int32)
     page_size = shapes.page_size
     row = 0
@@ -78,6 +78,8 @@ def step_batch(plan: SchedulerOutput, shapes: StepShapes, prev_rows=None
         b.slot_mapping[rows] = _slots(s.block_table, start, stop, page_size)
         b.block_tables[i, :len(s.block_table)] = s.block_table
         b.seq_lens[i] = stop
+        if b.lora_slot is not None:
+            b.lora_slot[rows] = s.lora_slot
         if J:
             b.logits_indices[i] = row + np.minimum(np.arange(J), n - 1)
         else:

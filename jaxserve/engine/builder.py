@@ -22,6 +22,7 @@ from jaxserve.config import Config, ConfigError, ModelConfig, check_deployment
 from jaxserve.distributed.sharding import ShardingRules, make_mesh
 from jaxserve.engine.engine import Engine
 from jaxserve.model.kv_cache import init_kv_cache
+from jaxserve.model.lora import attach_pools
 from jaxserve.model.params import PROJECTIONS, dummy_params
 from jaxserve.model.pipeline import stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
@@ -117,6 +118,8 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     raw, model_cfg = expand_kv_heads(raw, model_cfg, config.parallel.tensor_parallel_size)
     params = prepare_params(raw, ecfg.kernels, kernels, rules)
     del raw
+    if ecfg.lora.enable_lora:  # zeroed adapter slots in every layer (jaxserve.model.lora)
+        params = attach_pools(params, model_cfg, ecfg.lora, rules)
     if config.parallel.pipeline_parallel_size > 1:  # loaded on their stages: stack them
         params = stage_params(params, rules, config.parallel.microbatches,
                               config.parallel.pipeline_decode_microbatches, donate=True)

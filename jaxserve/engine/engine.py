@@ -52,12 +52,14 @@ from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.engine.batch_builder import constrained_rows, step_batch
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.lora_manager import LoraManager
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.scheduler import InflightStep, Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, TokenLogprobs
 from jaxserve.engine.stats import EngineStats
+from jaxserve.lora.adapter import AdapterError, LoraAdapter
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.spec_decode.controller import SpecDecodeController
 from jaxserve.tokenization.tokenizer import Tokenizer
@@ -93,7 +95,14 @@ class Engine:
         self.spec = (SpecDecodeController(spec, engine_config.scheduler.max_num_seqs,
                                           engine_config.max_model_len) if spec else None)
         self.kv_cache_manager = KVCacheManager(pool, engine_config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(engine_config, self.kv_cache_manager, self.spec)
+        lcfg = engine_config.lora
+        self.lora = LoraManager(lcfg, model_config) if lcfg.enable_lora else None
+        for name, path in lcfg.modules().items():  # --lora-modules: refused at start-up
+            try:
+                self.lora.add(name, path)
+            except AdapterError as e:
+                raise ConfigError(f"LoRAConfig.lora_modules: {e}") from None
+        self.scheduler = Scheduler(engine_config, self.kv_cache_manager, self.spec, self.lora)
         eos = frozenset(model_config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.input_processor = InputProcessor(model_config, engine_config, tokenizer, eos)
@@ -121,17 +130,49 @@ class Engine:
         return self.runner.num_compilations
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        """Queue a request. Raises InvalidRequest: duplicate id, or what the input
-        processor refuses (InputProcessor.process: empty prompt, token ids, lengths,
-        sampler limits, parameters that cannot be packed for the device). Raises
-        EngineDeadError once the engine is dead."""
+                    params: SamplingParams, lora_name: str | None = None) -> None:
+        """Queue a request, run with the LoRA adapter `lora_name` (None: the base model).
+        Raises InvalidRequest: duplicate id, an adapter not served (field "model"), or
+        what the input processor refuses (InputProcessor.process: empty prompt, token
+        ids, lengths, sampler limits, parameters that cannot be packed for the device).
+        Raises EngineDeadError once the engine is dead."""
         if not self.healthy:
             raise EngineDeadError("the engine is dead (a device step failed and the KV pool "
                                   "could not be restored)")
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"request {request_id!r} is already running")
-        self.scheduler.add(self.input_processor.process(request_id, prompt_token_ids, params))
+        salt = None
+        if lora_name is not None:
+            if self.lora is None or not self.lora.is_served(lora_name):
+                raise InvalidRequest("model", f"no LoRA adapter {lora_name!r} is loaded"
+                                     + ("" if self.lora else " (LoRA is off: --enable-lora)"))
+            salt = self.lora.cache_salt(lora_name)
+        self.scheduler.add(self.input_processor.process(request_id, prompt_token_ids, params,
+                                                        lora_name, salt))
+
+    # --- LoRA adapters -------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str, adapter: LoraAdapter | None = None) -> None:
+        """Serve the PEFT adapter in directory `path` as `name` (requests name it as their
+        model); `adapter`: it already read (jaxserve.lora.load_peft_adapter, e.g. off the
+        engine's thread). Its device slot is written when a request first needs it.
+        Raises AdapterError (one line) for a name in use or an adapter that cannot be
+        served, ValueError when LoRA is off."""
+        if self.lora is None:
+            raise ValueError("LoRA is off: start the engine with enable_lora (--enable-lora)")
+        self.lora.add(name, path, adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`: its running requests finish with it, waiting ones
+        fail, new ones are refused. Raises KeyError for a name not served, ValueError when
+        LoRA is off."""
+        if self.lora is None:
+            raise ValueError("LoRA is off: start the engine with enable_lora (--enable-lora)")
+        self.lora.remove(name)
+
+    def lora_names(self) -> list[str]:
+        """The adapters served now, by name (none when LoRA is off)."""
+        return sorted(self.lora.names) if self.lora is not None else []
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request and free its pages; its final output (finish_reason "abort")
@@ -183,6 +224,8 @@ class Engine:
                     self._reset_kv()
         if scheduled is None:
             scheduled = self.scheduler.schedule(can_propose=self._inflight is None)
+        for seq, why in self.scheduler.take_refused():
+            self._fail(seq, why)
         launched = self._execute(scheduled) if scheduled is not None else None
         if self._inflight is not None:
             wait += self._update(self._inflight, launched)
@@ -225,6 +268,9 @@ class Engine:
         rows = self.runner.shapes.verify_rows if scheduled.verify else scheduled.num_steps
         handle = pending = None
         try:
+            if self.lora is not None:  # adapters the step's sequences took new slots for
+                for slot, adapter in self.lora.take_writes():
+                    self.runner.write_lora(slot, adapter)
             if split and constrained:
                 forward = self.runner.dispatch_forward(batch, sampling, prev_index)
                 pending = forward, sampling, constrained

@@ -138,10 +138,11 @@ class KVCacheManager:
 
     def _hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
         """`seq`'s chained hashes of its first `num_pages` full pages (of known tokens),
-        computed once each."""
+        computed once each; the first chained to its cache_salt (a LoRA adapter's: pages
+        computed under another adapter, or none, never match)."""
         have = len(seq.page_hashes)
         if num_pages > have:
             ids = seq.ids(0, num_pages * self.page_size)
             seq.page_hashes += page_hashes(ids, self.page_size, have,
-                                           seq.page_hashes[-1] if have else None)
+                                           seq.page_hashes[-1] if have else seq.cache_salt)
         return seq.page_hashes[:num_pages]

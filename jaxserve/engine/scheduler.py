@@ -20,6 +20,12 @@ waiting request whose next uncached page another request is computing right now 
 prompt, or the same system prompt, arriving together) waits for it instead of computing it
 a second time; requests behind it may be admitted meanwhile.
 
+LoRA (the LoraManager's slots): a sequence is admitted only with its adapter's device
+slot (`LoraManager.acquire`), at most max_loras adapters among the running sequences; one
+whose adapter finds no slot waits, and those behind it may be admitted meanwhile. A
+sequence whose adapter was unloaded while it waited is refused (`take_refused`: the engine
+fails it). Preempted or finished, it gives its slot back.
+
 Pages follow the computed tokens: a sequence holds the pages of the tokens up to its
 chunk's end. When a running sequence needs a page and none is free, the most recently
 admitted sequence newer than it is preempted (its pages freed; it waits, first in the queue,
@@ -55,7 +61,9 @@ from collections import deque
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.lora_manager import LoraManager
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from jaxserve.lora.adapter import AdapterError
 from jaxserve.spec_decode.controller import SpecDecodeController
 
 
@@ -137,14 +145,17 @@ class SchedulerStats:
 
 class Scheduler:
     """Owns the live requests (`requests`: id -> Sequence; the waiting queue and the
-    running set), their computed tokens and their output tokens; asks `kv` for pages and
-    `spec` (None: speculative decoding off) for drafts."""
+    running set), their computed tokens and their output tokens; asks `kv` for pages,
+    `spec` (None: speculative decoding off) for drafts and `lora` (None: no adapters) for
+    adapter slots."""
 
     def __init__(self, cfg: EngineConfig, kv: KVCacheManager,
-                 spec: SpecDecodeController | None = None):
+                 spec: SpecDecodeController | None = None, lora: LoraManager | None = None):
         self.cfg = cfg
         self.kv = kv
         self.spec = spec
+        self.lora = lora
+        self._refused: list[tuple[Sequence, str]] = []
         self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -303,12 +314,23 @@ class Scheduler:
             if kv.prefix_in_progress(seq, self.running):
                 deferred.append(self.waiting.popleft())
                 continue
+            if self.lora is not None:
+                try:
+                    got_slot = self.lora.acquire(seq)
+                except AdapterError as e:
+                    self._refused.append((self.waiting.popleft(), str(e)))
+                    continue
+                if not got_slot:  # every slot holds another adapter's running requests
+                    deferred.append(self.waiting.popleft())
+                    continue
             hit = seq.num_computed = kv.take_cached_prefix(seq)
             n = min(_todo(seq), left())
             n = kv.room(seq, n, self._reserve(plan) + self._growth(seq, n))
             if n == 0 or (n < _todo(seq) and not limits.enable_chunked_prefill):
                 kv.free(seq)  # the cached pages it took stay cached
                 seq.num_computed = 0
+                if self.lora is not None:
+                    self.lora.release(seq)
                 break
             kv.count_admission(seq, hit)
             self.waiting.popleft()
@@ -472,9 +494,17 @@ class Scheduler:
             self.finish(seq, reason)
         return seq
 
+    def take_refused(self) -> list[tuple[Sequence, str]]:
+        """Waiting sequences planning refused since the last call, with why (their LoRA
+        adapter was unloaded or cannot be read): the engine fails them."""
+        out, self._refused = self._refused, []
+        return out
+
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+            if self.lora is not None:
+                self.lora.release(seq)
         self.kv.free(seq)
 
 

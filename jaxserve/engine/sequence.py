@@ -38,7 +38,9 @@ class Sequence:
     request_id, prompt_ids (token ids), params, seed (resolved sampling seed); controls (its
     row of the logits-controls table, None: it uses none); matcher (with
     params.structured_outputs, its grammar state, jaxserve.sample.grammar.GrammarMatcher);
-    detokenizer / stop_checker (text state). The objects in matcher, detokenizer and
+    detokenizer / stop_checker (text state); lora_name (the LoRA adapter it runs with,
+    None: the base model) and cache_salt (its first page hash's parent: the adapter's,
+    jaxserve.engine.lora_manager). The objects in matcher, detokenizer and
     stop_checker are advanced by the output processor.
 
     Written by the scheduler (jaxserve.engine.scheduler): output_ids (token ids; the last
@@ -46,6 +48,9 @@ class Sequence:
     multi-step decode), status (waiting / running), num_computed (tokens whose K/V are in
     its pages), admitted (a counter value, larger = admitted more recently: preemption
     order), num_preemptions, finish_reason (None while live; set once, when it finishes).
+
+    Written by the LoRA manager (jaxserve.engine.lora_manager): lora_slot (its adapter's
+    device slot while it runs; 0: none).
 
     Written by the KV cache manager (jaxserve.engine.kv_cache_manager): block_table (page
     ids holding its K/V, in order), page_hashes (chained hashes of its full pages of known
@@ -66,6 +71,8 @@ class Sequence:
     matcher: Any = None
     detokenizer: Any = None
     stop_checker: Any = None
+    lora_name: str | None = None
+    cache_salt: bytes | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0
@@ -75,6 +82,7 @@ class Sequence:
     block_table: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_pages: int = 0
+    lora_slot: int = 0
     text: str = ""
     logprobs: list | None = None
     prompt_logprobs: list | None = None

@@ -26,11 +26,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.pytree import pytree_dataclass
 
 # PEFT's target module names (Llama / Mistral / Qwen2 HF modules) -> our projection
 PEFT_MODULES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
@@ -44,11 +42,12 @@ class AdapterError(ValueError):
     the limit."""
 
 
-@pytree_dataclass(meta=("name", "rank", "targets"))
+@dataclasses.dataclass(frozen=True, eq=False)
 class LoraAdapter:
-    """One adapter's factors: a, b: tuples (one per layer) of dicts {projection: A [in, r]
-    f32, B [r, out] f32 (scaling folded in)} over `targets` (our projection names); rank:
-    r; name: what requests call it."""
+    """One adapter's factors, on the host: a, b: tuples (one per layer) of dicts
+    {projection: A [in, r] f32, B [r, out] f32 (scaling folded in)} numpy arrays over
+    `targets` (our projection names); rank: r; name: what requests call it. (Plain
+    Python + numpy: the engine's host side keeps adapters without JAX.)"""
 
     a: tuple
     b: tuple
@@ -173,6 +172,8 @@ def merge_adapter(params, adapter: LoraAdapter):
     into its weights: W + A @ B (B scaled) reshaped to W's shape, in W's dtype. The
     reference of the batched path: served logits with the adapter equal this model's.
     Raises AdapterError for a quantised or packed projection (merge into float weights)."""
+    import jax.numpy as jnp
+
     def merged(lp, a_i, b_i):
         updates = {}
         for proj in adapter.targets:

@@ -56,14 +56,30 @@ def layer_pools(cfg: ModelConfig, lcfg: LoRAConfig) -> dict[str, LoraSlots]:
     return out
 
 
-def pool_bytes(cfg: ModelConfig, lcfg: LoRAConfig) -> int:
-    """Bytes of every layer's pools (the memory plan's LoRA term)."""
+def pool_bytes(cfg: ModelConfig, lcfg: LoRAConfig, rules=None) -> tuple[int, int]:
+    """(bytes on one device, bytes on all devices) of every layer's pools (the memory
+    plan's LoRA term; 0 without enable_lora): A and B of each projection, split over a
+    tensor-parallel mesh (`rules`, abstract or real) as tensor_parallel.lora_specs
+    splits them (a factor not split is on every device)."""
+    if not lcfg.enable_lora:
+        return 0, 0
+    from jaxserve.model import tensor_parallel as tp
+    from jaxserve.model.params import LAYER_AXES
     itemsize = lora_dtype(lcfg, cfg).itemsize
-    per_slot = 0
+    devices = 1 if rules is None else rules.mesh.size
+    one = every = 0
     for name, shape in projection_shapes(cfg).items():
         n = PROJECTIONS[name]
-        per_slot += (int(np.prod(shape[:n])) + int(np.prod(shape[n:]))) * lcfg.max_lora_rank
-    return cfg.num_layers * lcfg.num_slots * per_slot * itemsize
+        n_in, n_out = int(np.prod(shape[:n])), int(np.prod(shape[n:]))
+        ax_in = ax_out = None
+        if tp.tp_axis(rules) is not None:
+            ax_in, ax_out = tp._split_axes(rules.spec(LAYER_AXES[name], shape), n)
+        for size, ax in ((n_in, ax_in), (n_out, ax_out)):
+            split = 1 if ax is None else rules.mesh.shape[ax]
+            one += size // split
+            every += size // split * devices
+    scale = cfg.num_layers * lcfg.num_slots * lcfg.max_lora_rank * itemsize
+    return one * scale, every * scale
 
 
 def attach_pools(params: Params, cfg: ModelConfig, lcfg: LoRAConfig, rules=None) -> Params:

@@ -69,6 +69,7 @@ class StepShapes:
         comp, limits = cfg.compilation, cfg.scheduler
         self.decode_steps = limits.decode_steps
         self.page_size = cfg.cache.page_size
+        self.lora = cfg.lora.enable_lora  # steps carry each row's LoRA slot
         self.seq_buckets = _up_to(comp.seq_buckets, 1, limits.max_num_seqs)
         budget = limits.max_num_batched_tokens
         self.token_buckets = _up_to(comp.token_buckets, min(16, budget), budget)
@@ -148,11 +149,11 @@ class StepKey(NamedTuple):
         return StepKey("sample", 0, self.S, 0, 1)
 
 
-def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
-                     ) -> tuple[StepBatch, SamplingBatch, jax.ShapeDtypeStruct]:
+def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int,
+                    lora: bool = False) -> tuple[StepBatch, SamplingBatch, jax.ShapeDtypeStruct]:
     """The step's inputs for `key` as ShapeDtypeStructs placed with `sharding` (what a
-    step is compiled ahead of time for): the batch, the sampling arrays, and prev_index
-    [T] int32 (Runner.dispatch)."""
+    step is compiled ahead of time for): the batch (with its rows' LoRA slots when
+    `lora`), the sampling arrays, and prev_index [T] int32 (Runner.dispatch)."""
     def s(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     i32, f32 = jnp.int32, jnp.float32
@@ -161,7 +162,7 @@ def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int
                       slot_mapping=s((T,), i32), block_tables=s((S, P), i32),
                       seq_lens=s((S,), i32), query_start=s((S + 1,), i32),
                       logits_indices=s((S, key.n) if key.kind == "verify" else (S,), i32),
-                      decode=key.kind == "decode")
+                      decode=key.kind == "decode", lora_slot=s((T,), i32) if lora else None)
     controls = jax.tree.map(lambda a: s(a.shape, a.dtype),
                             LogitsControls.neutral(S, max_logit_bias, vocab_size))
     sampling = SamplingBatch(temperature=s((S,), f32), top_k=s((S,), i32), top_p=s((S,), f32),

@@ -18,12 +18,13 @@ from jaxserve.config import NULL_PAGE
 from jaxserve.model.inputs import StepBatch
 
 
-def empty_batch(T: int, S: int, P: int, decode: bool = False, verify: int = 0) -> StepBatch:
+def empty_batch(T: int, S: int, P: int, decode: bool = False, verify: int = 0,
+                lora: bool = False) -> StepBatch:
     """An all-padding batch of T token rows and S sequences with P pages each: every token
     writes to the null page, every sequence has seq_len 0 (and, for decode, T == S, row b
     belongs to sequence b; otherwise no sequence owns a row); builders fill in the real
     ones. verify > 0: a verify batch, logits read at `verify` rows per sequence
-    (logits_indices [S, verify])."""
+    (logits_indices [S, verify]). lora: with each row's LoRA slot (lora_slot [T], 0)."""
     if decode and T != S:
         raise ValueError(f"a decode batch has one token row per sequence, got T={T}, S={S}")
     return StepBatch(
@@ -36,4 +37,5 @@ def empty_batch(T: int, S: int, P: int, decode: bool = False, verify: int = 0) -
                      else np.zeros((S + 1,), np.int32)),
         logits_indices=np.zeros((S, verify) if verify else (S,), np.int32),
         decode=decode,
+        lora_slot=np.zeros((T,), np.int32) if lora else None,
     )

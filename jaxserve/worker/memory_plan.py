@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec
 from jaxserve.config import Config, ConfigError, KernelConfig, ModelConfig, SpeculativeConfig
 from jaxserve.model.attention import xla_attention_temp_bytes
 from jaxserve.model.kv_cache import KV_AXES, page_bytes, token_bytes
+from jaxserve.model.lora import pool_bytes
 from jaxserve.model.params import abstract_params
 from jaxserve.sample.sampler import PROMPT_LOGPROBS_BLOCK
 from jaxserve.distributed.sharding import ShardingRules, layers_per_stage, make_abstract_mesh
@@ -79,6 +80,8 @@ class MemoryPlan:
     # how many devices' worth the pool's bytes split (see plan_memory)
     page_bytes_total: int = 0
     kv_split: float = 1.0
+    # the LoRA adapter slots' pools (enable_lora), included in `weights`
+    lora_pools: int = 0
 
     @property
     def total(self) -> int:
@@ -100,6 +103,8 @@ class MemoryPlan:
                 ("parameters", f"{self.num_params / 1e9:.2f} B"),
                 ("weights (all devices)", f"{self.weights_total / GiB:.2f} GiB"),
                 ("weights / device", f"{self.weights / GiB:.2f} GiB"),
+                *([("LoRA slots / device", f"{self.lora_pools / GiB:.2f} GiB (in the weights)")]
+                  if self.lora_pools else []),
                 ("KV / token (all devices)", f"{self.kv_bytes_per_token_total / 2**10:.1f} KiB"),
                 ("KV pool / device", f"{self.kv_pool / GiB:.2f} GiB "
                                      f"({self.kv_pages} pages, {self.kv_tokens} tokens)"),
@@ -185,6 +190,8 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     leaves = jax.tree.leaves_with_path(params)
     kcfg = resolve_kernel_config(ecfg.kernels, platform, model.dtype, config.quantization)
     weights, weights_total = prepared_weight_bytes(model, kcfg, rules)
+    lora, lora_total = pool_bytes(model, ecfg.lora, rules)  # LoRA slots: fixed, as weights
+    weights, weights_total = weights + lora, weights_total + lora_total
     replicated = ()
     if config.parallel.tensor_parallel_size > 1:  # matrices that could not be split over `model`
         replicated = tuple(sorted({jax.tree_util.keystr(p).split(".")[-1] for p, x in leaves
@@ -237,7 +244,7 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
         draft_pool=int(pages * draft_page // kv_split),
         tensor_parallel=config.parallel.tensor_parallel_size, pipeline_stages=stages,
         layers_per_device=slots, kv_sized_by=sized_by, page_bytes_total=per_page,
-        kv_split=kv_split)
+        kv_split=kv_split, lora_pools=lora)
 
 
 # The flag that set each way of sizing the pool, for messages.

@@ -37,6 +37,7 @@ from jaxserve.worker.input_batch import empty_batch
 from jaxserve.worker.compilation import (StepKey, StepShapes, abstract_inputs,
                                          abstract_sample_inputs)
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.lora import adapter_arrays, lora_pools, slot_writer, with_pools
 from jaxserve.model.params import Params
 from jaxserve.model.inputs import StepBatch
 from jaxserve.model.transformer import Kernels, logits_sharding
@@ -120,6 +121,29 @@ class Runner:
         # to make the pools again (reset_cache)
         self._cache_spec = _abstract(cache)
         self._draft_cache_spec = _abstract(self.draft_cache)
+        # LoRA (enable_lora): the one program writing an adapter slot, compiled now by
+        # clearing slot 0 (which stays zeros), so that no load ever compiles
+        pools = lora_pools(params)
+        self._write_lora = None if pools is None else slot_writer(pools)
+        if self._write_lora is not None:
+            self._apply_lora(0, None)
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Write LoRA adapter `adapter` (a jaxserve.lora.LoraAdapter; None: clear) into
+        slot `slot` of every pool in the params (jaxserve.model.lora): steps dispatched
+        after this use it. Raises ValueError without LoRA pools or for an adapter the
+        pools cannot hold."""
+        if self._write_lora is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora is off)")
+        with self._dispatch_lock:
+            if self.mirror is not None:
+                self.mirror.send(("lora", slot, adapter))
+            self._apply_lora(slot, adapter)
+
+    def _apply_lora(self, slot: int, adapter) -> None:
+        arrays = adapter_arrays(adapter, self.model_cfg, self.engine_cfg.lora)
+        pools = self._write_lora(lora_pools(self.params), np.int32(slot), arrays)
+        self.params = with_pools(self.params, pools)
 
     def _zero_token_pool(self):
         return jnp.zeros((self.cache.num_pages * self.cache.page_size,), jnp.int32,
@@ -165,7 +189,7 @@ class Runner:
             exe = traced.lower().compile()
             return exe, time.perf_counter() - t0
         batch, sampling, prev_index = abstract_inputs(key, self._replicated, self.max_logit_bias,
-                                                      self.model_cfg.vocab_size)
+                                                      self.model_cfg.vocab_size, self.shapes.lora)
         params, cache = _abstract(self.params), _abstract(self.cache)
         draft = _abstract(self.draft_params), self._draft_cache_spec
         last = _abstract(self.last_tokens)
@@ -225,7 +249,8 @@ class Runner:
                                    keep_last=True).tokens
         else:
             batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode",
-                                verify=key.n if key.kind == "verify" else 0)
+                                verify=key.n if key.kind == "verify" else 0,
+                                lora=self.shapes.lora)
             prev_index = np.full((key.T,), -1, np.int32)
             if key.split:
                 out = self._run_forward(exe, key, batch, sampling, prev_index,
@@ -462,6 +487,9 @@ class Runner:
                 return
             if record[0] == "reset":
                 self.reset_cache()
+                continue
+            if record[0] == "lora":
+                self._apply_lora(record[1], record[2])
                 continue
             if record[0] == "forward":
                 _, key, batch, targets, prev_index, warmup = record
