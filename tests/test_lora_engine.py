@@ -6,7 +6,6 @@ prefix cache keyed by adapter; and the LoRA manager's host bookkeeping."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest

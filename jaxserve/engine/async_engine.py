@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -205,11 +206,12 @@ class AsyncEngine:
         return self._num_adds_queued + self.engine.stats().scheduler.waiting
 
     async def add_request(self, request_id: str, prompt_ids: Sequence[int],
-                          params: SamplingParams, arrival_time: float | None = None
-                          ) -> RequestStream:
+                          params: SamplingParams, arrival_time: float | None = None,
+                          lora_name: str | None = None) -> RequestStream:
         """Submit a request; return its stream once the engine has accepted it.
         arrival_time: time.monotonic() when the request arrived (default: now), from
-        which its timeout and latency metrics count.
+        which its timeout and latency metrics count. lora_name: the LoRA adapter it runs
+        with (None: the base model).
 
         Raises InvalidRequest (from `Engine.add_request`: empty or too long prompt, token id
         outside the vocabulary, duplicate id), QueueFull (max_queued_requests wait), or
@@ -221,7 +223,7 @@ class AsyncEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         deadline = None if self.request_timeout_s is None else arrival + self.request_timeout_s
         stream = RequestStream(request_id, asyncio.get_running_loop(), self, arrival, deadline)
-        self._submit(("add", request_id, list(prompt_ids), params, stream))
+        self._submit(("add", request_id, (list(prompt_ids), lora_name), params, stream))
         try:
             await stream._wait_accepted()
         except asyncio.CancelledError:
@@ -244,6 +246,24 @@ class AsyncEngine:
         finally:
             stream.abort()
 
+    async def call(self, fn):
+        """`fn(engine)` run on the engine thread between two steps (what changes the
+        engine's state besides requests: loading a LoRA adapter); returns its result or
+        raises what it raised. Raises EngineShutdown once the engine is shut down."""
+        future = concurrent.futures.Future()
+        self._submit(("call", None, fn, None, future))
+        return await asyncio.wrap_future(future)
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters served now (read from any thread; `Engine.lora_names`)."""
+        names = getattr(self.engine, "lora_names", None)
+        return names() if names is not None else []
+
+    def lora_paths(self) -> dict[str, str]:
+        """{adapter name: its directory} of the LoRA adapters served now (any thread)."""
+        lora = getattr(self.engine, "lora", None)
+        return lora.paths() if lora is not None else {}
+
     def abort(self, request_id: str) -> None:
         """Cancel a request by id (no-op if unknown or finished). Thread-safe."""
         self._submit(("abort", request_id, None, None, None))
@@ -264,15 +284,17 @@ class AsyncEngine:
 
     def _submit(self, command: tuple) -> None:
         with self._cv:
-            if command[0] == "add" and (self._stopping or self._dead
-                                        or not self._thread.is_alive()):
+            if command[0] in ("add", "call") and (self._stopping or self._dead
+                                                  or not self._thread.is_alive()):
                 stopped = True
             else:
                 stopped = False
                 self._commands.append(command)
                 self._num_adds_queued += command[0] == "add"
                 self._cv.notify()
-        if stopped:
+        if stopped and command[0] == "call":
+            command[4].set_exception(EngineShutdown("the engine is shut down"))
+        elif stopped:
             self._deliver(command[4], EngineShutdown("the engine is shut down"))
 
     # -- engine thread --------------------------------------------------------------------
@@ -319,11 +341,22 @@ class AsyncEngine:
         if kind == "abort_all":
             self._fail_all(EngineShutdown("the request was aborted: the server is shutting down"))
             return
+        if kind == "call":
+            fn, future = prompt_ids, stream
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:  # the caller's to handle (an adapter that cannot load)
+                future.set_exception(e)
+            return
         if self._stopping or self._dead:
             self._deliver(stream, EngineShutdown("the engine is shut down"))
             return
+        prompt_ids, lora_name = prompt_ids
         try:
-            self.engine.add_request(request_id, prompt_ids, params)
+            if lora_name is None:
+                self.engine.add_request(request_id, prompt_ids, params)
+            else:
+                self.engine.add_request(request_id, prompt_ids, params, lora_name)
         except InvalidRequest as e:
             self._deliver(stream, e)
             return

@@ -87,6 +87,16 @@ class LoraManager:
     def is_served(self, name: str) -> bool:
         return name in self._paths
 
+    def read(self, path: str | Path, name: str) -> LoraAdapter:
+        """Read the adapter in directory `path` as `name`, checked against the base
+        (nothing here changes: safe on another thread, e.g. the server's while the
+        engine steps). Raises AdapterError (one line)."""
+        return self._read(Path(path), name)
+
+    def paths(self) -> dict[str, str]:
+        """{name: directory} of the adapters served (a copy: any thread may read it)."""
+        return {name: str(path) for name, path in list(self._paths.items())}
+
     def cache_salt(self, name: str | None) -> bytes | None:
         """The first page hash's parent for sequences of adapter `name` (None: the base)."""
         return None if name is None else self._salts[name]

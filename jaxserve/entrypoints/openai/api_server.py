@@ -2,7 +2,9 @@
 
     POST /v1/completions        prompt (text or token ids) -> text; SSE when "stream": true
     POST /v1/chat/completions   messages -> chat template -> text; SSE when "stream": true
-    GET  /v1/models             the one served model
+    GET  /v1/models             the served model, and its LoRA adapters (`parent`: the base)
+    POST /v1/load_lora_adapter  {"lora_name", "lora_path"}: serve a PEFT adapter (vLLM's;
+    POST /v1/unload_lora_adapter {"lora_name"}: stop serving it    with --enable-lora)
     GET  /health                liveness: 200 + engine counters while the engine thread
                                 runs and steps, else 503
     GET  /ready                 readiness: 200 once the server takes traffic, 503 while it
@@ -37,14 +39,15 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineError, RequestStream
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
-from jaxserve.entrypoints.openai.request import ApiError
+from jaxserve.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from jaxserve.entrypoints.openai.request import ApiError, validate_body
 from jaxserve.entrypoints.openai.response import CHAT, COMPLETION, ResponseShape, sse_event
 from jaxserve.entrypoints.openai.serving import (OpenAIServing, Submission, choice_usage,
                                                  engine_error, last_outputs, tool_call)
@@ -185,10 +188,55 @@ class _Routes:
         return await self._serve(request, CHAT)
 
     async def models(self, request: Request) -> Response:
-        """GET /v1/models: the served model (OpenAI's model list object)."""
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "jaxserve", "max_model_len": self.max_model_len}]})
+        """GET /v1/models: the served model and the LoRA adapters served now, each with its
+        base as `parent` (OpenAI's model list object, vLLM's fields)."""
+        card = {"object": "model", "created": self.created, "owned_by": "jaxserve",
+                "max_model_len": self.max_model_len}
+        adapters = self.engine.lora_paths()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, **card, "root": self.model_name, "parent": None},
+            *({"id": name, **card, "root": path, "parent": self.model_name}
+              for name, path in sorted(adapters.items()))]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """POST /v1/load_lora_adapter {"lora_name", "lora_path"} (vLLM's): the adapter is
+        read on a worker thread (the engine steps on meanwhile), then registered between
+        two steps; its device slot is written when a request first names it. 200 with
+        vLLM's text; 400 naming the field for a name in use or an adapter that cannot be
+        served (missing files, rank over --max-lora-rank, another base's shapes, modules
+        not served)."""
+        raw = await _read_body(request, self.server.max_request_body_bytes)
+        req = validate_body(LoadLoRAAdapterRequest, raw)
+        name = req.lora_name
+        if name == self.model_name or name in self.engine.lora_names():
+            raise ApiError(f"The lora adapter '{name[:200]}' has already been loaded.",
+                           "lora_name")
+        engine = self.engine.engine
+        try:
+            adapter = await anyio.to_thread.run_sync(engine.lora.read, req.lora_path, name)
+            await self.engine.call(lambda e: e.add_lora(name, req.lora_path, adapter))
+        except ValueError as e:  # AdapterError: one line naming the adapter and the limit
+            raise ApiError(str(e)[:400], "lora_path") from None
+        except EngineError as e:
+            raise ApiError(str(e), status=503, type="server_error") from None
+        log.info("LoRA adapter %r loaded from %s", name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """POST /v1/unload_lora_adapter {"lora_name"} (vLLM's): new requests for it are
+        refused (404), its running ones finish with it. 200 with vLLM's text; 404 for a
+        name not served."""
+        raw = await _read_body(request, self.server.max_request_body_bytes)
+        name = validate_body(UnloadLoRAAdapterRequest, raw).lora_name
+        try:
+            await self.engine.call(lambda e: e.remove_lora(name))
+        except KeyError:
+            raise ApiError(f"The lora adapter '{name[:200]}' cannot be found.", "lora_name",
+                           status=404, code="model_not_found") from None
+        except EngineError as e:
+            raise ApiError(str(e), status=503, type="server_error") from None
+        log.info("LoRA adapter %r unloaded", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(self, request: Request) -> Response:
         """GET /health (liveness): 200 {"status": "ok", engine counters} while the engine
@@ -369,6 +417,11 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, served_model_name
     lifecycle = lifecycle or Lifecycle()
     routes = _Routes(async_engine, tokenizer, served_model_name, max_model_len, server,
                      metrics, lifecycle)
+    lora_routes = []
+    if getattr(async_engine.engine, "lora", None) is not None:  # --enable-lora
+        lora_routes = [Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
+                       Route("/v1/unload_lora_adapter", routes.unload_lora_adapter,
+                             methods=["POST"])]
     middleware = []
     if server.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(server.allowed_origins),
@@ -384,7 +437,7 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, served_model_name
                 Route("/health", routes.health, methods=["GET"]),
                 Route("/ready", routes.ready, methods=["GET"]),
                 Route("/metrics", routes.prometheus, methods=["GET"]),
-                Route("/openapi.json", routes.openapi, methods=["GET"])],
+                Route("/openapi.json", routes.openapi, methods=["GET"]), *lora_routes],
         middleware=middleware,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error})

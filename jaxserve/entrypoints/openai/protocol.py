@@ -254,10 +254,26 @@ class ChatCompletionRequest(_SamplingRequest):
                           "is a call of that function with arguments matching its schema.")
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT adapter in directory lora_path,
+    on the server's machine, as lora_name (then a request's `model`)."""
+
+    lora_name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[StrictStr, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving lora_name (lora_int_id, vLLM's,
+    accepted and unused)."""
+
+    lora_name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    lora_int_id: NonNegativeInt | None = None
+
+
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
     ResponseFormat, JsonSchemaFormat, StructuredOutputsParams, Tool, FunctionDefinition,
-    NamedToolChoice, NamedFunction)
+    NamedToolChoice, NamedFunction, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
 
 
 # -- responses ----------------------------------------------------------------------------
@@ -428,13 +444,17 @@ class ErrorResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """The served model; max_model_len is vLLM's extension (prompt + output tokens)."""
+    """A served model: the base, or a LoRA adapter over it; max_model_len, root and parent
+    are vLLM's extensions (prompt + output tokens; where the weights came from; the base
+    an adapter runs on, None for the base)."""
 
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Collection, TypeVar
 
 import pydantic
 
@@ -91,7 +91,8 @@ class ParsedRequest:
     text starts with its prompt's, prompt_texts[p], and its logprobs with the prompt's);
     the response reports logprobs when params.logprobs is not None. tool_call: the
     function a chat request's named tool_choice calls (the reply is that call, its
-    arguments the generated text), or None."""
+    arguments the generated text), or None. lora_name: the LoRA adapter the request
+    names as its `model` (None: the base model)."""
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -101,6 +102,7 @@ class ParsedRequest:
     echo: bool = False
     prompt_texts: list[str] | None = None
     tool_call: str | None = None
+    lora_name: str | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -158,6 +160,12 @@ def _from_validation_error(e: pydantic.ValidationError) -> ApiError:
 _Request = TypeVar("_Request", bound=_SamplingRequest)
 
 
+def validate_body(model, raw: bytes):
+    """`raw` (a request body) parsed and validated as pydantic `model`, or ApiError (400)
+    naming the field (what every endpoint's body goes through)."""
+    return _validate(model, raw)
+
+
 def _validate(model: type[_Request], raw: bytes) -> _Request:
     """`raw` (the request body) parsed and validated as `model`, or ApiError (400)."""
     if not isinstance(raw, (bytes, bytearray, str)):
@@ -171,15 +179,20 @@ def _validate(model: type[_Request], raw: bytes) -> _Request:
 # -- checks that need the tokenizer or the limits ------------------------------------------
 
 def _check_common(req: _SamplingRequest, served_model_name: str,
-                  noops: dict = _NOOP_VALUES) -> None:
-    if req.model is not None and req.model != served_model_name:
+                  noops: dict = _NOOP_VALUES, lora_names: Collection[str] = ()) -> str | None:
+    """Check the model and the no-op parameters; returns the LoRA adapter the request
+    names as its model (None: the base model)."""
+    if req.model is not None and req.model != served_model_name and req.model not in lora_names:
+        also = f" and the LoRA adapters {sorted(lora_names)}" if lora_names else ""
         raise ApiError(f"The model `{req.model[:200]}` does not exist. This server serves "
-                       f"`{served_model_name}`.", "model", status=404, code="model_not_found")
+                       f"`{served_model_name}`{also}."[:_MAX_MESSAGE_CHARS], "model",
+                       status=404, code="model_not_found")
     for key, noop in noops.items():
         value = getattr(req, key)
         if value is not None and value not in noop:
             raise ApiError(f"'{key}' is not supported by this server (only "
                            f"{json.dumps(noop[0])} is accepted)", key)
+    return req.model if req.model is not None and req.model != served_model_name else None
 
 
 def _stop_strings(stop: str | list[str] | None, limits: RequestLimits) -> tuple[str, ...]:
@@ -354,9 +367,9 @@ def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
 
 
 def _parse_completion(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
-                      limits: RequestLimits) -> ParsedRequest:
+                      limits: RequestLimits, lora_names: Collection[str] = ()) -> ParsedRequest:
     req = _validate(CompletionRequest, raw)
-    _check_common(req, served_model_name)
+    lora = _check_common(req, served_model_name, lora_names=lora_names)
     prompts = _completion_prompts(req.prompt, tokenizer)
     parsed = _parse(req, prompts, "prompt", "max_tokens", req.max_tokens,
                     DEFAULT_COMPLETION_MAX_TOKENS, tokenizer, limits, req.logprobs,
@@ -368,31 +381,33 @@ def _parse_completion(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
         texts = [t if t is not None else tokenizer.decode(ids, skip_special_tokens=False)
                  for t, ids in zip(texts, prompts)]
         parsed = dataclasses.replace(parsed, prompt_texts=texts)
-    return parsed
+    return dataclasses.replace(parsed, lora_name=lora)
 
 
 def parse_completion_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
-                             limits: RequestLimits) -> ParsedRequest:
+                             limits: RequestLimits, lora_names: Collection[str] = ()
+                             ) -> ParsedRequest:
     """Validate a `/v1/completions` body (`raw`: the request's bytes; a CompletionRequest).
 
     Returns the ParsedRequest: each prompt's token ids (a string prompt encoded with
     special tokens; a batch of strings or token-id lists gives several), SamplingParams
     (default max_tokens 16, OpenAI's, capped at the room the longest prompt leaves), n,
-    stream and include_usage. Raises ApiError: 404 (code model_not_found) if `model` is not
-    `served_model_name`; 400 naming the parameter for anything else (malformed JSON, a
+    stream and include_usage; lora_name, when `model` names one of `lora_names` (the LoRA
+    adapters served now). Raises ApiError: 404 (code model_not_found) if `model` is
+    neither `served_model_name` nor an adapter; 400 naming the parameter for anything else (malformed JSON, a
     type or range error, token ids outside the vocabulary ("prompt.2" for a batch's third),
     more than MAX_CHOICES choices (n x prompts), an unsupported
     parameter, too many or too long stop strings, prompt + max_tokens over
     `limits.max_model_len`: code context_length_exceeded). Never anything else.
     Source: OpenAI API reference, Completions; vLLM `CompletionRequest`.
     """
-    return _parse_completion(raw, tokenizer, served_model_name, limits)
+    return _parse_completion(raw, tokenizer, served_model_name, limits, lora_names)
 
 
 def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
-                limits: RequestLimits) -> ParsedRequest:
+                limits: RequestLimits, lora_names: Collection[str] = ()) -> ParsedRequest:
     req = _validate(ChatCompletionRequest, raw)
-    _check_common(req, served_model_name, _CHAT_NOOP_VALUES)
+    lora = _check_common(req, served_model_name, _CHAT_NOOP_VALUES, lora_names)
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: requires 'logprobs': true", "top_logprobs")
     tool_name, tool_schema = _tool_choice(req)
@@ -415,7 +430,7 @@ def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     parsed = _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer,
                     limits, (req.top_logprobs or 0) if req.logprobs else None,
                     structured=_structured_output(req, tool_schema))
-    return dataclasses.replace(parsed, tool_call=tool_name)
+    return dataclasses.replace(parsed, tool_call=tool_name, lora_name=lora)
 
 
 def _tool_choice(req: ChatCompletionRequest) -> tuple[str | None, dict | None]:
@@ -438,7 +453,8 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[str | None, dict | None]:
 
 
 def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
-                       limits: RequestLimits) -> ParsedRequest:
+                       limits: RequestLimits, lora_names: Collection[str] = ()
+                       ) -> ParsedRequest:
     """Validate a `/v1/chat/completions` body (`raw`: the request's bytes; a
     ChatCompletionRequest): render `messages` with the model's chat template
     (add_generation_prompt=True) and tokenize without adding special tokens.
@@ -449,4 +465,4 @@ def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     rejects the messages (or the model has none). Never anything else.
     Source: OpenAI API reference, Chat Completions; vLLM `ChatCompletionRequest`.
     """
-    return _parse_chat(raw, tokenizer, served_model_name, limits)
+    return _parse_chat(raw, tokenizer, served_model_name, limits, lora_names)

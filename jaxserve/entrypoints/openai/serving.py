@@ -92,7 +92,8 @@ class OpenAIServing:
         (milliseconds to seconds for a large body). Raises ApiError (400 naming the field,
         404 for another model), never anything else (see parse_completion_request)."""
         parse = parse_chat_request if shape.chat else parse_completion_request
-        return parse(raw, self.tokenizer, self.model_name, self.limits)
+        return parse(raw, self.tokenizer, self.model_name, self.limits,
+                     self.engine.lora_names())
 
     async def submit(self, req: ParsedRequest, shape: ResponseShape,
                      arrival: float | None = None) -> Submission:
@@ -109,8 +110,10 @@ class OpenAIServing:
             for index, prompt_ids, params in choices:
                 engine_id = request_id if len(choices) == 1 else f"{request_id}-{index}"
                 sub.streams.append((index, await self.engine.add_request(
-                    engine_id, prompt_ids, params, arrival)))
+                    engine_id, prompt_ids, params, arrival, req.lora_name)))
         except InvalidRequest as e:
+            if e.field == "model":  # its LoRA adapter was unloaded since it was parsed
+                raise ApiError(str(e), "model", status=404, code="model_not_found") from None
             param = "messages" if shape.chat and e.field == "prompt" else e.field
             raise ApiError(str(e), param) from None
         except QueueFull as e:
