@@ -207,3 +207,33 @@ def test_served_rows_give_the_merged_models_logits(base, tmp_path, stacked):
         n = lengths[b]
         want = got[b, :n] if s == 2 else _jax_logits(params, cfg, list(tokens[b, :n]))
         np.testing.assert_allclose(cleared[b, :n], want, rtol=1e-5, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "layer-loop"])
+def test_cpu_kernel_deltas_give_the_jnp_forms_logits(base, tmp_path, stacked, cpu_kernels_library):
+    """The engine's C++ path: packed bf16 weights (what the CPU configs serve) with LoRA
+    slots, the deltas by the C++ kernel (matmul "cpu": each row's own slot, a layer loop's
+    stacked pools read in place) give the logits of the same weights with the deltas by
+    the batched jnp form (matmul "xla" runs the same packed weights): f32 summation order
+    only; the adapters change the logits."""
+    import jax.numpy as jnp
+    from jaxserve.functional import logits
+    from jaxserve.model.transformer import Kernels
+    from jaxserve.model.weight_layouts import dual_precision_params
+    _, params, cfg = base
+    _peft_adapter(tmp_path / "a1", seed=5, r=4, lora_alpha=8, target_modules=MODULES)
+    _peft_adapter(tmp_path / "a2", seed=6, r=8, lora_alpha=8, target_modules=["v_proj", "up_proj"])
+    adapters = [load_peft_adapter(tmp_path / n, cfg, max_rank=8, name=n) for n in ("a1", "a2")]
+    packed = dual_precision_params(params, min_rows=1, packed=True)
+    served, _, _ = _served_pools(packed, cfg, adapters, stacked=stacked)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(1, cfg.vocab_size, (3, 7)), jnp.int32)
+    lengths = jnp.asarray([7, 5, 6], jnp.int32)
+    slots = jnp.asarray([1, 2, 0], jnp.int32)
+    got = np.asarray(logits(served, cfg, tokens, lengths, Kernels("xla", "cpu"), lora_slot=slots))
+    want = np.asarray(logits(served, cfg, tokens, lengths, Kernels("xla", "xla"), lora_slot=slots))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    plain = np.asarray(logits(served, cfg, tokens, lengths, Kernels("xla", "cpu"),
+                              lora_slot=jnp.zeros(3, jnp.int32)))
+    for b in (0, 1):
+        assert np.abs(plain[b, :lengths[b]] - got[b, :lengths[b]]).max() > 1e-2
+    np.testing.assert_array_equal(plain[2, :6], got[2, :6])  # slot 0: the base's, exactly

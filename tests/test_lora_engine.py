@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine_utils import TINY_CFG, outputs, tiny_engine, tiny_params
-from lora_utils import write_peft_adapter
+from jaxserve.lora.dummy import write_peft_adapter
 from jaxserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lora_utils import MODULES, write_peft_adapter
+from jaxserve.lora.dummy import write_peft_adapter
 from jaxserve import functional
 from jaxserve.lora import LoRARequest, load_peft_adapter, merge_adapter
 from jaxserve.sampling_params import SamplingParams

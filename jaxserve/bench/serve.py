@@ -397,7 +397,8 @@ async def check_server(url: str, model: str | None, request: BenchRequest,
     return result
 
 
-async def run_benchmark(url: str, model: str | None, requests: Sequence[BenchRequest],
+async def run_benchmark(url: str, model: str | Sequence[str] | None,
+                        requests: Sequence[BenchRequest],
                         max_concurrency: int | None = None, request_rate: float = math.inf,
                         seed: int = 0, endpoint: str = "completions", progress: bool = True, *,
                         burstiness: float = 1.0, percentiles: Iterable[float] = (99,)) -> dict:
@@ -410,8 +411,10 @@ async def run_benchmark(url: str, model: str | None, requests: Sequence[BenchReq
 
     Requests are sent at `arrival_times(len(requests), request_rate, burstiness, seed)`
     (request_rate inf: all at once), at most `max_concurrency` in flight (None: unlimited);
-    a request waiting for a slot is timed from when it is actually sent. `progress`: a tqdm
-    bar. Server and network errors count as failed requests, never raise.
+    a request waiting for a slot is timed from when it is actually sent. `model`: one
+    name, or a list: request i names model[i % len(model)] (LoRA adapters served beside
+    their base, as vLLM's benchmark spreads requests over --lora-modules). `progress`: a
+    tqdm bar. Server and network errors count as failed requests, never raise.
     Source: vLLM benchmarks/benchmark_serving.py benchmark."""
     url = url.rstrip("/")
     if endpoint not in ENDPOINTS:
@@ -419,6 +422,7 @@ async def run_benchmark(url: str, model: str | None, requests: Sequence[BenchReq
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError("max_concurrency must be >= 1")
     schedule = arrival_times(len(requests), request_rate, burstiness, seed)
+    models = [model] if model is None or isinstance(model, str) else list(model)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     in_flight = peak = 0
     bar = tqdm(total=len(requests), disable=not progress, desc="requests", unit="req")
@@ -426,7 +430,7 @@ async def run_benchmark(url: str, model: str | None, requests: Sequence[BenchReq
     async with make_client(max_concurrency) as client:
         before = await wait_warmup_done(client, url)
 
-        async def one(req: BenchRequest, at: float, t0: float) -> RequestResult:
+        async def one(i: int, req: BenchRequest, at: float, t0: float) -> RequestResult:
             nonlocal in_flight, peak
             delay = t0 + at - time.perf_counter()
             if delay > 0:
@@ -436,7 +440,8 @@ async def run_benchmark(url: str, model: str | None, requests: Sequence[BenchReq
                 peak = max(peak, in_flight)
                 sent = time.perf_counter() - t0
                 try:
-                    res = await send_request(client, url, model, req, endpoint)
+                    res = await send_request(client, url, models[i % len(models)], req,
+                                             endpoint)
                 finally:
                     in_flight -= 1
                     bar.update(1)
@@ -444,7 +449,8 @@ async def run_benchmark(url: str, model: str | None, requests: Sequence[BenchReq
             return res
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(r, at, t0) for r, at in zip(requests, schedule)))
+        results = await asyncio.gather(*(one(i, r, at, t0)
+                                         for i, (r, at) in enumerate(zip(requests, schedule))))
         duration = time.perf_counter() - t0
         after = await fetch_server_counters(client, url)
     bar.close()
@@ -644,7 +650,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "jaxserve bench serve"
     src.add_argument("--launch", action="store_true", help="start `jaxserve serve`, time its start")
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="the server's config, a name or a path (--launch)")
     ap.add_argument("--cache-dir", help="the server's --cache-dir (--launch)")
-    ap.add_argument("--model", help="model name to send (default: first id of GET /v1/models)")
+    ap.add_argument("--model", help="model name to send (default: first id of GET /v1/models); "
+                    "a comma-separated list spreads the requests over them in turn (LoRA "
+                    "adapters)")
     ap.add_argument("--dataset", default=str(DEFAULT_DATASET), help="JSON-lines prompts file")
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
@@ -675,11 +683,14 @@ async def main_async(args: argparse.Namespace) -> dict:
                   file=sys.stderr)
             await wait_ready(args.url, proc)
         model = args.model or await get_model_id(args.url)
+        if "," in model:
+            model = [m.strip() for m in model.split(",") if m.strip()]
         if args.launch:
             extra["start_to_first_token_s"] = round(
                 await start_to_first_token(args.url, model, t0, args.endpoint), 2)
         print(f"model {model} at {args.url}; initial test run ...", file=sys.stderr)
-        await check_server(args.url, model, requests[0], args.endpoint)
+        for m in ([model] if isinstance(model, str) else model):
+            await check_server(args.url, m, requests[0], args.endpoint)
         result = await run_benchmark(args.url, model, requests, args.max_concurrency,
                                      args.request_rate, args.seed, args.endpoint,
                                      not args.no_progress, burstiness=args.burstiness,

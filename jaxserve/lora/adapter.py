@@ -56,8 +56,8 @@ class LoraAdapter:
     targets: tuple = ()
 
 
-def _flat_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection over its flattened axes."""
+def flat_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """{projection: (in, out)} of `cfg`'s projections over their flattened axes."""
     H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     D, F = cfg.hidden_size, cfg.intermediate_size
     return {"wq": (D, H * Dh), "wk": (D, K * Dh), "wv": (D, K * Dh), "wo": (H * Dh, D),
@@ -137,7 +137,7 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
     if not f.is_file():
         raise AdapterError(f"LoRA adapter {label}: no {ADAPTER_WEIGHTS}")
     tensors = load_file(f)
-    shapes = _flat_shapes(cfg)
+    shapes = flat_shapes(cfg)
     ours = tuple(PEFT_MODULES[t] for t in PEFT_MODULES if t in targets)
     a_layers, b_layers = [], []
     for i in range(cfg.num_layers):

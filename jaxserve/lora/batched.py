@@ -17,6 +17,9 @@ where it is measured faster.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -28,11 +31,14 @@ class LoraSlots:
     """One projection's pools: a [S, in, R], b [S, R, out] (slot 0 zeros), in the
     adapter dtype; logical_shape: the base projection's logical shape (e.g. wq's
     (embed, heads, head_dim)), whose inputs / outputs `in` / `out` flatten (what tensor
-    parallelism splits them by: jaxserve.model.tensor_parallel)."""
+    parallelism splits them by: jaxserve.model.tensor_parallel). layer: None, or inside a
+    layer loop the int32 index of the layer to use of pools stacked [L, S, ...] (a kernel
+    reads them there in place; `lora_delta` slices them)."""
 
     a: jax.Array
     b: jax.Array
     logical_shape: tuple = ()
+    layer: Any = None
 
 
 def empty_slots(num_slots: int, n_in: int, n_out: int, rank: int,
@@ -56,14 +62,17 @@ def put_adapter(slots: LoraSlots, slot: int, a: jax.Array, b: jax.Array) -> Lora
                          f"got {list(a.shape)} and {list(b.shape)}")
     a_pad = jnp.zeros((n_in, R), slots.a.dtype).at[:, :r].set(a)
     b_pad = jnp.zeros((R, n_out), slots.b.dtype).at[:r].set(b)
-    return LoraSlots(a=slots.a.at[slot].set(a_pad), b=slots.b.at[slot].set(b_pad),
-                     logical_shape=slots.logical_shape)
+    return dataclasses.replace(slots, a=slots.a.at[slot].set(a_pad),
+                               b=slots.b.at[slot].set(b_pad))
 
 
 def lora_delta(x: jax.Array, slots: LoraSlots, row_slot: jax.Array) -> jax.Array:
     """Each row's adapter delta: x [T, in] (any float), row_slot [T] int32 in [0, S) (0 =
     no adapter; a value outside gives 0) -> [T, out] f32, row t = x[t] A_s B_s with
     s = row_slot[t], summed in f32 (module docstring for the formulation)."""
+    if slots.layer is not None:  # a layer loop's stacked pools: this layer's
+        slots = LoraSlots(a=jax.lax.dynamic_index_in_dim(slots.a, slots.layer, keepdims=False),
+                          b=jax.lax.dynamic_index_in_dim(slots.b, slots.layer, keepdims=False))
     S, _, R = slots.a.shape
     xa = jnp.einsum("ti,sir->tsr", x.astype(jnp.float32), slots.a.astype(jnp.float32))
     own = row_slot[:, None] == jnp.arange(S, dtype=row_slot.dtype)[None, :]  # [T, S]
@@ -72,13 +81,16 @@ def lora_delta(x: jax.Array, slots: LoraSlots, row_slot: jax.Array) -> jax.Array
 
 
 def add_lora(y: jax.Array, x: jax.Array, slots: LoraSlots | None,
-             row_slot: jax.Array | None) -> jax.Array:
+             row_slot: jax.Array | None,
+             delta: Callable[[jax.Array, LoraSlots, jax.Array], jax.Array] = lora_delta
+             ) -> jax.Array:
     """A projection's output y [T, *out] plus each row's adapter delta of its input x
-    [T, *in] (`lora_delta` over the flattened axes), summed in f32 and rounded once to
-    y's dtype; y itself when there are no pools or no row slots (LoRA off)."""
+    [T, *in] (`delta`: `lora_delta`, or a kernel's with its signature, over the flattened
+    axes), summed in f32 and rounded once to y's dtype; y itself when there are no pools
+    or no row slots (LoRA off)."""
     if slots is None or row_slot is None:
         return y
-    delta = lora_delta(x.reshape(x.shape[0], -1), slots, row_slot)
+    delta = delta(x.reshape(x.shape[0], -1), slots, row_slot)
     return (y.astype(jnp.float32) + delta.reshape(y.shape)).astype(y.dtype)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.lora.batched import LoraSlots
 from jaxserve.model.ggml_weight import GGMLWeight
 from jaxserve.model.params import PROJECTIONS, LayerParams
 from jaxserve.model.weight_layouts import DualPrecisionWeight, FusedWeight
@@ -130,16 +131,20 @@ def stack_layers(layers: tuple, donate: bool = False) -> StackedLayers:
 
 def layer_view(stacked: StackedLayers, i: jax.Array) -> LayerParams:
     """Layer `i` (int32 scalar, traced) of `stacked`, for the loop body: packed kernel
-    weights stay stacked with `layer=i` (the C++ kernels index them in place); every other
-    leaf is sliced at i."""
+    weights and LoRA pools stay stacked with `layer=i` (the C++ kernels index them in
+    place; jaxserve.lora.batched.lora_delta slices the pools itself); every other leaf is
+    sliced at i."""
     def view(x: Any):
+        if isinstance(x, LoraSlots):
+            return dataclasses.replace(x, layer=i)
         if _indexed(x):
             cls = StackedGGMLWeight if isinstance(x, GGMLWeight) else StackedDualPrecisionWeight
             fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
             return cls(**fields, layer=i)
         return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
 
-    return jax.tree.map(view, stacked.layers, is_leaf=_indexed)
+    return jax.tree.map(view, stacked.layers,
+                        is_leaf=lambda x: _indexed(x) or isinstance(x, LoraSlots))
 
 
 __all__ = ["StackedDualPrecisionWeight", "StackedGGMLWeight", "StackedLayers", "layer_view",

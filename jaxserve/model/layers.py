@@ -95,7 +95,7 @@ def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
     mm = matmul_backend(matmul)
     lora = lora or {}
     gate, up = mm.project(x, (w_gate, w_up))
-    gate = add_lora(gate, x, lora.get("w_gate"), row_slot)
-    up = add_lora(up, x, lora.get("w_up"), row_slot)
+    gate = add_lora(gate, x, lora.get("w_gate"), row_slot, mm.lora_delta)
+    up = add_lora(up, x, lora.get("w_up"), row_slot, mm.lora_delta)
     h = constrain(rules, jax.nn.silu(gate) * up, ("tokens", "mlp"))
-    return add_lora(mm.dense(h, w_down, 1), h, lora.get("w_down"), row_slot)
+    return add_lora(mm.dense(h, w_down, 1), h, lora.get("w_down"), row_slot, mm.lora_delta)

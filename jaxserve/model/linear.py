@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS
 from jaxserve.kernels.impl_table import lookup, pallas_impl
+from jaxserve.lora.batched import lora_delta
 from jaxserve.model.ggml_weight import GGMLWeight, ggml_matmul_reference
 from jaxserve.model.weight_layouts import DualPrecisionWeight, FusedWeight, QuantizedWeight
 
@@ -153,6 +154,13 @@ class Matmul:
                                layer=getattr(w, "layer", None))
         return ggml_matmul_reference(x2, w)
 
+    def lora_delta(self, x2: jax.Array, slots, row_slot: jax.Array) -> jax.Array:
+        """Each row's LoRA adapter delta: x2 [T, in] times its slot's A then B of `slots`
+        (a jaxserve.lora.batched.LoraSlots, stacked with a layer index inside a layer
+        loop), row_slot [T] int32 -> [T, out] f32. Here the plain-jnp batched form
+        (jaxserve.lora.batched.lora_delta: every slot, the row's kept)."""
+        return lora_delta(x2, slots, row_slot)
+
     def _quantized(self, x2: jax.Array, w2: jax.Array, scales: jax.Array) -> jax.Array:
         """x2 [M, K] times a quantised w2 [K, N] with its scales -> [M, N] in x2.dtype."""
         raise ValueError(f"quantised weights need a matmul impl of "
@@ -178,6 +186,14 @@ class CpuMatmul(Matmul):
 
     name = "cpu"
     packs_bf16 = True
+
+    def lora_delta(self, x2, slots, row_slot):
+        """Each row's own adapter only, in the C++ kernel (jaxserve.kernels.cpu.lora_matmul:
+        shrink x A, then expand (x A) B, a row's slot read in place, a layer loop's
+        stacked pools at its layer)."""
+        from jaxserve.kernels.cpu.lora_matmul import lora_matmul
+        xa = lora_matmul(x2.astype(jnp.float32), slots.a, row_slot, slots.layer)
+        return lora_matmul(xa, slots.b, row_slot, slots.layer)
 
 
 @dataclasses.dataclass(frozen=True)

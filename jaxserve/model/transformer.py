@@ -48,8 +48,8 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, batch: Step
     wo's is: each device adds its heads' share)."""
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     q, k, v = kernels.matmul.project(h, (lp.wq, lp.wk, lp.wv))  # [T, H | K | K, Dh]
-    lora, row_slot = lp.lora or {}, batch.lora_slot
-    q, k, v = (add_lora(y, h, lora.get(name), row_slot)
+    lora, row_slot, delta = lp.lora or {}, batch.lora_slot, kernels.matmul.lora_delta
+    q, k, v = (add_lora(y, h, lora.get(name), row_slot, delta)
                for y, name in ((q, "wq"), (k, "wk"), (v, "wv")))
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
@@ -59,7 +59,7 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, cos, sin, batch: Step
     k_pages = write_kv(k_pages, k, batch.slot_mapping, layout, layer)
     v_pages = write_kv(v_pages, v, batch.slot_mapping, layout, layer)
     attn = kernels.attention(q, k_pages, v_pages, meta, layout, layer)
-    out = add_lora(kernels.matmul.dense(attn, lp.wo, 2), attn, lora.get("wo"), row_slot)
+    out = add_lora(kernels.matmul.dense(attn, lp.wo, 2), attn, lora.get("wo"), row_slot, delta)
     if reduce_heads is not None:
         out = jax.lax.psum(out, reduce_heads)
     return constrain(rules, out, ACT_AXES), k_pages, v_pages

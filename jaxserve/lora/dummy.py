@@ -1,6 +1,8 @@
-"""PEFT LoRA adapter directories for tests, written with numpy + safetensors in the layout
-HF peft saves (adapter_config.json + adapter_model.safetensors; lora_A [r, in], lora_B
-[out, r] per adapted module), for any jaxserve ModelConfig's shape."""
+"""Random LoRA adapters for benchmarks and tests (vLLM's dummy LoRA alike): PEFT
+directories written with numpy + safetensors in the layout HF peft saves
+(adapter_config.json + adapter_model.safetensors; lora_A [r, in], lora_B [out, r] per
+adapted module), for any jaxserve ModelConfig's shape. Their outputs mean nothing; their
+cost is a trained adapter's of the same rank and modules."""
 
 from __future__ import annotations
 
@@ -15,15 +17,17 @@ _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 def write_peft_adapter(out, cfg, r: int = 4, alpha: float = 8, modules=MODULES, seed: int = 0,
                        b_std: float = 0.05, use_rslora: bool = False, layers=None) -> Path:
-    """A random LoRA adapter of base shape `cfg` in PEFT's format at `out`: A ~ N(0, 1/in)
-    (kaiming-like, as PEFT initialises it), B ~ N(0, b_std) (PEFT starts B at zero; a
-    trained adapter has moved it). layers: layers_to_transform (None: all)."""
+    """A random LoRA adapter of base shape `cfg` (a ModelConfig) in PEFT's format at `out`
+    (created; returned): rank r, lora_alpha alpha, over PEFT module names `modules`, with
+    A ~ N(0, 1/in) (kaiming-like, as PEFT initialises it) and B ~ N(0, b_std) (PEFT
+    starts B at zero; a trained adapter has moved it), seeded. layers:
+    layers_to_transform (None: all). Raises OSError when `out` cannot be written."""
     from safetensors.numpy import save_file
-    from jaxserve.lora.adapter import PEFT_MODULES, _flat_shapes
+    from jaxserve.lora.adapter import PEFT_MODULES, flat_shapes
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    shapes = _flat_shapes(cfg)
+    shapes = flat_shapes(cfg)
     tensors = {}
     for i in (range(cfg.num_layers) if layers is None else layers):
         for m in modules:
