@@ -163,3 +163,28 @@ def test_real_model_eagle_speculation_under_tp3_gives_tp1_greedy_tokens(smollm2_
     r = on_4_devices(TP_CHECK.parent / "tp_spec_check.py", str(cache_dir))
     assert r["tokens"]["3"] == r["tokens"]["1"] and sum(map(len, r["tokens"]["1"])) == 48
     assert r["accepted"]["3"] > 0 and r["accepted"]["1"] > 0
+
+
+@pytest.mark.full  # fast tier: the adapters' exactness on one device (tests/test_lora_real.py)
+def test_lora_adapters_under_tp2_tp3_give_tp1_tokens(smollm2_checkpoint, cache_dir, tmp_path):
+    """Two adapters and the base in one batch on the real model at TP 1, 2 and 3 (XLA
+    kernels), and TP 3 with the default kernels: the same greedy tokens, logprobs within
+    the f32 reduction-order noise (TP adds partial sums: 1e-4), and the adapters matter;
+    the pools split as the base weights: wq's B over its output heads and wo's A over its
+    input heads at TP 3 (replicated at TP 2, where the heads are), w_down's A over the MLP
+    at TP 2 and 3, the column-parallel A (wq) replicated."""
+    import numpy as np
+    r = on_4_devices(TP_CHECK.parent / "lora_tp_check.py", str(cache_dir), str(tmp_path))
+    t, lp, s = r["tokens"], r["logprobs"], r["specs"]
+    for run in ("xla-2", "xla-3", "auto-3"):
+        assert t[run] == t["xla-1"], run
+        for a, b in zip(lp[run], lp["xla-1"]):
+            np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    base_t, base_lp = r["base_tokens"]["xla-1"], r["base_logprobs"]["xla-1"]
+    assert t["xla-1"][2] == base_t[2]  # the base row
+    for i in (0, 1, 3):  # the adapters matter: other tokens, or the same with other logprobs
+        assert t["xla-1"][i] != base_t[i] or np.abs(np.subtract(lp["xla-1"][i], base_lp[i])).max() > 1e-2
+    for run in ("xla-3", "auto-3"):
+        assert "model" in s[run]["wq.b"] and "model" in s[run]["wo.a"], s[run]
+        assert "model" in s[run]["w_down.a"] and "model" not in s[run]["wq.a"], s[run]
+    assert "model" not in s["xla-2"]["wq.b"] and "model" in s["xla-2"]["w_down.a"], s["xla-2"]
