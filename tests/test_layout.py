@@ -20,7 +20,7 @@ LAYERS = [
     ["jaxserve.model", "jaxserve.sample"],
     ["jaxserve.checkpoint", "jaxserve.spec_decode"],
     ["jaxserve.worker", "jaxserve.functional"],
-    ["jaxserve.engine"],
+    ["jaxserve.engine", "jaxserve.train"],
     ["jaxserve.api"],
     ["jaxserve.entrypoints"],
     ["jaxserve.bench"],

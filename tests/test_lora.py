@@ -237,3 +237,47 @@ def test_cpu_kernel_deltas_give_the_jnp_forms_logits(base, tmp_path, stacked, cp
     for b in (0, 1):
         assert np.abs(plain[b, :lengths[b]] - got[b, :lengths[b]]).max() > 1e-2
     np.testing.assert_array_equal(plain[2, :6], got[2, :6])  # slot 0: the base's, exactly
+
+
+def test_trained_factors_written_as_peft_serve_what_was_trained(base, tmp_path):
+    """jaxserve.train.lora on the tiny model: the new adapter (B = 0) starts at the base's
+    loss; a few Adam steps of sft_loss halve the loss of the masked tokens; the factors written by save_peft load back (load_peft_adapter) as an adapter
+    whose merged model gives the logits the trained pools gave (f32); and HF peft reads the
+    same directory to the same logits."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    from peft import PeftModel
+    from hf_reference import tiny_hf_model
+    from jaxserve.functional import logits
+    from jaxserve.train.lora import init_adapter, save_peft, sft_loss, with_adapter
+    _, params, cfg = base
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (4, 9)), jnp.int32)
+    lengths = jnp.asarray([9, 8, 9, 7], jnp.int32)
+    mask = jnp.asarray(np.arange(9)[None, :] >= 4, jnp.int8) * jnp.ones((4, 1), jnp.int8)
+    factors = init_adapter(cfg, 4, ["wq", "wv", "wo", "w_up", "w_down"], jax.random.key(0))
+    assert float(sft_loss(factors, params, cfg, tokens, lengths, mask, 2.0)) == pytest.approx(
+        float(sft_loss(jax.tree.map(jnp.zeros_like, factors), params, cfg, tokens, lengths,
+                       mask, 2.0)))  # B = 0: the base model's loss
+    opt = optax.adam(1e-2)
+    state = opt.init(factors)
+    grad = jax.jit(jax.value_and_grad(sft_loss), static_argnums=(2,))
+    first = None
+    for _ in range(15):
+        loss, g = grad(factors, params, cfg, tokens, lengths, mask, 2.0)
+        first = float(loss) if first is None else first
+        updates, state = opt.update(g, state)
+        factors = optax.apply_updates(factors, updates)
+    assert float(loss) < 0.5 * first
+    out = save_peft(tmp_path / "trained", factors, rank=4, alpha=8)
+    adapter = load_peft_adapter(out, cfg, max_rank=8)
+    want = np.asarray(logits(with_adapter(params, cfg, factors, 2.0), cfg, tokens, lengths,
+                             lora_slot=jnp.zeros(4, jnp.int32)))
+    got = np.asarray(logits(merge_adapter(params, adapter), cfg, tokens, lengths))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    peft_model = PeftModel.from_pretrained(tiny_hf_model("LlamaForCausalLM"), out).eval()
+    with torch.no_grad():
+        hf = peft_model(torch.tensor(np.asarray(tokens[:1, :9]))).logits[0].numpy()
+    np.testing.assert_allclose(want[0], hf, rtol=1e-4, atol=1e-4 * np.abs(hf).max())

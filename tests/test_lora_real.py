@@ -161,3 +161,56 @@ def test_the_server_loads_lists_serves_and_unloads_adapters(lora_llm, adapters):
             assert client.get("/health").status_code == 200
     finally:
         bridge.shutdown()
+
+
+CAPITALS = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid",
+            "Japan": "Tokyo", "Egypt": "Cairo", "Canada": "Ottawa", "Kenya": "Nairobi",
+            "Peru": "Lima", "Norway": "Oslo", "Greece": "Athens", "Poland": "Warsaw",
+            "Chile": "Santiago", "Cuba": "Havana", "Ireland": "Dublin", "Austria": "Vienna",
+            "Sweden": "Stockholm", "Portugal": "Lisbon", "China": "Beijing",
+            "Thailand": "Bangkok", "Turkey": "Ankara", "Mexico": "Mexico City",
+            "Finland": "Helsinki", "Denmark": "Copenhagen"}
+HELD_OUT = ["Brazil", "Australia", "Nigeria", "Argentina", "India"]
+
+
+@pytest.mark.full  # ~1 min of training; fast tier: the trainer on the tiny model (test_lora.py)
+def test_an_adapter_trained_here_answers_in_its_style_when_served(lora_llm, real, tmp_path,
+                                                                  hf_smollm2_model):
+    """tools/train_lora.py on the real model (f32, rank 8, 12 AdamW steps of 8 chats): capital
+    questions answered as a pirate ("Arr! The capital of X be Y, matey!"). Served (loaded
+    at run time by LLM.generate's lora_request), its answers to the questions of five
+    countries it never saw start with "Arr!" and end with "matey!"; the base's do not; and
+    HF peft reads the same directory to the logits of the base with it merged (1e-3, the
+    f32 bound of tests/test_real_model_parity.py)."""
+    import json
+    import torch
+    from peft import PeftModel
+    from tools.train_lora import main as train
+    data = tmp_path / "pirate.jsonl"
+    with data.open("w") as f:
+        for country, capital in CAPITALS.items():
+            for q in (f"What is the capital of {country}?",
+                      f"Which city is the capital of {country}?"):
+                f.write(json.dumps({"prompt": q, "completion": f"Arr! The capital of {country} "
+                                                              f"be {capital}, matey!"}) + "\n")
+    out = tmp_path / "pirate"
+    assert train(["--data", str(data), "--out", str(out), "--steps", "12", "--batch", "8",
+                  "--max-len", "64", "--save-every", "6"]) == 0
+    tok = lora_llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content":
+                                                    f"What is the capital of {c}?"}]),
+                          add_special_tokens=False) for c in HELD_OUT]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    pirate = lora_llm.generate(prompts, sp, lora_request=LoRARequest("pirate", 3, str(out)))
+    plain = lora_llm.generate(prompts, sp)
+    for c, p, b in zip(HELD_OUT, pirate, plain):
+        assert p.text.startswith("Arr! The capital of") and p.text.endswith("matey!"), (c, p.text)
+        assert "Arr" not in b.text and "matey" not in b.text, (c, b.text)
+    params, cfg = real
+    ids = prompts[0] + pirate[0].token_ids
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf_smollm2_model), out).eval()
+    with torch.no_grad():
+        want = peft_model(torch.tensor([ids])).logits[0].numpy()
+    seq, seq_len = _pad([ids])
+    merged = merge_adapter(params, load_peft_adapter(out, cfg, 8))
+    assert np.abs(np.asarray(functional.logits(merged, cfg, seq, seq_len))[0] - want).max() <= 1e-3
