@@ -281,3 +281,28 @@ def test_trained_factors_written_as_peft_serve_what_was_trained(base, tmp_path):
     with torch.no_grad():
         hf = peft_model(torch.tensor(np.asarray(tokens[:1, :9]))).logits[0].numpy()
     np.testing.assert_allclose(want[0], hf, rtol=1e-4, atol=1e-4 * np.abs(hf).max())
+
+
+def test_adapters_follow_kv_heads_repeated_over_devices(base, tmp_path):
+    """With more devices than KV heads each KV head is served repeated (tensor_parallel.
+    expand_kv_heads); an adapter's wk / wv outputs are repeated alike when its slot is
+    written (model.lora.adapter_arrays), so the expanded model with the adapter gives the
+    logits of the model as trained with it (one device; the same attention)."""
+    import jax.numpy as jnp
+    from jaxserve.functional import logits
+    from jaxserve.model.tensor_parallel import expand_kv_heads, served_kv_heads
+    _, params, cfg = base
+    tp = cfg.num_heads  # one query head per device: each KV head repeated H / K times
+    assert served_kv_heads(cfg, tp) > cfg.num_kv_heads
+    _peft_adapter(tmp_path / "kv", seed=8, r=4, lora_alpha=8, target_modules=["k_proj", "v_proj"])
+    adapter = load_peft_adapter(tmp_path / "kv", cfg, max_rank=8, name="kv")
+    served, _, _ = _served_pools(params, cfg, [adapter])
+    wide, wide_cfg = expand_kv_heads(params, cfg, tp)
+    served_wide, _, _ = _served_pools(wide, wide_cfg, [adapter])
+    tokens = jnp.asarray(np.random.default_rng(4).integers(1, cfg.vocab_size, (2, 6)), jnp.int32)
+    lengths, slots = jnp.asarray([6, 6], jnp.int32), jnp.asarray([1, 0], jnp.int32)
+    want = np.asarray(logits(served, cfg, tokens, lengths, lora_slot=slots))
+    got = np.asarray(logits(served_wide, wide_cfg, tokens, lengths, lora_slot=slots))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    plain = np.asarray(logits(served, cfg, tokens, lengths, lora_slot=jnp.zeros(2, jnp.int32)))
+    assert np.abs(plain[0] - want[0]).max() > 1e-3  # the adapter matters

@@ -115,6 +115,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
         make_draft = _eagle_head(spec, model_cfg, raw, rules, ecfg, kernels, kv_dtype, layout)
     # fewer KV heads than devices: each repeated over the devices that read it (the
     # drafters above expand their own from the loaded shapes)
+    adapter_cfg = model_cfg  # the shape LoRA adapters are trained for
     raw, model_cfg = expand_kv_heads(raw, model_cfg, config.parallel.tensor_parallel_size)
     params = prepare_params(raw, ecfg.kernels, kernels, rules)
     del raw
@@ -131,7 +132,7 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
                           stacked=looped)
     draft = make_draft(num_pages) if make_draft else None
     runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft)
-    engine = Engine(model_cfg, ecfg, runner, tokenizer)
+    engine = Engine(model_cfg, ecfg, runner, tokenizer, adapter_cfg)
     log.info("KV page pool: %d pages of %d tokens (%.0f MiB%s, sized by %s); %.2f GiB per "
              "device planned of %.2f GiB available", num_pages, page_size,
              num_pages * plan.page_bytes_total / 2**20,

@@ -78,7 +78,11 @@ class Engine:
     """Serves requests on one model. See module docstring."""
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
-                 runner: Runner, tokenizer: Tokenizer):
+                 runner: Runner, tokenizer: Tokenizer,
+                 adapter_model_config: ModelConfig | None = None):
+        """adapter_model_config: the shape LoRA adapters are trained for, the checkpoint's
+        (default model_config; the builder gives it when model_config serves KV heads
+        repeated over more devices: jaxserve.model.tensor_parallel.expand_kv_heads)."""
         self.model_config = model_config
         self.engine_config = engine_config
         self.runner = runner
@@ -96,7 +100,8 @@ class Engine:
                                           engine_config.max_model_len) if spec else None)
         self.kv_cache_manager = KVCacheManager(pool, engine_config.cache.enable_prefix_caching)
         lcfg = engine_config.lora
-        self.lora = LoraManager(lcfg, model_config) if lcfg.enable_lora else None
+        self.lora = (LoraManager(lcfg, adapter_model_config or model_config)
+                     if lcfg.enable_lora else None)
         for name, path in lcfg.modules().items():  # --lora-modules: refused at start-up
             try:
                 self.lora.add(name, path)

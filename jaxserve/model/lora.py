@@ -106,11 +106,14 @@ def attach_pools(params: Params, cfg: ModelConfig, lcfg: LoRAConfig, rules=None)
 
 def lora_pools(params: Params):
     """The LoRA pools of `params`: a tuple (one {projection: LoraSlots} per layer), or one
-    dict of stacked [L, ...] pools under the layer loop; None without LoRA."""
+    dict of stacked [L, ...] pools under the layer loop; None without LoRA (and for
+    pipeline stages, which serve none)."""
     layers = params.layers
     if isinstance(layers, StackedLayers):
         return layers.layers.lora
-    return None if layers[0].lora is None else tuple(lp.lora for lp in layers)
+    if not isinstance(layers, tuple) or layers[0].lora is None:
+        return None
+    return tuple(lp.lora for lp in layers)
 
 
 def with_pools(params: Params, pools) -> Params:
