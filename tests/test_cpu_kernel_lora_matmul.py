@@ -121,3 +121,50 @@ def test_cpu_backend_gives_the_batched_deltas():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(lora_delta(x, stacked, slot)), want, rtol=1e-5,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("T,S,K,R,N", [(32, 5, 576, 16, 192), (5, 3, 40, 4, 37),
+                                       (17, 4, 64, 9, 300), (1, 2, 24, 512, 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_delta_is_the_shrink_then_the_expand(T, S, K, R, N, dtype):
+    """lora_delta (one call) equals lora_matmul's shrink then expand and float64 numpy's
+    (x A) B within f32 summation order; stacked pools read at a layer."""
+    from jaxserve.kernels.cpu.lora_matmul import lora_delta
+    x, a, slot = _case(T, S, K, R, dtype, layers=2, seed=R)
+    _, b, _ = _case(T, S, R, N, dtype, layers=2, seed=R + 1)
+    args = (jnp.asarray(x), jnp.asarray(a, dtype), jnp.asarray(b, dtype), jnp.asarray(slot))
+    got = np.asarray(lora_delta(*args, jnp.int32(1)))
+    xa = _want(x, a[1], slot)
+    want = np.stack([xa[t] @ b[1][s].astype(np.float64) if 0 < s < S else np.zeros(N)
+                     for t, s in enumerate(slot)])
+    two = np.asarray(lora_matmul(lora_matmul(args[0], args[1], args[3], jnp.int32(1)), args[2],
+                                 args[3], jnp.int32(1)))
+    # two f32 sums in another order (K, then R terms): (K + R) eps |y|max, as above
+    bound = (K + R) * np.finfo(np.float32).eps * np.abs(want).max(initial=1.0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=bound)
+    np.testing.assert_allclose(got, two, rtol=0, atol=bound)
+    assert (got[(slot <= 0) | (slot >= S)] == 0).all()
+
+
+def test_delta_portable_path_and_limits(portable_cpu_kernels):
+    """The loop machines without AVX-512 run; a rank over MAX_RANK and pools of two dtypes
+    are refused naming the argument."""
+    from jaxserve.kernels.cpu.lora_matmul import MAX_RANK, lora_delta
+    jax.ffi.register_ffi_target("jaxserve_lora_delta_portable_test",
+                                jax.ffi.pycapsule(portable_cpu_kernels.JaxserveLoraDelta),
+                                platform="cpu")
+    x, a, slot = _case(11, 3, 20, 6, jnp.float32, seed=30)
+    _, b, _ = _case(11, 3, 6, 50, jnp.float32, seed=31)
+    call = jax.ffi.ffi_call("jaxserve_lora_delta_portable_test",
+                            jax.ShapeDtypeStruct((11, 50), jnp.float32))
+    got = np.asarray(call(jnp.asarray(x), jnp.asarray(a), jnp.asarray(b), jnp.asarray(slot),
+                          jnp.zeros((), jnp.int32)))
+    want = np.asarray(lora_delta(jnp.asarray(x), jnp.asarray(a), jnp.asarray(b),
+                                 jnp.asarray(slot)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match=f"rank must be at most {MAX_RANK}"):
+        lora_delta(jnp.zeros((2, 8)), jnp.zeros((2, 8, MAX_RANK + 1)),
+                   jnp.zeros((2, MAX_RANK + 1, 4)), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="b must be one of"):
+        lora_delta(jnp.zeros((2, 8)), jnp.zeros((2, 8, 4)), jnp.zeros((2, 4, 4), jnp.bfloat16),
+                   jnp.zeros(2, jnp.int32))

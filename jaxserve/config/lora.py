@@ -7,6 +7,7 @@ import dataclasses
 from jaxserve.config.validation import ConfigError
 
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_LORA_RANK = 512  # vLLM's largest; the CPU kernel keeps a [rows, rank] block on its stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +23,8 @@ class LoRAConfig:
     """Most distinct adapters in one step (vLLM's `--max-loras`): requests for another
     adapter wait until a slot is free (no running request uses its adapter)."""
     max_lora_rank: int = 16
-    """Highest adapter rank served (vLLM's `--max-lora-rank`): every slot is padded to it
-    (memory: jaxserve.worker.memory_plan counts the pools)."""
+    """Highest adapter rank served (vLLM's `--max-lora-rank`, at most 512): every slot is
+    padded to it (memory: jaxserve.worker.memory_plan counts the pools)."""
     max_cpu_loras: int | None = None
     """Adapters kept read in host memory, least recently used evicted and read again from
     disk when asked for (vLLM's `--max-cpu-loras`); None = max_loras. At least
@@ -41,6 +42,9 @@ class LoRAConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"LoRAConfig.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.max_lora_rank, int) and self.max_lora_rank > MAX_LORA_RANK:
+            raise ConfigError(f"LoRAConfig.max_lora_rank must be at most {MAX_LORA_RANK} "
+                              f"(vLLM's largest), got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
                                                or self.max_cpu_loras < self.max_loras):
             raise ConfigError(f"LoRAConfig.max_cpu_loras must be an integer >= max_loras "

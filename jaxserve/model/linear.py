@@ -188,12 +188,11 @@ class CpuMatmul(Matmul):
     packs_bf16 = True
 
     def lora_delta(self, x2, slots, row_slot):
-        """Each row's own adapter only, in the C++ kernel (jaxserve.kernels.cpu.lora_matmul:
-        shrink x A, then expand (x A) B, a row's slot read in place, a layer loop's
-        stacked pools at its layer)."""
-        from jaxserve.kernels.cpu.lora_matmul import lora_matmul
-        xa = lora_matmul(x2.astype(jnp.float32), slots.a, row_slot, slots.layer)
-        return lora_matmul(xa, slots.b, row_slot, slots.layer)
+        """Each row's own adapter only, in the C++ kernel (jaxserve.kernels.cpu.lora_matmul.
+        lora_delta: the shrink x A and the expand (x A) B in one call, a row's slot read
+        in place, a layer loop's stacked pools at its layer)."""
+        from jaxserve.kernels.cpu.lora_matmul import lora_delta
+        return lora_delta(x2.astype(jnp.float32), slots.a, slots.b, row_slot, slots.layer)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,8 @@ HANDLERS = {"JaxservePagedAttention": "jaxserve_paged_attention",
             "JaxserveBf16Matmul": "jaxserve_bf16_matmul",
             "JaxserveArgmaxLogsumexp": "jaxserve_argmax_logsumexp",
             "JaxserveGgmlMatmul": "jaxserve_ggml_matmul",
-            "JaxserveLoraMatmul": "jaxserve_lora_matmul"}
+            "JaxserveLoraMatmul": "jaxserve_lora_matmul",
+            "JaxserveLoraDelta": "jaxserve_lora_delta"}
 COMPILERS = ("g++", "c++", "clang++")
 # -fassociative-math (with its prerequisites) lets the compiler vectorise the f32 dot
 # products' reductions; no -ffast-math: the kernels rely on -inf / NaN semantics.

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jaxserve.kernels.common import check, check_array, layer_operand
 
 TARGET = "jaxserve_lora_matmul"
+DELTA_TARGET = "jaxserve_lora_delta"
+MAX_RANK = 512  # lora_delta's [rows, R] intermediate lives on the stack
 
 
 @jax.jit
@@ -40,6 +42,28 @@ def lora_matmul(v: jax.Array, m: jax.Array, slot: jax.Array,
     return call(v, m, slot, layer_operand(fn, layer))
 
 
+@jax.jit
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slot: jax.Array,
+               layer: jax.Array | None = None) -> jax.Array:
+    """Each row's LoRA delta in one call: x [T, in] f32, pools a [S, in, R] and b [S, R, out]
+    (both f32 or both bf16) -> [T, out] f32, row t = (x[t] @ a[s]) @ b[s] with s = slot[t]
+    (the shrink rounded to f32 and kept on the stack between the two products); 0 for slot
+    0 and slots outside [0, S). layer: with stacks a [L, S, in, R], b [L, S, R, out], the
+    int32 layer to use (read in place). R <= MAX_RANK. Needs `jaxserve.kernels.cpu.build.
+    load_library` called first. Raises ValueError for bad shapes or dtypes, naming the
+    argument."""
+    fn = "cpu lora_delta"
+    check_array(fn, "x", x, (None, None), (jnp.float32,))
+    stack = () if layer is None else (None,)
+    check_array(fn, "a", a, stack + (None, x.shape[1], None), (jnp.float32, jnp.bfloat16))
+    check_array(fn, "b", b, a.shape[:-2] + (a.shape[-1], None), (a.dtype,))
+    check_array(fn, "slot", slot, (x.shape[0],), (jnp.int32,))
+    check(fn, a.shape[-1] <= MAX_RANK, f"the rank must be at most {MAX_RANK}, got {a.shape[-1]}")
+    call = jax.ffi.ffi_call(DELTA_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], b.shape[-1]), jnp.float32))
+    return call(x, a, b, slot, layer_operand(fn, layer))
+
+
 def lora_matmul_reference(v: jax.Array, m: jax.Array, slot: jax.Array,
                           layer: jax.Array | None = None) -> jax.Array:
     """Plain-jnp `lora_matmul` (same arguments and result): the row's slot gathered, in
@@ -53,4 +77,4 @@ def lora_matmul_reference(v: jax.Array, m: jax.Array, slot: jax.Array,
     return jnp.where(ok[:, None], y, 0.0)
 
 
-__all__ = ["lora_matmul", "lora_matmul_reference"]
+__all__ = ["MAX_RANK", "lora_delta", "lora_matmul", "lora_matmul_reference"]
