@@ -21,7 +21,6 @@ import jax
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.params import LayerParams, Params, ParamSpec, param_specs, spec_dtype
-from jaxserve.pytree import pytree_dataclass
 
 # Target size of one layer group in bytes (in the checkpoint dtype). Large enough that
 # orbax's per-item overhead (~10s of ms) is paid a few times, small enough that a group is
@@ -30,33 +29,27 @@ GROUP_BYTES = 64 * 2**20
 TOP_LEAVES = ("embed", "final_norm", "lm_head")
 
 
-@pytree_dataclass
-class StoredLayer:
-    """A LayerParams as checkpoints hold it: the weights, without what the engine adds
-    when it serves (LayerParams.lora, the LoRA slots), so that the stored tree's keys stay
-    those of every checkpoint written before."""
+# A LayerParams as checkpoints hold it: the weights, without what the engine adds when it
+# serves (LayerParams.lora, the LoRA slots), so that the stored tree's keys stay those of
+# every checkpoint written before (orbax compares them by name).
+_STORED = [f for f in dataclasses.fields(LayerParams) if f.name != "lora"]
+StoredLayer = jax.tree_util.register_dataclass(
+    dataclasses.make_dataclass("StoredLayer", [
+        (f.name, Any) if f.default is dataclasses.MISSING else (f.name, Any, f.default)
+        for f in _STORED], frozen=True),
+    data_fields=[f.name for f in _STORED], meta_fields=[])
 
-    attn_norm: Any
-    wq: Any
-    wk: Any
-    wv: Any
-    wo: Any
-    mlp_norm: Any
-    w_gate: Any
-    w_up: Any
-    w_down: Any
-    bq: Any = None
-    bk: Any = None
-    bv: Any = None
 
-    @classmethod
-    def of(cls, lp: LayerParams) -> "StoredLayer":
-        if lp.lora is not None:
-            raise ValueError("a layer with LoRA slots is not stored (they are the engine's)")
-        return cls(**{f.name: getattr(lp, f.name) for f in dataclasses.fields(cls)})
+def stored_layer(lp: LayerParams):
+    """`lp` as a StoredLayer. Raises ValueError for a layer with LoRA slots."""
+    if lp.lora is not None:
+        raise ValueError("a layer with LoRA slots is not stored (they are the engine's)")
+    return StoredLayer(**{f.name: getattr(lp, f.name) for f in dataclasses.fields(StoredLayer)})
 
-    def layer(self) -> LayerParams:
-        return LayerParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+def served_layer(stored) -> LayerParams:
+    """A StoredLayer as the LayerParams the model reads."""
+    return LayerParams(**{f.name: getattr(stored, f.name) for f in dataclasses.fields(stored)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +71,13 @@ class ParamGroup:
         non-None top leaves, or the tuple of its layers (as StoredLayers)."""
         if self.layers is None:
             return {k: getattr(params, k) for k in TOP_LEAVES if getattr(params, k) is not None}
-        return tuple(StoredLayer.of(params.layers[i]) for i in self.layers)
+        return tuple(stored_layer(params.layers[i]) for i in self.layers)
 
     def stored(self, tree):
         """A subtree as `subtree` lays it out, from one whose layers may be LayerParams."""
         if self.layers is None:
             return tree
-        return tuple(StoredLayer.of(x) if isinstance(x, LayerParams) else x for x in tree)
+        return tuple(stored_layer(x) if isinstance(x, LayerParams) else x for x in tree)
 
     def leaf_name(self, keypath: tuple) -> str:
         """The Params name ("embed", "layers[5].wq") of a keypath into `subtree`."""
@@ -137,5 +130,5 @@ def assemble_params(parts: Iterable[tuple[ParamGroup, Any]]) -> Params:
         if group.layers is None:
             top = tree
         else:
-            layers.extend(s.layer() if isinstance(s, StoredLayer) else s for s in tree)
+            layers.extend(served_layer(s) if isinstance(s, StoredLayer) else s for s in tree)
     return Params(layers=tuple(layers), **top)
