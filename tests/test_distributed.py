@@ -340,3 +340,53 @@ def test_loading_onto_a_mesh_streams_group_by_group(tmp_path):
     assert r["load_overhead"] <= 2 * r["layer_bytes"], r
     assert r["convert_overhead"] <= 3 * max(top, r["layer_bytes"]), r
     assert r["load_overhead"] < r["model_bytes"] / 4 and r["convert_overhead"] < r["model_bytes"], r
+
+
+@pytest.mark.full  # fast tier: the adapters on one device (tests/test_lora_real.py)
+def test_two_processes_serve_lora_adapters(tmp_path, cache_dir, smollm2_checkpoint):
+    """TP 4 over 2 processes x 2 devices with --enable-lora: an adapter from --lora-modules
+    and one loaded at run time (POST /v1/load_lora_adapter) are written into both
+    processes' slots (the step channel carries each write); greedy completions naming
+    them, and the base's, equal one process's (jaxserve.LLM with the same adapters)."""
+    import concurrent.futures
+
+    import httpx
+
+    from jaxserve.api import LLM
+    from jaxserve.config import load_config
+    from jaxserve.engine.builder import resolve_model_config
+    from jaxserve.lora import LoRARequest
+    from jaxserve.lora.dummy import write_peft_adapter
+    from jaxserve.sampling_params import SamplingParams
+
+    base = load_config(SMALL)
+    cfg, _ = resolve_model_config(base, cache_dir)
+    a1 = write_peft_adapter(tmp_path / "a1", cfg, r=8, alpha=16, seed=41, b_std=0.02)
+    a2 = write_peft_adapter(tmp_path / "a2", cfg, r=4, alpha=8, seed=42, b_std=0.03,
+                            modules=["q_proj", "o_proj", "down_proj"])
+    models = ["a1", "a2", "SmolLM2-135M-Instruct", "a1"]
+    llm = LLM(base.replace(engine=base.engine.override(enable_lora=True, max_lora_rank=8,
+                                                       max_loras=2)),
+              cache_dir=cache_dir, warmup=False)
+    lora = {"a1": LoRARequest("a1", 1, str(a1)), "a2": LoRARequest("a2", 2, str(a2))}
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    want = [c.text for c in llm.generate(PROMPTS, sp, lora_request=[lora.get(m) for m in models])]
+    del llm
+    procs, url, logs = _launch_pair(tmp_path, cache_dir, (
+        "--tensor-parallel-size", "4", "--enable-lora", "--max-lora-rank", "8",
+        "--max-loras", "2", "--lora-modules", f"a1={a1}"))
+    try:
+        r = httpx.post(url + "/load_lora_adapter", timeout=60,
+                       json={"lora_name": "a2", "lora_path": str(a2)})
+        assert r.status_code == 200, r.text
+
+        def complete(i):
+            r = httpx.post(url + "/completions", timeout=300, json={
+                "model": models[i], "prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(complete, range(4))) == want
+    finally:
+        _stop(procs)
