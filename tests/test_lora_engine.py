@@ -222,9 +222,12 @@ assert m.slots() == {"a": 1, "c": 2}
 m.remove("a")                       # in a free slot: cleared now
 assert m.take_writes() == [(1, None)] and m.slots() == {"c": 2}
 m.remove("c")                       # held by sc: cleared when sc leaves
-assert m.take_writes() == []
+assert m.take_writes() == [] and m.slots() == {}
+m.add("c", "/c2")                   # the name again, other weights: not sc's slot
+sc2 = seq("c")
+assert m.acquire(sc2) and sc2.lora_slot == 1 and [s for s, _ in m.take_writes()] == [1]
 m.release(sc)
-assert m.take_writes() == [(2, None)]
+assert m.take_writes() == [(2, None)] and m.slots() == {"c": 1}
 salt = m.cache_salt("b")
 assert m.cache_salt(None) is None and salt not in (m.cache_salt(n) for n in m.names - {"b"})
 m.remove("b")

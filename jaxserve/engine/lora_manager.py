@@ -83,6 +83,9 @@ class LoraManager:
         slot = self._slot_of.get(name)
         if slot is not None and self._holders[slot] == 0:
             self._clear(name, slot)
+        elif slot is not None:  # held: cleared when its last sequence leaves; the name
+            # is free at once (an adapter registered again under it gets a slot of its own)
+            self._slot_of[("unloaded", name, next(self._ids))] = self._slot_of.pop(name)
 
     def is_served(self, name: str) -> bool:
         return name in self._paths
@@ -158,8 +161,8 @@ class LoraManager:
         return out
 
     def slots(self) -> dict[str, int]:
-        """{adapter name: its slot} of the adapters in device slots."""
-        return dict(self._slot_of)
+        """{adapter name: its slot} of the served adapters in device slots."""
+        return {n: s for n, s in self._slot_of.items() if isinstance(n, str)}
 
     def _clear(self, name: str, slot: int) -> None:
         del self._slot_of[name]

@@ -9,7 +9,8 @@ swapping or unloading an adapter changes values only: `slot_writer` is one progr
 compiled when the engine is built, that writes a slot of every pool from host arrays
 (`adapter_arrays`). Under tensor parallelism the pools are split as the base projections
 are (jaxserve.model.tensor_parallel.lora_specs); under the layer loop they are stacked
-[L, ...] with the other layer weights (sliced per layer, as norms are).
+[L, ...] with the other layer weights, and the loop's layer index travels with them
+(LoraSlots.layer: the C++ kernel reads that layer in place, the jnp form slices it).
 
 Source: S-LoRA (Sheng et al., 2023: a unified pool of adapter weights, loaded without
 touching the compiled kernels), vLLM's LoRAModelManager (slots of max_loras, activated
