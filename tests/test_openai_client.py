@@ -344,3 +344,17 @@ def test_sigint_shuts_down_cleanly(smollm2_checkpoint, cache_dir, tmp_path):
         log = server.log_tail(100_000)
     assert "Application shutdown complete" in log
     assert rc == 0 and "Traceback" not in log, log[-4000:]
+
+
+def test_tokenize_counts_what_the_chat_prompt_costs(greedy_chat, server, tokenizer):
+    """/tokenize of the chat's messages gives as many tokens as the chat completion's
+    usage.prompt_tokens (the same template and tokenizer), and the model's max_model_len;
+    /detokenize of them gives back the rendered prompt with its special tokens."""
+    import httpx
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": CHAT},
+                   timeout=30).json()
+    assert r["count"] == greedy_chat.usage.prompt_tokens == len(r["tokens"])
+    assert r["max_model_len"] > r["count"]
+    text = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": r["tokens"]},
+                      timeout=30).json()["prompt"]
+    assert text == tokenizer.apply_chat_template(CHAT) and "<|im_start|>" in text

@@ -575,7 +575,7 @@ def test_openapi_schema():
     assert (seed["minimum"], seed["maximum"]) == (SEED_MIN, SEED_MAX)
     paths = doc["paths"]
     assert set(paths) >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                          "/ready", "/metrics"}
+                          "/ready", "/metrics", "/tokenize", "/detokenize"}
     for path, model, parse in (("/v1/completions", CompletionRequest, parse_completion_request),
                                ("/v1/chat/completions", ChatCompletionRequest, parse_chat_request)):
         op = paths[path]["post"]

@@ -331,3 +331,39 @@ def test_disconnect_during_non_streaming_request_aborts(server):
     body = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True}
     asyncio.run(drive_and_check_aborted(app, fake, COMP, body, disconnect_after_s=0.1))
     assert fake.num_steps < 45
+
+
+def test_tokenize_and_detokenize(server):
+    """vLLM's /tokenize and /detokenize: a prompt's ids (special tokens as the tokenizer
+    adds them, or not), chat messages through the chat template (with and without the
+    generation prompt), token strings on request, the text of ids back; bad bodies are
+    400s naming the field, another model a 404."""
+    client, _, tok, _ = server
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "Hello"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_LEN and body["token_strs"] is None
+    r = client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False,
+                                       "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello", add_special_tokens=False)
+    assert r["token_strs"] == [tok.id_to_token(t) for t in r["tokens"]]
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = client.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert chat == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+    bare = client.post("/tokenize", json={"messages": msgs,
+                                          "add_generation_prompt": False}).json()["tokens"]
+    assert bare == tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=False),
+                              add_special_tokens=False) and bare != chat
+    r = client.post("/detokenize", json={"tokens": chat})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(chat, skip_special_tokens=False)}
+    for path, body, status, param in (
+            ("/tokenize", {"prompt": "a", "messages": msgs}, 400, "prompt"),
+            ("/tokenize", {}, 400, "prompt"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt"),
+            ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+            ("/detokenize", {"tokens": [1, tok.vocab_size]}, 400, "tokens.1"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+            ("/detokenize", {"tokens": "x"}, 400, "tokens")):
+        r = client.post(path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)

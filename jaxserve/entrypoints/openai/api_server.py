@@ -3,6 +3,8 @@
     POST /v1/completions        prompt (text or token ids) -> text; SSE when "stream": true
     POST /v1/chat/completions   messages -> chat template -> text; SSE when "stream": true
     GET  /v1/models             the served model, and its LoRA adapters (`parent`: the base)
+    POST /tokenize              {"prompt"} or {"messages"} -> token ids (vLLM's)
+    POST /detokenize            {"tokens"} -> text (vLLM's)
     POST /v1/load_lora_adapter  {"lora_name", "lora_path"}: serve a PEFT adapter (vLLM's;
     POST /v1/unload_lora_adapter {"lora_name"}: stop serving it    with --enable-lora)
     GET  /health                liveness: 200 + engine counters while the engine thread
@@ -47,7 +49,8 @@ from jaxserve.engine.async_engine import AsyncEngine, EngineError, RequestStream
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from jaxserve.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from jaxserve.entrypoints.openai.request import ApiError, validate_body
+from jaxserve.entrypoints.openai.request import (ApiError, parse_detokenize_request,
+                                                 parse_tokenize_request, validate_body)
 from jaxserve.entrypoints.openai.response import CHAT, COMPLETION, ResponseShape, sse_event
 from jaxserve.entrypoints.openai.serving import (OpenAIServing, Submission, choice_usage,
                                                  engine_error, last_outputs, tool_call)
@@ -197,6 +200,24 @@ class _Routes:
             {"id": self.model_name, **card, "root": self.model_name, "parent": None},
             *({"id": name, **card, "root": path, "parent": self.model_name}
               for name, path in sorted(adapters.items()))]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (vLLM's): {"count", "max_model_len", "tokens", "token_strs"} of a
+        prompt or chat messages (tokenised on a worker thread)."""
+        raw = await _read_body(request, self.server.max_request_body_bytes)
+        ids, strs = await anyio.to_thread.run_sync(
+            parse_tokenize_request, raw, self.serving.tokenizer, self.model_name,
+            self.engine.lora_names())
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (vLLM's): {"prompt": the text of the token ids}."""
+        raw = await _read_body(request, self.server.max_request_body_bytes)
+        text = await anyio.to_thread.run_sync(
+            parse_detokenize_request, raw, self.serving.tokenizer, self.model_name,
+            self.engine.lora_names())
+        return JSONResponse({"prompt": text})
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """POST /v1/load_lora_adapter {"lora_name", "lora_path"} (vLLM's): the adapter is
@@ -437,7 +458,9 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, served_model_name
                 Route("/health", routes.health, methods=["GET"]),
                 Route("/ready", routes.ready, methods=["GET"]),
                 Route("/metrics", routes.prometheus, methods=["GET"]),
-                Route("/openapi.json", routes.openapi, methods=["GET"]), *lora_routes],
+                Route("/openapi.json", routes.openapi, methods=["GET"]),
+                Route("/tokenize", routes.tokenize, methods=["POST"]),
+                Route("/detokenize", routes.detokenize, methods=["POST"]), *lora_routes],
         middleware=middleware,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error})

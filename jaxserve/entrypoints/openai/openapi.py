@@ -13,6 +13,7 @@ from pydantic.json_schema import models_json_schema
 from jaxserve.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, CompletionChunk,
                                                   CompletionRequest, CompletionResponse,
+                                                  DetokenizeRequest, TokenizeRequest,
                                                   ErrorResponse, HealthResponse, ModelList)
 
 _REF = "#/components/schemas/{model}"
@@ -30,7 +31,8 @@ def openapi_schema(served_model_name: str) -> dict[str, Any]:
     Every `$ref` points into `components/schemas`. Raises nothing.
     Source: OpenAPI 3.1.0 specification; OpenAI API reference.
     """
-    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest)] + \
+    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
+                                          TokenizeRequest, DetokenizeRequest)] + \
         [(m, "serialization") for m in (CompletionResponse, CompletionChunk, ChatCompletionResponse,
                                         ChatCompletionChunk, ErrorResponse, ModelList, HealthResponse)]
     refs, defs = models_json_schema(models, ref_template=_REF)
@@ -60,6 +62,13 @@ def openapi_schema(served_model_name: str) -> dict[str, Any]:
             "200": {"description": "OK", "content": content},
             **{c: errors[c] for c in codes}}}}
 
+    def tokens(summary: str, request, fields: dict) -> dict:
+        body = {"type": "object", "properties": {k: {"type": t} for k, t in fields.items()}}
+        return {"post": {"summary": summary, "requestBody": {
+            "required": True, "content": {"application/json": {"schema": ref[request]}}},
+            "responses": {"200": {"description": "OK", "content": {
+                "application/json": {"schema": body}}}, **{c: errors[c] for c in ("400", "404")}}}}
+
     model = served_model_name
     return {
         "openapi": "3.1.0",
@@ -77,6 +86,11 @@ def openapi_schema(served_model_name: str) -> dict[str, Any]:
             "/health": get("Liveness and engine counters", json_content(HealthResponse), "503"),
             "/ready": get("Ready to serve", json_content(HealthResponse), "503"),
             "/metrics": get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
+            "/tokenize": tokens("Token ids of a prompt or chat messages (vLLM's)",
+                                TokenizeRequest, {"count": "integer", "max_model_len": "integer",
+                                                  "tokens": "array", "token_strs": "array"}),
+            "/detokenize": tokens("Text of token ids (vLLM's)", DetokenizeRequest,
+                                  {"prompt": "string"}),
         },
         "components": {"schemas": defs.get("$defs", {}),
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

@@ -270,10 +270,32 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: NonNegativeInt | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): the token ids of a `prompt` (with the tokenizer's special
+    tokens unless add_special_tokens is false), or of chat `messages` rendered by the
+    model's chat template (add_generation_prompt, default true; no special tokens added
+    unless add_special_tokens is true). return_token_strs: also each token's string."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): the text of token ids (special tokens kept)."""
+
+    model: StrictStr | None = None
+    tokens: list[NonNegativeInt]
+
+
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
     ResponseFormat, JsonSchemaFormat, StructuredOutputsParams, Tool, FunctionDefinition,
-    NamedToolChoice, NamedFunction, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
+    NamedToolChoice, NamedFunction, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
+    TokenizeRequest, DetokenizeRequest)
 
 
 # -- responses ----------------------------------------------------------------------------

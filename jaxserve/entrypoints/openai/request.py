@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Collection, TypeVar
 import pydantic
 
 from jaxserve.entrypoints.openai.protocol import (REQUEST_MODELS, ChatCompletionRequest,
-                                                  CompletionRequest, _SamplingRequest)
+                                                  CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest, _SamplingRequest)
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sample.grammar import StructuredOutput
 from jaxserve.tokenization.tokenizer import Tokenizer
@@ -182,11 +183,7 @@ def _check_common(req: _SamplingRequest, served_model_name: str,
                   noops: dict = _NOOP_VALUES, lora_names: Collection[str] = ()) -> str | None:
     """Check the model and the no-op parameters; returns the LoRA adapter the request
     names as its model (None: the base model)."""
-    if req.model is not None and req.model != served_model_name and req.model not in lora_names:
-        also = f" and the LoRA adapters {sorted(lora_names)}" if lora_names else ""
-        raise ApiError(f"The model `{req.model[:200]}` does not exist. This server serves "
-                       f"`{served_model_name}`{also}."[:_MAX_MESSAGE_CHARS], "model",
-                       status=404, code="model_not_found")
+    _check_model(req.model, served_model_name, lora_names)
     for key, noop in noops.items():
         value = getattr(req, key)
         if value is not None and value not in noop:
@@ -411,26 +408,73 @@ def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: requires 'logprobs': true", "top_logprobs")
     tool_name, tool_schema = _tool_choice(req)
-    messages = []
-    for m in req.messages:
-        content = m.content
-        if isinstance(content, list):  # text parts joined by "\n", as vLLM does
-            content = "\n".join(part.text for part in content)
-        messages.append({"role": m.role, "content": content, "name": m.name})
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as e:  # ChatTemplateError, or a template failing in another way
-        detail = str(e) if isinstance(e, ValueError) else "the template failed on these messages"
-        raise ApiError(f"chat template: {detail}"[:_MAX_MESSAGE_CHARS], "messages") from None
-    if not isinstance(text, str):
-        raise ApiError("chat template: the template did not render text", "messages")
-    ids = _encode(tokenizer, text, False, "messages")
+    ids = _encode(tokenizer, _chat_text(req.messages, tokenizer, True), False, "messages")
     key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     parsed = _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer,
                     limits, (req.top_logprobs or 0) if req.logprobs else None,
                     structured=_structured_output(req, tool_schema))
     return dataclasses.replace(parsed, tool_call=tool_name, lora_name=lora)
+
+
+def _chat_text(messages, tokenizer: Tokenizer, add_generation_prompt: bool) -> str:
+    """ChatMessages rendered by the model's chat template (text parts joined by "\n", as
+    vLLM does). Raises ApiError (400, "messages") when the template refuses them."""
+    rendered = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        rendered.append({"role": m.role, "content": content, "name": m.name})
+    try:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # ChatTemplateError, or a template failing in another way
+        detail = str(e) if isinstance(e, ValueError) else "the template failed on these messages"
+        raise ApiError(f"chat template: {detail}"[:_MAX_MESSAGE_CHARS], "messages") from None
+    if not isinstance(text, str):
+        raise ApiError("chat template: the template did not render text", "messages")
+    return text
+
+
+def _check_model(model: str | None, served_model_name: str, lora_names: Collection[str]) -> None:
+    if model is not None and model != served_model_name and model not in lora_names:
+        also = f" and the LoRA adapters {sorted(lora_names)}" if lora_names else ""
+        raise ApiError(f"The model `{model[:200]}` does not exist. This server serves "
+                       f"`{served_model_name}`{also}."[:_MAX_MESSAGE_CHARS], "model",
+                       status=404, code="model_not_found")
+
+
+def parse_tokenize_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                           lora_names: Collection[str] = ()) -> tuple[list[int], list | None]:
+    """Validate a `/tokenize` body (a TokenizeRequest) and tokenize it: (token ids, each
+    token's string or None unless return_token_strs). Raises ApiError: 404 for an unknown
+    model; 400 naming the field for a body with neither or both of prompt and messages,
+    or messages the chat template refuses. Source: vLLM's /tokenize."""
+    req = _validate(TokenizeRequest, raw)
+    _check_model(req.model, served_model_name, lora_names)
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError("give either 'prompt' or 'messages'", "prompt")
+    if req.messages is not None:
+        text = _chat_text(req.messages, tokenizer, req.add_generation_prompt)
+        ids = _encode(tokenizer, text, bool(req.add_special_tokens), "messages")
+    else:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = _encode(tokenizer, req.prompt, special, "prompt")
+    return ids, ([tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None)
+
+
+def parse_detokenize_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                             lora_names: Collection[str] = ()) -> str:
+    """Validate a `/detokenize` body (a DetokenizeRequest): the text of its tokens
+    (special tokens kept). Raises ApiError: 404 for an unknown model; 400 naming
+    "tokens.i" for an id outside the vocabulary. Source: vLLM's /detokenize."""
+    req = _validate(DetokenizeRequest, raw)
+    _check_model(req.model, served_model_name, lora_names)
+    bad = next((i for i, t in enumerate(req.tokens) if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"tokens.{bad}: token id {req.tokens[bad]} is outside the vocabulary "
+                       f"[0, {tokenizer.vocab_size})", f"tokens.{bad}")
+    return tokenizer.decode(req.tokens, skip_special_tokens=False)
 
 
 def _tool_choice(req: ChatCompletionRequest) -> tuple[str | None, dict | None]:
