@@ -17,10 +17,10 @@ content, not lost), several calls in one reply, a closing tag missing at the end
 generation (a complete JSON object still counts), an object that is not valid JSON (the
 text stays content, nothing is dropped).
 
-A call's `arguments` is a JSON string: the JSON/Python-free text of the arguments object
-exactly as the model wrote it for the JSON formats (so that the streamed pieces, joined, are
-the final string, as the OpenAI SDK accumulates them), `json.dumps` of the literal values
-for pythonic. Streaming (`ToolCallStream.feed`) re-reads the text so far with a tolerant
+A call's `arguments` is a JSON string: for the JSON formats the text of the arguments
+object exactly as the model wrote it (so that the streamed pieces, joined, are the final
+string, as the OpenAI SDK accumulates them), for pythonic `json.dumps` of the literal
+values. Streaming (`ToolCallStream.feed`) re-reads the text so far with a tolerant
 scanner and sends what is new: content, then per call its id and name once, then its
 arguments in pieces.
 
