@@ -163,17 +163,18 @@ class Engine:
         engine's thread). Its device slot is written when a request first needs it.
         Raises AdapterError (one line) for a name in use or an adapter that cannot be
         served, ValueError when LoRA is off."""
-        if self.lora is None:
-            raise ValueError("LoRA is off: start the engine with enable_lora (--enable-lora)")
-        self.lora.add(name, path, adapter)
+        self._lora_manager().add(name, path, adapter)
 
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter `name`: its running requests finish with it, waiting ones
         fail, new ones are refused. Raises KeyError for a name not served, ValueError when
         LoRA is off."""
+        self._lora_manager().remove(name)
+
+    def _lora_manager(self) -> LoraManager:
         if self.lora is None:
             raise ValueError("LoRA is off: start the engine with enable_lora (--enable-lora)")
-        self.lora.remove(name)
+        return self.lora
 
     def lora_names(self) -> list[str]:
         """The adapters served now, by name (none when LoRA is off)."""

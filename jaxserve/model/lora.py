@@ -26,18 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import LoRAConfig, ModelConfig
-from jaxserve.lora.adapter import LoraAdapter
+from jaxserve.lora.adapter import LoraAdapter, flat_shapes
 from jaxserve.lora.batched import LoraSlots, empty_slots
+from jaxserve.model import tensor_parallel as tp
 from jaxserve.model.layer_loop import StackedLayers
-from jaxserve.model.params import PROJECTIONS, Params
+from jaxserve.model.params import LAYER_AXES, PROJECTIONS, Params, layer_shapes
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each projection's logical shape ([*in, *out], jaxserve.model.params layout)."""
-    H, K, Dh, D, F = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
-                      cfg.intermediate_size)
-    return {"wq": (D, H, Dh), "wk": (D, K, Dh), "wv": (D, K, Dh), "wo": (H, Dh, D),
-            "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+    shapes = layer_shapes(cfg)
+    return {name: shapes[name] for name in PROJECTIONS}
 
 
 def lora_dtype(lcfg: LoRAConfig, cfg: ModelConfig) -> jnp.dtype:
@@ -49,12 +48,9 @@ def layer_pools(cfg: ModelConfig, lcfg: LoRAConfig) -> dict[str, LoraSlots]:
     """One layer's zeroed pools: {projection: LoraSlots a [S, in, R], b [S, R, out]},
     S = max_loras + 1, R = max_lora_rank."""
     dt = lora_dtype(lcfg, cfg)
-    out = {}
-    for name, shape in projection_shapes(cfg).items():
-        n = PROJECTIONS[name]
-        out[name] = empty_slots(lcfg.num_slots, int(np.prod(shape[:n])),
-                                int(np.prod(shape[n:])), lcfg.max_lora_rank, dt, shape)
-    return out
+    flat = flat_shapes(cfg)
+    return {name: empty_slots(lcfg.num_slots, *flat[name], lcfg.max_lora_rank, dt, shape)
+            for name, shape in projection_shapes(cfg).items()}
 
 
 def pool_bytes(cfg: ModelConfig, lcfg: LoRAConfig, rules=None) -> tuple[int, int]:
@@ -64,17 +60,15 @@ def pool_bytes(cfg: ModelConfig, lcfg: LoRAConfig, rules=None) -> tuple[int, int
     splits them (a factor not split is on every device)."""
     if not lcfg.enable_lora:
         return 0, 0
-    from jaxserve.model import tensor_parallel as tp
-    from jaxserve.model.params import LAYER_AXES
     itemsize = lora_dtype(lcfg, cfg).itemsize
     devices = 1 if rules is None else rules.mesh.size
+    flat = flat_shapes(cfg)
     one = every = 0
     for name, shape in projection_shapes(cfg).items():
-        n = PROJECTIONS[name]
-        n_in, n_out = int(np.prod(shape[:n])), int(np.prod(shape[n:]))
+        n_in, n_out = flat[name]
         ax_in = ax_out = None
         if tp.tp_axis(rules) is not None:
-            ax_in, ax_out = tp._split_axes(rules.spec(LAYER_AXES[name], shape), n)
+            ax_in, ax_out = tp._split_axes(rules.spec(LAYER_AXES[name], shape), PROJECTIONS[name])
         for size, ax in ((n_in, ax_in), (n_out, ax_out)):
             split = 1 if ax is None else rules.mesh.shape[ax]
             one += size // split
@@ -90,7 +84,6 @@ def attach_pools(params: Params, cfg: ModelConfig, lcfg: LoRAConfig, rules=None)
     (pipeline parallelism serves no LoRA)."""
     if not isinstance(params.layers, tuple):
         raise ValueError("LoRA pools are attached to a tuple of layers (not pipeline stages)")
-    from jaxserve.model import tensor_parallel as tp
     layers = []
     for lp in params.layers:
         pools = layer_pools(cfg, lcfg)
@@ -137,13 +130,13 @@ def adapter_arrays(adapter: LoraAdapter | None, cfg: ModelConfig, lcfg: LoRAConf
     Raises ValueError for a rank above max_lora_rank or a layer count other than cfg's."""
     R, L = lcfg.max_lora_rank, cfg.num_layers
     dt = lora_dtype(lcfg, cfg)
+    flat = flat_shapes(cfg)
     out = {}
     if adapter is not None and (adapter.rank > R or len(adapter.a) != L):
         raise ValueError(f"LoRA adapter {adapter.name}: rank {adapter.rank} / {len(adapter.a)} "
                          f"layers; the pools hold rank <= {R} over {L} layers")
-    for name, shape in projection_shapes(cfg).items():
-        n = PROJECTIONS[name]
-        n_in, n_out = int(np.prod(shape[:n])), int(np.prod(shape[n:]))
+    for name in PROJECTIONS:
+        n_in, n_out = flat[name]
         a = np.zeros((L, n_in, R), np.float32)
         b = np.zeros((L, R, n_out), np.float32)
         if adapter is not None and name in adapter.targets:

@@ -122,13 +122,20 @@ EMBED_AXES = ("vocab", "embed")
 LM_HEAD_AXES = ("embed", "vocab")
 
 
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The logical shape of each LayerParams weight of `cfg` (biases included; a
+    projection's is [*in, *out], PROJECTIONS of its axes inputs)."""
+    D, H, K, Dh, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.intermediate_size)
+    return {"attn_norm": (D,), "wq": (D, H, Dh), "wk": (D, K, Dh), "wv": (D, K, Dh),
+            "wo": (H, Dh, D), "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F),
+            "w_down": (F, D), "bq": (H, Dh), "bk": (K, Dh), "bv": (K, Dh)}
+
+
 def param_specs(cfg: ModelConfig) -> Params:
     """The param tree of `cfg` with a ParamSpec at every leaf."""
-    D, H, K, Dh, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                         cfg.intermediate_size, cfg.vocab_size)
-    shapes = {"attn_norm": (D,), "wq": (D, H, Dh), "wk": (D, K, Dh), "wv": (D, K, Dh),
-              "wo": (H, Dh, D), "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F),
-              "w_down": (F, D), "bq": (H, Dh), "bk": (K, Dh), "bv": (K, Dh)}
+    D, V = cfg.hidden_size, cfg.vocab_size
+    shapes = layer_shapes(cfg)
     inits = {"attn_norm": "ones", "mlp_norm": "ones", "bq": "zeros", "bk": "zeros", "bv": "zeros"}
 
     def spec(name: str, shape: tuple[int, ...], i: int) -> Any:

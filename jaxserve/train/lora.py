@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.functional import score
-from jaxserve.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_MODULES
+from jaxserve.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_MODULES, flat_shapes
 from jaxserve.lora.batched import LoraSlots
 from jaxserve.model.lora import projection_shapes
 from jaxserve.model.params import PROJECTIONS, Params
@@ -50,10 +50,9 @@ def init_adapter(cfg: ModelConfig, rank: int, targets: Sequence[str], key: jax.A
         raise ValueError(f"targets must be some of {list(PROJECTIONS)} (got {list(targets)}) "
                          f"and rank >= 1 (got {rank})")
     out = {}
+    flat = flat_shapes(cfg)
     for t, k in zip(targets, jax.random.split(key, len(targets))):
-        shape = projection_shapes(cfg)[t]
-        n = PROJECTIONS[t]
-        n_in, n_out = int(np.prod(shape[:n])), int(np.prod(shape[n:]))
+        n_in, n_out = flat[t]
         bound = 1.0 / np.sqrt(n_in)
         out[t] = {"a": jax.random.uniform(k, (cfg.num_layers, n_in, rank), jnp.float32,
                                           -bound, bound),

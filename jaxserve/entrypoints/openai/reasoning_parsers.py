@@ -21,16 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.entrypoints.openai.tool_parsers import held_prefix
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, tag: str) -> int:
-    """Trailing characters of `text` that are a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +45,7 @@ class ReasoningParser:
             return None, text
         end = body.find(END)
         if end < 0:  # still thinking (or stopped while thinking)
-            hold = 0 if final else _held(body, END)
+            hold = 0 if final else held_prefix(body, END)
             return body[:len(body) - hold], ""
         return body[:end], body[end + len(END):]
 

@@ -188,7 +188,7 @@ class ToolParser:
         return Extracted(content if content.strip() or not done else None, done)
 
 
-def _held(text: str, tag: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
     """How many trailing characters of `text` are a proper prefix of `tag` (held back
     while streaming: they may be the start of the tag)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -215,7 +215,7 @@ class HermesParser(ToolParser):
             j = text.find(self.START, i)
             if j < 0:
                 rest = text[i:]
-                hold = 0 if final else _held(rest, self.START)
+                hold = 0 if final else held_prefix(rest, self.START)
                 segments.append(rest[:len(rest) - hold])
                 return _content(segments, bool(calls), final), calls
             segments.append(text[i:j])
@@ -278,7 +278,7 @@ class MistralParser(ToolParser):
     def partial(self, text, final):
         j = text.find(self.TAG)
         if j < 0:
-            hold = 0 if final else _held(text, self.TAG)
+            hold = 0 if final else held_prefix(text, self.TAG)
             return text[:len(text) - hold], []
         content, body = _content([text[:j]], True, final), text[j + len(self.TAG):].lstrip()
         calls = []
@@ -411,4 +411,4 @@ class ToolCallStream:
 
 
 __all__ = ["TOOL_PARSERS", "Extracted", "ToolCall", "ToolCallDelta", "ToolCallStream",
-           "ToolParser", "tool_parser"]
+           "ToolParser", "held_prefix", "tool_parser"]
