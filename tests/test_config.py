@@ -177,6 +177,9 @@ SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "--max-stream-buffer-bytes", "--max-stop-strings", "--max-stop-string-len",
     "--shutdown-timeout", "--allowed-origins",
     "--malloc-arena-max",  # added with the layer loop's memory measurements (session 15)
+    # tool calling and reasoning (issue 32)
+    "--enable-auto-tool-choice", "--no-enable-auto-tool-choice", "--tool-call-parser",
+    "--reasoning-parser",
 }
 BATCH_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "-i", "--input-file", "-o", "--output-file", "--config", "--cache-dir",
@@ -388,6 +391,36 @@ def test_server_flags_set_the_server_config():
         ServerConfig(request_timeout_s=5.0)
     with pytest.raises(ConfigError, match="ServerConfig.max_stop_strings must be an integer > 0"):
         apply(base, given(ap.parse_args(["--max-stop-strings", "0"])))
+    cfg = apply(base, given(ap.parse_args(["--enable-auto-tool-choice", "--tool-call-parser",
+                                           "hermes", "--reasoning-parser", "qwen3"])))
+    assert (cfg.server.enable_auto_tool_choice, cfg.server.tool_call_parser,
+            cfg.server.reasoning_parser) == (True, "hermes", "qwen3")
+
+
+def test_unknown_parsers_fail_at_start_up_with_the_list(capsys):
+    """--tool-call-parser / --reasoning-parser outside the implemented parsers stop the
+    command with the names it knows; so does a config file naming one, and auto tool
+    choice without a parser."""
+    from jaxserve.config import ServerConfig
+    from jaxserve.config.server import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from jaxserve.entrypoints.openai import reasoning_parsers, tool_parsers
+    ap = _all_flags_parser()
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--tool-call-parser", "hermes2"])
+    err = capsys.readouterr().err
+    assert "--tool-call-parser" in err and all(n in err for n in TOOL_CALL_PARSERS)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--reasoning-parser", "r1"])
+    assert "deepseek_r1" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"unknown parser 'x'; one of \['hermes'"):
+        ServerConfig(tool_call_parser="x")
+    with pytest.raises(ConfigError, match="enable_auto_tool_choice needs tool_call_parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    # every listed name has its parser
+    for name in TOOL_CALL_PARSERS:
+        assert tool_parsers.tool_parser(name).name == name
+    for name in REASONING_PARSERS:
+        assert reasoning_parsers.reasoning_parser(name).name == name
 
 
 @pytest.mark.parametrize("command, today", [("serve", SERVE_FLAGS_TODAY),

@@ -72,7 +72,8 @@ def launched_server(cache_dir, log_dir: Path):
     port = _free_port()
     log_path = log_dir / "serve.log"
     cmd = [sys.executable, "serve.py", "--config", CONFIG, "--port", str(port),
-           "--cache-dir", str(cache_dir)]
+           "--cache-dir", str(cache_dir), "--enable-auto-tool-choice",
+           "--tool-call-parser", "hermes"]
     with open(log_path, "wb") as log:  # a file, not a PIPE: nobody drains a pipe
         proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -329,6 +330,52 @@ def test_sdk_named_tool_call_and_vllm_extras(client):
         extra_body={"repetition_penalty": 1.1, "min_tokens": 3,
                     "structured_outputs": {"regex": "=+"}})
     assert r.choices[0].text == "==="
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_sdk_agent_loop_call_result_answer(client):
+    """Two turns of an agent loop on the real model through the SDK: "required" makes the
+    call (grammar-held to the tool's schema); the call and the tool's result go back in
+    the history (SmolLM2's template takes no tools: described in a system message, the
+    result in words); with "auto" the model, free, writes another call in Hermes' tags,
+    which the hermes parser reads (streamed, the SDK's accumulation gives the same call);
+    with "none" it answers from the result."""
+    import json
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       temperature=0, max_tokens=60)
+    assert r.choices[0].finish_reason == "tool_calls"
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    history = ask + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id,
+                      "content": json.dumps({"temperature_c": 14, "sky": "rain"})}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
+                                       temperature=0, max_tokens=60)
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    [again] = r.choices[0].message.tool_calls
+    assert again.function.name == "get_weather"
+    assert json.loads(again.function.arguments) == {"city": "Paris"}
+    with client.chat.completions.stream(model=MODEL, messages=history, tools=[WEATHER],
+                                        temperature=0, max_tokens=60) as stream:
+        pieces = sum(1 for e in stream if e.type == "tool_calls.function.arguments.delta")
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == \
+        (again.function.name, again.function.arguments)
+    assert pieces > 1 and final.choices[0].finish_reason == "tool_calls"
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
+                                       tool_choice="none", temperature=0, max_tokens=60)
+    answer = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and answer.tool_calls is None
+    assert "14" in answer.content and "Paris" in answer.content
 
 
 @pytest.mark.full  # fast tier: the SIGTERM drain of test_server_real

@@ -23,6 +23,7 @@ from jaxserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from jaxserve.tokenization.tokenizer import Tokenizer
 
 from tools import request_fuzz  # noqa: E402
+from jaxserve.entrypoints.openai.chat_reply import ReplyFormat  # noqa: E402
 
 request_strategies, dump_body = request_fuzz.request_strategies, request_fuzz.dump_body
 
@@ -30,6 +31,7 @@ TOK = tiny_tokenizer()
 VOCAB = TOK.vocab_size  # 258
 MODEL = "fake-model"
 LIMITS = RequestLimits(64)
+BIG = RequestLimits(4096)  # prompts with tools described in them (one token per byte)
 MSGS = [{"role": "user", "content": "Hi"}]
 
 
@@ -259,20 +261,129 @@ def test_named_tool_choice_constrains_to_the_function_schema():
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
              {"type": "function", "function": {"name": "noop"}}]
     r = chat({"messages": MSGS, "tools": tools,
-              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    assert r.tool_call == "get_weather"
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+             limits=BIG)
+    assert (r.reply.tools, r.reply.function) == ("named", "get_weather")
     so = r.params.structured_outputs
     assert (so.kind, json.loads(so.value), so.field) == ("json", SCHEMA, "tool_choice")
     r = chat({"messages": MSGS, "tools": tools,
-              "tool_choice": {"type": "function", "function": {"name": "noop"}}})
+              "tool_choice": {"type": "function", "function": {"name": "noop"}}},
+             limits=BIG)
     assert json.loads(r.params.structured_outputs.value) == {"type": "object"}
-    assert chat({"messages": MSGS, "tools": tools, "tool_choice": "none"}).tool_call is None
-    refused(chat, {"messages": MSGS, "tools": tools}, "tool_choice", "tool-call parser")
+    none = chat({"messages": MSGS, "tools": tools, "tool_choice": "none"})
+    assert none.reply.tools is None and none.params.structured_outputs is None
+    # "none": the tools are not shown to the model
+    assert none.prompt_ids == chat({"messages": MSGS}).prompt_ids
+    refused(chat, {"messages": MSGS, "tools": tools}, "tool_choice", "--enable-auto-tool-choice")
     refused(chat, {"messages": MSGS, "tools": tools, "tool_choice": "auto"}, "tool_choice",
-            "tool-call parser")
+            "--enable-auto-tool-choice")
     refused(chat, {"messages": MSGS, "tools": tools, "tool_choice": {
-        "type": "function", "function": {"name": "nope"}}}, "tool_choice", "no tool named")
-    refused(chat, {"messages": MSGS, "tool_choice": "required"}, "tool_choice", None)
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice", "no tool named",
+            limits=BIG)
+    refused(chat, {"messages": MSGS, "tool_choice": "required"}, "tool_choice", "needs 'tools'")
+
+
+def _parsers(**kw):
+    from jaxserve.config import ServerConfig
+    from jaxserve.entrypoints.openai.request import ChatParsers
+    return ChatParsers.of(ServerConfig(**kw))
+
+
+def test_auto_and_required_tool_choice():
+    """"auto" (with --enable-auto-tool-choice) leaves the reply free for the parser; the
+    tools reach the prompt (here described in a system message: the tiny template takes
+    no `tools`). "required" holds the reply to vLLM's array-of-calls schema, one call
+    without parallel_tool_calls. A schema the grammar engine refuses is a 400 naming
+    `tools` and the tool."""
+    import llguidance
+    from jaxserve.sample.grammar import JSON_OPTIONS
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+             {"type": "function", "function": {"name": "noop"}}]
+    parsers = _parsers(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    parse = lambda body: parse_chat_request(_raw(body), TOK, MODEL, BIG,  # noqa: E731
+                                            parsers=parsers)
+    auto = parse({"messages": MSGS, "tools": tools})
+    assert auto.reply.tools == "auto" and auto.reply.parser.name == "hermes"
+    assert auto.params.structured_outputs is None
+    prompt = TOK.decode(auto.prompt_ids, skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>system\n# Tools") and '"get_weather"' in prompt
+    assert "<tool_call>" in prompt and prompt.endswith("<|im_start|>user\nHi<|im_end|>\n"
+                                                       "<|im_start|>assistant\n")
+    req = parse({"messages": MSGS, "tools": tools, "tool_choice": "required"})
+    assert req.reply.tools == "required" and req.reply.parallel
+    schema = json.loads(req.params.structured_outputs.value)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    one = parse({"messages": MSGS, "tools": tools, "tool_choice": "required",
+                 "parallel_tool_calls": False})
+    assert json.loads(one.params.structured_outputs.value)["maxItems"] == 1
+    assert not one.reply.parallel
+    # the schema admits calls of the tools and nothing else
+    m = llguidance.LLMatcher(llguidance.LLTokenizer(TOK.backend.to_str(), n_vocab=VOCAB,
+                                                     eos_token=[257]),
+                             llguidance.LLMatcher.grammar_from_json_schema(
+                                 json.dumps(schema), defaults=JSON_OPTIONS))
+    good = json.dumps([{"name": "get_weather", "parameters": {"a": 3}},
+                       {"name": "noop", "parameters": {}}], separators=(",", ":"))
+    assert all(m.consume_token(t) for t in TOK.encode(good, add_special_tokens=False))
+    m.reset()
+    bad = json.dumps([{"name": "send_email", "parameters": {}}], separators=(",", ":"))
+    assert not all(m.consume_token(t) for t in TOK.encode(bad, add_special_tokens=False))
+    # a schema the grammar engine cannot compile: 400 naming the tool
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(("}}}}}]
+    refused(parse, {"messages": MSGS, "tools": broken, "tool_choice": "required"}, "tools",
+            '"f"')
+    refused(parse, {"messages": MSGS, "tools": broken, "tool_choice": {
+        "type": "function", "function": {"name": "f"}}}, "tools", 'tool "f"')
+
+
+def test_tool_history_round_trips_through_the_template():
+    """An assistant turn's tool_calls and the tool's result reach the prompt: written in
+    the parser's format for a template without `tools`, passed as objects (arguments
+    parsed) to one that takes them. Bad arguments are a 400 naming the call."""
+    from jaxserve.tokenization.tokenizer import Tokenizer
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "14 C, rain"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    parsers = _parsers(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    r = parse_chat_request(_raw({"messages": history, "tools": tools}), TOK, MODEL,
+                           BIG, parsers=parsers)
+    prompt = TOK.decode(r.prompt_ids, skip_special_tokens=False)
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>') in prompt
+    assert "<|im_start|>user\nget_weather returned: 14 C, rain<|im_end|>" in prompt
+    # a template that takes tools gets them and the history as objects
+    native = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+              "{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}"
+              "{{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments.city }})"
+              "{% else %}{{ m.content }}{% endif %}{% if m.tool_call_id %}#{{ m.tool_call_id }}"
+              "{% endif %}|{% endfor %}")
+    tok = Tokenizer(TOK.backend, chat_template=native)
+    r = parse_chat_request(_raw({"messages": history, "tools": tools}), tok, MODEL,
+                           BIG, parsers=parsers)
+    assert tok.decode(r.prompt_ids) == ("[get_weather]user:Weather in Paris?|"
+                                        "assistant:get_weather(Paris)|tool:14 C, rain#call_1|")
+    bad = [*history[:1], {**history[1], "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": "{oops"}}]}]
+    refused(chat, {"messages": bad}, "messages.1.tool_calls.0.function.arguments", "JSON")
+
+
+def test_reasoning_parser_defers_structured_output_to_the_answer():
+    """With a reasoning parser, a constraint starts after "</think>" unless the prompt
+    already closed the thinking (then it starts at once and the reply is all answer)."""
+    parsers = _parsers(reasoning_parser="deepseek_r1")
+    body = {"messages": MSGS, "response_format": {"type": "json_object"}}
+    r = parse_chat_request(_raw(body), TOK, MODEL, LIMITS, parsers=parsers)
+    assert r.params.structured_outputs.after == "</think>" and r.reply.reasoning.name == "deepseek_r1"
+    assert chat(body).params.structured_outputs.after == ""
+    from jaxserve.tokenization.tokenizer import Tokenizer
+    closed = Tokenizer(TOK.backend, chat_template=TOK.chat_template.source +
+                       "{% if add_generation_prompt %}<think>\n\n</think>\n\n{% endif %}")
+    r = parse_chat_request(_raw(body), closed, MODEL, LIMITS, parsers=parsers)
+    assert r.params.structured_outputs.after == "" and r.reply.reasoning is None
 
 
 def test_echo_is_refused_in_chat():
@@ -431,7 +542,8 @@ def test_valid_requests_give_the_same_parsed_request():
     text = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi\nyou<|im_end|>\n"
             "<|im_start|>assistant\n")
     assert r == ParsedRequest([TOK.encode(text, add_special_tokens=False)],
-                              SamplingParams(max_tokens=5), stream=False, include_usage=False)
+                              SamplingParams(max_tokens=5), stream=False, include_usage=False,
+                              reply=ReplyFormat())
 
 
 @pytest.mark.parametrize("messages, param, fragment", [
@@ -583,7 +695,7 @@ def test_openapi_schema():
         assert _resolve(doc, body["schema"]["$ref"]) is schemas[model.__name__]
         model.model_validate_json(json.dumps(body["example"]))
         assert isinstance(parse(json.dumps(body["example"]).encode(), TOK, MODEL,
-                                RequestLimits(4096)), ParsedRequest)
+                                BIG), ParsedRequest)
         assert {"application/json", "text/event-stream"} <= set(op["responses"]["200"]["content"])
         for code in ("400", "401", "404", "413", "503"):
             ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]

@@ -57,6 +57,19 @@ def test_matcher_masks_follow_the_grammar(grammar_tok):
     assert not m.accept(ord("x")) and m.error
 
 
+def test_a_reasoning_models_grammar_starts_after_the_thinking(grammar_tok):
+    """With `after` ("</think>", a reasoning parser's end tag) every token is allowed until
+    the output has that text, the grammar holds from the next token on."""
+    m = grammar_tok.matcher(StructuredOutput("regex", "[ab]c", after="</think>"))
+    everything = set(range(32 * grammar_tok.words))
+    for ch in "x</think":  # the tag arrives a byte at a time: not there yet
+        assert allowed_ids(m, grammar_tok.words) == everything and not m.done
+        assert m.accept(ord(ch))
+    assert m.accept(ord(">"))
+    assert allowed_ids(m, grammar_tok.words) == {97, 98}
+    assert m.accept(97) and not m.accept(97) and m.error
+
+
 @pytest.mark.parametrize("spec, fragment", [
     (StructuredOutput("json", "{not json"), "invalid json"),
     (StructuredOutput("regex", "(("), "invalid regex"),

@@ -85,7 +85,8 @@ FLAGS: dict[type, tuple[str | Flag, ...]] = {
         "max_request_body_bytes", "max_queued_requests",
         Flag("request_timeout_s", name="request-timeout", none_if=0),
         "max_stream_buffer_bytes", "max_stop_strings", "max_stop_string_len",
-        Flag("shutdown_timeout_s", name="shutdown-timeout"), "allowed_origins"),
+        Flag("shutdown_timeout_s", name="shutdown-timeout"), "allowed_origins",
+        "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
 }
 # The groups a command adds: the weights and the mesh, the engine's settings (`jaxserve
 # serve` and `jaxserve batch`), the HTTP server's limits (`jaxserve serve`).

@@ -6,6 +6,11 @@ import dataclasses
 
 from jaxserve.config.validation import ConfigError
 
+# The parsers jaxserve.entrypoints.openai.tool_parsers / reasoning_parsers implement (they
+# take these names from here: the config imports nothing from the server).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -36,6 +41,19 @@ class ServerConfig:
     """The `Retry-After` (seconds) sent with a 503 for a full queue."""
     allowed_origins: tuple[str, ...] = ()
     """CORS origins allowed to call the API from a browser; () = CORS off."""
+    enable_auto_tool_choice: bool = False
+    """Let the model decide whether to call the request's tools (`tool_choice` "auto", the
+    default with tools): its reply is read by --tool-call-parser (vLLM's flag)."""
+    tool_call_parser: str | None = dataclasses.field(default=None, metadata={
+        "choices": TOOL_CALL_PARSERS})
+    """How the model writes tool calls in its text: the format its chat template teaches
+    (hermes: Hermes / Qwen2.5 / SmolLM2; llama3_json; mistral; pythonic). Needed by
+    --enable-auto-tool-choice."""
+    reasoning_parser: str | None = dataclasses.field(default=None, metadata={
+        "choices": REASONING_PARSERS})
+    """Split a reasoning model's `<think>...</think>` text into the chat message's
+    `reasoning_content` (deepseek_r1, qwen3); structured output and tool calls then apply
+    to the answer after it."""
 
     def __post_init__(self):
         for name in ("max_request_body_bytes", "max_queued_requests", "max_stream_buffer_bytes",
@@ -50,3 +68,11 @@ class ServerConfig:
             raise ConfigError(f"ServerConfig.shutdown_timeout_s must be >= 0, "
                               f"got {self.shutdown_timeout_s!r}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS),
+                            ("reasoning_parser", REASONING_PARSERS)):
+            if getattr(self, name) is not None and getattr(self, name) not in known:
+                raise ConfigError(f"ServerConfig.{name}: unknown parser "
+                                  f"{getattr(self, name)!r}; one of {list(known)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("ServerConfig.enable_auto_tool_choice needs tool_call_parser "
+                              f"(--tool-call-parser, one of {list(TOOL_CALL_PARSERS)})")

@@ -35,11 +35,15 @@ class StructuredOutput:
     text), "json_object" (any JSON object; value ignored), "regex" (a regular expression,
     matched whole), "choice" (value: a JSON list of strings, one of which is output
     exactly), "grammar" (a Lark grammar, llguidance's dialect, or GBNF). field: the request
-    field it came from (for errors)."""
+    field it came from (for errors). after: the constraint starts once the output has this
+    text (a reasoning model's "</think>"; "" = from the first token). Source: vLLM's
+    structured outputs with a reasoning parser (the grammar is not applied until the
+    reasoning ends)."""
 
     kind: str
     value: str = ""
     field: str = "structured_outputs"
+    after: str = ""
 
     def grammar(self) -> str:
         """llguidance's grammar text for this constraint. Raises InvalidRequest (naming
@@ -81,6 +85,10 @@ class GrammarTokenizer:
                                          eos_token=sorted(eos_token_ids))
 
     def matcher(self, spec: StructuredOutput) -> "GrammarMatcher":
+        """The grammar state of one request constrained by `spec` (a matcher that waits
+        for spec.after first when it is set). Raises InvalidRequest if it is refused."""
+        if spec.after:
+            return DeferredMatcher(self, spec)
         return GrammarMatcher(self, spec)
 
 
@@ -113,3 +121,34 @@ class GrammarMatcher:
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (only EOS)."""
         return self._m.is_stopped()
+
+
+class DeferredMatcher(GrammarMatcher):
+    """A grammar that applies only after spec.after appears in the output (the end of a
+    reasoning section): every token is allowed until then, and the constraint starts with
+    the token after the one that completes that text (the rest of that token, often a
+    newline, is not held to the grammar). Source: vLLM's structured outputs (`reasoner.is_reasoning_end`)."""
+
+    def __init__(self, tokenizer: GrammarTokenizer, spec: StructuredOutput):
+        super().__init__(tokenizer, spec)
+        self._ll = tokenizer.ll
+        self._after = spec.after.encode()
+        self._text = b""
+        self.active = False
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        if self.active:
+            super().fill_bitmask(out)
+        else:
+            out.fill(-1)
+
+    def accept(self, token: int) -> bool:
+        if self.active:
+            return super().accept(token)
+        self._text += self._ll.decode_bytes([token])
+        self.active = self._after in self._text
+        return True
+
+    @property
+    def done(self) -> bool:
+        return self.active and super().done

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -80,6 +81,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template does not compile: {e}") from e
         self.source = source
         self.special_tokens = dict(special_tokens or {})
+        self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+        """The template variables it reads ("messages", "tools", "bos_token", ...)."""
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                **kwargs: Any) -> str:

@@ -52,8 +52,9 @@ from jaxserve.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadL
 from jaxserve.entrypoints.openai.request import (ApiError, parse_detokenize_request,
                                                  parse_tokenize_request, validate_body)
 from jaxserve.entrypoints.openai.response import CHAT, COMPLETION, ResponseShape, sse_event
+from jaxserve.entrypoints.openai.chat_reply import ChatReply
 from jaxserve.entrypoints.openai.serving import (OpenAIServing, Submission, choice_usage,
-                                                 engine_error, last_outputs, tool_call)
+                                                 engine_error, finish_reason_of, last_outputs)
 from jaxserve.entrypoints.openai.openapi import openapi_schema
 from jaxserve.tokenization.tokenizer import Tokenizer
 
@@ -335,6 +336,8 @@ class _Routes:
         offsets: dict[int, int] = {}
         reported: dict[int, int] = {}  # output tokens whose logprobs were sent, by choice
         want_logprobs = req.params.logprobs is not None
+        replies = {index: ChatReply(req.reply) for index, _ in streams} \
+            if req.reply is not None else {}
         merged = _merged(streams)
         try:
             async for index, out in merged:
@@ -352,8 +355,15 @@ class _Routes:
                             shape, req, index // n, out.token_ids[len(out.token_ids) - new:],
                             entries, echo, out.prompt_logprobs, offsets.get(index, 0))
                         reported[index] = len(out.token_ids)
-                    choice = shape.delta_choice(text, out.finish_reason, index in first, index,
-                                                logprobs, tool_call(req, request_id, index))
+                    delta, finish_reason = None, out.finish_reason
+                    reply = replies.get(index)
+                    if reply is not None:
+                        delta = reply.feed(text, final=out.finished)
+                        finish_reason = finish_reason_of(reply, finish_reason)
+                        if not (delta or out.finished or index in first or logprobs):
+                            continue  # held back (a tag arriving in pieces)
+                    choice = shape.delta_choice(text, finish_reason, index in first, index,
+                                                logprobs, delta)
                     yield sse_event(shape.chunk(request_id, created, self.model_name, [choice],
                                                 include_usage))
                     first.discard(index)

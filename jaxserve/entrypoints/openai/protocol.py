@@ -219,14 +219,35 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class MessageFunctionCall(BaseModel):
+    """The function an earlier assistant turn called: its name and arguments (JSON text)."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr
+
+
+class MessageToolCall(BaseModel):
+    """A call in an earlier assistant turn (`messages[i].tool_calls[j]`), as the API
+    returned it."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(BaseModel):
     """One chat message: role, and content as a string, a list of text parts (joined by
-    "\\n" before the chat template, as vLLM does) or null. Source: OpenAI Chat Completions."""
+    "\\n" before the chat template, as vLLM does) or null; an assistant turn's
+    `tool_calls`, a tool result's `tool_call_id`. Source: OpenAI Chat Completions."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -248,10 +269,14 @@ class ChatCompletionRequest(_SamplingRequest):
         None, description="With logprobs: the most likely tokens at each position, 0-20.")
     echo: StrictBool | None = Field(None, description="Only false is supported.")
     tools: list[Tool] | None = Field(None, description="Functions the model may call.")
-    tool_choice: Literal["none", "auto"] | NamedToolChoice | None = Field(
-        None, description='"none", "auto" (the model answers in text: no tool-call parser '
-                          'runs) or {"type": "function", "function": {"name"}}: the reply '
-                          "is a call of that function with arguments matching its schema.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"none" (answer in text), "auto" (the default with tools: the '
+                          "model decides; needs a server run with --enable-auto-tool-choice), "
+                          '"required" (one or more calls, arguments matching their schemas) '
+                          'or {"type": "function", "function": {"name"}}: the reply is a '
+                          "call of that function with arguments matching its schema.")
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description="Allow several calls in one reply. Default true.")
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -362,7 +387,7 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    """A call of a tool (named tool_choice)."""
+    """A call of a tool."""
 
     id: str
     type: Literal["function"]
@@ -370,11 +395,13 @@ class ToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The generated chat message: its text, or (a named tool_choice) the tool call."""
+    """The generated chat message: its text (content) and the tools it calls, if any."""
 
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = Field(
+        None, description="A reasoning model's thinking (with --reasoning-parser).")
 
 
 class TopLogprob(BaseModel):
@@ -422,6 +449,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -23,7 +23,7 @@ import dataclasses
 
 from jaxserve.entrypoints.openai.tool_parsers import held_prefix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+from jaxserve.config.server import REASONING_PARSERS
 START, END = "<think>", "</think>"
 
 
@@ -33,6 +33,11 @@ class ReasoningParser:
     `extract(text)` the whole reply's. name: a REASONING_PARSERS entry."""
 
     name: str
+
+    @property
+    def end_tag(self) -> str:
+        """The text that ends the thinking."""
+        return END
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         body = text

@@ -24,9 +24,12 @@ from typing import TYPE_CHECKING, Any, Collection, TypeVar
 
 import pydantic
 
+from jaxserve.entrypoints.openai.chat_reply import AUTO, NAMED, REQUIRED, ReplyFormat
 from jaxserve.entrypoints.openai.protocol import (REQUEST_MODELS, ChatCompletionRequest,
                                                   CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest, _SamplingRequest)
+from jaxserve.entrypoints.openai.reasoning_parsers import ReasoningParser, reasoning_parser
+from jaxserve.entrypoints.openai.tool_parsers import HermesParser, ToolParser, tool_parser
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sample.grammar import StructuredOutput
 from jaxserve.tokenization.tokenizer import Tokenizer
@@ -85,15 +88,35 @@ class RequestLimits:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChatParsers:
+    """How the server reads chat replies: its tool-call parser (--tool-call-parser; also
+    the format tools are described in for chat templates without tools), whether "auto"
+    tool choice is on (--enable-auto-tool-choice), its reasoning parser
+    (--reasoning-parser). Source: vLLM's flags of those names."""
+
+    tool_parser: ToolParser | None = None
+    auto_tool_choice: bool = False
+    reasoning: ReasoningParser | None = None
+
+    @classmethod
+    def of(cls, server: ServerConfig) -> "ChatParsers":
+        """The parsers `server` names (its names are checked by ServerConfig)."""
+        return cls(tool_parser(server.tool_call_parser) if server.tool_call_parser else None,
+                   server.enable_auto_tool_choice,
+                   reasoning_parser(server.reasoning_parser) if server.reasoning_parser
+                   else None)
+
+
+@dataclasses.dataclass(frozen=True)
 class ParsedRequest:
     """A validated request: its prompts' token ids (several for a batched completions
     prompt), sampling params, `n` choices per prompt, and how to answer. Choice
     `p * n + i` is prompt p's i-th (`choices`). echo: completions' `echo` (each choice's
     text starts with its prompt's, prompt_texts[p], and its logprobs with the prompt's);
-    the response reports logprobs when params.logprobs is not None. tool_call: the
-    function a chat request's named tool_choice calls (the reply is that call, its
-    arguments the generated text), or None. lora_name: the LoRA adapter the request
-    names as its `model` (None: the base model)."""
+    the response reports logprobs when params.logprobs is not None. reply: how a chat
+    request's replies are read (reasoning, tool calls: `chat_reply.ReplyFormat`), None
+    for completions. lora_name: the LoRA adapter the request names as its `model` (None:
+    the base model)."""
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -102,7 +125,7 @@ class ParsedRequest:
     n: int = 1
     echo: bool = False
     prompt_texts: list[str] | None = None
-    tool_call: str | None = None
+    reply: ReplyFormat | None = None
     lora_name: str | None = None
 
     @property
@@ -230,12 +253,15 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
-def _structured_output(req: _SamplingRequest, tool_schema: dict | None = None
-                       ) -> StructuredOutput | None:
+def _structured_output(req: _SamplingRequest, tool_schema: dict | None = None,
+                       tool_label: str = "", after: str = "") -> StructuredOutput | None:
     """The one output constraint a request asks for, from OpenAI's `response_format`,
-    vLLM's `structured_outputs` or its older `guided_*` fields, or a named tool_choice's
-    function schema (tool_schema); compiled here once to check it. Raises ApiError naming
-    the field: two constraints, an empty one, or one the grammar engine refuses."""
+    vLLM's `structured_outputs` or its older `guided_*` fields, or the schema of the calls
+    a tool_choice asks for (tool_schema; tool_label names the tool(s) in errors); compiled
+    here once to check it; `after`: the text it starts after (a reasoning model's end of
+    thinking; "" = at once). Raises
+    ApiError naming the field: two constraints, an empty one, or one the grammar engine
+    refuses ("tools" for a tool's schema)."""
     found = []
     rf = req.response_format
     if rf is not None and rf.type != "text":
@@ -269,9 +295,14 @@ def _structured_output(req: _SamplingRequest, tool_schema: dict | None = None
         raise ApiError(f"{found[1].field}: only one output constraint per request (also "
                        f"given: {found[0].field})", found[1].field)
     spec = found[0]
+    if after:  # the constraint starts after the thinking (vLLM's way)
+        spec = dataclasses.replace(spec, after=after)
     try:
         spec.validate()
     except InvalidRequest as e:
+        if spec.field == "tool_choice":
+            raise ApiError(f"tools: the grammar engine cannot compile the parameters schema "
+                           f"of {tool_label}: {str(e)[:_MAX_MESSAGE_CHARS]}", "tools") from None
         raise ApiError(str(e)[:_MAX_MESSAGE_CHARS], e.field) from None
     return spec
 
@@ -402,32 +433,92 @@ def parse_completion_request(raw: bytes, tokenizer: Tokenizer, served_model_name
 
 
 def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
-                limits: RequestLimits, lora_names: Collection[str] = ()) -> ParsedRequest:
+                limits: RequestLimits, lora_names: Collection[str] = (),
+                parsers: ChatParsers = ChatParsers()) -> ParsedRequest:
     req = _validate(ChatCompletionRequest, raw)
     lora = _check_common(req, served_model_name, _CHAT_NOOP_VALUES, lora_names)
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: requires 'logprobs': true", "top_logprobs")
-    tool_name, tool_schema = _tool_choice(req)
-    ids = _encode(tokenizer, _chat_text(req.messages, tokenizer, True), False, "messages")
+    reply, tool_schema, tool_label = _tool_choice(req, parsers)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()] \
+        if reply.tools is not None else []
+    text = _chat_text(req.messages, tokenizer, True, tools, parsers.tool_parser)
+    ids = _encode(tokenizer, text, False, "messages")
+    # a reasoning model thinks first, unless the template closed its thinking in the
+    # prompt (Qwen3 with thinking off): then constraints start at once
+    end = parsers.reasoning.end_tag if parsers.reasoning is not None else ""
+    after = end if end and not text.rstrip().endswith(end) else ""
+    if end and not after:
+        reply = dataclasses.replace(reply, reasoning=None)
     key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     parsed = _parse(req, [ids], "messages", key, max_tokens, limits.max_model_len, tokenizer,
                     limits, (req.top_logprobs or 0) if req.logprobs else None,
-                    structured=_structured_output(req, tool_schema))
-    return dataclasses.replace(parsed, tool_call=tool_name, lora_name=lora)
+                    structured=_structured_output(req, tool_schema, tool_label, after))
+    return dataclasses.replace(parsed, reply=reply, lora_name=lora)
 
 
-def _chat_text(messages, tokenizer: Tokenizer, add_generation_prompt: bool) -> str:
+def _tool_arguments(arguments: str, param: str) -> dict:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ApiError(f"{param}: must be a JSON object's text", param)
+    return value
+
+
+def _chat_text(messages, tokenizer: Tokenizer, add_generation_prompt: bool,
+               tools: list[dict] | None = None, parser: ToolParser | None = None) -> str:
     """ChatMessages rendered by the model's chat template (text parts joined by "\n", as
-    vLLM does). Raises ApiError (400, "messages") when the template refuses them."""
+    vLLM does), with `tools` (OpenAI tool objects the model may call). A template that
+    takes `tools` gets them, and the history's `tool_calls` (arguments as objects) and
+    `tool_call_id`s, as transformers passes them; one that does not (SmolLM2's) gets the
+    tools described in a system message in `parser`'s format (hermes when none), the
+    history's calls written in it and tool results as user turns in words (after
+    llama.cpp's generic fallback). Raises ApiError (400, "messages...") when the template refuses them or a
+    call's arguments are not a JSON object."""
+    template = tokenizer.chat_template
+    native = template is not None and "tools" in template.variables
+    parser = parser or HermesParser()
+    names = {c.id: c.function.name for m in messages for c in m.tool_calls or () if c.id}
     rendered = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        rendered.append({"role": m.role, "content": content, "name": m.name})
+        calls = [(c.id, c.function.name, _tool_arguments(
+            c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"))
+            for j, c in enumerate(m.tool_calls or ())]
+        if native:
+            one = {"role": m.role, "content": content, "name": m.name,
+                   "tool_call_id": m.tool_call_id}
+            if calls:
+                one["tool_calls"] = [{"id": cid, "type": "function",
+                                      "function": {"name": name, "arguments": args}}
+                                     for cid, name, args in calls]
+        elif m.role == "tool":
+            one = {"role": "user", "content": parser.render_result(
+                content or "", names.get(m.tool_call_id) or m.name)}
+        elif calls:
+            written = parser.render_calls([(name, args) for _, name, args in calls])
+            one = {"role": m.role, "content": f"{content}\n{written}" if content else written}
+        else:
+            one = {"role": m.role, "content": content, "name": m.name}
+        rendered.append(one)
+    kwargs = {}
+    if tools and native:
+        kwargs["tools"] = tools
+    elif tools:
+        prompt = parser.system_prompt(tools)
+        if rendered and rendered[0]["role"] in ("system", "developer"):
+            first = rendered[0]
+            rendered[0] = {**first, "content": f"{first['content'] or ''}\n\n{prompt}".lstrip()}
+        else:
+            rendered.insert(0, {"role": "system", "content": prompt})
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
     except Exception as e:  # ChatTemplateError, or a template failing in another way
         detail = str(e) if isinstance(e, ValueError) else "the template failed on these messages"
         raise ApiError(f"chat template: {detail}"[:_MAX_MESSAGE_CHARS], "messages") from None
@@ -477,28 +568,50 @@ def parse_detokenize_request(raw: bytes, tokenizer: Tokenizer, served_model_name
     return tokenizer.decode(req.tokens, skip_special_tokens=False)
 
 
-def _tool_choice(req: ChatCompletionRequest) -> tuple[str | None, dict | None]:
-    """(name, arguments schema) of the function a named tool_choice calls, or (None,
-    None). "auto" with tools needs a tool-call parser, which this server does not have:
-    refused, as vLLM does without one."""
+def _tool_choice(req: ChatCompletionRequest, parsers: ChatParsers
+                 ) -> tuple[ReplyFormat, dict | None, str]:
+    """How the replies are read (ReplyFormat), the schema a grammar holds the calls to
+    (None: none) and the tool(s) it comes from (for errors). "auto" (the default with
+    tools) needs --enable-auto-tool-choice, as in vLLM; "required" is a JSON array of one
+    (parallel_tool_calls false) or more calls of the tools, each {"name", "parameters"}
+    and no other key (vLLM's schema, which xgrammar holds to those keys by default);
+    named: that function's arguments."""
     choice, tools = req.tool_choice, req.tools or []
-    if choice is None or isinstance(choice, str):
-        if tools and choice in (None, "auto"):
-            raise ApiError("tool_choice: \"auto\" (the default with tools) needs a tool-call "
-                           "parser, which this server does not run; name a function "
-                           "({\"type\": \"function\", \"function\": {\"name\": ...}}) or "
-                           "send \"none\"", "tool_choice")
-        return None, None
+    parallel = req.parallel_tool_calls is not False
+    base = ReplyFormat(reasoning=parsers.reasoning, parallel=parallel)
+    if choice == "none" or (choice in (None, "auto") and not tools):
+        return base, None, ""
+    if not tools:
+        raise ApiError("tool_choice: needs 'tools' to choose from", "tool_choice")
+    if choice in (None, "auto"):
+        if not parsers.auto_tool_choice:
+            raise ApiError("tool_choice: \"auto\" (the default with tools) needs a server run "
+                           "with --enable-auto-tool-choice --tool-call-parser NAME; send "
+                           "\"required\", a named function ({\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}) or \"none\"", "tool_choice")
+        return dataclasses.replace(base, tools=AUTO, parser=parsers.tool_parser), None, ""
+    if choice == "required":
+        options = [{"type": "object", "properties": {
+            "name": {"type": "string", "enum": [t.function.name]},
+            "parameters": t.function.parameters or {"type": "object"}},
+            "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+        if not parallel:
+            schema["maxItems"] = 1
+        label = ", ".join(json.dumps(t.function.name[:100]) for t in tools)
+        return dataclasses.replace(base, tools=REQUIRED), schema, f"the tools {label}"[:300]
     for tool in tools:
         if tool.function.name == choice.function.name:
-            return tool.function.name, tool.function.parameters or {"type": "object"}
+            return (dataclasses.replace(base, tools=NAMED, function=tool.function.name),
+                    tool.function.parameters or {"type": "object"},
+                    f"tool {json.dumps(tool.function.name[:100])}")
     raise ApiError(f"tool_choice: no tool named {json.dumps(choice.function.name[:100])} in "
                    "tools", "tool_choice")
 
 
 def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
-                       limits: RequestLimits, lora_names: Collection[str] = ()
-                       ) -> ParsedRequest:
+                       limits: RequestLimits, lora_names: Collection[str] = (),
+                       parsers: ChatParsers = ChatParsers()) -> ParsedRequest:
     """Validate a `/v1/chat/completions` body (`raw`: the request's bytes; a
     ChatCompletionRequest): render `messages` with the model's chat template
     (add_generation_prompt=True) and tokenize without adding special tokens.
@@ -506,7 +619,10 @@ def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     Returns the ParsedRequest. max_completion_tokens wins over the deprecated max_tokens;
     default: all the room left (limits.max_model_len - prompt tokens). Raises ApiError as
     `parse_completion_request` does, and 400 naming "messages" when the chat template
-    rejects the messages (or the model has none). Never anything else.
+    rejects the messages (or the model has none), "tool_choice" for "auto" without
+    `parsers.auto_tool_choice` or a choice without tools, "tools" for a tool schema the
+    grammar engine cannot compile. `parsers`: the server's tool-call and reasoning parsers
+    (ParsedRequest.reply). Never anything else.
     Source: OpenAI API reference, Chat Completions; vLLM `ChatCompletionRequest`.
     """
-    return _parse_chat(raw, tokenizer, served_model_name, limits, lora_names)
+    return _parse_chat(raw, tokenizer, served_model_name, limits, lora_names, parsers)

@@ -99,40 +99,31 @@ class ResponseShape:
     chat: bool
 
     def choice(self, text: str, finish_reason: str | None, index: int = 0,
-               logprobs: dict | None = None, tool_call: tuple[str, str] | None = None
-               ) -> dict[str, Any]:
+               logprobs: dict | None = None, message: dict | None = None) -> dict[str, Any]:
         """Choice `index` of a non-streamed response (logprobs: its `LogprobsFormatter`
-        object, or None). tool_call: (call id, function name) of a named tool_choice: the
-        chat message is that call, `text` its arguments."""
+        object, or None). message: a chat choice's message object
+        (`chat_reply.ChatReply.message`; default: `text` as its content)."""
         if not self.chat:
             body = {"text": text}
-        elif tool_call is not None:
-            call_id, name = tool_call
-            body = {"message": {"role": "assistant", "content": None, "tool_calls": [
-                {"id": call_id, "type": "function",
-                 "function": {"name": name, "arguments": text}}]}}
         else:
-            body = {"message": {"role": "assistant", "content": text}}
+            body = {"message": message if message is not None else
+                    {"role": "assistant", "content": text}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choice(self, text: str, finish_reason: str | None, first: bool,
                      index: int = 0, logprobs: dict | None = None,
-                     tool_call: tuple[str, str] | None = None) -> dict[str, Any]:
-        """Choice `index` of a streamed chunk; the first delta of a chat choice carries the
-        role (and, for a tool call, its id and name; later deltas the arguments' text)."""
+                     delta: dict | None = None) -> dict[str, Any]:
+        """Choice `index` of a streamed chunk. delta: a chat choice's new fields
+        (`chat_reply.ChatReply.feed`; default: `text` as content); the first delta of a
+        chat choice carries the role (and content "", as OpenAI's, unless it has calls)."""
         if not self.chat:
             body = {"text": text}
-        elif tool_call is not None:
-            call = {"index": 0, "function": {"arguments": text}}
-            if first:
-                call = {"index": 0, "id": tool_call[0], "type": "function",
-                        "function": {"name": tool_call[1], "arguments": text}}
-            delta = {"role": "assistant", "tool_calls": [call]} if first else (
-                {"tool_calls": [call]} if text else {})
-            body = {"delta": delta}
         else:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            body = {"delta": delta}
+            fields = delta if delta is not None else ({"content": text} if text else {})
+            if first:  # OpenAI's first delta: the role, content "" unless calls come
+                fields = {"role": "assistant", **({} if "tool_calls" in fields else
+                                                  {"content": ""}), **fields}
+            body = {"delta": fields}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def response(self, request_id: str, created: int, model: str, choices: list[dict],

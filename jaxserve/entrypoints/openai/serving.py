@@ -20,8 +20,10 @@ from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import (AsyncEngine, EngineError, EngineShutdown, QueueFull,
                                           RequestStream, RequestTimeout)
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.entrypoints.openai.request import (ApiError, ParsedRequest, RequestLimits,
-                                                 parse_chat_request, parse_completion_request)
+from jaxserve.entrypoints.openai.chat_reply import ChatReply
+from jaxserve.entrypoints.openai.request import (ApiError, ChatParsers, ParsedRequest,
+                                                 RequestLimits, parse_chat_request,
+                                                 parse_completion_request)
 from jaxserve.entrypoints.openai.response import (CHAT, COMPLETION, LogprobsFormatter,
                                                   ResponseShape, usage)
 from jaxserve.sampling_params import InvalidRequest
@@ -84,6 +86,7 @@ class OpenAIServing:
         self.engine, self.tokenizer = engine, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.limits = RequestLimits.of(server, max_model_len)
+        self.parsers = ChatParsers.of(server)
         self.logprobs = LogprobsFormatter(tokenizer)
 
     def parse(self, raw: bytes, shape: ResponseShape) -> ParsedRequest:
@@ -91,9 +94,11 @@ class OpenAIServing:
         endpoint: tokenise, apply the chat template, check the limits. CPU-bound
         (milliseconds to seconds for a large body). Raises ApiError (400 naming the field,
         404 for another model), never anything else (see parse_completion_request)."""
-        parse = parse_chat_request if shape.chat else parse_completion_request
-        return parse(raw, self.tokenizer, self.model_name, self.limits,
-                     self.engine.lora_names())
+        if shape.chat:
+            return parse_chat_request(raw, self.tokenizer, self.model_name, self.limits,
+                                      self.engine.lora_names(), self.parsers)
+        return parse_completion_request(raw, self.tokenizer, self.model_name, self.limits,
+                                        self.engine.lora_names())
 
     async def submit(self, req: ParsedRequest, shape: ResponseShape,
                      arrival: float | None = None) -> Submission:
@@ -141,8 +146,12 @@ class OpenAIServing:
             text = req.prompt_texts[prompt] + f.text if req.echo else f.text
             logprobs = self.logprobs_body(shape, req, prompt, f.token_ids, f.logprobs,
                                           req.echo, f.prompt_logprobs)[0]
-            choices.append(shape.choice(text, f.finish_reason, index, logprobs,
-                                        tool_call(req, sub.request_id, index)))
+            message, finish_reason = None, f.finish_reason
+            if req.reply is not None:
+                reply = ChatReply(req.reply)
+                message = reply.message(text)
+                finish_reason = finish_reason_of(reply, finish_reason)
+            choices.append(shape.choice(text, finish_reason, index, logprobs, message))
         return shape.response(sub.request_id, sub.created, self.model_name, choices, tokens)
 
     def logprobs_body(self, shape: ResponseShape, req: ParsedRequest, prompt: int,
@@ -166,11 +175,10 @@ class OpenAIServing:
         return body, offset + sum(len(t) for t in body["tokens"])
 
 
-def tool_call(req: ParsedRequest, request_id: str, index: int) -> tuple[str, str] | None:
-    """(call id, function name) of choice `index`'s tool call (a named tool_choice)."""
-    if req.tool_call is None:
-        return None
-    return f"call_{request_id.rsplit('-', 1)[-1][:24]}_{index}", req.tool_call
+def finish_reason_of(reply: ChatReply, finish_reason: str | None) -> str | None:
+    """A chat choice's finish_reason: "tool_calls" for a reply that stopped after calling
+    tools ("auto" / "required"), as OpenAI and vLLM report it."""
+    return "tool_calls" if reply.called and finish_reason == "stop" else finish_reason
 
 
 def choice_usage(finals: list[RequestOutput], n: int) -> dict[str, int]:

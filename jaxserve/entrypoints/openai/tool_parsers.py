@@ -36,7 +36,7 @@ import json
 import re
 import uuid
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+from jaxserve.config.server import TOOL_CALL_PARSERS as TOOL_PARSERS
 
 
 def call_id() -> str:
@@ -187,6 +187,30 @@ class ToolParser:
         done = [ToolCall(c.name, c.arguments or "{}") for c in calls if c.done]
         return Extracted(content if content.strip() or not done else None, done)
 
+    # For chat templates that do not take `tools` (SmolLM2's, many fine-tunes'): the tools
+    # are described in a system message in this parser's format, and the history's calls
+    # and results written as text in it, as llama.cpp's generic tool-call fallback does.
+
+    def system_prompt(self, tools: list[dict]) -> str:
+        """The instructions describing `tools` (OpenAI tool objects) and the call format."""
+        raise NotImplementedError
+
+    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
+        """An assistant turn's calls ((name, arguments object) each) as this format's text."""
+        raise NotImplementedError
+
+    @staticmethod
+    def render_result(content: str, name: str | None) -> str:
+        """A tool's result (`name`: the function whose call it answers, if known), as the
+        text of the user turn that carries it back: plain words, which a model not
+        trained on a tool format answers from (measured on SmolLM2-135M: wrapped in
+        Hermes' <tool_response> tags it echoes them instead)."""
+        return f"{name or 'The tool'} returned: {content}"
+
+
+def _tool_lines(tools: list[dict]) -> str:
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+
 
 def held_prefix(text: str, tag: str) -> int:
     """How many trailing characters of `text` are a proper prefix of `tag` (held back
@@ -208,6 +232,19 @@ def _content(segments: list[str], have_calls: bool, final: bool) -> str:
 class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+
+    def system_prompt(self, tools):  # the Hermes 3 / Qwen2.5 templates' words
+        return ("# Tools\n\nYou may call one or more functions to assist with the user query."
+                "\n\nYou are provided with function signatures within <tools></tools> XML "
+                f"tags:\n<tools>\n{_tool_lines(tools)}\n</tools>\n\nFor each function call, "
+                "return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+                "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+
+    def render_calls(self, calls):
+        return "\n".join(f"{self.START}\n" + json.dumps({"name": n, "arguments": a},
+                                                        ensure_ascii=False) + f"\n{self.END}"
+                         for n, a in calls)
 
     def partial(self, text, final):
         calls, segments, i = [], [], 0
@@ -243,6 +280,17 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
+    def system_prompt(self, tools):  # the Llama 3.1 template's words
+        return ("Given the following functions, please respond with a JSON for a function "
+                "call with its proper arguments that best answers the given prompt.\n\n"
+                "Respond in the format {\"name\": function name, \"parameters\": dictionary "
+                "of argument name and its value}. Do not use variables.\n\n"
+                + "\n\n".join(json.dumps(t, indent=4, ensure_ascii=False) for t in tools))
+
+    def render_calls(self, calls):
+        return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False)
+                         for n, a in calls)
+
     def partial(self, text, final):
         body = text.lstrip()
         if body.startswith(self.TAG):
@@ -271,9 +319,39 @@ class Llama3JsonParser(ToolParser):
             i = len(body) - len(rest)
 
 
+def _array_calls(body: str, args_key: tuple[str, ...]) -> list[_Partial] | None:
+    """The calls of a JSON array of call objects (body[0] == "["), as far as it goes; None
+    when an element is not a call object."""
+    calls, i = [], 1
+    while True:
+        i += len(body[i:]) - len(body[i:].lstrip())
+        if i >= len(body) or body[i] == "]":
+            return calls
+        if body[i] == ",":
+            i += 1
+            continue
+        scanned = _scan_call(body[i:], args_key)
+        if scanned is None:
+            return None
+        call, end = scanned
+        calls.append(call)
+        if not call.done:
+            return calls
+        i += end
+
+
 class MistralParser(ToolParser):
     name = "mistral"
     TAG = "[TOOL_CALLS]"
+
+    def system_prompt(self, tools):
+        return (f"[AVAILABLE_TOOLS]{json.dumps(tools, ensure_ascii=False)}[/AVAILABLE_TOOLS]\n"
+                "To call functions, reply with [TOOL_CALLS] followed by a JSON list of "
+                "{\"name\": function name, \"arguments\": arguments object}.")
+
+    def render_calls(self, calls):
+        return self.TAG + json.dumps([{"name": n, "arguments": a} for n, a in calls],
+                                     ensure_ascii=False)
 
     def partial(self, text, final):
         j = text.find(self.TAG)
@@ -283,22 +361,8 @@ class MistralParser(ToolParser):
         content, body = _content([text[:j]], True, final), text[j + len(self.TAG):].lstrip()
         calls = []
         if body.startswith("["):  # a JSON array of {"name", "arguments"}
-            i = 1
-            while True:
-                i += len(body[i:]) - len(body[i:].lstrip())
-                if i >= len(body) or body[i] == "]":
-                    return content, calls
-                if body[i] == ",":
-                    i += 1
-                    continue
-                scanned = _scan_call(body[i:], ("arguments", "parameters"))
-                if scanned is None:
-                    return (text if final else content), calls
-                call, end = scanned
-                calls.append(call)
-                if not call.done:
-                    return content, calls
-                i += end
+            calls = _array_calls(body, ("arguments", "parameters"))
+            return ((text if final else content), []) if calls is None else (content, calls)
         # v11+: name{arguments} per call, each after its own [TOOL_CALLS]
         for piece in text[j:].split(self.TAG)[1:]:
             m = re.match(r"\s*([A-Za-z_][\w.\-]*)\s*(\{.*)?", piece, re.S)
@@ -314,6 +378,21 @@ class MistralParser(ToolParser):
 
 class PythonicParser(ToolParser):
     name = "pythonic"
+
+    def system_prompt(self, tools):  # the Llama 3.2 pythonic template's words
+        return ("You are an expert in composing functions. You are given a question and a set "
+                "of possible functions. Based on the question, you will need to make one or "
+                "more function/tool calls to achieve the purpose.\nIf you decide to invoke any "
+                "of the function(s), you MUST put it in the format of [func_name1(params_name1"
+                "=params_value1, params_name2=params_value2...), func_name2(params)]\nYou "
+                "SHOULD NOT include any other text in the response if you call a function\n"
+                "Here is a list of functions in JSON format that you can invoke.\n"
+                + json.dumps(tools, indent=4, ensure_ascii=False))
+
+    def render_calls(self, calls):
+        return "[" + ", ".join(
+            f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+            for n, a in calls) + "]"
 
     def partial(self, text, final):
         body = text.strip()
@@ -337,6 +416,19 @@ class PythonicParser(ToolParser):
         except ValueError:
             return text, []
         return "", calls
+
+
+class RequiredParser(ToolParser):
+    """`tool_choice: "required"`: the reply is what the grammar made it, a JSON array of
+    {"name", "parameters"} objects (vLLM's form for required), read as it streams. Not a
+    --tool-call-parser."""
+
+    name = "required"
+
+    def partial(self, text, final):
+        body = text.lstrip()
+        calls = _array_calls(body, ("parameters", "arguments")) if body.startswith("[") else None
+        return ("", calls) if calls is not None else ((text if final else ""), [])
 
 
 _PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
