@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from jaxserve.entrypoints.openai.tool_parsers import ToolCallStream, tool_parser
+from jaxserve.entrypoints.openai.tool_parsers import RequiredParser, ToolCallStream, tool_parser
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
 
@@ -32,6 +32,9 @@ CASES = [
     ("hermes", 'He wrote "<tool" then stopped.', 'He wrote "<tool" then stopped.', []),
     ("hermes", '<tool_call>{"arguments": {"q": "a\\"b"}, "name": "search"}</tool_call>', None,
      [("search", '{"q": "a\\"b"}')]),
+    ("hermes", '<tool_call>[{"name": "a", "arguments": {"n": 1}}, {"name": "b", "arguments": '
+               '{}}]</tool_call>', None, [("a", '{"n": 1}'), ("b", "{}")]),  # SmolLM2's form
+    ("hermes", '<tool_call>[1, 2]</tool_call>', '<tool_call>[1, 2]</tool_call>', []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
      [("get_weather", '{"city": "Paris"}')]),
     ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"n": 1}}; '
@@ -49,20 +52,23 @@ CASES = [
      [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2.5}')]),
     ("pythonic", "Paris.", "Paris.", []),
     ("pythonic", '[get_weather("Paris")]', '[get_weather("Paris")]', []),
+    ("required", '[{"name": "a", "parameters": {"n": 1}}, {"name": "b", "parameters": {}}]',
+     None, [("a", '{"n": 1}'), ("b", "{}")]),
 ]
 
 
 @pytest.mark.parametrize("name,text,content,calls", CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_whole_and_streamed(name, text, content, calls):
-    parser = tool_parser(name)
+    make = (lambda: RequiredParser()) if name == "required" else (lambda: tool_parser(name))
+    parser = make()
     got = parser.extract(text)
     assert got.content == content
     assert [(c.name, c.arguments) for c in got.tool_calls] == calls
     for c in got.tool_calls:
         json.loads(c.arguments)
         assert c.id.startswith("call_") and len(c.id) == 29
-    stream = ToolCallStream(tool_parser(name))
+    stream = ToolCallStream(make())
     sent_content, pieces = "", {}
     for n in range(1, len(text) + 1):  # one character at a time
         new, deltas = stream.feed(text[:n])

@@ -3,7 +3,8 @@ templates of the families we serve teach their models (vLLM's `--tool-call-parse
 names), whole (`ToolParser.extract`) and as the text streams (`ToolCallStream`).
 
 - "hermes" (Hermes 2/3, Qwen2.5): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  any number, text before the first one is the message's content;
+  any number, text before the first one is the message's content; a JSON array of such
+  objects in one tag is read too (SmolLM2's function-calling format);
 - "llama3_json" (Llama 3.1/3.2 JSON tool calling): the reply is `{"name": ...,
   "parameters": {...}}` (optionally after `<|python_tag|>`), several joined by ";";
 - "mistral": `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects, or (v11+
@@ -168,6 +169,27 @@ def _scan_call(text: str, args_key: tuple[str, ...]) -> tuple[_Partial, int] | N
         i = vend
 
 
+def _array_calls(body: str, args_key: tuple[str, ...]) -> list[_Partial] | None:
+    """The calls of a JSON array of call objects (body[0] == "["), as far as it goes; None
+    when an element is not a call object."""
+    calls, i = [], 1
+    while True:
+        i += len(body[i:]) - len(body[i:].lstrip())
+        if i >= len(body) or body[i] == "]":
+            return calls
+        if body[i] == ",":
+            i += 1
+            continue
+        scanned = _scan_call(body[i:], args_key)
+        if scanned is None:
+            return None
+        call, end = scanned
+        calls.append(call)
+        if not call.done:
+            return calls
+        i += end
+
+
 # --- the parsers ------------------------------------------------------------------------
 
 class ToolParser:
@@ -260,8 +282,13 @@ class HermesParser(ToolParser):
             k = text.find(self.END, body_start)
             body = text[body_start:k if k >= 0 else len(text)]
             lead = len(body) - len(body.lstrip())
-            scanned = _scan_call(body[lead:], ("arguments", "parameters")) \
-                if body[lead:lead + 1] in ("{", "") else None
+            if body[lead:lead + 1] == "[":  # several calls in one tag (SmolLM2's format)
+                many = _array_calls(body[lead:], ("arguments", "parameters"))
+                scanned = (many, 0) if many is not None else None
+            else:
+                scanned = _scan_call(body[lead:], ("arguments", "parameters")) \
+                    if body[lead:lead + 1] in ("{", "") else None
+                scanned = ([scanned[0]], 0) if scanned is not None else None
             if scanned is None:  # not a call: the text is content
                 if k < 0:
                     if final:
@@ -270,7 +297,7 @@ class HermesParser(ToolParser):
                 segments.append(text[j:k + len(self.END)])
                 i = k + len(self.END)
                 continue
-            calls.append(scanned[0])
+            calls.extend(scanned[0])
             if k < 0:
                 return _content(segments, True, final), calls
             i = k + len(self.END)
@@ -317,27 +344,6 @@ class Llama3JsonParser(ToolParser):
             if not rest:
                 return "", calls
             i = len(body) - len(rest)
-
-
-def _array_calls(body: str, args_key: tuple[str, ...]) -> list[_Partial] | None:
-    """The calls of a JSON array of call objects (body[0] == "["), as far as it goes; None
-    when an element is not a call object."""
-    calls, i = [], 1
-    while True:
-        i += len(body[i:]) - len(body[i:].lstrip())
-        if i >= len(body) or body[i] == "]":
-            return calls
-        if body[i] == ",":
-            i += 1
-            continue
-        scanned = _scan_call(body[i:], args_key)
-        if scanned is None:
-            return None
-        call, end = scanned
-        calls.append(call)
-        if not call.done:
-            return calls
-        i += end
 
 
 class MistralParser(ToolParser):
