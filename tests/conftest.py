@@ -160,23 +160,29 @@ def small_llm(smollm2_checkpoint, cache_dir):
 
 
 @pytest.fixture(scope="module")
-def small_llm_client(small_llm):
-    """A Starlette TestClient of the OpenAI server over `small_llm`'s engine (in this
-    process, model name "smollm2"); the engine's thread stops at the end of the module, so
-    that nothing else drives the engine meanwhile (do not call small_llm.generate while
-    it runs)."""
-    from starlette.testclient import TestClient
-
+def small_llm_bridge(small_llm):
+    """An AsyncEngine over `small_llm`'s engine for this module: its thread stops at the
+    end of the module, so that nothing else drives the engine meanwhile (do not call
+    small_llm.generate while it runs). Apps built over it share the one engine."""
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.entrypoints.openai.api_server import build_app
-    engine = small_llm.engine
-    bridge = AsyncEngine(engine)
-    app = build_app(bridge, small_llm.tokenizer, "smollm2", engine.engine_config.max_model_len)
+    bridge = AsyncEngine(small_llm.engine)
     try:
-        with TestClient(app) as client:
-            yield client
+        yield bridge
     finally:
         bridge.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_llm_client(small_llm, small_llm_bridge):
+    """A Starlette TestClient of the OpenAI server over `small_llm`'s engine (in this
+    process, model name "smollm2", default ServerConfig) through `small_llm_bridge`."""
+    from starlette.testclient import TestClient
+
+    from jaxserve.entrypoints.openai.api_server import build_app
+    app = build_app(small_llm_bridge, small_llm.tokenizer, "smollm2",
+                    small_llm.engine.engine_config.max_model_len)
+    with TestClient(app) as client:
+        yield client
 
 
 # --- markers ------------------------------------------------------------------------------

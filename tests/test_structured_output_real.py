@@ -106,3 +106,39 @@ def test_named_tool_choice_returns_a_valid_call_streamed_too(small_llm_client):
     arguments = "".join(d["tool_calls"][0]["function"]["arguments"]
                         for d in deltas if d.get("tool_calls"))
     assert arguments == call["function"]["arguments"]
+
+
+def test_reasoning_parser_constrains_the_answer_after_the_thinking(small_llm, small_llm_bridge):
+    """--reasoning-parser deepseek_r1 on the real model: shown two thinking-then-answer
+    turns, it thinks in <think></think> tags itself; the thinking comes back as
+    reasoning_content, and response_format holds only the answer after "</think>" (free
+    thinking, then JSON), whole and streamed."""
+    from starlette.testclient import TestClient
+
+    from jaxserve.config import ServerConfig
+    from jaxserve.entrypoints.openai.api_server import build_app
+    app = build_app(small_llm_bridge, small_llm.tokenizer, "smollm2",
+                    small_llm.engine.engine_config.max_model_len,
+                    ServerConfig(reasoning_parser="deepseek_r1"))
+    shots = [{"role": "system", "content": "Think inside <think></think> tags, then answer."},
+             {"role": "user", "content": "What is 2+2?"},
+             {"role": "assistant", "content": "<think>2 plus 2 is 4.</think>4"},
+             {"role": "user", "content": "What color is the sky?"},
+             {"role": "assistant", "content": "<think>The sky is blue on a clear day.</think>Blue"},
+             {"role": "user", "content": "Give the name and age of a cat as JSON."}]
+    body = {"messages": shots, "temperature": 0, "max_tokens": 80}
+    with TestClient(app) as client:
+        free = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert free["reasoning_content"] and "<think>" not in free["reasoning_content"]
+        with pytest.raises(ValueError):
+            json.loads(free["content"])  # left free, the answer is not JSON
+        body["response_format"] = {"type": "json_object"}
+        held = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert held["message"]["reasoning_content"] == free["reasoning_content"]
+        assert isinstance(json.loads(held["message"]["content"]), dict)
+        events = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+    deltas = [json.loads(e[len("data: "):])["choices"][0]["delta"]
+              for e in events.split("\n\n") if e.startswith("data: {")]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == \
+        held["message"]["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == held["message"]["content"]
