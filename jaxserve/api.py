@@ -117,6 +117,33 @@ class LLM:
                            logprobs=done[r].logprobs, prompt_logprobs=done[r].prompt_logprobs)
                 for p, r, t in zip(prompts, rids, ids)]
 
+    def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]]
+              ) -> list[list[float]]:
+        """The embedding of each prompt (text, or token ids): its final hidden states pooled
+        as the engine's EngineConfig.pooling says ("last" / "mean"), L2-normalised,
+        [hidden_size] floats each, in order; prefilled with continuous batching, nothing
+        generated, no KV kept. Raises InvalidRequest for a bad prompt, or field "pooling"
+        when the engine was built without pooling. Source: vLLM's `LLM.embed`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        rids = [f"embd-{next(self._ids)}" for _ in ids]
+        done: dict[str, list] = {}
+        try:
+            for rid, tok in zip(rids, ids):
+                self.engine.add_request(rid, tok, SamplingParams(), embed=True)
+            while len(done) < len(rids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in rids:
+                        if out.embedding is None:
+                            raise InvalidRequest("prompt", f"embedding failed: {out.error}")
+                        done[out.request_id] = out.embedding
+        finally:
+            for rid in rids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+        return [done[r] for r in rids]
+
     def _ensure_lora(self, req: LoRARequest) -> None:
         """Serve `req`'s adapter if it is not served yet. Raises InvalidRequest for an
         adapter that cannot be served (or LoRA off)."""

@@ -164,6 +164,34 @@ def logits(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arr
     return compute_logits(params, hidden[rows], None, kernels.matmul)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "pooling", "kernels"))
+def embed(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+          pooling: str = "last", kernels: Kernels = Kernels()) -> jax.Array:
+    """Sequence embeddings: one forward over tokens [B, L] int32 (sequence b in its first
+    lengths[b] entries, each >= 1) -> [B, D] f32, each sequence's final hidden states
+    (after the final norm) pooled ("last": its last token's; "mean": the mean over its
+    tokens) and L2-normalised, as the engine's /v1/embeddings (EngineConfig.pooling).
+    Raises ValueError for mismatched shapes or an unknown pooling (at trace time).
+    Source: vLLM's LAST / MEAN poolers with normalize."""
+    _check(tokens, lengths, 1)
+    if pooling not in ("last", "mean"):
+        raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+    B, L = tokens.shape
+    tables, cache = _page_pool(cfg, B, L, kernels, None,
+                               stacked=isinstance(params.layers, StackedLayers))
+    lengths = lengths.astype(jnp.int32)
+    batch = _prefill_batch(tokens.astype(jnp.int32), lengths, tables)
+    hidden, _ = forward(params, cache, batch, cfg, None, kernels)  # [B * L, D] packed
+    rows = jnp.clip(batch.query_start[:-1, None] + jnp.arange(L)[None, :], 0, B * L - 1)
+    h = hidden[rows].astype(jnp.float32)                           # [B, L, D]
+    valid = jnp.arange(L)[None, :] < lengths[:, None]
+    if pooling == "last":
+        vec = h[jnp.arange(B), lengths - 1]
+    else:
+        vec = jnp.sum(jnp.where(valid[..., None], h, 0.0), axis=1) / lengths[:, None]
+    return vec / jnp.linalg.norm(vec, axis=-1, keepdims=True)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
 def score(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
           kernels: Kernels = Kernels(), lora_slot: jax.Array | None = None) -> jax.Array:

@@ -169,6 +169,7 @@ MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     # added with multi-LoRA serving (vLLM's)
     "--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
     "--lora-modules", "--lora-dtype",
+    "--pooling",  # added with /v1/embeddings (issue 32)
 }
 SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",

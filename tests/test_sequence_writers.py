@@ -27,10 +27,11 @@ WRITER = {
     "num_cached_pages": "engine/kv_cache_manager.py",
     "text": "engine/output_processor.py", "logprobs": "engine/output_processor.py",
     "prompt_logprobs": "engine/output_processor.py",
+    "pooled_sum": "engine/output_processor.py", "embedding": "engine/output_processor.py",
     "lora_slot": "engine/lora_manager.py",
 }
 SET_ONCE = {"request_id", "prompt_ids", "params", "seed", "controls", "matcher",
-            "detokenizer", "stop_checker", "lora_name", "cache_salt"}
+            "detokenizer", "stop_checker", "lora_name", "cache_salt", "pooling"}
 
 
 def _seq_field(node) -> str | None:

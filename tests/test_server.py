@@ -333,6 +333,12 @@ def test_disconnect_during_non_streaming_request_aborts(server):
     assert fake.num_steps < 45
 
 
+def test_embeddings_need_pooling(server):
+    client, *_ = server
+    r = client.post("/v1/embeddings", json={"input": "Hi"})
+    assert r.status_code == 400 and "--pooling" in r.json()["error"]["message"]
+
+
 def test_tokenize_and_detokenize(server):
     """vLLM's /tokenize and /detokenize: a prompt's ids (special tokens as the tokenizer
     adds them, or not), chat messages through the chat template (with and without the

@@ -73,7 +73,7 @@ FLAGS: dict[type, tuple[str | Flag, ...]] = {
     EngineConfig: (
         "max_model_len",
         Flag("speculative", name="speculative-config", type=str, metavar="JSON",
-             convert=SpeculativeConfig.from_dict)),
+             convert=SpeculativeConfig.from_dict), "pooling"),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                       "async_scheduling"),
     CacheConfig: ("enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization",

@@ -15,6 +15,8 @@ from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.config.validation import ConfigError, _positive
 
+POOLING = ("last", "mean")  # EngineConfig.pooling's choices (vLLM's pooling types LAST, MEAN)
+
 # EngineConfig's groups by field name: EngineConfig.override routes a field name to the
 # group that has it (field names are unique across groups: tests/test_config.py).
 ENGINE_GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig,
@@ -55,6 +57,11 @@ class EngineConfig:
     """What a request may ask of the sampler."""
     lora: LoRAConfig = LoRAConfig()
     """Serving LoRA adapters (off unless enable_lora)."""
+    pooling: str | None = dataclasses.field(default=None, metadata={"choices": POOLING})
+    """Serve embeddings (/v1/embeddings, LLM.embed) pooled this way from the final hidden
+    states: "last" (the last prompt token's: decoder embedding models such as
+    e5-mistral, gte-Qwen) or "mean" (the prompt tokens' mean), L2-normalised; None = no
+    embeddings (the compiled steps are unchanged)."""
 
     def __post_init__(self):
         _positive("EngineConfig", self, ("max_model_len",))
@@ -72,6 +79,12 @@ class EngineConfig:
             raise ConfigError(f"SchedulerConfig.max_num_batched_tokens ({limits.max_num_batched_tokens}) "
                               f"must hold max_model_len ({self.max_model_len}) tokens when "
                               "enable_chunked_prefill is off (a prompt is prefilled whole)")
+        if self.pooling is not None and self.pooling not in POOLING:
+            raise ConfigError(f"EngineConfig.pooling must be one of {list(POOLING)} or None, "
+                              f"got {self.pooling!r}")
+        if self.pooling is not None and spec is not None:
+            raise ConfigError("EngineConfig.pooling (embeddings) and speculative decoding "
+                              "cannot be combined: a verify step pools no hidden states")
         if spec is not None:
             if spec.disable_by_batch_size > limits.max_num_seqs:
                 raise ConfigError(f"SpeculativeConfig.disable_by_batch_size "

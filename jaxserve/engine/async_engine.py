@@ -207,11 +207,11 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt_ids: Sequence[int],
                           params: SamplingParams, arrival_time: float | None = None,
-                          lora_name: str | None = None) -> RequestStream:
+                          lora_name: str | None = None, embed: bool = False) -> RequestStream:
         """Submit a request; return its stream once the engine has accepted it.
         arrival_time: time.monotonic() when the request arrived (default: now), from
         which its timeout and latency metrics count. lora_name: the LoRA adapter it runs
-        with (None: the base model).
+        with (None: the base model). embed: an embedding request (`Engine.add_request`).
 
         Raises InvalidRequest (from `Engine.add_request`: empty or too long prompt, token id
         outside the vocabulary, duplicate id), QueueFull (max_queued_requests wait), or
@@ -223,7 +223,7 @@ class AsyncEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         deadline = None if self.request_timeout_s is None else arrival + self.request_timeout_s
         stream = RequestStream(request_id, asyncio.get_running_loop(), self, arrival, deadline)
-        self._submit(("add", request_id, (list(prompt_ids), lora_name), params, stream))
+        self._submit(("add", request_id, (list(prompt_ids), lora_name, embed), params, stream))
         try:
             await stream._wait_accepted()
         except asyncio.CancelledError:
@@ -351,9 +351,11 @@ class AsyncEngine:
         if self._stopping or self._dead:
             self._deliver(stream, EngineShutdown("the engine is shut down"))
             return
-        prompt_ids, lora_name = prompt_ids
+        prompt_ids, lora_name, embed = prompt_ids
         try:
-            if lora_name is None:
+            if embed:
+                self.engine.add_request(request_id, prompt_ids, params, lora_name, embed=True)
+            elif lora_name is None:
                 self.engine.add_request(request_id, prompt_ids, params)
             else:
                 self.engine.add_request(request_id, prompt_ids, params, lora_name)

@@ -48,6 +48,8 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.engine.batch_builder import constrained_rows, step_batch
 from jaxserve.engine.input_processor import InputProcessor
@@ -135,12 +137,18 @@ class Engine:
         return self.runner.num_compilations
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, lora_name: str | None = None) -> None:
+                    params: SamplingParams, lora_name: str | None = None,
+                    embed: bool = False) -> None:
         """Queue a request, run with the LoRA adapter `lora_name` (None: the base model).
-        Raises InvalidRequest: duplicate id, an adapter not served (field "model"), or
+        embed: an embedding request (EngineConfig.pooling on): its prompt is prefilled in
+        the same ragged steps as the others, its pooled final hidden state comes back as
+        RequestOutput.embedding, and it finishes then, its pages freed (`params` is
+        ignored: it samples one token, dropped). Raises InvalidRequest: duplicate id, an
+        adapter not served (field "model"), embed without pooling (field "pooling"), or
         what the input processor refuses (InputProcessor.process: empty prompt, token
         ids, lengths, sampler limits, parameters that cannot be packed for the device).
-        Raises EngineDeadError once the engine is dead."""
+        Raises EngineDeadError once the engine is dead. Source: vLLM's pooling requests
+        (`LLM.embed`)."""
         if not self.healthy:
             raise EngineDeadError("the engine is dead (a device step failed and the KV pool "
                                   "could not be restored)")
@@ -152,8 +160,15 @@ class Engine:
                 raise InvalidRequest("model", f"no LoRA adapter {lora_name!r} is loaded"
                                      + ("" if self.lora else " (LoRA is off: --enable-lora)"))
             salt = self.lora.cache_salt(lora_name)
+        pooling = None
+        if embed:
+            pooling = self.engine_config.pooling
+            if pooling is None:
+                raise InvalidRequest("pooling", "this engine serves no embeddings: build it "
+                                                "with EngineConfig.pooling (--pooling last|mean)")
+            params = _EMBED_PARAMS
         self.scheduler.add(self.input_processor.process(request_id, prompt_token_ids, params,
-                                                        lora_name, salt))
+                                                        lora_name, salt, pooling))
 
     # --- LoRA adapters -------------------------------------------------------------------
 
@@ -329,8 +344,9 @@ class Engine:
         scheduled = step.scheduled
         t1 = time.perf_counter()
         wants = any(s.logprobs is not None or s.needs_prompt_logprobs for s in scheduled.seqs)
+        pools = not scheduled.verify and any(s.pooling is not None for s in scheduled.seqs)
         try:
-            out = self.runner.fetch(step.handle, logprobs=wants)  # tokens [n, S]
+            out = self.runner.fetch(step.handle, logprobs=wants, pooled=pools)  # tokens [n, S]
         except Exception as e:  # the step failed on device
             out = None
             self._device_failure(scheduled.seqs, e)
@@ -354,6 +370,8 @@ class Engine:
             return wait
         if wants and not scheduled.decode:
             self._record_prompt_logprobs(step, out)
+        if pools:
+            self._record_pooled(step, out.extra["pooled"])
         n = out.tokens.shape[0]
         for b, (seq, index, column) in enumerate(zip(scheduled.seqs, step.first_index,
                                                      out.tokens.T.tolist())):
@@ -386,6 +404,21 @@ class Engine:
                     log.exception("reading the prompt logprobs of %r failed", seq.request_id)
                     self._fail(seq, f"reading its prompt logprobs failed: {e!r}")
             row += n
+
+    def _record_pooled(self, step: InflightStep, pooled: np.ndarray) -> None:
+        """Give each embedding request of a step what it pooled ([S, D] f32,
+        `worker.step.pool_hidden`; OutputProcessor.record_pooled), its prompt rows only (a
+        decode row planned before its sampled token was read adds nothing); a fault fails
+        that request alone."""
+        for b, (seq, n, start) in enumerate(zip(step.scheduled.seqs, step.scheduled.num_new,
+                                                step.chunk_starts)):
+            if seq.pooling is None or seq.finished or n == 0 or start >= len(seq.prompt_ids):
+                continue
+            try:
+                self.output_processor.record_pooled(seq, pooled[b], start, n)
+            except Exception as e:
+                log.exception("pooling the hidden states of %r failed", seq.request_id)
+                self._fail(seq, f"pooling its hidden states failed: {e!r}")
 
     def _verified_alone(self, seq: Sequence, num_drafts: int, tokens: list[int],
                         logprobs: list[TokenLogprobs] | None, ahead: int = 0) -> None:
@@ -459,6 +492,11 @@ class Engine:
         out = self.output_processor.make_output(seq, [], "")
         out.error = error
         self._pending.append(out)
+
+
+# What an embedding request samples: one greedy token, dropped (EOS may be it: either way
+# the request ends with its prompt).
+_EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def _draft_rows(step: InflightStep) -> dict[Sequence, int]:

@@ -43,9 +43,10 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt_token_ids: list[int],
                 params: SamplingParams, lora_name: str | None = None,
-                cache_salt: bytes | None = None) -> Sequence:
+                cache_salt: bytes | None = None, pooling: str | None = None) -> Sequence:
         """The Sequence of a new request (run with LoRA adapter `lora_name`, None: the
-        base; cache_salt: its page hashes' seed, the adapter's). Raises InvalidRequest:
+        base; cache_salt: its page hashes' seed, the adapter's; pooling: an embedding
+        request's, Sequence.pooling). Raises InvalidRequest:
         empty prompt, token id outside the vocabulary, prompt of >= max_model_len tokens
         (no room for output), top_k above the vocabulary size, sampler limits
         (`_check_sampler_limits`), or parameters that cannot be packed for the device."""
@@ -80,7 +81,8 @@ class InputProcessor:
                                             "parameters or this prompt") from e
         return Sequence(request_id=request_id, prompt_ids=ids, params=params, seed=seed,
                         controls=controls, matcher=matcher, detokenizer=detokenizer,
-                        stop_checker=stop_checker, lora_name=lora_name, cache_salt=cache_salt)
+                        stop_checker=stop_checker, lora_name=lora_name, cache_salt=cache_salt,
+                        pooling=pooling)
 
     def _check_sampler_limits(self, params: SamplingParams) -> None:
         """What only the engine knows about a request's sampler fields: token ids against

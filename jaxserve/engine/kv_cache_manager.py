@@ -94,9 +94,9 @@ class KVCacheManager:
     def take_cached_prefix(self, seq: Sequence) -> int:
         """Give `seq` (waiting, no pages) the cached pages of the longest prefix of its full
         pages, leaving at least its last token to compute; returns the tokens they hold
-        (the sequence then starts computing there). A sequence still needing prompt
-        logprobs takes none (they come from computing)."""
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        (the sequence then starts computing there). A sequence that computes its whole
+        prompt (prompt logprobs, a mean-pooled embedding) takes none."""
+        if not self.enable_prefix_caching or seq.computes_whole_prompt:
             return 0
         usable = (seq.num_tokens - 1) // self.page_size
         pages = self.pool.lookup(self._hashes(seq, usable))
@@ -114,7 +114,7 @@ class KVCacheManager:
     def prefix_in_progress(self, seq: Sequence, running: list[Sequence]) -> bool:
         """Whether one of `running` is computing, as a prompt chunk, the first page of
         waiting `seq`'s prefix that is not cached yet (their page hashes agree there)."""
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        if not self.enable_prefix_caching or seq.computes_whole_prompt:
             return False
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.page_size)
         cached = len(self.pool.lookup(hashes))

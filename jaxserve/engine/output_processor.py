@@ -9,7 +9,8 @@ max_model_len. Tokens after the finishing one were sampled in vain and are dropp
 returns what it decided (`TokenUpdate`); the engine has the scheduler record the tokens
 and the finish, then asks here for the RequestOutput snapshot.
 
-Writes, of a Sequence: `text`, `logprobs`, `prompt_logprobs` (and advances the state
+Writes, of a Sequence: `text`, `logprobs`, `prompt_logprobs`, an embedding request's
+`pooled_sum` and `embedding` (and advances the state
 objects in `matcher`, `detokenizer`, `stop_checker`).
 
 Source: vLLM v1's OutputProcessor and its detokenizer / stop-string checks (StopChecker);
@@ -19,6 +20,8 @@ the legacy logprobs shapes of the OpenAI API.
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from jaxserve.engine.outputs import FINISH_LENGTH, FINISH_STOP, RequestOutput
 from jaxserve.engine.sequence import PLACEHOLDER, Sequence, TokenLogprobs
@@ -92,7 +95,22 @@ class OutputProcessor:
             new_text=new_text, finished=seq.finish_reason is not None,
             finish_reason=seq.finish_reason,
             logprobs=None if seq.logprobs is None else seq.logprobs[:num_known],
-            prompt_logprobs=seq.prompt_logprobs)
+            prompt_logprobs=seq.prompt_logprobs, embedding=seq.embedding)
+
+    @staticmethod
+    def record_pooled(seq: Sequence, pooled, start: int, n: int) -> None:
+        """A step's pooled hidden state ([D] f32) of embedding request `seq`'s prompt
+        chunk of n rows from position `start`: mean pooling adds the chunk's sum (a chunk
+        at position 0 starts the sum over: a recomputed prompt); the chunk that ends the
+        prompt sets seq.embedding, L2-normalised (before its sampled token finishes it).
+        Source: vLLM's MEAN / LAST poolers with normalize."""
+        row = np.asarray(pooled, np.float64)
+        if seq.pooling == "mean":
+            seq.pooled_sum = row if start == 0 else seq.pooled_sum + row
+        if start + n >= len(seq.prompt_ids):
+            vec = seq.pooled_sum / len(seq.prompt_ids) if seq.pooling == "mean" else row
+            norm = float(np.linalg.norm(vec))
+            seq.embedding = (vec / norm if norm > 0 else vec).astype(np.float32).tolist()
 
     @staticmethod
     def token_logprobs(seq: Sequence, fetched, b: int, m: int) -> list[TokenLogprobs] | None:

@@ -25,6 +25,8 @@ class RequestOutput:
         len(new_token_ids)); else None.
     prompt_logprobs: with SamplingParams.prompt_logprobs, one per prompt token, None for
         the first (complete from the first output with a token on); else None.
+    embedding: an embedding request's L2-normalised pooled hidden state ([hidden_size]
+        floats), once finished; else None.
     """
 
     request_id: str
@@ -38,6 +40,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    embedding: list | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -40,7 +40,8 @@ class Sequence:
     params.structured_outputs, its grammar state, jaxserve.sample.grammar.GrammarMatcher);
     detokenizer / stop_checker (text state); lora_name (the LoRA adapter it runs with,
     None: the base model) and cache_salt (its first page hash's parent: the adapter's,
-    jaxserve.engine.lora_manager). The objects in matcher, detokenizer and
+    jaxserve.engine.lora_manager); pooling (an embedding request: the engine's
+    EngineConfig.pooling; it samples one token, dropped, and finishes). The objects in matcher, detokenizer and
     stop_checker are advanced by the output processor.
 
     Written by the scheduler (jaxserve.engine.scheduler): output_ids (token ids; the last
@@ -60,7 +61,9 @@ class Sequence:
     Written by the output processor (jaxserve.engine.output_processor): text (the output
     text so far), logprobs (with params.logprobs, one TokenLogprobs per output token read
     back), prompt_logprobs (with params.prompt_logprobs, one per prompt token; None for the
-    first, and for those not computed yet).
+    first, and for those not computed yet); for an embedding request, pooled_sum (mean
+    pooling: [D] f64, its prompt rows' hidden states added up so far) and embedding (the
+    L2-normalised pooled vector, once its prompt is computed).
     """
 
     request_id: str
@@ -73,6 +76,7 @@ class Sequence:
     stop_checker: Any = None
     lora_name: str | None = None
     cache_salt: bytes | None = None
+    pooling: str | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0
@@ -86,12 +90,20 @@ class Sequence:
     text: str = ""
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    pooled_sum: Any = None
+    embedding: list | None = None
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt row must be computed (no cached prefix): prompt logprobs
+        still to compute, or a mean-pooled embedding."""
+        return self.needs_prompt_logprobs or self.pooling == "mean"
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -83,7 +83,8 @@ class Runner:
                  if spec is not None and spec.method == "ngram" else None)
         self._jitted_verify = jax.jit(functools.partial(verify_step, ngram=ngram, **static),
                                       donate_argnums=(1, 8, 9))
-        self._jitted_forward = jax.jit(functools.partial(forward_step, **static),
+        self._jitted_forward = jax.jit(functools.partial(forward_step, **static,
+                                                         pooling=engine_cfg.pooling),
                                        donate_argnums=(1, 7, 8))
         self.max_pages = engine_cfg.max_pages_per_seq
         self._logits_sharding = (logits_sharding(params, rules, model_cfg.vocab_size)
@@ -523,16 +524,20 @@ class Runner:
         return exe
 
     @staticmethod
-    def fetch(handle: "StepHandle", logprobs: bool = False) -> "StepOutput":
+    def fetch(handle: "StepHandle", logprobs: bool = False, pooled: bool = False
+              ) -> "StepOutput":
         """Wait for a dispatched step: its sampled tokens [n, S] int32 and their logprobs
         [n, S] f32 (column b: sequence b of the batch, padding included; n: num_steps, or
         J for a verify step), and for a verify step num_tokens [S] int32, the tokens of
         column b that count (the rest were rejected), and num_drafts [S] int32, the drafts
         it verified (n-gram drafts proposed on device may be fewer than planned).
-        logprobs: also read its top and prompt logprobs (`StepOutput.extra`; else {})."""
+        logprobs: also read its top and prompt logprobs (`StepOutput.extra`; else {});
+        pooled: also read its pooled hidden states (extra["pooled"] [S, D] f32, with
+        EngineConfig.pooling)."""
         num = None if handle.num_tokens is None else np.asarray(handle.num_tokens)
         drafts = None if handle.num_drafts is None else np.asarray(handle.num_drafts)
-        extra = ({k: np.asarray(v) for k, v in handle.extra.items()} if logprobs else {})
+        extra = {k: np.asarray(v) for k, v in handle.extra.items()
+                 if (pooled if k == "pooled" else logprobs)}
         return StepOutput(np.asarray(handle.tokens), np.asarray(handle.logprobs), num, extra,
                           drafts)
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.sharding import ShardingRules, constrain
+from jaxserve.kernels.common import query_sequence
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.params import Params
 from jaxserve.model.inputs import StepBatch, next_decode_batch, shift_sequences
@@ -152,10 +153,23 @@ def _padded_last(tokens: jax.Array, max_rows: int, rules: ShardingRules | None) 
     return constrain(rules, last, (None,))
 
 
+def pool_hidden(hidden: jax.Array, batch: StepBatch, pooling: str) -> jax.Array:
+    """[S, D] f32: each sequence's pooled final hidden states of this step (hidden [T, D],
+    after the final norm): "last", its last row's (batch.logits_indices); "mean", the
+    sum of its rows (the host adds a prompt's chunks up and divides by its length).
+    Padding rows and sequences add nothing. Source: vLLM's LAST / MEAN poolers."""
+    if pooling == "last":
+        return hidden[batch.logits_indices].astype(jnp.float32)
+    S, T = batch.seq_lens.shape[0], hidden.shape[0]
+    owner = query_sequence(batch.query_start, T)     # S (dropped) past the last sequence
+    return jax.ops.segment_sum(hidden.astype(jnp.float32), owner, num_segments=S)
+
+
 def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_targets,
                  prev_tokens: jax.Array, prev_index: jax.Array, draft_params, draft_cache,
                  token_pool, *, cfg: ModelConfig, drafter: Drafter | None,
-                 rules: ShardingRules | None, kernels: Kernels, num_top: int = 0):
+                 rules: ShardingRules | None, kernels: Kernels, num_top: int = 0,
+                 pooling: str | None = None):
     """The first half of a one-token mixed or decode step: the forward pass up to each
     sequence's last-token logits, which stay on device for `sample_step` (dispatched
     after it, once the host knows the sampling inputs that depend on the previous step's
@@ -164,8 +178,10 @@ def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_target
 
     prev_tokens / prev_index / draft_params / draft_cache / token_pool as `model_step`;
     prompt_targets: [T] int32 (a mixed step; `SamplingBatch.prompt_targets`) or None.
+    pooling: the engine's EngineConfig.pooling; when set, extra["pooled"] is `pool_hidden`
+    [S, D] f32 (embedding requests read theirs).
     Returns (logits [S, V] f32, extra: `_prompt_logprobs` when prompt_targets is given
-    else {}, cache, draft_cache, token_pool)."""
+    (else {}) and "pooled", cache, draft_cache, token_pool)."""
     batch = _with_prev_tokens(batch, prev_tokens, prev_index)
     hidden, logits, cache, draft_cache, token_pool = _forward_logits(
         params, cache, batch, draft_params, draft_cache, token_pool, cfg=cfg, drafter=drafter,
@@ -177,6 +193,8 @@ def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_target
     if prompt_targets is not None:
         extra = _prompt_logprobs(params, hidden, prompt_targets, rules=rules, kernels=kernels,
                                  num_top=num_top)
+    if pooling is not None:
+        extra["pooled"] = constrain(rules, pool_hidden(hidden, batch, pooling), (None, None))
     return logits, extra, cache, draft_cache, token_pool
 
 

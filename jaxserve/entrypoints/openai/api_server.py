@@ -2,6 +2,7 @@
 
     POST /v1/completions        prompt (text or token ids) -> text; SSE when "stream": true
     POST /v1/chat/completions   messages -> chat template -> text; SSE when "stream": true
+    POST /v1/embeddings         input(s) -> pooled, normalised hidden states (--pooling)
     GET  /v1/models             the served model, and its LoRA adapters (`parent`: the base)
     POST /tokenize              {"prompt"} or {"messages"} -> token ids (vLLM's)
     POST /detokenize            {"tokens"} -> text (vLLM's)
@@ -190,6 +191,39 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions (OpenAI Chat Completions API)."""
         return await self._serve(request, CHAT)
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings (OpenAI Embeddings API; with --pooling): each input prefilled
+        as an engine request of its own, in the same ragged steps as the others, its pooled
+        final hidden state returned."""
+        arrival = time.monotonic()
+        try:
+            if self.lifecycle.draining:
+                raise ApiError("the server is shutting down", status=503, type="server_error",
+                               code="shutting_down")
+            if self.engine.engine.engine_config.pooling is None:
+                raise ApiError("this server serves no embeddings: start it with --pooling "
+                               "last|mean", status=400)
+            raw = await _read_body(request, self.server.max_request_body_bytes)
+            req = await anyio.to_thread.run_sync(self.serving.parse_embedding, raw)
+            sub = await self.serving.submit_embedding(req, arrival)
+        except ApiError as e:
+            self.metrics.request_rejected(_rejection_reason(e))
+            raise
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except EngineError as e:
+            self.metrics.request_rejected("engine_down")
+            raise ApiError(str(e), status=503, type="server_error") from None
+        try:
+            finals = await _unless_disconnected(request.receive, last_outputs(sub))
+        except EngineError as e:
+            raise engine_error(e) from None
+        finally:
+            sub.abort()
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(self.serving.embedding_response(sub, finals))
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the served model and the LoRA adapters served now, each with its
@@ -464,6 +498,7 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, served_model_name
     app = Starlette(
         routes=[Route("/v1/completions", routes.completions, methods=["POST"]),
                 Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+                Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
                 Route("/v1/models", routes.models, methods=["GET"]),
                 Route("/health", routes.health, methods=["GET"]),
                 Route("/ready", routes.ready, methods=["GET"]),

@@ -13,7 +13,8 @@ from pydantic.json_schema import models_json_schema
 from jaxserve.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, CompletionChunk,
                                                   CompletionRequest, CompletionResponse,
-                                                  DetokenizeRequest, TokenizeRequest,
+                                                  DetokenizeRequest, EmbeddingRequest,
+                                                  EmbeddingResponse, TokenizeRequest,
                                                   ErrorResponse, HealthResponse, ModelList)
 
 _REF = "#/components/schemas/{model}"
@@ -32,9 +33,11 @@ def openapi_schema(served_model_name: str) -> dict[str, Any]:
     Source: OpenAPI 3.1.0 specification; OpenAI API reference.
     """
     models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
-                                          TokenizeRequest, DetokenizeRequest)] + \
+                                          TokenizeRequest, DetokenizeRequest,
+                                          EmbeddingRequest)] + \
         [(m, "serialization") for m in (CompletionResponse, CompletionChunk, ChatCompletionResponse,
-                                        ChatCompletionChunk, ErrorResponse, ModelList, HealthResponse)]
+                                        ChatCompletionChunk, ErrorResponse, ModelList, HealthResponse,
+                                        EmbeddingResponse)]
     refs, defs = models_json_schema(models, ref_template=_REF)
     ref = {m: refs[(m, mode)] for m, mode in models}
 
@@ -82,6 +85,14 @@ def openapi_schema(served_model_name: str) -> dict[str, Any]:
                 "Answer a chat", ChatCompletionRequest, ChatCompletionResponse,
                 ChatCompletionChunk, {"model": model, "max_completion_tokens": 64,
                                       "messages": [{"role": "user", "content": "Hello"}]}),
+            "/v1/embeddings": {"post": {
+                "summary": "Embed inputs (with --pooling)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": ref[EmbeddingRequest],
+                    "example": {"model": model, "input": ["Hello", "Bonjour"]}}}},
+                "responses": {"200": {"description": "OK",
+                                      "content": json_content(EmbeddingResponse)},
+                              **errors}}},
             "/v1/models": get("The served model", json_content(ModelList), "401"),
             "/health": get("Liveness and engine counters", json_content(HealthResponse), "503"),
             "/ready": get("Ready to serve", json_content(HealthResponse), "503"),

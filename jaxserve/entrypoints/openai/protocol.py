@@ -316,11 +316,29 @@ class DetokenizeRequest(BaseModel):
     tokens: list[NonNegativeInt]
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's): the embedding of each input, a string, token ids, or
+    a batch of strings or of token-id lists (at most 2048 inputs, OpenAI's limit).
+    encoding_format: "float" (lists of numbers) or "base64" (little-endian float32 bytes,
+    as the openai SDK asks by default); dimensions: only the model's own (no Matryoshka
+    truncation). Source: OpenAI API reference, Embeddings; vLLM's EmbeddingRequest."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    input: (StrictStr | Annotated[list[TokenId], Field(min_length=1)]
+            | Annotated[list[StrictStr], Field(min_length=1, max_length=2048)]
+            | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                        Field(min_length=1, max_length=2048)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: StrictStr | None = None
+
+
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
     ResponseFormat, JsonSchemaFormat, StructuredOutputsParams, Tool, FunctionDefinition,
     NamedToolChoice, NamedFunction, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
-    TokenizeRequest, DetokenizeRequest)
+    TokenizeRequest, DetokenizeRequest, EmbeddingRequest)
 
 
 # -- responses ----------------------------------------------------------------------------
@@ -524,3 +542,25 @@ class HealthResponse(BaseModel):
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Usage, CompletionResponse, CompletionChunk, ChatCompletionResponse, ChatCompletionChunk,
     ErrorResponse, ModelList, HealthResponse)
+
+
+class Embedding(BaseModel):
+    """One input's embedding: floats, or their little-endian float32 bytes in base64."""
+
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    """The body of a /v1/embeddings answer (OpenAI's list of embeddings)."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

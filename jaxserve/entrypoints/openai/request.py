@@ -27,7 +27,8 @@ import pydantic
 from jaxserve.entrypoints.openai.chat_reply import AUTO, NAMED, REQUIRED, ReplyFormat
 from jaxserve.entrypoints.openai.protocol import (REQUEST_MODELS, ChatCompletionRequest,
                                                   CompletionRequest, DetokenizeRequest,
-                                                  TokenizeRequest, _SamplingRequest)
+                                                  EmbeddingRequest, TokenizeRequest,
+                                                  _SamplingRequest)
 from jaxserve.entrypoints.openai.reasoning_parsers import ReasoningParser, reasoning_parser
 from jaxserve.entrypoints.openai.tool_parsers import HermesParser, ToolParser, tool_parser
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
@@ -374,13 +375,15 @@ def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: st
         raise ApiError(f"{param}: the text could not be tokenized", param) from None
 
 
-def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
-    """A completions `prompt` as token ids: a string or token ids (one prompt), or a batch
-    of strings or of token-id lists (OpenAI's and vLLM's batched prompts)."""
+def _completion_prompts(prompt: Any, tokenizer: Tokenizer, field: str = "prompt"
+                        ) -> list[list[int]]:
+    """A completions `prompt` (or an embeddings `input`: field) as token ids: a string or
+    token ids (one prompt), or a batch of strings or of token-id lists (OpenAI's and
+    vLLM's batched prompts); errors name `field` ("prompt.2": a batch's third)."""
     if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], (str, list)):
-        batch, names = [prompt], ["prompt"]
+        batch, names = [prompt], [field]
     else:
-        batch, names = prompt, [f"prompt.{p}" for p in range(len(prompt))]
+        batch, names = prompt, [f"{field}.{p}" for p in range(len(prompt))]
     out = []
     for one, param in zip(batch, names):
         if isinstance(one, str):
@@ -626,3 +629,43 @@ def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     Source: OpenAI API reference, Chat Completions; vLLM `ChatCompletionRequest`.
     """
     return _parse_chat(raw, tokenizer, served_model_name, limits, lora_names, parsers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedEmbedding:
+    """A validated /v1/embeddings request: each input's token ids, how to encode the
+    vectors ("float" / "base64"), and the LoRA adapter it names as its model (or None)."""
+
+    prompts: list[list[int]]
+    encoding_format: str = "float"
+    lora_name: str | None = None
+
+
+def parse_embedding_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
+                            limits: RequestLimits, hidden_size: int,
+                            lora_names: Collection[str] = ()) -> ParsedEmbedding:
+    """Validate a `/v1/embeddings` body (an EmbeddingRequest): strings are tokenised with
+    the tokenizer's special tokens, as completions prompts. Raises ApiError: 404 for an
+    unknown model; 400 naming the field ("input.2" for a batch's third) for an empty input,
+    a token id outside the vocabulary, an input of max_model_len tokens or more (code
+    context_length_exceeded), or `dimensions` other than the model's `hidden_size` (no
+    Matryoshka truncation). Source: OpenAI API reference, Embeddings; vLLM's
+    serving_embedding."""
+    req = _validate(EmbeddingRequest, raw)
+    _check_model(req.model, served_model_name, lora_names)
+    if req.dimensions is not None and req.dimensions != hidden_size:
+        raise ApiError(f"dimensions: this model's embeddings have {hidden_size} dimensions; "
+                       f"other sizes (Matryoshka truncation) are not supported, got "
+                       f"{req.dimensions}", "dimensions")
+    prompts = _completion_prompts(req.input, tokenizer, "input")
+    for p, ids in enumerate(prompts):
+        param = "input" if len(prompts) == 1 else f"input.{p}"
+        if not ids:
+            raise ApiError("the input is empty (0 tokens)", param)
+        if len(ids) >= limits.max_model_len:
+            raise ApiError(f"This model's maximum context length is {limits.max_model_len} "
+                           f"tokens; the input has {len(ids)} tokens (at most "
+                           f"{limits.max_model_len - 1} can be embedded).", param,
+                           code="context_length_exceeded")
+    lora = req.model if req.model is not None and req.model != served_model_name else None
+    return ParsedEmbedding(prompts, req.encoding_format, lora)

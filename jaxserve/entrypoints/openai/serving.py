@@ -10,23 +10,27 @@ same answer and the same errors from both. Source: vLLM's `OpenAIServingCompleti
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import logging
 import time
 import uuid
 from typing import Any
 
+import numpy as np
+
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import (AsyncEngine, EngineError, EngineShutdown, QueueFull,
                                           RequestStream, RequestTimeout)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.entrypoints.openai.chat_reply import ChatReply
-from jaxserve.entrypoints.openai.request import (ApiError, ChatParsers, ParsedRequest,
-                                                 RequestLimits, parse_chat_request,
-                                                 parse_completion_request)
+from jaxserve.entrypoints.openai.request import (ApiError, ChatParsers, ParsedEmbedding,
+                                                 ParsedRequest, RequestLimits,
+                                                 parse_chat_request, parse_completion_request,
+                                                 parse_embedding_request)
 from jaxserve.entrypoints.openai.response import (CHAT, COMPLETION, LogprobsFormatter,
                                                   ResponseShape, usage)
-from jaxserve.sampling_params import InvalidRequest
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -48,12 +52,13 @@ def engine_error(e: EngineError) -> ApiError:
 
 @dataclasses.dataclass
 class Submission:
-    """A request whose choices are in the engine: its id, parsed form, response shape,
-    creation time (Unix seconds) and one (choice index, stream) per choice."""
+    """A request whose choices are in the engine: its id, parsed form, response shape
+    (None: an embeddings request), creation time (Unix seconds) and one (choice index,
+    stream) per choice (per input)."""
 
     request_id: str
-    req: ParsedRequest
-    shape: ResponseShape
+    req: ParsedRequest | ParsedEmbedding
+    shape: ResponseShape | None
     created: int
     streams: list[tuple[int, RequestStream]]
 
@@ -129,6 +134,57 @@ class OpenAIServing:
                 sub.abort()
         return sub
 
+    def parse_embedding(self, raw: bytes) -> ParsedEmbedding:
+        """Validate a /v1/embeddings body (`parse_embedding_request`; CPU-bound: any
+        thread). Raises ApiError, never anything else."""
+        return parse_embedding_request(raw, self.tokenizer, self.model_name, self.limits,
+                                       self.engine.engine.model_config.hidden_size,
+                                       self.engine.lora_names())
+
+    async def submit_embedding(self, req: ParsedEmbedding, arrival: float | None = None
+                               ) -> Submission:
+        """One embedding request per input in the engine (prefill only, batched with the
+        other requests' steps); all run or none. Raises ApiError (400 / 404 / 503 queue
+        full) as `submit` does; EngineError when the engine is down."""
+        arrival = time.monotonic() if arrival is None else arrival
+        request_id = f"embd-{uuid.uuid4().hex}"
+        sub = Submission(request_id, req, None, int(time.time()), [])
+        try:
+            for index, ids in enumerate(req.prompts):
+                engine_id = request_id if len(req.prompts) == 1 else f"{request_id}-{index}"
+                sub.streams.append((index, await self.engine.add_request(
+                    engine_id, ids, _EMBED_PARAMS, arrival, req.lora_name, embed=True)))
+        except InvalidRequest as e:
+            if e.field == "model":
+                raise ApiError(str(e), "model", status=404, code="model_not_found") from None
+            raise ApiError(str(e), "input" if e.field == "prompt" else e.field) from None
+        except QueueFull as e:
+            raise ApiError(f"the server is overloaded: {e}; retry later", status=503,
+                           type="server_error", code="queue_full") from None
+        finally:
+            if len(sub.streams) < len(req.prompts):
+                sub.abort()
+        return sub
+
+    def embedding_response(self, sub: Submission, finals: list[RequestOutput]
+                           ) -> dict[str, Any]:
+        """The /v1/embeddings body (OpenAI's list object) of a submission's final outputs.
+        Raises ApiError 500 for an input the engine failed (its error logged)."""
+        data = []
+        for (index, _), f in zip(sub.streams, finals):
+            if f.embedding is None:
+                log.error("embedding %s failed: %s", f.request_id, f.error or f.finish_reason)
+                raise ApiError("the server failed to embed this input", status=500,
+                               type="server_error")
+            vec = f.embedding
+            if sub.req.encoding_format == "base64":
+                vec = base64.b64encode(np.asarray(vec, "<f4").tobytes()).decode("ascii")
+            data.append({"object": "embedding", "index": index, "embedding": vec})
+        tokens = sum(f.num_prompt_tokens for f in finals)
+        log.info("%s: %d inputs, %d tokens embedded", sub.request_id, len(finals), tokens)
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     def response(self, sub: Submission, finals: list[RequestOutput],
                  arrival: float | None = None) -> dict[str, Any]:
         """The response body (a completion or chat.completion object) of a submission whose
@@ -173,6 +229,10 @@ class OpenAIServing:
             entries = list(prompt_entries or [None] * len(req.prompts[prompt])) + entries
         body = self.logprobs.completion(ids, entries, offset)
         return body, offset + sum(len(t) for t in body["tokens"])
+
+
+# An embedding request's sampling params (the engine replaces them: Engine.add_request)
+_EMBED_PARAMS = SamplingParams()
 
 
 def finish_reason_of(reply: ChatReply, finish_reason: str | None) -> str | None:
