@@ -16,7 +16,8 @@ from jaxserve.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompl
                                                   ErrorResponse, ModelList)
 from jaxserve.entrypoints.openai.request import (MAX_CHOICES, ApiError, ParsedRequest,
                                                  RequestLimits, parse_chat_request,
-                                                 parse_completion_request)
+                                                 parse_completion_request,
+                                                 parse_embedding_request)
 from jaxserve.entrypoints.openai.response import CHAT, COMPLETION, usage
 from jaxserve.entrypoints.openai.openapi import openapi_schema
 from jaxserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
@@ -586,12 +587,28 @@ def test_template_and_tokenizer_failures_are_400s(monkeypatch):
 FUZZ = request_strategies(MODEL, VOCAB)
 
 
+def _chat_with_parsers(raw, tok, model, limits):
+    """The chat parser of a server with auto tool choice (hermes) and a reasoning parser,
+    with room for tools described in the prompt."""
+    return parse_chat_request(raw, tok, model, BIG, parsers=_parsers(
+        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3"))
+
+
 def check_outcome(raw: bytes) -> None:
-    """Both parsers answer `raw` with a ParsedRequest or an ApiError (any other exception is
-    a bug, and fails the test), and a ParsedRequest is within the limits."""
-    for parse in (parse_completion_request, parse_chat_request):
+    """Every parser (completions, chat with and without tool / reasoning parsers,
+    embeddings) answers `raw` with its parsed request or an ApiError (any other exception
+    is a bug, and fails the test), and a parsed request is within the limits."""
+    try:
+        e = parse_embedding_request(raw, TOK, MODEL, LIMITS, hidden_size=16)
+    except ApiError as err:
+        assert err.status in (400, 404) and len(err.message) <= 500
+    else:
+        assert e.prompts and all(0 < len(p) < LIMITS.max_model_len and
+                                 all(0 <= t < VOCAB for t in p) for p in e.prompts)
+    for parse in (parse_completion_request, parse_chat_request, _chat_with_parsers):
+        limits = BIG if parse is _chat_with_parsers else LIMITS
         try:
-            r = parse(raw, TOK, MODEL, LIMITS)
+            r = parse(raw, TOK, MODEL, limits)
         except ApiError as e:
             assert e.status in (400, 404) and e.type == "invalid_request_error"
             assert e.message and "Traceback" not in e.message
@@ -600,7 +617,7 @@ def check_outcome(raw: bytes) -> None:
         else:
             assert isinstance(r, ParsedRequest)
             assert r.prompt_ids and all(0 <= t < VOCAB for t in r.prompt_ids)
-            assert len(r.prompt_ids) + r.params.max_tokens <= LIMITS.max_model_len
+            assert len(r.prompt_ids) + r.params.max_tokens <= limits.max_model_len
             assert r.params.seed is None or SEED_MIN <= r.params.seed <= SEED_MAX
             assert -1 <= r.params.top_k <= VOCAB
 

@@ -37,7 +37,8 @@ class RequestStrategies:
 
 
 def request_strategies(model: str, vocab_size: int, max_tokens: int = 70) -> RequestStrategies:
-    """Strategies for bodies of /v1/completions and /v1/chat/completions addressed to
+    """Strategies for bodies of /v1/completions, /v1/chat/completions (tools and their
+    history too) and /v1/embeddings addressed to
     `model` over a vocabulary of `vocab_size` tokens; plausible bodies ask for at most
     `max_tokens` output tokens (-1..max_tokens)."""
     v = vocab_size
@@ -55,7 +56,7 @@ def request_strategies(model: str, vocab_size: int, max_tokens: int = 70) -> Req
         "content": any_text | st.lists(st.fixed_dictionaries(
             {"type": st.sampled_from(["text", "image_url"]), "text": any_text}), max_size=3)
         | any_json,
-        "name": any_text | any_json})
+        "name": any_text | any_json, "tool_calls": any_json, "tool_call_id": any_json})
     known = {
         "model": st.just(model) | any_json,
         "prompt": any_text | st.lists(edge_ints, max_size=5) | any_json,
@@ -70,11 +71,25 @@ def request_strategies(model: str, vocab_size: int, max_tokens: int = 70) -> Req
         "frequency_penalty": scalars, "repetition_penalty": scalars, "logprobs": scalars,
         "top_logprobs": scalars, "echo": scalars, "best_of": scalars, "logit_bias": any_json,
         "suffix": any_json, "tools": any_json, "tool_choice": any_json,
-        "response_format": any_json, "user": any_json}
+        "parallel_tool_calls": any_json, "response_format": any_json, "user": any_json,
+        "input": any_text | st.lists(edge_ints, max_size=5) | any_json,
+        "encoding_format": any_json, "dimensions": edge_ints | any_json}
     # well-typed values around the edges of each range, so that bodies get past the types
     # and reach the checks that need the tokenizer and the limits (and many are accepted)
     short_text = st.text(alphabet=st.characters(codec=None, categories=None), min_size=1,
                          max_size=8)
+    schema = st.sampled_from([
+        None, {"type": "object"}, {"type": "object", "properties": {"city": {"type": "string"}},
+                                   "required": ["city"]},
+        {"type": "object", "properties": {"x": {"type": "string", "pattern": "(("}}},
+        {"type": "nonsense"}])
+    tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["get_weather", "add", ""]) | short_text},
+        optional={"parameters": schema, "description": short_text})})
+    call = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
+        "name": st.sampled_from(["get_weather", "add"]),
+        "arguments": st.sampled_from(['{"city": "Paris"}', "{}", "{oops", "[1]", ""])})},
+        optional={"id": st.sampled_from(["call_1", "call_2"])})
     plausible = {
         "model": st.just(model),
         "prompt": short_text | st.lists(st.integers(-1, v), min_size=1, max_size=8)
@@ -82,8 +97,11 @@ def request_strategies(model: str, vocab_size: int, max_tokens: int = 70) -> Req
         "messages": st.lists(st.fixed_dictionaries({
             "role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
             "content": short_text | st.lists(st.fixed_dictionaries(
-                {"type": st.just("text"), "text": short_text}), min_size=1, max_size=2)}),
-            min_size=1, max_size=2),
+                {"type": st.just("text"), "text": short_text}), min_size=1, max_size=2)
+            | st.none()}, optional={
+                "tool_calls": st.lists(call, max_size=2),
+                "tool_call_id": st.sampled_from(["call_1", "call_9"])}),
+            min_size=1, max_size=3),
         "max_tokens": st.integers(-1, max_tokens),
         "max_completion_tokens": st.integers(-1, max_tokens),
         "temperature": st.floats(-0.5, 3), "top_p": st.floats(-0.1, 1.1),
@@ -99,7 +117,15 @@ def request_strategies(model: str, vocab_size: int, max_tokens: int = 70) -> Req
         "logprobs": st.sampled_from([None, False, 0, True, 3]),
         "echo": st.sampled_from([False, True]), "best_of": st.sampled_from([1, 2]),
         "logit_bias": st.sampled_from([{}, {"1": 2}]),
-        "tool_choice": st.sampled_from(["none", "auto", "required"]),
+        "tools": st.lists(tool, max_size=2),
+        "tool_choice": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries({
+            "type": st.just("function"), "function": st.fixed_dictionaries({
+                "name": st.sampled_from(["get_weather", "add", "nope"])})}),
+        "parallel_tool_calls": st.booleans(),
+        "input": short_text | st.lists(st.integers(-1, v), min_size=1, max_size=8)
+        | st.lists(short_text, min_size=1, max_size=2) | st.just(""),
+        "encoding_format": st.sampled_from(["float", "base64", "int8"]),
+        "dimensions": st.sampled_from([1, 16, 576]),
         "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}
     plausible_dicts = st.fixed_dictionaries(
         {"prompt": plausible["prompt"], "messages": plausible["messages"]},
