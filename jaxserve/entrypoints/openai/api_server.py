@@ -196,31 +196,17 @@ class _Routes:
         """POST /v1/embeddings (OpenAI Embeddings API; with --pooling): each input prefilled
         as an engine request of its own, in the same ragged steps as the others, its pooled
         final hidden state returned."""
+        if self.engine.engine.engine_config.pooling is None:
+            error = ApiError("this server serves no embeddings: start it with --pooling "
+                             "last|mean", status=400)
+            self.metrics.request_rejected(_rejection_reason(error))
+            raise error
         arrival = time.monotonic()
-        try:
-            if self.lifecycle.draining:
-                raise ApiError("the server is shutting down", status=503, type="server_error",
-                               code="shutting_down")
-            if self.engine.engine.engine_config.pooling is None:
-                raise ApiError("this server serves no embeddings: start it with --pooling "
-                               "last|mean", status=400)
-            raw = await _read_body(request, self.server.max_request_body_bytes)
-            req = await anyio.to_thread.run_sync(self.serving.parse_embedding, raw)
-            sub = await self.serving.submit_embedding(req, arrival)
-        except ApiError as e:
-            self.metrics.request_rejected(_rejection_reason(e))
-            raise
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except EngineError as e:
-            self.metrics.request_rejected("engine_down")
-            raise ApiError(str(e), status=503, type="server_error") from None
-        try:
-            finals = await _unless_disconnected(request.receive, last_outputs(sub))
-        except EngineError as e:
-            raise engine_error(e) from None
-        finally:
-            sub.abort()
+        sub = await self._accept(request, self.serving.parse_embedding,
+                                 lambda req: self.serving.submit_embedding(req, arrival))
+        if isinstance(sub, Response):
+            return sub
+        finals = await self._collect(request, sub)
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(self.serving.embedding_response(sub, finals))
@@ -321,19 +307,20 @@ class _Routes:
         """GET /openapi.json: the OpenAPI document of this API."""
         return JSONResponse(self._openapi)
 
-    async def _serve(self, request: Request, shape: ResponseShape) -> Response:
-        """Read, parse (worker thread), submit, then stream (SSE) or collect the choices;
-        shared by both APIs. Counts refusals by reason in the metrics."""
-        arrival = time.monotonic()
+    async def _accept(self, request: Request, parse, submit) -> Submission | Response:
+        """Read the body, parse it on a worker thread (`parse(raw)`: JSON parsing, the chat
+        template and tokenisation of a large body take seconds, off the event loop, which
+        keeps answering /health and streaming meanwhile) and submit it (`await
+        submit(parsed)`). Returns the Submission, or a 499 Response when the client left
+        first. Refusals are counted by reason in the metrics and raised as ApiError (503
+        while draining or with the engine down, 500 for a bug here)."""
         try:
             if self.lifecycle.draining:
                 raise ApiError("the server is shutting down", status=503, type="server_error",
                                code="shutting_down")
             raw = await _read_body(request, self.server.max_request_body_bytes)
-            # JSON parsing, the chat template and tokenisation of a large body take seconds:
-            # off the event loop, which keeps answering /health and streaming meanwhile
-            req = await anyio.to_thread.run_sync(self.serving.parse, raw, shape)
-            sub = await self.serving.submit(req, shape, arrival)
+            req = await anyio.to_thread.run_sync(parse, raw)
+            return await submit(req)
         except ApiError as e:
             self.metrics.request_rejected(_rejection_reason(e))
             raise
@@ -346,14 +333,29 @@ class _Routes:
             log.exception("accepting a request failed")
             self.metrics.request_rejected("internal_error")
             raise ApiError(INTERNAL_ERROR, status=500, type="server_error") from None
-        if req.stream:
-            return _EventStream(self._events(sub), [s for _, s in sub.streams])
+
+    @staticmethod
+    async def _collect(request: Request, sub: Submission) -> list[RequestOutput] | None:
+        """Every choice's final output, or None if the client disconnects first; the
+        submission is aborted either way (a no-op for finished choices)."""
         try:
-            finals = await _unless_disconnected(request.receive, last_outputs(sub))
+            return await _unless_disconnected(request.receive, last_outputs(sub))
         except EngineError as e:
             raise engine_error(e) from None
         finally:
             sub.abort()
+
+    async def _serve(self, request: Request, shape: ResponseShape) -> Response:
+        """Read, parse (worker thread), submit, then stream (SSE) or collect the choices;
+        shared by both APIs."""
+        arrival = time.monotonic()
+        sub = await self._accept(request, lambda raw: self.serving.parse(raw, shape),
+                                 lambda req: self.serving.submit(req, shape, arrival))
+        if isinstance(sub, Response):
+            return sub
+        if sub.req.stream:
+            return _EventStream(self._events(sub), [s for _, s in sub.streams])
+        finals = await self._collect(request, sub)
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(self.serving.response(sub, finals, arrival))
