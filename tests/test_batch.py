@@ -140,17 +140,18 @@ def test_batch_answers_as_the_server_does_and_writes_error_lines(tmp_path, fake)
         line("n2", n2),
         line("neg", {"prompt": "x", "temperature": -1}),
         line("model", {"prompt": "x", "model": "other"}),
-        line("url", {"input": "x"}, url="/v1/embeddings"),
+        line("url", {"input": "x"}, url="/v1/audio/speech"),
         "{not json",
         line("cmpl", {"prompt": "again"}),  # duplicate custom_id
         line("stream", {"prompt": "x", "stream": True}),
         line("long", {"prompt": "x" * 80}),
+        line("embed", {"input": "x"}, url="/v1/embeddings"),  # this engine pools nothing
     ])
     out = tmp_path / "out.jsonl"
     stats = fake.run(inp, out)
     got = {(r["custom_id"], (r["error"] or {}).get("line")): r for r in results(out)}
-    assert len(got) == 10 and stats.lines == 10
-    assert (stats.succeeded, stats.failed) == (3, 7)
+    assert len(got) == 11 and stats.lines == 11
+    assert (stats.succeeded, stats.failed) == (3, 8)
     for r in got.values():
         assert r["id"].startswith("batch_req_")
     # every engine request finished and freed its pages; each choice ran once
@@ -186,6 +187,8 @@ def test_batch_answers_as_the_server_does_and_writes_error_lines(tmp_path, fake)
     assert dup["error"]["code"] == "duplicate_custom_id" and "'cmpl'" in dup["error"]["message"]
     stream = got[("stream", None)]["response"]
     assert stream["status_code"] == 400 and stream["body"]["error"]["param"] == "stream"
+    embed = got[("embed", None)]["response"]
+    assert embed["status_code"] == 400 and "--pooling" in embed["body"]["error"]["message"]
 
 
 def test_concurrency_and_read_ahead_are_bounded(tmp_path, monkeypatch):

@@ -136,3 +136,36 @@ def test_embeddings_endpoint_through_the_openai_sdk(embed_llm):
             assert http.get("/health").status_code == 200
     finally:
         bridge.shutdown()
+
+
+def test_offline_batch_embeds_beside_chat(embed_llm, tmp_path):
+    """`jaxserve batch` lines for /v1/embeddings are answered as the server answers them,
+    beside chat lines, through the same engine."""
+    import asyncio
+    import json
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.entrypoints.openai.run_batch import run_batch
+    from jaxserve.entrypoints.openai.serving import OpenAIServing
+    want = np.array(embed_llm.embed(SENTENCES[:2]))
+    lines = [{"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
+              "body": {"input": SENTENCES[:2]}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+              "body": {"input": "x", "dimensions": 3}}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    bridge = AsyncEngine(embed_llm.engine)
+    try:
+        serving = OpenAIServing(bridge, embed_llm.tokenizer, "smollm2", 512)
+        stats = asyncio.run(run_batch(serving, inp, out, max_concurrency=4, progress=False))
+    finally:
+        bridge.shutdown()
+    got = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
+    assert (stats.succeeded, stats.failed) == (2, 1)
+    body = got["e"]["body"]
+    assert body["object"] == "list" and got["c"]["body"]["object"] == "chat.completion"
+    np.testing.assert_allclose([d["embedding"] for d in body["data"]], want, atol=1e-5)
+    assert got["bad"]["status_code"] == 400
+    assert got["bad"]["body"]["error"]["param"] == "dimensions"

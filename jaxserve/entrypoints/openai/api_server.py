@@ -196,11 +196,6 @@ class _Routes:
         """POST /v1/embeddings (OpenAI Embeddings API; with --pooling): each input prefilled
         as an engine request of its own, in the same ragged steps as the others, its pooled
         final hidden state returned."""
-        if self.engine.engine.engine_config.pooling is None:
-            error = ApiError("this server serves no embeddings: start it with --pooling "
-                             "last|mean", status=400)
-            self.metrics.request_rejected(_rejection_reason(error))
-            raise error
         arrival = time.monotonic()
         sub = await self._accept(request, self.serving.parse_embedding,
                                  lambda req: self.serving.submit_embedding(req, arrival))

@@ -33,7 +33,8 @@ from jaxserve.entrypoints.openai.batch_file import (DUPLICATE_CUSTOM_ID, UNSUPPO
 from jaxserve.engine.async_engine import EngineError, EngineShutdown
 from jaxserve.entrypoints.openai.request import ApiError
 from jaxserve.entrypoints.openai.response import ResponseShape
-from jaxserve.entrypoints.openai.serving import ENDPOINTS, OpenAIServing, engine_error, last_outputs
+from jaxserve.entrypoints.openai.serving import (EMBEDDINGS, ENDPOINTS, OpenAIServing,
+                                                 engine_error, last_outputs)
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,14 @@ def _validate(serving: OpenAIServing, done: Finished, item: BatchLine) -> BatchL
     if item.error is not None or item.custom_id in done.custom_ids:
         return item
     shape = ENDPOINTS.get(item.url)
-    if shape is None:
+    if shape is None and item.url != EMBEDDINGS:
         item.error = (UNSUPPORTED_URL, f"line {item.line}: url: {item.url!r} is not one of "
-                                       f"{', '.join(ENDPOINTS)}"[:400])
+                                       f"{', '.join([*ENDPOINTS, EMBEDDINGS])}"[:400])
         return item
     try:
+        if shape is None:
+            item.parsed = serving.parse_embedding(item.body)
+            return item
         parsed = serving.parse(item.body, shape)
         if parsed.stream:
             raise ApiError("stream: a batch request cannot stream; leave stream out or "
@@ -171,7 +175,7 @@ async def run_batch(serving: OpenAIServing, input_path: str | Path, output_path:
                     task.result()  # BatchInterrupted stops the batch
                 start = start or time.monotonic()
                 task = asyncio.ensure_future(
-                    _run_one(serving, item, ENDPOINTS[item.url], write, stats))
+                    _run_one(serving, item, ENDPOINTS.get(item.url), write, stats))
                 task.add_done_callback(lambda _: slots.release())
                 tasks.add(task)
             source.close()  # read to the end: no reader thread touches it again
@@ -189,18 +193,22 @@ async def run_batch(serving: OpenAIServing, input_path: str | Path, output_path:
     return stats
 
 
-async def _run_one(serving: OpenAIServing, item: BatchLine, shape: ResponseShape,
+async def _run_one(serving: OpenAIServing, item: BatchLine, shape: ResponseShape | None,
                    write, stats: BatchStats) -> None:
-    """Submit one validated request, wait for its choices, write its result line. An
-    engine that is shut down raises BatchInterrupted (nothing is written: the request
-    runs again on resume); a failure of this request alone is its 500 result line."""
+    """Submit one validated request (shape None: an embeddings request), wait for its
+    choices, write its result line. An engine that is shut down raises BatchInterrupted
+    (nothing is written: the request runs again on resume); a failure of this request
+    alone is its 500 result line."""
     try:
-        sub = await serving.submit(item.parsed, shape)
+        embed = shape is None
+        sub = await (serving.submit_embedding(item.parsed) if embed
+                     else serving.submit(item.parsed, shape))
         try:
             finals = await last_outputs(sub)
         finally:
             sub.abort()
-        body = serving.response(sub, finals)
+        body = (serving.embedding_response(sub, finals) if embed
+                else serving.response(sub, finals))
     except ApiError as e:
         write(result_line(item.custom_id, e.status, e.body()), False)
         return
@@ -213,5 +221,5 @@ async def _run_one(serving: OpenAIServing, item: BatchLine, shape: ResponseShape
         write(result_line(item.custom_id, error.status, error.body()), False)
         return
     stats.prompt_tokens += body["usage"]["prompt_tokens"]
-    stats.completion_tokens += body["usage"]["completion_tokens"]
+    stats.completion_tokens += body["usage"].get("completion_tokens", 0)
     write(result_line(item.custom_id, 200, body), True)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # Path under /v1 -> the API's response shape.
 ENDPOINTS: dict[str, ResponseShape] = {"/v1/completions": COMPLETION,
                                        "/v1/chat/completions": CHAT}
+EMBEDDINGS = "/v1/embeddings"  # answered by parse_embedding / submit_embedding
 
 
 def engine_error(e: EngineError) -> ApiError:
@@ -136,7 +137,11 @@ class OpenAIServing:
 
     def parse_embedding(self, raw: bytes) -> ParsedEmbedding:
         """Validate a /v1/embeddings body (`parse_embedding_request`; CPU-bound: any
-        thread). Raises ApiError, never anything else."""
+        thread). Raises ApiError (400 when the engine pools nothing: no --pooling), never
+        anything else."""
+        if self.engine.engine.engine_config.pooling is None:
+            raise ApiError("this server serves no embeddings: start it with --pooling "
+                           "last|mean")
         return parse_embedding_request(raw, self.tokenizer, self.model_name, self.limits,
                                        self.engine.engine.model_config.hidden_size,
                                        self.engine.lora_names())
