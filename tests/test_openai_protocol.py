@@ -372,6 +372,44 @@ def test_tool_history_round_trips_through_the_template():
     refused(chat, {"messages": bad}, "messages.1.tool_calls.0.function.arguments", "JSON")
 
 
+def test_a_qwen25_style_tool_template_renders_tools_calls_and_results():
+    """The tool-calling chat template of the Qwen2.5 family (its structure, in
+    tests/data/qwen25_tool_template.jinja) through the chat parser: the tools listed in
+    its system turn, a past call with its arguments as JSON, two tool results in one user
+    turn in <tool_response> tags, and the reply the hermes parser reads in its format."""
+    from pathlib import Path
+
+    from jaxserve.entrypoints.openai.tool_parsers import tool_parser
+    from jaxserve.tokenization.tokenizer import Tokenizer
+    source = (Path(__file__).parent / "data" / "qwen25_tool_template.jinja").read_text()
+    tok = Tokenizer(TOK.backend, chat_template=source)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    history = [{"role": "user", "content": "Weather in Paris and Lyon?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"a": 1}'}},
+                   {"id": "c2", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"a": 2}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "14 C"},
+               {"role": "tool", "tool_call_id": "c2", "content": "16 C"}]
+    r = parse_chat_request(_raw({"messages": history, "tools": tools}), tok, MODEL, BIG,
+                           parsers=_parsers(enable_auto_tool_choice=True,
+                                            tool_call_parser="hermes"))
+    prompt = tok.decode(r.prompt_ids, skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>system\nYou are Qwen")
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather", "parameters": ' \
+        in prompt
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"a": 2}}\n</tool_call><|im_end|>') in prompt
+    assert ("<|im_start|>user\n<tool_response>\n14 C\n</tool_response>\n<tool_response>\n"
+            "16 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in prompt
+    # what such a model writes back in that format, read by the server's parser
+    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"a": 3}}\n</tool_call>'
+    assert [(c.name, c.arguments) for c in tool_parser("hermes").extract(reply).tool_calls] \
+        == [("get_weather", '{"a": 3}')]
+
+
 def test_reasoning_parser_defers_structured_output_to_the_answer():
     """With a reasoning parser, a constraint starts after "</think>" unless the prompt
     already closed the thinking (then it starts at once and the reply is all answer)."""
