@@ -173,3 +173,16 @@ def test_tool_calls_are_read_after_the_reasoning(server):
     assert joined(chunks, "reasoning_content") == "Weather needs a tool."
     assert [c["name"] for c in streamed_calls(chunks)] == ["get_weather"]
     assert joined(chunks, "content") == ""
+
+
+@pytest.mark.parametrize("server", [("Sunny.", AUTO)], indirect=True)
+def test_tokenize_with_tools_counts_what_the_chat_prompt_costs(server):
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                     "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "14 C"}]
+    usage = server.post("/v1/chat/completions", json={
+        "messages": history, "tools": [WEATHER], "max_tokens": 2}).json()["usage"]
+    count = server.post("/tokenize", json={"messages": history, "tools": [WEATHER]}).json()
+    assert count["count"] == usage["prompt_tokens"]
+    assert server.post("/tokenize", json={"messages": history}).json()["count"] < count["count"]

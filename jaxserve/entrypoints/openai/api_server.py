@@ -223,7 +223,7 @@ class _Routes:
         raw = await _read_body(request, self.server.max_request_body_bytes)
         ids, strs = await anyio.to_thread.run_sync(
             parse_tokenize_request, raw, self.serving.tokenizer, self.model_name,
-            self.engine.lora_names())
+            self.engine.lora_names(), self.serving.parsers)
         return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len,
                              "tokens": ids, "token_strs": strs})
 

@@ -299,11 +299,13 @@ class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's): the token ids of a `prompt` (with the tokenizer's special
     tokens unless add_special_tokens is false), or of chat `messages` rendered by the
     model's chat template (add_generation_prompt, default true; no special tokens added
-    unless add_special_tokens is true). return_token_strs: also each token's string."""
+    unless add_special_tokens is true), with `tools` as a chat request gives them to the
+    template. return_token_strs: also each token's string."""
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False

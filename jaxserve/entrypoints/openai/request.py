@@ -539,17 +539,22 @@ def _check_model(model: str | None, served_model_name: str, lora_names: Collecti
 
 
 def parse_tokenize_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
-                           lora_names: Collection[str] = ()) -> tuple[list[int], list | None]:
+                           lora_names: Collection[str] = (),
+                           parsers: ChatParsers = ChatParsers()) -> tuple[list[int], list | None]:
     """Validate a `/tokenize` body (a TokenizeRequest) and tokenize it: (token ids, each
-    token's string or None unless return_token_strs). Raises ApiError: 404 for an unknown
-    model; 400 naming the field for a body with neither or both of prompt and messages,
-    or messages the chat template refuses. Source: vLLM's /tokenize."""
+    token's string or None unless return_token_strs). Messages with `tools` render as a
+    chat request with them does (`parsers.tool_parser`'s format for a template without
+    tools), so that the count is what the chat prompt costs. Raises ApiError: 404 for an
+    unknown model; 400 naming the field for a body with neither or both of prompt and
+    messages, or messages the chat template refuses. Source: vLLM's /tokenize."""
     req = _validate(TokenizeRequest, raw)
     _check_model(req.model, served_model_name, lora_names)
     if (req.prompt is None) == (req.messages is None):
         raise ApiError("give either 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
-        text = _chat_text(req.messages, tokenizer, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+        text = _chat_text(req.messages, tokenizer, req.add_generation_prompt, tools,
+                          parsers.tool_parser)
         ids = _encode(tokenizer, text, bool(req.add_special_tokens), "messages")
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
