@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 TP_CHECK = Path(__file__).resolve().parent / "tp_check.py"
@@ -132,7 +133,8 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_and_pipeline_stages(
     kernels) and TP 1 x PP 4 (the default ones; 30 layers as 4 stages of 8 slots, the last
     two zero layers; the default microbatches: a prefill split in 4 or 8, the prompts cut
     between them, decode whole) give the same tokens, each device holding its stage's
-    layers and pool."""
+    layers and pool. Embeddings (mean pooling) equal in every run (f32 reduction order:
+    1e-4)."""
     r = on_4_devices(TP_CHECK.parent / "tp_engine_check.py", str(cache_dir))
     t = r["tokens"]
     assert all(t["xla-1"]) and sum(map(len, t["xla-1"])) >= 48
@@ -153,6 +155,10 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_and_pipeline_stages(
     assert r["loaded_on"] == [[i // 8] for i in range(30)]
     b = r["device0_bytes"]
     assert b["auto-1x4"] == b["auto-1"] - (30 - 8) * r["layer_bytes"], (b, r["layer_bytes"])
+    ref = np.array(r["embeddings"]["xla-1"])
+    assert ref.shape == (4, 576)
+    for name, got in r["embeddings"].items():
+        np.testing.assert_allclose(np.array(got), ref, atol=1e-4, err_msg=name)
 
 
 @pytest.mark.full  # fast tier: the real model under TP 3 with the C++ kernels

@@ -8,7 +8,8 @@ the same prompts batched, greedy; prints JSON {"tokens": {run: [token ids per pr
 "wq": {run: layer 0's wq sharding spec}, "kv": {run: the KV pool's sharding spec},
 "attention": {run: the attention kernel}, "device0_bytes": {run: bytes of the params'
 shards on device 0}, "layer_bytes": one layer's bytes (XLA layout),
-"loaded_on": [device ids of each layer as load_params places it at PP 4], "devices": n}.
+"loaded_on": [device ids of each layer as load_params places it at PP 4], "embeddings":
+{run: LLM.embed of the prompts (mean pooling, on in every run)}, "devices": n}.
 
     python tests/tp_engine_check.py CACHE_DIR
 """
@@ -35,9 +36,10 @@ PROMPTS = ["The capital of France is", "Write a haiku about rain.",
 
 def main(cache_dir: str) -> None:
     base = load_config(CONFIG)
+    base = base.replace(engine=base.engine.override(pooling="mean"))
     xla = base.engine.override(attention_impl="xla", matmul_impl="xla")
     out = {"tokens": {}, "wq": {}, "kv": {}, "attention": {}, "device0_bytes": {},
-           "devices": len(jax.devices())}
+           "embeddings": {}, "devices": len(jax.devices())}
     # TP 4 (heads replicated, as at TP 2) serves in tests/test_distributed.py's two processes
     runs = [(f"xla-{tp}", tp, 1, xla) for tp in (1, 2)] + [
         (f"auto-{tp}", tp, 1, base.engine) for tp in (1, 3)] + [
@@ -49,6 +51,7 @@ def main(cache_dir: str) -> None:
         got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
         runner = llm.engine.runner
         out["tokens"][name] = [c.token_ids for c in got]
+        out["embeddings"][name] = llm.embed(PROMPTS)
         layers = runner.params.layers
         if isinstance(layers, StackedLayers):  # one device's layer loop: leaves [L, ...]
             layer0 = layers.layers
