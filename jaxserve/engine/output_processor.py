@@ -10,8 +10,8 @@ returns what it decided (`TokenUpdate`); the engine has the scheduler record the
 and the finish, then asks here for the RequestOutput snapshot.
 
 Writes, of a Sequence: `text`, `logprobs`, `prompt_logprobs`, an embedding request's
-`pooled_sum` and `embedding` (and advances the state
-objects in `matcher`, `detokenizer`, `stop_checker`).
+`pooled_sum` and `embedding` (and advances the state objects in `matcher`, `detokenizer`,
+`stop_checker`).
 
 Source: vLLM v1's OutputProcessor and its detokenizer / stop-string checks (StopChecker);
 the legacy logprobs shapes of the OpenAI API.

@@ -41,8 +41,8 @@ class Sequence:
     detokenizer / stop_checker (text state); lora_name (the LoRA adapter it runs with,
     None: the base model) and cache_salt (its first page hash's parent: the adapter's,
     jaxserve.engine.lora_manager); pooling (an embedding request: the engine's
-    EngineConfig.pooling; it samples one token, dropped, and finishes). The objects in matcher, detokenizer and
-    stop_checker are advanced by the output processor.
+    EngineConfig.pooling; it samples one token, dropped, and finishes). The objects in
+    matcher, detokenizer and stop_checker are advanced by the output processor.
 
     Written by the scheduler (jaxserve.engine.scheduler): output_ids (token ids; the last
     ones are PLACEHOLDERs while the step that samples them runs: one, or decode_steps of a

@@ -127,7 +127,8 @@ class DeferredMatcher(GrammarMatcher):
     """A grammar that applies only after spec.after appears in the output (the end of a
     reasoning section): every token is allowed until then, and the constraint starts with
     the token after the one that completes that text (the rest of that token, often a
-    newline, is not held to the grammar). Source: vLLM's structured outputs (`reasoner.is_reasoning_end`)."""
+    newline, is not held to the grammar). Source: vLLM's structured outputs
+    (`reasoner.is_reasoning_end`)."""
 
     def __init__(self, tokenizer: GrammarTokenizer, spec: StructuredOutput):
         super().__init__(tokenizer, spec)

@@ -36,8 +36,8 @@ def openapi_schema(served_model_name: str) -> dict[str, Any]:
                                           TokenizeRequest, DetokenizeRequest,
                                           EmbeddingRequest)] + \
         [(m, "serialization") for m in (CompletionResponse, CompletionChunk, ChatCompletionResponse,
-                                        ChatCompletionChunk, ErrorResponse, ModelList, HealthResponse,
-                                        EmbeddingResponse)]
+                                        ChatCompletionChunk, ErrorResponse, ModelList,
+                                        HealthResponse, EmbeddingResponse)]
     refs, defs = models_json_schema(models, ref_template=_REF)
     ref = {m: refs[(m, mode)] for m, mode in models}
 

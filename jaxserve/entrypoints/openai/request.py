@@ -479,8 +479,8 @@ def _chat_text(messages, tokenizer: Tokenizer, add_generation_prompt: bool,
     `tool_call_id`s, as transformers passes them; one that does not (SmolLM2's) gets the
     tools described in a system message in `parser`'s format (hermes when none), the
     history's calls written in it and tool results as user turns in words (after
-    llama.cpp's generic fallback). Raises ApiError (400, "messages...") when the template refuses them or a
-    call's arguments are not a JSON object."""
+    llama.cpp's generic fallback). Raises ApiError (400, "messages...") when the template
+    refuses them or a call's arguments are not a JSON object."""
     template = tokenizer.chat_template
     native = template is not None and "tools" in template.variables
     parser = parser or HermesParser()
