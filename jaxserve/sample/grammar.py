@@ -134,7 +134,7 @@ class DeferredMatcher(GrammarMatcher):
         super().__init__(tokenizer, spec)
         self._ll = tokenizer.ll
         self._after = spec.after.encode()
-        self._text = b""
+        self._tail = b""  # the output's last bytes, as many as could start spec.after
         self.active = False
 
     def fill_bitmask(self, out: np.ndarray) -> None:
@@ -146,8 +146,9 @@ class DeferredMatcher(GrammarMatcher):
     def accept(self, token: int) -> bool:
         if self.active:
             return super().accept(token)
-        self._text += self._ll.decode_bytes([token])
-        self.active = self._after in self._text
+        text = self._tail + self._ll.decode_bytes([token])
+        self.active = self._after in text
+        self._tail = text[max(0, len(text) - len(self._after) + 1):]
         return True
 
     @property

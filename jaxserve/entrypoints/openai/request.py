@@ -667,10 +667,7 @@ def parse_embedding_request(raw: bytes, tokenizer: Tokenizer, served_model_name:
         param = "input" if len(prompts) == 1 else f"input.{p}"
         if not ids:
             raise ApiError("the input is empty (0 tokens)", param)
-        if len(ids) >= limits.max_model_len:
-            raise ApiError(f"This model's maximum context length is {limits.max_model_len} "
-                           f"tokens; the input has {len(ids)} tokens (at most "
-                           f"{limits.max_model_len - 1} can be embedded).", param,
-                           code="context_length_exceeded")
+        if len(ids) >= limits.max_model_len:  # the same room as a prompt's
+            raise _context_error(param, limits.max_model_len, len(ids), None)
     lora = req.model if req.model is not None and req.model != served_model_name else None
     return ParsedEmbedding(prompts, req.encoding_format, lora)
