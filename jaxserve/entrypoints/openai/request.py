@@ -1,5 +1,7 @@
-"""OpenAI API request parsing (`/v1/completions`, `/v1/chat/completions`); the responses' shapes
-are `jaxserve.entrypoints.openai.response`.
+"""OpenAI API request parsing (`/v1/completions`, `/v1/chat/completions`, `/v1/embeddings`,
+`/tokenize`, `/detokenize`); a chat prompt's rendering with its tools is
+`jaxserve.entrypoints.openai.chat_prompt`, the responses' shapes
+`jaxserve.entrypoints.openai.response`.
 
 A request body goes straight from raw bytes into a declared pydantic model
 (`jaxserve.entrypoints.openai.protocol`), which checks the JSON, every field's type and range; then what
@@ -24,13 +26,14 @@ from typing import TYPE_CHECKING, Any, Collection, TypeVar
 
 import pydantic
 
-from jaxserve.entrypoints.openai.chat_reply import AUTO, NAMED, REQUIRED, ReplyFormat
+from jaxserve.entrypoints.openai.chat_prompt import ChatParsers, chat_text, tool_choice
+from jaxserve.entrypoints.openai.chat_reply import ReplyFormat
+from jaxserve.entrypoints.openai.errors import MAX_MESSAGE_CHARS as _MAX_MESSAGE_CHARS
+from jaxserve.entrypoints.openai.errors import ApiError
 from jaxserve.entrypoints.openai.protocol import (REQUEST_MODELS, ChatCompletionRequest,
                                                   CompletionRequest, DetokenizeRequest,
                                                   EmbeddingRequest, TokenizeRequest,
                                                   _SamplingRequest)
-from jaxserve.entrypoints.openai.reasoning_parsers import ReasoningParser, reasoning_parser
-from jaxserve.entrypoints.openai.tool_parsers import HermesParser, ToolParser, tool_parser
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.sample.grammar import StructuredOutput
 from jaxserve.tokenization.tokenizer import Tokenizer
@@ -48,26 +51,6 @@ MAX_CHOICES = 128
 # that send defaults explicitly (the openai SDK, vLLM's benchmark client) still work.
 _NOOP_VALUES = {"best_of": (1,), "suffix": ("",)}
 _CHAT_NOOP_VALUES = {**_NOOP_VALUES, "echo": (False,)}
-_MAX_MESSAGE_CHARS = 400  # an error message never echoes more of the request than this
-
-
-class ApiError(Exception):
-    """A request the server refuses. `status`: HTTP status; `param`: the offending field
-    (a dotted path such as "messages.0.content"), or None.
-
-    `body()` is OpenAI's error object: {"error": {"message", "type", "param", "code"}}
-    (`protocol.ErrorResponse`).
-    """
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
-
-    def body(self) -> dict[str, Any]:
-        """The JSON error object OpenAI returns (HTTP body of the error response)."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,26 +69,6 @@ class RequestLimits:
         """The limits of a server configured by `server` (its max_stop_strings and
         max_stop_string_len) serving a model of `max_model_len` tokens."""
         return cls(max_model_len, server.max_stop_strings, server.max_stop_string_len)
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatParsers:
-    """How the server reads chat replies: its tool-call parser (--tool-call-parser; also
-    the format tools are described in for chat templates without tools), whether "auto"
-    tool choice is on (--enable-auto-tool-choice), its reasoning parser
-    (--reasoning-parser). Source: vLLM's flags of those names."""
-
-    tool_parser: ToolParser | None = None
-    auto_tool_choice: bool = False
-    reasoning: ReasoningParser | None = None
-
-    @classmethod
-    def of(cls, server: ServerConfig) -> "ChatParsers":
-        """The parsers `server` names (its names are checked by ServerConfig)."""
-        return cls(tool_parser(server.tool_call_parser) if server.tool_call_parser else None,
-                   server.enable_auto_tool_choice,
-                   reasoning_parser(server.reasoning_parser) if server.reasoning_parser
-                   else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,10 +405,10 @@ def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
     lora = _check_common(req, served_model_name, _CHAT_NOOP_VALUES, lora_names)
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: requires 'logprobs': true", "top_logprobs")
-    reply, tool_schema, tool_label = _tool_choice(req, parsers)
+    reply, tool_schema, tool_label = tool_choice(req, parsers)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()] \
         if reply.tools is not None else []
-    text = _chat_text(req.messages, tokenizer, True, tools, parsers.tool_parser)
+    text = chat_text(req.messages, tokenizer, True, tools, parsers.tool_parser)
     ids = _encode(tokenizer, text, False, "messages")
     # a reasoning model thinks first, unless the template closed its thinking in the
     # prompt (Qwen3 with thinking off): then constraints start at once
@@ -459,75 +422,6 @@ def _parse_chat(raw: bytes, tokenizer: Tokenizer, served_model_name: str,
                     limits, (req.top_logprobs or 0) if req.logprobs else None,
                     structured=_structured_output(req, tool_schema, tool_label, after))
     return dataclasses.replace(parsed, reply=reply, lora_name=lora)
-
-
-def _tool_arguments(arguments: str, param: str) -> dict:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise ApiError(f"{param}: must be a JSON object's text", param)
-    return value
-
-
-def _chat_text(messages, tokenizer: Tokenizer, add_generation_prompt: bool,
-               tools: list[dict] | None = None, parser: ToolParser | None = None) -> str:
-    """ChatMessages rendered by the model's chat template (text parts joined by "\n", as
-    vLLM does), with `tools` (OpenAI tool objects the model may call). A template that
-    takes `tools` gets them, and the history's `tool_calls` (arguments as objects) and
-    `tool_call_id`s, as transformers passes them; one that does not (SmolLM2's) gets the
-    tools described in a system message in `parser`'s format (hermes when none), the
-    history's calls written in it and tool results as user turns in words (after
-    llama.cpp's generic fallback). Raises ApiError (400, "messages...") when the template
-    refuses them or a call's arguments are not a JSON object."""
-    template = tokenizer.chat_template
-    native = template is not None and "tools" in template.variables
-    parser = parser or HermesParser()
-    names = {c.id: c.function.name for m in messages for c in m.tool_calls or () if c.id}
-    rendered = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        calls = [(c.id, c.function.name, _tool_arguments(
-            c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"))
-            for j, c in enumerate(m.tool_calls or ())]
-        if native:
-            one = {"role": m.role, "content": content, "name": m.name,
-                   "tool_call_id": m.tool_call_id}
-            if calls:
-                one["tool_calls"] = [{"id": cid, "type": "function",
-                                      "function": {"name": name, "arguments": args}}
-                                     for cid, name, args in calls]
-        elif m.role == "tool":
-            one = {"role": "user", "content": parser.render_result(
-                content or "", names.get(m.tool_call_id) or m.name)}
-        elif calls:
-            written = parser.render_calls([(name, args) for _, name, args in calls])
-            one = {"role": m.role, "content": f"{content}\n{written}" if content else written}
-        else:
-            one = {"role": m.role, "content": content, "name": m.name}
-        rendered.append(one)
-    kwargs = {}
-    if tools and native:
-        kwargs["tools"] = tools
-    elif tools:
-        prompt = parser.system_prompt(tools)
-        if rendered and rendered[0]["role"] in ("system", "developer"):
-            first = rendered[0]
-            rendered[0] = {**first, "content": f"{first['content'] or ''}\n\n{prompt}".lstrip()}
-        else:
-            rendered.insert(0, {"role": "system", "content": prompt})
-    try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
-    except Exception as e:  # ChatTemplateError, or a template failing in another way
-        detail = str(e) if isinstance(e, ValueError) else "the template failed on these messages"
-        raise ApiError(f"chat template: {detail}"[:_MAX_MESSAGE_CHARS], "messages") from None
-    if not isinstance(text, str):
-        raise ApiError("chat template: the template did not render text", "messages")
-    return text
 
 
 def _check_model(model: str | None, served_model_name: str, lora_names: Collection[str]) -> None:
@@ -553,7 +447,7 @@ def parse_tokenize_request(raw: bytes, tokenizer: Tokenizer, served_model_name: 
         raise ApiError("give either 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-        text = _chat_text(req.messages, tokenizer, req.add_generation_prompt, tools,
+        text = chat_text(req.messages, tokenizer, req.add_generation_prompt, tools,
                           parsers.tool_parser)
         ids = _encode(tokenizer, text, bool(req.add_special_tokens), "messages")
     else:
@@ -574,47 +468,6 @@ def parse_detokenize_request(raw: bytes, tokenizer: Tokenizer, served_model_name
         raise ApiError(f"tokens.{bad}: token id {req.tokens[bad]} is outside the vocabulary "
                        f"[0, {tokenizer.vocab_size})", f"tokens.{bad}")
     return tokenizer.decode(req.tokens, skip_special_tokens=False)
-
-
-def _tool_choice(req: ChatCompletionRequest, parsers: ChatParsers
-                 ) -> tuple[ReplyFormat, dict | None, str]:
-    """How the replies are read (ReplyFormat), the schema a grammar holds the calls to
-    (None: none) and the tool(s) it comes from (for errors). "auto" (the default with
-    tools) needs --enable-auto-tool-choice, as in vLLM; "required" is a JSON array of one
-    (parallel_tool_calls false) or more calls of the tools, each {"name", "parameters"}
-    and no other key (vLLM's schema, which xgrammar holds to those keys by default);
-    named: that function's arguments."""
-    choice, tools = req.tool_choice, req.tools or []
-    parallel = req.parallel_tool_calls is not False
-    base = ReplyFormat(reasoning=parsers.reasoning, parallel=parallel)
-    if choice == "none" or (choice in (None, "auto") and not tools):
-        return base, None, ""
-    if not tools:
-        raise ApiError("tool_choice: needs 'tools' to choose from", "tool_choice")
-    if choice in (None, "auto"):
-        if not parsers.auto_tool_choice:
-            raise ApiError("tool_choice: \"auto\" (the default with tools) needs a server run "
-                           "with --enable-auto-tool-choice --tool-call-parser NAME; send "
-                           "\"required\", a named function ({\"type\": \"function\", "
-                           "\"function\": {\"name\": ...}}) or \"none\"", "tool_choice")
-        return dataclasses.replace(base, tools=AUTO, parser=parsers.tool_parser), None, ""
-    if choice == "required":
-        options = [{"type": "object", "properties": {
-            "name": {"type": "string", "enum": [t.function.name]},
-            "parameters": t.function.parameters or {"type": "object"}},
-            "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
-        if not parallel:
-            schema["maxItems"] = 1
-        label = ", ".join(json.dumps(t.function.name[:100]) for t in tools)
-        return dataclasses.replace(base, tools=REQUIRED), schema, f"the tools {label}"[:300]
-    for tool in tools:
-        if tool.function.name == choice.function.name:
-            return (dataclasses.replace(base, tools=NAMED, function=tool.function.name),
-                    tool.function.parameters or {"type": "object"},
-                    f"tool {json.dumps(tool.function.name[:100])}")
-    raise ApiError(f"tool_choice: no tool named {json.dumps(choice.function.name[:100])} in "
-                   "tools", "tool_choice")
 
 
 def parse_chat_request(raw: bytes, tokenizer: Tokenizer, served_model_name: str,

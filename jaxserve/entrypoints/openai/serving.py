@@ -24,9 +24,10 @@ from jaxserve.engine.async_engine import (AsyncEngine, EngineError, EngineShutdo
                                           RequestStream, RequestTimeout)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.entrypoints.openai.chat_reply import ChatReply
-from jaxserve.entrypoints.openai.request import (ApiError, ChatParsers, ParsedEmbedding,
-                                                 ParsedRequest, RequestLimits,
-                                                 parse_chat_request, parse_completion_request,
+from jaxserve.entrypoints.openai.chat_prompt import ChatParsers
+from jaxserve.entrypoints.openai.request import (ApiError, ParsedEmbedding, ParsedRequest,
+                                                 RequestLimits, parse_chat_request,
+                                                 parse_completion_request,
                                                  parse_embedding_request)
 from jaxserve.entrypoints.openai.response import (CHAT, COMPLETION, LogprobsFormatter,
                                                   ResponseShape, usage)
