@@ -70,7 +70,7 @@ def test_warmup_compiles_exactly_the_mixed_shapes_a_step_can_take():
     shapes = StepShapes(EngineConfig(max_model_len=64).override(
         page_size=16, max_num_seqs=32, max_num_batched_tokens=96, seq_buckets=(1, 4, 16, 32),
         token_buckets=(16, 32, 64)))
-    warm = {(T, S, P) for kind, T, S, P, _ in shapes.warmup() if kind == "mixed" and P == 4}
+    warm = {(T, S, P) for kind, T, S, P, *_ in shapes.warmup() if kind == "mixed" and P == 4}
     reached = {shapes.shape_of([1] * (n - 1) + [total - n + 1], 4, decode=False)
                for n in range(1, 33) for total in range(n, 97)}
     assert reached == warm

@@ -311,12 +311,12 @@ def _kernel_calls(model_cfg, ecfg: EngineConfig, dtype):
     calls = {}
     shapes = StepShapes(ecfg, bucket_pages=PallasAttention().pads_pages).warmup()
     mosaic = mosaic_attention_supports(dtype, dtype, Dh, ps, H // K)
-    mixed = sorted((T, B, P) for kind, T, B, P, _ in shapes if kind not in ("sample", "decode"))
+    mixed = sorted((T, B, P) for kind, T, B, P, *_ in shapes if kind not in ("sample", "decode"))
     by_block = {}
     for T, B, P in mixed:
         by_block.setdefault(default_block_kv(P * ps, ps), []).append((T, B, P))
     mosaic_mixed = {s for group in by_block.values() for s in (group[0], group[-1])}
-    for kind, T, B, P, _ in shapes:
+    for kind, T, B, P, *_ in shapes:
         if kind == "sample":  # the sampler program calls no kernel
             continue
         if kind == "decode":
@@ -344,7 +344,7 @@ def _matmul_calls(model_cfg, ecfg: EngineConfig, dtype):
 
     S = jax.ShapeDtypeStruct
     layer = abstract_params(model_cfg).layers[0]
-    ms = sorted({T for kind, T, _, _, _ in StepShapes(ecfg).warmup() if kind != "sample"})
+    ms = sorted({T for kind, T, *_ in StepShapes(ecfg).warmup() if kind != "sample"})
     calls = {}
     for fmt, group in (("int8", None), ("int8", 128), ("fp8_e4m3", None)):
         wdt = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn
@@ -393,7 +393,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     """The jitted engine step of a SmolLM2-shaped model with Pallas attention and int8
     Pallas matmuls, bf16, lowered for CUDA: a one-token step's two programs (forward to
     the logits; sampling), a multi-step decode, a verify step (logits at every row,
-    rejection sampling)."""
+    rejection sampling) of one round and of three."""
     from jaxserve.worker.compilation import StepKey, abstract_inputs, abstract_sample_inputs
     from jaxserve.worker.step import forward_step, model_step, sample_step, verify_step
 
@@ -411,6 +411,11 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
     if kind == "verify":  # with the n-gram lookup of a step planned ahead of the last read
         text = _lower(functools.partial(verify_step, ngram=(1, 4), **static), params, cache,
                       batch, sampling, prev_tokens, prev_tokens, prev_index, None, None, pool)
+        # verify_steps 3: the rounds in one loop, its kernels lowered once
+        rounds = _lower(functools.partial(verify_step, ngram=(1, 4), rounds=3, **static),
+                        params, cache, batch, sampling, prev_tokens, prev_tokens, prev_index,
+                        None, None, pool)
+        assert rounds.count("xla.gpu.triton") == 1 + 4
     else:
         text = _lower(functools.partial(forward_step, **static), params, cache, batch,
                       sampling.prompt_targets, prev_tokens, prev_index, None, None, pool)

@@ -266,12 +266,28 @@ def _ahead_counter(engine):
     return planned
 
 
+def _verify_rounds(engine):
+    """A list that gets the rounds of each verify step `engine` dispatches."""
+    rounds = []
+    execute = engine._execute
+
+    def spy(scheduled):
+        if scheduled.verify:
+            rounds.append(scheduled.num_steps)
+        return execute(scheduled)
+
+    engine._execute = spy
+    return rounds
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle", "ngram"])
 def test_verify_steps_planned_ahead_give_the_output_of_steps_read_first(params, method):
     """Speculation with async scheduling: each verify step is dispatched before the one
     before it is read, its rows moved on device by the accepted count; the tokens, greedy
     and seeded sampling, are exactly those of the engine that reads every step first
-    (async_scheduling off): same positions, same draws. A wrong shift of the positions,
+    (async_scheduling off): same positions, same draws; and so are those of verify steps
+    of 3 rounds each (verify_steps 3: rounds 2 and 3 moved on device by the tokens the
+    rounds before kept, their drafts proposed there). A wrong shift of the positions,
     slots or sampling step breaks the equality (draft model: a truncated draft, so that
     the accepted count varies; n-gram: prompts that repeat, proposed on device)."""
     import dataclasses as dc
@@ -292,15 +308,20 @@ def test_verify_steps_planned_ahead_give_the_output_of_steps_read_first(params, 
                  for i, p in enumerate(prompts)]
     arrivals = [0, 0, 2, 40, 40, 42]
     runs = []
-    for on in (False, True):
-        engine = tiny_engine(params, async_scheduling=on, **kw)
+    for on, rounds in ((False, 1), (True, 1), (True, 3)):
+        spec = {**kw["speculative_config"], "verify_steps": rounds}
+        engine = tiny_engine(params, async_scheduling=on, **{**kw, "speculative_config": spec})
         planned = _ahead_counter(engine)
+        verify_rounds = _verify_rounds(engine)
         runs.append(outputs(engine, requests, arrivals))
         st = engine.stats().spec_decode
         assert st.num_draft_tokens > 0
         assert bool(planned) == on, len(planned)
+        # verify_steps 3: steps of 3 rounds, as many tokens as 3 steps of their own
+        assert (3 in verify_rounds) == (rounds == 3), verify_rounds
         assert engine.pool.num_free == engine.pool.capacity
     assert runs[1] == runs[0]
+    assert runs[2] == runs[0]
     assert runs[0]["g0"] == outputs(tiny_engine(params), requests[:1], [0])["g0"]
 
 
@@ -347,9 +368,9 @@ def test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step(params):
     seen = []
     verified = engine._verified_alone
 
-    def spy(seq, num_drafts, tokens, logprobs, ahead=0):
-        seen.append((num_drafts, tokens))
-        verified(seq, num_drafts, tokens, logprobs, ahead)
+    def spy(seq, rounds, tokens, logprobs, ahead=0):
+        seen.append((rounds, tokens))
+        verified(seq, rounds, tokens, logprobs, ahead)
 
     engine._verified_alone = spy
     assert outputs(engine, requests[:1], [0]) == {"r0": base["r0"]}
@@ -380,10 +401,11 @@ def test_eagle_head_files_round_trip(params, tmp_path):
 
 # --- scheduler (pure Python) ---------------------------------------------------------------
 
-def _sched(num_pages, **kw):
+def _sched(num_pages, spec=None, **kw):
     cfg = EngineConfig(max_model_len=64).override(
         **{"page_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, **kw})
-    spec = SpecDecodeController(SpeculativeConfig(method="ngram", num_speculative_tokens=16),
+    spec = SpecDecodeController(SpeculativeConfig(**(spec or {"method": "ngram",
+                                                               "num_speculative_tokens": 16})),
                                 cfg.scheduler.max_num_seqs, cfg.max_model_len)
     return Scheduler(cfg, KVCacheManager(PagePool(num_pages, 4), True), spec)
 
@@ -485,6 +507,44 @@ def test_schedule_ahead_refuses_what_it_cannot_plan_without_the_tokens():
         assert sched.kv.pool.num_free == free, case   # nothing taken
 
 
+def test_verify_rounds_take_the_pages_of_every_round_or_run_one():
+    """verify_steps 3: a verify step planned ahead (its drafts proposed on device) runs 3
+    rounds when every round has room, with the pages of the furthest case (each round's
+    drafts all accepted); host-proposed drafts, too little room (max_tokens) or too few
+    free pages give one round, and reading the step keeps what the next one may reach."""
+    rounds = {"method": "ngram", "num_speculative_tokens": 3, "verify_steps": 3}
+    sched = _sched(16, spec=rounds)
+    seq = _running(sched, 7)                       # 8 tokens, 7 computed
+    plan, first = _launched_verify(sched, seq, [5, 6, 7])
+    assert plan.num_steps == 1                     # drafts the host proposed: one round
+    ahead = sched.schedule_ahead({seq: 3})
+    assert ahead.num_steps == 3 and ahead.drafts == [[0, 0, 0]]
+    # row 0 at position 8, 11 at most once read; 3 rounds of 4 rows: up to position 22
+    assert len(seq.block_table) == sched.kv.pool.pages_for(9 + 3 + 3 * 4 - 1)
+    second = sched.launched(ahead)
+    sched.verified(seq, first[0], [5], ahead=3 * 4 - 1)
+    # the second step's last round reaches position 8 + 2 * 4 + 3: pages for 20 tokens
+    assert len(seq.block_table) == sched.kv.pool.pages_for(9 + 11)
+    # its 3 rounds kept 3 + 1 + 3 tokens
+    sched.verified(seq, second[0], [4, 8, 2, 9, 9, 9, 3])
+    assert seq.output_ids == [1, 5, 4, 8, 2, 9, 9, 9, 3] and seq.num_computed == 15
+    assert len(seq.block_table) == sched.kv.pool.pages_for(16)
+    for case in ("max_tokens", "pages"):
+        sched = _sched(6 if case == "pages" else 16, spec=rounds)  # 6: 5 usable pages
+        seq = _running(sched, 7)
+        if case == "max_tokens":
+            seq.params = SamplingParams(max_tokens=12)  # 1 + 1 pending + 10 more at most
+        _launched_verify(sched, seq, [5, 6, 7])
+        ahead = sched.schedule_ahead({seq: 3})
+        assert ahead.num_steps == 1 and ahead.drafts == [[0, 0, 0]], case
+        assert len(seq.block_table) == sched.kv.pool.pages_for(9 + 3 + 3), case
+    sched = _sched(16, spec={**rounds, "method": "eagle", "model": "head"})
+    seq = _running(sched, 7)
+    plan = _schedule(sched, {seq: [0, 0, 0]})      # a drafter's placeholders
+    assert plan.verify and plan.num_steps == 3
+    assert len(seq.block_table) == sched.kv.pool.pages_for(8 + 3 * 4 - 1)
+
+
 def test_drafts_are_cut_to_the_free_pages_and_the_budget_never_preempt():
     sched = _sched(4)                  # 3 usable pages (+ the null page): 12 tokens
     seq = _running(sched, 7)
@@ -550,6 +610,8 @@ def test_every_shipped_config_loads():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 64},
      "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "verify_steps": 0}, "verify_steps"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "verify_steps": 17}, "verify_steps"),
     ({"method": "ngram", "num_speculative_tokens": 16, "disable_by_batch_size": 32},
      "max_num_batched_tokens"),
 ])
@@ -562,14 +624,14 @@ def test_bad_speculative_configs_name_the_field(bad, field):
 # --- the real model: n-gram prompt lookup -------------------------------------------------
 
 NGRAM4 = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-          "prompt_lookup_min": 2}
+          "prompt_lookup_min": 2, "verify_steps": 3}
 
 
 @pytest.fixture(scope="module")
 def spec_llm(smollm2_checkpoint, cache_dir):
     """SmolLM2-135M with the small test engine (f32 matmuls: batch-invariant, so greedy
     tokens can be compared exactly) and n-gram speculation; compiles the step shapes the
-    tests use on first use (no warm-up)."""
+    tests use on first use (no warm-up); verify steps of up to 3 rounds."""
     from conftest import SMALL_CONFIG
     from jaxserve.api import LLM
     from jaxserve.config import load_config
@@ -593,11 +655,13 @@ def _accepted_positions(engine):
     seen = {}
     verified = engine._verified_alone
 
-    def spy(seq, num_drafts, tokens, logprobs, ahead=0):
+    def spy(seq, rounds, tokens, logprobs, ahead=0):
         index = seq.num_known - len(seq.prompt_ids)  # its verify step's first token
-        seen.setdefault(tuple(seq.prompt_ids), set()).update(
-            range(index, index + len(tokens) - 1))
-        verified(seq, num_drafts, tokens, logprobs, ahead)
+        for num_drafts, kept in rounds:  # each round: accepted drafts, then one more
+            seen.setdefault(tuple(seq.prompt_ids), set()).update(
+                range(index, index + kept - 1))
+            index += kept
+        verified(seq, rounds, tokens, logprobs, ahead)
 
     engine._verified_alone = spy
     return seen
@@ -619,8 +683,9 @@ def test_real_model_ngram_greedy_is_token_for_token_the_plain_greedy(small_llm, 
     assert [c.token_ids for c in batched] == want
     assert alone.token_ids == want[0]
     # most verify steps were dispatched before the one before them was read, their
-    # n-gram drafts looked up on device
+    # n-gram drafts looked up on device, in rounds
     assert len(planned_ahead) > 10
+    assert any(p.num_steps == 3 for p in planned_ahead)
     st = engine.stats()
     drafts = st.spec_decode.num_drafts - before.spec_decode.num_drafts
     gained = st.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens

@@ -4,7 +4,7 @@ tokens per second of each, their ratio, and the acceptance that explains it.
     python -m tools.bench_speculative [--config configs/smollm2_135m.py]
         [--speculative-config JSON (default: configs/smollm2_135m_ngram.py's n-gram)]
         [--workload copy|chat|chat-hand|copy-hand] [--num-prompts 12] [--streams 1] [--also-sync]
-        [--json out.json]
+        [--also-verify-steps N] [--json out.json]
 
 Two engines of the config are built in this process, one plain and one with
 `--speculative-config`; both are warmed up (every step shape compiled) before timing.
@@ -20,6 +20,8 @@ disable_by_batch_size as the JSON says, cut to N: where speculation switches its
 --also-sync: a third engine, speculative with async_scheduling off (every verify step read
 before the next is planned), timed in the same rotation: what planning verify steps ahead
 of the previous one's read gains.
+--also-verify-steps N: another engine, speculative with `verify_steps` N (N verify rounds
+per dispatched step), timed in the same rotation: what running the rounds on device gains.
 Workloads: copy = jaxserve/bench/data/copy_prompts.jsonl (edit / quote tasks,
 tools/make_copy_prompts.py), chat = jaxserve/bench/data/bench_prompts.jsonl (the serving
 benchmark's prompts); chat-hand / copy-hand = jaxserve/bench/data/chat_handwritten.jsonl /
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--also-sync", action="store_true",
                     help="also time speculation with async_scheduling off")
+    ap.add_argument("--also-verify-steps", type=int, default=None, metavar="N",
+                    help="also time speculation with verify_steps N")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
 
@@ -125,12 +129,17 @@ def main(argv=None) -> int:
         llms["sync"] = jaxserve.LLM(config, cache_dir=args.cache_dir,
                                     speculative_config=spec_config, async_scheduling=False,
                                     **fields)
+    if args.also_verify_steps:
+        llms["rounds"] = jaxserve.LLM(
+            config, cache_dir=args.cache_dir, speculative_config={
+                **spec_config, "verify_steps": args.also_verify_steps}, **fields)
     tok = base.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": e.prompt}]),
                           add_special_tokens=False) for e in entries]
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens or e.output_len)
               for e in entries]
     before = spec.engine.stats().as_dict()
+    rounds_before = llms["rounds"].engine.stats().as_dict() if "rounds" in llms else {}
     result = {"config": args.config, "workload": args.workload, "streams": args.streams,
               "speculative_config": spec_config,
               "num_prompts": len(prompts)}
@@ -164,6 +173,16 @@ def main(argv=None) -> int:
         result["ratio_sync"] = tps["sync"] / tps["base"]
         print(f"  ratio sync / base: {result['ratio_sync']:.2f}x; spec / sync "
               f"{tps['spec'] / tps['sync']:.2f}x (async_scheduling on / off)")
+    if "rounds" in tps:
+        result["ratio_rounds"] = tps["rounds"] / tps["base"]
+        print(f"  ratio rounds / base: {result['ratio_rounds']:.2f}x; rounds / spec "
+              f"{tps['rounds'] / tps['spec']:.2f}x (verify_steps {args.also_verify_steps} "
+              f"against {spec_config.get('verify_steps', 1)})")
+        result["rounds"] = spec_counters(llms["rounds"].engine, rounds_before)
+        r = result["rounds"]
+        print(f"  rounds engine: {r['num_steps']} steps, {r['step_seconds']:.2f} s in step(), "
+              f"of which host {r['host_seconds']:.2f} s; mean acceptance length "
+              f"{r['mean_acceptance_length'] and round(r['mean_acceptance_length'], 2)}")
     if "greedy_identical" in result:
         print(f"  greedy tokens identical: {result['greedy_identical']}; mean output "
               f"{result['mean_output_tokens']:.0f} tokens")

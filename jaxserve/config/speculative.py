@@ -10,6 +10,7 @@ from jaxserve.config.validation import ConfigError
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_VERIFY_STEPS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,16 @@ class SpeculativeConfig:
     more than it saves: PERFORMANCE.md, "Speculative decoding"). At most max_num_seqs; the
     verify step is compiled for the sequence buckets up to it."""
 
+    verify_steps: int = 1
+    """Verify rounds per dispatched step (1..16), what SchedulerConfig.decode_steps is to
+    plain decode: round r + 1 verifies drafts proposed on device after the tokens round r
+    kept (n-gram lookup over the token pool, the draft model, the EAGLE head), with no
+    trip to the host between rounds; the host's work per step is then shared by up to
+    verify_steps x (k + 1) tokens. Taken while no request waits, no running sequence
+    samples under a grammar and each has room for every round's drafts (max_tokens,
+    max_model_len, free pages); otherwise one round. Tokens after a stop are dropped.
+    Ours: vLLM verifies once per step (PERFORMANCE.md, "Speculative decoding")."""
+
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"SpeculativeConfig.method must be one of {SPECULATIVE_METHODS}, "
@@ -51,6 +62,10 @@ class SpeculativeConfig:
         if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1:
             raise ConfigError(f"SpeculativeConfig.disable_by_batch_size must be an integer >= 1, "
                               f"got {self.disable_by_batch_size!r}")
+        if (not isinstance(self.verify_steps, int) or isinstance(self.verify_steps, bool)
+                or not 1 <= self.verify_steps <= MAX_VERIFY_STEPS):
+            raise ConfigError(f"SpeculativeConfig.verify_steps must be an integer in "
+                              f"1..{MAX_VERIFY_STEPS}, got {self.verify_steps!r}")
         if self.method == "ngram":
             if self.model is not None:
                 raise ConfigError("SpeculativeConfig.model is for draft_model / eagle; ngram "

@@ -5,7 +5,10 @@ jaxserve/spec_decode/heads/smollm2_135m (trained for this model by
 acceptance). One decoder layer over the model's hidden states proposes 3 tokens a step
 from a 4,096-token draft vocabulary; the model verifies them in the same dispatch. For
 ordinary chat traffic of few streams; from 2 streams on the verify steps turn
-compute-bound on this 2-core CPU (PERFORMANCE.md, "Speculative decoding").
+compute-bound on this 2-core CPU (PERFORMANCE.md, "Speculative decoding"). Up to 4 verify
+rounds per dispatch (verify_steps): 1.02x the decode rate of one round per dispatch here
+(PERFORMANCE.md, "Verify rounds on device"), more where the host's share of a step is
+larger (a GPU).
 """
 
 import dataclasses
@@ -26,5 +29,6 @@ CONFIG = dataclasses.replace(
             model=str(_PACKAGE / "spec_decode" / "heads" / "smollm2_135m"),
             num_speculative_tokens=3,
             disable_by_batch_size=2,
+            verify_steps=4,
         )),
 )

@@ -26,8 +26,10 @@ is planned and dispatched before the previous verify step is read
 (`Scheduler.schedule_ahead`): as if that step had kept one token of each sequence, with
 the pages of every unread draft accepted; the step moves each sequence's rows by the
 tokens kept beyond one on device, and reading the previous step gives back the pages its
-successor cannot reach. Source: vLLM v1 async scheduling (with speculative decoding);
-JetStream's overlapped detokenisation.
+successor cannot reach. A verify step may run SpeculativeConfig.verify_steps rounds in one
+dispatch (as multi-step decode runs decode_steps; its one PLACEHOLDER then stands for the
+tokens of every round, read at once). Source: vLLM v1 async scheduling (with speculative
+decoding); JetStream's overlapped detokenisation.
 Requests join (`add_request`) and leave (finish, `abort_request`) between any two steps.
 
 Not thread-safe: one thread drives it (`AsyncEngine` for the server, a plain loop for
@@ -237,7 +239,7 @@ class Engine:
         if inflight is not None and (not self._async or inflight.scheduled.verify
                                      or self.scheduler.spec_active()):
             if self._async and inflight.scheduled.verify:
-                scheduled = self.scheduler.schedule_ahead(_draft_rows(inflight))
+                scheduled = self.scheduler.schedule_ahead(_reach(inflight))
             if scheduled is None:
                 wait += self._update(inflight)
                 self._inflight = None
@@ -286,7 +288,6 @@ class Engine:
             return None
         split = not scheduled.verify and scheduled.num_steps == 1
         constrained = constrained_rows(scheduled)
-        rows = self.runner.shapes.verify_rows if scheduled.verify else scheduled.num_steps
         handle = pending = None
         try:
             if self.lora is not None:  # adapters the step's sequences took new slots for
@@ -297,7 +298,8 @@ class Engine:
                 pending = forward, sampling, constrained
             else:
                 self._fill_masks(scheduled, sampling, constrained)
-                handle = self.runner.dispatch(batch, sampling, rows, prev_index)
+                handle = self.runner.dispatch(batch, sampling, scheduled.num_steps,
+                                              prev_index)
         except Exception as e:  # compile or launch failed; the donated pool may be gone
             self._device_failure(scheduled.seqs, e)
             return None
@@ -354,17 +356,18 @@ class Engine:
         if out is None:
             return wait
         if scheduled.verify:
-            ahead = _draft_rows(after) if after is not None and after.scheduled.verify else {}
+            ahead = _reach(after) if after is not None and after.scheduled.verify else {}
             found = None  # whether its live sequences had drafts (None: none was live)
             for b, (seq, index) in enumerate(zip(scheduled.seqs, step.first_index)):
                 if index is None or seq.finished:
                     continue
-                m, num_drafts = int(out.num_tokens[b]), int(out.num_drafts[b])
-                found = bool(found) or num_drafts > 0
+                rounds = list(zip(out.num_drafts[:, b].tolist(), out.num_tokens[:, b].tolist()))
+                m = sum(kept for _, kept in rounds)
+                found = bool(found) or any(d > 0 for d, _ in rounds)
                 logprobs = self._logprobs_alone(seq, out, b, m)
                 if not seq.finished:
-                    self._verified_alone(seq, num_drafts, out.tokens[:m, b].tolist(),
-                                         logprobs, ahead.get(seq, 0))
+                    self._verified_alone(seq, rounds, out.tokens[:m, b].tolist(), logprobs,
+                                         ahead.get(seq, 0))
             if self.spec is not None and found is not None:
                 self.spec.record_found(found)
             return wait
@@ -420,15 +423,18 @@ class Engine:
                 log.exception("pooling the hidden states of %r failed", seq.request_id)
                 self._fail(seq, f"pooling its hidden states failed: {e!r}")
 
-    def _verified_alone(self, seq: Sequence, num_drafts: int, tokens: list[int],
-                        logprobs: list[TokenLogprobs] | None, ahead: int = 0) -> None:
-        """A verify step of `num_drafts` drafts kept `tokens` of `seq` (its accepted drafts
-        and the token after them, at the output index of its first PLACEHOLDER): count
-        them, record them (the rejected drafts' pages go back, but for the `ahead` draft
-        rows of the verify step dispatched after it), process them as any sampled
-        tokens. A fault fails this request alone."""
+    def _verified_alone(self, seq: Sequence, rounds: list[tuple[int, int]],
+                        tokens: list[int], logprobs: list[TokenLogprobs] | None,
+                        ahead: int = 0) -> None:
+        """A verify step kept `tokens` of `seq` (each round's accepted drafts and the token
+        after them, at the output index of its first PLACEHOLDER); rounds: (drafts
+        verified, tokens kept) of each of its rounds. Count them, record them (the
+        rejected drafts' pages go back, but for those the rows of the verify step
+        dispatched after it may reach: `ahead` tokens after its last), process them as any
+        sampled tokens. A fault fails this request alone."""
         if self.spec is not None:
-            self.spec.record_verified(num_drafts, len(tokens) - 1 if num_drafts else 0)
+            for num_drafts, kept in rounds:
+                self.spec.record_verified(num_drafts, kept - 1 if num_drafts else 0)
         index = seq.num_known - len(seq.prompt_ids)
         try:
             self.scheduler.verified(seq, index, tokens, ahead)
@@ -499,9 +505,10 @@ class Engine:
 _EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def _draft_rows(step: InflightStep) -> dict[Sequence, int]:
-    """{sequence: its draft rows} of a dispatched verify step, for the sequences it samples
+def _reach(step: InflightStep) -> dict[Sequence, int]:
+    """{sequence: the most tokens it may keep beyond one} in a dispatched verify step (its
+    draft rows, of every round: rounds x (1 + drafts) - 1), for the sequences it samples
     that have not finished since."""
-    return {seq: len(drafts) for seq, drafts, first in
+    return {seq: step.scheduled.num_steps * (1 + len(drafts)) - 1 for seq, drafts, first in
             zip(step.scheduled.seqs, step.scheduled.drafts, step.first_index)
             if first is not None and not seq.finished}

@@ -72,8 +72,9 @@ class SchedulerOutput:
     """Everything the next step needs: `num_new[i]` tokens of `seqs[i]` (batch order), from
     its `num_computed`-th token on; the last `len(drafts[i])` of them are draft tokens to
     verify (speculative decoding: `drafts` None = none); `num_steps` tokens sampled per
-    sequence (1, or decode_steps for a multi-step decode burst; 1 for a verify step, whose
-    rows the runner's shapes fix); `held`: running sequences sitting this step out.
+    sequence (1, or decode_steps for a multi-step decode burst), or a verify step's rounds
+    (1, or SpeculativeConfig.verify_steps: its drafts' rows are run that many times, each
+    round moved on by the tokens the ones before kept); `held`: running sequences sitting this step out.
     Derived: `samples[i]` whether sequence i's chunk reaches its last token (its sampled
     token is kept), `decode` whether every sequence brings one token and samples (a decode
     batch), `verify` whether some sequence brings drafts (a verify batch: every sequence
@@ -208,7 +209,9 @@ class Scheduler:
         if out is None:
             return None
         out.held = hold
-        if out.decode and not out.verify:
+        if out.verify:
+            out.num_steps = self._verify_rounds(out, {}, planned_ahead=False)
+        elif out.decode:
             out.num_steps = self._num_decode_steps(out, speculating)
         return out
 
@@ -217,12 +220,13 @@ class Scheduler:
         (speculation with async scheduling); None when it cannot be, and the engine reads
         that step first.
 
-        unread: {sequence: its draft rows in the step in flight} (each ends in that step's
-        PLACEHOLDER, `launched`). The plan is made as if that step kept one token of each
-        (the step moves each sequence's rows by the rest on device: verify_step), with
-        drafts the step proposes on device (SpecDecodeController.propose_ahead), and the
-        pages of the furthest case (every unread draft accepted) taken now; it neither
-        admits nor preempts. None when: speculation is off for the next step, the proposer
+        unread: {sequence: the most tokens the step in flight may keep of it beyond one, its
+        draft rows of every round} (each ends in that step's PLACEHOLDER, `launched`). The
+        plan is made as if that step kept one token of each (the step moves each
+        sequence's rows by the rest on device: verify_step), with drafts the step proposes
+        on device (SpecDecodeController.propose_ahead), and the pages of the furthest case
+        (every unread draft accepted) taken now; it neither admits nor preempts. Its
+        rounds: `_verify_rounds`. None when: speculation is off for the next step, the proposer
         cannot propose on device or found nothing in the last step read, a running
         sequence is not in `unread` or samples under a grammar (its bitmask needs its
         tokens), the furthest case's pages are not free, or no sequence has room for a
@@ -259,6 +263,7 @@ class Scheduler:
         out = SchedulerOutput(seqs, [1 + len(drafts[s]) for s in seqs],
                               [drafts[s] for s in seqs])
         out.held = hold
+        out.num_steps = self._verify_rounds(out, unread, planned_ahead=True)
         return out
 
     def _plan(self, hold: frozenset, drafts: dict[Sequence, list[int]] | None
@@ -344,6 +349,20 @@ class Scheduler:
             return None
         return SchedulerOutput(list(plan), list(plan.values()),
                                [taken.get(s, []) for s in plan] if taken else None)
+
+    def _verify_rounds(self, out: SchedulerOutput, more: dict[Sequence, int],
+                       planned_ahead: bool) -> int:
+        """Rounds for a planned verify step (SpecDecodeController.verify_rounds), the
+        pages of the furthest case taken here (every draft of every round accepted, after
+        the more[seq] tokens the step in flight may keep beyond the one it records); 1
+        when they are not free (the pages of one round are taken already)."""
+        rounds = self.spec.verify_rounds(out.seqs, out.drafts, more, len(self.waiting),
+                                          planned_ahead)
+        if rounds == 1:
+            return 1
+        furthest = [s.num_tokens + more.get(s, 0) + rounds * (1 + len(d)) - 1
+                    for s, d in zip(out.seqs, out.drafts)]
+        return rounds if self.kv.allocate_all(out.seqs, furthest) else 1
 
     def _num_decode_steps(self, out: SchedulerOutput, speculating: bool) -> int:
         """Tokens per sequence for a planned decode step: decode_steps when no request
@@ -442,8 +461,9 @@ class Scheduler:
         the token after them), at output index `index` (the PLACEHOLDER `launched` put
         there): they join its outputs, its K/V covers its last token and the accepted
         drafts, and the pages past what it needs go back to the pool (those of rejected
-        drafts). ahead: the draft rows of a verify step dispatched after this one, still
-        running (its rows start at the last known token: the pages they reach are kept).
+        drafts). ahead: the tokens after its last known one that the rows of a verify step
+        dispatched after this one, still running, may reach (its draft rows, of every
+        round): the pages they reach are kept.
         Raises ValueError if no PLACEHOLDER is at `index`."""
         if seq.output_ids[index:index + 1] != [PLACEHOLDER]:
             raise ValueError(f"request {seq.request_id!r}: output {index} is not a verify "

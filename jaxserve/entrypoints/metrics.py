@@ -17,7 +17,7 @@ Names follow vLLM's (`vllm:` -> `jaxserve:`) where they mean the same thing:
     jaxserve:prefix_cache_hits_total              counter, those found cached (not computed)
     jaxserve:prefix_cache_evictions_total         counter, cached pages taken for new content
     jaxserve:spec_decode_num_drafts_total         counter, draft proposals verified (one per
-                                                  sequence and verify step)
+                                                  sequence and verify round)
     jaxserve:spec_decode_num_draft_tokens_total   counter, draft tokens verified
     jaxserve:spec_decode_num_accepted_tokens_total    counter, draft tokens accepted
     jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position}  counter, accepted
@@ -93,7 +93,7 @@ class _EngineCollector:
                  sched.prefix_cache_hits),
                 ("prefix_cache_evictions", "Cached KV pages evicted for new content.",
                  sched.prefix_cache_evictions),
-                ("spec_decode_num_drafts", "Draft proposals verified (per sequence and step).",
+                ("spec_decode_num_drafts", "Draft proposals verified (per sequence and verify round).",
                  spec.num_drafts),
                 ("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",

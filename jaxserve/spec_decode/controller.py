@@ -12,6 +12,8 @@ Policy (vLLM's `disable_by_batch_size`; the burst rule is ours, PERFORMANCE.md
   or constrained by a grammar;
 - after SPEC_BURST_AFTER_MISSES speculating steps in a row whose proposer found nothing,
   decode steps may sample decode_steps tokens per dispatch again, until it finds drafts;
+- a verify step may run SpeculativeConfig.verify_steps rounds on device (`verify_rounds`)
+  when its proposer proposes on device and every sequence has room for all of them;
 - with async scheduling, the next verify step may be planned before the current one's
   tokens are read (`can_propose_ahead`, `propose_ahead`) when the proposer proposes on
   device (a draft model, an EAGLE head, n-gram lookup through
@@ -37,9 +39,10 @@ SPEC_BURST_AFTER_MISSES = 3
 class SpecDecodeStats:
     """Counters since start (vLLM's spec_decode_* names).
 
-    num_drafts: a sequence's drafts verified in one step; num_draft_tokens / num_accepted_tokens:
-    draft tokens verified / accepted; num_accepted_tokens_per_pos[j]: accepted drafts at
-    position j + 1 of their proposal; propose_seconds: host time spent proposing."""
+    num_drafts: proposals verified (a sequence's drafts in one verify round);
+    num_draft_tokens / num_accepted_tokens: draft tokens verified / accepted;
+    num_accepted_tokens_per_pos[j]: accepted drafts at position j + 1 of their proposal;
+    propose_seconds: host time spent proposing."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -116,6 +119,27 @@ class SpecDecodeController:
             if room > 0:
                 drafts[seq] = [0] * room
         return drafts
+
+    def verify_rounds(self, seqs: list, drafts: list[list[int]], more: dict,
+                      num_waiting: int, planned_ahead: bool) -> int:
+        """Rounds the verify step of `seqs` (batch order, drafts[i] its draft rows) may run:
+        SpeculativeConfig.verify_steps when every draft is proposed on device (a step
+        planned ahead, `propose_ahead`, or a drafter's placeholders: the rows of each round
+        are then those a step of its own would have had, so the rounds give the tokens of
+        as many steps, draws included), no request waits, no sequence samples under a
+        grammar and each has room for every round's drafts, the tokens the step in flight
+        may keep counted (more[seq]: beyond the one it records; absent = 0); else 1. Pages
+        are the scheduler's to check."""
+        R = self.spec.verify_steps
+        on_device = planned_ahead or not self.proposer.needs_context
+        if (R == 1 or num_waiting or not on_device
+                or not getattr(self.proposer, "proposes_ahead", False)
+                or any(s.matcher is not None for s in seqs)):
+            return 1
+        for seq, d in zip(seqs, drafts):
+            if self._room(seq, more.get(seq, 0) + (R - 1) * (1 + len(d))) < len(d):
+                return 1
+        return R
 
     def _room(self, seq, more: int = 0) -> int:
         """Drafts `seq` may take after the token each step adds, were it `more` tokens

@@ -43,8 +43,9 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
 
 
 class StepShapes:
-    """The (kind, T, S, P, n) shapes of an engine's steps: T token rows, S sequences, P
-    block-table pages per sequence, n tokens sampled per sequence (multi-step decode).
+    """The (kind, T, S, P, n, rounds) shapes of an engine's steps: T token rows, S
+    sequences, P block-table pages per sequence, n tokens sampled per sequence (multi-step
+    decode), rounds verify rounds per step (a verify step; 1 otherwise).
 
     A decode step ("decode": one token per sequence, each sampling; T = S) runs with n = 1
     or decode_steps. A mixed step ("mixed": prompt chunks, and decode tokens beside them)
@@ -58,7 +59,8 @@ class StepShapes:
     With speculative decoding, a verify step ("verify": decoding sequences, each bringing
     its last token and up to k drafts; n = verify_rows = k + 1 positions sampled per
     sequence) has T = S x (k + 1) rows, S on the sequence buckets up to
-    disable_by_batch_size (`verify_seq_buckets`; () without speculative decoding).
+    disable_by_batch_size (`verify_seq_buckets`; () without speculative decoding), each
+    with rounds 1 and SpeculativeConfig.verify_steps (`verify_steps`).
 
     The buckets are CompilationConfig's below each limit, then the limit itself
     (max_num_seqs, max_num_batched_tokens from min(16, it), max_model_len's pages); a
@@ -79,6 +81,7 @@ class StepShapes:
         self.verify_seq_buckets = (_up_to(comp.seq_buckets, 1, spec.disable_by_batch_size)
                                    if spec else ())
         self.verify_rows = spec.num_speculative_tokens + 1 if spec else 0
+        self.verify_steps = spec.verify_steps if spec else 1
 
     def shape_of(self, num_new: list[int], max_pages: int, decode: bool
                  ) -> tuple[int, int, int]:
@@ -96,29 +99,31 @@ class StepShapes:
         S = bucket_for(num_seqs, self.verify_seq_buckets)
         return S * self.verify_rows, S, bucket_for(max_pages, self.page_buckets)
 
-    def warmup(self) -> list[tuple[str, int, int, int, int]]:
-        """Every (kind, T, S, P, n) the engine can run: what warm-up compiles (a
+    def warmup(self) -> list[tuple[str, int, int, int, int, int]]:
+        """Every (kind, T, S, P, n, rounds) the engine can run: what warm-up compiles (a
         one-token mixed or decode shape is its forward program; the sampler programs
-        that follow them are ("sample", 0, S, 0, 1), one per sequence bucket). A mixed
+        that follow them are ("sample", 0, S, 0, 1, 1), one per sequence bucket). A mixed
         shape whose T cannot hold the fewest sequences that round up to S (one token
         each: the sequence bucket below S, plus one) is never run and not compiled (the
         preset's T 16 x S 32: one shape fewer, ~28 MB of code)."""
         below = dict(zip(self.seq_buckets, (0,) + self.seq_buckets))
-        shapes = [("mixed", T, S, P, 1) for T in self.token_buckets
+        shapes = [("mixed", T, S, P, 1, 1) for T in self.token_buckets
                   for S in self.seq_buckets if T > below[S] for P in self.page_buckets]
         steps = sorted({1, self.decode_steps})
-        shapes += [("decode", S, S, P, n) for S in self.seq_buckets
+        shapes += [("decode", S, S, P, n, 1) for S in self.seq_buckets
                    for P in self.page_buckets for n in steps]
-        shapes += [("verify", S * self.verify_rows, S, P, self.verify_rows)
-                   for S in self.verify_seq_buckets for P in self.page_buckets]
-        shapes += [("sample", 0, S, 0, 1) for S in self.seq_buckets]
+        shapes += [("verify", S * self.verify_rows, S, P, self.verify_rows, r)
+                   for S in self.verify_seq_buckets for P in self.page_buckets
+                   for r in sorted({1, self.verify_steps})]
+        shapes += [("sample", 0, S, 0, 1, 1) for S in self.seq_buckets]
         return shapes
 
 
 class StepKey(NamedTuple):
     """A compiled step shape: kind "mixed", "decode" or "verify", T token rows, S
     sequences, P block-table pages per sequence, n tokens sampled per sequence (multi-step
-    decode; a verify step: the positions each sequence samples at, 1 + its drafts).
+    decode; a verify step: the positions each sequence samples at, 1 + its drafts), rounds
+    verify rounds run by a verify step (jaxserve.worker.step.verify_step; 1 otherwise).
 
     A mixed or decode key with n = 1 (`split`) is the forward half of a one-token step
     (jaxserve.worker.step.forward_step); its sampler half is the key ("sample", 0, S, 0, 1)
@@ -129,12 +134,15 @@ class StepKey(NamedTuple):
     S: int
     P: int
     n: int = 1
+    rounds: int = 1
 
     @classmethod
     def of(cls, batch: StepBatch, num_steps: int = 1) -> "StepKey":
+        """The key of `batch`; num_steps: tokens per sequence of a decode step, or the
+        rounds of a verify step."""
         if batch.logits_indices.ndim == 2:
             return cls("verify", batch.tokens.shape[0], *batch.block_tables.shape,
-                       batch.logits_indices.shape[1])
+                       batch.logits_indices.shape[1], num_steps)
         return cls("decode" if batch.decode else "mixed", batch.tokens.shape[0],
                    *batch.block_tables.shape, num_steps)
 

@@ -82,7 +82,7 @@ class Runner:
         ngram = ((spec.prompt_lookup_min, spec.prompt_lookup_max)
                  if spec is not None and spec.method == "ngram" else None)
         self._jitted_verify = jax.jit(functools.partial(verify_step, ngram=ngram, **static),
-                                      donate_argnums=(1, 8, 9))
+                                      donate_argnums=(1, 8, 9), static_argnames=("rounds",))
         self._jitted_forward = jax.jit(functools.partial(forward_step, **static,
                                                          pooling=engine_cfg.pooling),
                                        donate_argnums=(1, 7, 8))
@@ -196,7 +196,7 @@ class Runner:
         last = _abstract(self.last_tokens)
         if key.kind == "verify":
             traced = self._jitted_verify.trace(params, cache, batch, sampling, last, last,
-                                               prev_index, *draft, pool)
+                                               prev_index, *draft, pool, rounds=key.rounds)
         elif key.split:
             traced = self._jitted_forward.trace(params, cache, batch, sampling.prompt_targets,
                                                 last, prev_index, *draft, pool)
@@ -226,7 +226,8 @@ class Runner:
         if not owner:
             return future.result()
         if on_demand:
-            log.warning("compiling step for unwarmed shape %s T=%d S=%d P=%d n=%d", *key)
+            log.warning("compiling step for unwarmed shape %s T=%d S=%d P=%d n=%d rounds=%d",
+                        *key)
         try:
             exe, dt = self._compile(key)
             if not on_demand:
@@ -422,10 +423,10 @@ class Runner:
         multi-step decode (see `model_step`; the block tables must hold the pages of all
         num_steps new tokens). Returns a handle for `fetch`; the KV pool and `last_tokens`
         are replaced by the step's (future) outputs at once. A verify batch
-        (logits_indices [S, J]: speculative decoding) runs the verify step (`verify_step`):
-        its `last_tokens` are each sequence's last kept token and `last_shift` how many
-        more than one it kept, which a verify step planned before it is read moves its
-        rows by. A one-token step is `dispatch_forward` then `dispatch_sample`."""
+        (logits_indices [S, J]: speculative decoding) runs the verify step (`verify_step`)
+        with num_steps rounds: its `last_tokens` are each sequence's last kept token and
+        `last_shift` how many more than one it kept, which a verify step planned before it
+        is read moves its rows by. A one-token step is `dispatch_forward` then `dispatch_sample`."""
         if prev_index is None:
             prev_index = np.full(batch.tokens.shape, -1, np.int32)
         key = StepKey.of(batch, num_steps)
@@ -528,9 +529,11 @@ class Runner:
               ) -> "StepOutput":
         """Wait for a dispatched step: its sampled tokens [n, S] int32 and their logprobs
         [n, S] f32 (column b: sequence b of the batch, padding included; n: num_steps, or
-        J for a verify step), and for a verify step num_tokens [S] int32, the tokens of
-        column b that count (the rest were rejected), and num_drafts [S] int32, the drafts
-        it verified (n-gram drafts proposed on device may be fewer than planned).
+        rounds x J for a verify step), and for a verify step num_tokens [rounds, S] int32,
+        the tokens each round kept (column b's first num_tokens[:, b].sum() count: its
+        accepted drafts and the token after them, round by round; the rest were rejected),
+        and num_drafts [rounds, S] int32, the drafts each round verified (n-gram drafts
+        proposed on device may be fewer than planned).
         logprobs: also read its top and prompt logprobs (`StepOutput.extra`; else {});
         pooled: also read its pooled hidden states (extra["pooled"] [S, D] f32, with
         EngineConfig.pooling)."""
@@ -565,7 +568,8 @@ class ForwardHandle:
 @dataclasses.dataclass(frozen=True)
 class StepHandle:
     """A dispatched step's outputs, still on device: tokens [n, S] int32, logprobs [n, S]
-    f32 (S: the batch's sequence bucket), for a verify step num_tokens [S] int32, and
+    f32 (S: the batch's sequence bucket), for a verify step num_tokens [rounds, S] int32,
+    and
     extra: top_ids / top_logprobs [n, S, max_logprobs] (with max_logprobs > 0) and, for a
     mixed step, prompt_logprobs [T] (and prompt_top_ids / prompt_top_logprobs [T,
     max_logprobs]): zeros unless a row asked."""
@@ -574,7 +578,7 @@ class StepHandle:
     logprobs: jax.Array
     num_tokens: jax.Array | None = None
     extra: dict = dataclasses.field(default_factory=dict)
-    num_drafts: jax.Array | None = None  # a verify step's drafts verified [S] int32
+    num_drafts: jax.Array | None = None  # a verify step's drafts verified [rounds, S] int32
 
 
 class StepOutput(NamedTuple):

@@ -8,7 +8,8 @@ forward before it has read step N's tokens, and give the sampler what depends on
 grammar's bitmask) afterwards. `model_step` is the same in one program, `num_steps` times
 for a multi-step decode (each sub-step feeding its tokens back on device);
 `verify_step` verifies draft tokens (the draft model or head proposes inside it, then the
-rejection sampler keeps exactly the model's distribution). Logits controls, logprobs and
+rejection sampler keeps exactly the model's distribution), in one round or several
+(SpeculativeConfig.verify_steps). Logits controls, logprobs and
 prompt logprobs run only in steps where some row asks (`lax.cond`). The KV pool is passed
 in and returned (donated by the runner).
 """
@@ -276,46 +277,20 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
     return last, tokens, logprobs, extra, cache, draft_cache, token_pool
 
 
-def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
-                prev_tokens: jax.Array, prev_shift: jax.Array, prev_index: jax.Array,
-                draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
-                drafter: Drafter | None, ngram: tuple[int, int] | None,
-                rules: ShardingRules | None, kernels: Kernels, num_top: int = 0):
-    """A verify step (speculative decoding): forward over each sequence's last token and
-    its drafts (the tokens after its first row), logits at every one of its rows
-    (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), the rows' logits
-    controls (jaxserve.sample.logits_processors, each position with the drafts before it in its
-    history), rejection sampling (jaxserve.sample.rejection_sampler). With a drafter
-    (a draft model or head) the drafts are proposed here first
-    (jaxserve.spec_decode.draft_model.propose; the batch's draft rows are placeholders),
-    and the drafter runs over the verify rows too.
-
-    Async scheduling: prev_tokens / prev_shift [max_rows] int32 are the previous step's
-    outputs (`last`, `shift` below; shift zeros after a step that is not a verify step);
-    a sequence whose first row has prev_index >= 0 was planned before the previous
-    verify step's tokens were read, as if that step had kept one token of it: its last
-    token is prev_tokens[prev_index], and its rows, slots, seq_len and sampling step move
-    prev_shift[prev_index] positions on (`shift_sequences`; its block table holds the
-    pages of the furthest case). Its drafts are proposed here: by the drafter, or with
-    `ngram` = (min_n, max_n) by n-gram lookup over its history in the token pool
-    (jaxserve.spec_decode.ngram_device; at most its planned draft rows, the rest unused).
-    Source: vLLM v1's async scheduling with speculative decoding.
-
-    Returns (last [max_rows] int32: each sequence's last kept token, padded; shift
-    [max_rows] int32: its kept tokens - 1, padded; tokens [J, S] int32, logprobs [J, S] f32
-    (of the raw logits), num_tokens [S] int32: output tokens kept per sequence, num_drafts
-    [S] int32: the drafts verified, extra: the top logprobs [J, S, num_top] as `_top`,
-    cache, draft_cache, token_pool)."""
+def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
+                  ahead: jax.Array, draft_params, draft_cache, token_pool, *,
+                  cfg: ModelConfig, drafter: Drafter | None, ngram: tuple[int, int] | None,
+                  rules: ShardingRules | None, kernels: Kernels, num_top: int):
+    """One verify round over `batch` (its rows already at their positions, each first row
+    holding the sequence's last token): drafts proposed where they are made on device (a
+    drafter for every sequence; n-gram lookup for the `ahead` [S] bool ones), the forward,
+    the rows' logits controls and rejection sampling (see `verify_step`).
+    Returns (tokens [S, J] int32, logprobs [S, J] f32, num_tokens [S] int32, num_drafts [S]
+    int32, extra: the top logprobs [S, J, num_top], cache, draft_cache, token_pool)."""
     S, J = batch.logits_indices.shape
     T = batch.tokens.shape[0]
     start = batch.query_start[:-1]
     first = jnp.minimum(start, T - 1)
-    prev = prev_index[first]
-    ahead = (prev >= 0) & (batch.seq_lens > 0)    # planned before its last token was read
-    shift = jnp.where(ahead, prev_shift[jnp.maximum(prev, 0)], 0)
-    batch = shift_sequences(_with_prev_tokens(batch, prev_tokens, prev_index), shift,
-                            cache.page_size)
-    sampling = dataclasses.replace(sampling, step=sampling.step + shift)
     num_drafts = jnp.clip(batch.query_start[1:] - start - 1, 0, J - 1)
     if ngram is not None:
         hist = history(token_pool, batch.block_tables, cache.page_size)
@@ -338,8 +313,7 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
                                    kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
                                kernels.matmul)                            # [S * J, V]
-    rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0,
-                    batch.tokens.shape[0] - 1)
+    rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0, T - 1)
     verify = functools.partial(rejection_sample, draft_ids=batch.tokens[rows],
                                num_drafts=num_drafts, sb=sampling, draft_logits=draft_logits,
                                impl=kernels.sampling)
@@ -365,9 +339,115 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
     extra = _top(logits, dataclasses.replace(
         sampling, num_logprobs=None if sampling.num_logprobs is None
         else jnp.repeat(sampling.num_logprobs, J)), num_top, kernels.sampling)
-    extra = {k: v.reshape(S, J, -1).transpose(1, 0, 2) for k, v in extra.items()}
-    kept = jnp.maximum(num - 1, 0)
-    last = tokens[jnp.arange(S), kept]
+    extra = {k: v.reshape(S, J, -1) for k, v in extra.items()}
+    return tokens, logprobs, num, num_drafts, extra, cache, draft_cache, token_pool
+
+
+def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
+                prev_tokens: jax.Array, prev_shift: jax.Array, prev_index: jax.Array,
+                draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
+                drafter: Drafter | None, ngram: tuple[int, int] | None,
+                rules: ShardingRules | None, kernels: Kernels, num_top: int = 0,
+                rounds: int = 1):
+    """A verify step (speculative decoding): forward over each sequence's last token and
+    its drafts (the tokens after its first row), logits at every one of its rows
+    (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), the rows' logits
+    controls (jaxserve.sample.logits_processors, each position with the drafts before it in its
+    history), rejection sampling (jaxserve.sample.rejection_sampler). With a drafter
+    (a draft model or head) the drafts are proposed here first
+    (jaxserve.spec_decode.draft_model.propose; the batch's draft rows are placeholders),
+    and the drafter runs over the verify rows too.
+
+    Async scheduling: prev_tokens / prev_shift [max_rows] int32 are the previous step's
+    outputs (`last`, `shift` below; shift zeros after a step that is not a verify step);
+    a sequence whose first row has prev_index >= 0 was planned before the previous
+    verify step's tokens were read, as if that step had kept one token of it: its last
+    token is prev_tokens[prev_index], and its rows, slots, seq_len and sampling step move
+    prev_shift[prev_index] positions on (`shift_sequences`; its block table holds the
+    pages of the furthest case). Its drafts are proposed here: by the drafter, or with
+    `ngram` = (min_n, max_n) by n-gram lookup over its history in the token pool
+    (jaxserve.spec_decode.ngram_device; at most its planned draft rows, the rest unused).
+    Source: vLLM v1's async scheduling with speculative decoding.
+
+    rounds > 1: `rounds` verify rounds in one program (a `fori_loop`; SpeculativeConfig.
+    verify_steps), as multi-step decode runs decode steps: round r + 1 is the batch of
+    round 0 moved on by the tokens rounds 0..r kept, its first rows holding their last
+    kept tokens and its drafts proposed on device as for a sequence planned ahead (every
+    block table must hold the pages of the furthest case: every draft of every round
+    accepted). Each sequence keeps the tokens of every round, in order.
+
+    Returns (last [max_rows] int32: each sequence's last kept token, padded; shift
+    [max_rows] int32: its kept tokens - 1, padded; tokens [rounds * J, S] int32 and
+    logprobs [rounds * J, S] f32 (of the raw logits): column b's first sum(num_tokens[:,
+    b]) rows are sequence b's kept tokens, every round's in order (the rest: rejected
+    drafts or unused); num_tokens [rounds, S] int32: output tokens kept per round and
+    sequence; num_drafts [rounds, S] int32: the drafts verified; extra: the top logprobs
+    [rounds * J, S, num_top] laid out as the tokens, as `_top`; cache, draft_cache,
+    token_pool)."""
+    S, J = batch.logits_indices.shape
+    T = batch.tokens.shape[0]
+    first = jnp.minimum(batch.query_start[:-1], T - 1)
+    live = batch.seq_lens > 0
+    prev = prev_index[first]
+    ahead = (prev >= 0) & live    # planned before its last token was read
+    shift = jnp.where(ahead, prev_shift[jnp.maximum(prev, 0)], 0)
+    batch = _with_prev_tokens(batch, prev_tokens, prev_index)
+    run = functools.partial(_verify_round, params, cfg=cfg, drafter=drafter, ngram=ngram,
+                            rules=rules, kernels=kernels, num_top=num_top)
+
+    def moved(b: StepBatch, by: jax.Array):
+        return (shift_sequences(b, by, cache.page_size),
+                dataclasses.replace(sampling, step=sampling.step + by))
+
     max_rows = prev_tokens.shape[0]
+    if rounds == 1:
+        tokens, logprobs, num, num_drafts, extra, cache, draft_cache, token_pool = run(
+            cache, *moved(batch, shift), ahead, draft_params, draft_cache, token_pool)
+        kept = jnp.maximum(num - 1, 0)
+        last = tokens[jnp.arange(S), kept]
+        extra = {k: v.transpose(1, 0, 2) for k, v in extra.items()}
+        return (_padded_last(last, max_rows, rules), _padded_last(kept, max_rows, rules),
+                tokens.T, logprobs.T, num[None], num_drafts[None], extra, cache, draft_cache,
+                token_pool)
+
+    R = rounds * J
+    cols = jnp.broadcast_to(jnp.arange(S)[:, None], (S, J))
+
+    def place(buf, values, done, num):
+        """values [S, J, ...] of one round into buf [R, S, ...]: sequence b's first
+        num[b] at rows done[b]..; the rest dropped."""
+        j = jnp.arange(J)[None, :]
+        rows = jnp.where(j < num[:, None], done[:, None] + j, R)
+        return buf.at[rows, cols].set(values, mode="drop")
+
+    def body(r, carry):
+        done, last, cache, dcache, pool, out = carry
+        # each first row: the last token kept so far (round 0: its own)
+        b = dataclasses.replace(batch, tokens=batch.tokens.at[jnp.where(live, first, T)].set(
+            last, mode="drop"))
+        tokens, logprobs, num, num_drafts, extra, cache, dcache, pool = run(
+            cache, *moved(b, shift + done), ahead | ((r > 0) & live), draft_params, dcache,
+            pool)
+        num = jnp.where(live, num, 0)
+        out = {"tokens": place(out["tokens"], tokens, done, num),
+               "logprobs": place(out["logprobs"], logprobs, done, num),
+               "num": out["num"].at[r].set(num), "num_drafts": out["num_drafts"].at[r].set(
+                   jnp.where(live, num_drafts, 0)),
+               **{k: place(out[k], v, done, num) for k, v in extra.items()}}
+        last = jnp.where(live, tokens[jnp.arange(S), jnp.maximum(num - 1, 0)], last)
+        return done + num, last, cache, dcache, pool, out
+
+    out = {"tokens": jnp.zeros((R, S), jnp.int32), "logprobs": jnp.zeros((R, S), jnp.float32),
+           "num": jnp.zeros((rounds, S), jnp.int32),
+           "num_drafts": jnp.zeros((rounds, S), jnp.int32)}
+    if num_top and sampling.num_logprobs is not None:
+        out["top_ids"] = jnp.zeros((R, S, num_top), jnp.int32)
+        out["top_logprobs"] = jnp.zeros((R, S, num_top), jnp.float32)
+    init = (jnp.zeros((S,), jnp.int32), batch.tokens[first], cache, draft_cache, token_pool,
+            out)
+    done, last, cache, draft_cache, token_pool, out = jax.lax.fori_loop(0, rounds, body, init)
+    extra = {k: out[k] for k in ("top_ids", "top_logprobs") if k in out}
+    kept = jnp.maximum(done - 1, 0)
     return (_padded_last(last, max_rows, rules), _padded_last(kept, max_rows, rules),
-            tokens.T, logprobs.T, num, num_drafts, extra, cache, draft_cache, token_pool)
+            out["tokens"], out["logprobs"], out["num"], out["num_drafts"], extra, cache,
+            draft_cache, token_pool)
