@@ -346,8 +346,15 @@ def test_cli_on_the_real_model_resumes_after_sigint(tmp_path, smollm2_checkpoint
            "--config", str(ROOT / "tests" / "configs" / "smollm2_two_shapes.py"),
            "--cache-dir", str(cache_dir), "--max-concurrency", "2", "--no-progress"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # as a shell starts it: SIGINT unblocked and at its default (a signal mask or an
+    # ignored SIGINT is inherited across exec; the test process's may be another test's:
+    # in two whole-suite runs under xdist the SIGINT went unseen and the batch completed)
+    default_sigint = ("import os, signal, sys; "
+                      "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+                      "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", default_sigint] + cmd[1:], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
         while not (out.exists() and out.read_text().count("\n") >= 2):

@@ -74,7 +74,8 @@ class SchedulerOutput:
     verify (speculative decoding: `drafts` None = none); `num_steps` tokens sampled per
     sequence (1, or decode_steps for a multi-step decode burst), or a verify step's rounds
     (1, or SpeculativeConfig.verify_steps: its drafts' rows are run that many times, each
-    round moved on by the tokens the ones before kept); `held`: running sequences sitting this step out.
+    round moved on by the tokens the ones before kept); `held`: running sequences sitting
+    this step out.
     Derived: `samples[i]` whether sequence i's chunk reaches its last token (its sampled
     token is kept), `decode` whether every sequence brings one token and samples (a decode
     batch), `verify` whether some sequence brings drafts (a verify batch: every sequence
@@ -226,8 +227,8 @@ class Scheduler:
         sequence's rows by the rest on device: verify_step), with drafts the step proposes
         on device (SpecDecodeController.propose_ahead), and the pages of the furthest case
         (every unread draft accepted) taken now; it neither admits nor preempts. Its
-        rounds: `_verify_rounds`. None when: speculation is off for the next step, the proposer
-        cannot propose on device or found nothing in the last step read, a running
+        rounds: `_verify_rounds`. None when: speculation is off for the next step, the
+        proposer cannot propose on device or found nothing in the last step read, a running
         sequence is not in `unread` or samples under a grammar (its bitmask needs its
         tokens), the furthest case's pages are not free, or no sequence has room for a
         draft. Held: a sequence the step in flight brings to max_tokens or max_model_len

@@ -426,7 +426,8 @@ class Runner:
         (logits_indices [S, J]: speculative decoding) runs the verify step (`verify_step`)
         with num_steps rounds: its `last_tokens` are each sequence's last kept token and
         `last_shift` how many more than one it kept, which a verify step planned before it
-        is read moves its rows by. A one-token step is `dispatch_forward` then `dispatch_sample`."""
+        is read moves its rows by. A one-token step is `dispatch_forward` then
+        `dispatch_sample`."""
         if prev_index is None:
             prev_index = np.full(batch.tokens.shape, -1, np.int32)
         key = StepKey.of(batch, num_steps)
