@@ -570,9 +570,8 @@ class ForwardHandle:
 class StepHandle:
     """A dispatched step's outputs, still on device: tokens [n, S] int32, logprobs [n, S]
     f32 (S: the batch's sequence bucket), for a verify step num_tokens [rounds, S] int32,
-    and
-    extra: top_ids / top_logprobs [n, S, max_logprobs] (with max_logprobs > 0) and, for a
-    mixed step, prompt_logprobs [T] (and prompt_top_ids / prompt_top_logprobs [T,
+    and extra: top_ids / top_logprobs [n, S, max_logprobs] (with max_logprobs > 0) and,
+    for a mixed step, prompt_logprobs [T] (and prompt_top_ids / prompt_top_logprobs [T,
     max_logprobs]): zeros unless a row asked."""
 
     tokens: jax.Array
