@@ -58,18 +58,20 @@ def test_kernel_matches_reference(k, n):
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(ref).max(initial=0)))
 
 
+@pytest.mark.parametrize("round_x", [False, True])
 @pytest.mark.parametrize("k,n", [(576, 192), (96, 64 * 37)])
-def test_a_row_gets_the_same_bits_in_any_batch(k, n):
-    """Every path (one-pass 1-6 rows, register blocks of 8, remainders) sums each output in
-    the same order, so a row's result does not depend on the rows beside it: a verify step
-    of 1 + k rows gives the logits of k + 1 single-row decode steps, bit for bit (what
-    keeps speculative greedy decoding token-for-token the plain greedy)."""
+def test_a_row_gets_the_same_bits_in_any_batch(k, n, round_x):
+    """Every path (one-pass 1-6 rows, register blocks of 8, remainders; f32 x and x
+    rounded to bf16 alike) sums each output in the same order, so a row's result does not
+    depend on the rows beside it: a verify step of 1 + k rows gives the logits of k + 1
+    single-row decode steps, bit for bit (what keeps speculative greedy decoding
+    token-for-token the plain greedy)."""
     rng = np.random.default_rng(SEED + k)
     wp = pack_weight(_w(rng, k, n))
     x = jnp.asarray(rng.standard_normal((11, k)), jnp.float32)
-    alone = np.stack([np.asarray(bf16_matmul(x[i:i + 1], wp))[0] for i in range(11)])
+    alone = np.stack([np.asarray(bf16_matmul(x[i:i + 1], wp, round_x))[0] for i in range(11)])
     for m in range(2, 12):
-        np.testing.assert_array_equal(np.asarray(bf16_matmul(x[:m], wp)), alone[:m])
+        np.testing.assert_array_equal(np.asarray(bf16_matmul(x[:m], wp, round_x)), alone[:m])
 
 
 def test_kernel_keeps_x_in_f32():

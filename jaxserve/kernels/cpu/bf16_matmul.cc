@@ -141,7 +141,11 @@ inline void block_dot(const Problem& p, const uint16_t* panel, int64_t m0, int64
   const uint16_t* wk = panel + c0 * 2;
   const int64_t stride = p.P * 2;
   for (int64_t k = 0; k < p.K2; ++k, wk += stride) {
-    if (fetch_panel) {
+    if (R <= kStreamRows && J == 4) {  // the one-pass blocks, as in block_avx512
+      for (int j = 0; j < J; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchPairs * stride + 32 * j),
+                     _MM_HINT_T0);
+    } else if (fetch_panel) {
       const char* row = reinterpret_cast<const char*>(panel + (k + kPrefetchPairs) * stride);
       for (int64_t b = 0; b < stride * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
@@ -216,20 +220,20 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 #if !defined(__AVX512BF16__)
   if (p.xb != nullptr) return panel_portable(p, pi, m_begin, m_end);
 #endif
-  if (p.M <= kStreamRows && p.P % 64 == 0 && p.xb == nullptr) {
+  if (p.M <= kStreamRows && p.P % 64 == 0) {
     // 1-6 rows (decode of a few streams, a verify step of one) are load-bound: take the
-    // panel's 64 columns in one contiguous pass (4 widened weight registers per k pair, 8
-    // FMAs a row) instead of two strided 32-column passes.
-    for (int64_t c0 = 0; c0 < p.P; c0 += 64) {
-      switch (p.M) {
-        case 6: block_avx512<6, 4>(p, panel, 0, c0, n0); break;
-        case 5: block_avx512<5, 4>(p, panel, 0, c0, n0); break;
-        case 4: block_avx512<4, 4>(p, panel, 0, c0, n0); break;
-        case 3: block_avx512<3, 4>(p, panel, 0, c0, n0); break;
-        case 2: block_avx512<2, 4>(p, panel, 0, c0, n0); break;
-        default: block_avx512<1, 4>(p, panel, 0, c0, n0);
-      }
-    }
+    // panel's 64 columns in one contiguous pass (4 weight registers per k pair; f32 x: 8
+    // FMAs a row after 8 widening ops, bf16 x: 4 vdpbf16ps a row) instead of two strided
+    // 32-column passes. Each column's sum runs in the same order as in the register
+    // blocks, so a row's result does not depend on the rows beside it.
+    for (int64_t c0 = 0; c0 < p.P; c0 += 64)
+      with_rows(p.M, [&](auto r) {
+        constexpr int R = decltype(r)::value;
+#if defined(__AVX512BF16__)
+        if (p.xb != nullptr) return block_dot<R, 4>(p, panel, 0, c0, n0, false);
+#endif
+        block_avx512<R, 4>(p, panel, 0, c0, n0);
+      });
     return;
   }
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRows) {
