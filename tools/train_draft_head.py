@@ -2,7 +2,7 @@
 
     python -m tools.train_draft_head [--config configs/smollm2_135m.py]
         [--out jaxserve/spec_decode/heads/smollm2_135m] [--work ~/.cache/jaxserve/eagle-train]
-        [--num-prompts 960] [--instruction-share 0.5] [--steps 1600] [--seed 0] ...
+        [--num-prompts 1920] [--instruction-share 0.5] [--steps 3200] [--seed 0] ...
 
 1. Prompts from two sources, no benchmark prompt and no held-out prompt among them:
    instructions of many kinds as people write to a chat assistant (tools/instruction_prompts.py:
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "jaxserve" / "spec_decode" / "heads" / "smollm2_135m"))
     ap.add_argument("--work", default=None, help="default: <cache>/eagle-train-<seed>")
     ap.add_argument("--cache-dir")
-    ap.add_argument("--num-prompts", type=int, default=960)
+    ap.add_argument("--num-prompts", type=int, default=1920)
     ap.add_argument("--instruction-share", type=float, default=0.5,
                     help="the share of prompts from tools/instruction_prompts.py")
     ap.add_argument("--max-answer-tokens", type=int, default=192)
@@ -218,10 +218,10 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate-size", type=int, default=768)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=1600)
+    ap.add_argument("--steps", type=int, default=3200)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--eval-every", type=int, default=400)
+    ap.add_argument("--eval-every", type=int, default=800)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--depths", type=int, default=1,
                     help="draft depths trained: 1 = EAGLE's teacher forcing (the shipped "
