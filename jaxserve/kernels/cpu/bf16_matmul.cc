@@ -229,10 +229,12 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
     for (int64_t c0 = 0; c0 < p.P; c0 += 64)
       with_rows(p.M, [&](auto r) {
         constexpr int R = decltype(r)::value;
+        if constexpr (R <= kStreamRows) {  // (7 and 8 rows never come here)
 #if defined(__AVX512BF16__)
-        if (p.xb != nullptr) return block_dot<R, 4>(p, panel, 0, c0, n0, false);
+          if (p.xb != nullptr) return block_dot<R, 4>(p, panel, 0, c0, n0, false);
 #endif
-        block_avx512<R, 4>(p, panel, 0, c0, n0);
+          block_avx512<R, 4>(p, panel, 0, c0, n0);
+        }
       });
     return;
   }
