@@ -29,6 +29,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.layer_loop import StackedLayers
 from jaxserve.model.params import Params
+from jaxserve.model.pooling import pool_hidden
 from jaxserve.model.inputs import StepBatch, next_decode_batch
 from jaxserve.model.transformer import (Kernels, compute_logits, forward)
 from jaxserve.sample.sampler import SamplingBatch, sample
@@ -182,13 +183,9 @@ def embed(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arra
     lengths = lengths.astype(jnp.int32)
     batch = _prefill_batch(tokens.astype(jnp.int32), lengths, tables)
     hidden, _ = forward(params, cache, batch, cfg, None, kernels)  # [B * L, D] packed
-    rows = jnp.clip(batch.query_start[:-1, None] + jnp.arange(L)[None, :], 0, B * L - 1)
-    h = hidden[rows].astype(jnp.float32)                           # [B, L, D]
-    valid = jnp.arange(L)[None, :] < lengths[:, None]
-    if pooling == "last":
-        vec = h[jnp.arange(B), lengths - 1]
-    else:
-        vec = jnp.sum(jnp.where(valid[..., None], h, 0.0), axis=1) / lengths[:, None]
+    vec = pool_hidden(hidden, batch, pooling)
+    if pooling == "mean":
+        vec = vec / lengths[:, None]
     return vec / jnp.linalg.norm(vec, axis=-1, keepdims=True)
 
 

@@ -10,7 +10,7 @@ import pytest
 from jaxserve import functional
 from jaxserve.model.inputs import StepBatch
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.worker.step import pool_hidden
+from jaxserve.model.pooling import pool_hidden
 
 SMALL = "tests/configs/smollm2_small.py"
 SENTENCES = ["A cat sits on the mat.", "A kitten is sitting on a rug.",

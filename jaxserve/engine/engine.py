@@ -410,7 +410,7 @@ class Engine:
 
     def _record_pooled(self, step: InflightStep, pooled: np.ndarray) -> None:
         """Give each embedding request of a step what it pooled ([S, D] f32,
-        `worker.step.pool_hidden`; OutputProcessor.record_pooled), its prompt rows only (a
+        `jaxserve.model.pooling.pool_hidden`; OutputProcessor.record_pooled), its prompt rows only (a
         decode row planned before its sampled token was read adds nothing); a fault fails
         that request alone."""
         for b, (seq, n, start) in enumerate(zip(step.scheduled.seqs, step.scheduled.num_new,

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.sharding import ShardingRules, constrain
-from jaxserve.kernels.common import query_sequence
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.params import Params
+from jaxserve.model.pooling import pool_hidden
 from jaxserve.model.inputs import StepBatch, next_decode_batch, shift_sequences
 from jaxserve.model.transformer import (Kernels, compute_logits, forward, last_token_logits,
                                         logits_sharding, pin_lm_head)
@@ -152,18 +152,6 @@ def _padded_last(tokens: jax.Array, max_rows: int, rules: ShardingRules | None) 
     prev_tokens)."""
     last = jnp.zeros((max_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
     return constrain(rules, last, (None,))
-
-
-def pool_hidden(hidden: jax.Array, batch: StepBatch, pooling: str) -> jax.Array:
-    """[S, D] f32: each sequence's pooled final hidden states of this step (hidden [T, D],
-    after the final norm): "last", its last row's (batch.logits_indices); "mean", the
-    sum of its rows (the host adds a prompt's chunks up and divides by its length).
-    Padding rows and sequences add nothing. Source: vLLM's LAST / MEAN poolers."""
-    if pooling == "last":
-        return hidden[batch.logits_indices].astype(jnp.float32)
-    S, T = batch.seq_lens.shape[0], hidden.shape[0]
-    owner = query_sequence(batch.query_start, T)     # S (dropped) past the last sequence
-    return jax.ops.segment_sum(hidden.astype(jnp.float32), owner, num_segments=S)
 
 
 def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_targets,
