@@ -115,24 +115,31 @@ class OpenAIServing:
         from it). Raises ApiError: 400 naming the field for what only the engine checks,
         503 (code queue_full) when the queue is full; EngineError when the engine is down."""
         arrival = time.monotonic() if arrival is None else arrival
-        request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        choices = req.choices()
-        sub = Submission(request_id, req, shape, int(time.time()), [])
+        sub = Submission(f"{shape.id_prefix}-{uuid.uuid4().hex}", req, shape, int(time.time()),
+                         [])
+        return await self._add_all(sub, req.choices(), arrival, False,
+                                   "messages" if shape.chat else "prompt")
+
+    async def _add_all(self, sub: Submission, items: list[tuple[int, list[int], SamplingParams]],
+                       arrival: float, embed: bool, prompt_param: str) -> Submission:
+        """Add sub's engine requests, one per (index, prompt ids, params) of `items`;
+        either all run or none does. Raises ApiError: 404 for an adapter unloaded since
+        the request was parsed, 400 naming the field (prompt_param for the prompt) for
+        what only the engine checks, 503 (code queue_full) when the queue is full."""
         try:
-            for index, prompt_ids, params in choices:
-                engine_id = request_id if len(choices) == 1 else f"{request_id}-{index}"
+            for index, prompt_ids, params in items:
+                engine_id = sub.request_id if len(items) == 1 else f"{sub.request_id}-{index}"
                 sub.streams.append((index, await self.engine.add_request(
-                    engine_id, prompt_ids, params, arrival, req.lora_name)))
+                    engine_id, prompt_ids, params, arrival, sub.req.lora_name, embed=embed)))
         except InvalidRequest as e:
             if e.field == "model":  # its LoRA adapter was unloaded since it was parsed
                 raise ApiError(str(e), "model", status=404, code="model_not_found") from None
-            param = "messages" if shape.chat and e.field == "prompt" else e.field
-            raise ApiError(str(e), param) from None
+            raise ApiError(str(e), prompt_param if e.field == "prompt" else e.field) from None
         except QueueFull as e:
             raise ApiError(f"the server is overloaded: {e}; retry later", status=503,
                            type="server_error", code="queue_full") from None
         finally:
-            if len(sub.streams) < len(choices):  # a choice was refused: none runs
+            if len(sub.streams) < len(items):  # one was refused: none runs
                 sub.abort()
         return sub
 
@@ -153,24 +160,9 @@ class OpenAIServing:
         other requests' steps); all run or none. Raises ApiError (400 / 404 / 503 queue
         full) as `submit` does; EngineError when the engine is down."""
         arrival = time.monotonic() if arrival is None else arrival
-        request_id = f"embd-{uuid.uuid4().hex}"
-        sub = Submission(request_id, req, None, int(time.time()), [])
-        try:
-            for index, ids in enumerate(req.prompts):
-                engine_id = request_id if len(req.prompts) == 1 else f"{request_id}-{index}"
-                sub.streams.append((index, await self.engine.add_request(
-                    engine_id, ids, _EMBED_PARAMS, arrival, req.lora_name, embed=True)))
-        except InvalidRequest as e:
-            if e.field == "model":
-                raise ApiError(str(e), "model", status=404, code="model_not_found") from None
-            raise ApiError(str(e), "input" if e.field == "prompt" else e.field) from None
-        except QueueFull as e:
-            raise ApiError(f"the server is overloaded: {e}; retry later", status=503,
-                           type="server_error", code="queue_full") from None
-        finally:
-            if len(sub.streams) < len(req.prompts):
-                sub.abort()
-        return sub
+        sub = Submission(f"embd-{uuid.uuid4().hex}", req, None, int(time.time()), [])
+        return await self._add_all(sub, [(i, ids, _EMBED_PARAMS) for i, ids in
+                                         enumerate(req.prompts)], arrival, True, "input")
 
     def embedding_response(self, sub: Submission, finals: list[RequestOutput]
                            ) -> dict[str, Any]:
