@@ -107,9 +107,15 @@ class FakeEngine:
         assert self._thread in (None, me), "FakeEngine driven from two threads"
         self._thread = me
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Engine.add_request: InvalidRequest for a duplicate id, empty or too long prompt."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    lora_name: str | None = None, embed: bool = False) -> None:
+        """Engine.add_request of an engine without LoRA or pooling: InvalidRequest for an
+        adapter, an embedding request, a duplicate id, empty or too long prompt."""
         self._check_thread()
+        if lora_name is not None:
+            raise InvalidRequest("model", f"no LoRA adapter {lora_name!r} is loaded")
+        if embed:
+            raise InvalidRequest("pooling", "this engine serves no embeddings")
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"request {request_id!r} is already running")
         if not prompt_token_ids:

@@ -297,8 +297,8 @@ def test_a_request_the_engine_fails_is_its_own_500_line(tmp_path, fake):
                       [line(f"r{i}", {"prompt": "x", "max_tokens": 4}) for i in range(3)])
     add = fake.engine.add_request
 
-    def add_and_fail_the_second(request_id, prompt, params):
-        add(request_id, prompt, params)
+    def add_and_fail_the_second(request_id, prompt, params, *args, **kwargs):
+        add(request_id, prompt, params, *args, **kwargs)
         if len(fake.engine.added) == 2:
             fake.engine.fail_requests.add(request_id)
 

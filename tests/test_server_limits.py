@@ -135,9 +135,9 @@ def test_failures_carry_no_exception_text(served, monkeypatch):
     assert "injected" not in r.text and "RuntimeError" not in r.text
     real_add = fake.add_request
 
-    def add(rid, *a):  # the next request is one the engine fails alone, mid-stream
+    def add(rid, *a, **kw):  # the next request is one the engine fails alone, mid-stream
         fake.fail_requests = {rid}
-        real_add(rid, *a)
+        real_add(rid, *a, **kw)
     fake.add_request = add
     r = client.post(COMP, json={"prompt": "Hi", "max_tokens": 5, "stream": True})
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")

@@ -353,12 +353,7 @@ class AsyncEngine:
             return
         prompt_ids, lora_name, embed = prompt_ids
         try:
-            if embed:
-                self.engine.add_request(request_id, prompt_ids, params, lora_name, embed=True)
-            elif lora_name is None:
-                self.engine.add_request(request_id, prompt_ids, params)
-            else:
-                self.engine.add_request(request_id, prompt_ids, params, lora_name)
+            self.engine.add_request(request_id, prompt_ids, params, lora_name, embed=embed)
         except InvalidRequest as e:
             self._deliver(stream, e)
             return
