@@ -45,8 +45,8 @@ def tiny_engine(params, draft_params=None, eagle=None, **engine_config):
     if eagle is not None:
         import jax.numpy as jnp
         from jaxserve.spec_decode.eagle import EagleHead
-        hcfg, hp = eagle
-        draft = (EagleHead(hcfg), hp,
+        hcfg, hp, *layers = eagle   # (config, params[, feature layers of an EAGLE-3 head])
+        draft = (EagleHead(hcfg, tuple(layers[0]) if layers else ()), hp,
                  (init_kv_cache(hcfg, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major"),
                   jnp.zeros((65 * TINY_PAGE, TINY_CFG.hidden_size), jnp.float32)))
     if ecfg.lora.enable_lora:  # the adapter slots, as build_engine attaches them

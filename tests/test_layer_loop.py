@@ -84,6 +84,42 @@ def _kernels_in_decode_step(params, cfg, stacked: bool) -> int:
     return len(re.findall(r" fusion\(| custom-call\(", text))
 
 
+def test_forward_features_are_the_residual_streams_entering_the_layers():
+    """transformer.forward_features (what an EAGLE-3-style head reads): the stream entering
+    layer i is the embedding run through layers 0 .. i - 1, in the unrolled model and in
+    the loop (split at the feature layers), and the hidden states are forward's."""
+    from jaxserve.model.inputs import StepBatch
+    from jaxserve.model.transformer import decoder_layers, forward, forward_features
+    params = init_params(CFG, jax.random.key(3), scale=0.3)
+    ids = np.random.default_rng(3).integers(0, CFG.vocab_size, 9).astype(np.int32)
+    pos = np.arange(9, dtype=np.int32)
+    batch = jax.tree.map(jnp.asarray, StepBatch(
+        tokens=ids, positions=pos, slot_mapping=16 + pos, block_tables=np.array([[1, 2]], np.int32),
+        seq_lens=np.array([9], np.int32), query_start=np.array([0, 9], np.int32),
+        logits_indices=np.array([8], np.int32)))
+    kernels = Kernels("xla", "xla")
+    x0 = params.embed[ids]
+    def first_layers(i):
+        cache = init_kv_cache(CFG.replace(num_layers=i), 4, 16, CFG.dtype)
+        return decoder_layers(x0, params.layers[:i], cache, batch, CFG)[0]
+
+    want = [x0] + [first_layers(i) for i in (2, 3)]
+    for stacked in (False, True):
+        p = _looped(params) if stacked else params
+        cache = init_kv_cache(CFG, 4, 16, CFG.dtype, stacked=stacked)
+        hidden, feats, _ = forward_features(p, cache, batch, CFG, None, kernels, (0, 2, 3))
+        assert len(feats) == 3
+        for f, w in zip(feats, want):  # eager ops against the loop's compiled layers:
+            # f32 rounding of a few layers' sums, 1e-6 of the stream's largest value
+            np.testing.assert_allclose(np.asarray(f), np.asarray(w), rtol=0,
+                                       atol=1e-6 * float(np.abs(w).max()))
+        np.testing.assert_array_equal(np.asarray(hidden),
+                                      np.asarray(forward(p, cache, batch, CFG, None, kernels)[0]))
+        for bad in ((2, 1), (4,), (-1,)):
+            with pytest.raises(ValueError, match="feature_layers"):
+                forward_features(p, cache, batch, CFG, None, kernels, bad)
+
+
 def test_a_compiled_step_holds_one_layers_kernels():
     """What the loop is for: XLA:CPU keeps one compiled kernel per fusion, and the unrolled
     model has every layer's, so its step grows with the layers; the loop's step holds one

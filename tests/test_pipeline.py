@@ -118,7 +118,7 @@ def test_a_zero_layer_is_the_identity():
     b = dataclasses.replace(b, block_tables=np.array([[1], [2]], np.int32),
                             slot_mapping=np.array([4, 5, 6, 9, 10, 0], np.int32))
     x = jax.random.normal(jax.random.key(1), (6, 32))
-    y, _ = _decoder_layers(x, (layer,), cache, jax.tree.map(jnp.asarray, b), cfg, None, Kernels())
+    y, _, _ = _decoder_layers(x, (layer,), cache, jax.tree.map(jnp.asarray, b), cfg, None, Kernels())
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
 
 

@@ -375,6 +375,55 @@ def test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step(params):
     assert all(x == tok for _, t in seen for x in t[:-1])
 
 
+def test_an_eagle3_head_reads_the_fused_layer_features_the_step_exports(params):
+    """An EAGLE-3-style head (fusing the features entering layers 0 and 1): greedy output
+    the plain engine's, pages back, and its feature pool holds, at each computed position
+    of the sequence, the fusion of what the target's layers read there (the step's
+    forward exports them to the head's sync)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from engine_utils import TINY_CFG, TINY_PAGE
+    from jaxserve.model.inputs import StepBatch
+    from jaxserve.model.kv_cache import init_kv_cache
+    from jaxserve.model.transformer import forward_features
+    from jaxserve.spec_decode.eagle import fused_features, head_config, init_head
+    requests = _requests(max_tokens=24)
+    base = outputs(tiny_engine(params), requests, [0, 0, 2])
+    vocab = np.sort(np.random.default_rng(1).choice(258, 64, replace=False))
+    hp = init_head(TINY_CFG, params, vocab, jax.random.key(1), scale=0.5, num_feature_layers=2)
+    engine = tiny_engine(params, eagle=(head_config(TINY_CFG), hp, (0, 1)),
+                         speculative_config=EAGLE)
+    seen = {}
+    verified = engine.scheduler.verified
+
+    def spy(seq, *a, **kw):
+        verified(seq, *a, **kw)
+        seen[seq.request_id] = (list(seq.block_table), (seq.prompt_ids + seq.output_ids)[:seq.num_computed])
+
+    engine.scheduler.verified = spy
+    assert outputs(engine, requests[:1], [0]) == {"r0": base["r0"]}
+    assert engine.stats().spec_decode.num_draft_tokens > 10
+    assert engine.pool.num_free == engine.pool.capacity
+    table, ids = seen["r0"]
+    L = len(ids)
+    pos = np.arange(L, dtype=np.int32)
+    slots = np.asarray(table)[pos // TINY_PAGE] * TINY_PAGE + pos % TINY_PAGE
+    pages = np.arange(1, 1 + -(-L // TINY_PAGE), dtype=np.int32)
+    batch = jax.tree.map(jnp.asarray, StepBatch(
+        tokens=np.asarray(ids, np.int32), positions=pos,
+        slot_mapping=pages[pos // TINY_PAGE] * TINY_PAGE + pos % TINY_PAGE,
+        block_tables=pages[None], seq_lens=np.array([L], np.int32),
+        query_start=np.array([0, L], np.int32), logits_indices=np.array([L - 1], np.int32)))
+    _, feats, _ = forward_features(params, init_kv_cache(TINY_CFG, len(pages) + 1, TINY_PAGE,
+                                                         TINY_CFG.dtype), batch, TINY_CFG,
+                                   feature_layers=(0, 1))
+    want = np.asarray(fused_features(hp.fuse, feats))
+    got = np.asarray(engine.runner.draft_cache[1])[slots]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_eagle_head_files_round_trip(params, tmp_path):
     import numpy as np
 
@@ -382,8 +431,8 @@ def test_eagle_head_files_round_trip(params, tmp_path):
     from jaxserve.spec_decode.eagle import load_head, save_head
     hcfg, hp = _tiny_head(params)
     save_head(tmp_path / "h", hp, TINY_CFG, {"note": "test"})
-    cfg2, hp2 = load_head(tmp_path / "h", TINY_CFG, params)
-    assert cfg2 == hcfg
+    cfg2, hp2, layers = load_head(tmp_path / "h", TINY_CFG, params)
+    assert cfg2 == hcfg and layers == () and hp2.fuse is None
     np.testing.assert_array_equal(np.asarray(hp2.vocab), np.asarray(hp.vocab))
     # stored in float16: 11 significant bits, a relative rounding of at most 2**-11
     np.testing.assert_allclose(np.asarray(hp2.body.layers[0].wq), np.asarray(hp.body.layers[0].wq),
@@ -393,6 +442,18 @@ def test_eagle_head_files_round_trip(params, tmp_path):
         load_head(tmp_path / "h", TINY_CFG.replace(hidden_size=64, num_heads=8), params)
     with pytest.raises(ConfigError, match="not an EAGLE head"):
         load_head(tmp_path, TINY_CFG, params)
+    # an EAGLE-3-style head: its fuse and feature layers come back
+    import jax
+
+    from jaxserve.spec_decode.eagle import init_head
+    hp3 = init_head(TINY_CFG, params, np.asarray(hp.vocab), jax.random.key(3), scale=0.5,
+                    num_feature_layers=2)
+    with pytest.raises(ValueError, match="feature_layers"):
+        save_head(tmp_path / "h3", hp3, TINY_CFG)
+    save_head(tmp_path / "h3", hp3, TINY_CFG, feature_layers=(0, 1))
+    _, got, layers = load_head(tmp_path / "h3", TINY_CFG, params)
+    assert layers == (0, 1)
+    np.testing.assert_allclose(np.asarray(got.fuse), np.asarray(hp3.fuse), rtol=2 ** -11, atol=1e-7)
 
 
 # --- configuration ------------------------------------------------------------------------

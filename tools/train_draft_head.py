@@ -13,7 +13,8 @@
    (jaxserve/bench/data/chat_handwritten.jsonl, copy_handwritten.jsonl) are written by hand
    and come from neither.
 2. Answers: the target's own greedy answers (jaxserve.LLM, all prompts batched).
-3. Features: the target's final hidden states over prompt + answer (its XLA forward).
+3. Features: the target's final hidden states over prompt + answer (its XLA forward), and
+   for an EAGLE-3-style head (--feature-layers) the residual streams entering those layers.
 4. Draft vocabulary: the --draft-vocab most frequent tokens of the answers.
 5. Training: windows of --window tokens fed by a `grain` pipeline (shuffled per seed),
    `optax` AdamW with warm-up + cosine decay and gradient clipping, the loss of
@@ -92,9 +93,11 @@ def generate_answers(llm, prompts: list[str], max_tokens: int) -> list[tuple[lis
     return [(x + done[f"t{i}"], len(x)) for i, x in enumerate(ids)]
 
 
-def target_features(ckpt, cfg, seqs: list[list[int]], max_len: int) -> list[np.ndarray]:
+def target_features(ckpt, cfg, seqs: list[list[int]], max_len: int,
+                    feature_layers: tuple[int, ...] = ()):
     """The target's final hidden states [L, D] (float16) of each sequence (cut to max_len),
-    by its XLA forward, one sequence per call."""
+    and the residual streams entering `feature_layers` [L, n, D] (float16; None when
+    there are none), by its XLA forward, one sequence per call."""
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
@@ -102,7 +105,7 @@ def target_features(ckpt, cfg, seqs: list[list[int]], max_len: int) -> list[np.n
     from jaxserve.checkpoint import load_params
     from jaxserve.model.kv_cache import init_kv_cache
     from jaxserve.model.inputs import StepBatch
-    from jaxserve.model.transformer import forward
+    from jaxserve.model.transformer import forward_features
 
     params = load_params(ckpt, cfg)
     ps = 16
@@ -110,9 +113,11 @@ def target_features(ckpt, cfg, seqs: list[list[int]], max_len: int) -> list[np.n
 
     @jax.jit
     def run(params, cache, batch):
-        return forward(params, cache, batch, cfg)
+        hidden, aux, cache = forward_features(params, cache, batch, cfg,
+                                              feature_layers=feature_layers)
+        return hidden, (jnp.stack(aux, 1) if aux else None), cache
 
-    out = []
+    out, out_aux = [], []
     caches = {}
     for ids in tqdm(seqs, desc="features", unit="seq"):
         ids = ids[:max_len]
@@ -130,41 +135,56 @@ def target_features(ckpt, cfg, seqs: list[list[int]], max_len: int) -> list[np.n
                           slot_mapping=slot, block_tables=pages[None], seq_lens=np.array([L], np.int32),
                           query_start=np.array([0, L], np.int32),
                           logits_indices=np.array([L - 1], np.int32))
-        hidden, caches[T] = run(params, caches[T], batch)
+        hidden, aux, caches[T] = run(params, caches[T], batch)
         out.append(np.asarray(hidden[:L], np.float16))
-    return out
+        out_aux.append(None if aux is None else np.asarray(aux[:L], np.float16))
+    return out, (out_aux if feature_layers else None)
 
 
-def windows(seqs, feats, window: int) -> list[dict]:
-    """Windows of `window` tokens (stride window) of each sequence: tokens, features,
-    positions, mask (1 where a position counts: real, and not a sequence's first)."""
-    out = []
-    D = feats[0].shape[1]
-    for ids, f in zip(seqs, feats):
-        L = len(f)
-        for s in range(0, L - 1, window):
-            n = min(window, L - s)
-            w = {"tokens": np.zeros(window, np.int32), "features": np.zeros((window, D), np.float16),
-                 "positions": np.zeros(window, np.int32), "mask": np.zeros(window, np.float32)}
-            w["tokens"][:n] = ids[s:s + n]
-            w["features"][:n] = f[s:s + n]
-            w["positions"][:n] = np.arange(s, s + n)
-            w["mask"][:n] = 1.0
-            if s == 0:
-                w["mask"][0] = 0.0
-            out.append(w)
-    return out
+class Windows:
+    """Windows of `window` tokens (stride window) of each sequence, built when read (a
+    grain source): tokens, features, positions, mask (1 where a position counts: real,
+    and not a sequence's first), and aux [window, n, D] when the sequences have them."""
+
+    def __init__(self, seqs, feats, window: int, aux=None):
+        self.seqs, self.feats, self.aux, self.window = seqs, feats, aux, window
+        self.index = [(i, s) for i, f in enumerate(feats) for s in range(0, len(f) - 1, window)]
+
+    def __len__(self):
+        return len(self.index)
+
+    def __getitem__(self, k):
+        i, s = self.index[k]
+        f, window = self.feats[i], self.window
+        n = min(window, len(f) - s)
+        w = {"tokens": np.zeros(window, np.int32),
+             "features": np.zeros((window, f.shape[1]), np.float16),
+             "positions": np.zeros(window, np.int32), "mask": np.zeros(window, np.float32)}
+        w["tokens"][:n] = self.seqs[i][s:s + n]
+        w["features"][:n] = f[s:s + n]
+        w["positions"][:n] = np.arange(s, s + n)
+        w["mask"][:n] = 1.0
+        if s == 0:
+            w["mask"][0] = 0.0
+        if self.aux is not None:
+            a = self.aux[i]
+            w["aux"] = np.zeros((window,) + a.shape[1:], np.float16)
+            w["aux"][:n] = a[s:s + n]
+        return w
 
 
 # --- evaluation ------------------------------------------------------------------------
 
 def acceptance(hp, embed, cfg, heldout, k: int, rng, num_positions: int = 64):
     """(teacher-forced top-1 agreement, mean acceptance length of greedy chains of k
-    drafts) on held-out sequences [(ids, prompt_len, features)], at num_positions answer
-    positions drawn by rng."""
+    drafts) on held-out sequences [(ids, prompt_len, features, aux or None)], at
+    num_positions answer positions drawn by rng."""
     import jax
 
-    from jaxserve.spec_decode.eagle_train import head_forward
+    from jaxserve.spec_decode.eagle_train import head_forward, input_features
+    fuse = jax.jit(lambda hp, f, a: input_features(hp, {"features": f, "aux": a})[0])
+    heldout = [(ids, pl, np.asarray(fuse(hp, f[None], None if a is None else a[None])))
+               for ids, pl, f, a in heldout]
     lm = np.asarray(hp.body.lm_head, np.float32)
     vocab = np.asarray(hp.vocab)
     W = 256 + k  # every chain padded to one shape (causal: padding after does not matter)
@@ -174,8 +194,7 @@ def acceptance(hp, embed, cfg, heldout, k: int, rng, num_positions: int = 64):
              for p in range(max(pl, 1), len(f) - k - 1)]
     picks = [cands[j] for j in rng.choice(len(cands), min(num_positions, len(cands)), replace=False)]
     for i, p in picks:
-        ids, _, f = heldout[i]
-        f = f.astype(np.float32)
+        ids, _, f = heldout[i]  # f: what the head reads beside each token
         lo = max(0, p - 255)
         toks = np.zeros(W, np.int32)
         prev = np.zeros((W, f.shape[1]), np.float32)
@@ -227,6 +246,10 @@ def main(argv=None) -> int:
                     help="draft depths trained: 1 = EAGLE's teacher forcing (the shipped "
                          "head); 2+ = the head also learns from its own guesses (EAGLE-3's "
                          "training-time test; ~1.6x the time per step at 2)")
+    ap.add_argument("--feature-layers", default="none",
+                    help="'none': the head reads the target's final hidden state (EAGLE); "
+                         "'eagle3': it fuses the residual streams entering layers 2, L // 2 "
+                         "and L - 3 (EAGLE-3); or comma-separated layer indices")
     ap.add_argument("--k", type=int, default=4, help="chain length of the acceptance estimate")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -242,7 +265,8 @@ def main(argv=None) -> int:
     from jaxserve.checkpoint import load_model_config, load_params
     from jaxserve.config import load_config
     from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
-    from jaxserve.spec_decode.eagle import head_config, init_head, save_head
+    from jaxserve.spec_decode.eagle import (default_feature_layers, head_config, init_head,
+                                            save_head)
     from jaxserve.spec_decode.eagle_train import join, loss_fn, split
 
     t_start = time.perf_counter()
@@ -252,6 +276,12 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = resolve_checkpoint(config.source, cache)
     cfg = load_model_config(ckpt)
+    if args.feature_layers == "none":
+        feature_layers = ()
+    elif args.feature_layers == "eagle3":
+        feature_layers = default_feature_layers(cfg.num_layers)
+    else:
+        feature_layers = tuple(int(x) for x in args.feature_layers.split(","))
 
     data_file = work / "data.npz"
     if data_file.exists():
@@ -266,10 +296,21 @@ def main(argv=None) -> int:
         del llm
         seqs = [np.asarray(ids[:args.max_len], np.int32) for ids, _ in pairs]
         prompt_lens = [pl for _, pl in pairs]
-        feats = target_features(ckpt, cfg, [s.tolist() for s in seqs], args.max_len)
+        feats, _ = target_features(ckpt, cfg, [s.tolist() for s in seqs], args.max_len)
         np.savez(data_file, seqs=np.asarray(seqs, dtype=object),
                  prompt_lens=np.asarray(prompt_lens), feats=np.asarray(feats, dtype=object))
         log(f"data: {len(seqs)} sequences, {sum(len(s) for s in seqs)} tokens -> {data_file}")
+
+    aux = None
+    if feature_layers:  # the residual streams entering them, cached beside the data
+        aux_file = work / f"aux-{'-'.join(map(str, feature_layers))}.npz"
+        if aux_file.exists():
+            aux = list(np.load(aux_file, allow_pickle=True)["aux"])
+        else:
+            _, aux = target_features(ckpt, cfg, [s.tolist() for s in seqs], args.max_len,
+                                     feature_layers)
+            np.savez(aux_file, aux=np.asarray(aux, dtype=object))
+        log(f"features entering layers {list(feature_layers)}: {aux_file}")
 
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(seqs))
@@ -284,9 +325,11 @@ def main(argv=None) -> int:
     target = load_params(ckpt, cfg)
     embed = jnp.asarray(target.embed)
     hcfg = head_config(cfg, args.intermediate_size)
-    hp = init_head(cfg, target, vocab, jax.random.key(args.seed), args.intermediate_size)
+    hp = init_head(cfg, target, vocab, jax.random.key(args.seed), args.intermediate_size,
+                   num_feature_layers=len(feature_layers))
     trainable, frozen = split(hp, embed)
-    train = windows([seqs[i] for i in train_idx], [feats[i] for i in train_idx], args.window)
+    train = Windows([seqs[i] for i in train_idx], [feats[i] for i in train_idx], args.window,
+                    None if aux is None else [aux[i] for i in train_idx])
     log(f"train: {len(train)} windows of {args.window} tokens; held out: {len(held_idx)} sequences")
 
     ds = (grain.MapDataset.source(train).shuffle(seed=args.seed).repeat()
@@ -313,7 +356,8 @@ def main(argv=None) -> int:
         updates, opt_state = opt.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, loss, aux
 
-    heldout = [(seqs[i], prompt_lens[i], feats[i]) for i in held_idx]
+    heldout = [(seqs[i], prompt_lens[i], feats[i], None if aux is None else aux[i])
+               for i in held_idx]
     key = jax.random.key(args.seed)
     history = []
     bar = tqdm(range(start, args.steps), desc="train", unit="step", initial=start,
@@ -341,7 +385,7 @@ def main(argv=None) -> int:
             "final_loss": history[-1] if history else None,
             "minutes": round((time.perf_counter() - t_start) / 60, 1),
             "args": vars(args)}
-    out = save_head(args.out, join(trainable, frozen), cfg, info)
+    out = save_head(args.out, join(trainable, frozen), cfg, info, feature_layers)
     size = sum(f.stat().st_size for f in out.iterdir())
     log(f"head -> {out} ({size / 2**20:.1f} MiB); held-out top-1 {top1:.3f}, mean acceptance "
         f"length {mal:.2f}; {info['minutes']} min")

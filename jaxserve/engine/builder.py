@@ -24,7 +24,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.model.kv_cache import init_kv_cache
 from jaxserve.model.lora import attach_pools
 from jaxserve.model.params import PROJECTIONS, dummy_params
-from jaxserve.model.pipeline import stage_params
+from jaxserve.model.pipeline import num_stages, stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead, load_head
@@ -205,20 +205,30 @@ def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules |
                 ecfg, kernels, kv_dtype, layout):
     """make(num_pages) -> (drafter, params, cache) of an EAGLE head: its layer's K/V and
     the target's f32 feature of each token slot."""
-    cfg, head = load_head(spec.model, target, target_params)
+    cfg, head, feature_layers = load_head(spec.model, target, target_params)
+    if feature_layers and rules is not None and num_stages(rules) > 1:
+        raise ConfigError(f"SpeculativeConfig.model: {spec.model} fuses the features of "
+                          f"layers {list(feature_layers)}, which pipeline parallelism keeps "
+                          "on their own stages: use a head reading the final hidden state")
     tp = rules.mesh.size if rules is not None else 1
     body, cfg = expand_kv_heads(head.body, cfg, tp)
     head = dataclasses.replace(head, body=body)
-    # on a mesh: the head's layer split like the model's, its fc, draft vocabulary and
-    # feature pool replicated (a few MB)
+    # on a mesh: the head's layer split like the model's, its fc, fuse, draft vocabulary
+    # and feature pool replicated (a few MB); fc and fuse in f32, the precision the head
+    # computes them in (not converted again at every call)
     rep = NamedSharding(rules.mesh, PartitionSpec()) if rules is not None else None
+
+    def f32(a):
+        return None if a is None else jax.device_put(jnp.asarray(a, jnp.float32), rep)
+
     head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels, rules),
-                               fc=jax.device_put(head.fc, rep), vocab=jax.device_put(head.vocab, rep))
+                               fc=f32(head.fc), vocab=jax.device_put(head.vocab, rep),
+                               fuse=f32(head.fuse))
     page_size, D = ecfg.cache.page_size, target.hidden_size
 
     def make(n):
         feats = jnp.zeros((n * page_size, D), jnp.float32, device=rep)
-        return (EagleHead(cfg), head,
+        return (EagleHead(cfg, feature_layers), head,
                 (init_kv_cache(cfg, n, page_size, kv_dtype, rules, layout), feats))
     return make
 

@@ -106,10 +106,25 @@ def forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
     Under a tensor-parallel mesh (`rules`) the embedding and the layers run per device
     (jaxserve.model.tensor_parallel); the hidden states come back replicated.
     """
+    hidden, _, cache = forward_features(params, cache, batch, cfg, rules, kernels)
+    return hidden, cache
+
+
+def forward_features(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
+                     rules: ShardingRules | None = None, kernels: Kernels = Kernels(),
+                     feature_layers: tuple[int, ...] = ()
+                     ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+    """`forward`, also returning the residual stream entering each layer of
+    `feature_layers` (ascending layer indices, each < cfg.num_layers): (hidden [T, D]
+    after the final norm, features: one [T, D] cfg.dtype per index, cache). What an
+    EAGLE-3 draft head reads (Li et al. 2025: the low, middle and high layers' features;
+    vLLM's `aux_hidden_state_layers`, taken at the same point: before layer i runs).
+    Raises ValueError for indices out of order or range, or under a pipeline mesh."""
     x = tp.embed_tokens(params.embed, batch.tokens, rules).astype(cfg.dtype)
     x = constrain(rules, x, ACT_AXES)
-    x, cache = decoder_layers(x, params.layers, cache, batch, cfg, rules, kernels)
-    return rms_norm(x, params.final_norm, cfg.rms_norm_eps), cache
+    x, feats, cache = _run_layers(x, params.layers, cache, batch, cfg, rules, kernels,
+                                  tuple(feature_layers))
+    return rms_norm(x, params.final_norm, cfg.rms_norm_eps), feats, cache
 
 
 def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
@@ -126,26 +141,47 @@ def decoder_layers(x: jax.Array, layers, cache: KVCache, batch: StepBatch, cfg: 
     each stage running its layers on its own tensor-parallel group as above.
     StackedLayers (one device, jaxserve.model.layer_loop) run as a loop over the stack,
     with the cache's stacked pools."""
+    x, _, cache = _run_layers(x, layers, cache, batch, cfg, rules, kernels, ())
+    return x, cache
+
+
+def _run_layers(x, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
+                rules: ShardingRules | None, kernels: Kernels, feature_layers: tuple[int, ...]):
+    """decoder_layers, also returning the residual stream entering each layer of
+    `feature_layers`: (x, features tuple, cache)."""
+    n = len(layers) if not isinstance(layers, (StackedLayers, pipeline.StagedLayers)) \
+        else layers.num_layers
+    if list(feature_layers) != sorted(set(feature_layers)) or any(
+            not 0 <= i < n for i in feature_layers):
+        raise ValueError(f"feature_layers {feature_layers}: ascending layer indices in "
+                         f"[0, {n})")
     if isinstance(layers, StackedLayers):
         if rules is not None and (tp.tp_axis(rules) is not None or pipeline.num_stages(rules) > 1):
             raise ValueError("the layer loop runs on one device: no tensor or pipeline mesh")
-        return _looped_layers(x, layers, cache, batch, cfg, rules, kernels)
+        return _looped_layers(x, layers, cache, batch, cfg, rules, kernels, feature_layers)
     if isinstance(layers, pipeline.StagedLayers):
+        if feature_layers:
+            raise ValueError("feature_layers: not under pipeline parallelism (the features "
+                             "of a layer live on its stage)")
         def local(x, lps, pool, b, reduce_heads, reduce_mlp):
-            return _decoder_layers(x, lps, pool, b, cfg, None, kernels, reduce_heads, reduce_mlp)
-        return pipeline.pipeline_layers(x, layers, cache, batch, rules, local)
+            return _decoder_layers(x, lps, pool, b, cfg, None, kernels, reduce_heads,
+                                   reduce_mlp)[::2]
+        x, cache = pipeline.pipeline_layers(x, layers, cache, batch, rules, local)
+        return x, (), cache
     axis = tp.tp_axis(rules)
     if axis is None:
-        return _decoder_layers(x, layers, cache, batch, cfg, rules, kernels)
+        return _decoder_layers(x, layers, cache, batch, cfg, rules, kernels,
+                               feature_layers=feature_layers)
     heads, mlp = tp.splits(layers[0], rules)
     local = functools.partial(_decoder_layers, cfg=cfg, rules=None, kernels=kernels,
                               reduce_heads=axis if heads else None,
-                              reduce_mlp=axis if mlp else None)
+                              reduce_mlp=axis if mlp else None, feature_layers=feature_layers)
     layer_specs = tuple(tp.layer_specs(lp, rules) for lp in layers)
     kv_specs = tp.cache_specs(cache, rules)
     rep = tp.REPLICATED
     return jax.shard_map(local, mesh=rules.mesh, in_specs=(rep, layer_specs, kv_specs, rep),
-                         out_specs=(rep, kv_specs), check_vma=False)(x, tuple(layers), cache, batch)
+                         out_specs=(rep, (rep,) * len(feature_layers), kv_specs),
+                         check_vma=False)(x, tuple(layers), cache, batch)
 
 
 def _step_tables(batch: StepBatch, cfg: ModelConfig, kernels: Kernels, page_size: int):
@@ -176,9 +212,11 @@ def _decoder_layer(x, lp: LayerParams, k_pages, v_pages, cos, sin, batch: StepBa
 
 
 def _looped_layers(x, layers: StackedLayers, cache: KVCache, batch: StepBatch,
-                   cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels):
+                   cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels,
+                   feature_layers: tuple[int, ...] = ()):
     """The decoder layers as a fori_loop over `layers`' stack and the cache's stacked
-    pools (KVCache.stacked), carried through the loop and updated in place."""
+    pools (KVCache.stacked), carried through the loop and updated in place; one loop per
+    stretch between feature layers, x kept at each: (x, features, cache)."""
     if not cache.stacked:
         raise ValueError("stacked layers need a stacked KV pool (init_kv_cache(stacked=True))")
     cos, sin, meta = _step_tables(batch, cfg, kernels, cache.page_size)
@@ -188,24 +226,35 @@ def _looped_layers(x, layers: StackedLayers, cache: KVCache, batch: StepBatch,
         return _decoder_layer(x, layer_view(layers, i), k_pool, v_pool, cos, sin, batch, meta,
                               cfg, rules, kernels, cache.layout, layer=i)
 
-    x, k_pool, v_pool = jax.lax.fori_loop(0, layers.num_layers, body,
-                                          (x, cache.k[0], cache.v[0]))
-    return x, KVCache(k=(k_pool,), v=(v_pool,), layout=cache.layout, stacked=True)
+    carry, feats, done = (x, cache.k[0], cache.v[0]), [], 0
+    for stop in tuple(feature_layers) + (layers.num_layers,):
+        if stop > done:
+            carry = jax.lax.fori_loop(done, stop, body, carry)
+        feats.append(carry[0])
+        done = stop
+    feats.pop()  # the last: the output of the last layer, not a feature
+    x, k_pool, v_pool = carry
+    return x, tuple(feats), KVCache(k=(k_pool,), v=(v_pool,), layout=cache.layout,
+                                    stacked=True)
 
 
 def _decoder_layers(x, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
                     rules: ShardingRules | None, kernels: Kernels,
-                    reduce_heads: str | None = None, reduce_mlp: str | None = None):
+                    reduce_heads: str | None = None, reduce_mlp: str | None = None,
+                    feature_layers: tuple[int, ...] = ()):
     """decoder_layers on one device (or under GSPMD with `rules`); reduce_heads /
-    reduce_mlp: mesh axes to psum the wo / w_down outputs over (inside shard_map)."""
+    reduce_mlp: mesh axes to psum the wo / w_down outputs over (inside shard_map):
+    (x, the features entering `feature_layers`, cache)."""
     cos, sin, meta = _step_tables(batch, cfg, kernels, cache.page_size)
-    ks, vs = [], []
+    ks, vs, feats = [], [], []
     for i, lp in enumerate(layers):
+        if i in feature_layers:
+            feats.append(x)
         x, kp, vp = _decoder_layer(x, lp, cache.k[i], cache.v[i], cos, sin, batch, meta, cfg,
                                    rules, kernels, cache.layout, reduce_heads, reduce_mlp)
         ks.append(kp)
         vs.append(vp)
-    return x, KVCache(k=tuple(ks), v=tuple(vs), layout=cache.layout)
+    return x, tuple(feats), KVCache(k=tuple(ks), v=tuple(vs), layout=cache.layout)
 
 
 def compute_logits(params: Params, hidden: jax.Array, rules: ShardingRules | None = None,

@@ -41,15 +41,20 @@ class Drafter:
     """What a drafter does on device (static: hashable, part of the compiled step's
     configuration; its arrays are passed in: `dparams`, and `dcache`, donated).
 
-    sync: run over a step's rows (the target's hidden states [T, D] at them given), writing
-        the drafter's K/V; returns the new dcache.
+    feature_layers: the layers whose entering residual streams `sync` reads (the step's
+        forward exports them: transformer.forward_features); () for none.
+    sync: run over a step's rows (the target's hidden states [T, D] at them given, and
+        the features of `feature_layers`: one [T, D] each), writing the drafter's K/V;
+        returns the new dcache.
     start: the carry of the first proposal iteration for the decode batch `pb` of each
         sequence's last token.
     step: one proposal iteration on decode batch `pb`: (logits [S, V] f32 over the target's
         vocabulary, the next carry, dcache)."""
 
+    feature_layers: tuple[int, ...] = ()
+
     def sync(self, params: Params, dparams, dcache, batch: StepBatch, hidden: jax.Array,
-             rules: ShardingRules | None, kernels: Kernels):
+             features: tuple[jax.Array, ...], rules: ShardingRules | None, kernels: Kernels):
         raise NotImplementedError
 
     def start(self, params: Params, dparams, dcache, pb: StepBatch) -> Any:
@@ -66,7 +71,7 @@ class DraftModel(Drafter):
 
     cfg: ModelConfig
 
-    def sync(self, params, dparams, dcache, batch, hidden, rules, kernels):
+    def sync(self, params, dparams, dcache, batch, hidden, features, rules, kernels):
         _, dcache = forward(dparams, dcache, batch, self.cfg, rules, kernels)
         return dcache
 

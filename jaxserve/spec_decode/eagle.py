@@ -12,12 +12,22 @@ Uncertainty"), indexed one position later (the head's element p pairs token p wi
 p - 1, which both exist once the target has computed p - 1); the reduced vocabulary as
 EAGLE-3 / FR-Spec (Zhao et al. 2025) read the head out.
 
-The target's features are kept per token slot in a feature pool [num_pages * page_size, D]
-beside the head's KV pool (the drafter's cache: (KVCache, features)), written by every
-step, so that a step's first row finds the feature of the position before it.
+An EAGLE-3-style head (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of
+Large Language Models via Training-Time Test") reads, in place of the final hidden state,
+a fusion of the residual streams entering three of the target's layers (low, middle,
+high: `feature_layers`, by default 2, L // 2 and L - 3 as EAGLE-3 and vLLM take them):
+each RMS-normalised (no weight), concatenated and projected by `fuse` [3D -> D]. While
+proposing it feeds its own output forward in that place; it is trained on its own guesses
+(eagle_train's draft depths) with the token loss only, as EAGLE-3 is.
+
+The target's features (fused, for an EAGLE-3-style head) are kept per token slot in a
+feature pool [num_pages * page_size, D] beside the head's KV pool (the drafter's cache:
+(KVCache, features)), written by every step, so that a step's first row finds the feature
+of the position before it.
 
 Files (`save_head` / `load_head`): `config.json` (format, the head layer's shape, the
-target's shape it was trained for) and `head.safetensors` (fc, the layer, norm, vocab ids).
+target's shape it was trained for, the feature layers) and `head.safetensors` (fc, fuse,
+the layer, norm, vocab ids).
 """
 
 from __future__ import annotations
@@ -52,11 +62,31 @@ class EagleParams:
     """fc: [2D, D] (input: concat(token embedding, previous feature)); body: Params of one
     layer (`layers`), its output norm (`final_norm`) and the draft vocabulary's LM head
     (`lm_head` [D, N]: the target's head columns of those tokens; `embed` None); vocab:
-    [N] int32, the target token id of each draft logit."""
+    [N] int32, the target token id of each draft logit; fuse: [3D, D] for an EAGLE-3-style
+    head (`fused_features`), None for one reading the target's final hidden state."""
 
     fc: Any
     body: Params
     vocab: Any
+    fuse: Any = None
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high layers (2, L // 2, L - 3; vLLM's
+    `aux_hidden_state_layers`): the residual streams entering them are fused."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def fused_features(fuse: jax.Array, features) -> jax.Array:
+    """The fused feature [T, D] f32 of the residual streams `features` (one [T, D] per
+    feature layer; `forward_features`): each RMS-normalised without weight, concatenated,
+    times fuse [len(features) * D, D]."""
+    def normed(f):
+        f = f.astype(jnp.float32)
+        return f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + 1e-6)
+
+    x = jnp.concatenate([normed(f) for f in features], -1)
+    return jnp.dot(x, fuse.astype(jnp.float32))
 
 
 def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
@@ -74,18 +104,25 @@ def eagle_page_bytes(target: ModelConfig, page_size: int, kv_dtype: Any) -> int:
 
 
 def init_head(target: ModelConfig, target_params: Params, vocab: np.ndarray, key: jax.Array,
-              intermediate_size: int | None = None, scale: float = 0.02) -> EagleParams:
+              intermediate_size: int | None = None, scale: float = 0.02,
+              num_feature_layers: int = 0) -> EagleParams:
     """A random head (normal(scale) matrices, unit norms) for the draft vocabulary `vocab`
-    ([N] token ids), its LM head taken from the target's."""
+    ([N] token ids), its LM head taken from the target's; num_feature_layers > 0: an
+    EAGLE-3-style head fusing that many layers' features (`fuse` [n * D, D])."""
     cfg = head_config(target, intermediate_size)
     layer = init_params(cfg, key, scale=scale).layers[0]
     D = target.hidden_size
     fc = scale * jax.random.normal(jax.random.fold_in(key, 99), (2 * D, D), jnp.float32)
+    fuse = None
+    if num_feature_layers:
+        fuse = scale * jax.random.normal(jax.random.fold_in(key, 98),
+                                         (num_feature_layers * D, D), jnp.float32)
+        fuse = fuse.astype(cfg.dtype)
     return EagleParams(fc=fc.astype(cfg.dtype),
                        body=Params(embed=None, layers=(layer,),
                                    final_norm=jnp.ones((D,), cfg.dtype),
                                    lm_head=draft_lm_head(target_params, vocab)),
-                       vocab=jnp.asarray(vocab, jnp.int32))
+                       vocab=jnp.asarray(vocab, jnp.int32), fuse=fuse)
 
 
 def draft_lm_head(target_params: Params, vocab: np.ndarray) -> jax.Array:
@@ -135,13 +172,16 @@ def _gather(features: jax.Array, slots: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class EagleHead(Drafter):
     """The drafter of an EAGLE head whose layer has shape `cfg` (head_config). Its cache:
-    (KVCache of one layer, features [num_slots, D] of the target)."""
+    (KVCache of one layer, features [num_slots, D] of the target: its final hidden states,
+    or for an EAGLE-3-style head the fusion of those entering `feature_layers`)."""
 
     cfg: ModelConfig
+    feature_layers: tuple[int, ...] = ()
 
-    def sync(self, params, hp, dcache, batch, hidden, rules, kernels):
+    def sync(self, params, hp, dcache, batch, hidden, features, rules, kernels):
         kv, feats = dcache
-        feats = feats.at[batch.slot_mapping].set(hidden.astype(feats.dtype))
+        new = fused_features(hp.fuse, features) if self.feature_layers else hidden
+        feats = feats.at[batch.slot_mapping].set(new.astype(feats.dtype))
         prev = _gather(feats, prev_slots(batch, kv.page_size))
         _, kv = head_features(hp, params.embed, kv, batch, prev, self.cfg, rules, kernels)
         return kv, feats
@@ -165,6 +205,8 @@ class EagleHead(Drafter):
 def _flat(hp: EagleParams) -> dict[str, np.ndarray]:
     lp = hp.body.layers[0]
     out = {"fc": hp.fc, "norm": hp.body.final_norm, "vocab": hp.vocab}
+    if hp.fuse is not None:
+        out["fuse"] = hp.fuse
     for f in dataclasses.fields(LayerParams):
         v = getattr(lp, f.name)
         if v is not None:
@@ -173,9 +215,13 @@ def _flat(hp: EagleParams) -> dict[str, np.ndarray]:
 
 
 def save_head(out_dir: str | Path, hp: EagleParams, target: ModelConfig,
-              info: dict | None = None) -> Path:
+              info: dict | None = None, feature_layers: tuple[int, ...] = ()) -> Path:
     """Write the head (not its LM head: taken from the target at load) to `out_dir`, its
-    weights in float16; returns the directory."""
+    weights in float16; feature_layers: those an EAGLE-3-style head fuses (hp.fuse);
+    returns the directory."""
+    if bool(feature_layers) != (hp.fuse is not None) or (
+            hp.fuse is not None and hp.fuse.shape[0] != len(feature_layers) * target.hidden_size):
+        raise ValueError(f"feature_layers {feature_layers} do not match the head's fuse")
     from safetensors.numpy import save_file
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -185,8 +231,10 @@ def save_head(out_dir: str | Path, hp: EagleParams, target: ModelConfig,
               "draft_vocab_size": int(hp.vocab.shape[0]),
               "target": {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
                          "num_heads": target.num_heads, "num_kv_heads": target.num_kv_heads,
-                         "head_dim": target.head_dim},
+                         "head_dim": target.head_dim, "num_layers": target.num_layers},
               "info": info or {}}
+    if feature_layers:
+        header["feature_layers"] = [int(i) for i in feature_layers]
     # float16: half the bytes of f32 in the repository, ample for weights of this size
     save_file({k: np.ascontiguousarray(v.astype(np.float16) if v.dtype.kind == "f" else v)
                for k, v in _flat(hp).items()}, str(out / "head.safetensors"))
@@ -195,10 +243,12 @@ def save_head(out_dir: str | Path, hp: EagleParams, target: ModelConfig,
 
 
 def load_head(path: str | Path, target: ModelConfig, target_params: Params
-              ) -> tuple[ModelConfig, EagleParams]:
+              ) -> tuple[ModelConfig, EagleParams, tuple[int, ...]]:
     """The head at `path` for `target` (its LM head taken from `target_params`), in the
-    target's dtype. Raises ConfigError naming SpeculativeConfig.model when `path` is not
-    a head or was made for another target shape."""
+    target's dtype: (its layer's config, params, the feature layers it fuses: () for a
+    head reading the final hidden state). Raises ConfigError naming
+    SpeculativeConfig.model when `path` is not a head or was made for another target
+    shape."""
     from safetensors.numpy import load_file
     d = Path(path)
     try:
@@ -218,9 +268,15 @@ def load_head(path: str | Path, target: ModelConfig, target_params: Params
                            for f in dataclasses.fields(LayerParams)
                            if f"layer.{f.name}" in tensors})
     vocab = tensors["vocab"].astype(np.int32)
+    feature_layers = tuple(header.get("feature_layers", ()))
+    if feature_layers and ("fuse" not in tensors or tensors["fuse"].shape != (
+            len(feature_layers) * target.hidden_size, target.hidden_size)):
+        raise ConfigError(f"SpeculativeConfig.model: {d} names feature_layers "
+                          f"{list(feature_layers)} but has no matching fuse tensor")
     hp = EagleParams(fc=jnp.asarray(tensors["fc"], dt),
                      body=Params(embed=None, layers=(layer,),
                                  final_norm=jnp.asarray(tensors["norm"], dt),
                                  lm_head=draft_lm_head(target_params, vocab).astype(dt)),
-                     vocab=jnp.asarray(vocab))
-    return cfg, hp
+                     vocab=jnp.asarray(vocab),
+                     fuse=jnp.asarray(tensors["fuse"], dt) if feature_layers else None)
+    return cfg, hp, feature_layers

@@ -10,6 +10,12 @@ Inputs carry a little uniform noise (EAGLE's data augmentation: at inference the
 reads its own guesses). `head_forward` is the same computation as the serving path
 (jaxserve.spec_decode.eagle.head_features over the paged KV pool), written over whole
 windows with a causal mask (tested equal).
+
+An EAGLE-3-style head (`EagleParams.fuse`) reads the fusion of the target's features
+entering its feature layers (`eagle.fused_features`) in place of the final hidden state
+and learns from the token loss only (EAGLE-3 drops the feature regression: the head's
+output, fed forward in the fused feature's place, need not match any one layer); train it
+over as many draft depths as it will propose.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
-from jaxserve.spec_decode.eagle import EagleParams
+from jaxserve.spec_decode.eagle import EagleParams, fused_features
 
 REG_WEIGHT, CLS_WEIGHT = 1.0, 0.1   # EAGLE's loss weights
 NOISE = 0.1                          # half-width of the uniform noise on input features (x RMS)
@@ -99,21 +105,37 @@ def shifted_features(features: jax.Array) -> jax.Array:
     return jnp.pad(features, ((0, 0), (1, 0), (0, 0)))[:, :-1]
 
 
+def input_features(hp: EagleParams, batch) -> jax.Array:
+    """[B, W, D] f32: what the head reads beside each token at depth 0 (before the shift
+    to the next position): the target's final features, or for an EAGLE-3-style head the
+    fusion of batch["aux"] [B, W, n, D] (the residual streams entering its n feature
+    layers)."""
+    if hp.fuse is None:
+        return batch["features"].astype(jnp.float32)
+    aux = batch["aux"]
+    return fused_features(hp.fuse, [aux[:, :, i] for i in range(aux.shape[2])])
+
+
 def loss_fn(trainable, frozen, batch, cfg: ModelConfig, key: jax.Array | None = None,
             depths: int = 1):
     """EAGLE's loss on a batch {tokens [B, W], features [B, W, D], positions [B, W],
-    mask [B, W] (1 where the position counts)}, over draft depths 0 .. depths - 1
+    mask [B, W] (1 where the position counts), and for an EAGLE-3-style head aux
+    [B, W, n, D] (`input_features`)}, over draft depths 0 .. depths - 1
     (`head_forward_depths`; depth j weighs DEPTH_DECAY ** j; at depth j > 0 a window's
     first j + 1 positions do not count: the guesses they would read lie before it).
-    trainable: {"fc", "layer", "norm"}; frozen: {"embed" [V, D], "lm_head" [D, N]}.
-    key: noise on the target's input features (None: none). Returns (loss, {"reg", "cls",
-    "top1", "top1_<j>"}) where reg / cls / top1 are depth 0's and top1 is the share of
-    positions whose head argmax is the target's."""
+    trainable: {"fc", "layer", "norm"[, "fuse"]}; frozen: {"embed" [V, D], "lm_head"
+    [D, N]}. key: noise on the head's input features (None: none). The feature
+    regression weighs REG_WEIGHT, 0 for an EAGLE-3-style head. Returns (loss, {"reg",
+    "cls", "top1", "top1_<j>"}) where reg / cls / top1 are depth 0's and top1 is the share
+    of positions whose head argmax is the target's."""
     hp = join(trainable, frozen)
     feats = batch["features"].astype(jnp.float32)
-    prev = shifted_features(feats)
+    prev = shifted_features(input_features(hp, batch))
+    reg_weight = REG_WEIGHT if hp.fuse is None else 0.0
     if key is not None:
-        scale = jnp.sqrt(jnp.mean(prev ** 2, axis=-1, keepdims=True))
+        # the noise's size is no function to train (and sqrt's gradient at a zero row,
+        # the window's first and padding, is inf)
+        scale = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(prev ** 2, axis=-1, keepdims=True)))
         prev = prev + NOISE * scale * jax.random.uniform(key, prev.shape, minval=-1, maxval=1)
     guesses = head_forward_depths(hp, frozen["embed"], batch["tokens"], prev,
                                   batch["positions"], cfg, depths)
@@ -134,7 +156,7 @@ def loss_fn(trainable, frozen, batch, cfg: ModelConfig, key: jax.Array | None = 
         cls = (-(jnp.exp(target_logp) * jax.nn.log_softmax(guess_logits, -1)).sum(-1)
                * mask).sum() / denom
         top1 = ((guess_logits.argmax(-1) == target_top) * mask).sum() / denom
-        total = total + DEPTH_DECAY ** j * (REG_WEIGHT * reg + CLS_WEIGHT * cls)
+        total = total + DEPTH_DECAY ** j * (reg_weight * reg + CLS_WEIGHT * cls)
         aux[f"top1_{j}"] = top1
         if j == 0:
             aux.update(reg=reg, cls=cls, top1=top1)
@@ -143,8 +165,10 @@ def loss_fn(trainable, frozen, batch, cfg: ModelConfig, key: jax.Array | None = 
 
 def split(hp: EagleParams, embed: jax.Array) -> tuple[dict, dict]:
     """(trainable, frozen) pytrees of a head (see loss_fn)."""
-    return ({"fc": hp.fc, "layer": hp.body.layers[0], "norm": hp.body.final_norm},
-            {"embed": embed, "lm_head": hp.body.lm_head, "vocab": hp.vocab})
+    trainable = {"fc": hp.fc, "layer": hp.body.layers[0], "norm": hp.body.final_norm}
+    if hp.fuse is not None:
+        trainable["fuse"] = hp.fuse
+    return trainable, {"embed": embed, "lm_head": hp.body.lm_head, "vocab": hp.vocab}
 
 
 def join(trainable, frozen) -> EagleParams:
@@ -153,4 +177,4 @@ def join(trainable, frozen) -> EagleParams:
     return EagleParams(fc=trainable["fc"],
                        body=Params(embed=None, layers=(trainable["layer"],),
                                    final_norm=trainable["norm"], lm_head=frozen["lm_head"]),
-                       vocab=frozen["vocab"])
+                       vocab=frozen["vocab"], fuse=trainable.get("fuse"))

@@ -28,8 +28,8 @@ from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.params import Params
 from jaxserve.model.pooling import pool_hidden
 from jaxserve.model.inputs import StepBatch, next_decode_batch, shift_sequences
-from jaxserve.model.transformer import (Kernels, compute_logits, forward, last_token_logits,
-                                        logits_sharding, pin_lm_head)
+from jaxserve.model.transformer import (Kernels, compute_logits, forward_features,
+                                        last_token_logits, logits_sharding, pin_lm_head)
 from jaxserve.sample.logits_processors import (apply_controls, controls_active, history,
                                                write_token_pool)
 from jaxserve.sample.rejection_sampler import rejection_sample
@@ -88,6 +88,21 @@ def _prompt_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
                         lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
 
 
+def _forward_sync(params: Params, cache: KVCache, batch: StepBatch, draft_params, draft_cache,
+                  cfg: ModelConfig, drafter: Drafter | None, rules: ShardingRules | None,
+                  kernels: Kernels):
+    """The forward pass and the drafter's sync over the same rows (its K/V keep up with
+    the target's; it reads the target's hidden states and the features of its
+    `feature_layers`): (hidden [T, D], cache, draft_cache)."""
+    layers = drafter.feature_layers if drafter is not None else ()
+    hidden, features, cache = forward_features(params, cache, batch, cfg, rules, kernels,
+                                               layers)
+    if drafter is not None:
+        draft_cache = drafter.sync(params, draft_params, draft_cache, batch, hidden,
+                                   features, rules, kernels)
+    return hidden, cache, draft_cache
+
+
 def _forward_logits(params: Params, cache: KVCache, batch: StepBatch, draft_params,
                     draft_cache, token_pool, *, cfg: ModelConfig, drafter: Drafter | None,
                     rules: ShardingRules | None, kernels: Kernels):
@@ -96,10 +111,8 @@ def _forward_logits(params: Params, cache: KVCache, batch: StepBatch, draft_para
     draft_cache, token_pool). A drafter (speculative decoding) runs over the same rows, so
     that its K/V keep up with the target's."""
     token_pool = write_token_pool(token_pool, batch.slot_mapping, batch.tokens)
-    hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
-    if drafter is not None:
-        draft_cache = drafter.sync(params, draft_params, draft_cache, batch, hidden, rules,
-                                   kernels)
+    hidden, cache, draft_cache = _forward_sync(params, cache, batch, draft_params,
+                                               draft_cache, cfg, drafter, rules, kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices, rules, kernels.matmul)
     return hidden, logits, cache, draft_cache, token_pool
 
@@ -295,10 +308,8 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
             cache.page_size, cfg.vocab_size, rules, kernels)
         batch = draft_model.fill_drafts(batch, drafts, num_drafts)
     token_pool = write_token_pool(token_pool, batch.slot_mapping, batch.tokens)
-    hidden, cache = forward(params, cache, batch, cfg, rules, kernels)
-    if drafter is not None:
-        draft_cache = drafter.sync(params, draft_params, draft_cache, batch, hidden, rules,
-                                   kernels)
+    hidden, cache, draft_cache = _forward_sync(params, cache, batch, draft_params,
+                                               draft_cache, cfg, drafter, rules, kernels)
     logits = last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
                                kernels.matmul)                            # [S * J, V]
     rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0, T - 1)
