@@ -107,6 +107,9 @@ def main(argv=None) -> int:
                     help="also time speculation with async_scheduling off")
     ap.add_argument("--also-verify-steps", type=int, default=None, metavar="N",
                     help="also time speculation with verify_steps N")
+    ap.add_argument("--also-speculative-config", default=None, metavar="JSON",
+                    help="also time another speculative config in the same rotation (an "
+                         "A/B of two heads or proposers on the same machine and prompts)")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
 
@@ -133,13 +136,17 @@ def main(argv=None) -> int:
         llms["rounds"] = jaxserve.LLM(
             config, cache_dir=args.cache_dir, speculative_config={
                 **spec_config, "verify_steps": args.also_verify_steps}, **fields)
+    if args.also_speculative_config:
+        alt_config = json.loads(args.also_speculative_config)
+        llms["alt"] = jaxserve.LLM(config, cache_dir=args.cache_dir,
+                                   speculative_config=alt_config, **fields)
     tok = base.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": e.prompt}]),
                           add_special_tokens=False) for e in entries]
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens or e.output_len)
               for e in entries]
     before = spec.engine.stats().as_dict()
-    rounds_before = llms["rounds"].engine.stats().as_dict() if "rounds" in llms else {}
+    extra_before = {k: llms[k].engine.stats().as_dict() for k in ("rounds", "alt") if k in llms}
     result = {"config": args.config, "workload": args.workload, "streams": args.streams,
               "speculative_config": spec_config,
               "num_prompts": len(prompts)}
@@ -178,11 +185,17 @@ def main(argv=None) -> int:
         print(f"  ratio rounds / base: {result['ratio_rounds']:.2f}x; rounds / spec "
               f"{tps['rounds'] / tps['spec']:.2f}x (verify_steps {args.also_verify_steps} "
               f"against {spec_config.get('verify_steps', 1)})")
-        result["rounds"] = spec_counters(llms["rounds"].engine, rounds_before)
-        r = result["rounds"]
-        print(f"  rounds engine: {r['num_steps']} steps, {r['step_seconds']:.2f} s in step(), "
+    if "alt" in tps:
+        result["ratio_alt"] = tps["alt"] / tps["base"]
+        result["alt_speculative_config"] = alt_config
+        print(f"  ratio alt / base: {result['ratio_alt']:.2f}x; alt / spec "
+              f"{tps['alt'] / tps['spec']:.2f}x (alt: {json.dumps(alt_config)})")
+    for name in extra_before:
+        result[name] = r = spec_counters(llms[name].engine, extra_before[name])
+        print(f"  {name} engine: {r['num_steps']} steps, {r['step_seconds']:.2f} s in step(), "
               f"of which host {r['host_seconds']:.2f} s; mean acceptance length "
-              f"{r['mean_acceptance_length'] and round(r['mean_acceptance_length'], 2)}")
+              f"{r['mean_acceptance_length'] and round(r['mean_acceptance_length'], 2)} "
+              f"(per position {r['accepted_per_pos']})")
     if "greedy_identical" in result:
         print(f"  greedy tokens identical: {result['greedy_identical']}; mean output "
               f"{result['mean_output_tokens']:.0f} tokens")
