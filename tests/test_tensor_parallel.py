@@ -52,6 +52,7 @@ def test_tiny_model_tp2_tp4_and_pipeline_stages_match_tp1(variant, cache_dir):
         # run, TP adds partial sums): measured up to 1.1e-5 on logits of |5.5|, i.e. a few
         # ulp; a sharding bug moves them by O(1)
         assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
+        assert r["feature_diff"][tp] <= 1e-5 * max(1.0, r["max_abs_feature"]), r
     for mesh in pipelines:
         assert {"layers.0.wo", "layers.0.w_down"} <= set(r["sharded"][mesh])  # by stage
         assert r["diff"][mesh] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
@@ -119,6 +120,9 @@ def test_real_model_cpp_kernels_per_device_under_tp3(smollm2_checkpoint, cache_d
     r = tp_check(str(smollm2_checkpoint), "cpu", "3", cache_dir)
     assert {"layers.0.wq", "layers.0.wo", "layers.0.w_down"} <= set(r["sharded"]["3"])
     assert r["diff"]["3"] <= 1e-5 * r["max_abs_logit"], r
+    # the residual streams entering layers 0 and 29 (what an EAGLE-3 head reads) come out
+    # of the shard_map replicated and TP 1's, to the same relative bound
+    assert r["feature_diff"]["3"] <= 1e-5 * r["max_abs_feature"], r
 
 
 @pytest.mark.full  # fast tier: the real model under TP 3 with the C++ kernels

@@ -4,7 +4,9 @@ weights, with the kernels of VARIANT (each device runs them on its shard, in sha
 prints JSON {"diff": {tp: max |logits - reference|}, "max_abs_logit",
 "noise_floor": max |diff| of the reference against itself with the sequence batched
 beside others (f32 reduction order alone), "sharded": {tp: names of the weights split
-across devices}}. The reference is REFERENCE's kernels (default VARIANT's) at TP 1.
+across devices}, "feature_diff": {tp: max |features - reference's|} of the residual
+streams entering layers 0 and L - 1 (not for pipeline meshes), "max_abs_feature"}. The
+reference is REFERENCE's kernels (default VARIANT's) at TP 1.
 A mesh "TPxPP" or "TPxPPmM" (e.g. 2x2, 1x4m4) runs PP pipeline stages (M microbatches
 for prefill and decode steps alike; default ParallelConfig's) with TP devices each, on the sequence batched beside the others (so that a
 step splits into microbatches, the prompt cut between two), against the reference run
@@ -18,6 +20,7 @@ the same way.
     XLA) | pallas (Pallas attention and int8 matmul, interpret mode); TPS: e.g. 1,2,4,2x2
 """
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -32,7 +35,7 @@ from jaxserve.model.params import init_params, param_shardings
 from jaxserve.model.pipeline import StagedLayers, stage_params
 from jaxserve.model.tensor_parallel import expand_kv_heads
 from jaxserve.model.inputs import StepBatch
-from jaxserve.model.transformer import (compute_logits, forward)
+from jaxserve.model.transformer import compute_logits, forward_features
 from jaxserve.distributed.sharding import ShardingRules, make_mesh
 
 VARIANTS = {
@@ -48,7 +51,10 @@ VARIANTS = {
 
 def run(params, cfg, rules, kernels, ids, n_decode, others=()):
     """Logits [len(ids) + n_decode, vocab] of `ids` (one prefill step, then n_decode greedy
-    decode steps); `others`: token lists prefilled and decoded in the same batch after it."""
+    decode steps), and the residual streams entering layers 0 and L - 1 at its prefill rows
+    [2, len(ids), D] (forward_features: what an EAGLE-3 head reads; None under a pipeline,
+    which does not export them); `others`: token lists prefilled and decoded in the same
+    batch after it."""
     ps, per_seq = 16, 4
     rows = [list(ids)] + [list(o) for o in others]
     B = len(rows)
@@ -56,8 +62,12 @@ def run(params, cfg, rules, kernels, ids, n_decode, others=()):
     rng = np.random.default_rng(7)
     tables = rng.permutation(np.arange(1, 1 + B * per_seq)).reshape(B, per_seq).astype(np.int32)
     cache = init_kv_cache(cfg, 1 + B * per_seq, ps, cfg.dtype, rules, kernels.attention.kv_layout)
-    fwd = jax.jit(lambda p, c, b: (lambda h, c: (compute_logits(p, h, rules, kernels.matmul), c))(
-        *forward(p, c, b, cfg, rules, kernels)), donate_argnums=1)
+    layers = () if isinstance(params.layers, StagedLayers) else (0, cfg.num_layers - 1)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def fwd(p, c, b):
+        h, feats, c = forward_features(p, c, b, cfg, rules, kernels, layers)
+        return compute_logits(p, h, rules, kernels.matmul), feats, c
 
     def batch(chunks, starts, T, decode=False):
         z = lambda: np.zeros(T, np.int32)  # noqa: E731
@@ -76,18 +86,19 @@ def run(params, cfg, rules, kernels, ids, n_decode, others=()):
         return b
 
     lens = [len(r) for r in rows]
-    logits, cache = fwd(params, cache, batch(rows, [0] * B, T))
+    logits, feats, cache = fwd(params, cache, batch(rows, [0] * B, T))
+    feats = np.stack([np.asarray(f)[:len(ids)] for f in feats]) if feats else None
     logits = np.asarray(logits)
     ends = np.cumsum(lens)
     outs = [logits[:len(ids)]]
     toks = [[int(logits[ends[r] - 1].argmax())] for r in range(B)]
     for _ in range(n_decode):
-        logits, cache = fwd(params, cache, batch(toks, lens, B, decode=True))
+        logits, _, cache = fwd(params, cache, batch(toks, lens, B, decode=True))
         logits = np.asarray(logits)
         outs.append(logits[:1])
         lens = [n + 1 for n in lens]
         toks = [[int(row.argmax())] for row in logits]
-    return np.concatenate(outs)
+    return np.concatenate(outs), feats
 
 
 def sharded_weights(params) -> list[str]:
@@ -140,19 +151,22 @@ def main():
                                   par.pipeline_decode_microbatches)
         return run(params, served, rules, kernels, ids, n_decode=2, **kw), params
 
-    base, _ = logits_of(reference, "1")
-    beside, _ = logits_of(reference, "1", others=others)
-    diff, sharded = {}, {}
+    (base, base_feats), _ = logits_of(reference, "1")
+    (beside, _), _ = logits_of(reference, "1", others=others)
+    diff, sharded, feature_diff = {}, {}, {}
     for mesh in tps.split(","):
         if "x" in mesh:
-            logits, params = logits_of(variant, mesh, others=others)
+            (logits, _), params = logits_of(variant, mesh, others=others)
             diff[mesh] = float(np.abs(logits - beside).max())
             sharded[mesh] = sharded_weights(params)
             continue
-        logits, params = logits_of(variant, mesh)
+        (logits, feats), params = logits_of(variant, mesh)
         diff[mesh] = float(np.abs(logits - base).max())
+        feature_diff[mesh] = float(np.abs(feats - base_feats).max())
         sharded[mesh] = sharded_weights(params) if int(mesh) > 1 else []
     print(json.dumps({"diff": diff, "max_abs_logit": float(np.abs(base).max()),
+                      "feature_diff": feature_diff,
+                      "max_abs_feature": float(np.abs(base_feats).max()),
                       "noise_floor": float(np.abs(beside - base).max()), "sharded": sharded,
                       "devices": len(jax.devices())}))
 

@@ -250,6 +250,9 @@ def main(argv=None) -> int:
                     help="'none': the head reads the target's final hidden state (EAGLE); "
                          "'eagle3': it fuses the residual streams entering layers 2, L // 2 "
                          "and L - 3 (EAGLE-3); or comma-separated layer indices")
+    ap.add_argument("--reg-weight", type=float, default=None,
+                    help="the feature regression's weight in the loss (default: EAGLE's 1.0 "
+                         "for a head reading the final hidden state, 0 for a fused one)")
     ap.add_argument("--k", type=int, default=4, help="chain length of the acceptance estimate")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -352,7 +355,7 @@ def main(argv=None) -> int:
     @jax.jit
     def step(trainable, opt_state, batch, key):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            trainable, frozen, batch, hcfg, key, args.depths)
+            trainable, frozen, batch, hcfg, key, args.depths, args.reg_weight)
         updates, opt_state = opt.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, loss, aux
 

@@ -117,21 +117,22 @@ def input_features(hp: EagleParams, batch) -> jax.Array:
 
 
 def loss_fn(trainable, frozen, batch, cfg: ModelConfig, key: jax.Array | None = None,
-            depths: int = 1):
+            depths: int = 1, reg_weight: float | None = None):
     """EAGLE's loss on a batch {tokens [B, W], features [B, W, D], positions [B, W],
     mask [B, W] (1 where the position counts), and for an EAGLE-3-style head aux
     [B, W, n, D] (`input_features`)}, over draft depths 0 .. depths - 1
     (`head_forward_depths`; depth j weighs DEPTH_DECAY ** j; at depth j > 0 a window's
     first j + 1 positions do not count: the guesses they would read lie before it).
     trainable: {"fc", "layer", "norm"[, "fuse"]}; frozen: {"embed" [V, D], "lm_head"
-    [D, N]}. key: noise on the head's input features (None: none). The feature
-    regression weighs REG_WEIGHT, 0 for an EAGLE-3-style head. Returns (loss, {"reg",
+    [D, N]}. key: noise on the head's input features (None: none). reg_weight: the
+    feature regression's weight (None: REG_WEIGHT, 0 for an EAGLE-3-style head). Returns (loss, {"reg",
     "cls", "top1", "top1_<j>"}) where reg / cls / top1 are depth 0's and top1 is the share
     of positions whose head argmax is the target's."""
     hp = join(trainable, frozen)
     feats = batch["features"].astype(jnp.float32)
     prev = shifted_features(input_features(hp, batch))
-    reg_weight = REG_WEIGHT if hp.fuse is None else 0.0
+    if reg_weight is None:
+        reg_weight = REG_WEIGHT if hp.fuse is None else 0.0
     if key is not None:
         # the noise's size is no function to train (and sqrt's gradient at a zero row,
         # the window's first and padding, is inf)
