@@ -18,6 +18,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
@@ -215,8 +216,9 @@ def _looped_layers(x, layers: StackedLayers, cache: KVCache, batch: StepBatch,
                    cfg: ModelConfig, rules: ShardingRules | None, kernels: Kernels,
                    feature_layers: tuple[int, ...] = ()):
     """The decoder layers as a fori_loop over `layers`' stack and the cache's stacked
-    pools (KVCache.stacked), carried through the loop and updated in place; one loop per
-    stretch between feature layers, x kept at each: (x, features, cache)."""
+    pools (KVCache.stacked), carried through the loop and updated in place; the features
+    carried too, each taking x at its layer: (x, features, cache). (Not one loop per
+    stretch between feature layers: measured 4% slower a 16-row step.)"""
     if not cache.stacked:
         raise ValueError("stacked layers need a stacked KV pool (init_kv_cache(stacked=True))")
     cos, sin, meta = _step_tables(batch, cfg, kernels, cache.page_size)
@@ -226,16 +228,21 @@ def _looped_layers(x, layers: StackedLayers, cache: KVCache, batch: StepBatch,
         return _decoder_layer(x, layer_view(layers, i), k_pool, v_pool, cos, sin, batch, meta,
                               cfg, rules, kernels, cache.layout, layer=i)
 
-    carry, feats, done = (x, cache.k[0], cache.v[0]), [], 0
-    for stop in tuple(feature_layers) + (layers.num_layers,):
-        if stop > done:
-            carry = jax.lax.fori_loop(done, stop, body, carry)
-        feats.append(carry[0])
-        done = stop
-    feats.pop()  # the last: the output of the last layer, not a feature
-    x, k_pool, v_pool = carry
-    return x, tuple(feats), KVCache(k=(k_pool,), v=(v_pool,), layout=cache.layout,
-                                    stacked=True)
+    if not feature_layers:
+        x, k_pool, v_pool = jax.lax.fori_loop(0, layers.num_layers, body,
+                                              (x, cache.k[0], cache.v[0]))
+        return x, (), KVCache(k=(k_pool,), v=(v_pool,), layout=cache.layout, stacked=True)
+
+    def body_features(i, carry):  # x kept in its feature's slot before layer i runs
+        x, feats, k_pool, v_pool = carry
+        feats = tuple(jnp.where(i == j, x, f) for j, f in zip(feature_layers, feats))
+        x, k_pool, v_pool = body(i, (x, k_pool, v_pool))
+        return x, feats, k_pool, v_pool
+
+    x, feats, k_pool, v_pool = jax.lax.fori_loop(
+        0, layers.num_layers, body_features,
+        (x, tuple(jnp.zeros_like(x) for _ in feature_layers), cache.k[0], cache.v[0]))
+    return x, feats, KVCache(k=(k_pool,), v=(v_pool,), layout=cache.layout, stacked=True)
 
 
 def _decoder_layers(x, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
