@@ -242,17 +242,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=800)
     ap.add_argument("--save-every", type=int, default=200)
-    ap.add_argument("--depths", type=int, default=1,
-                    help="draft depths trained: 1 = EAGLE's teacher forcing (the shipped "
-                         "head); 2+ = the head also learns from its own guesses (EAGLE-3's "
-                         "training-time test; ~1.6x the time per step at 2)")
-    ap.add_argument("--feature-layers", default="none",
-                    help="'none': the head reads the target's final hidden state (EAGLE); "
-                         "'eagle3': it fuses the residual streams entering layers 2, L // 2 "
-                         "and L - 3 (EAGLE-3); or comma-separated layer indices")
-    ap.add_argument("--reg-weight", type=float, default=None,
-                    help="the feature regression's weight in the loss (default: EAGLE's 1.0 "
-                         "for a head reading the final hidden state, 0 for a fused one)")
+    ap.add_argument("--depths", type=int, default=3,
+                    help="draft depths trained: 1 = EAGLE's teacher forcing; 2+ = the head "
+                         "also learns from its own guesses (EAGLE-3's training-time test; "
+                         "~2.3x the time per step at 3, the shipped head's)")
+    ap.add_argument("--feature-layers", default="eagle3",
+                    help="'eagle3': the head fuses the residual streams entering layers 2, "
+                         "L // 2 and L - 3 (EAGLE-3; the shipped head); 'none': it reads the "
+                         "target's final hidden state (EAGLE); or comma-separated indices")
+    ap.add_argument("--reg-weight", type=float, default=1.0,
+                    help="the feature regression's weight in the loss (EAGLE's 1.0; EAGLE-3 "
+                         "drops it, 0, which over-fitted here: PERFORMANCE.md)")
     ap.add_argument("--k", type=int, default=4, help="chain length of the acceptance estimate")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

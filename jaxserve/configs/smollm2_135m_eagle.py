@@ -2,8 +2,8 @@
 was trained against) with speculative decoding by the EAGLE head that ships in
 jaxserve/spec_decode/heads/smollm2_135m (trained for this model by
 `python -m tools.train_draft_head`; its config.json records how, and its held-out
-acceptance). One decoder layer over the model's hidden states proposes 3 tokens a step
-from a 4,096-token draft vocabulary; the model verifies them in the same dispatch. For
+acceptance). One decoder layer over the fused features of the model's layers 2, 15 and 27
+(EAGLE-3-style) proposes 3 tokens a step from a 4,096-token draft vocabulary; the model verifies them in the same dispatch. For
 ordinary chat traffic of few streams; from 2 streams on the verify steps turn
 compute-bound on this 2-core CPU (PERFORMANCE.md, "Speculative decoding"). Up to 4 verify
 rounds per dispatch (verify_steps): 1.02x the decode rate of one round per dispatch here

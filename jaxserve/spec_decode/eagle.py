@@ -18,7 +18,7 @@ a fusion of the residual streams entering three of the target's layers (low, mid
 high: `feature_layers`, by default 2, L // 2 and L - 3 as EAGLE-3 and vLLM take them):
 each RMS-normalised (no weight), concatenated and projected by `fuse` [3D -> D]. While
 proposing it feeds its own output forward in that place; it is trained on its own guesses
-(eagle_train's draft depths) with the token loss only, as EAGLE-3 is.
+(eagle_train's draft depths), as EAGLE-3 is.
 
 The target's features (fused, for an EAGLE-3-style head) are kept per token slot in a
 feature pool [num_pages * page_size, D] beside the head's KV pool (the drafter's cache:
