@@ -165,8 +165,9 @@ def _run_layers(x, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
             raise ValueError("feature_layers: not under pipeline parallelism (the features "
                              "of a layer live on its stage)")
         def local(x, lps, pool, b, reduce_heads, reduce_mlp):
-            return _decoder_layers(x, lps, pool, b, cfg, None, kernels, reduce_heads,
-                                   reduce_mlp)[::2]
+            x, _, pool = _decoder_layers(x, lps, pool, b, cfg, None, kernels, reduce_heads,
+                                         reduce_mlp)
+            return x, pool
         x, cache = pipeline.pipeline_layers(x, layers, cache, batch, rules, local)
         return x, (), cache
     axis = tp.tp_axis(rules)
@@ -224,23 +225,16 @@ def _looped_layers(x, layers: StackedLayers, cache: KVCache, batch: StepBatch,
     cos, sin, meta = _step_tables(batch, cfg, kernels, cache.page_size)
 
     def body(i, carry):
-        x, k_pool, v_pool = carry
-        return _decoder_layer(x, layer_view(layers, i), k_pool, v_pool, cos, sin, batch, meta,
-                              cfg, rules, kernels, cache.layout, layer=i)
-
-    if not feature_layers:
-        x, k_pool, v_pool = jax.lax.fori_loop(0, layers.num_layers, body,
-                                              (x, cache.k[0], cache.v[0]))
-        return x, (), KVCache(k=(k_pool,), v=(v_pool,), layout=cache.layout, stacked=True)
-
-    def body_features(i, carry):  # x kept in its feature's slot before layer i runs
         x, feats, k_pool, v_pool = carry
+        # x kept in its feature's slot before layer i runs
         feats = tuple(jnp.where(i == j, x, f) for j, f in zip(feature_layers, feats))
-        x, k_pool, v_pool = body(i, (x, k_pool, v_pool))
+        x, k_pool, v_pool = _decoder_layer(x, layer_view(layers, i), k_pool, v_pool, cos, sin,
+                                           batch, meta, cfg, rules, kernels, cache.layout,
+                                           layer=i)
         return x, feats, k_pool, v_pool
 
     x, feats, k_pool, v_pool = jax.lax.fori_loop(
-        0, layers.num_layers, body_features,
+        0, layers.num_layers, body,
         (x, tuple(jnp.zeros_like(x) for _ in feature_layers), cache.k[0], cache.v[0]))
     return x, feats, KVCache(k=(k_pool,), v=(v_pool,), layout=cache.layout, stacked=True)
 

@@ -81,11 +81,7 @@ def fused_features(fuse: jax.Array, features) -> jax.Array:
     """The fused feature [T, D] f32 of the residual streams `features` (one [T, D] per
     feature layer; `forward_features`): each RMS-normalised without weight, concatenated,
     times fuse [len(features) * D, D]."""
-    def normed(f):
-        f = f.astype(jnp.float32)
-        return f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + 1e-6)
-
-    x = jnp.concatenate([normed(f) for f in features], -1)
+    x = jnp.concatenate([rms_norm(f.astype(jnp.float32), 1.0, 1e-6) for f in features], -1)
     return jnp.dot(x, fuse.astype(jnp.float32))
 
 
