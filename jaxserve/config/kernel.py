@@ -110,7 +110,8 @@ class KernelConfig:
     bf16_matmul_round_x_min_rows: int | None = None
     """None, or with the C++ bf16 matmul (matmul_impl "cpu"): matmuls over at least this
     many rows round the activations to bf16 and sum with the CPU's bf16 dot-product
-    instruction (AVX512-BF16 vdpbf16ps, f32 accumulation), where the start-up probe finds
+    instructions (AMX tiles where the CPU has AMX-BF16, else AVX512-BF16 vdpbf16ps; f32
+    accumulation), where the start-up probe finds
     it faster than f32 FMAs (jaxserve.worker.kernel_selection.BF16_DOT_MIN_SPEEDUP; else
     ignored). The products are those of HF transformers' and llama.cpp's bf16 paths."""
 

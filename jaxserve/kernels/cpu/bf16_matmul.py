@@ -81,9 +81,12 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
     """x [M, K] f32 times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N] f32: the weights
     widened to f32, products and sums in f32 (any M >= 0). round_x: x rounded to bf16 first
     (round to nearest even) and the products summed by the CPU's bf16 dot-product
-    instruction (AVX512-BF16 vdpbf16ps, f32 accumulation; the portable build does the same
-    arithmetic in f32): twice the f32 FMA rate where `bf16_dot_speedup()` says so, for
-    compute-bound row counts. layer: with a stack of packed weights [L, N / P, K / 2, P, 2]
+    instructions, f32 accumulation: AMX tiles (TDPBF16PS, 16 x 16 outputs per instruction;
+    jaxserve/kernels/cpu/amx.h) where the CPU has AMX-BF16 and Linux grants the process the
+    tile state, else AVX512-BF16 vdpbf16ps (the portable build does the same arithmetic in
+    f32): 2x (Zen 4's vdpbf16ps) to 5-6x (AMX) the f32 FMA rate where
+    `bf16_dot_speedup()` says so, for compute-bound row counts. Within one path a row's
+    result does not depend on the rows beside it. layer: with a stack of packed weights [L, N / P, K / 2, P, 2]
     (a loop over layers), the int32 index of the one to use, traced or not, read where it
     lies (a slice of the stack handed to the call would be copied first; see
     jaxserve.kernels.cpu.ggml_matmul.ggml_matmul). Needs
@@ -109,9 +112,11 @@ def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = Fal
 
 def bf16_dot_speedup(library) -> float:
     """How many times the f32 FMA rate (in flops) this CPU runs the bf16 dot-product
-    instruction at, measured by the loaded kernel `library` (jaxserve.kernels.cpu.build.load_library's
-    result) in a few ms of register-only loops (values seen: PERFORMANCE.md, "Measurements
-    behind the code"); 0 without AVX512-BF16 (or in a portable build)."""
+    instruction of `round_x` at (AMX's TDPBF16PS where the process may use the tiles, else
+    AVX512-BF16's vdpbf16ps), measured by the loaded kernel `library`
+    (jaxserve.kernels.cpu.build.load_library's result) in a few ms of register-only loops
+    (values seen: PERFORMANCE.md, "Measurements behind the code"); 0 without AVX512-BF16
+    (or in a portable build)."""
     fn = library.jaxserve_bf16_dot_speedup
     fn.restype = ctypes.c_double
     return float(fn())
