@@ -121,12 +121,13 @@ def test_round_x_matches_reference_with_bf16_activations(k, n):
         out = np.asarray(bf16_matmul(x, wp, round_x=True))
         ref = np.asarray(bf16_matmul_reference(x, wp, round_x=True))
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(ref).max()))
-    k, n = 2, 16
-    wp = pack_weight(jnp.zeros((k, n), jnp.float32).at[0, :].set(1.0).at[1, :].set(0.5))
-    xs = jnp.asarray([[1.0 + 2.0 ** -12, 3.0], [jnp.nan, 1.0], [1.0 + 3 * 2.0 ** -8, 0.0]],
-                     jnp.float32)
-    got = np.asarray(bf16_matmul(xs, wp, round_x=True))[:, 0]
-    assert got[0] == 2.5 and np.isnan(got[1]) and got[2] == 1.0 + 4 * 2.0 ** -8  # ties to even
+    for k, at in ((2, 0), (32, 0), (34, 32)):  # x rounded alone, 32 at once, in the tail after
+        n = 16
+        wp = pack_weight(jnp.zeros((k, n), jnp.float32).at[at, :].set(1.0).at[at + 1, :].set(0.5))
+        xs = np.zeros((3, k), np.float32)
+        xs[:, at:at + 2] = [[1.0 + 2.0 ** -12, 3.0], [np.nan, 1.0], [1.0 + 3 * 2.0 ** -8, 0.0]]
+        got = np.asarray(bf16_matmul(jnp.asarray(xs), wp, round_x=True))[:, 0]
+        assert got[0] == 2.5 and np.isnan(got[1]) and got[2] == 1.0 + 4 * 2.0 ** -8, (k, got)  # ties to even
 
 
 def test_bf16_dot_speedup_is_measured(cpu_kernels_library):

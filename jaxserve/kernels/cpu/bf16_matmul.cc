@@ -258,6 +258,26 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 #endif
 }
 
+// x [M, 2 K2] f32 rounded to bf16 into xb, rows `stride` pairs apart, (x[2k], x[2k + 1])
+// in one 32-bit pair: 32 at a time by vcvtne2ps2bf16 (round to nearest even, NaN kept a
+// quiet NaN, as to_bf16; a denormal becomes zero, as the dot instructions would read it),
+// the rest by to_bf16.
+void round_to_bf16_pairs(const float* x, int64_t M, int64_t K2, uint32_t* xb, int64_t stride) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K2 * 2;
+    uint32_t* out = xb + m * stride;
+    int64_t k = 0;
+#if defined(__AVX512BF16__)
+    for (; k + 16 <= K2; k += 16) {
+      const __m512 lo = _mm512_loadu_ps(xr + 2 * k), hi = _mm512_loadu_ps(xr + 2 * k + 16);
+      _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+#endif
+    for (; k < K2; ++k)
+      out[k] = to_bf16(xr[2 * k]) | (static_cast<uint32_t>(to_bf16(xr[2 * k + 1])) << 16);
+  }
+}
+
 #if defined(JAXSERVE_AMX)
 constexpr int64_t kAmxRows = 32;  // rows of x per AMX register block (2 A tiles)
 
@@ -345,10 +365,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     if (jaxserve::amx_usable()) {  // padded for the tiles (run_panel_amx)
       p.xb_pairs = (p.K2 + 15) / 16 * 16;
       xb.assign((p.M + kAmxRows) * p.xb_pairs, 0u);
-      for (int64_t m = 0; m < p.M; ++m)
-        for (int64_t k = 0; k < p.K2; ++k)
-          xb[m * p.xb_pairs + k] = to_bf16(p.x[(m * p.K2 + k) * 2]) |
-              (static_cast<uint32_t>(to_bf16(p.x[(m * p.K2 + k) * 2 + 1])) << 16);
+      round_to_bf16_pairs(p.x, p.M, p.K2, xb.data(), p.xb_pairs);
       p.xb = xb.data();
       jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kAmxRows,
                                 [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
@@ -358,8 +375,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
 #endif
     xb.resize(p.M * p.K2);
-    for (int64_t i = 0; i < p.M * p.K2; ++i)
-      xb[i] = to_bf16(p.x[2 * i]) | (static_cast<uint32_t>(to_bf16(p.x[2 * i + 1])) << 16);
+    round_to_bf16_pairs(p.x, p.M, p.K2, xb.data(), p.K2);
     p.xb = xb.data();
   }
   jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
