@@ -7,8 +7,9 @@
 // as bf16_matmul's packed panels (a tile row is one k pair of 16 columns: 64 bytes), so a
 // panel's B tiles load as they lie, at the panel's row stride. Each output's sum runs over
 // the k pairs in order, in its own lane, so a row's bits do not depend on the rows beside it.
-// Measured on a 2-core Sapphire Rapids VM (2026-11-27): ~830 GFLOP/s per core in a
-// register-only loop, 5-6x the f32 FMA rate (PERFORMANCE.md, "AMX").
+// Measured on a 2-core Intel Xeon VM with AMX (2026-11-27): ~830 GFLOP/s per core in a
+// register-only loop, 6.9-11x the f32 FMA rate (PERFORMANCE.md, "AMX tiles for the bf16
+// matmul's round_x").
 //
 // Compiled only where the compiler targets AMX-TILE and AMX-BF16 (-march=native on such a
 // CPU); elsewhere JAXSERVE_AMX is undefined and callers keep the AVX-512 paths.
