@@ -278,8 +278,9 @@ void round_to_bf16_pairs(const float* x, int64_t M, int64_t K2, uint32_t* xb, in
   }
 }
 
-#if defined(JAXSERVE_AMX)
 constexpr int64_t kAmxRows = 32;  // rows of x per AMX register block (2 A tiles)
+
+#if defined(JAXSERVE_AMX)
 
 // round_x on AMX: a panel's rows m_begin .. m_end in register blocks of 32 rows x 32
 // columns (2 A tiles, 2 B tiles, 4 C tiles) or, for the last 16 or fewer rows, 16 rows x
@@ -358,28 +359,25 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // the layer's panels, not a copy
   p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + offset;
   p.out = out->typed_data();
+  bool amx = false;  // round_x on AMX tiles (run_panel_amx)
+#if defined(JAXSERVE_AMX)
+  amx = round_x && jaxserve::amx_usable();
+#endif
   p.xb_pairs = p.K2;
   std::vector<uint32_t> xb;
   if (round_x) {  // x rounded to bf16 once, as (x[2k], x[2k + 1]) pairs in 32 bits
-#if defined(JAXSERVE_AMX)
-    if (jaxserve::amx_usable()) {  // padded for the tiles (run_panel_amx)
-      p.xb_pairs = (p.K2 + 15) / 16 * 16;
-      xb.assign((p.M + kAmxRows) * p.xb_pairs, 0u);
-      round_to_bf16_pairs(p.x, p.M, p.K2, xb.data(), p.xb_pairs);
-      p.xb = xb.data();
-      jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kAmxRows,
-                                [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
-                                  run_panel_amx(p, pi, m_begin, m_end);
-                                });
-      return ffi::Error::Success();
-    }
-#endif
-    xb.resize(p.M * p.K2);
-    round_to_bf16_pairs(p.x, p.M, p.K2, xb.data(), p.K2);
+    // AMX: padded for the tiles (rows to a multiple of 16 pairs, kAmxRows zero rows after)
+    if (amx) p.xb_pairs = (p.K2 + 15) / 16 * 16;
+    xb.assign((p.M + (amx ? kAmxRows : 0)) * p.xb_pairs, 0u);
+    round_to_bf16_pairs(p.x, p.M, p.K2, xb.data(), p.xb_pairs);
     p.xb = xb.data();
   }
-  jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
-                            [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
+  jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows,
+                            amx ? kAmxRows : kMaxRows,
+                            [&p, amx](int64_t pi, int64_t m_begin, int64_t m_end) {
+#if defined(JAXSERVE_AMX)
+                              if (amx) return run_panel_amx(p, pi, m_begin, m_end);
+#endif
                               run_panel(p, pi, m_begin, m_end);
                             });
   return ffi::Error::Success();
