@@ -280,6 +280,15 @@ void round_to_bf16_pairs(const float* x, int64_t M, int64_t K2, uint32_t* xb, in
 
 constexpr int64_t kAmxRows = 32;  // rows of x per AMX register block (2 A tiles)
 
+// Whether round_x runs on AMX tiles here: compiled for AMX and granted by the OS (amx.h).
+bool amx_runs_round_x() {
+#if defined(JAXSERVE_AMX)
+  return jaxserve::amx_usable();
+#else
+  return false;
+#endif
+}
+
 #if defined(JAXSERVE_AMX)
 
 // round_x on AMX: a panel's rows m_begin .. m_end in register blocks of 32 rows x 32
@@ -359,10 +368,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // the layer's panels, not a copy
   p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + offset;
   p.out = out->typed_data();
-  bool amx = false;  // round_x on AMX tiles (run_panel_amx)
-#if defined(JAXSERVE_AMX)
-  amx = round_x && jaxserve::amx_usable();
-#endif
+  const bool amx = round_x && amx_runs_round_x();  // (run_panel_amx)
   p.xb_pairs = p.K2;
   std::vector<uint32_t> xb;
   if (round_x) {  // x rounded to bf16 once, as (x[2k], x[2k + 1]) pairs in 32 bits
@@ -395,17 +401,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
                                   .Attr<bool>("round_x"));
 
 #if defined(__AVX512BF16__)
-// Seconds for kIters rounds of `op` on 12 independent accumulator chains (distinct starts:
+// Seconds for kChainIters rounds of `op` on 12 independent accumulator chains (distinct starts:
 // equal ones would be merged into one chain by the compiler).
+constexpr int64_t kChainIters = 1 << 17;  // time_chains' rounds (12 instructions each)
+
 template <typename Op>
 double time_chains(Op op) {
-  constexpr int64_t kIters = 1 << 17;
   __m512 a0 = _mm512_set1_ps(0.0f), a1 = _mm512_set1_ps(1.0f), a2 = _mm512_set1_ps(2.0f),
          a3 = _mm512_set1_ps(3.0f), a4 = _mm512_set1_ps(4.0f), a5 = _mm512_set1_ps(5.0f),
          a6 = _mm512_set1_ps(6.0f), a7 = _mm512_set1_ps(7.0f), a8 = _mm512_set1_ps(8.0f),
          a9 = _mm512_set1_ps(9.0f), a10 = _mm512_set1_ps(10.0f), a11 = _mm512_set1_ps(11.0f);
   const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < kIters; ++i) {
+  for (int64_t i = 0; i < kChainIters; ++i) {
     a0 = op(a0); a1 = op(a1); a2 = op(a2); a3 = op(a3); a4 = op(a4); a5 = op(a5);
     a6 = op(a6); a7 = op(a7); a8 = op(a8); a9 = op(a9); a10 = op(a10); a11 = op(a11);
   }
@@ -419,17 +426,19 @@ double time_chains(Op op) {
 }
 #endif
 
+constexpr int64_t kAmxIters = 1 << 13;  // time_amx's rounds (4 TDPBF16PS each)
+
 #if defined(JAXSERVE_AMX)
-// Seconds for (1 << 13) rounds of 4 independent TDPBF16PS (4 x 16 x 16 x 32 x 2 flops a
+// Seconds for kAmxIters rounds of 4 independent TDPBF16PS (4 x 16 x 16 x 32 x 2 flops a
 // round) on tiles that stay in the registers.
 double time_amx() {
   jaxserve::amx_configure();
-  alignas(64) static const uint16_t ones[16 * 32] = {};  // zeros: the values do not matter
+  alignas(64) static const uint16_t zeros[16 * 32] = {};  // the values do not matter
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  _tile_loadd(4, ones, 64); _tile_loadd(5, ones, 64);
-  _tile_loadd(6, ones, 64); _tile_loadd(7, ones, 64);
+  _tile_loadd(4, zeros, 64); _tile_loadd(5, zeros, 64);
+  _tile_loadd(6, zeros, 64); _tile_loadd(7, zeros, 64);
   const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < (1 << 13); ++i) {
+  for (int64_t i = 0; i < kAmxIters; ++i) {
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
   }
@@ -446,7 +455,7 @@ double time_amx() {
 // TDPBF16PS where this process may use the tiles (32,768 flops per instruction), else
 // AVX512-BF16's vdpbf16ps (64; vfmadd231ps: 32): short register-only loops on the calling
 // thread, ~4 ms in all. 0 without either (or in a portable build). Measured: vdpbf16ps 2.0 on
-// an AMD Zen 4 VM and ~0.25 on an Intel Sapphire Rapids VM, where AMX measured 5-6.
+// an AMD Zen 4 VM and ~0.25 on Intel Xeon VMs, where AMX measured 6.9-11.
 extern "C" double jaxserve_bf16_dot_speedup() {
 #if defined(__AVX512BF16__)
   const __m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(1e-9f);  // not 1: a*1 folds
@@ -454,11 +463,7 @@ extern "C" double jaxserve_bf16_dot_speedup() {
   const __m512bh yb = (__m512bh)_mm512_set1_epi16(0x3000);
   auto fma = [x, y](__m512 a) { return _mm512_fmadd_ps(x, y, a); };
   auto dot = [xb, yb](__m512 a) { return _mm512_dpbf16_ps(a, xb, yb); };
-#if defined(JAXSERVE_AMX)
-  const bool amx = jaxserve::amx_usable();
-#else
-  const bool amx = false;
-#endif
+  const bool amx = amx_runs_round_x();
   double best_fma = 1e30, best_dot = 1e30;
   for (int rep = 0; rep < 4; ++rep) {  // the first round warms the units up
     const double t_fma = time_chains(fma);
@@ -471,8 +476,8 @@ extern "C" double jaxserve_bf16_dot_speedup() {
     best_fma = std::min(best_fma, t_fma);
     best_dot = std::min(best_dot, t_dot);
   }
-  const double fma_flops = 12.0 * (1 << 17) * 32;  // time_chains: 12 chains x kIters
-  const double dot_flops = amx ? 4.0 * (1 << 13) * 16 * 16 * 32 * 2 : 2.0 * fma_flops;
+  const double fma_flops = 12.0 * kChainIters * 32;
+  const double dot_flops = amx ? 4.0 * kAmxIters * 16 * 16 * 32 * 2 : 2.0 * fma_flops;
   return (dot_flops / best_dot) / (fma_flops / best_fma);
 #else
   return 0.0;
