@@ -37,7 +37,8 @@ from jaxserve.kernels.pallas.attention_mosaic import (MAX_CONCURRENT_STEPS, WGMM
                                                       normalize, swizzled, walk_kv_blocks)
 from jaxserve.kernels.pallas.common import cdiv, check, next_power_of_2
 from jaxserve.kernels.pallas.flash_attention import check_operands
-from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, broadcasted_iota, mosaic_interpret_params
+from jaxserve.kernels.pallas.mosaic import (MOSAIC_IMPLS, broadcasted_iota, compiler_params,
+                                            mosaic_interpret_params)
 
 
 def _tile_table(cu_q_lens, block_q: int, num_tiles: int):
@@ -114,6 +115,7 @@ def _prefill_mosaic_call(q_tiles, tiles, k_pages, v_pages, block_tables, cu_q_le
                                         max_concurrent_steps)),
         grid=(num_tiles, kv_heads),
         grid_names=("t", "h"),
+        compiler_params=compiler_params(),
         interpret=mosaic_interpret_params() if interpret else None,
     )(q_tiles, k_pages, v_pages, block_tables, tiles, cu_q_lens, kv_lens)
 

@@ -21,6 +21,15 @@ def mosaic_interpret_params():
     return InterpretGPUParams()
 
 
+def compiler_params():
+    """The `compiler_params=` of every Mosaic GPU kernel here: Lane lowering semantics (a
+    thread's view of its registers, which `layout_cast` and `broadcasted_iota(layout=)`
+    assume). JAX 0.10 defaults to it; JAX 0.11 turned Warpgroup lowering on by default
+    (docs/pallas/CHANGELOG.md, "Released with JAX 0.11.0"), so it is asked for by name."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
 def with_layout(x, layout, interpret: bool):
     """`plgpu.layout_cast(x, layout)` in a kernel being lowered; x as it is in interpret mode
     (a register layout means nothing there, and the interpreter has no rule for the cast)."""
@@ -63,5 +72,5 @@ def matmul_transposed(a_smem, b_smem, interpret: bool):
     return pl.run_scoped(run, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
 
 
-__all__ = ["MOSAIC_IMPLS", "broadcasted_iota", "matmul_transposed", "mosaic_interpret_params",
-           "with_layout"]
+__all__ = ["MOSAIC_IMPLS", "broadcasted_iota", "compiler_params", "matmul_transposed",
+           "mosaic_interpret_params", "with_layout"]

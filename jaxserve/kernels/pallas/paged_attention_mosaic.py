@@ -34,7 +34,7 @@ from jaxserve.kernels.pallas.attention_mosaic import (MAX_CONCURRENT_STEPS, WGMM
                                                       check_mosaic_attention, default_block_kv,
                                                       kv_scratch, normalize, walk_kv_blocks)
 from jaxserve.kernels.pallas.common import cdiv, check, merge_partials
-from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, mosaic_interpret_params
+from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, compiler_params, mosaic_interpret_params
 from jaxserve.kernels.pallas.paged_attention import check_operands
 from jaxserve.kernels.pallas.quantized_matmul import TARGET_PROGRAMS
 
@@ -105,6 +105,7 @@ def _decode_mosaic_call(q, k_pages, v_pages, block_tables, context_lens, *, sm_s
                                         max_concurrent_steps)),
         grid=(batch, kv_heads, num_splits),
         grid_names=("b", "h", "s"),
+        compiler_params=compiler_params(),
         interpret=mosaic_interpret_params() if interpret else None,
     )(q, k_pages, v_pages, block_tables, context_lens)
 

@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.kernels.pallas.common import cdiv, check
-from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, mosaic_interpret_params, with_layout
+from jaxserve.kernels.pallas.mosaic import (MOSAIC_IMPLS, compiler_params, mosaic_interpret_params,
+                                            with_layout)
 from jaxserve.kernels.pallas.quantized_matmul import (MIN_BLOCKS_PER_SPLIT, TARGET_PROGRAMS,
                                                       check_qmm_operands, finish_split_k)
 
@@ -178,6 +179,7 @@ def _qmm_mosaic_call(x, w_q, scales, *, rows: int, group_size: int | None, tile_
                            s_barrier=plgpu.Barrier()),
         grid=(m_pad // tile_m, n // tile_n, splits),
         grid_names=("m", "n", "k"),
+        compiler_params=compiler_params(),
         interpret=mosaic_interpret_params() if interpret else None,
     )(x, w_q, scales)
 
