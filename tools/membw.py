@@ -6,7 +6,9 @@
 Decoding one stream reads every weight once per token, so tokens/s cannot exceed
 (read bandwidth) / (weight bytes per token). This measures the read bandwidth as the
 median of `repeats` XLA reductions over a `gib`-GiB f32 array (far larger than any cache,
-all cores: XLA:CPU splits the reduction over its threads), `samples` times `interval`
+all cores: XLA:CPU splits the reduction over its threads), less that of the same call over
+1,024 floats (a call's fixed cost: negligible on a CPU, half the time on a GPU),
+`samples` times `interval`
 seconds apart, and takes the median sample (on the project's VMs the read bandwidth
 jumps between ~31 and ~50 GB/s for seconds at a time, and a single sample can catch a
 burst that no workload running over minutes sees), counts the bytes the engine

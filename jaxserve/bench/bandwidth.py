@@ -35,24 +35,39 @@ def weight_bytes_per_token(model, engine) -> dict[str, int]:
 def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7, samples: int = 1,
                         interval_s: float = 1.0) -> list[float]:
     """Read bandwidth samples in GB/s (1e9 bytes/s), `samples` of them `interval_s` seconds
-    apart, each the median of `repeats` XLA sums over a gib-GiB f32 array."""
+    apart. Each is the array's bytes over (the median of `repeats` XLA sums of a gib-GiB
+    f32 array, less the median of as many of the same sum over 1,024 elements: a call's
+    fixed cost, dispatch, launch and the wait for the scalar). On an H100 machine that cost
+    was ~0.15 ms against ~0.35 ms to read 1 GiB: timing the sum alone read 1.7-2.0 TB/s
+    where the card copies at ~3 TB/s (PERFORMANCE.md, "The GPU run of session 22"); on a
+    CPU it is a few microseconds of ~50 ms. Raises ValueError if the large sum is not
+    slower than the small one (a machine too noisy to measure on)."""
     import jax
     import jax.numpy as jnp
 
     n = int(gib * 2**30) // 4
-    x = jnp.ones((n,), jnp.float32)
+    x, tiny = jnp.ones((n,), jnp.float32), jnp.ones((1024,), jnp.float32)
     total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
+    for a in (x, tiny):
+        total(a).block_until_ready()  # compiles both shapes
+
+    def median_seconds(a) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            total(a).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
     out = []
     for i in range(samples):
         if i:
             time.sleep(interval_s)
-        rates = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            total(x).block_until_ready()
-            rates.append(n * 4 / (time.perf_counter() - t0) / 1e9)
-        out.append(statistics.median(rates))
+        seconds = median_seconds(x) - median_seconds(tiny)
+        if seconds <= 0:
+            raise ValueError(f"read_bandwidth_gb_s: summing {gib} GiB was not slower than "
+                             f"summing 1,024 floats: too noisy to measure")
+        out.append(n * 4 / seconds / 1e9)
     return out
 
 
