@@ -32,9 +32,16 @@ def test_cases_and_flags_are_checked(capsys):
             bg.parse_case(bad)
     assert bg.main(["--cases", "1x2"]) == 2
     assert bg.main(["--cases", "1x2x2", "--decode-steps", "0"]) == 2
+    assert bg.parse_compiler_options("{}") is None
+    assert bg.parse_compiler_options('{"xla_gpu_enable_command_buffer": ""}') == (
+        ("xla_gpu_enable_command_buffer", ""),)
+    assert bg.main(["--cases", "1x2x2", "--xla-compiler-options", "{}", "[1]"]) == 2
+    assert bg.main(["--cases", "1x2x2", "--xla-compiler-options", '{"xla_a": 1}']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("jaxserve bench generate: error: --cases: '1x2'")
     assert "--decode-steps: '0'" in err[1]
+    assert "--xla-compiler-options: '[1]' is not a JSON object" in err[2]
+    assert "--xla-compiler-options: '{\"xla_a\": 1}' is not a JSON object" in err[3]
 
 
 @pytest.mark.full  # fast tier: the parts above; its engine path is LLM.generate's

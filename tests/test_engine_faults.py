@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from engine_utils import TINY_CFG as CFG, tiny_engine, tiny_params
+from jaxserve.config import ConfigError
 from jaxserve.engine.engine import EngineDeadError
 from jaxserve.sampling_params import InvalidRequest, SamplingParams
 
@@ -246,3 +247,20 @@ def test_64_bit_seeds_sample_reproducibly(params):
         with pytest.raises(InvalidRequest):
             SamplingParams(seed=bad)
     assert np.all([len(t) == 10 for t in got.values()])
+
+
+def test_xla_compiler_options_reach_xla(params):
+    """CompilationConfig.xla_compiler_options are XLA's: one it does not know is refused when
+    the engine starts, naming it (so they are passed to XLA); XLA:GPU's command-buffer
+    option, meaningless on CPU, compiles and serves the same greedy tokens as none."""
+    with pytest.raises(ConfigError, match="xla_compiler_options.*xla_no_such_option"):
+        make_engine(params, xla_compiler_options=(("xla_no_such_option", "1"),))
+    with pytest.raises(ConfigError, match="xla_compiler_options.*'BOGUS' is not a valid"):
+        make_engine(params, xla_compiler_options=(("xla_gpu_enable_command_buffer", "BOGUS"),))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = []
+    for opts in ((), (("xla_gpu_enable_command_buffer", ""),)):
+        engine = make_engine(params, xla_compiler_options=opts)
+        engine.add_request("a", [3, 4, 5], sp)
+        got.append(drain(engine)["a"].token_ids)
+    assert got[0] == got[1] and len(got[0]) == 8

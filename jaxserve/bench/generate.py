@@ -3,10 +3,12 @@ in the same run: the one command for a GPU session (issue 28's table), on CPU to
 
     jaxserve bench generate [--config llama3_8b] [--load-format dummy]
         [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--hf] [--trace DIR]
-        [--json out.json]
+        [--xla-compiler-options JSON [JSON ...]] [--json out.json]
 
 A case SxPxO is S streams of P-token random prompts, O greedy tokens each (ignore_eos).
-For each decode_steps value ("auto": the config's own) one engine is built
+For each decode_steps value ("auto": the config's own), and each set of XLA compiler
+options given (CompilationConfig.xla_compiler_options; one JSON object per set, `{}`: the
+config's, `{"xla_gpu_enable_command_buffer": ""}`: no CUDA graphs), one engine is built
 (`jaxserve.LLM`, warm-up off, room for the largest case) and each case runs on it:
 `generate` once on one set of prompts (which compiles the case's step shapes), then timed
 on another set of the same lengths (other random tokens, so no prefix-cache hit changes
@@ -17,7 +19,8 @@ case it prints:
 - the bound: one decode step reads every projection and the LM head once, in the format
   served (jaxserve.bench.bandwidth.weight_bytes_per_token), and each stream's K/V up to
   its mean context (P + O / 2 tokens), at the device's read bandwidth measured here (an
-  XLA sum over 1 GiB, the median of three samples); the ratio tok/s / bound (prefill is
+  XLA sum over 1 GiB less the same call over 1,024 floats, the median of three samples:
+  jaxserve.bench.bandwidth.read_bandwidth_gb_s); the ratio tok/s / bound (prefill is
   in the timed call, not in the bound: long prompts lower the ratio);
 - the host's share of the step loop: host microseconds per engine step (Engine.stats'
   host_seconds: `step()` time not spent waiting for the device) and their fraction of the
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import itertools
 import json
 import statistics
 import sys
@@ -110,16 +114,33 @@ def _prompts(rng, streams: int, length: int, vocab: int) -> list[list[int]]:
     return [rng.integers(10, vocab - 1, length).tolist() for _ in range(streams)]
 
 
-def build_llm(config, cases, decode_steps, cache_dir):
-    """The engine the cases run on with one decode_steps value ("auto": the config's):
-    `jaxserve.LLM` with warm-up off, max_num_seqs and max_model_len raised to hold the
-    largest case."""
+def parse_compiler_options(text: str) -> tuple[tuple[str, str], ...] | None:
+    """One --xla-compiler-options value: a JSON object of XLA option names to string values
+    -> CompilationConfig.xla_compiler_options pairs; `{}` -> None (the config's own). Raises
+    ValueError for anything else."""
+    try:
+        opts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--xla-compiler-options: {text!r} is not JSON ({e})") from None
+    if not isinstance(opts, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in opts.items()):
+        raise ValueError(f"--xla-compiler-options: {text!r} is not a JSON object of option "
+                         "names to string values")
+    return tuple(opts.items()) or None
+
+
+def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None):
+    """The engine the cases run on with one decode_steps value ("auto": the config's) and
+    XLA compiler options (CompilationConfig.xla_compiler_options pairs; None: the
+    config's): `jaxserve.LLM` with warm-up off, max_num_seqs and max_model_len raised to
+    hold the largest case."""
     from jaxserve.api import LLM
 
     engine = config.engine.override(
         max_num_seqs=max([s for s, _, _ in cases] + [config.engine.scheduler.max_num_seqs]),
         max_model_len=max([p + o for _, p, o in cases] + [config.engine.max_model_len]),
-        **({} if decode_steps == "auto" else {"decode_steps": int(decode_steps)}))
+        **({} if decode_steps == "auto" else {"decode_steps": int(decode_steps)}),
+        **({} if compiler_options is None else {"xla_compiler_options": compiler_options}))
     return LLM(config.replace(engine=engine), cache_dir=cache_dir, warmup=False)
 
 
@@ -156,6 +177,7 @@ def run_case(llm, case, trace_dir: Path | None, bandwidth: float) -> dict:
     bound = streams * bandwidth / step_bytes
     tok_s = streams * out_len / seconds
     out = {"case": "x".join(map(str, case)), "decode_steps": engine.scheduler.decode_steps,
+           "xla_compiler_options": dict(engine.compilation.xla_compiler_options),
            "output_tok_s": tok_s, "seconds": seconds, "bound_tok_s": bound,
            "ratio_to_bound": tok_s / bound, "weight_bytes": weight_bytes,
            "kv_bytes_per_token": kv_per_token, "device_busy": busy, "num_steps": num_steps,
@@ -223,6 +245,10 @@ def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
                     help="trace a third call per case with jax.profiler into DIR and report "
                          "the device-busy fraction")
+    ap.add_argument("--xla-compiler-options", nargs="+", default=["{}"], metavar="JSON",
+                    help="sets of XLA compiler options to run every case with, one JSON object "
+                         "each (CompilationConfig.xla_compiler_options); {}: the config's "
+                         "(default: {})")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     return ap
@@ -239,6 +265,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
         for s in steps:
             if s != "auto" and not (s.isdigit() and int(s) > 0):
                 raise ValueError(f"--decode-steps: {s!r} is not a positive integer or auto")
+        option_sets = [parse_compiler_options(o) for o in args.xla_compiler_options]
         overrides = {"load_format": args.load_format}
         if args.num_layers is not None:
             overrides["num_layers"] = args.num_layers
@@ -262,18 +289,25 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
     print(f"{device.device_kind} ({device.platform}), read bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, config {config.name}", flush=True)
     results = []
-    for s in steps:  # one engine per decode_steps value, freed before the next is built
-        llm = build_llm(config, cases, s, args.cache_dir)
-        for case in cases:
-            trace = args.trace / f"{'x'.join(map(str, case))}-{s}" if args.trace else None
-            r = run_case(llm, case, trace, bandwidth)
-            results.append(r)
-            busy = "-" if r["device_busy"] is None else f"{r['device_busy']:.0%}"
-            print(f"{r['case']:>14} decode_steps {r['decode_steps']:>2}: "
-                  f"{r['output_tok_s']:9.1f} tok/s, bound {r['bound_tok_s']:9.1f} "
-                  f"({r['ratio_to_bound']:.0%}), host {r['host_us_per_step']:.0f} us/step "
-                  f"({r['host_share']:.0%} of the step loop), device busy {busy}, "
-                  f"compile events in the timed call {r['compile_events_timed']}", flush=True)
+    # one engine per option set and decode_steps value, freed before the next is built
+    for (v, opts), s in itertools.product(enumerate(option_sets), steps):
+        label = "" if opts is None else " " + json.dumps(dict(opts))
+        try:
+            llm = build_llm(config, cases, s, args.cache_dir, opts)
+            for case in cases:
+                name = f"{'x'.join(map(str, case))}-{s}" + (f"-options{v}" if v else "")
+                r = run_case(llm, case, args.trace / name if args.trace else None, bandwidth)
+                results.append(r)
+                busy = "-" if r["device_busy"] is None else f"{r['device_busy']:.0%}"
+                print(f"{r['case']:>14} decode_steps {r['decode_steps']:>2}{label}: "
+                      f"{r['output_tok_s']:9.1f} tok/s, bound {r['bound_tok_s']:9.1f} "
+                      f"({r['ratio_to_bound']:.0%}), host {r['host_us_per_step']:.0f} us/step "
+                      f"({r['host_share']:.0%} of the step loop), device busy {busy}, "
+                      f"compile events in the timed call {r['compile_events_timed']}",
+                      flush=True)
+        except ConfigError as e:  # an option set XLA does not take: refused at the start
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
         del llm
         gc.collect()
     for case in cases:

@@ -39,7 +39,30 @@ class CompilationConfig:
     of the stack every step); True: on, or a ConfigError saying why it cannot be; False:
     unrolled."""
 
+    xla_compiler_options: tuple[tuple[str, str], ...] = ()
+    """XLA options for every step program the engine compiles, as (name, value) pairs of
+    XLA's DebugOptions (passed to `jax.stages.Lowered.compile(compiler_options=...)`, so
+    part of the persistent compilation cache's key): e.g.
+    (("xla_gpu_enable_command_buffer", ""),) runs XLA:GPU's kernels without CUDA graphs,
+    as vLLM's cudagraph_mode NONE, and ("xla_gpu_enable_command_buffer",
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE") also puts `lax.cond` in
+    them, which XLA:GPU otherwise runs by copying the predicate to the host and waiting
+    for it. Empty: XLA's defaults. A name or value XLA does not take fails the engine's
+    start with a ConfigError naming it. Which options pay is measured
+    with `jaxserve bench generate --xla-compiler-options` (PERFORMANCE.md, "The GPU run of
+    session 22")."""
+
     def __post_init__(self):
+        opts = self.xla_compiler_options
+        if not (isinstance(opts, tuple) and all(
+                isinstance(o, tuple) and len(o) == 2 and all(isinstance(v, str) for v in o)
+                and o[0].startswith("xla_") for o in opts)):
+            raise ConfigError("CompilationConfig.xla_compiler_options must be a tuple of "
+                              "(name, value) string pairs, each name an XLA option (xla_...), "
+                              f"got {opts!r}")
+        if len({name for name, _ in opts}) != len(opts):
+            raise ConfigError(f"CompilationConfig.xla_compiler_options names an option twice: "
+                              f"{opts!r}")
         for name in ("seq_buckets", "token_buckets", "page_buckets"):
             b = getattr(self, name)
             if b is not None:

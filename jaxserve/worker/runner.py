@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.worker.input_batch import empty_batch
 from jaxserve.worker.compilation import (StepKey, StepShapes, abstract_inputs,
                                          abstract_sample_inputs)
@@ -65,6 +65,9 @@ class Runner:
         pages and page size."""
         self.model_cfg = model_cfg
         self.engine_cfg = engine_cfg
+        self._compiler_options = dict(engine_cfg.compilation.xla_compiler_options) or None
+        if self._compiler_options:  # a name XLA does not know: refused now, not at a step
+            self._compile_lowered(jax.jit(lambda: jnp.zeros(())).lower())
         self.params = params
         self.cache = cache
         self.drafter, self.draft_params, self.draft_cache = draft or (None, None, None)
@@ -187,8 +190,7 @@ class Runner:
             logits, sampling, block_tables, num_context = inputs
             traced = self._jitted_sample.trace(logits, sampling, pool, block_tables,
                                                num_context)
-            exe = traced.lower().compile()
-            return exe, time.perf_counter() - t0
+            return self._compile_lowered(traced.lower()), time.perf_counter() - t0
         batch, sampling, prev_index = abstract_inputs(key, self._replicated, self.max_logit_bias,
                                                       self.model_cfg.vocab_size, self.shapes.lora)
         params, cache = _abstract(self.params), _abstract(self.cache)
@@ -203,8 +205,17 @@ class Runner:
         else:
             traced = self._jitted.trace(params, cache, batch, sampling, last, prev_index,
                                         *draft, pool, num_steps=key.n)
-        exe = traced.lower().compile()
-        return exe, time.perf_counter() - t0
+        return self._compile_lowered(traced.lower()), time.perf_counter() - t0
+
+    def _compile_lowered(self, lowered):
+        """`lowered` compiled with CompilationConfig.xla_compiler_options. Raises ConfigError
+        when XLA does not know one of them."""
+        try:
+            return lowered.compile(compiler_options=self._compiler_options)
+        except jax.errors.JaxRuntimeError as e:  # an unknown name, or a value it refuses
+            if "No such compile option" not in str(e) and "While setting option" not in str(e):
+                raise
+            raise ConfigError(f"CompilationConfig.xla_compiler_options: {e}") from None
 
     def _executable(self, key: StepKey):
         exe = self._compiled.get(key)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU session's checks in one command, each stage capped in seconds so that one stuck
+# stage leaves the others their time; logs and JSON under $OUT (default ./gpu_out).
+#
+#     tools/gpu_checks.sh [STAGE ...]     # stages: env kernels generate cmdbuf qmm hf (default: all)
+#
+# - kernels: the native kernel tier (`pytest -m gpu tests/test_kernel_*.py`, 8 workers);
+# - generate: `jaxserve bench generate` on dummy Llama-3-8B, 1 and 64 streams, decode_steps
+#   1 and 8, with a trace (device busy);
+# - cmdbuf: the same cases at decode_steps 1 with XLA's command buffers (CUDA graphs) off, as
+#   XLA sets them, and with conditionals in them (CompilationConfig.xla_compiler_options):
+#   decided by measurement;
+# - qmm: tools.bench_quantized_matmul at M = 1 and 64;
+# - hf: HF transformers' eager bf16 generate on the same shapes.
+# Caps: KERNELS_S, GENERATE_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where `import jaxserve`
+# works (the repository on PYTHONPATH, its dependencies installed or carried as wheels).
+# Session 22's run on an H100 (PERFORMANCE.md, "The GPU run of session 22"): env ~15 s,
+# kernels ~90 s, generate ~190 s for two decode_steps values, qmm ~75 s for two shapes, hf ~85 s.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+stages=${*:-env kernels generate cmdbuf qmm hf}
+say() { echo; echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
+cases=1x128x256,64x512x256
+for stage in $stages; do
+  say "$stage"
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+      $PY -c "import sys, jax; print(sys.version.split()[0], jax.__version__, jax.devices(),
+getattr(jax.devices()[0], 'compute_capability', None))" ;;
+    kernels)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${KERNELS_S:-150}" $PY -m pytest -m gpu \
+        tests/test_kernel_*.py -n 8 -q -rfE --tb=short -p no:cacheprovider > "$OUT/kernels.log" 2>&1
+      echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernels.log" | cut -c1-200 | head -40 ;;
+    generate)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${GENERATE_S:-200}" $PY -m jaxserve.cli.main \
+        bench generate --config llama3_8b --cases $cases --decode-steps 8,1 --trace /tmp/trace \
+        --json "$OUT/generate.json" 2>&1 | grep -v "compiling step" | tee "$OUT/generate.log" | tail -8
+      f=$(ls -S /tmp/trace/1x128x256-1/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
+      [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/trace_1x128x256_ds1.json.gz" ;;
+    cmdbuf)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${CMDBUF_S:-200}" $PY -m jaxserve.cli.main \
+        bench generate --config llama3_8b --cases $cases --decode-steps 1 --trace /tmp/trace_cb \
+        --xla-compiler-options '{"xla_gpu_enable_command_buffer": ""}' '{}' \
+        '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}' \
+        --json "$OUT/cmdbuf.json" 2>&1 | grep -v "compiling step" | tee "$OUT/cmdbuf.log" | tail -8 ;;
+    qmm)
+      timeout -k 5 "${QMM_S:-120}" $PY -m tools.bench_quantized_matmul --m 1 64 --repeats 10 \
+        --json "$OUT/qmm.json" 2>&1 | tee "$OUT/qmm.log" | tail -45 ;;
+    hf)
+      timeout -k 5 "${HF_S:-100}" $PY -c "
+from jaxserve.config import load_config
+from jaxserve.bench.generate import hf_tok_s
+m = load_config('llama3_8b').model
+for case in [(1, 128, 256), (64, 512, 256)]:
+    print(case, 'HF eager bf16 tok/s', hf_tok_s(m, case), flush=True)
+" 2>&1 | grep -v Warning | tail -4 ;;
+    *) echo "unknown stage $stage (env kernels generate cmdbuf qmm hf)"; exit 2 ;;
+  esac
+done
+say done
