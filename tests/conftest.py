@@ -49,6 +49,16 @@ def _free_compiled_code():
 
 # --- the real model -------------------------------------------------------------------
 
+@pytest.fixture
+def cuda_lowering():
+    """The test traces and lowers for a CUDA GPU this machine need not have: since JAX 0.11
+    the Triton backend's lowering needs a target GPU named (an abstract H100:
+    jaxserve.kernels.pallas.lowering.cuda_target)."""
+    from jaxserve.kernels.pallas.lowering import cuda_target
+    with cuda_target():
+        yield
+
+
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:
     """Cache of downloads and converted checkpoints shared by test runs."""

@@ -370,7 +370,7 @@ def _configs(smollm2_checkpoint):
 # fast tier: each kernel's own lowering at engine shapes (tests/test_kernel_*), the whole step's
 @pytest.mark.full
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_engine_attention_call_lowers_for_cuda(smollm2_checkpoint, dtype):
+def test_every_engine_attention_call_lowers_for_cuda(smollm2_checkpoint, dtype, cuda_lowering):
     total = mosaic = 0
     for name, (model_cfg, ecfg) in _configs(smollm2_checkpoint).items():
         for key, (fn, specs, call) in _kernel_calls(model_cfg, ecfg, jnp.dtype(dtype)).items():
@@ -380,7 +380,7 @@ def test_every_engine_attention_call_lowers_for_cuda(smollm2_checkpoint, dtype):
     assert total > 40 and (mosaic > 10) == (dtype == "bfloat16")
 
 
-def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
+def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint, cuda_lowering):
     model_cfg, ecfg = _configs(smollm2_checkpoint)["smollm2_135m"]
     calls = _matmul_calls(model_cfg, ecfg, jnp.bfloat16)
     for key, (fn, specs) in calls.items():
@@ -389,7 +389,7 @@ def test_every_engine_quantized_matmul_call_lowers_for_cuda(smollm2_checkpoint):
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed", "verify"])
-def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
+def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind, cuda_lowering):
     """The jitted engine step of a SmolLM2-shaped model with Pallas attention and int8
     Pallas matmuls, bf16, lowered for CUDA: a one-token step's two programs (forward to
     the logits; sampling), a multi-step decode, a verify step (logits at every row,
@@ -436,7 +436,7 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind):
 
 @pytest.mark.parametrize("attention,kv_dtype", [("pallas", "bfloat16"), ("pallas_mosaic", "bfloat16"),
                                                ("pallas_mosaic", "int8")])
-def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention, kv_dtype):
+def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention, kv_dtype, cuda_lowering):
     """The bf16 decode step of a SmolLM2-shaped int8 model with the Hopper matmul
     ("pallas_mosaic"): each of the 4 distinct projection shapes is one Mosaic GPU call;
     attention is one Triton call, or with "pallas_mosaic" attention (what "auto" picks on

@@ -221,7 +221,7 @@ POOLS = {"f32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("model,pool", case_grid(list(MODELS), {p: p for p in POOLS}))
-def test_lowers_for_cuda_at_engine_shapes(model, pool):
+def test_lowers_for_cuda_at_engine_shapes(model, pool, cuda_lowering):
     """total_tokens 16 / 128 / 512 x batch 1 / 4 x pages_per_seq 8 / 32 (page_size 16): one
     Triton custom call each, output [total_tokens, q_heads, head_dim] in q's dtype."""
     S, i32 = jax.ShapeDtypeStruct, jnp.int32

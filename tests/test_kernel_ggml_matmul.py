@@ -196,7 +196,7 @@ MATMUL_SHAPES = {"smollm2-gate-up": (3072, 576), "llama3-8b-q": (4096, 4096),
 
 @pytest.mark.parametrize("shape,fmt", case_grid(list(MATMUL_SHAPES),
                                                 {f: f for f in ("q4_0", "q4_1", "q8_0")}))
-def test_lowers_for_cuda_at_engine_shapes(shape, fmt):
+def test_lowers_for_cuda_at_engine_shapes(shape, fmt, cuda_lowering):
     """bf16 x of 1 / 64 / 512 rows (decode with split-K, mixed steps): one Triton custom
     call each, [rows, out] in bf16 (tools/compile_triton.py compiles the Llama-3-8B
     w_down configurations to sm_90 cubin: no spill at M = 1)."""

@@ -286,7 +286,7 @@ PAGES = {"f32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("model,pages", case_grid(list(MODELS), {p: p for p in PAGES}))
-def test_lowers_for_cuda_at_engine_shapes(model, pages):
+def test_lowers_for_cuda_at_engine_shapes(model, pages, cuda_lowering):
     """batch 1 / 8 / 32 x pages_per_seq 4 / 32 (page_size 16, default blocks and splits):
     one Triton custom call each, output [batch, q_heads, head_dim] in q's dtype."""
     S, i32 = jax.ShapeDtypeStruct, jnp.int32

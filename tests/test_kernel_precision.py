@@ -38,7 +38,7 @@ def _lowered(kernel: str, dtype):
 
 
 @pytest.mark.parametrize("kernel", ["flash_attention", "paged_attention", "quantized_matmul"])
-def test_f32_kernels_never_multiply_in_tf32(kernel):
+def test_f32_kernels_never_multiply_in_tf32(kernel, cuda_lowering):
     dots = [DOT.search(line) for call in ct.extract_triton_calls(_lowered(kernel, jnp.float32))
             for line in call.ttir.splitlines() if "tt.dot " in line]
     assert dots and all(dots), dots
@@ -47,8 +47,29 @@ def test_f32_kernels_never_multiply_in_tf32(kernel):
     assert set(f32) <= {"ieee", "tf32x3"}, f32
 
 
-def test_the_check_can_fail():
+def test_the_check_can_fail(cuda_lowering):
     """bf16 inputs lower their dots with Triton's tf32 attribute, which the pattern sees."""
     lines = [line for call in ct.extract_triton_calls(_lowered("paged_attention", jnp.bfloat16))
              for line in call.ttir.splitlines() if "tt.dot " in line]
     assert {DOT.search(line).group(1) for line in lines} == {"tf32"}
+
+
+def test_cuda_target_names_the_gpu_and_restores_the_registry():
+    """jaxserve.kernels.pallas.lowering.cuda_target: without it the Triton lowering has no
+    GPU to target (JAX 0.11); with a mesh it names the CPU devices' kind an H100's only for
+    its duration, and it refuses a GPU kind JAX does not know."""
+    from jax._src.pallas.triton import gpu_info
+
+    from jaxserve.kernels.pallas.lowering import cuda_target
+
+    with pytest.raises(RuntimeError, match="No supported GPU devices found"):
+        _lowered("paged_attention", jnp.bfloat16)
+    mesh = jax.make_mesh((1,), ("model",), devices=jax.devices()[:1])
+    kind = jax.devices()[0].device_kind
+    with cuda_target(mesh):
+        assert gpu_info.get_gpu_info().compute_capability == 90
+        assert "xla.gpu.triton" in _lowered("paged_attention", jnp.bfloat16).as_text()
+    assert kind not in gpu_info.registry
+    with pytest.raises(ValueError, match="no GPU of kind 'NVIDIA Nothing'"):
+        with cuda_target(mesh, device_kind="NVIDIA Nothing"):
+            pass

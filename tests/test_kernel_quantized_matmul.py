@@ -228,7 +228,7 @@ SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)
 LLAMA3_8B_SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 
 
-def test_lowers_for_cuda_at_engine_shapes():
+def test_lowers_for_cuda_at_engine_shapes(cuda_lowering):
     """Every (shape, M in 1/16/256, int8 per channel / int8 group 128 / fp8, x bf16/f32)
     lowers to one Triton custom call with the right output type. Group 128 becomes group 64
     where in_features (576) is not a multiple of 128."""

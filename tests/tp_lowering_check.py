@@ -37,6 +37,7 @@ from jaxserve.model.pipeline import StagedLayers, layers_per_stage
 from jaxserve.model.tensor_parallel import layer_specs
 from jaxserve.model.transformer import Kernels
 from jaxserve.distributed.sharding import ShardingRules, make_mesh
+from jaxserve.kernels.pallas.lowering import cuda_target
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = (StepKey("decode", 64, 64, 32, 1), StepKey("mixed", 512, 16, 32, 1))
@@ -64,10 +65,15 @@ def lowered(cfg, rules, kernels, key, platform, stages: int = 1):
     fn = jax.jit(functools.partial(model_step, cfg=cfg, drafter=None, rules=rules, kernels=kernels,
                                    num_top=20),
                  donate_argnums=(1, 8), static_argnames=("num_steps",))
-    traced = fn.trace(params, cache, batch, sampling,
-                      jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep), prev_index, None, None,
-                      jax.ShapeDtypeStruct((4096 * 16,), jnp.int32, sharding=rep))
-    return traced.lower(lowering_platforms=(platform,)) if platform != "cpu" else traced.lower()
+    def lower():
+        traced = fn.trace(params, cache, batch, sampling,
+                          jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep), prev_index, None,
+                          None, jax.ShapeDtypeStruct((4096 * 16,), jnp.int32, sharding=rep))
+        return traced.lower(lowering_platforms=(platform,)) if platform != "cpu" else traced.lower()
+    if platform != "cuda":
+        return lower()
+    with cuda_target(rules.mesh):  # the Triton kernels' target GPU (JAX 0.11)
+        return lower()
 
 
 def _split_top(text: str) -> list[str]:

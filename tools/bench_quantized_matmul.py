@@ -113,9 +113,9 @@ def bench(shapes, ms, impls, formats, group, repeats) -> dict:
 
             def row(fmt, impl, seconds, nbytes):
                 if seconds <= 0:
-                    return dict(shape=shape, m=m, format=fmt, impl=impl,
-                                skipped=f"too noisy: 8 calls took {seconds * 1e6:.1f} us "
-                                        "less than 1 (x 7)")
+                    return dict(shape=shape, m=m, format=fmt, impl=impl, bytes=nbytes,
+                                skipped=f"too noisy: 8 calls took {-seconds * 7e6:.1f} us "
+                                        "less than 1")
                 gb_s = nbytes / seconds / 1e9
                 r = dict(shape=shape, m=m, format=fmt, impl=impl, seconds=seconds,
                          bytes=nbytes, gb_s=gb_s, of_peak=gb_s / read_gb_s)

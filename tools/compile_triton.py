@@ -165,12 +165,16 @@ def _backend_config(op) -> dict[str, Any]:
 
 def lower_for_cuda(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None = None):
     """`jax.jit(fn)` traced with `args` (arrays or ShapeDtypeStructs; `kwargs` bound
-    statically) and lowered for CUDA without a GPU. Returns the `jax.stages.Lowered`.
+    statically) and lowered for CUDA without a GPU (for an H100:
+    jaxserve.kernels.pallas.lowering.cuda_target). Returns the `jax.stages.Lowered`.
     Raises whatever tracing/lowering raises (e.g. a kernel rejecting the shapes)."""
     import jax
 
+    from jaxserve.kernels.pallas.lowering import cuda_target
+
     f = functools.partial(fn, **(kwargs or {}))
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    with cuda_target():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 # ----------------------------------------------------------------------------- compilation

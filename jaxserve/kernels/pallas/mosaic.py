@@ -15,7 +15,7 @@ MOSAIC_IMPLS = ("pallas_mosaic", "pallas_mosaic_interpret")
 
 
 def mosaic_interpret_params():
-    """The `interpret=` value that runs a Mosaic GPU kernel on CPU. JAX 0.10 keeps the class
+    """The `interpret=` value that runs a Mosaic GPU kernel on CPU. JAX 0.11 keeps the class
     in a private module (`jax._src.pallas.mosaic_gpu.interpret`), imported here only."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return InterpretGPUParams()
@@ -53,7 +53,8 @@ def broadcasted_iota(dtype, shape, dimension: int, layout, interpret: bool):
 def matmul_transposed(a_smem, b_smem, interpret: bool):
     """a @ b^T with f32 accumulation, in a kernel: a_smem [64, K] and b_smem [N, K] 16-bit
     SMEM refs (wgmma's operands, 128-byte swizzled). Lowered: one wgmma reading b through
-    `plgpu.transpose_ref` (as JAX's FlashAttention-3 reads K); returns [64, N] f32 in the
+    a transposed view, `b_smem.transpose((1, 0))` (as JAX's FlashAttention-3 reads K; the
+    same view the deprecated `plgpu.transpose_ref` returns); returns [64, N] f32 in the
     WGMMA layout. Interpret mode: the same product from registers (`lax.dot_general`, f32
     accumulation), since the interpreter's wgmma takes only sliced operands, not transposed
     ones; the transposed read itself is checked by CUDA lowering and the native tier."""
@@ -66,7 +67,7 @@ def matmul_transposed(a_smem, b_smem, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def run(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
         plgpu.wgmma_wait(0)
         return acc_ref[...]
     return pl.run_scoped(run, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
