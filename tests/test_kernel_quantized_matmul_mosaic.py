@@ -176,7 +176,7 @@ def test_bench_tool_reports_bytes_rates_and_skips():
     reason (they are timed on a GPU: the tool's use)."""
     from tools.bench_quantized_matmul import bench
 
-    # a weight of 8 MB: a call takes ~1 ms on CPU, so 8 calls against 1 (the tool's timing)
+    # a weight of 8 MB: a call takes ~1 ms on CPU, so 16 calls against 1 (the tool's timing)
     # measure more than noise
     res = bench(["1024x4096"], [2], ["xla_bf16", "xla", "pallas", "pallas_mosaic"], ["int8"],
                 None, 3)

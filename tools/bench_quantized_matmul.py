@@ -7,8 +7,8 @@ the device's read bandwidth, and each kernel's time against XLA's bf16 dot in th
 
 For each weight shape [in_features, out_features] (default: Llama-3-8B's projections), each
 row count M (1: single-stream decode, 64: a batch of decodes, 256+: prefill chunks) and each
-implementation it times one call as the difference between a program of 8 calls (each on its
-own copy of the weights: no call reads another's from L2) and a program of one, over 7, each
+implementation it times one call as the difference between a program of 16 calls (each on
+its own copy of the weights: no call reads another's from L2) and a program of one, over 15, each
 program the median of `repeats` runs after a compile and a warm run: a call's fixed cost
 (dispatch, launch, the wait for the result) cancels, which on a GPU is as long as the
 matmul itself:
@@ -43,8 +43,9 @@ IMPLS = ("xla_bf16", "xla", "pallas", "pallas_mosaic")
 
 
 # Distinct weight copies one timed program multiplies by: more bytes than an H100's 50 MB L2
-# for every default shape, and enough calls that the program's own cost is measured.
-COPIES = 8
+# for every default shape (the smallest, 4096 x 1024 in int8, is 4 MB a copy), and enough
+# calls that the program's own cost is measured.
+COPIES = 16
 
 
 def _median_seconds(fn, args, repeats: int) -> float:
@@ -114,8 +115,8 @@ def bench(shapes, ms, impls, formats, group, repeats) -> dict:
             def row(fmt, impl, seconds, nbytes):
                 if seconds <= 0:
                     return dict(shape=shape, m=m, format=fmt, impl=impl, bytes=nbytes,
-                                skipped=f"too noisy: 8 calls took {-seconds * 7e6:.1f} us "
-                                        "less than 1")
+                                skipped=f"too noisy: {COPIES} calls took "
+                                        f"{-seconds * (COPIES - 1) * 1e6:.1f} us less than 1")
                 gb_s = nbytes / seconds / 1e9
                 r = dict(shape=shape, m=m, format=fmt, impl=impl, seconds=seconds,
                          bytes=nbytes, gb_s=gb_s, of_peak=gb_s / read_gb_s)

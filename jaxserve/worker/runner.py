@@ -209,7 +209,7 @@ class Runner:
 
     def _compile_lowered(self, lowered):
         """`lowered` compiled with CompilationConfig.xla_compiler_options. Raises ConfigError
-        when XLA does not know one of them."""
+        when XLA does not take one of them (an unknown name, a value it refuses)."""
         try:
             return lowered.compile(compiler_options=self._compiler_options)
         except jax.errors.JaxRuntimeError as e:  # an unknown name, or a value it refuses

@@ -3,8 +3,9 @@
 Since JAX 0.11 the Triton backend's lowering asks which GPU it targets
 (`jax._src.pallas.triton.gpu_info`: its compute capability picks the Triton pipeline), and
 without a GPU it raises "No supported GPU devices found, please specify an abstract GPU
-device". `cuda_target()` names one through an abstract mesh carrying an abstract device, as
-that error asks; the Mosaic GPU backend lowers for sm_90a either way.
+device". `cuda_target()` names one: through an abstract mesh carrying an abstract device, as
+that error asks, or, for functions sharded over a mesh of CPU devices, through the Triton
+backend's device registry. The Mosaic GPU backend lowers for sm_90a either way.
 """
 
 from __future__ import annotations
