@@ -15,7 +15,9 @@
 # Caps: KERNELS_S, GENERATE_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where `import jaxserve`
 # works (the repository on PYTHONPATH, its dependencies installed or carried as wheels).
 # Session 22's run on an H100 (PERFORMANCE.md, "The GPU run of session 22"): env ~15 s,
-# kernels ~90 s, generate ~190 s for two decode_steps values, qmm ~75 s for two shapes, hf ~85 s.
+# kernels ~90 s, generate ~190 s for two decode_steps values, qmm ~75 s for two shapes with
+# single-call timing, hf ~85 s; cmdbuf (three engines) and qmm (four shapes, 16 copies) not
+# yet run: their caps are estimates. A lease of 15 minutes holds env, cmdbuf and qmm.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -43,13 +45,13 @@ getattr(jax.devices()[0], 'compute_capability', None))" ;;
       f=$(ls -S /tmp/trace/1x128x256-1/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
       [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/trace_1x128x256_ds1.json.gz" ;;
     cmdbuf)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${CMDBUF_S:-200}" $PY -m jaxserve.cli.main \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${CMDBUF_S:-300}" $PY -m jaxserve.cli.main \
         bench generate --config llama3_8b --cases $cases --decode-steps 1 --trace /tmp/trace_cb \
         --xla-compiler-options '{"xla_gpu_enable_command_buffer": ""}' '{}' \
         '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}' \
         --json "$OUT/cmdbuf.json" 2>&1 | grep -v "compiling step" | tee "$OUT/cmdbuf.log" | tail -8 ;;
     qmm)
-      timeout -k 5 "${QMM_S:-120}" $PY -m tools.bench_quantized_matmul --m 1 64 --repeats 10 \
+      timeout -k 5 "${QMM_S:-180}" $PY -m tools.bench_quantized_matmul --m 1 64 --repeats 10 \
         --json "$OUT/qmm.json" 2>&1 | tee "$OUT/qmm.log" | tail -45 ;;
     hf)
       timeout -k 5 "${HF_S:-100}" $PY -c "
