@@ -127,7 +127,8 @@ def test_round_x_matches_reference_with_bf16_activations(k, n):
         xs = np.zeros((3, k), np.float32)
         xs[:, at:at + 2] = [[1.0 + 2.0 ** -12, 3.0], [np.nan, 1.0], [1.0 + 3 * 2.0 ** -8, 0.0]]
         got = np.asarray(bf16_matmul(jnp.asarray(xs), wp, round_x=True))[:, 0]
-        assert got[0] == 2.5 and np.isnan(got[1]) and got[2] == 1.0 + 4 * 2.0 ** -8, (k, got)  # ties to even
+        # 1 + 3 * 2**-8 lies halfway between bf16 neighbours 1 + 2 and 1 + 4 (x 2**-8): ties to even
+        assert got[0] == 2.5 and np.isnan(got[1]) and got[2] == 1.0 + 4 * 2.0 ** -8, (k, got)
 
 
 def test_bf16_dot_speedup_is_measured(cpu_kernels_library):

@@ -84,10 +84,10 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
     instructions, f32 accumulation: AMX tiles (TDPBF16PS, 16 x 16 outputs per instruction;
     jaxserve/kernels/cpu/amx.h) where the CPU has AMX-BF16 and Linux grants the process the
     tile state, else AVX512-BF16 vdpbf16ps (the portable build does the same arithmetic in
-    f32): 2x (Zen 4's vdpbf16ps) to 5-6x (AMX) the f32 FMA rate where
+    f32): 2x (Zen 4's vdpbf16ps) to 5-11x (AMX) the f32 FMA rate where
     `bf16_dot_speedup()` says so, for compute-bound row counts. Within one path a row's
-    result does not depend on the rows beside it. layer: with a stack of packed weights [L, N / P, K / 2, P, 2]
-    (a loop over layers), the int32 index of the one to use, traced or not, read where it
+    result does not depend on the rows beside it. layer: with a stack of packed weights
+    [L, N / P, K / 2, P, 2] (a loop over layers), the int32 index of the one to use, traced or not, read where it
     lies (a slice of the stack handed to the call would be copied first; see
     jaxserve.kernels.cpu.ggml_matmul.ggml_matmul). Needs
     `jaxserve.kernels.cpu.build.load_library` called first. Raises ValueError for bad
