@@ -37,11 +37,13 @@ def test_cases_and_flags_are_checked(capsys):
         ("xla_gpu_enable_command_buffer", ""),)
     assert bg.main(["--cases", "1x2x2", "--xla-compiler-options", "{}", "[1]"]) == 2
     assert bg.main(["--cases", "1x2x2", "--xla-compiler-options", '{"xla_a": 1}']) == 2
+    assert bg.main(["--cases", "1x2x2", "--branches", "host,gpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("jaxserve bench generate: error: --cases: '1x2'")
     assert "--decode-steps: '0'" in err[1]
     assert "--xla-compiler-options: '[1]' is not a JSON object" in err[2]
     assert "--xla-compiler-options: '{\"xla_a\": 1}' is not a JSON object" in err[3]
+    assert "--branches: 'gpu' is not one of auto, device, host" in err[4]
 
 
 @pytest.mark.full  # fast tier: the parts above; its engine path is LLM.generate's
@@ -50,7 +52,8 @@ def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
     # two of the 30 layers: the figures and the tool's paths are the same, at a tenth of
     # the compile and run time
     assert bg.main(["--config", "smollm2_135m", "--num-layers", "2", "--cases", "2x8x6,1x4x3",
-                    "--decode-steps", "1,auto", "--hf", "--trace", str(tmp_path / "trace"),
+                    "--decode-steps", "1,auto", "--branches", "host", "--hf",
+                    "--trace", str(tmp_path / "trace"),
                     "--cache-dir", str(cache_dir), "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["read_bandwidth"] > 1e9
@@ -58,6 +61,7 @@ def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
     assert [(r["decode_steps"], r["case"]) for r in got["results"]] == [
         (1, "2x8x6"), (1, "1x4x3"), (8, "2x8x6"), (8, "1x4x3")]
     for r in got["results"]:
+        assert r["branches"] == "host"  # (GPUs' default) its sampler plans compile unseen
         assert r["compile_events_timed"] == 0
         # the bound as the module docstring defines it, from the figures the run reports
         # (the read bandwidth itself moves with the other xdist worker's load)

@@ -173,13 +173,15 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
     assert select_kernels(auto, "cpu", 2, "float32", tmp_path) == Kernels("cpu", "xla", "xla")
     assert select_kernels(auto, "cpu", 1, "bfloat16", tmp_path) == Kernels("cpu", "xla", "cpu")
     assert select_kernels(auto, "cpu", 1, "float16", tmp_path) == Kernels("xla", "xla", "cpu")
-    assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == Kernels("pallas", "pallas")
+    # (on a GPU the host decides the sampler's branches: test_branches_are_decided_...)
+    gpu = functools.partial(Kernels, host_branches=True)
+    assert select_kernels(auto, "gpu", 1, "float32", tmp_path) == gpu("pallas", "pallas")
     # Hopper's quantised matmul and decode attention are the Mosaic GPU kernels; Ampere's
     # and Blackwell's Triton
     assert (select_kernels(auto, "gpu", 1, "float32", tmp_path, "9.0")
-            == Kernels("pallas_mosaic", "pallas_mosaic"))
+            == gpu("pallas_mosaic", "pallas_mosaic"))
     for other in ("8.0", "10.0"):
-        assert select_kernels(auto, "gpu", 1, "float32", tmp_path, other) == Kernels("pallas", "pallas")
+        assert select_kernels(auto, "gpu", 1, "float32", tmp_path, other) == gpu("pallas", "pallas")
     bf16 = KernelConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
     assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu", "cpu")
     assert select_kernels(bf16, "cpu", 2, "float32", tmp_path) == Kernels("cpu", "cpu", "xla")
@@ -434,6 +436,57 @@ def test_whole_engine_step_with_every_kernel_lowers_for_cuda(kind, cuda_lowering
     assert text.count("xla.gpu.triton") == 1 + 4
 
 
+def test_gpu_step_programs_branch_only_on_the_host(cuda_lowering):
+    """With host branches (KernelConfig.branches "auto" on a GPU) the programs of a decode
+    step lower for CUDA without a conditional (`stablehlo.case`: XLA:GPU runs one as a
+    host-side thunk that waits for the device; jaxserve.sample.plan): the decode
+    forward, the sampler of every static plan, multi-step decode and the n-gram verify
+    step of each of FUSED_PLANS. A mixed step's forward keeps one, its prompt logprobs'.
+    With the device deciding, every one of them has one (what this check catches)."""
+    from jaxserve.sample.plan import FUSED_PLANS, ON_DEVICE, sampler_plans
+    from jaxserve.worker.compilation import StepKey, abstract_inputs, abstract_sample_inputs
+    from jaxserve.worker.step import forward_step, model_step, sample_step, verify_step
+
+    cfg = tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
+                      head_dim=32, num_layers=2, vocab_size=1024, dtype="bfloat16")
+    params = abstract_params(cfg)
+    cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)
+    prev = jax.ShapeDtypeStruct((32,), jnp.int32)
+    for host in (True, False):
+        static = dict(cfg=cfg, drafter=None, rules=None, num_top=4,
+                      kernels=Kernels("pallas", "xla", host_branches=host))
+        texts = {}
+        for kind, key in (("decode", StepKey("decode", 8, 8, 16)),
+                          ("mixed", StepKey("mixed", 64, 2, 16))):
+            batch, sampling, prev_index = abstract_inputs(key, None, 8, cfg.vocab_size)
+            texts[kind] = _lower(functools.partial(forward_step, **static), params, cache,
+                                 batch, sampling.prompt_targets, prev, prev_index, None,
+                                 None, pool)
+        batch, sampling, prev_index = abstract_inputs(StepKey("decode", 8, 8, 16), None, 8,
+                                                      cfg.vocab_size)
+        logits, smp, tables, num_context = abstract_sample_inputs(8, 16, None, None, 8,
+                                                                  cfg.vocab_size)
+        for plan in sampler_plans(4) if host else (ON_DEVICE,):
+            texts[f"sample {plan}"] = jax.jit(functools.partial(
+                sample_step, page_size=16, max_rows=32, rules=None, kernels=static["kernels"],
+                num_top=4, plan=plan)).trace(logits, smp, pool, tables, num_context).lower(
+                lowering_platforms=("cuda",)).as_text()
+        vbatch, vsampling, vprev = abstract_inputs(StepKey("verify", 16, 4, 16, 4), None, 8,
+                                                   cfg.vocab_size)
+        for plan in FUSED_PLANS if host else (ON_DEVICE,):
+            texts[f"multi-step {plan}"] = _lower(
+                functools.partial(model_step, **static, num_steps=4, plan=plan), params,
+                cache, batch, sampling, prev, prev_index, None, None, pool)
+            texts[f"verify {plan}"] = _lower(
+                functools.partial(verify_step, ngram=(1, 3), plan=plan, **static), params,
+                cache, vbatch, vsampling, prev, prev, vprev, None, None, pool)
+        for name, text in texts.items():
+            expected = 1 if name == "mixed" or not host else 0
+            assert min(text.count("stablehlo.case"), 1) == expected, (host, name)
+        assert texts["mixed"].count("stablehlo.case") == 1 + (not host)  # + RoPE's
+
+
 @pytest.mark.parametrize("attention,kv_dtype", [("pallas", "bfloat16"), ("pallas_mosaic", "bfloat16"),
                                                ("pallas_mosaic", "int8")])
 def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention, kv_dtype, cuda_lowering):
@@ -461,6 +514,21 @@ def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention, kv_dt
     mosaic = attention == "pallas_mosaic" and kv_dtype == "bfloat16"
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 4 + mosaic
     assert text.count("xla.gpu.triton") == (0 if mosaic else 1)
+
+
+@pytest.mark.parametrize("platform,branches,host", [
+    ("gpu", "auto", True), ("cuda", "auto", True), ("cpu", "auto", False),
+    ("cpu", "host", True), ("gpu", "device", False)])
+def test_branches_are_decided_on_the_host_on_gpus(platform, branches, host, tmp_path):
+    """KernelConfig.branches "auto": the host decides the sampler's branches on a GPU
+    (XLA:GPU waits on the host at a conditional: jaxserve.sample.plan), the device
+    elsewhere; an explicit choice wins; anything else is refused by name."""
+    from jaxserve.worker.kernel_selection import select_kernels
+    kcfg = KernelConfig(attention_impl="xla", matmul_impl="xla", sampling_impl="xla",
+                        branches=branches)
+    assert select_kernels(kcfg, platform, 1, "bfloat16", tmp_path).host_branches == host
+    with pytest.raises(ConfigError, match="KernelConfig.branches"):
+        KernelConfig(branches="gpu")
 
 
 def test_bf16_models_on_cpu_resolve_to_the_packed_cpp_matmul():

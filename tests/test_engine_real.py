@@ -197,6 +197,65 @@ def test_multi_step_decode_gives_the_single_step_outputs(small_llm, cache_dir):
     assert_pool_empty(multi.engine)
 
 
+@pytest.mark.full  # fast tier: the tiny model's (tests/test_sampler_plan.py)
+def test_host_branches_give_the_device_branches_outputs(small_llm, cache_dir):
+    """KernelConfig.branches "host" (GPUs' default: the sampler's branches decided on the
+    host, one program per plan; jaxserve.sample.plan) on the real model, with multi-step
+    decode: the same tokens, logprobs and finish reasons as the device-branch engine
+    for greedy, seeded sampling with top-k / top-p, penalties with logit bias and top
+    logprobs, in one batch; nothing compiles after its warm-up; its steps took static
+    plans."""
+    import dataclasses
+
+    from conftest import ROOT
+    from jaxserve.api import LLM
+    from jaxserve.engine.builder import build_engine
+    from jaxserve.config import load_config
+    from jaxserve.sample.plan import ON_DEVICE
+
+    config = load_config(ROOT / "tests" / "configs" / "smollm2_two_shapes.py")
+    config = dataclasses.replace(config, engine=config.engine.override(
+        branches="host", decode_steps=4))
+    host = LLM(engine=build_engine(config, cache_dir))
+    runner = host.engine.runner
+    assert runner.kernels.host_branches
+    tok = small_llm.tokenizer
+    chat = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]), add_special_tokens=False)
+    prompts = [chat, "The quick brown fox", "Once upon a time", "A recipe for bread:"]
+    params = [SamplingParams(max_tokens=40, temperature=0),
+              SamplingParams(max_tokens=35, temperature=0.9, top_k=40, top_p=0.9, seed=7,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=18, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=21, temperature=0.7, seed=5, presence_penalty=0.6,
+                             repetition_penalty=1.2, logit_bias={13: 1.0}, logprobs=3,
+                             ignore_eos=True)]
+    want = small_llm.generate(prompts, params)
+    plans = []
+    planned = runner._planned
+    runner._planned = lambda key, sb: plans.append(planned(key, sb)) or plans[-1]
+    before = compile_events.snapshot()
+    try:
+        got = host.generate(prompts, params)
+    finally:
+        del runner._planned
+    assert (compile_events.snapshot() - before).total == 0
+    assert [(o.token_ids, o.finish_reason) for o in got] == \
+        [(o.token_ids, o.finish_reason) for o in want]
+    for g, w in zip(got[3].logprobs, want[3].logprobs):
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+        np.testing.assert_allclose([g.logprob] + [lp for _, lp in g.top],
+                                   [w.logprob] + [lp for _, lp in w.top], atol=1e-5)
+    samplers = [k.plan for k in plans if k.kind == "sample"]
+    assert samplers and ON_DEVICE not in samplers and "filtered" in {p.mode for p in samplers}
+    assert any(p.controls and p.top_logprobs for p in samplers)
+    # multi-step decode: with the penalties' request on device (FUSED_PLANS have no
+    # controls), after it the top-p request's static plan
+    fused = {k.plan for k in plans if k.kind == "decode"}
+    assert ON_DEVICE in fused and any(p.static for p in fused), fused
+    assert_pool_empty(host.engine)
+
+
 def test_host_loop_overlaps_device_steps(small_llm):
     """Step n+1 is launched before step n's tokens are read (the device never waits for
     the host between decode steps), outputs are unchanged, and the counters the

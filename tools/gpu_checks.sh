@@ -2,9 +2,13 @@
 # The GPU session's checks in one command, each stage capped in seconds so that one stuck
 # stage leaves the others their time; logs and JSON under $OUT (default ./gpu_out).
 #
-#     tools/gpu_checks.sh [STAGE ...]     # stages: env kernels generate cmdbuf qmm hf (default: all)
+#     tools/gpu_checks.sh [STAGE ...]     # stages: env kernels branches generate cmdbuf qmm hf
+#                                         # (default: all)
 #
 # - kernels: the native kernel tier (`pytest -m gpu tests/test_kernel_*.py`, 8 workers);
+# - branches: 1 stream at decode_steps 1 and 8 with the sampler's branches decided on device
+#   (lax.cond: XLA:GPU waits on the host at each) and on the host (jaxserve.sample.plan, the
+#   GPU default since session 23), with a trace each (device busy);
 # - generate: `jaxserve bench generate` on dummy Llama-3-8B, 1 and 64 streams, decode_steps
 #   1 and 8, with a trace (device busy);
 # - cmdbuf: the same cases at decode_steps 1 with XLA's command buffers (CUDA graphs) off, as
@@ -12,19 +16,20 @@
 #   decided by measurement;
 # - qmm: tools.bench_quantized_matmul at M = 1 and 64;
 # - hf: HF transformers' eager bf16 generate on the same shapes.
-# Caps: KERNELS_S, GENERATE_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where `import jaxserve`
-# works (the repository on PYTHONPATH, its dependencies installed or carried as wheels).
+# Caps: KERNELS_S, BRANCHES_S, GENERATE_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where
+# `import jaxserve` works (the repository on PYTHONPATH, its dependencies installed or carried as wheels).
 # Session 22's run on an H100 (PERFORMANCE.md, "The GPU run of session 22"): env ~15 s,
 # kernels ~90 s, generate ~190 s for two decode_steps values, qmm ~75 s for two shapes with
 # single-call timing, hf ~85 s; cmdbuf (three engines) and qmm (four shapes, 16 copies) not
-# yet run: their caps are estimates. A lease of 15 minutes holds env, cmdbuf and qmm.
+# yet run: their caps are estimates, as branches' (four engines, one case each). A lease of
+# 15 minutes holds env, branches and cmdbuf.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 T0=$(date +%s)
-stages=${*:-env kernels generate cmdbuf qmm hf}
+stages=${*:-env kernels branches generate cmdbuf qmm hf}
 say() { echo; echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 cases=1x128x256,64x512x256
 for stage in $stages; do
@@ -38,6 +43,13 @@ getattr(jax.devices()[0], 'compute_capability', None))" ;;
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${KERNELS_S:-150}" $PY -m pytest -m gpu \
         tests/test_kernel_*.py -n 8 -q -rfE --tb=short -p no:cacheprovider > "$OUT/kernels.log" 2>&1
       echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernels.log" | cut -c1-200 | head -40 ;;
+    branches)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${BRANCHES_S:-300}" $PY -m jaxserve.cli.main \
+        bench generate --config llama3_8b --cases 1x128x256 --decode-steps 1,8 \
+        --branches device,host --trace /tmp/trace_br --json "$OUT/branches.json" 2>&1 \
+        | grep -v "compiling step" | tee "$OUT/branches.log" | tail -6
+      f=$(ls -S /tmp/trace_br/1x128x256-1-host/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
+      [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/trace_1x128x256_ds1_host.json.gz" ;;
     generate)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${GENERATE_S:-200}" $PY -m jaxserve.cli.main \
         bench generate --config llama3_8b --cases $cases --decode-steps 8,1 --trace /tmp/trace \
@@ -61,7 +73,7 @@ m = load_config('llama3_8b').model
 for case in [(1, 128, 256), (64, 512, 256)]:
     print(case, 'HF eager bf16 tok/s', hf_tok_s(m, case), flush=True)
 " 2>&1 | grep -v Warning | tail -4 ;;
-    *) echo "unknown stage $stage (env kernels generate cmdbuf qmm hf)"; exit 2 ;;
+    *) echo "unknown stage $stage (env kernels branches generate cmdbuf qmm hf)"; exit 2 ;;
   esac
 done
 say done

@@ -2,13 +2,15 @@
 in the same run: the one command for a GPU session (issue 28's table), on CPU too.
 
     jaxserve bench generate [--config llama3_8b] [--load-format dummy]
-        [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--hf] [--trace DIR]
-        [--xla-compiler-options JSON [JSON ...]] [--json out.json]
+        [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--branches auto]
+        [--hf] [--trace DIR] [--xla-compiler-options JSON [JSON ...]] [--json out.json]
 
 A case SxPxO is S streams of P-token random prompts, O greedy tokens each (ignore_eos).
 For each decode_steps value ("auto": the config's own), and each set of XLA compiler
 options given (CompilationConfig.xla_compiler_options; one JSON object per set, `{}`: the
-config's, `{"xla_gpu_enable_command_buffer": ""}`: no CUDA graphs), one engine is built
+config's, `{"xla_gpu_enable_command_buffer": ""}`: no CUDA graphs), and each value of
+--branches (KernelConfig.branches: "device", "host", "auto"; jaxserve.sample.plan), one
+engine is built
 (`jaxserve.LLM`, warm-up off, room for the largest case) and each case runs on it:
 `generate` once on one set of prompts (which compiles the case's step shapes), then timed
 on another set of the same lengths (other random tokens, so no prefix-cache hit changes
@@ -129,18 +131,20 @@ def parse_compiler_options(text: str) -> tuple[tuple[str, str], ...] | None:
     return tuple(opts.items()) or None
 
 
-def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None):
-    """The engine the cases run on with one decode_steps value ("auto": the config's) and
+def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None,
+              branches: str = "auto"):
+    """The engine the cases run on with one decode_steps value ("auto": the config's),
     XLA compiler options (CompilationConfig.xla_compiler_options pairs; None: the
-    config's): `jaxserve.LLM` with warm-up off, max_num_seqs and max_model_len raised to
-    hold the largest case."""
+    config's) and KernelConfig.branches: `jaxserve.LLM` with warm-up off, max_num_seqs
+    and max_model_len raised to hold the largest case."""
     from jaxserve.api import LLM
 
     engine = config.engine.override(
         max_num_seqs=max([s for s, _, _ in cases] + [config.engine.scheduler.max_num_seqs]),
         max_model_len=max([p + o for _, p, o in cases] + [config.engine.max_model_len]),
         **({} if decode_steps == "auto" else {"decode_steps": int(decode_steps)}),
-        **({} if compiler_options is None else {"xla_compiler_options": compiler_options}))
+        **({} if compiler_options is None else {"xla_compiler_options": compiler_options}),
+        branches=branches)
     return LLM(config.replace(engine=engine), cache_dir=cache_dir, warmup=False)
 
 
@@ -177,6 +181,7 @@ def run_case(llm, case, trace_dir: Path | None, bandwidth: float) -> dict:
     bound = streams * bandwidth / step_bytes
     tok_s = streams * out_len / seconds
     out = {"case": "x".join(map(str, case)), "decode_steps": engine.scheduler.decode_steps,
+           "branches": "host" if runner.kernels.host_branches else "device",
            "xla_compiler_options": dict(engine.compilation.xla_compiler_options),
            "output_tok_s": tok_s, "seconds": seconds, "bound_tok_s": bound,
            "ratio_to_bound": tok_s / bound, "weight_bytes": weight_bytes,
@@ -240,6 +245,9 @@ def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
     ap.add_argument("--decode-steps", default="1,auto",
                     help="decode_steps values to run each case with; auto: the config's "
                          "(default: 1,auto)")
+    ap.add_argument("--branches", default="auto",
+                    help="KernelConfig.branches values to run each case with, comma-separated: "
+                         "who decides the sampler's branches, device or host (default: auto)")
     ap.add_argument("--hf", action="store_true",
                     help="also time HF transformers' eager generate on the same shapes")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
     """Run the cases; print a table (stdout) and optionally write JSON. Exit status 2 for a
     bad flag."""
     args = parser(prog).parse_args(argv)
-    from jaxserve.config import ConfigError, load_config
+    from jaxserve.config import BRANCHES, ConfigError, load_config
     try:
         cases = [parse_case(c) for c in args.cases.split(",")]
         steps = args.decode_steps.split(",")
@@ -266,6 +274,10 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
             if s != "auto" and not (s.isdigit() and int(s) > 0):
                 raise ValueError(f"--decode-steps: {s!r} is not a positive integer or auto")
         option_sets = [parse_compiler_options(o) for o in args.xla_compiler_options]
+        branches = args.branches.split(",")
+        for b in branches:
+            if b not in BRANCHES:
+                raise ValueError(f"--branches: {b!r} is not one of {', '.join(BRANCHES)}")
         overrides = {"load_format": args.load_format}
         if args.num_layers is not None:
             overrides["num_layers"] = args.num_layers
@@ -289,13 +301,15 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
     print(f"{device.device_kind} ({device.platform}), read bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, config {config.name}", flush=True)
     results = []
-    # one engine per option set and decode_steps value, freed before the next is built
-    for (v, opts), s in itertools.product(enumerate(option_sets), steps):
-        label = "" if opts is None else " " + json.dumps(dict(opts))
+    # one engine per option set, decode_steps and branches value, freed before the next
+    for (v, opts), s, b in itertools.product(enumerate(option_sets), steps, branches):
+        label = ("" if opts is None else " " + json.dumps(dict(opts))) + (
+            "" if len(branches) == 1 else f" branches {b}")
         try:
-            llm = build_llm(config, cases, s, args.cache_dir, opts)
+            llm = build_llm(config, cases, s, args.cache_dir, opts, b)
             for case in cases:
-                name = f"{'x'.join(map(str, case))}-{s}" + (f"-options{v}" if v else "")
+                name = (f"{'x'.join(map(str, case))}-{s}" + (f"-options{v}" if v else "")
+                        + ("" if len(branches) == 1 else f"-{b}"))
                 r = run_case(llm, case, args.trace / name if args.trace else None, bandwidth)
                 results.append(r)
                 busy = "-" if r["device_busy"] is None else f"{r['device_busy']:.0%}"

@@ -24,6 +24,7 @@ ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
 MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",) + MOSAIC_KERNEL_IMPLS
 MATMUL_IMPLS = ("auto",) + MATMUL_KERNEL_IMPLS
 SAMPLING_IMPLS = ("auto", "xla", "cpu")
+BRANCHES = ("auto", "device", "host")
 WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
 
 
@@ -88,6 +89,13 @@ class KernelConfig:
     """What computes each row's argmax and log-sum-exp over the vocabulary for the sampler
     (greedy tokens, logprobs): "auto" ("cpu" on one CPU device, xla otherwise), "xla",
     "cpu" (the C++ kernel of jaxserve/kernels/cpu/)."""
+    branches: str = dataclasses.field(default="auto", metadata={"choices": BRANCHES})
+    """Who decides which branches of the sampler a step runs (greedy or not, filters,
+    logits controls, top logprobs; jaxserve.sample.plan): "device" (a `lax.cond` in the
+    program: one program per shape), "host" (the engine, from the batch's parameters:
+    one program per shape and plan, all compiled at warm-up; no conditional in a decode
+    step), "auto": "host" on a GPU, where XLA waits on the host at every conditional,
+    "device" elsewhere (XLA:CPU runs one in place)."""
     weight_quant: str | None = dataclasses.field(default=None,
                                                  metadata={"choices": WEIGHT_QUANT_FORMATS})
     """None (weights in the model dtype), "int8" or "fp8_e4m3": the layers' projection
@@ -117,7 +125,7 @@ class KernelConfig:
 
     def __post_init__(self):
         for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS),
-                              ("sampling_impl", SAMPLING_IMPLS)):
+                              ("sampling_impl", SAMPLING_IMPLS), ("branches", BRANCHES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"KernelConfig.{name} must be one of {allowed}, "
                                   f"got {getattr(self, name)!r}")

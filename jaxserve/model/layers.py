@@ -51,7 +51,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return inv.astype(np.float32)
 
 
-def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, cfg: ModelConfig, fusion_barrier: bool = True
+                ) -> tuple[jax.Array, jax.Array]:
     """cos, sin [..., Dh // 2] f32 for int32 `positions` [...] (the step's [T] token
     positions); computed once per step.
 
@@ -59,10 +60,14 @@ def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.
     recomputed per element of every layer's q and k (a large share of a long prefill step:
     PERFORMANCE.md, "Measurements behind the code"); an optimization_barrier is removed before fusion there. A conditional is a
     boundary no fusion crosses: the tables are computed inside one. Its predicate (every
-    position >= 0) holds for every batch; the other branch only matches the shapes."""
+    position >= 0) holds for every batch; the other branch only matches the shapes.
+    fusion_barrier False: no conditional (for XLA:GPU, which waits on the host at one:
+    jaxserve.sample.plan)."""
     inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv
     tables = lambda a: (jnp.cos(a), jnp.sin(a))
+    if not fusion_barrier:
+        return tables(angles)
     zeros = lambda a: (jnp.zeros_like(a), jnp.zeros_like(a))
     return jax.lax.cond(jnp.all(positions >= 0), tables, zeros, angles)
 

@@ -82,12 +82,19 @@ class Kernels:
     round_x_min_rows: the row count from which the C++ bf16 matmul rounds x to bf16 for
         the CPU's dot-product instruction, None when not used (resolved: the config asked
         for it and this CPU runs it fast).
+    host_branches: the step programs branch only where the host decided
+        (KernelConfig.branches "host": the sampler's jaxserve.sample.plan.SamplerPlan; no
+        `lax.cond` around the RoPE tables, which is there for XLA:CPU's fusion), as GPUs
+        need: XLA:GPU waits on the host at a conditional. (XLA attention's choice between
+        gathering a block's pages once or per row stays on device: GPUs run the Pallas
+        kernels.)
     Hashable and equal by value (a part of the jitted step's static configuration)."""
 
     attention: Attention = dataclasses.field(default_factory=lambda: attention_backend("xla"))
     matmul: Matmul = dataclasses.field(default_factory=lambda: matmul_backend("xla"))
     sampling: SamplerOps = dataclasses.field(default_factory=lambda: sampler_ops("xla"))
     round_x_min_rows: int | None = None
+    host_branches: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "attention", attention_backend(self.attention))
@@ -189,7 +196,7 @@ def _run_layers(x, layers, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
 def _step_tables(batch: StepBatch, cfg: ModelConfig, kernels: Kernels, page_size: int):
     """What every layer of a step shares: the RoPE tables of its positions and the
     attention metadata."""
-    cos, sin = rope_tables(batch.positions, cfg)
+    cos, sin = rope_tables(batch.positions, cfg, fusion_barrier=not kernels.host_branches)
     meta = kernels.attention.metadata(batch.block_tables, batch.seq_lens, batch.query_start,
                                       batch.positions, page_size, batch.decode)
     return cos, sin, meta

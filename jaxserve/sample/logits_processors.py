@@ -20,8 +20,9 @@ host has not read back yet (async scheduling, multi-step decode, accepted drafts
 per request is kept on device between steps.
 
 A batch none of whose rows uses a control takes the branch that skips all of this
-(`lax.cond`); the engine then passes a cached device-resident `LogitsControls.neutral`
-table, so such steps transfer nothing extra either.
+(`lax.cond`, or decided on the host: jaxserve.sample.plan); the engine then passes a cached
+device-resident `LogitsControls.neutral` table, so such steps transfer nothing extra
+either.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.kernels.sampling_ops import SamplerOps, argmax_last, sampler_ops
+from jaxserve.sample.plan import ON_DEVICE, SamplerPlan
 from jaxserve.sample.sampler import SamplingBatch, filtered_logits, gumbel_noise, uniform_noise
 
 
@@ -40,19 +41,24 @@ def _rows(sb: SamplingBatch, J: int) -> SamplingBatch:
                          step=steps)
 
 
-def _log_probs(logits: jax.Array, rows: SamplingBatch) -> jax.Array:
+def _log_probs(logits: jax.Array, rows: SamplingBatch, mode: str | None) -> jax.Array:
     """Log-probabilities [R, V] f32 of the distribution each row samples from: logits
     [R, V] over the row's temperature (greedy rows: 1), filtered (top-k, top-p, min-p)
-    only when some row filters."""
+    only when some sampling row filters (as `sample` decides: a greedy row's distribution
+    is not read): mode "filtered", or with mode None decided on device."""
     scaled = logits / jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    filters = jnp.any((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0))
+    if mode is not None:
+        return jax.nn.log_softmax(filtered_logits(scaled, rows) if mode == "filtered"
+                                  else scaled, axis=-1)
+    filters = jnp.any((rows.temperature > 0)
+                      & ((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)))
     scaled = jax.lax.cond(filters, lambda: filtered_logits(scaled, rows), lambda: scaled)
     return jax.nn.log_softmax(scaled, axis=-1)
 
 
 def rejection_sample(logits: jax.Array, draft_ids: jax.Array, num_drafts: jax.Array,
                      sb: SamplingBatch, draft_logits: jax.Array | None = None,
-                     impl: "str | SamplerOps" = "xla"
+                     impl: "str | SamplerOps" = "xla", plan: SamplerPlan = ON_DEVICE
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Accept or reject each sequence's drafts and add the token after them.
 
@@ -65,6 +71,9 @@ def rejection_sample(logits: jax.Array, draft_ids: jax.Array, num_drafts: jax.Ar
         is processed with the request's parameters, as the target's); None = drafts
         proposed deterministically (n-gram lookup).
     impl: the SamplerOps (or its name) computing the greedy argmax and log-sum-exp.
+    plan: plan.mode "greedy" takes the greedy rows' path only (every row greedy), another
+        mode the random rows' too (jaxserve.sample.plan.plan_of the sequences' sampling);
+        None: decided on device.
     Returns (tokens [S, K + 1] int32: the accepted drafts, then the recovered or bonus
     token, then 0s; logprobs [S, K + 1] f32: the raw (unscaled, unfiltered) log-softmax at
     each token, as `sample` reports; num_tokens [S] int32 in 1..num_drafts + 1: the output
@@ -83,12 +92,13 @@ def rejection_sample(logits: jax.Array, draft_ids: jax.Array, num_drafts: jax.Ar
 
     def random_branch():
         rows = _rows(sb, J)
-        logp = _log_probs(flat, rows).reshape(S, J, V)
+        logp = _log_probs(flat, rows, plan.mode).reshape(S, J, V)
         if draft_logits is None:
             q = jax.nn.one_hot(draft_ids, V, dtype=jnp.float32)           # [S, K, V]
         else:
             q_rows = _rows(sb, K)
-            q = jnp.exp(_log_probs(draft_logits.reshape(S * K, V), q_rows)).reshape(S, K, V)
+            q = jnp.exp(_log_probs(draft_logits.reshape(S * K, V), q_rows, plan.mode)
+                        ).reshape(S, K, V)
         p = jnp.exp(logp)
         p_d = jnp.take_along_axis(p[:, :K], draft_ids[..., None], axis=-1)[..., 0]
         q_d = jnp.take_along_axis(q, draft_ids[..., None], axis=-1)[..., 0]
@@ -104,7 +114,10 @@ def rejection_sample(logits: jax.Array, draft_ids: jax.Array, num_drafts: jax.Ar
         return (jnp.where(greedy[:, None], greedy_accept, accept),
                 jnp.where(greedy[:, None], top, token))
 
-    accept, token_at = jax.lax.cond(jnp.all(greedy), greedy_branch, random_branch)
+    if plan.mode is None:
+        accept, token_at = jax.lax.cond(jnp.all(greedy), greedy_branch, random_branch)
+    else:
+        accept, token_at = greedy_branch() if plan.mode == "greedy" else random_branch()
     pos = jnp.arange(J, dtype=jnp.int32)[None, :]
     valid = pos[:, :K] < num_drafts[:, None]
     num_accepted = jnp.sum(jnp.cumprod((accept & valid).astype(jnp.int32), axis=1), axis=1)

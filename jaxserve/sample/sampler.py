@@ -6,8 +6,9 @@ rows take the argmax of the raw logits. Each row's randomness comes only from it
 (seed, output index) pair, so a request's samples do not depend on what else is in the
 batch or on preemption/recompute.
 
-Which path runs is chosen on device with `lax.switch`: all-greedy batches skip the noise,
-unfiltered batches skip the vocabulary sort.
+All-greedy batches skip the noise, unfiltered batches skip the vocabulary sort: which path
+runs is a `SamplerPlan`'s, decided on the host, or on device with `lax.switch`
+(jaxserve.sample.plan).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from jaxserve.kernels.sampling_ops import SamplerOps, argmax_last, argmax_logsumexp
 from jaxserve.sample.logits_processors import apply_controls, controls_active
+from jaxserve.sample.plan import MODES, ON_DEVICE, SamplerPlan
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling_params import SamplingParams
 
@@ -155,56 +157,63 @@ def _filtered_sample(scaled: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
-def sample(logits: jax.Array, sb: SamplingBatch, impl: "str | SamplerOps" = "xla"
-           ) -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, sb: SamplingBatch, impl: "str | SamplerOps" = "xla",
+           plan: SamplerPlan = ON_DEVICE) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
     logits: [B, V] f32. Returns (tokens [B] int32, logprobs [B] f32), where logprobs are
     the log-softmax of the raw (unscaled, unfiltered) logits at the chosen token, as
     vLLM reports by default. impl: the SamplerOps (or its name) that computes the argmax
     and log-sum-exp every row needs; the temperature scaling, noise and sort run only in
-    the branch that needs them.
+    the path that needs them: plan.mode's (jaxserve.sample.plan.plan_of the batch), or
+    with mode None the one the device picks (`lax.switch`).
     """
     B, V = logits.shape
     greedy = sb.temperature <= 0
-    needs_filter = jnp.any(~greedy & ((sb.top_k > 0) | (sb.top_p < 1) | (sb.min_p > 0)))
-    branch = jnp.where(jnp.all(greedy), 0, jnp.where(needs_filter, 2, 1))
     top, lse = argmax_logsumexp(logits, impl)  # the greedy rows' tokens, in every branch
 
     def scaled():
         return logits / jnp.where(greedy, 1.0, sb.temperature)[:, None]
 
-    sampled = jax.lax.switch(branch, [
-        lambda: top,
-        lambda: argmax_last(scaled() + gumbel_noise(sb.seed, sb.step, V)),
-        lambda: _filtered_sample(scaled(), sb).astype(jnp.int32),
-    ])
+    paths = [lambda: top,
+             lambda: argmax_last(scaled() + gumbel_noise(sb.seed, sb.step, V)),
+             lambda: _filtered_sample(scaled(), sb).astype(jnp.int32)]
+    if plan.mode is None:
+        needs_filter = jnp.any(~greedy & ((sb.top_k > 0) | (sb.top_p < 1) | (sb.min_p > 0)))
+        branch = jnp.where(jnp.all(greedy), 0, jnp.where(needs_filter, 2, 1))
+        sampled = jax.lax.switch(branch, paths)
+    else:
+        sampled = paths[MODES.index(plan.mode)]()
     tokens = jnp.where(greedy, top, sampled)
     logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     return tokens, logprobs
 
 
 def sample_controlled(logits: jax.Array, sb: SamplingBatch, impl: "str | SamplerOps",
-                      context) -> tuple[jax.Array, jax.Array]:
+                      context, plan: SamplerPlan = ON_DEVICE
+                      ) -> tuple[jax.Array, jax.Array]:
     """`sample` after each row's logits controls (sb.controls: logit_bias, min_tokens,
     penalties; jaxserve.sample.logits_processors). The logprobs stay those of the raw logits
     (vLLM's default "raw_logprobs"). A batch without controls (sb.controls None, or no
-    row using one: decided on device) samples exactly as `sample`.
+    row using one: plan.controls False, or with plan.controls None decided on device)
+    samples exactly as `sample`.
 
     context: a function returning (tokens [B, L] int32, num_context [B] int32), each row's
     sequence by position and how many of those precede the sampled token (see
     `apply_controls`); called only in the branch that needs it."""
-    if sb.controls is None:
-        return sample(logits, sb, impl)
+    if sb.controls is None or plan.controls is False:
+        return sample(logits, sb, impl, plan)
 
     def controlled():
         tokens, num_context = context()
         processed = apply_controls(logits, sb.controls, sb.step, tokens, num_context)
-        chosen, _ = sample(processed, sb, impl)
+        chosen, _ = sample(processed, sb, impl, plan)
         return chosen, token_logprobs(logits, chosen, impl)
 
+    if plan.controls:
+        return controlled()
     return jax.lax.cond(controls_active(sb.controls), controlled,
-                        lambda: sample(logits, sb, impl))
+                        lambda: sample(logits, sb, impl, plan))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, impl: "str | SamplerOps" = "xla"

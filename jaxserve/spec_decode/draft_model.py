@@ -28,6 +28,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.params import Params
 from jaxserve.model.inputs import StepBatch, next_decode_batch
 from jaxserve.model.transformer import (Kernels, compute_logits, forward)
+from jaxserve.sample.plan import ON_DEVICE, SamplerPlan
 from jaxserve.sample.sampler import SamplingBatch, sample
 from jaxserve.distributed.sharding import ShardingRules
 
@@ -96,7 +97,8 @@ def first_rows(batch: StepBatch) -> StepBatch:
 
 def propose(drafter: Drafter, params: Params, dparams, dcache, batch: StepBatch,
             sampling: SamplingBatch, num_drafts: jax.Array, k: int, page_size: int,
-            vocab_size: int, rules: ShardingRules | None, kernels: Kernels):
+            vocab_size: int, rules: ShardingRules | None, kernels: Kernels,
+            plan: SamplerPlan = ON_DEVICE):
     """k draft tokens per sequence of a verify batch.
 
     batch: the verify batch (each sequence's last token in its first row, at position
@@ -105,7 +107,8 @@ def propose(drafter: Drafter, params: Params, dparams, dcache, batch: StepBatch,
     Iteration j feeds the last token (j = 0) or draft j, writes the drafter's K/V at
     position num_computed + j (the null page once j >= num_drafts) and samples draft
     j + 1 from the drafter's logits with the request's parameters (greedy: the argmax;
-    output index sampling.step + j, the drafter's own key).
+    output index sampling.step + j, the drafter's own key; the sampling mode plan.mode's,
+    jaxserve.sample.plan).
     Returns (drafts [S, k] int32, draft logits [S, k, V] f32 (raw: the rejection sampler
     applies the request's parameters), dcache)."""
     S = batch.seq_lens.shape[0]
@@ -116,7 +119,8 @@ def propose(drafter: Drafter, params: Params, dparams, dcache, batch: StepBatch,
     def body(j, state):
         pb, carry, dcache, drafts, logits = state
         lg, carry, dcache = drafter.step(params, dparams, dcache, pb, carry, rules, kernels)
-        tok, _ = sample(lg, dataclasses.replace(dsb, step=dsb.step + j), kernels.sampling)
+        tok, _ = sample(lg, dataclasses.replace(dsb, step=dsb.step + j), kernels.sampling,
+                        plan)
         pb = next_decode_batch(pb, tok, page_size, (j + 1 < num_drafts) & (pb.seq_lens > 0))
         return pb, carry, dcache, drafts.at[:, j].set(tok), logits.at[:, j].set(lg)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig
 from jaxserve.model.inputs import StepBatch
 from jaxserve.sample.logits_processors import LogitsControls
+from jaxserve.sample.plan import ON_DEVICE, SamplerPlan
 from jaxserve.sample.sampler import SamplingBatch
 
 
@@ -123,7 +124,9 @@ class StepKey(NamedTuple):
     """A compiled step shape: kind "mixed", "decode" or "verify", T token rows, S
     sequences, P block-table pages per sequence, n tokens sampled per sequence (multi-step
     decode; a verify step: the positions each sequence samples at, 1 + its drafts), rounds
-    verify rounds run by a verify step (jaxserve.worker.step.verify_step; 1 otherwise).
+    verify rounds run by a verify step (jaxserve.worker.step.verify_step; 1 otherwise),
+    plan the sampler branches it takes (jaxserve.sample.plan; a forward program samples
+    nothing: ON_DEVICE).
 
     A mixed or decode key with n = 1 (`split`) is the forward half of a one-token step
     (jaxserve.worker.step.forward_step); its sampler half is the key ("sample", 0, S, 0, 1)
@@ -135,6 +138,7 @@ class StepKey(NamedTuple):
     P: int
     n: int = 1
     rounds: int = 1
+    plan: SamplerPlan = ON_DEVICE
 
     @classmethod
     def of(cls, batch: StepBatch, num_steps: int = 1) -> "StepKey":
@@ -145,6 +149,12 @@ class StepKey(NamedTuple):
                        batch.logits_indices.shape[1], num_steps)
         return cls("decode" if batch.decode else "mixed", batch.tokens.shape[0],
                    *batch.block_tables.shape, num_steps)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this program samples (a sampler, multi-step decode or verify program;
+        not the forward half of a split step)."""
+        return not self.split
 
     @property
     def split(self) -> bool:

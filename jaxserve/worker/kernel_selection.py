@@ -75,7 +75,7 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
     dtype picks XLA attention (logged). bf16_matmul_round_x_min_rows is
     kept (as Kernels.round_x_min_rows) only with the C++ matmul on a CPU whose bf16
     dot-product instruction runs at >= BF16_DOT_MIN_SPEEDUP x the FMA rate (probed here,
-    in a few ms).
+    in a few ms). branches "auto" resolves to host_branches on a GPU.
     """
     attention = resolve_attention_impl(kcfg.attention_impl, platform, compute_capability)
     pools = CPU_ATTENTION_KV_DTYPES if attention == "cpu" else PALLAS_ATTENTION_KV_DTYPES
@@ -122,8 +122,11 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
             log.info("bf16 dot products run at %.2fx the f32 FMA rate here: matmuls keep f32 "
                      "activations", speedup)
             round_x = None
+    host_branches = (kcfg.branches == "host" or kcfg.branches == "auto"
+                     and platform in ("gpu", "cuda", "rocm"))
     return Kernels(attention=attention, matmul=matmul, sampling=sampling,
-                   round_x_min_rows=round_x if matmul == "cpu" else None)
+                   round_x_min_rows=round_x if matmul == "cpu" else None,
+                   host_branches=host_branches)
 
 
 def loop_layers(params: Params, setting: bool | None, kernels: Kernels,

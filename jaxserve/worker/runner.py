@@ -2,9 +2,11 @@
 
 The step (forward -> last-token logits -> sample) is compiled ahead of time once per
 bucketed shape (kind, T, S, P, n: jaxserve.worker.compilation.StepShapes): "mixed" or
-"decode", T token rows, S sequences, P block-table pages; the executables are kept here,
-so a shape outside the buckets is a visible compilation (`num_compilations`), never a
-silent retrace. The KV pool is donated to every step and replaced by the returned one.
+"decode", T token rows, S sequences, P block-table pages; with host branches
+(Kernels.host_branches, GPUs' default) a program that samples once per sampler plan too
+(jaxserve.sample.plan: `_plans`), each step running its batch's (`_planned`). The
+executables are kept here, so a shape outside the buckets is a visible compilation
+(`num_compilations`), never a silent retrace. The KV pool is donated to every step and replaced by the returned one.
 A one-token step is two executables, the forward (`dispatch_forward`: the logits of the
 sampled rows stay on device) and the sampler (`dispatch_sample`, one per sequence
 bucket), so that what the sampler needs from the host (a grammar's bitmask) can be given
@@ -42,12 +44,21 @@ from jaxserve.model.params import Params
 from jaxserve.model.inputs import StepBatch
 from jaxserve.model.transformer import Kernels, logits_sharding
 from jaxserve.sample.logits_processors import LogitsControls
+from jaxserve.sample.plan import (FUSED_PLANS, MODES, ON_DEVICE, SamplerPlan, plan_of,
+                                  sampler_plans)
 from jaxserve.sample.sampler import SamplingBatch
 from jaxserve.distributed.sharding import ShardingRules
 from jaxserve.spec_decode.draft_model import Drafter
 from jaxserve.worker.step import forward_step, model_step, sample_step, verify_step
 
 log = logging.getLogger(__name__)
+
+
+def _plan_rank(plan: SamplerPlan) -> tuple:
+    """Warm-up order of plans: static ones, greedy first, the plainest first; then
+    ON_DEVICE."""
+    return (plan.mode is None, MODES.index(plan.mode) if plan.mode else 0,
+            bool(plan.controls), bool(plan.top_logprobs))
 
 
 def _abstract(tree):
@@ -80,12 +91,13 @@ class Runner:
         static = dict(cfg=model_cfg, drafter=self.drafter, rules=rules, kernels=self.kernels,
                       num_top=self.num_top)
         self._jitted = jax.jit(functools.partial(model_step, **static), donate_argnums=(1, 7, 8),
-                               static_argnames=("num_steps",))
+                               static_argnames=("num_steps", "plan"))
         spec = engine_cfg.speculative
         ngram = ((spec.prompt_lookup_min, spec.prompt_lookup_max)
                  if spec is not None and spec.method == "ngram" else None)
         self._jitted_verify = jax.jit(functools.partial(verify_step, ngram=ngram, **static),
-                                      donate_argnums=(1, 8, 9), static_argnames=("rounds",))
+                                      donate_argnums=(1, 8, 9),
+                                      static_argnames=("rounds", "plan"))
         self._jitted_forward = jax.jit(functools.partial(forward_step, **static,
                                                          pooling=engine_cfg.pooling),
                                        donate_argnums=(1, 7, 8))
@@ -106,7 +118,7 @@ class Runner:
         self._jitted_sample = jax.jit(
             functools.partial(sample_step, page_size=cache.page_size, max_rows=self.max_rows,
                               rules=rules, kernels=self.kernels, num_top=self.num_top),
-            donate_argnums=(2,))
+            donate_argnums=(2,), static_argnames=("plan",))
         # a follower's (Runner.follow) forward half whose sampler half has not come yet
         self._follow_forward: ForwardHandle | None = None
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
@@ -189,7 +201,7 @@ class Runner:
                                             self.model_cfg.vocab_size)
             logits, sampling, block_tables, num_context = inputs
             traced = self._jitted_sample.trace(logits, sampling, pool, block_tables,
-                                               num_context)
+                                               num_context, plan=key.plan)
             return self._compile_lowered(traced.lower()), time.perf_counter() - t0
         batch, sampling, prev_index = abstract_inputs(key, self._replicated, self.max_logit_bias,
                                                       self.model_cfg.vocab_size, self.shapes.lora)
@@ -198,13 +210,14 @@ class Runner:
         last = _abstract(self.last_tokens)
         if key.kind == "verify":
             traced = self._jitted_verify.trace(params, cache, batch, sampling, last, last,
-                                               prev_index, *draft, pool, rounds=key.rounds)
+                                               prev_index, *draft, pool, rounds=key.rounds,
+                                               plan=key.plan)
         elif key.split:
             traced = self._jitted_forward.trace(params, cache, batch, sampling.prompt_targets,
                                                 last, prev_index, *draft, pool)
         else:
             traced = self._jitted.trace(params, cache, batch, sampling, last, prev_index,
-                                        *draft, pool, num_steps=key.n)
+                                        *draft, pool, num_steps=key.n, plan=key.plan)
         return self._compile_lowered(traced.lower()), time.perf_counter() - t0
 
     def _compile_lowered(self, lowered):
@@ -237,8 +250,8 @@ class Runner:
         if not owner:
             return future.result()
         if on_demand:
-            log.warning("compiling step for unwarmed shape %s T=%d S=%d P=%d n=%d rounds=%d",
-                        *key)
+            log.warning("compiling step for unwarmed shape %s T=%d S=%d P=%d n=%d rounds=%d "
+                        "plan=%s", *key)
         try:
             exe, dt = self._compile(key)
             if not on_demand:
@@ -258,7 +271,7 @@ class Runner:
         next step)."""
         sampling = SamplingBatch.from_params([], [], [], key.S)
         if key.kind == "sample":
-            out = self._run_sample(exe, self._warmup_forward(key.S), sampling,
+            out = self._run_sample(exe, key, self._warmup_forward(key.S), sampling,
                                    keep_last=True).tokens
         else:
             batch = empty_batch(key.T, key.S, key.P, decode=key.kind == "decode",
@@ -332,15 +345,14 @@ class Runner:
                 self.draft_params, self.draft_cache, self.token_pool)
         return ForwardHandle(key.sample_key, logits, extra, block_tables, num_context, warmup)
 
-    def _run_sample(self, exe, fwd: "ForwardHandle", sampling: SamplingBatch,
+    def _run_sample(self, exe, key: StepKey, fwd: "ForwardHandle", sampling: SamplingBatch,
                     keep_last: bool = False) -> "StepHandle":
-        """Run the sampler half `exe` on a forward's logits; replaces `last_tokens` unless
-        `keep_last`. Returns the step's handle (its extra: the forward's and the
-        sampler's)."""
-        key = fwd.key
+        """Run the sampler half `exe` (of `key`: fwd.key with a plan) on a forward's logits;
+        replaces `last_tokens` unless `keep_last`. Returns the step's handle (its extra:
+        the forward's and the sampler's)."""
         with self._dispatch_lock:
             if self.mirror is not None:
-                self.mirror.send(("sample", jax.tree.map(np.asarray, dataclasses.replace(
+                self.mirror.send(("sample", key, jax.tree.map(np.asarray, dataclasses.replace(
                                       sampling, prompt_targets=None)),
                                   fwd.block_tables, fwd.num_context, keep_last, fwd.warmup))
             sampling = self._complete(key, sampling)
@@ -356,24 +368,49 @@ class Runner:
             self.num_compilations += 1
             self.compile_seconds += dt
 
+    def _plans(self, key: StepKey) -> tuple[SamplerPlan, ...]:
+        """The sampler plans `key`'s program is compiled for (jaxserve.sample.plan): with
+        the device deciding, ON_DEVICE; with host branches (Kernels.host_branches) every
+        static plan for a sampler program, FUSED_PLANS and ON_DEVICE for a whole step (its
+        forward pass is compiled once per plan); a forward program samples nothing."""
+        if not key.samples or not self.kernels.host_branches:
+            return (ON_DEVICE,)
+        if key.kind == "sample":
+            return sampler_plans(self.num_top)
+        return FUSED_PLANS + (ON_DEVICE,)
+
+    def _planned(self, key: StepKey, sampling: SamplingBatch) -> StepKey:
+        """`key` with the plan its program runs `sampling` (host arrays) with: the batch's
+        own (`plan_of`) where that program is compiled, else ON_DEVICE."""
+        if not key.samples or not self.kernels.host_branches:
+            return key
+        plan = plan_of(sampling, self.num_top)
+        return key._replace(plan=plan if plan in self._plans(key) else ON_DEVICE)
+
     def _warmup_keys(self, shapes) -> list[StepKey]:
         """Shapes to compile, most likely first: one-sequence shapes by page count (the
         first: the shortest decode and prefill, what a first short request needs;
         multi-step decode after the single steps of the same page count), then the rest
         by size; each sequence bucket's sampler program right after the first forward
-        program that needs it."""
+        program that needs it. Each shape is compiled for its sampler plans (`_plans`),
+        the plan of an all-greedy batch first."""
         shapes = shapes if shapes is not None else self.shapes.warmup()
-        keys = {StepKey(*shape) for shape in shapes} - set(self._compiled)
+        keys = {key._replace(plan=plan) for key in (StepKey(*shape) for shape in shapes)
+                for plan in self._plans(key)} - set(self._compiled)
         samplers = {k for k in keys if k.kind == "sample"}
-        order = sorted(keys - samplers, key=lambda k: (False, k.P, k.n, k.T, k.kind)
-                       if k.S == 1 else (True, k.T * k.P, k.S, k.n, k.kind))
+        order = sorted(keys - samplers, key=lambda k: (False, k.P, k.n, k.T, k.kind,
+                                                       _plan_rank(k.plan))
+                       if k.S == 1 else (True, k.T * k.P, k.S, k.n, k.kind, _plan_rank(k.plan)))
         out = []
         for key in order:
             out.append(key)
-            if key.split and key.sample_key in samplers:
-                samplers.discard(key.sample_key)
-                out.append(key.sample_key)
-        return out + sorted(samplers)
+            if key.split:
+                for plan in self._plans(key.sample_key):
+                    sample_key = key.sample_key._replace(plan=plan)
+                    if sample_key in samplers:
+                        samplers.discard(sample_key)
+                        out.append(sample_key)
+        return out + sorted(samplers, key=lambda k: (k.S, _plan_rank(k.plan)))
 
     def warmup(self, shapes: list[tuple] | None = None, threads: int = 2) -> None:
         """Compile the step for every bucketed shape and wait (XLA compiles release the
@@ -445,6 +482,7 @@ class Runner:
         if key.split:
             return self.dispatch_sample(self.dispatch_forward(batch, sampling, prev_index),
                                         sampling)
+        key = self._planned(key, sampling)
         return self._call(self._executable(key), key, batch, sampling, prev_index)
 
     def dispatch_forward(self, batch: StepBatch, sampling: SamplingBatch,
@@ -467,7 +505,8 @@ class Runner:
         `sampling` (the same batch's, its controls now complete); replaces `last_tokens`
         (what the next step's prev_index reads). Dispatch every forward's sampler half
         before the next step's forward. Returns the step's handle for `fetch`."""
-        return self._run_sample(self._executable(fwd.key), fwd, sampling)
+        key = self._planned(fwd.key, sampling)
+        return self._run_sample(self._executable(key), key, fwd, sampling)
 
     def reset_cache(self) -> None:
         """Replace the KV pool (and a draft model's) and `last_tokens` by fresh zeroed arrays
@@ -516,12 +555,12 @@ class Runner:
                 fwd.logits.block_until_ready()
                 continue
             if record[0] == "sample":
-                _, sampling, block_tables, num_context, keep_last, warmup = record
+                _, key, sampling, block_tables, num_context, keep_last, warmup = record
                 if warmup:  # process 0's warm-up run of a sampler program
                     fwd = self._warmup_forward(block_tables.shape[0])
                 else:
                     fwd, self._follow_forward = self._follow_forward, None
-                self._run_sample(self._followed(fwd.key), fwd, sampling,
+                self._run_sample(self._followed(key), key, fwd, sampling,
                                  keep_last).tokens.block_until_ready()
                 continue
             _, key, batch, sampling, prev_index, keep_last = record

@@ -9,9 +9,12 @@ grammar's bitmask) afterwards. `model_step` is the same in one program, `num_ste
 for a multi-step decode (each sub-step feeding its tokens back on device);
 `verify_step` verifies draft tokens (the draft model or head proposes inside it, then the
 rejection sampler keeps exactly the model's distribution), in one round or several
-(SpeculativeConfig.verify_steps). Logits controls, logprobs and
-prompt logprobs run only in steps where some row asks (`lax.cond`). The KV pool is passed
-in and returned (donated by the runner).
+(SpeculativeConfig.verify_steps). Logits controls, top logprobs and
+prompt logprobs run only in steps where some row asks, and sampling noise and filters only
+where some row samples or filters: the sampler's branches are a static `plan`, decided on
+the host (KernelConfig.branches "host", GPUs' default: no conditional in a decode step's
+programs) or on device (`lax.cond`; jaxserve.sample.plan); prompt logprobs always
+on device. The KV pool is passed in and returned (donated by the runner).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from jaxserve.model.transformer import (Kernels, compute_logits, forward_feature
                                         last_token_logits, logits_sharding, pin_lm_head)
 from jaxserve.sample.logits_processors import (apply_controls, controls_active, history,
                                                write_token_pool)
+from jaxserve.sample.plan import ON_DEVICE, SamplerPlan
 from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import (PROMPT_LOGPROBS_BLOCK, SamplingBatch, sample_controlled,
                                      token_logprobs, top_logprobs)
@@ -40,16 +44,21 @@ from jaxserve.spec_decode.draft_model import Drafter
 from jaxserve.spec_decode.ngram_device import ngram_propose
 
 
-def _top(logits: jax.Array, sampling: SamplingBatch, num_top: int, impl) -> dict:
+def _top(logits: jax.Array, sampling: SamplingBatch, num_top: int, impl,
+         plan: SamplerPlan) -> dict:
     """{"top_ids": [R, num_top] int32, "top_logprobs": [R, num_top] f32} of logits [R, V]
     (jaxserve.sample.sampler.top_logprobs), computed only when a row asks for any (zeros
-    otherwise); {} when the engine reports none (num_top 0)."""
+    otherwise: plan.top_logprobs, or with None decided on device); {} when the engine
+    reports none (num_top 0)."""
     if not num_top or sampling.num_logprobs is None:
         return {}
     R = logits.shape[0]
-    ids, lps = jax.lax.cond(
-        jnp.any(sampling.num_logprobs > 0), lambda: top_logprobs(logits, num_top, impl),
-        lambda: (jnp.zeros((R, num_top), jnp.int32), jnp.zeros((R, num_top), jnp.float32)))
+    paths = (lambda: (jnp.zeros((R, num_top), jnp.int32), jnp.zeros((R, num_top), jnp.float32)),
+             lambda: top_logprobs(logits, num_top, impl))
+    if plan.top_logprobs is None:
+        ids, lps = jax.lax.cond(jnp.any(sampling.num_logprobs > 0), paths[1], paths[0])
+    else:
+        ids, lps = paths[plan.top_logprobs]()
     return {"top_ids": ids, "top_logprobs": lps}
 
 
@@ -119,22 +128,23 @@ def _forward_logits(params: Params, cache: KVCache, batch: StepBatch, draft_para
 
 def _sample_logits(logits: jax.Array, sampling: SamplingBatch, token_pool: jax.Array,
                    block_tables: jax.Array, num_context: jax.Array, *, page_size: int,
-                   kernels: Kernels, num_top: int):
+                   kernels: Kernels, num_top: int, plan: SamplerPlan):
     """logits [S, V] f32 -> controls (logit bias, penalties, grammar bitmask) -> sample:
     (tokens [S] int32, logprobs [S] f32, extra: `_top` of the rows). The penalties read
     each row's history from the token pool through block_tables [S, P] int32, its first
-    num_context [S] int32 positions (`apply_controls`)."""
+    num_context [S] int32 positions (`apply_controls`). plan: the branches taken
+    (jaxserve.sample.plan)."""
     def context():
         return history(token_pool, block_tables, page_size), num_context
 
-    tokens, logprobs = sample_controlled(logits, sampling, kernels.sampling, context)
-    return tokens, logprobs, _top(logits, sampling, num_top, kernels.sampling)
+    tokens, logprobs = sample_controlled(logits, sampling, kernels.sampling, context, plan)
+    return tokens, logprobs, _top(logits, sampling, num_top, kernels.sampling, plan)
 
 
 def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
                  draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
                  drafter: Drafter | None, rules: ShardingRules | None, kernels: Kernels,
-                 num_top: int):
+                 num_top: int, plan: SamplerPlan):
     """`_forward_logits`, then `_sample_logits` in the same program: (tokens [S] int32,
     logprobs [S] f32, extra, cache, draft_cache, token_pool). extra: `_top` of the sampled
     rows, and in a mixed step `_prompt_logprobs`."""
@@ -144,7 +154,7 @@ def _sample_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sam
     tokens, logprobs, extra = _sample_logits(
         logits, sampling, token_pool, batch.block_tables,
         batch.positions[batch.logits_indices] + 1, page_size=cache.page_size,
-        kernels=kernels, num_top=num_top)
+        kernels=kernels, num_top=num_top, plan=plan)
     if sampling.prompt_targets is not None:
         extra.update(_prompt_logprobs(params, hidden, sampling.prompt_targets, rules=rules,
                                       kernels=kernels, num_top=num_top))
@@ -203,19 +213,20 @@ def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_target
 def sample_step(logits: jax.Array, sampling: SamplingBatch, token_pool: jax.Array,
                 block_tables: jax.Array, num_context: jax.Array, *, page_size: int,
                 max_rows: int, rules: ShardingRules | None, kernels: Kernels,
-                num_top: int = 0):
+                num_top: int = 0, plan: SamplerPlan = ON_DEVICE):
     """The second half of a one-token step: logits [S, V] f32 (`forward_step`'s, with its
     sharding) -> controls -> sample (`_sample_logits`). token_pool: [num_slots] int32,
     read for the penalties' history and returned as it is (donated, so that it passes
     from step to step in order); block_tables: [S, P] int32 and num_context: [S] int32,
-    each sequence's pages and the positions before its sampled token.
+    each sequence's pages and the positions before its sampled token. plan: the sampler's
+    branches (jaxserve.sample.plan: decided on the host, or left to the device).
 
     Returns (last [max_rows] int32: the tokens padded with 0, replicated, the next step's
     prev_tokens; tokens [1, S] int32, logprobs [1, S] f32, extra: the top logprobs
     [1, S, num_top], token_pool), as `model_step` with num_steps 1."""
     tokens, logprobs, extra = _sample_logits(logits, sampling, token_pool, block_tables,
                                              num_context, page_size=page_size,
-                                             kernels=kernels, num_top=num_top)
+                                             kernels=kernels, num_top=num_top, plan=plan)
     extra = {k: v[None] for k, v in extra.items()}
     return (_padded_last(tokens, max_rows, rules), tokens[None], logprobs[None], extra,
             token_pool)
@@ -225,7 +236,7 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
                prev_tokens: jax.Array, prev_index: jax.Array, draft_params, draft_cache,
                token_pool, *, cfg: ModelConfig, drafter: Drafter | None,
                rules: ShardingRules | None, kernels: Kernels, num_top: int = 0,
-               num_steps: int = 1):
+               num_steps: int = 1, plan: SamplerPlan = ON_DEVICE):
     """One engine step: `num_steps` tokens per sequence. prev_tokens: [max_rows] int32, the
     previous step's last sampled tokens (still on device); prev_index: [T] int32, token row
     t is prev_tokens[prev_index[t]], or batch.tokens[t] where prev_index[t] < 0 (the host
@@ -239,7 +250,8 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
     input (positions, slots and lengths advanced on device; the block tables must already
     hold the pages of every position written). Sub-step i samples with `sampling.step + i`,
     so the tokens are those of num_steps single steps. Source: vLLM's multi-step
-    scheduling (num_scheduler_steps).
+    scheduling (num_scheduler_steps). plan: the sampler's branches (jaxserve.sample.plan),
+    the same in every sub-step.
 
     Returns (last [max_rows] int32: the last sub-step's tokens padded with 0, tokens
     [num_steps, S] int32, logprobs [num_steps, S] f32, extra (`_sample_step`'s, the top
@@ -247,7 +259,7 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
     S = batch.seq_lens.shape[0]
     batch = _with_prev_tokens(batch, prev_tokens, prev_index)
     run = functools.partial(_sample_step, params, cfg=cfg, drafter=drafter, rules=rules,
-                            kernels=kernels, num_top=num_top)
+                            kernels=kernels, num_top=num_top, plan=plan)
     if num_steps == 1:
         tokens, logprobs, extra, cache, draft_cache, token_pool = run(
             cache, batch, sampling, draft_params, draft_cache, token_pool)
@@ -281,7 +293,8 @@ def model_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Sampl
 def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: SamplingBatch,
                   ahead: jax.Array, draft_params, draft_cache, token_pool, *,
                   cfg: ModelConfig, drafter: Drafter | None, ngram: tuple[int, int] | None,
-                  rules: ShardingRules | None, kernels: Kernels, num_top: int):
+                  rules: ShardingRules | None, kernels: Kernels, num_top: int,
+                  plan: SamplerPlan):
     """One verify round over `batch` (its rows already at their positions, each first row
     holding the sequence's last token): drafts proposed where they are made on device (a
     drafter for every sequence; n-gram lookup for the `ahead` [S] bool ones), the forward,
@@ -305,7 +318,7 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
     if drafter is not None:
         drafts, draft_logits, draft_cache = draft_model.propose(
             drafter, params, draft_params, draft_cache, batch, sampling, num_drafts, J - 1,
-            cache.page_size, cfg.vocab_size, rules, kernels)
+            cache.page_size, cfg.vocab_size, rules, kernels, plan)
         batch = draft_model.fill_drafts(batch, drafts, num_drafts)
     token_pool = write_token_pool(token_pool, batch.slot_mapping, batch.tokens)
     hidden, cache, draft_cache = _forward_sync(params, cache, batch, draft_params,
@@ -315,7 +328,7 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
     rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0, T - 1)
     verify = functools.partial(rejection_sample, draft_ids=batch.tokens[rows],
                                num_drafts=num_drafts, sb=sampling, draft_logits=draft_logits,
-                               impl=kernels.sampling)
+                               impl=kernels.sampling, plan=plan)
 
     def plain():
         return verify(logits.reshape(S, J, -1))
@@ -330,14 +343,16 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
         raw = token_logprobs(logits, tokens.reshape(-1), kernels.sampling).reshape(S, J)
         return tokens, raw, num
 
-    if sampling.controls is None:
+    if sampling.controls is None or plan.controls is False:
         tokens, logprobs, num = plain()
+    elif plan.controls:
+        tokens, logprobs, num = controlled()
     else:
         tokens, logprobs, num = jax.lax.cond(controls_active(sampling.controls), controlled,
                                              plain)
     extra = _top(logits, dataclasses.replace(
         sampling, num_logprobs=None if sampling.num_logprobs is None
-        else jnp.repeat(sampling.num_logprobs, J)), num_top, kernels.sampling)
+        else jnp.repeat(sampling.num_logprobs, J)), num_top, kernels.sampling, plan)
     extra = {k: v.reshape(S, J, -1) for k, v in extra.items()}
     return tokens, logprobs, num, num_drafts, extra, cache, draft_cache, token_pool
 
@@ -347,7 +362,7 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
                 draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
                 drafter: Drafter | None, ngram: tuple[int, int] | None,
                 rules: ShardingRules | None, kernels: Kernels, num_top: int = 0,
-                rounds: int = 1):
+                rounds: int = 1, plan: SamplerPlan = ON_DEVICE):
     """A verify step (speculative decoding): forward over each sequence's last token and
     its drafts (the tokens after its first row), logits at every one of its rows
     (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), the rows' logits
@@ -373,7 +388,8 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
     round 0 moved on by the tokens rounds 0..r kept, its first rows holding their last
     kept tokens and its drafts proposed on device as for a sequence planned ahead (every
     block table must hold the pages of the furthest case: every draft of every round
-    accepted). Each sequence keeps the tokens of every round, in order.
+    accepted). Each sequence keeps the tokens of every round, in order. plan: the
+    sampler's branches (jaxserve.sample.plan), the drafter's and the rejection sampler's.
 
     Returns (last [max_rows] int32: each sequence's last kept token, padded; shift
     [max_rows] int32: its kept tokens - 1, padded; tokens [rounds * J, S] int32 and
@@ -392,7 +408,7 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
     shift = jnp.where(ahead, prev_shift[jnp.maximum(prev, 0)], 0)
     batch = _with_prev_tokens(batch, prev_tokens, prev_index)
     run = functools.partial(_verify_round, params, cfg=cfg, drafter=drafter, ngram=ngram,
-                            rules=rules, kernels=kernels, num_top=num_top)
+                            rules=rules, kernels=kernels, num_top=num_top, plan=plan)
 
     def moved(b: StepBatch, by: jax.Array):
         return (shift_sequences(b, by, cache.page_size),

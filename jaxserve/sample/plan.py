@@ -1,0 +1,99 @@
+"""Which branches of the sampler a step program runs (`SamplerPlan`): decided on the host
+from the batch's sampling parameters, or left to the device (`lax.cond` / `lax.switch`).
+
+Each branch skips work most batches do not need: the noise of an all-greedy batch, the
+vocabulary sort of a batch without top-k / top-p / min-p, the logits controls of a batch
+without logit bias, penalties or grammar, the top logprobs nobody asked for. Deciding
+on device costs nothing on XLA:CPU. XLA:GPU runs a conditional as a host-side step that
+copies its predicate to the host and waits for the stream (its ConditionalThunk), so the
+host thread launching the program waits for everything queued before it (the forward
+pass before the sampler), and the next step cannot be prepared while the device
+computes: a decode step of the Llama-3-8B shape on an H100 idled ~9 of ~17 ms so
+(PERFORMANCE.md, "The GPU run of session 22"). The host knows every predicate before it
+launches the step, so with KernelConfig.branches "host" (GPUs' default) it decides them
+itself (`plan_of`) and runs the program compiled for that plan, every plan a program
+can take compiled at warm-up (`sampler_plans`, `FUSED_PLANS`).
+Source: tpu-inference's TPUSupportedSamplingMetadata (do_sampling and logprobs are
+static fields there: one compiled sampler per value); vLLM's Sampler decides the same
+flags on the host (all_greedy, no_top_k, no_penalties, max_num_logprobs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# The sampling paths, cheapest first: every row greedy (argmax); some row samples and none
+# filters (Gumbel-max over the whole vocabulary); some sampling row filters (top-k, top-p,
+# min-p: a sort of the vocabulary).
+MODES = ("greedy", "random", "filtered")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerPlan:
+    """The sampler branches a program takes; a field left None is decided on device.
+
+    mode: one of MODES, the path `jaxserve.sample.sampler.sample` takes (and the
+        rejection sampler's: "greedy" accepts by argmax only; "filtered" filters the
+        distributions it compares);
+    controls: whether the rows' logits controls are applied (logit bias, min_tokens,
+        penalties, a grammar's bitmask; jaxserve.sample.logits_processors);
+    top_logprobs: whether the top logprobs are computed (else zeros).
+    A plan that decides a branch the batch needs the other way samples wrongly: the
+    plan of a batch is `plan_of` its sampling arrays. Hashable: a static argument of
+    the step programs."""
+
+    mode: str | None = None
+    controls: bool | None = None
+    top_logprobs: bool | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES + (None,):
+            raise ValueError(f"SamplerPlan.mode must be one of {MODES} or None, "
+                             f"got {self.mode!r}")
+
+    @property
+    def static(self) -> bool:
+        """Whether every branch is decided on the host (the program has no conditional)."""
+        return None not in (self.mode, self.controls, self.top_logprobs)
+
+
+ON_DEVICE = SamplerPlan()  # every branch decided on device: one program for every batch
+
+# The plans a whole-step program (multi-step decode, verify) is compiled for with host
+# branches, besides ON_DEVICE: each sampling mode without controls or top logprobs, what
+# nearly every decode batch is. Such a program holds the forward pass, so compiling it
+# for all twelve plans would cost twelve forward compilations per shape; a batch with
+# controls or top logprobs takes the ON_DEVICE program (correct, and it waits on the
+# device at its conditionals).
+FUSED_PLANS = tuple(SamplerPlan(mode, False, False) for mode in MODES)
+
+
+def sampler_plans(num_top: int) -> tuple[SamplerPlan, ...]:
+    """Every static plan a sampler program can be asked for: 3 modes x controls or not x
+    top logprobs or not (top logprobs only with num_top > 0, the engine's max_logprobs)."""
+    tops = (False, True) if num_top else (False,)
+    return tuple(SamplerPlan(mode, controls, top) for mode in MODES
+                 for controls in (False, True) for top in tops)
+
+
+def plan_of(sampling, num_top: int) -> SamplerPlan:
+    """The static plan of a batch's sampling arrays (a SamplingBatch of host numpy arrays:
+    temperature, top_k, top_p, min_p [B]; controls or None; num_logprobs [B] or None):
+    each predicate the device would evaluate, evaluated here. num_top: the top logprobs
+    the program reports (0: none, top_logprobs False)."""
+    t = np.asarray(sampling.temperature)
+    greedy = t <= 0
+    filters = ((np.asarray(sampling.top_k) > 0) | (np.asarray(sampling.top_p) < 1)
+               | (np.asarray(sampling.min_p) > 0))
+    mode = ("greedy" if greedy.all() else "filtered" if (filters & ~greedy).any()
+            else "random")
+    c = sampling.controls
+    controls = c is not None and bool(
+        (np.asarray(c.bias_ids) >= 0).any() or (np.asarray(c.presence_penalty) != 0).any()
+        or (np.asarray(c.frequency_penalty) != 0).any()
+        or (np.asarray(c.repetition_penalty) != 1).any() or (np.asarray(c.allowed) != -1).any())
+    top = (bool(num_top) and sampling.num_logprobs is not None
+           and bool((np.asarray(sampling.num_logprobs) > 0).any()))
+    return SamplerPlan(mode, controls, top)

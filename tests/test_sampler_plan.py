@@ -1,0 +1,199 @@
+"""Sampler branches decided on the host (jaxserve.sample.plan, KernelConfig.branches "host"):
+
+- `plan_of` decides each branch as the device would, so a program compiled for the batch's
+  plan samples exactly what the on-device branches sample: the sampler program (tokens,
+  logprobs, top logprobs; logits controls present and neutral, or active) and the
+  rejection sampler, each against ON_DEVICE on the same inputs; a plan that decides a
+  branch the other way does change the tokens (the comparison can fail);
+- an engine with host branches returns what one with device branches returns for a mix
+  of requests (greedy, seeded sampling with and without filters, penalties and logit
+  bias, logprobs, multi-step decode), compiles nothing after warm-up, and runs each step
+  with its batch's plan.
+Tiny random models; the real model's check is in tests/test_engine_real.py.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_utils import run_staggered, tiny_engine, tiny_params
+from jaxserve.model.transformer import Kernels
+from jaxserve.sample.logits_processors import LogitsControls
+from jaxserve.sample.plan import (FUSED_PLANS, ON_DEVICE, SamplerPlan, plan_of,
+                                  sampler_plans)
+from jaxserve.sample.rejection_sampler import rejection_sample
+from jaxserve.sample.sampler import SamplingBatch
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker.step import sample_step
+
+V, S, PAGE, PAGES, TOP = 300, 4, 4, 3, 5
+GREEDY = SamplingParams(temperature=0)
+GREEDY_TOP_K = SamplingParams(temperature=0, top_k=3)   # its filter is never read
+RANDOM = SamplingParams(temperature=0.8)
+TOP_P = SamplingParams(temperature=0.9, top_p=0.7)
+MIN_P = SamplingParams(temperature=1.1, min_p=0.2)
+LOGPROBS = SamplingParams(temperature=0, logprobs=3)
+
+
+def _batch(params, controls=None):
+    sb = SamplingBatch.from_params(params, [11 * i + 1 for i in range(len(params))],
+                                   [2 * i for i in range(len(params))], S)
+    return dataclasses.replace(sb, controls=controls)
+
+
+def _controls(**rows):
+    """S rows of controls; rows: field -> {row: value}."""
+    c = LogitsControls.neutral(S, 2, V)
+    for name, values in rows.items():
+        for i, v in values.items():
+            getattr(c, name)[i] = v
+    return c
+
+
+CASES = {  # name: (params, controls, the plan the host decides)
+    "greedy": ([GREEDY, GREEDY_TOP_K], None, SamplerPlan("greedy", False, False)),
+    "random": ([GREEDY_TOP_K, RANDOM], None, SamplerPlan("random", False, False)),
+    "top_p": ([GREEDY, TOP_P, RANDOM], None, SamplerPlan("filtered", False, False)),
+    "min_p": ([MIN_P], None, SamplerPlan("filtered", False, False)),
+    "neutral_controls": ([RANDOM, GREEDY], _controls(), SamplerPlan("random", False, False)),
+    "penalty": ([RANDOM, GREEDY], _controls(repetition_penalty={1: 1.3}, prompt_len={1: 2}),
+                SamplerPlan("random", True, False)),
+    "bias": ([GREEDY, TOP_P], _controls(bias_ids={0: [7, -1]}, bias_values={0: [9.0, 0]},
+                                        bias_until={0: [2**31 - 1, 0]}),
+             SamplerPlan("filtered", True, False)),
+    "bitmask": ([GREEDY], _controls(allowed={0: np.r_[[0x0F0F0F0F], np.full(9, -1)]}),
+                SamplerPlan("greedy", True, False)),
+    "logprobs": ([LOGPROBS, RANDOM], None, SamplerPlan("random", False, True)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plan_of_decides_each_branch_as_the_device(name):
+    params, controls, expected = CASES[name]
+    sb = _batch(params, controls)
+    assert plan_of(sb, TOP) == expected
+    assert plan_of(sb, 0).top_logprobs is False  # no top logprobs reported: never computed
+    assert expected in sampler_plans(TOP) and expected.static
+
+
+@functools.lru_cache(maxsize=None)
+def _sampler(plan):
+    return jax.jit(functools.partial(sample_step, page_size=PAGE, max_rows=8, rules=None,
+                                     kernels=Kernels(), num_top=TOP, plan=plan))
+
+
+def _run_sampler(sb, plan):
+    logits = jax.random.normal(jax.random.key(3), (S, V)) * 4
+    # each row's history: tokens 0..11 at its 3 pages (the penalties read them)
+    pool = jnp.arange(S * PAGES * PAGE, dtype=jnp.int32) % 40
+    tables = jnp.arange(S * PAGES, dtype=jnp.int32).reshape(S, PAGES)
+    if sb.controls is None:
+        sb = dataclasses.replace(sb, controls=LogitsControls.neutral(S, 2, V))
+    _, tokens, logprobs, extra, _ = _sampler(plan)(logits, sb, pool, tables,
+                                                  jnp.full((S,), 10, jnp.int32))
+    return jax.tree.map(np.asarray, (tokens, logprobs, extra))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sampler_program_of_the_batch_plan_samples_as_on_device(name):
+    params, controls, _ = CASES[name]
+    sb = _batch(params, controls)
+    on_host = _run_sampler(sb, plan_of(sb, TOP))
+    on_device = _run_sampler(sb, ON_DEVICE)
+    jax.tree.map(np.testing.assert_array_equal, on_host, on_device)
+
+
+def test_a_plan_deciding_a_branch_the_other_way_changes_the_tokens():
+    """The comparison above can fail: skipping the filter, the controls or the noise the
+    batch needs samples other tokens (or reports no top logprobs)."""
+    sb = _batch([TOP_P, MIN_P, RANDOM, RANDOM])
+    right = _run_sampler(sb, plan_of(sb, TOP))
+    assert not np.array_equal(right[0], _run_sampler(sb, SamplerPlan("greedy", False, False))[0])
+    assert not np.array_equal(right[0], _run_sampler(sb, SamplerPlan("random", False, False))[0])
+    sb = _batch([GREEDY], _controls(bias_ids={0: [7, -1]}, bias_values={0: [50.0, 0]},
+                                    bias_until={0: [2**31 - 1, 0]}))
+    assert _run_sampler(sb, plan_of(sb, TOP))[0][0, 0] == 7
+    assert _run_sampler(sb, SamplerPlan("greedy", False, False))[0][0, 0] != 7
+    sb = _batch([LOGPROBS])
+    assert _run_sampler(sb, plan_of(sb, TOP))[2]["top_logprobs"].any()
+    assert not _run_sampler(sb, SamplerPlan("greedy", False, False))[2]["top_logprobs"].any()
+
+
+@pytest.mark.parametrize("name", ["greedy", "random", "top_p", "min_p"])
+@pytest.mark.parametrize("draft", ["logits", "ngram"])
+def test_rejection_sampler_with_the_batch_plan_verifies_as_on_device(name, draft):
+    params, _, _ = CASES[name]
+    sb = _batch(params)
+    K = 3
+    keys = jax.random.split(jax.random.key(5), 3)
+    logits = jax.random.normal(keys[0], (S, K + 1, V)) * 3
+    draft_logits = (logits[:, :K] + jax.random.normal(keys[1], (S, K, V))
+                    if draft == "logits" else None)
+    # drafts: the target's argmax at some positions (accepted by greedy rows), noise elsewhere
+    draft_ids = jnp.where(jax.random.bernoulli(keys[2], 0.7, (S, K)),
+                          jnp.argmax(logits[:, :K], -1), 5).astype(jnp.int32)
+    num_drafts = jnp.array([3, 2, 3, 0], jnp.int32)
+    run = jax.jit(rejection_sample, static_argnames=("plan",))
+    on_host = run(logits, draft_ids, num_drafts, sb, draft_logits, plan=plan_of(sb, TOP))
+    on_device = run(logits, draft_ids, num_drafts, sb, draft_logits, plan=ON_DEVICE)
+    jax.tree.map(np.testing.assert_array_equal, on_host, on_device)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tiny_params()
+
+
+REQUESTS = [  # (prompt, params): every sampler plan a decode batch of them takes
+    (list(range(5, 25)), SamplingParams(max_tokens=13, temperature=0, ignore_eos=True)),
+    (list(range(30, 41)), SamplingParams(max_tokens=11, temperature=0.8, seed=3,
+                                         ignore_eos=True)),
+    (list(range(60, 90)), SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, seed=4,
+                                         ignore_eos=True)),
+    (list(range(7, 19)), SamplingParams(max_tokens=10, temperature=0, logprobs=2,
+                                        ignore_eos=True)),
+    (list(range(100, 112)), SamplingParams(max_tokens=12, temperature=0.7, seed=9,
+                                           presence_penalty=0.8, logit_bias={65: 1.5},
+                                           ignore_eos=True)),
+    (list(range(40, 52)), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)),
+]
+
+
+def _outputs(engine, arrivals):
+    reqs = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(REQUESTS)]
+    done, _ = run_staggered(engine, reqs, arrivals)
+    return {rid: (o.token_ids, o.logprobs) for rid, o in done.items()}
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_engine_with_host_branches_returns_the_device_branches_outputs(params, decode_steps):
+    """Same outputs (tokens, logprobs) with host and device branches, requests arriving
+    over time so that batches take every plan; after the host-branch engine's warm-up
+    nothing compiles, and its steps ran with static plans (ON_DEVICE only where a whole
+    step's batch had controls or top logprobs)."""
+    device = tiny_engine(params, decode_steps=decode_steps)
+    host = tiny_engine(params, decode_steps=decode_steps,
+                       kernels=Kernels("xla", "xla", "xla", host_branches=True))
+    host.runner.warmup()
+    compiled = host.num_compilations
+    assert {k.plan for k in host.runner._compiled if k.kind == "sample"} == set(
+        sampler_plans(host.runner.num_top))
+    plans = []
+    dispatch = host.runner._planned
+    host.runner._planned = lambda key, sb: plans.append(dispatch(key, sb)) or plans[-1]
+    arrivals = [0, 0, 1, 3, 6, 8]
+    try:
+        assert _outputs(host, arrivals) == _outputs(device, arrivals)
+    finally:
+        del host.runner._planned
+    assert host.num_compilations == compiled, "nothing compiled after warm-up"
+    assert {k.plan.mode for k in plans if k.kind == "sample"} >= {"greedy", "random",
+                                                                  "filtered"}
+    assert any(k.plan.controls and k.plan.top_logprobs for k in plans if k.kind == "sample")
+    fused = [k for k in plans if k.kind == "decode"]
+    assert bool(fused) == (decode_steps > 1)
+    assert all(k.plan in FUSED_PLANS + (ON_DEVICE,) for k in fused)
