@@ -169,15 +169,28 @@ def _outputs(engine, arrivals):
     return {rid: (o.token_ids, o.logprobs) for rid, o in done.items()}
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
-def test_engine_with_host_branches_returns_the_device_branches_outputs(params, decode_steps):
+ENGINES = {  # tiny_engine arguments
+    "decode_steps 1": {"decode_steps": 1},
+    "decode_steps 4": {"decode_steps": 4},
+    # verify steps: the draft (the target itself) proposes with the plan's sampling mode
+    # (full tier: ~50 s, most of it warming up its verify programs for 4 plans each)
+    "draft model": {"speculative_config": {"method": "draft_model", "model": "tiny-draft",
+                                           "num_speculative_tokens": 3}},
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full)
+                                  if name == "draft model" else name for name in ENGINES])
+def test_engine_with_host_branches_returns_the_device_branches_outputs(params, name):
     """Same outputs (tokens, logprobs) with host and device branches, requests arriving
     over time so that batches take every plan; after the host-branch engine's warm-up
     nothing compiles, and its steps ran with static plans (ON_DEVICE only where a whole
     step's batch had controls or top logprobs)."""
-    device = tiny_engine(params, decode_steps=decode_steps)
-    host = tiny_engine(params, decode_steps=decode_steps,
-                       kernels=Kernels("xla", "xla", "xla", host_branches=True))
+    kw = dict(ENGINES[name])
+    if "speculative_config" in kw:
+        kw["draft_params"] = params
+    device = tiny_engine(params, **kw)
+    host = tiny_engine(params, kernels=Kernels("xla", "xla", "xla", host_branches=True), **kw)
     host.runner.warmup()
     compiled = host.num_compilations
     assert {k.plan for k in host.runner._compiled if k.kind == "sample"} == set(
@@ -191,9 +204,10 @@ def test_engine_with_host_branches_returns_the_device_branches_outputs(params, d
     finally:
         del host.runner._planned
     assert host.num_compilations == compiled, "nothing compiled after warm-up"
-    assert {k.plan.mode for k in plans if k.kind == "sample"} >= {"greedy", "random",
-                                                                  "filtered"}
+    assert {k.plan.mode for k in plans} >= {"greedy", "random", "filtered"}
     assert any(k.plan.controls and k.plan.top_logprobs for k in plans if k.kind == "sample")
-    fused = [k for k in plans if k.kind == "decode"]
-    assert bool(fused) == (decode_steps > 1)
+    fused = [k for k in plans if k.kind in ("decode", "verify")]
+    assert bool(fused) == (name != "decode_steps 1")
     assert all(k.plan in FUSED_PLANS + (ON_DEVICE,) for k in fused)
+    if fused:
+        assert any(k.plan.static for k in fused)
