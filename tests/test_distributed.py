@@ -196,7 +196,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about rain.",
            "List three prime numbers and explain why each is prime.", "def fibonacci(n):"]
 
 
-def _launch_pair(tmp_path, cache_dir, parallel=("--tensor-parallel-size", "4")):
+def _launch_pair(tmp_path, cache_dir, parallel=("--tensor-parallel-size", "4"), config=SMALL):
     """serve.py as 2 processes x 2 simulated CPU devices (default TP 4 over both) on
     localhost; returns (processes, API base URL, logs) once process 0 is ready."""
     import httpx
@@ -210,7 +210,7 @@ def _launch_pair(tmp_path, cache_dir, parallel=("--tensor-parallel-size", "4")):
         logs.append(tmp_path / f"rank{rank}.log")
         with logs[-1].open("w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "serve.py"), "--config", str(SMALL), "--port",
+                [sys.executable, str(ROOT / "serve.py"), "--config", str(config), "--port",
                  str(port), "--cache-dir", str(cache_dir), *parallel,
                  "--dist-init-addr", f"127.0.0.1:{coord}", "--nnodes", "2", "--node-rank",
                  str(rank)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -264,13 +264,19 @@ def _complete_all(url: str) -> list[str]:
 def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
         tmp_path, cache_dir, small_llm):
     """2 processes x 2 devices, TP 4 over all of them: process 0 serves HTTP and schedules,
-    process 1 runs each step process 0 sends it. Greedy completions of a batch of
-    concurrent requests equal one process's (jaxserve.LLM, TP 1); when process 1 is killed
-    process 0 exits within seconds, saying which process is gone."""
+    process 1 runs each step process 0 sends it, here with the sampler's branches decided
+    on the host (KernelConfig.branches "host", GPUs' default: each step's sampler program
+    is its plan's, the prompt logprobs a program of their own, on both processes).
+    Greedy completions of a batch of concurrent requests equal one process's
+    (jaxserve.LLM, TP 1, the device deciding); when process 1 is killed process 0 exits
+    within seconds, saying which process is gone."""
     from jaxserve.sampling_params import SamplingParams
 
     want = [c.text for c in small_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
-    procs, url, logs = _launch_pair(tmp_path, cache_dir)
+    config = tmp_path / "host_branches.py"
+    config.write_text("from jaxserve.config import load_config\n"
+                      f"CONFIG = load_config({str(SMALL)!r}).override(branches='host')\n")
+    procs, url, logs = _launch_pair(tmp_path, cache_dir, config=config)
     try:
         assert _complete_all(url) == want
         assert "step channel: 1 followers connected" in logs[0].read_text()

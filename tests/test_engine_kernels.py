@@ -441,11 +441,13 @@ def test_gpu_step_programs_branch_only_on_the_host(cuda_lowering):
     step lower for CUDA without a conditional (`stablehlo.case`: XLA:GPU runs one as a
     host-side thunk that waits for the device; jaxserve.sample.plan): the decode
     forward, the sampler of every static plan, multi-step decode and the n-gram verify
-    step of each of FUSED_PLANS. A mixed step's forward keeps one, its prompt logprobs'.
-    With the device deciding, every one of them has one (what this check catches)."""
+    step of each of FUSED_PLANS; nor a mixed step's forward, its prompt logprobs a program
+    of their own. With the device deciding, every one of them has one (what this check
+    catches)."""
     from jaxserve.sample.plan import FUSED_PLANS, ON_DEVICE, sampler_plans
     from jaxserve.worker.compilation import StepKey, abstract_inputs, abstract_sample_inputs
-    from jaxserve.worker.step import forward_step, model_step, sample_step, verify_step
+    from jaxserve.worker.step import (forward_step, model_step, prompt_logprobs_step,
+                                      sample_step, verify_step)
 
     cfg = tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
                       head_dim=32, num_layers=2, vocab_size=1024, dtype="bfloat16")
@@ -460,9 +462,16 @@ def test_gpu_step_programs_branch_only_on_the_host(cuda_lowering):
         for kind, key in (("decode", StepKey("decode", 8, 8, 16)),
                           ("mixed", StepKey("mixed", 64, 2, 16))):
             batch, sampling, prev_index = abstract_inputs(key, None, 8, cfg.vocab_size)
-            texts[kind] = _lower(functools.partial(forward_step, **static), params, cache,
-                                 batch, sampling.prompt_targets, prev, prev_index, None,
-                                 None, pool)
+            own = host and kind == "mixed"  # as Runner._own_prompt_logprobs
+            texts[kind] = _lower(functools.partial(forward_step, keep_hidden=own, **static),
+                                 params, cache, batch, None if own else sampling.prompt_targets,
+                                 prev, prev_index, None, None, pool)
+        if host:
+            hidden = jax.ShapeDtypeStruct((64, cfg.hidden_size), jnp.bfloat16)
+            texts["prompt logprobs"] = jax.jit(functools.partial(
+                prompt_logprobs_step, rules=None, kernels=static["kernels"], num_top=4)).trace(
+                params, hidden, jax.ShapeDtypeStruct((64,), jnp.int32)).lower(
+                lowering_platforms=("cuda",)).as_text()
         batch, sampling, prev_index = abstract_inputs(StepKey("decode", 8, 8, 16), None, 8,
                                                       cfg.vocab_size)
         logits, smp, tables, num_context = abstract_sample_inputs(8, 16, None, None, 8,
@@ -482,9 +491,9 @@ def test_gpu_step_programs_branch_only_on_the_host(cuda_lowering):
                 functools.partial(verify_step, ngram=(1, 3), plan=plan, **static), params,
                 cache, vbatch, vsampling, prev, prev, vprev, None, None, pool)
         for name, text in texts.items():
-            expected = 1 if name == "mixed" or not host else 0
-            assert min(text.count("stablehlo.case"), 1) == expected, (host, name)
-        assert texts["mixed"].count("stablehlo.case") == 1 + (not host)  # + RoPE's
+            assert min(text.count("stablehlo.case"), 1) == (not host), (host, name)
+        if not host:  # prompt logprobs' and RoPE's
+            assert texts["mixed"].count("stablehlo.case") == 2
 
 
 @pytest.mark.parametrize("attention,kv_dtype", [("pallas", "bfloat16"), ("pallas_mosaic", "bfloat16"),

@@ -201,10 +201,11 @@ def test_multi_step_decode_gives_the_single_step_outputs(small_llm, cache_dir):
 def test_host_branches_give_the_device_branches_outputs(small_llm, cache_dir):
     """KernelConfig.branches "host" (GPUs' default: the sampler's branches decided on the
     host, one program per plan; jaxserve.sample.plan) on the real model, with multi-step
-    decode: the same tokens, logprobs and finish reasons as the device-branch engine
-    for greedy, seeded sampling with top-k / top-p, penalties with logit bias and top
-    logprobs, in one batch; nothing compiles after its warm-up; its steps took static
-    plans."""
+    decode: the same tokens, logprobs, prompt logprobs and finish reasons as the
+    device-branch engine for greedy, seeded sampling with top-k / top-p, penalties with
+    logit bias and top logprobs, in one batch; nothing compiles after its warm-up; its
+    steps took static plans (the batch with the penalties' request one token a step:
+    Scheduler.plain_bursts, then the others in multi-step bursts)."""
     import dataclasses
 
     from conftest import ROOT
@@ -223,7 +224,7 @@ def test_host_branches_give_the_device_branches_outputs(small_llm, cache_dir):
     chat = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]), add_special_tokens=False)
     prompts = [chat, "The quick brown fox", "Once upon a time", "A recipe for bread:"]
-    params = [SamplingParams(max_tokens=40, temperature=0),
+    params = [SamplingParams(max_tokens=40, temperature=0, prompt_logprobs=2),
               SamplingParams(max_tokens=35, temperature=0.9, top_k=40, top_p=0.9, seed=7,
                              ignore_eos=True),
               SamplingParams(max_tokens=18, temperature=0.8, seed=3, ignore_eos=True),
@@ -242,17 +243,20 @@ def test_host_branches_give_the_device_branches_outputs(small_llm, cache_dir):
     assert (compile_events.snapshot() - before).total == 0
     assert [(o.token_ids, o.finish_reason) for o in got] == \
         [(o.token_ids, o.finish_reason) for o in want]
-    for g, w in zip(got[3].logprobs, want[3].logprobs):
+    pairs = list(zip(got[3].logprobs, want[3].logprobs))
+    # the prompt logprobs: a program of their own after the prefill's forward
+    assert got[0].prompt_logprobs[0] is None and want[0].prompt_logprobs[0] is None
+    pairs += list(zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]))
+    assert len(pairs) == len(want[3].logprobs) + len(chat) - 1
+    for g, w in pairs:
         assert [t for t, _ in g.top] == [t for t, _ in w.top]
         np.testing.assert_allclose([g.logprob] + [lp for _, lp in g.top],
                                    [w.logprob] + [lp for _, lp in w.top], atol=1e-5)
     samplers = [k.plan for k in plans if k.kind == "sample"]
     assert samplers and ON_DEVICE not in samplers and "filtered" in {p.mode for p in samplers}
     assert any(p.controls and p.top_logprobs for p in samplers)
-    # multi-step decode: with the penalties' request on device (FUSED_PLANS have no
-    # controls), after it the top-p request's static plan
     fused = {k.plan for k in plans if k.kind == "decode"}
-    assert ON_DEVICE in fused and any(p.static for p in fused), fused
+    assert fused and all(p.static and not p.controls for p in fused), fused
     assert_pool_empty(host.engine)
 
 

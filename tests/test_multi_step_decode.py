@@ -148,6 +148,31 @@ def test_waiting_request_turns_multi_step_off(params):
     assert engine.scheduler._num_decode_steps(SchedulerOutput([seq], [1]), False) == 1
 
 
+@pytest.mark.parametrize("host_branches", [False, True])
+def test_host_branches_burst_only_plain_batches(params, host_branches):
+    """With the host deciding the sampler's branches (Kernels.host_branches, GPUs') a batch
+    in which a sequence uses logits controls or asks for top logprobs decodes one token
+    a step (its multi-step program would be the one with conditionals,
+    jaxserve.sample.plan: Scheduler.plain_bursts); with the device deciding it bursts."""
+    engine = tiny_engine(params, decode_steps=4,
+                         kernels=Kernels("xla", "xla", "xla", host_branches=host_branches))
+    assert engine.scheduler.plain_bursts == host_branches
+    plain = SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], plain)
+    engine.step()  # prefill of a
+    seq = engine.scheduler.requests["a"]
+    assert engine.scheduler._num_decode_steps(SchedulerOutput([seq], [1]), False) == 4
+    for i, asks in enumerate([dict(logprobs=2), dict(presence_penalty=0.5),
+                              dict(logit_bias={7: 1.0})]):
+        engine.add_request(f"b{i}", [4, 5], dataclasses.replace(plain, **asks))
+        engine.step()  # its prefill (a decodes beside it)
+        other = engine.scheduler.requests[f"b{i}"]
+        n = engine.scheduler._num_decode_steps(SchedulerOutput([seq, other], [1, 1]), False)
+        assert n == (1 if host_branches else 4), asks
+        engine.abort_request(f"b{i}")
+        engine.step()
+
+
 def test_abort_inside_a_burst_reports_no_placeholder(params):
     engine = make_engine(params, 4)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0,

@@ -159,14 +159,15 @@ REQUESTS = [  # (prompt, params): every sampler plan a decode batch of them take
     (list(range(100, 112)), SamplingParams(max_tokens=12, temperature=0.7, seed=9,
                                            presence_penalty=0.8, logit_bias={65: 1.5},
                                            ignore_eos=True)),
-    (list(range(40, 52)), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)),
+    (list(range(40, 52)), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                         prompt_logprobs=2)),
 ]
 
 
 def _outputs(engine, arrivals):
     reqs = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(REQUESTS)]
     done, _ = run_staggered(engine, reqs, arrivals)
-    return {rid: (o.token_ids, o.logprobs) for rid, o in done.items()}
+    return {rid: (o.token_ids, o.logprobs, o.prompt_logprobs) for rid, o in done.items()}
 
 
 ENGINES = {  # tiny_engine arguments
@@ -184,8 +185,9 @@ ENGINES = {  # tiny_engine arguments
 def test_engine_with_host_branches_returns_the_device_branches_outputs(params, name):
     """Same outputs (tokens, logprobs) with host and device branches, requests arriving
     over time so that batches take every plan; after the host-branch engine's warm-up
-    nothing compiles, and its steps ran with static plans (ON_DEVICE only where a whole
-    step's batch had controls or top logprobs)."""
+    nothing compiles, and its steps ran with static plans (ON_DEVICE only where a verify
+    step's batch had controls or top logprobs; such a batch decodes a token a step:
+    Scheduler.plain_bursts)."""
     kw = dict(ENGINES[name])
     if "speculative_config" in kw:
         kw["draft_params"] = params
@@ -204,10 +206,12 @@ def test_engine_with_host_branches_returns_the_device_branches_outputs(params, n
     finally:
         del host.runner._planned
     assert host.num_compilations == compiled, "nothing compiled after warm-up"
+    assert {k.kind for k in host.runner._compiled} >= {"prompt_logprobs", "sample", "mixed"}
     assert {k.plan.mode for k in plans} >= {"greedy", "random", "filtered"}
     assert any(k.plan.controls and k.plan.top_logprobs for k in plans if k.kind == "sample")
     fused = [k for k in plans if k.kind in ("decode", "verify")]
     assert bool(fused) == (name != "decode_steps 1")
-    assert all(k.plan in FUSED_PLANS + (ON_DEVICE,) for k in fused)
+    assert all(k.plan in FUSED_PLANS + ((ON_DEVICE,) if k.kind == "verify" else ())
+               for k in fused)
     if fused:
         assert any(k.plan.static for k in fused)

@@ -111,7 +111,8 @@ class Engine:
                 self.lora.add(name, path)
             except AdapterError as e:
                 raise ConfigError(f"LoRAConfig.lora_modules: {e}") from None
-        self.scheduler = Scheduler(engine_config, self.kv_cache_manager, self.spec, self.lora)
+        self.scheduler = Scheduler(engine_config, self.kv_cache_manager, self.spec, self.lora,
+                                   plain_bursts=runner.kernels.host_branches)
         eos = frozenset(model_config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.input_processor = InputProcessor(model_config, engine_config, tokenizer, eos)

@@ -149,11 +149,16 @@ class Scheduler:
     """Owns the live requests (`requests`: id -> Sequence; the waiting queue and the
     running set), their computed tokens and their output tokens; asks `kv` for pages,
     `spec` (None: speculative decoding off) for drafts and `lora` (None: no adapters) for
-    adapter slots."""
+    adapter slots. plain_bursts: multi-step decode only for batches without logits controls
+    or top logprobs (an engine whose host decides the sampler's branches compiles its
+    multi-step programs for those batches' plans only: jaxserve.sample.plan.FUSED_PLANS;
+    the others decode a token a step, their sampler programs static too)."""
 
     def __init__(self, cfg: EngineConfig, kv: KVCacheManager,
-                 spec: SpecDecodeController | None = None, lora: LoraManager | None = None):
+                 spec: SpecDecodeController | None = None, lora: LoraManager | None = None,
+                 plain_bursts: bool = False):
         self.cfg = cfg
+        self.plain_bursts = plain_bursts
         self.kv = kv
         self.spec = spec
         self.lora = lora
@@ -368,7 +373,8 @@ class Scheduler:
     def _num_decode_steps(self, out: SchedulerOutput, speculating: bool) -> int:
         """Tokens per sequence for a planned decode step: decode_steps when no request
         waits, every sequence has that many tokens left (max_tokens, max_model_len) and
-        the free pages hold them (reserved here); else 1. While speculative decoding is
+        the free pages hold them (reserved here), and with `plain_bursts` none uses a
+        logits control or asks for top logprobs; else 1. While speculative decoding is
         on for this batch (a step without drafts: the proposer found none), 1 token per
         step until the controller allows bursts again (its proposer found nothing
         several steps in a row): on text without repeats an n-gram proposer then costs
@@ -378,6 +384,9 @@ class Scheduler:
         if speculating and not self.spec.allows_burst():
             return 1
         if n == 1 or self.waiting or any(s.matcher is not None for s in out.seqs):
+            return 1
+        if self.plain_bursts and any(s.controls is not None or s.params.logprobs
+                                     for s in out.seqs):
             return 1
         limit = self.cfg.max_model_len
         if any(s.params.max_tokens - len(s.output_ids) < n or limit - s.num_tokens < n

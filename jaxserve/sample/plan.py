@@ -62,11 +62,12 @@ class SamplerPlan:
 ON_DEVICE = SamplerPlan()  # every branch decided on device: one program for every batch
 
 # The plans a whole-step program (multi-step decode, verify) is compiled for with host
-# branches, besides ON_DEVICE: each sampling mode without controls or top logprobs, what
-# nearly every decode batch is. Such a program holds the forward pass, so compiling it
-# for all twelve plans would cost twelve forward compilations per shape; a batch with
-# controls or top logprobs takes the ON_DEVICE program (correct, and it waits on the
-# device at its conditionals).
+# branches: each sampling mode without controls or top logprobs, what nearly every decode
+# batch is. Such a program holds the forward pass, so compiling it for all twelve plans
+# would cost twelve forward compilations per shape. A batch with controls or top logprobs
+# decodes a token a step (jaxserve.engine.scheduler.Scheduler.plain_bursts), its sampler
+# program static too; as a verify step it takes the ON_DEVICE program (correct, and the
+# host waits at its conditionals).
 FUSED_PLANS = tuple(SamplerPlan(mode, False, False) for mode in MODES)
 
 

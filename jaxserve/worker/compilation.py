@@ -130,7 +130,9 @@ class StepKey(NamedTuple):
 
     A mixed or decode key with n = 1 (`split`) is the forward half of a one-token step
     (jaxserve.worker.step.forward_step); its sampler half is the key ("sample", 0, S, 0, 1)
-    (`sample_key`, jaxserve.worker.step.sample_step). Other keys are whole steps."""
+    (`sample_key`, jaxserve.worker.step.sample_step). With host branches a mixed step's
+    prompt logprobs are ("prompt_logprobs", T, 0, 0, 1)
+    (jaxserve.worker.step.prompt_logprobs_step). Other keys are whole steps."""
 
     kind: str
     T: int
@@ -153,8 +155,8 @@ class StepKey(NamedTuple):
     @property
     def samples(self) -> bool:
         """Whether this program samples (a sampler, multi-step decode or verify program;
-        not the forward half of a split step)."""
-        return not self.split
+        not the forward half of a split step, nor prompt logprobs)."""
+        return not self.split and self.kind != "prompt_logprobs"
 
     @property
     def split(self) -> bool:

@@ -49,7 +49,8 @@ from jaxserve.sample.plan import (FUSED_PLANS, MODES, ON_DEVICE, SamplerPlan, pl
 from jaxserve.sample.sampler import SamplingBatch
 from jaxserve.distributed.sharding import ShardingRules
 from jaxserve.spec_decode.draft_model import Drafter
-from jaxserve.worker.step import forward_step, model_step, sample_step, verify_step
+from jaxserve.worker.step import (forward_step, model_step, prompt_logprobs_step, sample_step,
+                                  verify_step)
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,10 @@ class Runner:
                                       static_argnames=("rounds", "plan"))
         self._jitted_forward = jax.jit(functools.partial(forward_step, **static,
                                                          pooling=engine_cfg.pooling),
-                                       donate_argnums=(1, 7, 8))
+                                       donate_argnums=(1, 7, 8),
+                                       static_argnames=("keep_hidden",))
+        self._jitted_prompt = jax.jit(functools.partial(
+            prompt_logprobs_step, rules=rules, kernels=self.kernels, num_top=self.num_top))
         self.max_pages = engine_cfg.max_pages_per_seq
         self._logits_sharding = (logits_sharding(params, rules, model_cfg.vocab_size)
                                  or self._replicated)
@@ -121,6 +125,7 @@ class Runner:
             donate_argnums=(2,), static_argnames=("plan",))
         # a follower's (Runner.follow) forward half whose sampler half has not come yet
         self._follow_forward: ForwardHandle | None = None
+        self._following = False  # this process follows another's steps (Runner.follow)
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self._replicated)
         # after a verify step, each sequence's kept tokens - 1 (zeros after other steps):
         # how far a verify step planned before it was read moves its rows (verify_step)
@@ -203,6 +208,13 @@ class Runner:
             traced = self._jitted_sample.trace(logits, sampling, pool, block_tables,
                                                num_context, plan=key.plan)
             return self._compile_lowered(traced.lower()), time.perf_counter() - t0
+        if key.kind == "prompt_logprobs":
+            hidden = jax.ShapeDtypeStruct((key.T, self.model_cfg.hidden_size),
+                                          jnp.dtype(self.model_cfg.dtype),
+                                          sharding=self._replicated)
+            targets = jax.ShapeDtypeStruct((key.T,), jnp.int32, sharding=self._replicated)
+            traced = self._jitted_prompt.trace(_abstract(self.params), hidden, targets)
+            return self._compile_lowered(traced.lower()), time.perf_counter() - t0
         batch, sampling, prev_index = abstract_inputs(key, self._replicated, self.max_logit_bias,
                                                       self.model_cfg.vocab_size, self.shapes.lora)
         params, cache = _abstract(self.params), _abstract(self.cache)
@@ -213,8 +225,11 @@ class Runner:
                                                prev_index, *draft, pool, rounds=key.rounds,
                                                plan=key.plan)
         elif key.split:
-            traced = self._jitted_forward.trace(params, cache, batch, sampling.prompt_targets,
-                                                last, prev_index, *draft, pool)
+            own = self._own_prompt_logprobs(key)  # then no conditional for them here
+            traced = self._jitted_forward.trace(params, cache, batch,
+                                                None if own else sampling.prompt_targets,
+                                                last, prev_index, *draft, pool,
+                                                keep_hidden=own)
         else:
             traced = self._jitted.trace(params, cache, batch, sampling, last, prev_index,
                                         *draft, pool, num_steps=key.n, plan=key.plan)
@@ -269,7 +284,11 @@ class Runner:
         """Run `exe` once on an all-padding batch and wait for it (every write goes to the
         null page; the sampled tokens are dropped, `last_tokens` is kept for the engine's
         next step)."""
+        if key.kind == "prompt_logprobs":  # run by its mixed steps' warm-up runs (below)
+            return
         sampling = SamplingBatch.from_params([], [], [], key.S)
+        if self._own_prompt_logprobs(key):  # targets (none asked), so that it runs too
+            sampling = dataclasses.replace(sampling, prompt_targets=np.full(key.T, -1, np.int32))
         if key.kind == "sample":
             out = self._run_sample(exe, key, self._warmup_forward(key.S), sampling,
                                    keep_last=True).tokens
@@ -339,11 +358,23 @@ class Runner:
                                   None if given is None else np.asarray(given), prev_index,
                                   warmup))
             # (after the send: a first device_put waits for the others)
-            targets = self._complete(key, sampling).prompt_targets
+            own = self._own_prompt_logprobs(key)
+            targets = None if own else self._complete(key, sampling).prompt_targets
             logits, extra, self.cache, self.draft_cache, self.token_pool = exe(
                 self.params, self.cache, batch, targets, self.last_tokens, prev_index,
                 self.draft_params, self.draft_cache, self.token_pool)
+            hidden = extra.pop("hidden", None)
+            if own and given is not None:  # some row asks: their program, after the forward
+                pkey = StepKey("prompt_logprobs", key.T, 0, 0, 1)
+                exe = self._followed(pkey) if self._following else self._executable(pkey)
+                extra.update(exe(self.params, hidden, given))
         return ForwardHandle(key.sample_key, logits, extra, block_tables, num_context, warmup)
+
+    def _own_prompt_logprobs(self, key: StepKey) -> bool:
+        """Whether `key`'s (a split step's forward) prompt logprobs are a program of their
+        own (`prompt_logprobs_step`, run when a row asks) rather than a conditional in the
+        forward: a mixed step's, with host branches."""
+        return self.kernels.host_branches and key.kind == "mixed" and key.split
 
     def _run_sample(self, exe, key: StepKey, fwd: "ForwardHandle", sampling: SamplingBatch,
                     keep_last: bool = False) -> "StepHandle":
@@ -369,15 +400,17 @@ class Runner:
             self.compile_seconds += dt
 
     def _plans(self, key: StepKey) -> tuple[SamplerPlan, ...]:
-        """The sampler plans `key`'s program is compiled for (jaxserve.sample.plan): with
-        the device deciding, ON_DEVICE; with host branches (Kernels.host_branches) every
-        static plan for a sampler program, FUSED_PLANS and ON_DEVICE for a whole step (its
-        forward pass is compiled once per plan); a forward program samples nothing."""
+        """The sampler plans `key`'s program is compiled for at warm-up
+        (jaxserve.sample.plan): with the device deciding, ON_DEVICE; with host branches
+        (Kernels.host_branches) every static plan for a sampler program; for a whole step
+        (its forward compiled once per plan) FUSED_PLANS, and for a verify step ON_DEVICE
+        too (a multi-step decode of other batches is not scheduled: the engine's
+        Scheduler.plain_bursts); a forward program samples nothing."""
         if not key.samples or not self.kernels.host_branches:
             return (ON_DEVICE,)
         if key.kind == "sample":
             return sampler_plans(self.num_top)
-        return FUSED_PLANS + (ON_DEVICE,)
+        return FUSED_PLANS + ((ON_DEVICE,) if key.kind == "verify" else ())
 
     def _planned(self, key: StepKey, sampling: SamplingBatch) -> StepKey:
         """`key` with the plan its program runs `sampling` (host arrays) with: the batch's
@@ -393,16 +426,27 @@ class Runner:
         multi-step decode after the single steps of the same page count), then the rest
         by size; each sequence bucket's sampler program right after the first forward
         program that needs it. Each shape is compiled for its sampler plans (`_plans`),
-        the plan of an all-greedy batch first."""
+        the plan of an all-greedy batch first; a mixed step's own prompt-logprobs program
+        (`_own_prompt_logprobs`) right before the first forward of its T, whose warm-up run
+        runs it."""
         shapes = shapes if shapes is not None else self.shapes.warmup()
         keys = {key._replace(plan=plan) for key in (StepKey(*shape) for shape in shapes)
-                for plan in self._plans(key)} - set(self._compiled)
+                for plan in self._plans(key)}
+        keys |= {StepKey("prompt_logprobs", k.T, 0, 0, 1) for k in keys
+                 if self._own_prompt_logprobs(k)}
+        keys -= set(self._compiled)
+        prompts = {k for k in keys if k.kind == "prompt_logprobs"}
+        keys -= prompts
         samplers = {k for k in keys if k.kind == "sample"}
         order = sorted(keys - samplers, key=lambda k: (False, k.P, k.n, k.T, k.kind,
                                                        _plan_rank(k.plan))
                        if k.S == 1 else (True, k.T * k.P, k.S, k.n, k.kind, _plan_rank(k.plan)))
         out = []
         for key in order:
+            prompt_key = StepKey("prompt_logprobs", key.T, 0, 0, 1)
+            if key.kind == "mixed" and prompt_key in prompts:
+                prompts.discard(prompt_key)
+                out.append(prompt_key)
             out.append(key)
             if key.split:
                 for plan in self._plans(key.sample_key):
@@ -534,6 +578,7 @@ class Runner:
         or is gone (jaxserve.distributed.multiprocess.DistributedError). Shapes compile on first use
         here (process 0's warm-up runs reach this process as steps too); each step is
         waited for before the next is read, so nothing piles up."""
+        self._following = True
         while True:
             record = channel.recv()
             if record[0] == "stop":

@@ -13,8 +13,8 @@ rejection sampler keeps exactly the model's distribution), in one round or sever
 prompt logprobs run only in steps where some row asks, and sampling noise and filters only
 where some row samples or filters: the sampler's branches are a static `plan`, decided on
 the host (KernelConfig.branches "host", GPUs' default: no conditional in a decode step's
-programs) or on device (`lax.cond`; jaxserve.sample.plan); prompt logprobs always
-on device. The KV pool is passed in and returned (donated by the runner).
+programs) or on device (`lax.cond`; jaxserve.sample.plan); with host branches the
+prompt logprobs are a program of their own (`prompt_logprobs_step`). The KV pool is passed in and returned (donated by the runner).
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ def _top(logits: jax.Array, sampling: SamplingBatch, num_top: int, impl,
 
 
 def _prompt_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
-                     rules: ShardingRules | None, kernels: Kernels, num_top: int) -> dict:
-    """Prompt logprobs of a mixed step, computed only when a row asks (zeros otherwise).
+                     rules: ShardingRules | None, kernels: Kernels, num_top: int,
+                     on_device: bool = True) -> dict:
+    """Prompt logprobs of a mixed step, computed only when a row asks (zeros otherwise;
+    on_device False: computed, the host having decided: `prompt_logprobs_step`).
     hidden: [T, D]; targets: [T] int32, the token after each row whose logprob is asked
     (-1: none). Returns {"prompt_logprobs": [T] f32, and with num_top "prompt_top_ids"
     [T, num_top] int32, "prompt_top_logprobs" [T, num_top] f32}. The LM head runs in a
@@ -92,6 +94,8 @@ def _prompt_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
         out = jax.lax.map(lambda a: block(*a), (h, tg))
         return jax.tree.map(lambda x: x.reshape((nb * R,) + x.shape[2:])[:T], out)
 
+    if not on_device:
+        return compute()
     shapes = jax.eval_shape(compute)
     return jax.lax.cond(jnp.any(targets >= 0), compute,
                         lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
@@ -181,7 +185,7 @@ def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_target
                  prev_tokens: jax.Array, prev_index: jax.Array, draft_params, draft_cache,
                  token_pool, *, cfg: ModelConfig, drafter: Drafter | None,
                  rules: ShardingRules | None, kernels: Kernels, num_top: int = 0,
-                 pooling: str | None = None):
+                 pooling: str | None = None, keep_hidden: bool = False):
     """The first half of a one-token mixed or decode step: the forward pass up to each
     sequence's last-token logits, which stay on device for `sample_step` (dispatched
     after it, once the host knows the sampling inputs that depend on the previous step's
@@ -191,9 +195,11 @@ def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_target
     prev_tokens / prev_index / draft_params / draft_cache / token_pool as `model_step`;
     prompt_targets: [T] int32 (a mixed step; `SamplingBatch.prompt_targets`) or None.
     pooling: the engine's EngineConfig.pooling; when set, extra["pooled"] is `pool_hidden`
-    [S, D] f32 (embedding requests read theirs).
+    [S, D] f32 (embedding requests read theirs). keep_hidden: extra["hidden"] is the
+    hidden states [T, D] (cfg.dtype, replicated), for `prompt_logprobs_step` (with host
+    branches the prompt logprobs are a program of their own, not a conditional here).
     Returns (logits [S, V] f32, extra: `_prompt_logprobs` when prompt_targets is given
-    (else {}) and "pooled", cache, draft_cache, token_pool)."""
+    (else {}), "pooled", "hidden", cache, draft_cache, token_pool)."""
     batch = _with_prev_tokens(batch, prev_tokens, prev_index)
     hidden, logits, cache, draft_cache, token_pool = _forward_logits(
         params, cache, batch, draft_params, draft_cache, token_pool, cfg=cfg, drafter=drafter,
@@ -207,7 +213,20 @@ def forward_step(params: Params, cache: KVCache, batch: StepBatch, prompt_target
                                  num_top=num_top)
     if pooling is not None:
         extra["pooled"] = constrain(rules, pool_hidden(hidden, batch, pooling), (None, None))
+    if keep_hidden:
+        extra["hidden"] = constrain(rules, hidden, (None, None))
     return logits, extra, cache, draft_cache, token_pool
+
+
+def prompt_logprobs_step(params: Params, hidden: jax.Array, targets: jax.Array, *,
+                         rules: ShardingRules | None, kernels: Kernels, num_top: int = 0
+                         ) -> dict:
+    """A mixed step's prompt logprobs as a program of its own, dispatched after its forward
+    only when some row asks (host branches, jaxserve.sample.plan: the forward then has no
+    conditional for them): hidden [T, D] (`forward_step`'s extra["hidden"]), targets [T]
+    int32 as `SamplingBatch.prompt_targets`. Returns `_prompt_logprobs`' dict."""
+    return _prompt_logprobs(params, hidden, targets, rules=rules, kernels=kernels,
+                            num_top=num_top, on_device=False)
 
 
 def sample_step(logits: jax.Array, sampling: SamplingBatch, token_pool: jax.Array,
