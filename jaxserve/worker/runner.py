@@ -425,8 +425,10 @@ class Runner:
         first: the shortest decode and prefill, what a first short request needs;
         multi-step decode after the single steps of the same page count), then the rest
         by size; each sequence bucket's sampler program right after the first forward
-        program that needs it. Each shape is compiled for its sampler plans (`_plans`),
-        the plan of an all-greedy batch first; a mixed step's own prompt-logprobs program
+        program that needs it. Each shape is compiled for its sampler plans (`_plans`):
+        with host branches the greedy batch's right after that forward, the other plain
+        ones (FUSED_PLANS: no controls, no top logprobs) at the end, then the rest; a
+        mixed step's own prompt-logprobs program
         (`_own_prompt_logprobs`) right before the first forward of its T, whose warm-up run
         runs it."""
         shapes = shapes if shapes is not None else self.shapes.warmup()
@@ -449,12 +451,13 @@ class Runner:
                 out.append(prompt_key)
             out.append(key)
             if key.split:
-                for plan in self._plans(key.sample_key):
+                for plan in (FUSED_PLANS[0], ON_DEVICE):  # greedy; the device's
                     sample_key = key.sample_key._replace(plan=plan)
                     if sample_key in samplers:
                         samplers.discard(sample_key)
                         out.append(sample_key)
-        return out + sorted(samplers, key=lambda k: (k.S, _plan_rank(k.plan)))
+        return out + sorted(samplers, key=lambda k: (k.plan not in FUSED_PLANS, k.S,
+                                                     _plan_rank(k.plan)))
 
     def warmup(self, shapes: list[tuple] | None = None, threads: int = 2) -> None:
         """Compile the step for every bucketed shape and wait (XLA compiles release the
