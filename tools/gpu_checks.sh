@@ -17,7 +17,8 @@
 # - qmm: tools.bench_quantized_matmul at M = 1 and 64;
 # - hf: HF transformers' eager bf16 generate on the same shapes.
 # Caps: KERNELS_S, BRANCHES_S, GENERATE_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where
-# `import jaxserve` works (the repository on PYTHONPATH, its dependencies installed or carried as wheels).
+# `import jaxserve` works (the repository on PYTHONPATH, its dependencies installed or
+# carried as wheels).
 # Session 22's run on an H100 (PERFORMANCE.md, "The GPU run of session 22"): env ~15 s,
 # kernels ~90 s, generate ~190 s for two decode_steps values, qmm ~75 s for two shapes with
 # single-call timing, hf ~85 s; cmdbuf (three engines) and qmm (four shapes, 16 copies) not

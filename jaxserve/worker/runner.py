@@ -6,11 +6,12 @@ bucketed shape (kind, T, S, P, n: jaxserve.worker.compilation.StepShapes): "mixe
 (Kernels.host_branches, GPUs' default) a program that samples once per sampler plan too
 (jaxserve.sample.plan: `_plans`), each step running its batch's (`_planned`). The
 executables are kept here, so a shape outside the buckets is a visible compilation
-(`num_compilations`), never a silent retrace. The KV pool is donated to every step and replaced by the returned one.
-A one-token step is two executables, the forward (`dispatch_forward`: the logits of the
-sampled rows stay on device) and the sampler (`dispatch_sample`, one per sequence
-bucket), so that what the sampler needs from the host (a grammar's bitmask) can be given
-after the forward is launched; multi-step decode and verify steps are one executable.
+(`num_compilations`), never a silent retrace. The KV pool is donated to every step and
+replaced by the returned one. A one-token step is two executables, the forward
+(`dispatch_forward`: the logits of the sampled rows stay on device) and the sampler
+(`dispatch_sample`, one per sequence bucket), so that what the sampler needs from the
+host (a grammar's bitmask) can be given after the forward is launched; multi-step decode
+and verify steps are one executable.
 
 Steps are dispatched asynchronously (`dispatch` returns before the device finishes) and
 their sampled tokens stay on device: the next step reads its decode tokens from
@@ -288,7 +289,8 @@ class Runner:
             return
         sampling = SamplingBatch.from_params([], [], [], key.S)
         if self._own_prompt_logprobs(key):  # targets (none asked), so that it runs too
-            sampling = dataclasses.replace(sampling, prompt_targets=np.full(key.T, -1, np.int32))
+            sampling = dataclasses.replace(sampling,
+                                           prompt_targets=np.full(key.T, -1, np.int32))
         if key.kind == "sample":
             out = self._run_sample(exe, key, self._warmup_forward(key.S), sampling,
                                    keep_last=True).tokens
@@ -428,9 +430,8 @@ class Runner:
         program that needs it. Each shape is compiled for its sampler plans (`_plans`):
         with host branches the greedy batch's right after that forward, the other plain
         ones (FUSED_PLANS: no controls, no top logprobs) at the end, then the rest; a
-        mixed step's own prompt-logprobs program
-        (`_own_prompt_logprobs`) right before the first forward of its T, whose warm-up run
-        runs it."""
+        mixed step's own prompt-logprobs program (`_own_prompt_logprobs`) right before the
+        first forward of its T, whose warm-up run runs it."""
         shapes = shapes if shapes is not None else self.shapes.warmup()
         keys = {key._replace(plan=plan) for key in (StepKey(*shape) for shape in shapes)
                 for plan in self._plans(key)}

@@ -9,12 +9,13 @@ grammar's bitmask) afterwards. `model_step` is the same in one program, `num_ste
 for a multi-step decode (each sub-step feeding its tokens back on device);
 `verify_step` verifies draft tokens (the draft model or head proposes inside it, then the
 rejection sampler keeps exactly the model's distribution), in one round or several
-(SpeculativeConfig.verify_steps). Logits controls, top logprobs and
-prompt logprobs run only in steps where some row asks, and sampling noise and filters only
-where some row samples or filters: the sampler's branches are a static `plan`, decided on
+(SpeculativeConfig.verify_steps). Logits controls, top logprobs and prompt logprobs run
+only in steps where some row asks, and sampling noise and filters only where some row
+samples or filters: the sampler's branches are a static `plan`, decided on
 the host (KernelConfig.branches "host", GPUs' default: no conditional in a decode step's
 programs) or on device (`lax.cond`; jaxserve.sample.plan); with host branches the
-prompt logprobs are a program of their own (`prompt_logprobs_step`). The KV pool is passed in and returned (donated by the runner).
+prompt logprobs are a program of their own (`prompt_logprobs_step`). The KV pool is
+passed in and returned (donated by the runner).
 """
 
 from __future__ import annotations
