@@ -11,8 +11,8 @@ pass before the sampler), and the next step cannot be prepared while the device
 computes: a decode step of the Llama-3-8B shape on an H100 idled ~9 of ~17 ms so
 (PERFORMANCE.md, "The GPU run of session 22"). The host knows every predicate before it
 launches the step, so with KernelConfig.branches "host" (GPUs' default) it decides them
-itself (`plan_of`) and runs the program compiled for that plan, every plan a program
-can take compiled at warm-up (`sampler_plans`, `FUSED_PLANS`).
+itself (`plan_of`) and runs the program compiled for that plan, every plan the engine
+runs compiled at warm-up (`sampler_plans`, `FUSED_PLANS`).
 Source: tpu-inference's TPUSupportedSamplingMetadata (do_sampling and logprobs are
 static fields there: one compiled sampler per value); vLLM's Sampler decides the same
 flags on the host (all_greedy, no_top_k, no_penalties, max_num_logprobs).
