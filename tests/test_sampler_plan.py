@@ -7,13 +7,14 @@
   branch the other way does change the tokens (the comparison can fail);
 - an engine with host branches returns what one with device branches returns for a mix
   of requests (greedy, seeded sampling with and without filters, penalties and logit
-  bias, logprobs, multi-step decode), compiles nothing after warm-up, and runs each step
-  with its batch's plan.
+  bias, logprobs, prompt logprobs, structured output; multi-step decode, verify steps),
+  compiles nothing after warm-up, and runs each step with its batch's plan.
 Tiny random models; the real model's check is in tests/test_engine_real.py.
 """
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ import pytest
 
 from engine_utils import run_staggered, tiny_engine, tiny_params
 from jaxserve.model.transformer import Kernels
+from jaxserve.sample.grammar import StructuredOutput
 from jaxserve.sample.logits_processors import LogitsControls
 from jaxserve.sample.plan import (FUSED_PLANS, ON_DEVICE, SamplerPlan, plan_of,
                                   sampler_plans)
@@ -161,13 +163,18 @@ REQUESTS = [  # (prompt, params): every sampler plan a decode batch of them take
                                            ignore_eos=True)),
     (list(range(40, 52)), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
                                          prompt_logprobs=2)),
+    # structured output: its bitmask is written into the controls after the forward is
+    # launched, before the sampler's plan is read
+    ([5, 6, 7], SamplingParams(max_tokens=20, temperature=0,
+                               structured_outputs=StructuredOutput("regex", "[a-c]{20}"))),
 ]
 
 
 def _outputs(engine, arrivals):
     reqs = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(REQUESTS)]
     done, _ = run_staggered(engine, reqs, arrivals)
-    return {rid: (o.token_ids, o.logprobs, o.prompt_logprobs) for rid, o in done.items()}
+    return {rid: (o.token_ids, o.text, o.logprobs, o.prompt_logprobs)
+            for rid, o in done.items()}
 
 
 ENGINES = {  # tiny_engine arguments
@@ -200,15 +207,19 @@ def test_engine_with_host_branches_returns_the_device_branches_outputs(params, n
     plans = []
     dispatch = host.runner._planned
     host.runner._planned = lambda key, sb: plans.append(dispatch(key, sb)) or plans[-1]
-    arrivals = [0, 0, 1, 3, 6, 8]
+    arrivals = [0, 0, 1, 3, 6, 8, 10]
     try:
-        assert _outputs(host, arrivals) == _outputs(device, arrivals)
+        got = _outputs(host, arrivals)
     finally:
         del host.runner._planned
+    assert got == _outputs(device, arrivals)
+    assert re.fullmatch("[a-c]{20}", got["r6"][1]), got["r6"][1]  # the grammar held
     assert host.num_compilations == compiled, "nothing compiled after warm-up"
     assert {k.kind for k in host.runner._compiled} >= {"prompt_logprobs", "sample", "mixed"}
     assert {k.plan.mode for k in plans} >= {"greedy", "random", "filtered"}
-    assert any(k.plan.controls and k.plan.top_logprobs for k in plans if k.kind == "sample")
+    if "speculative_config" not in kw:  # (with drafts, decode batches verify instead)
+        assert any(k.plan.controls and k.plan.top_logprobs for k in plans
+                   if k.kind == "sample")
     fused = [k for k in plans if k.kind in ("decode", "verify")]
     assert bool(fused) == (name != "decode_steps 1")
     assert all(k.plan in FUSED_PLANS + ((ON_DEVICE,) if k.kind == "verify" else ())
