@@ -100,11 +100,13 @@ def bias_entries(logit_bias: dict[int, float], min_tokens: int, stop_ids) -> lis
     return out
 
 
-def controls_active(c: LogitsControls) -> jax.Array:
-    """Scalar bool: whether any row of `c` changes its logits."""
-    return (jnp.any(c.bias_ids >= 0) | jnp.any(c.presence_penalty != 0)
-            | jnp.any(c.frequency_penalty != 0) | jnp.any(c.repetition_penalty != 1)
-            | jnp.any(c.allowed != -1))
+def controls_active(c: LogitsControls, xp=jnp):
+    """Scalar bool: whether any row of `c` changes its logits; xp: jax.numpy (on device)
+    or numpy (the host's reading of the same arrays, jaxserve.sample.plan.plan_of)."""
+    a = xp.asarray
+    return (xp.any(a(c.bias_ids) >= 0) | xp.any(a(c.presence_penalty) != 0)
+            | xp.any(a(c.frequency_penalty) != 0) | xp.any(a(c.repetition_penalty) != 1)
+            | xp.any(a(c.allowed) != -1))
 
 
 def write_token_pool(token_pool: jax.Array, slot_mapping: jax.Array,

@@ -21,8 +21,13 @@ flags on the host (all_greedy, no_top_k, no_penalties, max_num_logprobs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.sample.logits_processors import controls_active
 
 # The sampling paths, cheapest first: every row greedy (argmax); some row samples and none
 # filters (Gumbel-max over the whole vocabulary); some sampling row filters (top-k, top-p,
@@ -71,6 +76,7 @@ ON_DEVICE = SamplerPlan()  # every branch decided on device: one program for eve
 FUSED_PLANS = tuple(SamplerPlan(mode, False, False) for mode in MODES)
 
 
+@functools.cache
 def sampler_plans(num_top: int) -> tuple[SamplerPlan, ...]:
     """Every static plan a sampler program can be asked for: 3 modes x controls or not x
     top logprobs or not (top logprobs only with num_top > 0, the engine's max_logprobs)."""
@@ -79,22 +85,33 @@ def sampler_plans(num_top: int) -> tuple[SamplerPlan, ...]:
                  for controls in (False, True) for top in tops)
 
 
+def mode_flags(rows, xp=jnp):
+    """(all_greedy, filters) of the rows' temperature, top_k, top_p, min_p [B]: whether
+    every row is greedy, whether some sampling row filters (a greedy row's filter is never
+    read). xp: jax.numpy (the device's branch) or numpy (`plan_of`)."""
+    a = xp.asarray
+    greedy = a(rows.temperature) <= 0
+    filters = (a(rows.top_k) > 0) | (a(rows.top_p) < 1) | (a(rows.min_p) > 0)
+    return xp.all(greedy), xp.any(~greedy & filters)
+
+
+def branch(decided: bool | None, predicate, if_true, if_false):
+    """if_true() or if_false(): as the host `decided`, or with None by `lax.cond` on
+    predicate() (a scalar bool computed on device)."""
+    if decided is None:
+        return jax.lax.cond(predicate(), if_true, if_false)
+    return (if_true if decided else if_false)()
+
+
 def plan_of(sampling, num_top: int) -> SamplerPlan:
     """The static plan of a batch's sampling arrays (a SamplingBatch of host numpy arrays:
     temperature, top_k, top_p, min_p [B]; controls or None; num_logprobs [B] or None):
-    each predicate the device would evaluate, evaluated here. num_top: the top logprobs
-    the program reports (0: none, top_logprobs False)."""
-    t = np.asarray(sampling.temperature)
-    greedy = t <= 0
-    filters = ((np.asarray(sampling.top_k) > 0) | (np.asarray(sampling.top_p) < 1)
-               | (np.asarray(sampling.min_p) > 0))
-    mode = ("greedy" if greedy.all() else "filtered" if (filters & ~greedy).any()
-            else "random")
+    each predicate the device would evaluate (`mode_flags`, `controls_active`), evaluated
+    here. num_top: the top logprobs the program reports (0: none, top_logprobs False)."""
+    all_greedy, filters = mode_flags(sampling, np)
+    mode = "greedy" if all_greedy else "filtered" if filters else "random"
     c = sampling.controls
-    controls = c is not None and bool(
-        (np.asarray(c.bias_ids) >= 0).any() or (np.asarray(c.presence_penalty) != 0).any()
-        or (np.asarray(c.frequency_penalty) != 0).any()
-        or (np.asarray(c.repetition_penalty) != 1).any() or (np.asarray(c.allowed) != -1).any())
+    controls = c is not None and bool(controls_active(c, np))
     top = (bool(num_top) and sampling.num_logprobs is not None
            and bool((np.asarray(sampling.num_logprobs) > 0).any()))
     return SamplerPlan(mode, controls, top)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.kernels.sampling_ops import SamplerOps, argmax_last, sampler_ops
-from jaxserve.sample.plan import ON_DEVICE, SamplerPlan
+from jaxserve.sample.plan import ON_DEVICE, SamplerPlan, branch, mode_flags
 from jaxserve.sample.sampler import SamplingBatch, filtered_logits, gumbel_noise, uniform_noise
 
 
@@ -47,12 +47,8 @@ def _log_probs(logits: jax.Array, rows: SamplingBatch, mode: str | None) -> jax.
     only when some sampling row filters (as `sample` decides: a greedy row's distribution
     is not read): mode "filtered", or with mode None decided on device."""
     scaled = logits / jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    if mode is not None:
-        return jax.nn.log_softmax(filtered_logits(scaled, rows) if mode == "filtered"
-                                  else scaled, axis=-1)
-    filters = jnp.any((rows.temperature > 0)
-                      & ((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)))
-    scaled = jax.lax.cond(filters, lambda: filtered_logits(scaled, rows), lambda: scaled)
+    scaled = branch(None if mode is None else mode == "filtered", lambda: mode_flags(rows)[1],
+                    lambda: filtered_logits(scaled, rows), lambda: scaled)
     return jax.nn.log_softmax(scaled, axis=-1)
 
 
@@ -114,10 +110,8 @@ def rejection_sample(logits: jax.Array, draft_ids: jax.Array, num_drafts: jax.Ar
         return (jnp.where(greedy[:, None], greedy_accept, accept),
                 jnp.where(greedy[:, None], top, token))
 
-    if plan.mode is None:
-        accept, token_at = jax.lax.cond(jnp.all(greedy), greedy_branch, random_branch)
-    else:
-        accept, token_at = greedy_branch() if plan.mode == "greedy" else random_branch()
+    accept, token_at = branch(None if plan.mode is None else plan.mode == "greedy",
+                              lambda: jnp.all(greedy), greedy_branch, random_branch)
     pos = jnp.arange(J, dtype=jnp.int32)[None, :]
     valid = pos[:, :K] < num_drafts[:, None]
     num_accepted = jnp.sum(jnp.cumprod((accept & valid).astype(jnp.int32), axis=1), axis=1)

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxserve.kernels.sampling_ops import SamplerOps, argmax_last, argmax_logsumexp
 from jaxserve.sample.logits_processors import apply_controls, controls_active
-from jaxserve.sample.plan import MODES, ON_DEVICE, SamplerPlan
+from jaxserve.sample.plan import MODES, ON_DEVICE, SamplerPlan, branch, mode_flags
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.sampling_params import SamplingParams
 
@@ -179,9 +179,8 @@ def sample(logits: jax.Array, sb: SamplingBatch, impl: "str | SamplerOps" = "xla
              lambda: argmax_last(scaled() + gumbel_noise(sb.seed, sb.step, V)),
              lambda: _filtered_sample(scaled(), sb).astype(jnp.int32)]
     if plan.mode is None:
-        needs_filter = jnp.any(~greedy & ((sb.top_k > 0) | (sb.top_p < 1) | (sb.min_p > 0)))
-        branch = jnp.where(jnp.all(greedy), 0, jnp.where(needs_filter, 2, 1))
-        sampled = jax.lax.switch(branch, paths)
+        all_greedy, filters = mode_flags(sb)
+        sampled = jax.lax.switch(jnp.where(all_greedy, 0, jnp.where(filters, 2, 1)), paths)
     else:
         sampled = paths[MODES.index(plan.mode)]()
     tokens = jnp.where(greedy, top, sampled)
@@ -201,7 +200,7 @@ def sample_controlled(logits: jax.Array, sb: SamplingBatch, impl: "str | Sampler
     context: a function returning (tokens [B, L] int32, num_context [B] int32), each row's
     sequence by position and how many of those precede the sampled token (see
     `apply_controls`); called only in the branch that needs it."""
-    if sb.controls is None or plan.controls is False:
+    if sb.controls is None:
         return sample(logits, sb, impl, plan)
 
     def controlled():
@@ -210,10 +209,8 @@ def sample_controlled(logits: jax.Array, sb: SamplingBatch, impl: "str | Sampler
         chosen, _ = sample(processed, sb, impl, plan)
         return chosen, token_logprobs(logits, chosen, impl)
 
-    if plan.controls:
-        return controlled()
-    return jax.lax.cond(controls_active(sb.controls), controlled,
-                        lambda: sample(logits, sb, impl, plan))
+    return branch(plan.controls, lambda: controls_active(sb.controls), controlled,
+                  lambda: sample(logits, sb, impl, plan))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, impl: "str | SamplerOps" = "xla"

@@ -376,7 +376,7 @@ class Runner:
         """Whether `key`'s (a split step's forward) prompt logprobs are a program of their
         own (`prompt_logprobs_step`, run when a row asks) rather than a conditional in the
         forward: a mixed step's, with host branches."""
-        return self.kernels.host_branches and key.kind == "mixed" and key.split
+        return self.kernels.host_branches and key.kind == "mixed"
 
     def _run_sample(self, exe, key: StepKey, fwd: "ForwardHandle", sampling: SamplingBatch,
                     keep_last: bool = False) -> "StepHandle":

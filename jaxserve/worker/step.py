@@ -36,7 +36,7 @@ from jaxserve.model.transformer import (Kernels, compute_logits, forward_feature
                                         last_token_logits, logits_sharding, pin_lm_head)
 from jaxserve.sample.logits_processors import (apply_controls, controls_active, history,
                                                write_token_pool)
-from jaxserve.sample.plan import ON_DEVICE, SamplerPlan
+from jaxserve.sample.plan import ON_DEVICE, SamplerPlan, branch
 from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import (PROMPT_LOGPROBS_BLOCK, SamplingBatch, sample_controlled,
                                      token_logprobs, top_logprobs)
@@ -54,12 +54,10 @@ def _top(logits: jax.Array, sampling: SamplingBatch, num_top: int, impl,
     if not num_top or sampling.num_logprobs is None:
         return {}
     R = logits.shape[0]
-    paths = (lambda: (jnp.zeros((R, num_top), jnp.int32), jnp.zeros((R, num_top), jnp.float32)),
-             lambda: top_logprobs(logits, num_top, impl))
-    if plan.top_logprobs is None:
-        ids, lps = jax.lax.cond(jnp.any(sampling.num_logprobs > 0), paths[1], paths[0])
-    else:
-        ids, lps = paths[plan.top_logprobs]()
+    ids, lps = branch(
+        plan.top_logprobs, lambda: jnp.any(sampling.num_logprobs > 0),
+        lambda: top_logprobs(logits, num_top, impl),
+        lambda: (jnp.zeros((R, num_top), jnp.int32), jnp.zeros((R, num_top), jnp.float32)))
     return {"top_ids": ids, "top_logprobs": lps}
 
 
@@ -363,13 +361,12 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
         raw = token_logprobs(logits, tokens.reshape(-1), kernels.sampling).reshape(S, J)
         return tokens, raw, num
 
-    if sampling.controls is None or plan.controls is False:
+    if sampling.controls is None:
         tokens, logprobs, num = plain()
-    elif plan.controls:
-        tokens, logprobs, num = controlled()
     else:
-        tokens, logprobs, num = jax.lax.cond(controls_active(sampling.controls), controlled,
-                                             plain)
+        tokens, logprobs, num = branch(plan.controls,
+                                       lambda: controls_active(sampling.controls),
+                                       controlled, plain)
     extra = _top(logits, dataclasses.replace(
         sampling, num_logprobs=None if sampling.num_logprobs is None
         else jnp.repeat(sampling.num_logprobs, J)), num_top, kernels.sampling, plan)
