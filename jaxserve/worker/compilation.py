@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig
 from jaxserve.model.inputs import StepBatch
 from jaxserve.sample.logits_processors import LogitsControls
-from jaxserve.sample.plan import ON_DEVICE, SamplerPlan
+from jaxserve.sample.plan import FUSED_PLANS, MODES, ON_DEVICE, SamplerPlan
 from jaxserve.sample.sampler import SamplingBatch
 
 
@@ -167,6 +167,43 @@ class StepKey(NamedTuple):
     def sample_key(self) -> "StepKey":
         """The sampler program's key of a split step's S sequences."""
         return StepKey("sample", 0, self.S, 0, 1)
+
+
+def _plan_rank(plan: SamplerPlan) -> tuple:
+    """Warm-up order of plans: static ones, greedy first, the plainest first; then
+    ON_DEVICE."""
+    return (plan.mode is None, MODES.index(plan.mode) if plan.mode else 0,
+            bool(plan.controls), bool(plan.top_logprobs))
+
+
+def warmup_order(keys: set[StepKey]) -> list[StepKey]:
+    """`keys` most likely first: one-sequence shapes by page count (the first: the shortest
+    decode and prefill, what a first short request needs; multi-step decode after the
+    single steps of the same page count), then the rest by size; each sequence bucket's
+    sampler program right after the first forward program that needs it: the greedy
+    batch's plan (or ON_DEVICE) there, the other plain ones (FUSED_PLANS: no controls, no
+    top logprobs) at the end, then the rest; a mixed step's prompt-logprobs program
+    right before the first forward of its T, whose warm-up run runs it."""
+    prompts = {k for k in keys if k.kind == "prompt_logprobs"}
+    samplers = {k for k in keys if k.kind == "sample"}
+    order = sorted(keys - prompts - samplers,
+                   key=lambda k: (False, k.P, k.n, k.T, k.kind, _plan_rank(k.plan))
+                   if k.S == 1 else (True, k.T * k.P, k.S, k.n, k.kind, _plan_rank(k.plan)))
+    out = []
+    for key in order:
+        prompt_key = StepKey("prompt_logprobs", key.T, 0, 0, 1)
+        if key.kind == "mixed" and prompt_key in prompts:
+            prompts.discard(prompt_key)
+            out.append(prompt_key)
+        out.append(key)
+        if key.split:
+            for plan in (FUSED_PLANS[0], ON_DEVICE):  # greedy; the device's
+                sample_key = key.sample_key._replace(plan=plan)
+                if sample_key in samplers:
+                    samplers.discard(sample_key)
+                    out.append(sample_key)
+    return out + sorted(samplers, key=lambda k: (k.plan not in FUSED_PLANS, k.S,
+                                                 _plan_rank(k.plan)))
 
 
 def abstract_inputs(key: StepKey, sharding, max_logit_bias: int, vocab_size: int,

@@ -38,15 +38,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.worker.input_batch import empty_batch
 from jaxserve.worker.compilation import (StepKey, StepShapes, abstract_inputs,
-                                         abstract_sample_inputs)
+                                         abstract_sample_inputs, warmup_order)
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.lora import adapter_arrays, lora_pools, slot_writer, with_pools
 from jaxserve.model.params import Params
 from jaxserve.model.inputs import StepBatch
 from jaxserve.model.transformer import Kernels, logits_sharding
 from jaxserve.sample.logits_processors import LogitsControls
-from jaxserve.sample.plan import (FUSED_PLANS, MODES, ON_DEVICE, SamplerPlan, plan_of,
-                                  sampler_plans)
+from jaxserve.sample.plan import FUSED_PLANS, ON_DEVICE, SamplerPlan, plan_of, sampler_plans
 from jaxserve.sample.sampler import SamplingBatch
 from jaxserve.distributed.sharding import ShardingRules
 from jaxserve.spec_decode.draft_model import Drafter
@@ -54,13 +53,6 @@ from jaxserve.worker.step import (forward_step, model_step, prompt_logprobs_step
                                   verify_step)
 
 log = logging.getLogger(__name__)
-
-
-def _plan_rank(plan: SamplerPlan) -> tuple:
-    """Warm-up order of plans: static ones, greedy first, the plainest first; then
-    ON_DEVICE."""
-    return (plan.mode is None, MODES.index(plan.mode) if plan.mode else 0,
-            bool(plan.controls), bool(plan.top_logprobs))
 
 
 def _abstract(tree):
@@ -423,42 +415,15 @@ class Runner:
         return key._replace(plan=plan if plan in self._plans(key) else ON_DEVICE)
 
     def _warmup_keys(self, shapes) -> list[StepKey]:
-        """Shapes to compile, most likely first: one-sequence shapes by page count (the
-        first: the shortest decode and prefill, what a first short request needs;
-        multi-step decode after the single steps of the same page count), then the rest
-        by size; each sequence bucket's sampler program right after the first forward
-        program that needs it. Each shape is compiled for its sampler plans (`_plans`):
-        with host branches the greedy batch's right after that forward, the other plain
-        ones (FUSED_PLANS: no controls, no top logprobs) at the end, then the rest; a
-        mixed step's own prompt-logprobs program (`_own_prompt_logprobs`) right before the
-        first forward of its T, whose warm-up run runs it."""
+        """The programs not compiled yet of `shapes` (None: every bucketed shape), each for
+        its sampler plans (`_plans`), with a mixed step's own prompt-logprobs program
+        (`_own_prompt_logprobs`), most likely first (compilation.warmup_order)."""
         shapes = shapes if shapes is not None else self.shapes.warmup()
         keys = {key._replace(plan=plan) for key in (StepKey(*shape) for shape in shapes)
                 for plan in self._plans(key)}
         keys |= {StepKey("prompt_logprobs", k.T, 0, 0, 1) for k in keys
                  if self._own_prompt_logprobs(k)}
-        keys -= set(self._compiled)
-        prompts = {k for k in keys if k.kind == "prompt_logprobs"}
-        keys -= prompts
-        samplers = {k for k in keys if k.kind == "sample"}
-        order = sorted(keys - samplers, key=lambda k: (False, k.P, k.n, k.T, k.kind,
-                                                       _plan_rank(k.plan))
-                       if k.S == 1 else (True, k.T * k.P, k.S, k.n, k.kind, _plan_rank(k.plan)))
-        out = []
-        for key in order:
-            prompt_key = StepKey("prompt_logprobs", key.T, 0, 0, 1)
-            if key.kind == "mixed" and prompt_key in prompts:
-                prompts.discard(prompt_key)
-                out.append(prompt_key)
-            out.append(key)
-            if key.split:
-                for plan in (FUSED_PLANS[0], ON_DEVICE):  # greedy; the device's
-                    sample_key = key.sample_key._replace(plan=plan)
-                    if sample_key in samplers:
-                        samplers.discard(sample_key)
-                        out.append(sample_key)
-        return out + sorted(samplers, key=lambda k: (k.plan not in FUSED_PLANS, k.S,
-                                                     _plan_rank(k.plan)))
+        return warmup_order(keys - set(self._compiled))
 
     def warmup(self, shapes: list[tuple] | None = None, threads: int = 2) -> None:
         """Compile the step for every bucketed shape and wait (XLA compiles release the
