@@ -474,3 +474,23 @@ def test_every_shipped_config_loads_by_name_with_its_files():
         spec = cfg.engine.speculative
         if spec is not None and spec.model is not None and spec.method == "eagle":
             assert (Path(spec.model) / "config.json").is_file(), (name, spec.model)
+
+
+def test_decode_steps_auto_is_chosen_for_the_platform():
+    """SchedulerConfig.decode_steps None ("auto"): 8 tokens a dispatch on a GPU (measured
+    on an H100: PERFORMANCE.md), 1 elsewhere; a number is kept; the step shapes refuse an
+    unresolved one (only the engine builder knows the platform)."""
+    from jaxserve.config.scheduler import AUTO_DECODE_STEPS
+    from jaxserve.worker.compilation import StepShapes
+
+    auto = SchedulerConfig(decode_steps=None)
+    assert AUTO_DECODE_STEPS == 8
+    for platform, steps in (("gpu", 8), ("cuda", 8), ("rocm", 8), ("cpu", 1)):
+        assert auto.resolve(platform).decode_steps == steps
+    assert SchedulerConfig(decode_steps=4).resolve("gpu").decode_steps == 4
+    assert SchedulerConfig().decode_steps == 1
+    with pytest.raises(ConfigError, match="decode_steps must be > 0, got 0"):
+        SchedulerConfig(decode_steps=0)
+    with pytest.raises(ValueError, match="SchedulerConfig.resolve"):
+        StepShapes(EngineConfig(scheduler=auto))
+

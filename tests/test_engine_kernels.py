@@ -271,9 +271,12 @@ def test_real_model_pallas_attention_gives_the_xla_greedy_tokens(small_llm, smol
 
     base = load_config(TESTS / "configs" / "smollm2_small.py")
     # Only the two shapes this prompt needs (prefill B=1 Q=32, decode B=1), compiled on use.
-    cfg = dataclasses.replace(base, engine=base.engine.override(attention_impl="pallas_interpret"))
+    # decode_steps None (auto): the builder chooses for the platform, 1 on CPU
+    cfg = dataclasses.replace(base, engine=base.engine.override(attention_impl="pallas_interpret",
+                                                                decode_steps=None))
     llm = LLM(engine=build_engine(cfg, cache_dir, warmup=False))
     assert llm.engine.runner.kernels == Kernels("pallas_interpret", "xla", "cpu")
+    assert llm.engine.engine_config.scheduler.decode_steps == 1
     sp = SamplingParams(temperature=0, max_tokens=5)
     prompt = "The capital of France is"
     want = small_llm.generate([prompt], sp)[0]
@@ -365,8 +368,11 @@ def _configs(smollm2_checkpoint):
     from jaxserve.checkpoint import load_model_config
     default = load_config(TESTS.parent / "configs" / "smollm2_135m.py")
     llama = load_config(TESTS.parent / "configs" / "llama3_8b.py")
+    # the step shapes a GPU engine warms up (decode_steps None chosen for the GPU, as the
+    # engine builder does)
+    gpu = dataclasses.replace(llama.engine, scheduler=llama.engine.scheduler.resolve("gpu"))
     return {"smollm2_135m": (load_model_config(smollm2_checkpoint), default.engine),
-            "llama3_8b": (llama.model, llama.engine)}
+            "llama3_8b": (llama.model, gpu)}
 
 
 # fast tier: each kernel's own lowering at engine shapes (tests/test_kernel_*), the whole step's
@@ -496,6 +502,36 @@ def test_gpu_step_programs_branch_only_on_the_host(cuda_lowering):
             assert texts["mixed"].count("stablehlo.case") == 2
 
 
+def test_gpu_weights_run_each_layer_in_four_matmuls(cuda_lowering):
+    """On a GPU (KernelConfig.fuse_projections "auto") a bf16 model's projections that
+    share an input are stored fused: a decode step lowered for CUDA has four dots a layer
+    (q | k | v, o, gate | up, down) and the LM head's, where unfused it has seven a layer:
+    XLA:GPU would run the K and V products of one row as a multiply and a reduction at a
+    fraction of a GEMM's bandwidth (jaxserve.model.weight_layouts.fuse_projections)."""
+    from jaxserve.worker.compilation import StepKey, abstract_inputs
+    from jaxserve.worker.kernel_selection import prepare_params, resolve_kernel_config
+    from jaxserve.worker.step import forward_step
+
+    cfg = tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
+                      head_dim=32, num_layers=3, vocab_size=1024, dtype="bfloat16")
+    kernels = Kernels("pallas", "xla", host_branches=True)
+    cache = abstract_kv_cache(cfg, 64, 16, jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((64 * 16,), jnp.int32)
+    prev = jax.ShapeDtypeStruct((32,), jnp.int32)
+    batch, sampling, prev_index = abstract_inputs(StepKey("decode", 8, 8, 16), None, 8,
+                                                  cfg.vocab_size)
+    dots = {}
+    for name, kcfg in (("auto", KernelConfig()), ("off", KernelConfig(fuse_projections=False))):
+        kcfg = resolve_kernel_config(kcfg, "gpu", cfg.dtype)
+        params = jax.eval_shape(lambda p: prepare_params(p, kcfg, kernels), abstract_params(cfg))
+        text = _lower(functools.partial(forward_step, cfg=cfg, drafter=None, rules=None,
+                                        num_top=4, kernels=kernels),
+                      params, cache, batch, sampling.prompt_targets, prev, prev_index, None,
+                      None, pool)
+        dots[name] = text.count("stablehlo.dot_general")
+    assert dots == {"auto": 4 * cfg.num_layers + 1, "off": 7 * cfg.num_layers + 1}, dots
+
+
 @pytest.mark.parametrize("attention,kv_dtype", [("pallas", "bfloat16"), ("pallas_mosaic", "bfloat16"),
                                                ("pallas_mosaic", "int8")])
 def test_engine_decode_step_with_mosaic_kernels_lowers_for_cuda(attention, kv_dtype, cuda_lowering):
@@ -544,8 +580,11 @@ def test_bf16_models_on_cpu_resolve_to_the_packed_cpp_matmul():
     from jaxserve.worker.kernel_selection import resolve_kernel_config
     auto = KernelConfig()
     assert resolve_kernel_config(auto, "cpu", "bfloat16").bf16_matmul_min_rows == 1
-    for platform, dtype in (("cpu", "float32"), ("gpu", "bfloat16")):
-        assert resolve_kernel_config(auto, platform, dtype) == auto
+    assert resolve_kernel_config(auto, "cpu", "float32") == auto
+    # on a GPU only the projections' fusion resolves (XLA:GPU's small matrix-vector products)
+    assert resolve_kernel_config(auto, "gpu", "bfloat16") == KernelConfig(fuse_projections=True)
+    unfused = KernelConfig(fuse_projections=False)
+    assert resolve_kernel_config(unfused, "gpu", "bfloat16") == unfused
     for kept in (KernelConfig(matmul_impl="xla"), KernelConfig(weight_quant="int8"),
                  KernelConfig(bf16_matmul_min_rows=4)):
         assert resolve_kernel_config(kept, "cpu", "bfloat16") == kept

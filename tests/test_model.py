@@ -261,6 +261,41 @@ def test_dual_precision_weights_pick_by_rows():
         KernelConfig(bf16_matmul_min_rows=1, weight_quant="int8")
 
 
+@pytest.mark.parametrize("name", ["gqa4_tied", "qwen2_bias"])
+def test_fused_projections_give_the_unfused_logits(name):
+    """fuse_projections (wq | wk | wv and w_gate | w_up each one matrix, what GPUs serve):
+    the paged prefill and decode give the unfused model's logits up to f32 summation
+    order (the same products; XLA may split a wider dot differently), and the LoRA-free,
+    bias and tied-head paths are kept. Quantised layers are left as they are."""
+    from jaxserve.model.weight_layouts import FusedWeight, fuse_projections, quantize_params
+
+    cfg = CONFIGS[name]
+    params = _params(cfg, 11)
+    fused = fuse_projections(params)
+    lp, raw = fused.layers[0], params.layers[0]
+    assert isinstance(lp.wq, FusedWeight) and lp.wk is None and lp.wv is None
+    assert isinstance(lp.w_gate, FusedWeight) and lp.w_up is None
+    H, K, Dh, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    assert lp.wq.shape == (D, (H + 2 * K) * Dh)
+    assert lp.wq.out_shapes == ((H, Dh), (K, Dh), (K, Dh))
+    assert lp.w_gate.shape == (D, 2 * cfg.intermediate_size)
+    # the columns are the parts' own, in order
+    np.testing.assert_array_equal(np.asarray(lp.wq.w[:, H * Dh:(H + K) * Dh]),
+                                  np.asarray(raw.wk).reshape(D, -1))
+    np.testing.assert_array_equal(np.asarray(lp.w_gate.w[:, cfg.intermediate_size:]),
+                                  np.asarray(raw.w_up))
+    ids = np.random.default_rng(12).integers(0, cfg.vocab_size, 14).tolist()
+    got, want = [], []
+    for out, p in ((got, fused), (want, params)):
+        drv = PagedDriver(p, cfg, page_size=4)
+        out.append(drv.step({"s": ids[:9]}, T=12, P=4)["s"])
+        for t in ids[9:]:
+            out.append(drv.step({"s": [t]}, T=1, P=4)["s"])
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=2e-5, rtol=1e-5)
+    q = quantize_params(params, "int8")
+    assert fuse_projections(q).layers[0] is q.layers[0]
+
+
 def test_rope_tables_are_computed_once_per_step():
     """XLA:CPU fused the cos / sin of rope_tables into every layer's q and k rotation,
     recomputing them per element; the compiled step must hold a single cosine and sine."""

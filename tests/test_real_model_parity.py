@@ -9,7 +9,8 @@ dequantised GGUF weights.
    (bf16_round_x), and with that and a bf16 KV pool too (bf16_kv, as that config serves;
    the default serves the GGUF's Q4_1 blocks: tests/test_gguf_serving.py). Attention runs in
    the C++ CPU kernel (the default on CPU) over a head-major pool; the XLA attention once
-   more on the long prompt, over an f32 and a bf16 pool.
+   more on the long prompt, over an f32 and a bf16 pool, and with f32 weights in the
+   layout GPUs serve (q | k | v and gate | up fused: KernelConfig.fuse_projections).
 2. Greedy 64-token continuations through the whole engine (`LLM.generate`, all prompts
    batched together) vs HF's greedy loop: identical, except that they may part after a
    step where HF's top-2 logit margin was a near tie that rounding may break either way:
@@ -25,7 +26,7 @@ from hf_reference import hf_greedy
 # 8 rows, as the bf16 config serves where the CPU's bf16 dot product is fast): up to 0.53 on
 # these prompts (bf16_matmul 0.19-0.29 on them); "bf16_kv" (that and a bf16 KV pool, which
 # the C++ attention reads): 0.37-0.70 (chat 0.70), 2026-11-24
-LOGIT_ATOL = {"f32": 1e-3, "bf16_matmul": 0.75, "bf16_round_x": 0.75, "bf16_kv": 0.75}
+LOGIT_ATOL = {"f32": 1e-3, "f32_fused": 1e-3, "bf16_matmul": 0.75, "bf16_round_x": 0.75, "bf16_kv": 0.75}
 TIE_MARGIN = {"f32": 1e-3, "bf16_matmul": 2 * LOGIT_ATOL["bf16_matmul"]}
 N_GREEDY = 64
 N_DECODE = 6  # teacher-forced tokens fed one at a time after the prefill step
@@ -76,11 +77,13 @@ def hf_logits(hf_model, ids):
 PARITY_CASES = [(name, precision, "cpu")
                 for precision in ("f32", "bf16_matmul", "bf16_round_x", "bf16_kv")
                 for name in ("ascii", "unicode", "code", "chat", "long")]
-PARITY_CASES += [("long", "f32", "xla"), ("long", "bf16_kv", "xla")]
+PARITY_CASES += [("long", "f32", "xla"), ("long", "bf16_kv", "xla"), ("long", "f32_fused", "xla")]
 # the fast tier: every precision on the long prompt, and every prompt at f32, with the C++
 # kernels; XLA attention (the GPU fallback) on the long prompt at f32
 FAST_PARITY = {c for c in PARITY_CASES if c[2] == "cpu" and (c[0] == "long" or c[1] == "f32")}
 FAST_PARITY.add(("long", "f32", "xla"))
+# the GPU's weight layout (fused q | k | v and gate | up, XLA's matmuls and attention)
+FAST_PARITY.add(("long", "f32_fused", "xla"))
 
 
 def paged_logits(params, cfg, ids, attention, kv_dtype=None) -> np.ndarray:
@@ -126,6 +129,10 @@ def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, mod
     want, f32 = references(name, attention)
     if precision == "f32":
         got = f32
+    elif precision == "f32_fused":  # what GPUs serve (KernelConfig.fuse_projections)
+        from jaxserve.model.weight_layouts import fuse_projections
+        got = paged_logits(fuse_projections(params), cfg, prompts[name], attention)
+        assert np.abs(got - f32).max() <= LOGIT_ATOL["f32"], "fused columns are the same sums"
     else:  # the C++ kernel; the prefill step rounds x with bf16_round_x
         params = dual_precision_params(params, min_rows=1, packed=True,
                                        round_x_min_rows=None if precision == "bf16_matmul" else 8)
@@ -135,7 +142,7 @@ def test_teacher_forced_logits_match_hf(name, precision, attention, prompts, mod
     assert got.shape == want.shape
     diff = np.abs(got - want).max()
     assert diff <= LOGIT_ATOL[precision], f"{name}: max |logit diff| {diff:.2e} over {len(got)} tokens"
-    if precision != "f32":
+    if precision.startswith("bf16"):
         assert np.abs(f32 - want).max() < diff, "bf16 weights do round"
 
 

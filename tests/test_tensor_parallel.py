@@ -84,6 +84,20 @@ def test_fewer_kv_heads_than_devices_are_repeated(variant, cache_dir):
         assert {"layers.0.wk", "layers.0.wv"} <= set(r["sharded"]["4"])
 
 
+@pytest.mark.full  # fast tier: the fused projections on one device (test_model.py)
+def test_fused_projections_split_per_shard_give_the_unfused_logits(cache_dir):
+    """wq | wk | wv and w_gate | w_up fused (KernelConfig.fuse_projections, the GPU
+    default), their columns grouped per shard: at TP 1, 2 and 4 (8 query / 2 KV heads,
+    the KV heads repeated at TP 4) the logits of the unfused model on one device, and the
+    fused matrices split over the devices."""
+    r = tp_check("tiny-gqa", "fused", "1,2,4", cache_dir, reference="xla")
+    for tp in ("1", "2", "4"):
+        assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
+    for tp in ("2", "4"):
+        assert {"layers.0.wq", "layers.0.w_gate", "layers.0.wo"} <= set(r["sharded"][tp]), r
+        assert "layers.0.wk" not in r["sharded"][tp]  # fused into wq
+
+
 @pytest.mark.full  # fast tier: the XLA path under shard_map
 def test_pallas_kernels_in_interpret_mode_under_shard_map_equal_the_xla_path(cache_dir):
     """Pallas attention (flash prefill, paged decode) and the Pallas int8 matmul, in

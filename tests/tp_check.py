@@ -42,6 +42,8 @@ VARIANTS = {
     "xla": KernelConfig(attention_impl="xla", matmul_impl="xla", sampling_impl="xla"),
     "cpu": KernelConfig(attention_impl="cpu", matmul_impl="cpu", sampling_impl="xla",
                         bf16_matmul_min_rows=1),
+    "fused": KernelConfig(attention_impl="xla", matmul_impl="xla", sampling_impl="xla",
+                          fuse_projections=True),
     "int8": KernelConfig(attention_impl="xla", matmul_impl="xla", sampling_impl="xla",
                          weight_quant="int8"),
     "pallas": KernelConfig(attention_impl="pallas_interpret", matmul_impl="pallas_interpret",

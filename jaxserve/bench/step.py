@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
 
     cfg = load_config(args.config)
+    cfg = cfg.replace(engine=dataclasses.replace(  # on one CPU device: decode_steps for it
+        cfg.engine, scheduler=cfg.engine.scheduler.resolve("cpu")))
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     enable_compilation_cache(cache_dir)
     ckpt = resolve_checkpoint(cfg.source, cache_dir)

@@ -26,6 +26,8 @@ MATMUL_IMPLS = ("auto",) + MATMUL_KERNEL_IMPLS
 SAMPLING_IMPLS = ("auto", "xla", "cpu")
 BRANCHES = ("auto", "device", "host")
 WEIGHT_QUANT_FORMATS = ("int8", "fp8_e4m3")
+# what jax.Device.platform says for a GPU
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def is_hopper(compute_capability: str | None) -> bool:
@@ -96,6 +98,15 @@ class KernelConfig:
     one program per shape and plan, all compiled at warm-up; no conditional in a decode
     step), "auto": "host" on a GPU, where XLA waits on the host at every conditional,
     "device" elsewhere (XLA:CPU runs one in place)."""
+    fuse_projections: bool | None = None
+    """Store the projections that share an input as one matrix (wq | wk | wv, w_gate |
+    w_up: jaxserve.model.weight_layouts.FusedWeight), so each runs as one matmul, as
+    vLLM's QKVParallelLinear does. None ("auto"): fused on a GPU (XLA:GPU runs a one-row
+    product by a small matrix, such as Llama-3-8B's K and V projections, as a multiply
+    and a reduction at a fifth of the bandwidth of a GEMM: PERFORMANCE.md, "The GPU
+    run of session 24") and for the C++ CPU kernel's packed bf16 copies; plain XLA
+    weights on CPU unfused. True: fused wherever the weights are plain float arrays or
+    packed bf16 copies; False: never. Quantised and GGUF-block weights are not fused."""
     weight_quant: str | None = dataclasses.field(default=None,
                                                  metadata={"choices": WEIGHT_QUANT_FORMATS})
     """None (weights in the model dtype), "int8" or "fp8_e4m3": the layers' projection

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config.kernel import GPU_PLATFORMS
 from jaxserve.config.validation import ConfigError, _positive
+
+# decode_steps "auto" on a GPU (SchedulerConfig.resolve)
+AUTO_DECODE_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,13 +25,14 @@ class SchedulerConfig:
     """Split a prompt longer than what is left of a step's budget across steps (its last
     chunk samples). Off: a prompt is prefilled whole, so the budget must hold
     max_model_len tokens (as in vLLM)."""
-    decode_steps: int = 1
+    decode_steps: int | None = 1
     """Tokens each sequence decodes per dispatched step when no request is waiting and
     every sequence of the batch has that many tokens left (multi-step decode: the host
     loop, the dispatch and the output processing run once per decode_steps tokens; tokens
     then stream in bursts of that many, and a sequence that stops early wastes the rest of
     its burst). 1 = one token per step. Each decode bucket is then compiled for both.
-    Source: vLLM's num_scheduler_steps."""
+    None ("auto"): chosen for the platform when the engine is built (`resolve`):
+    AUTO_DECODE_STEPS on a GPU, 1 elsewhere. Source: vLLM's num_scheduler_steps."""
     async_scheduling: bool = True
     """Plan and dispatch step N+1 before step N's tokens reach the host, so that the host's
     work (scheduling, batch building, detokenising) overlaps the device's: step N+1 reads
@@ -38,9 +43,25 @@ class SchedulerConfig:
     measurement). Source: vLLM's --async-scheduling."""
 
     def __post_init__(self):
-        _positive("SchedulerConfig", self, ("max_num_seqs", "max_num_batched_tokens",
-                                            "decode_steps"))
+        _positive("SchedulerConfig", self, ("max_num_seqs", "max_num_batched_tokens")
+                  + (("decode_steps",) if self.decode_steps is not None else ()))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) "
                               f"must be at least max_num_seqs ({self.max_num_seqs}): every "
                               "running sequence decodes a token in every step")
+
+    def resolve(self, platform: str) -> "SchedulerConfig":
+        """This config with decode_steps None ("auto") chosen for `platform` (a
+        jax.Device.platform): AUTO_DECODE_STEPS on a GPU, 1 elsewhere. Why: on an H100
+        serving Llama-3-8B (PERFORMANCE.md, "The GPU run of session 24") 8 tokens a
+        dispatch gave 160 tok/s at one stream and 4,965 at 64 where 1 gave 141 and 4,253:
+        the host's ~5 ms a step (most of it XLA's update and launch of the forward's
+        CUDA graph of ~780 kernels) is near the device's ~7 ms, and a faster GPU's step
+        is shorter still. On CPU the shipped configs set it by measurement
+        (configs/smollm2_135m.py: 8); "auto" keeps 1 there, where a decode step of a
+        large batch takes long enough that a burst would hold a waiting prompt back by
+        hundreds of milliseconds."""
+        if self.decode_steps is not None:
+            return self
+        steps = AUTO_DECODE_STEPS if platform in GPU_PLATFORMS else 1
+        return dataclasses.replace(self, decode_steps=steps)

@@ -24,5 +24,8 @@ CONFIG = Config(
     engine=EngineConfig(
         max_model_len=8192,
         cache=CacheConfig(page_size=16, kv_cache_memory_bytes=40 * 2**30),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192)),
+        # decode_steps None: chosen for the platform (8 on a GPU: PERFORMANCE.md, "The GPU
+        # run of session 24")
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192,
+                                  decode_steps=None)),
 )

@@ -26,5 +26,7 @@ CONFIG = Config(
         # what the host has left, jaxserve.worker.memory_plan), not a fixed size that only
         # fits an 80 GB GPU
         cache=CacheConfig(page_size=16, kv_cache_memory_bytes=None),
-        scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192)),
+        # decode_steps None: chosen for the platform (8 on a GPU)
+        scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192,
+                                  decode_steps=None)),
 )

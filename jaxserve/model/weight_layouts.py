@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ConfigError
 from jaxserve.kernels.cpu.ggml_matmul import can_pack
@@ -230,6 +231,47 @@ def _shards(rules: Any, shape: tuple[int, ...], axes: tuple, n_in: int) -> tuple
     return size(ins[0] if ins else None), size(outs[0] if outs else None)
 
 
+def _fused_layer(lp: LayerParams, rules: Any, wrap=lambda w, split: w) -> LayerParams:
+    """`lp` with wq | wk | wv and w_gate | w_up each one FusedWeight (fused per shard of
+    their output split under `rules`), its matrix passed through wrap(w, (1, shards))
+    (a layout, e.g. dual_precision's; the identity by default); the other leaves as
+    they are."""
+    q_shards = _shards(rules, lp.wq.shape, LAYER_AXES["wq"], 1)[1]
+    mlp_shards = _shards(rules, lp.w_gate.shape, LAYER_AXES["w_gate"], 1)[1]
+    qkv, qkv_shapes = fused_weight([lp.wq, lp.wk, lp.wv], shards=q_shards)
+    gate_up, gate_up_shapes = fused_weight([lp.w_gate, lp.w_up], shards=mlp_shards)
+    return dataclasses.replace(
+        lp, wq=FusedWeight(wrap(qkv, (1, q_shards)), qkv_shapes, q_shards), wk=None, wv=None,
+        w_gate=FusedWeight(wrap(gate_up, (1, mlp_shards)), gate_up_shapes, mlp_shards),
+        w_up=None)
+
+
+def fuse_projections(params: Params, rules: Any = None) -> Params:
+    """`params` with the projections that share an input stored as one matrix each
+    (FusedWeight: wq | wk | wv [D, (H + 2 K) * Dh] in wq, w_gate | w_up [D, 2 F] in
+    w_gate; the others None), so that each runs as one matmul, as vLLM's
+    QKVParallelLinear and MergedColumnParallelLinear do. Every output column is the same
+    sum as unfused (up to the order XLA picks for the larger matrix). Layers whose
+    projections are not all plain float arrays (quantised, GGUF blocks, bf16 copies) are
+    kept as they are. rules: the ShardingRules of a tensor-parallel mesh (None: one
+    device): the columns are grouped per shard of the output split
+    (jaxserve.model.tensor_parallel reads them so).
+
+    Why (KernelConfig.fuse_projections; PERFORMANCE.md, "The GPU run of session 24"):
+    XLA:GPU turns a product of one activation row by a small matrix into a multiply and
+    a reduction rather than a GEMM: Llama-3-8B's K and V projections (4096 x 1024) took
+    ~32 us a layer on an H100 (~0.5 TB/s) where the GEMMs of the other projections read
+    at ~2.3-2.9 TB/s. Fused, q | k | v is one GEMM of 4096 x 6144."""
+    plain = lambda w: (isinstance(w, (jax.Array, np.ndarray))  # noqa: E731
+                       and jnp.issubdtype(w.dtype, jnp.floating))
+
+    def layer(lp: LayerParams) -> LayerParams:
+        if not all(plain(getattr(lp, name)) for name in ("wq", "wk", "wv", "w_gate", "w_up")):
+            return lp
+        return _fused_layer(lp, rules)
+    return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
+
+
 def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
                           max_rows: int | None = None, fuse: bool = True,
                           round_x_min_rows: int | None = None, rules: Any = None) -> Params:
@@ -259,15 +301,8 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
         if not (packed and fuse) or any(isinstance(getattr(lp, name), GGMLWeight)
                                         for name in PROJECTIONS):
             return dataclasses.replace(lp, **{name: proj(lp, name) for name in PROJECTIONS})
-        q_shards = split(lp.wq.shape, LAYER_AXES["wq"], 1)[1]
-        mlp_shards = split(lp.w_gate.shape, LAYER_AXES["w_gate"], 1)[1]
-        qkv, qkv_shapes = fused_weight([lp.wq, lp.wk, lp.wv], shards=q_shards)
-        gate_up, gate_up_shapes = fused_weight([lp.w_gate, lp.w_up], shards=mlp_shards)
-        return dataclasses.replace(
-            lp, wq=FusedWeight(dual(qkv, (1, q_shards)), qkv_shapes, q_shards),
-            wk=None, wv=None, wo=proj(lp, "wo"),
-            w_gate=FusedWeight(dual(gate_up, (1, mlp_shards)), gate_up_shapes, mlp_shards),
-            w_up=None, w_down=proj(lp, "w_down"))
+        return dataclasses.replace(_fused_layer(lp, rules, dual), wo=proj(lp, "wo"),
+                                   w_down=proj(lp, "w_down"))
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
     params = dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))

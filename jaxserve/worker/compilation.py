@@ -70,6 +70,9 @@ class StepShapes:
 
     def __init__(self, cfg: EngineConfig, bucket_pages: bool = True):
         comp, limits = cfg.compilation, cfg.scheduler
+        if limits.decode_steps is None:
+            raise ValueError("SchedulerConfig.decode_steps None (auto) is chosen for the "
+                             "platform by the engine builder (SchedulerConfig.resolve)")
         self.decode_steps = limits.decode_steps
         self.page_size = cfg.cache.page_size
         self.lora = cfg.lora.enable_lora  # steps carry each row's LoRA slot

@@ -12,10 +12,12 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from jaxserve.config import ConfigError, KernelConfig, resolve_attention_impl, resolve_impl
+from jaxserve.config import (GPU_PLATFORMS, ConfigError, KernelConfig, resolve_attention_impl,
+                             resolve_impl)
 from jaxserve.model.layer_loop import slices_projections, stack_layers, why_not_loop
 from jaxserve.model.params import Params
-from jaxserve.model.weight_layouts import dual_precision_params, pack_ggml_params, quantize_params
+from jaxserve.model.weight_layouts import (dual_precision_params, fuse_projections,
+                                           pack_ggml_params, quantize_params)
 from jaxserve.model.tensor_parallel import shard_params, tp_axis
 from jaxserve.model.transformer import Kernels
 from jaxserve.distributed.sharding import ShardingRules
@@ -42,7 +44,11 @@ def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str,
     "Tensor parallel"). quantization: Config.quantization; "fp8" quantises the
     projections at load (weight_quant "fp8_e4m3", per output channel, vLLM's dynamic fp8)
     in place of any bf16 copies (bf16_matmul_* cleared, a "cpu" matmul back to "auto").
-    Anything else unchanged."""
+    fuse_projections None resolves to True on a GPU (jaxserve.model.weight_layouts.
+    fuse_projections says why); on CPU it stays None (the C++ kernel's packed copies
+    fused, plain XLA weights not). Anything else unchanged."""
+    if kcfg.fuse_projections is None and platform in GPU_PLATFORMS:
+        kcfg = dataclasses.replace(kcfg, fuse_projections=True)
     if quantization == "fp8":
         kcfg = dataclasses.replace(
             kcfg, weight_quant="fp8_e4m3", weight_quant_group_size=None,
@@ -123,7 +129,7 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
                      "activations", speedup)
             round_x = None
     host_branches = (kcfg.branches == "host" or kcfg.branches == "auto"
-                     and platform in ("gpu", "cuda", "rocm"))
+                     and platform in GPU_PLATFORMS)
     return Kernels(attention=attention, matmul=matmul, sampling=sampling,
                    round_x_min_rows=round_x if matmul == "cpu" else None,
                    host_branches=host_branches)
@@ -158,22 +164,37 @@ def loop_layers(params: Params, setting: bool | None, kernels: Kernels,
 
 def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
                    rules: ShardingRules | None = None) -> Params:
+    """`params` laid out for `kernels` as `kcfg` asks (`layout_params`) and, under a
+    tensor-parallel mesh (`rules`), every leaf placed where the model's shard_map reads
+    it."""
+    params = layout_params(params, kcfg, kernels, rules)
+    if tp_axis(rules) is not None:
+        params = shard_params(params, rules)
+    return params
+
+
+def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
+                  rules: ShardingRules | None = None) -> Params:
     """`params` laid out for `kernels` as `kcfg` asks: the layers' projections quantised
     (weight_quant: int8 / fp8_e4m3 leaves with their scales), or given bf16 copies beside
     the f32 weights (bf16_matmul_min_rows: DualPrecisionWeight leaves, packed for the C++
-    kernel when kernels.matmul.packs_bf16); otherwise unchanged. Float32 params for the
+    kernel when kernels.matmul.packs_bf16; fused unless kcfg.fuse_projections is False),
+    or with kcfg.fuse_projections the projections that share an input fused (FusedWeight:
+    jaxserve.model.weight_layouts.fuse_projections, the GPU default); otherwise
+    unchanged. Float32 params for the
     bf16 copies (checked by jaxserve.config.check_deployment). Under a tensor-parallel
-    mesh (`rules`) each device's shard is laid out on its own (packing and fusion per
-    shard) and every leaf placed where the model's shard_map reads it."""
+    mesh (`rules`, read for its shapes only: an abstract mesh does) each device's shard
+    is laid out on its own (packing and fusion per shard); nothing is placed."""
     if kcfg.weight_quant is not None:
         params = quantize_params(params, kcfg.weight_quant, kcfg.weight_quant_group_size, rules)
     elif kcfg.bf16_matmul_min_rows is not None:
         params = dual_precision_params(params, kcfg.bf16_matmul_min_rows,
                                        packed=kernels.matmul.packs_bf16,
                                        max_rows=kcfg.bf16_matmul_max_rows,
+                                       fuse=kcfg.fuse_projections is not False,
                                        round_x_min_rows=kernels.round_x_min_rows, rules=rules)
+    elif kcfg.fuse_projections:
+        params = fuse_projections(params, rules)
     if kernels.matmul.packs_bf16:  # GGUF blocks in the C++ kernel's panels
         params = pack_ggml_params(params, rules)
-    if tp_axis(rules) is not None:
-        params = shard_params(params, rules)
     return params

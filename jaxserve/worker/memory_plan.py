@@ -132,16 +132,18 @@ def _spec_bytes(x, spec: PartitionSpec, mesh) -> int:
 def prepared_weight_bytes(model: ModelConfig, kcfg: KernelConfig,
                           rules: ShardingRules) -> tuple[int, int]:
     """(bytes on one device, bytes in all) of the weights as the engine holds them: after
-    jaxserve.worker.kernel_selection.prepare_params (int8 / fp8 values and their scales, bf16 copies beside
+    jaxserve.worker.kernel_selection.layout_params (int8 / fp8 values and their scales, bf16 copies beside
     or instead of the weights), traced abstractly (jax.eval_shape: nothing allocated) and
     split by the shard_map specs of jaxserve.model.tensor_parallel; with pipeline stages
     (a `stage` mesh axis) one device holds ceil(layers / stages) of the layers."""
-    from jaxserve.worker.kernel_selection import prepare_params
+    from jaxserve.worker.kernel_selection import layout_params
     from jaxserve.model.tensor_parallel import params_specs
     from jaxserve.model.transformer import Kernels
 
-    # the XLA layout: a packed or fused copy holds the same bytes as a plain one
-    prepared = jax.eval_shape(lambda p: prepare_params(p, kcfg, Kernels()), abstract_params(model))
+    # the XLA layout: a packed copy holds the same bytes as a plain one; fused per shard
+    # of `rules`' mesh, as the engine fuses them (else a fused matrix counts as replicated)
+    prepared = jax.eval_shape(lambda p: layout_params(p, kcfg, Kernels(), rules),
+                              abstract_params(model))
     specs = params_specs(prepared, rules)
     def device_bytes(tree, spec_tree) -> int:
         spec_leaves = jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
