@@ -38,12 +38,14 @@ def test_cases_and_flags_are_checked(capsys):
     assert bg.main(["--cases", "1x2x2", "--xla-compiler-options", "{}", "[1]"]) == 2
     assert bg.main(["--cases", "1x2x2", "--xla-compiler-options", '{"xla_a": 1}']) == 2
     assert bg.main(["--cases", "1x2x2", "--branches", "host,gpu"]) == 2
+    assert bg.main(["--cases", "1x2x2", "--fuse-projections", "on,yes"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("jaxserve bench generate: error: --cases: '1x2'")
     assert "--decode-steps: '0'" in err[1]
     assert "--xla-compiler-options: '[1]' is not a JSON object" in err[2]
     assert "--xla-compiler-options: '{\"xla_a\": 1}' is not a JSON object" in err[3]
     assert "--branches: 'gpu' is not one of auto, device, host" in err[4]
+    assert "--fuse-projections: 'yes' is not one of auto, on, off" in err[5]
 
 
 @pytest.mark.full  # fast tier: the parts above; its engine path is LLM.generate's
@@ -53,6 +55,7 @@ def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
     # the compile and run time
     assert bg.main(["--config", "smollm2_135m", "--num-layers", "2", "--cases", "2x8x6,1x4x3",
                     "--decode-steps", "1,auto", "--branches", "host", "--hf",
+                    "--fuse-projections", "on",
                     "--trace", str(tmp_path / "trace"),
                     "--cache-dir", str(cache_dir), "--json", str(out)]) == 0
     got = json.loads(out.read_text())
@@ -62,6 +65,7 @@ def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
         (1, "2x8x6"), (1, "1x4x3"), (8, "2x8x6"), (8, "1x4x3")]
     for r in got["results"]:
         assert r["branches"] == "host"  # (GPUs' default) its sampler plans compile unseen
+        assert r["fuse_projections"] is True  # (GPUs' default)
         assert r["compile_events_timed"] == 0
         # the bound as the module docstring defines it, from the figures the run reports
         # (the read bandwidth itself moves with the other xdist worker's load)

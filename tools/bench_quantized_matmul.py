@@ -86,8 +86,10 @@ def _runnable(impl: str, platform: str, capability: str | None) -> str | None:
     return None
 
 
-def bench(shapes, ms, impls, formats, group, repeats) -> dict:
-    """{"device", "read_gb_s", "rows": [...]} for every (shape, M, format, impl)."""
+def bench(shapes, ms, impls, formats, group, repeats, on_row=None) -> dict:
+    """{"device", "read_gb_s", "rows": [...]} for every (shape, M, format, impl).
+    on_row(row, read_gb_s), if given, is called as each row is measured (a run cut short
+    by a time cap still reports what it measured)."""
     import functools
 
     import jax
@@ -103,6 +105,12 @@ def bench(shapes, ms, impls, formats, group, repeats) -> dict:
     capability = getattr(dev, "compute_capability", None)
     read_gb_s = statistics.median(read_bandwidth_gb_s(1.0, 7))
     rows = []
+
+    def add(r):
+        rows.append(r)
+        if on_row is not None:
+            on_row(r, read_gb_s)
+
     for shape in shapes:
         k, n = (int(v) for v in shape.split("x"))
         w = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) / k ** 0.5
@@ -126,7 +134,7 @@ def bench(shapes, ms, impls, formats, group, repeats) -> dict:
 
             if "xla_bf16" in impls:
                 base = _time(lambda x, w: x @ w, x, (w_bf16,), repeats)
-                rows.append(row("bf16", "xla_bf16", base, k * n * 2 + io))
+                add(row("bf16", "xla_bf16", base, k * n * 2 + io))
             for fmt in formats:
                 g = group if fmt == "int8" else None
                 w_q, scales = quantize_weights(w, fmt, g)
@@ -139,13 +147,13 @@ def bench(shapes, ms, impls, formats, group, repeats) -> dict:
                             x.dtype, w_q.dtype, k, n, g):
                         why = "shape not supported by the Mosaic kernel (mosaic_supports)"
                     if why is not None:
-                        rows.append(dict(shape=shape, m=m, format=fmt, impl=impl, skipped=why))
+                        add(dict(shape=shape, m=m, format=fmt, impl=impl, skipped=why))
                         continue
                     fn = {"xla": quantized_matmul_reference,
                           "pallas": functools.partial(quantized_matmul, impl="pallas"),
                           "pallas_mosaic": functools.partial(quantized_matmul_mosaic,
                                                              impl="pallas_mosaic")}[impl]
-                    rows.append(row(fmt, impl, _time(fn, x, (w_q, scales), repeats), nbytes))
+                    add(row(fmt, impl, _time(fn, x, (w_q, scales), repeats), nbytes))
     return {"device": dev.device_kind, "platform": dev.platform, "compute_capability": capability,
             "read_gb_s": read_gb_s, "rows": rows}
 
@@ -168,18 +176,25 @@ def main(argv=None) -> int:
             ap.error(f"--shapes: expected IN_FEATURESxOUT_FEATURES like 4096x1024, got {s!r}")
     if args.repeats < 1 or any(m < 1 for m in args.m):
         ap.error("--repeats and --m must be >= 1")
-    res = bench(args.shapes, args.m, args.impls, args.formats, args.group, args.repeats)
-    print(f"{res['device']} ({res['platform']}, compute capability {res['compute_capability']}): "
-          f"read bandwidth {res['read_gb_s']:.1f} GB/s (XLA reduction, this run)")
-    print(f"{'shape':>12} {'M':>5} {'format':>9} {'impl':>14} {'us':>9} {'GB/s':>8} "
-          f"{'of peak':>8} {'vs bf16':>8}")
-    for r in res["rows"]:
+    header = []
+
+    def print_row(r, read_gb_s):
+        if not header:
+            header.append(True)
+            print(f"read bandwidth {read_gb_s:.1f} GB/s (XLA reduction, this run)")
+            print(f"{'shape':>12} {'M':>5} {'format':>9} {'impl':>14} {'us':>9} {'GB/s':>8} "
+                  f"{'of peak':>8} {'vs bf16':>8}")
         head = f"{r['shape']:>12} {r['m']:>5} {r['format']:>9} {r['impl']:>14}"
         if "skipped" in r:
-            print(f"{head}   skipped: {r['skipped']}")
-            continue
+            print(f"{head}   skipped: {r['skipped']}", flush=True)
+            return
         vs = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"
-        print(f"{head} {r['seconds'] * 1e6:>9.1f} {r['gb_s']:>8.1f} {r['of_peak']:>8.0%} {vs:>8}")
+        print(f"{head} {r['seconds'] * 1e6:>9.1f} {r['gb_s']:>8.1f} {r['of_peak']:>8.0%} {vs:>8}",
+              flush=True)
+
+    res = bench(args.shapes, args.m, args.impls, args.formats, args.group, args.repeats,
+                print_row)
+    print(f"{res['device']} ({res['platform']}, compute capability {res['compute_capability']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

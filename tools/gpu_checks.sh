@@ -2,35 +2,42 @@
 # The GPU session's checks in one command, each stage capped in seconds so that one stuck
 # stage leaves the others their time; logs and JSON under $OUT (default ./gpu_out).
 #
-#     tools/gpu_checks.sh [STAGE ...]     # stages: env kernels branches generate cmdbuf qmm hf
+#     tools/gpu_checks.sh [STAGE ...]     # stages: env kernels fuse branches generate cmdbuf qmm hf
 #                                         # (default: all)
 #
 # - kernels: the native kernel tier (`pytest -m gpu tests/test_kernel_*.py`, 8 workers);
+# - fuse: 1 stream at decode_steps 1 and 8 with the projections that share an input fused
+#   (q | k | v, gate | up: KernelConfig.fuse_projections, the GPU default since session 24)
+#   and not, with a trace each (device busy);
 # - branches: 1 stream at decode_steps 1 and 8 with the sampler's branches decided on device
 #   (lax.cond: XLA:GPU waits on the host at each) and on the host (jaxserve.sample.plan, the
 #   GPU default since session 23), with a trace each (device busy);
 # - generate: `jaxserve bench generate` on dummy Llama-3-8B, 1 and 64 streams, decode_steps
 #   1 and 8, with a trace (device busy);
-# - cmdbuf: the same cases at decode_steps 1 with XLA's command buffers (CUDA graphs) off, as
-#   XLA sets them, and with conditionals in them (CompilationConfig.xla_compiler_options):
-#   decided by measurement;
+# - cmdbuf: the same cases at decode_steps 1 with XLA's command buffers (CUDA graphs) off and
+#   as XLA sets them (CompilationConfig.xla_compiler_options): decided by measurement (with
+#   the sampler's branches decided on the host no program has a conditional to put in one);
 # - qmm: tools.bench_quantized_matmul at M = 1 and 64;
 # - hf: HF transformers' eager bf16 generate on the same shapes.
-# Caps: KERNELS_S, BRANCHES_S, GENERATE_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where
+# generate's cases and decode_steps: GEN_CASES (default both), GEN_STEPS (default 8,1).
+# Caps: KERNELS_S, FUSE_S, BRANCHES_S, GENERATE_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where
 # `import jaxserve` works (the repository on PYTHONPATH, its dependencies installed or
 # carried as wheels).
 # Session 22's run on an H100 (PERFORMANCE.md, "The GPU run of session 22"): env ~15 s,
 # kernels ~90 s, generate ~190 s for two decode_steps values, qmm ~75 s for two shapes with
 # single-call timing, hf ~85 s; cmdbuf (three engines) and qmm (four shapes, 16 copies) not
-# yet run: their caps are estimates, as branches' (four engines, one case each). A lease of
-# 15 minutes holds env, branches and cmdbuf.
+# yet run: their caps are estimates. Session 24's (H100): env 3 s, branches 173 s (four
+# engines, one case each, traced; fuse is the same size), cmdbuf over 190 s (two engines,
+# both cases), qmm 60 s (four shapes, M 1 and 64, three implementations), the 64-stream
+# case at decode_steps 8 and 1 without a trace 192 s. A lease of 15 minutes holds one call
+# of ~9.5 minutes after the machine's start: env, fuse, generate (capped) and qmm.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 T0=$(date +%s)
-stages=${*:-env kernels branches generate cmdbuf qmm hf}
+stages=${*:-env kernels fuse branches generate cmdbuf qmm hf}
 say() { echo; echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 cases=1x128x256,64x512x256
 for stage in $stages; do
@@ -44,27 +51,35 @@ getattr(jax.devices()[0], 'compute_capability', None))" ;;
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${KERNELS_S:-150}" $PY -m pytest -m gpu \
         tests/test_kernel_*.py -n 8 -q -rfE --tb=short -p no:cacheprovider > "$OUT/kernels.log" 2>&1
       echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernels.log" | cut -c1-200 | head -40 ;;
+    fuse)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${FUSE_S:-240}" $PY -m jaxserve.cli.main \
+        bench generate --config llama3_8b --cases 1x128x256 --decode-steps 1,8 \
+        --fuse-projections on,off --trace /tmp/trace_fu --json "$OUT/fuse.json" 2>&1 \
+        | grep -v "compiling step" | tee "$OUT/fuse.log" | tail -6
+      f=$(ls -S /tmp/trace_fu/1x128x256-1-fuseon/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
+      [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/trace_1x128x256_ds1_fused.json.gz" ;;
     branches)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${BRANCHES_S:-300}" $PY -m jaxserve.cli.main \
         bench generate --config llama3_8b --cases 1x128x256 --decode-steps 1,8 \
-        --branches device,host --trace /tmp/trace_br --json "$OUT/branches.json" 2>&1 \
+        --branches host,device --trace /tmp/trace_br --json "$OUT/branches.json" 2>&1 \
         | grep -v "compiling step" | tee "$OUT/branches.log" | tail -6
       f=$(ls -S /tmp/trace_br/1x128x256-1-host/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
       [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/trace_1x128x256_ds1_host.json.gz" ;;
     generate)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${GENERATE_S:-200}" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases $cases --decode-steps 8,1 --trace /tmp/trace \
+        bench generate --config llama3_8b --cases ${GEN_CASES:-$cases} \
+        --decode-steps ${GEN_STEPS:-8,1} --trace /tmp/trace \
         --json "$OUT/generate.json" 2>&1 | grep -v "compiling step" | tee "$OUT/generate.log" | tail -8
       f=$(ls -S /tmp/trace/1x128x256-1/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
       [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/trace_1x128x256_ds1.json.gz" ;;
     cmdbuf)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${CMDBUF_S:-300}" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases $cases --decode-steps 1 --trace /tmp/trace_cb \
+        bench generate --config llama3_8b --cases $cases --decode-steps 1 \
         --xla-compiler-options '{"xla_gpu_enable_command_buffer": ""}' '{}' \
-        '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}' \
         --json "$OUT/cmdbuf.json" 2>&1 | grep -v "compiling step" | tee "$OUT/cmdbuf.log" | tail -8 ;;
     qmm)
       timeout -k 5 "${QMM_S:-180}" $PY -m tools.bench_quantized_matmul --m 1 64 --repeats 10 \
+        --shapes 4096x14336 14336x4096 4096x4096 4096x1024 --impls xla_bf16 pallas pallas_mosaic \
         --json "$OUT/qmm.json" 2>&1 | tee "$OUT/qmm.log" | tail -45 ;;
     hf)
       timeout -k 5 "${HF_S:-100}" $PY -c "
@@ -74,7 +89,7 @@ m = load_config('llama3_8b').model
 for case in [(1, 128, 256), (64, 512, 256)]:
     print(case, 'HF eager bf16 tok/s', hf_tok_s(m, case), flush=True)
 " 2>&1 | grep -v Warning | tail -4 ;;
-    *) echo "unknown stage $stage (env kernels branches generate cmdbuf qmm hf)"; exit 2 ;;
+    *) echo "unknown stage $stage (env kernels fuse branches generate cmdbuf qmm hf)"; exit 2 ;;
   esac
 done
 say done

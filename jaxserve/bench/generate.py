@@ -3,14 +3,15 @@ in the same run: the one command for a GPU session (issue 28's table), on CPU to
 
     jaxserve bench generate [--config llama3_8b] [--load-format dummy]
         [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--branches auto]
-        [--hf] [--trace DIR] [--xla-compiler-options JSON [JSON ...]] [--json out.json]
+        [--fuse-projections auto] [--hf] [--trace DIR] [--xla-compiler-options JSON [JSON ...]] [--json out.json]
 
 A case SxPxO is S streams of P-token random prompts, O greedy tokens each (ignore_eos).
 For each decode_steps value ("auto": the config's own), and each set of XLA compiler
 options given (CompilationConfig.xla_compiler_options; one JSON object per set, `{}`: the
 config's, `{"xla_gpu_enable_command_buffer": ""}`: no CUDA graphs), and each value of
---branches (KernelConfig.branches: "device", "host", "auto"; jaxserve.sample.plan), one
-engine is built
+--branches (KernelConfig.branches: "device", "host", "auto"; jaxserve.sample.plan), and
+each value of --fuse-projections (KernelConfig.fuse_projections: "on", "off", "auto";
+jaxserve.model.weight_layouts.fuse_projections), one engine is built
 (`jaxserve.LLM`, warm-up off, room for the largest case) and each case runs on it:
 `generate` once on one set of prompts (which compiles the case's step shapes), then timed
 on another set of the same lengths (other random tokens, so no prefix-cache hit changes
@@ -131,11 +132,15 @@ def parse_compiler_options(text: str) -> tuple[tuple[str, str], ...] | None:
     return tuple(opts.items()) or None
 
 
+FUSE = {"auto": None, "on": True, "off": False}  # --fuse-projections values
+
+
 def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None,
-              branches: str = "auto"):
+              branches: str = "auto", fuse: str = "auto"):
     """The engine the cases run on with one decode_steps value ("auto": the config's),
     XLA compiler options (CompilationConfig.xla_compiler_options pairs; None: the
-    config's) and KernelConfig.branches: `jaxserve.LLM` with warm-up off, max_num_seqs
+    config's), KernelConfig.branches and fuse_projections (a FUSE key; "auto": the
+    config's): `jaxserve.LLM` with warm-up off, max_num_seqs
     and max_model_len raised to hold the largest case."""
     from jaxserve.api import LLM
 
@@ -144,6 +149,7 @@ def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None,
         max_model_len=max([p + o for _, p, o in cases] + [config.engine.max_model_len]),
         **({} if decode_steps == "auto" else {"decode_steps": int(decode_steps)}),
         **({} if compiler_options is None else {"xla_compiler_options": compiler_options}),
+        **({} if fuse == "auto" else {"fuse_projections": FUSE[fuse]}),
         branches=branches)
     return LLM(config.replace(engine=engine), cache_dir=cache_dir, warmup=False)
 
@@ -182,6 +188,7 @@ def run_case(llm, case, trace_dir: Path | None, bandwidth: float) -> dict:
     tok_s = streams * out_len / seconds
     out = {"case": "x".join(map(str, case)), "decode_steps": engine.scheduler.decode_steps,
            "branches": "host" if runner.kernels.host_branches else "device",
+           "fuse_projections": bool(llm.engine.engine_config.kernels.fuse_projections),
            "xla_compiler_options": dict(engine.compilation.xla_compiler_options),
            "output_tok_s": tok_s, "seconds": seconds, "bound_tok_s": bound,
            "ratio_to_bound": tok_s / bound, "weight_bytes": weight_bytes,
@@ -248,6 +255,9 @@ def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
     ap.add_argument("--branches", default="auto",
                     help="KernelConfig.branches values to run each case with, comma-separated: "
                          "who decides the sampler's branches, device or host (default: auto)")
+    ap.add_argument("--fuse-projections", default="auto",
+                    help="KernelConfig.fuse_projections values to run each case with, "
+                         "comma-separated: on, off, auto (on a GPU: on) (default: auto)")
     ap.add_argument("--hf", action="store_true",
                     help="also time HF transformers' eager generate on the same shapes")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
@@ -278,6 +288,10 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
         for b in branches:
             if b not in BRANCHES:
                 raise ValueError(f"--branches: {b!r} is not one of {', '.join(BRANCHES)}")
+        fuses = args.fuse_projections.split(",")
+        for f in fuses:
+            if f not in FUSE:
+                raise ValueError(f"--fuse-projections: {f!r} is not one of {', '.join(FUSE)}")
         overrides = {"load_format": args.load_format}
         if args.num_layers is not None:
             overrides["num_layers"] = args.num_layers
@@ -301,15 +315,18 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
     print(f"{device.device_kind} ({device.platform}), read bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, config {config.name}", flush=True)
     results = []
-    # one engine per option set, decode_steps and branches value, freed before the next
-    for (v, opts), s, b in itertools.product(enumerate(option_sets), steps, branches):
+    # one engine per option set, decode_steps, branches and fusion value, freed before the next
+    for (v, opts), s, b, f in itertools.product(enumerate(option_sets), steps, branches,
+                                                fuses):
         label = ("" if opts is None else " " + json.dumps(dict(opts))) + (
-            "" if len(branches) == 1 else f" branches {b}")
+            "" if len(branches) == 1 else f" branches {b}") + (
+            "" if len(fuses) == 1 else f" fuse {f}")
         try:
-            llm = build_llm(config, cases, s, args.cache_dir, opts, b)
+            llm = build_llm(config, cases, s, args.cache_dir, opts, b, f)
             for case in cases:
                 name = (f"{'x'.join(map(str, case))}-{s}" + (f"-options{v}" if v else "")
-                        + ("" if len(branches) == 1 else f"-{b}"))
+                        + ("" if len(branches) == 1 else f"-{b}")
+                        + ("" if len(fuses) == 1 else f"-fuse{f}"))
                 r = run_case(llm, case, args.trace / name if args.trace else None, bandwidth)
                 results.append(r)
                 busy = "-" if r["device_busy"] is None else f"{r['device_busy']:.0%}"
