@@ -530,6 +530,17 @@ def test_gpu_weights_run_each_layer_in_four_matmuls(cuda_lowering):
                       None, pool)
         dots[name] = text.count("stablehlo.dot_general")
     assert dots == {"auto": 4 * cfg.num_layers + 1, "off": 7 * cfg.num_layers + 1}, dots
+    # int8 weights are fused before they are quantised: the Pallas matmul reads one
+    # [128, 256] q | k | v and one [128, 512] gate | up matrix, no [128, 64] K or V one
+    kcfg = resolve_kernel_config(KernelConfig(weight_quant="int8"), "gpu", cfg.dtype)
+    kernels = Kernels("pallas", "pallas", host_branches=True)
+    params = jax.eval_shape(lambda p: prepare_params(p, kcfg, kernels), abstract_params(cfg))
+    text = _lower(functools.partial(forward_step, cfg=cfg, drafter=None, rules=None, num_top=4,
+                                    kernels=kernels),
+                  params, cache, batch, sampling.prompt_targets, prev, prev_index, None, None,
+                  pool)
+    assert "tensor<128x256xi8>" in text and "tensor<128x512xi8>" in text
+    assert "tensor<128x64xi8>" not in text
 
 
 @pytest.mark.parametrize("attention,kv_dtype", [("pallas", "bfloat16"), ("pallas_mosaic", "bfloat16"),

@@ -266,7 +266,9 @@ def test_fused_projections_give_the_unfused_logits(name):
     """fuse_projections (wq | wk | wv and w_gate | w_up each one matrix, what GPUs serve):
     the paged prefill and decode give the unfused model's logits up to f32 summation
     order (the same products; XLA may split a wider dot differently), and the LoRA-free,
-    bias and tied-head paths are kept. Quantised layers are left as they are."""
+    bias and tied-head paths are kept. Quantised layers are left as they are; quantising
+    fused weights (weight_quant with fuse_projections) gives the parts' own quantised
+    columns and scales, and the unfused quantised model's logits."""
     from jaxserve.model.weight_layouts import FusedWeight, fuse_projections, quantize_params
 
     cfg = CONFIGS[name]
@@ -294,6 +296,16 @@ def test_fused_projections_give_the_unfused_logits(name):
     np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=2e-5, rtol=1e-5)
     q = quantize_params(params, "int8")
     assert fuse_projections(q).layers[0] is q.layers[0]
+    for group in (None, 16):
+        q = quantize_params(params, "int8", group)
+        fq = quantize_params(fuse_projections(params), "int8", group)
+        w, k = fq.layers[0].wq.w, q.layers[0].wk
+        cols = slice(H * Dh, (H + K) * Dh)
+        np.testing.assert_array_equal(np.asarray(w.w_q[:, cols]), np.asarray(k.w_q).reshape(D, -1))
+        np.testing.assert_array_equal(np.asarray(w.scales[..., cols]), np.asarray(k.scales))
+        got, want = (PagedDriver(p, cfg, page_size=4).step({"s": ids}, T=16, P=8)["s"]
+                     for p in (fq, q))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
 def test_rope_tables_are_computed_once_per_step():

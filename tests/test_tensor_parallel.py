@@ -85,12 +85,15 @@ def test_fewer_kv_heads_than_devices_are_repeated(variant, cache_dir):
 
 
 @pytest.mark.full  # fast tier: the fused projections on one device (test_model.py)
-def test_fused_projections_split_per_shard_give_the_unfused_logits(cache_dir):
+@pytest.mark.parametrize("variant,reference", [("fused", "xla"), ("int8_fused", "int8_g16")])
+def test_fused_projections_split_per_shard_give_the_unfused_logits(variant, reference,
+                                                                    cache_dir):
     """wq | wk | wv and w_gate | w_up fused (KernelConfig.fuse_projections, the GPU
-    default), their columns grouped per shard: at TP 1, 2 and 4 (8 query / 2 KV heads,
-    the KV heads repeated at TP 4) the logits of the unfused model on one device, and the
+    default), their columns grouped per shard, in the model dtype and quantised after
+    fusing (int8, groups of 16 input rows): at TP 1, 2 and 4 (8 query / 2 KV heads, the
+    KV heads repeated at TP 4) the logits of the unfused model on one device, and the
     fused matrices split over the devices."""
-    r = tp_check("tiny-gqa", "fused", "1,2,4", cache_dir, reference="xla")
+    r = tp_check("tiny-gqa", variant, "1,2,4", cache_dir, reference=reference)
     for tp in ("1", "2", "4"):
         assert r["diff"][tp] <= 1e-5 * max(1.0, r["max_abs_logit"]), r
     for tp in ("2", "4"):

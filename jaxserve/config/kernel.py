@@ -106,7 +106,8 @@ class KernelConfig:
     and a reduction at a fifth of the bandwidth of a GEMM: PERFORMANCE.md, "The GPU
     run of session 24") and for the C++ CPU kernel's packed bf16 copies; plain XLA
     weights on CPU unfused. True: fused wherever the weights are plain float arrays or
-    packed bf16 copies; False: never. Quantised and GGUF-block weights are not fused."""
+    packed bf16 copies, and before weight_quant quantises them (one quantised matrix
+    each); False: never. GGUF-block weights are not fused."""
     weight_quant: str | None = dataclasses.field(default=None,
                                                  metadata={"choices": WEIGHT_QUANT_FORMATS})
     """None (weights in the model dtype), "int8" or "fp8_e4m3": the layers' projection

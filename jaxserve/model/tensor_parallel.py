@@ -73,6 +73,9 @@ def node_spec(node: Any, axes: tuple, n_in: int, rules: ShardingRules) -> Any:
         fused = PartitionSpec(None, out)
         if isinstance(node.w, DualPrecisionWeight):
             inner = _dual_spec(node.w, fused, None, out)
+        elif isinstance(node.w, QuantizedWeight):  # per-column [cols] or per-group [G, cols]
+            inner = dataclasses.replace(node.w, w_q=fused, scales=PartitionSpec(
+                *(None,) * (node.w.scales.ndim - 1), out))
         elif isinstance(node.w, GGMLWeight):  # packed panels [rows / 16, in / 32, B]
             inner = jax.tree.map(lambda a: PartitionSpec(out, *(None,) * (a.ndim - 1)), node.w)
         else:

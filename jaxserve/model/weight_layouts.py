@@ -63,7 +63,9 @@ def quantize_weight(w: jax.Array, n_in: int, fmt: str, group_size: int | None = 
 def quantize_params(params: Params, fmt: str, group_size: int | None = None,
                     rules: Any = None) -> Params:
     """`params` with every float layer projection (PROJECTIONS) replaced by a
-    QuantizedWeight; everything else (GGMLWeight projections too) unchanged. Runs one
+    QuantizedWeight, a fused one's matrix too (FusedWeight of a QuantizedWeight [D, cols]:
+    per-column or per-group scales make its columns the parts' own quantised columns);
+    everything else (GGMLWeight projections too) unchanged. Runs one
     small jitted quantisation per weight, so peak memory stays near the float weights plus
     one quantised copy. rules: the ShardingRules
     of a tensor-parallel mesh (None: one device); each device's input rows of a row-split
@@ -72,6 +74,8 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None,
     if rules is not None and group_size is not None:
         for name, n_in in PROJECTIONS.items():
             w = getattr(params.layers[0], name)
+            if w is None or isinstance(w, FusedWeight):  # fused: column-split, rows whole
+                continue
             spec = tuple(rules.spec(LAYER_AXES[name], w.shape))
             shards = math.prod(rules.mesh.shape[a] for a in spec[:n_in] if a is not None)
             if (math.prod(w.shape[:n_in]) // shards) % group_size:
@@ -82,11 +86,16 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None,
     # one weight at a time, each finished before the next is dispatched: bounds memory,
     # and on simulated CPU devices many queued sharded programs with collectives
     # deadlocked XLA:CPU's rendezvous (threads of 2 cores all waiting in earlier ones)
+    def one(w, n_in):
+        if isinstance(w, FusedWeight):
+            return dataclasses.replace(w, w=one(w.w, 1))
+        return jax.block_until_ready(quantize(w, n_in, fmt, group_size))
+
     def layer(lp: LayerParams) -> LayerParams:
-        return dataclasses.replace(lp, **{name: jax.block_until_ready(
-                                              quantize(getattr(lp, name), n_in, fmt, group_size))
+        return dataclasses.replace(lp, **{name: one(getattr(lp, name), n_in)
                                           for name, n_in in PROJECTIONS.items()
-                                          if not isinstance(getattr(lp, name), GGMLWeight)})
+                                          if getattr(lp, name) is not None
+                                          and not isinstance(getattr(lp, name), GGMLWeight)})
 
     return dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers))
 

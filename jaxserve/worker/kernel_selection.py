@@ -176,7 +176,8 @@ def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
 def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
                   rules: ShardingRules | None = None) -> Params:
     """`params` laid out for `kernels` as `kcfg` asks: the layers' projections quantised
-    (weight_quant: int8 / fp8_e4m3 leaves with their scales), or given bf16 copies beside
+    (weight_quant: int8 / fp8_e4m3 leaves with their scales; with fuse_projections fused
+    first), or given bf16 copies beside
     the f32 weights (bf16_matmul_min_rows: DualPrecisionWeight leaves, packed for the C++
     kernel when kernels.matmul.packs_bf16; fused unless kcfg.fuse_projections is False),
     or with kcfg.fuse_projections the projections that share an input fused (FusedWeight:
@@ -186,6 +187,8 @@ def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
     mesh (`rules`, read for its shapes only: an abstract mesh does) each device's shard
     is laid out on its own (packing and fusion per shard); nothing is placed."""
     if kcfg.weight_quant is not None:
+        if kcfg.fuse_projections:  # fused first: one quantised matrix each
+            params = fuse_projections(params, rules)
         params = quantize_params(params, kcfg.weight_quant, kcfg.weight_quant_group_size, rules)
     elif kcfg.bf16_matmul_min_rows is not None:
         params = dual_precision_params(params, kcfg.bf16_matmul_min_rows,
