@@ -39,6 +39,7 @@ def test_cases_and_flags_are_checked(capsys):
     assert bg.main(["--cases", "1x2x2", "--xla-compiler-options", '{"xla_a": 1}']) == 2
     assert bg.main(["--cases", "1x2x2", "--branches", "host,gpu"]) == 2
     assert bg.main(["--cases", "1x2x2", "--fuse-projections", "on,yes"]) == 2
+    assert bg.main(["--cases", "1x2x2", "--weight-quant", "int8,int4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("jaxserve bench generate: error: --cases: '1x2'")
     assert "--decode-steps: '0'" in err[1]
@@ -46,6 +47,7 @@ def test_cases_and_flags_are_checked(capsys):
     assert "--xla-compiler-options: '{\"xla_a\": 1}' is not a JSON object" in err[3]
     assert "--branches: 'gpu' is not one of auto, device, host" in err[4]
     assert "--fuse-projections: 'yes' is not one of auto, on, off" in err[5]
+    assert "--weight-quant: 'int4' is not one of auto, none, int8, fp8_e4m3" in err[6]
 
 
 @pytest.mark.full  # fast tier: the parts above; its engine path is LLM.generate's
@@ -66,6 +68,7 @@ def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
     for r in got["results"]:
         assert r["branches"] == "host"  # (GPUs' default) its sampler plans compile unseen
         assert r["fuse_projections"] is True  # (GPUs' default)
+        assert r["weight_quant"] is None  # the config's
         assert r["compile_events_timed"] == 0
         # the bound as the module docstring defines it, from the figures the run reports
         # (the read bandwidth itself moves with the other xdist worker's load)

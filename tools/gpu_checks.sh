@@ -2,7 +2,7 @@
 # The GPU session's checks in one command, each stage capped in seconds so that one stuck
 # stage leaves the others their time; logs and JSON under $OUT (default ./gpu_out).
 #
-#     tools/gpu_checks.sh [STAGE ...]     # stages: env kernels fuse branches generate cmdbuf qmm hf
+#     tools/gpu_checks.sh [STAGE ...]     # stages: env kernels fuse branches generate quant cmdbuf qmm hf
 #                                         # (default: all)
 #
 # - kernels: the native kernel tier (`pytest -m gpu tests/test_kernel_*.py`, 8 workers);
@@ -14,13 +14,15 @@
 #   GPU default since session 23), with a trace each (device busy);
 # - generate: `jaxserve bench generate` on dummy Llama-3-8B, 1 and 64 streams, decode_steps
 #   1 and 8, with a trace (device busy);
+# - quant: 1 stream at decode_steps 8 with bf16, int8 and fp8_e4m3 weights (fused before
+#   they are quantised on a GPU): end-to-end decode of the quantised matmuls;
 # - cmdbuf: the same cases at decode_steps 1 with XLA's command buffers (CUDA graphs) off and
 #   as XLA sets them (CompilationConfig.xla_compiler_options): decided by measurement (with
 #   the sampler's branches decided on the host no program has a conditional to put in one);
 # - qmm: tools.bench_quantized_matmul at M = 1 and 64;
 # - hf: HF transformers' eager bf16 generate on the same shapes.
 # generate's cases and decode_steps: GEN_CASES (default both), GEN_STEPS (default 8,1).
-# Caps: KERNELS_S, FUSE_S, BRANCHES_S, GENERATE_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where
+# Caps: KERNELS_S, FUSE_S, BRANCHES_S, GENERATE_S, QUANT_S, CMDBUF_S, QMM_S, HF_S. Needs a Python where
 # `import jaxserve` works (the repository on PYTHONPATH, its dependencies installed or
 # carried as wheels).
 # Session 22's run on an H100 (PERFORMANCE.md, "The GPU run of session 22"): env ~15 s,
@@ -30,14 +32,14 @@
 # engines, one case each, traced; fuse is the same size), cmdbuf over 190 s (two engines,
 # both cases), qmm 60 s (four shapes, M 1 and 64, three implementations), the 64-stream
 # case at decode_steps 8 and 1 without a trace 192 s. A lease of 15 minutes holds one call
-# of ~9.5 minutes after the machine's start: env, fuse, generate (capped) and qmm.
+# of ~9.5 minutes after the machine's start: env, fuse, generate (capped) and quant.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 T0=$(date +%s)
-stages=${*:-env kernels fuse branches generate cmdbuf qmm hf}
+stages=${*:-env kernels fuse branches generate quant cmdbuf qmm hf}
 say() { echo; echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 cases=1x128x256,64x512x256
 for stage in $stages; do
@@ -56,7 +58,7 @@ getattr(jax.devices()[0], 'compute_capability', None))" ;;
         bench generate --config llama3_8b --cases 1x128x256 --decode-steps 1,8 \
         --fuse-projections on,off --trace /tmp/trace_fu --json "$OUT/fuse.json" 2>&1 \
         | grep -v "compiling step" | tee "$OUT/fuse.log" | tail -6
-      f=$(ls -S /tmp/trace_fu/1x128x256-1-fuseon/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
+      f=$(ls -S /tmp/trace_fu/1x128x256-1-on/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
       [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/trace_1x128x256_ds1_fused.json.gz" ;;
     branches)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${BRANCHES_S:-300}" $PY -m jaxserve.cli.main \
@@ -72,6 +74,11 @@ getattr(jax.devices()[0], 'compute_capability', None))" ;;
         --json "$OUT/generate.json" 2>&1 | grep -v "compiling step" | tee "$OUT/generate.log" | tail -8
       f=$(ls -S /tmp/trace/1x128x256-1/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
       [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/trace_1x128x256_ds1.json.gz" ;;
+    quant)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${QUANT_S:-200}" $PY -m jaxserve.cli.main \
+        bench generate --config llama3_8b --cases 1x128x256 --decode-steps 8 \
+        --weight-quant none,int8,fp8_e4m3 --json "$OUT/quant.json" 2>&1 \
+        | grep -v "compiling step" | tee "$OUT/quant.log" | tail -5 ;;
     cmdbuf)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "${CMDBUF_S:-300}" $PY -m jaxserve.cli.main \
         bench generate --config llama3_8b --cases $cases --decode-steps 1 \
@@ -89,7 +96,7 @@ m = load_config('llama3_8b').model
 for case in [(1, 128, 256), (64, 512, 256)]:
     print(case, 'HF eager bf16 tok/s', hf_tok_s(m, case), flush=True)
 " 2>&1 | grep -v Warning | tail -4 ;;
-    *) echo "unknown stage $stage (env kernels fuse branches generate cmdbuf qmm hf)"; exit 2 ;;
+    *) echo "unknown stage $stage (env kernels fuse branches generate quant cmdbuf qmm hf)"; exit 2 ;;
   esac
 done
 say done

@@ -3,15 +3,17 @@ in the same run: the one command for a GPU session (issue 28's table), on CPU to
 
     jaxserve bench generate [--config llama3_8b] [--load-format dummy]
         [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--branches auto]
-        [--fuse-projections auto] [--hf] [--trace DIR] [--xla-compiler-options JSON [JSON ...]] [--json out.json]
+        [--fuse-projections auto] [--weight-quant auto] [--hf] [--trace DIR]
+        [--xla-compiler-options JSON [JSON ...]] [--json out.json]
 
 A case SxPxO is S streams of P-token random prompts, O greedy tokens each (ignore_eos).
 For each decode_steps value ("auto": the config's own), and each set of XLA compiler
 options given (CompilationConfig.xla_compiler_options; one JSON object per set, `{}`: the
 config's, `{"xla_gpu_enable_command_buffer": ""}`: no CUDA graphs), and each value of
---branches (KernelConfig.branches: "device", "host", "auto"; jaxserve.sample.plan), and
-each value of --fuse-projections (KernelConfig.fuse_projections: "on", "off", "auto";
-jaxserve.model.weight_layouts.fuse_projections), one engine is built
+--branches (KernelConfig.branches: "device", "host", "auto"; jaxserve.sample.plan),
+--fuse-projections (KernelConfig.fuse_projections: "on", "off", "auto";
+jaxserve.model.weight_layouts.fuse_projections) and --weight-quant (KernelConfig.weight_quant:
+"none", "int8", "fp8_e4m3", "auto"), one engine is built
 (`jaxserve.LLM`, warm-up off, room for the largest case) and each case runs on it:
 `generate` once on one set of prompts (which compiles the case's step shapes), then timed
 on another set of the same lengths (other random tokens, so no prefix-cache hit changes
@@ -132,25 +134,38 @@ def parse_compiler_options(text: str) -> tuple[tuple[str, str], ...] | None:
     return tuple(opts.items()) or None
 
 
-FUSE = {"auto": None, "on": True, "off": False}  # --fuse-projections values
+# The KernelConfig fields one engine per value is built for: flag -> (field, {flag value:
+# field value}), "auto" keeping the config's (a field absent from an engine's `kernel`)
+KERNEL_AXES = {
+    "branches": ("branches", {"device": "device", "host": "host"}),
+    "fuse_projections": ("fuse_projections", {"on": True, "off": False}),
+    "weight_quant": ("weight_quant", {"none": None, "int8": "int8", "fp8_e4m3": "fp8_e4m3"}),
+}
 
 
 def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None,
-              branches: str = "auto", fuse: str = "auto"):
+              kernel: dict | None = None):
     """The engine the cases run on with one decode_steps value ("auto": the config's),
     XLA compiler options (CompilationConfig.xla_compiler_options pairs; None: the
-    config's), KernelConfig.branches and fuse_projections (a FUSE key; "auto": the
-    config's): `jaxserve.LLM` with warm-up off, max_num_seqs
-    and max_model_len raised to hold the largest case."""
+    config's) and KernelConfig fields (`kernel`, {flag: value} of KERNEL_AXES; "auto" or
+    absent: the config's; a weight_quant format clears the config's bf16 weight copies):
+    `jaxserve.LLM` with warm-up off, max_num_seqs and
+    max_model_len raised to hold the largest case."""
     from jaxserve.api import LLM
 
+    fields = {KERNEL_AXES[k][0]: KERNEL_AXES[k][1][v]
+              for k, v in (kernel or {}).items() if v != "auto"}
+    if fields.get("weight_quant"):  # quantised weights have no bf16 copies (as "fp8" does)
+        fields.update(bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
+                      bf16_matmul_round_x_min_rows=None)
+        if config.engine.kernels.matmul_impl == "cpu":
+            fields["matmul_impl"] = "auto"
     engine = config.engine.override(
         max_num_seqs=max([s for s, _, _ in cases] + [config.engine.scheduler.max_num_seqs]),
         max_model_len=max([p + o for _, p, o in cases] + [config.engine.max_model_len]),
         **({} if decode_steps == "auto" else {"decode_steps": int(decode_steps)}),
         **({} if compiler_options is None else {"xla_compiler_options": compiler_options}),
-        **({} if fuse == "auto" else {"fuse_projections": FUSE[fuse]}),
-        branches=branches)
+        **fields)
     return LLM(config.replace(engine=engine), cache_dir=cache_dir, warmup=False)
 
 
@@ -188,7 +203,8 @@ def run_case(llm, case, trace_dir: Path | None, bandwidth: float) -> dict:
     tok_s = streams * out_len / seconds
     out = {"case": "x".join(map(str, case)), "decode_steps": engine.scheduler.decode_steps,
            "branches": "host" if runner.kernels.host_branches else "device",
-           "fuse_projections": bool(llm.engine.engine_config.kernels.fuse_projections),
+           "fuse_projections": bool(engine.kernels.fuse_projections),
+           "weight_quant": engine.kernels.weight_quant,
            "xla_compiler_options": dict(engine.compilation.xla_compiler_options),
            "output_tok_s": tok_s, "seconds": seconds, "bound_tok_s": bound,
            "ratio_to_bound": tok_s / bound, "weight_bytes": weight_bytes,
@@ -258,6 +274,10 @@ def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
     ap.add_argument("--fuse-projections", default="auto",
                     help="KernelConfig.fuse_projections values to run each case with, "
                          "comma-separated: on, off, auto (on a GPU: on) (default: auto)")
+    ap.add_argument("--weight-quant", default="auto",
+                    help="KernelConfig.weight_quant values to run each case with, "
+                         "comma-separated: none, int8, fp8_e4m3, auto (the config's) "
+                         "(default: auto)")
     ap.add_argument("--hf", action="store_true",
                     help="also time HF transformers' eager generate on the same shapes")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
@@ -276,7 +296,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
     """Run the cases; print a table (stdout) and optionally write JSON. Exit status 2 for a
     bad flag."""
     args = parser(prog).parse_args(argv)
-    from jaxserve.config import BRANCHES, ConfigError, load_config
+    from jaxserve.config import ConfigError, load_config
     try:
         cases = [parse_case(c) for c in args.cases.split(",")]
         steps = args.decode_steps.split(",")
@@ -284,14 +304,14 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
             if s != "auto" and not (s.isdigit() and int(s) > 0):
                 raise ValueError(f"--decode-steps: {s!r} is not a positive integer or auto")
         option_sets = [parse_compiler_options(o) for o in args.xla_compiler_options]
-        branches = args.branches.split(",")
-        for b in branches:
-            if b not in BRANCHES:
-                raise ValueError(f"--branches: {b!r} is not one of {', '.join(BRANCHES)}")
-        fuses = args.fuse_projections.split(",")
-        for f in fuses:
-            if f not in FUSE:
-                raise ValueError(f"--fuse-projections: {f!r} is not one of {', '.join(FUSE)}")
+        kernel_axes = {}  # flag -> its values, each checked
+        for flag in KERNEL_AXES:
+            values, allowed = getattr(args, flag).split(","), ("auto", *KERNEL_AXES[flag][1])
+            for x in values:
+                if x not in allowed:
+                    raise ValueError(f"--{flag.replace('_', '-')}: {x!r} is not one of "
+                                     f"{', '.join(allowed)}")
+            kernel_axes[flag] = values
         overrides = {"load_format": args.load_format}
         if args.num_layers is not None:
             overrides["num_layers"] = args.num_layers
@@ -315,18 +335,19 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
     print(f"{device.device_kind} ({device.platform}), read bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, config {config.name}", flush=True)
     results = []
-    # one engine per option set, decode_steps, branches and fusion value, freed before the next
-    for (v, opts), s, b, f in itertools.product(enumerate(option_sets), steps, branches,
-                                                fuses):
-        label = ("" if opts is None else " " + json.dumps(dict(opts))) + (
-            "" if len(branches) == 1 else f" branches {b}") + (
-            "" if len(fuses) == 1 else f" fuse {f}")
+    # one engine per option set, decode_steps value and value of each kernel axis, freed
+    # before the next; the axes given more than one value name it (label, trace folder)
+    varied = [k for k, values in kernel_axes.items() if len(values) > 1]
+    for (v, opts), s, *kv in itertools.product(enumerate(option_sets), steps,
+                                               *kernel_axes.values()):
+        kernel = dict(zip(kernel_axes, kv))
+        label = ("" if opts is None else " " + json.dumps(dict(opts))) + "".join(
+            f" {k} {kernel[k]}" for k in varied)
         try:
-            llm = build_llm(config, cases, s, args.cache_dir, opts, b, f)
+            llm = build_llm(config, cases, s, args.cache_dir, opts, kernel)
             for case in cases:
                 name = (f"{'x'.join(map(str, case))}-{s}" + (f"-options{v}" if v else "")
-                        + ("" if len(branches) == 1 else f"-{b}")
-                        + ("" if len(fuses) == 1 else f"-fuse{f}"))
+                        + "".join(f"-{kernel[k]}" for k in varied))
                 r = run_case(llm, case, args.trace / name if args.trace else None, bandwidth)
                 results.append(r)
                 busy = "-" if r["device_busy"] is None else f"{r['device_busy']:.0%}"
