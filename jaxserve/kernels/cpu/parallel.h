@@ -30,32 +30,36 @@ namespace jaxserve {
 struct ParallelState {
   std::function<bool(int64_t)> body;  // returns false on bad input (reported as an error)
   int64_t total = 0;
+  int64_t threads = 1;  // the caller and its helpers
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::atomic<bool> failed{false};
   std::mutex mu;
   std::condition_variable cv;
 
+  void finish_one() {
+    if (done.fetch_add(1) + 1 == total) {
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_all();
+    }
+  }
+
   void drain() {
     for (int64_t i; (i = next.fetch_add(1)) < total;) {
       if (!body(i)) failed.store(true);
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
+      finish_one();
     }
   }
 };
 
-// Runs body(i) for i in [0, total) on the calling thread and the pool; returns false if any
-// call returned false. `max_helpers` caps the pool tasks (e.g. 0 for tiny problems).
-inline bool parallel_for(xla::ffi::ThreadPool& pool, int64_t total,
-                         std::function<bool(int64_t)> body, int64_t max_helpers = 1 << 30) {
-  if (total <= 0) return true;
-  auto st = std::make_shared<ParallelState>();
-  st->body = std::move(body);
-  st->total = total;
+// Runs st->drain() on the calling thread and up to max_helpers pool tasks (st->total
+// items), then waits until every item is done; returns false if a body failed.
+template <typename State>
+inline bool run_parallel(xla::ffi::ThreadPool& pool, const std::shared_ptr<State>& st,
+                         int64_t max_helpers) {
+  const int64_t total = st->total;
   const int64_t helpers = std::min({pool.num_threads() - 1, total - 1, max_helpers});
+  st->threads = helpers + 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([st] { st->drain(); });
   st->drain();
   // Items claimed by helpers are short: spin briefly before sleeping.
@@ -69,6 +73,51 @@ inline bool parallel_for(xla::ffi::ThreadPool& pool, int64_t total,
     st->cv.wait(lock, [&] { return st->done.load() == total; });
   }
   return !st->failed.load();
+}
+
+// Runs body(i) for i in [0, total) on the calling thread and the pool; returns false if any
+// call returned false. `max_helpers` caps the pool tasks (e.g. 0 for tiny problems).
+inline bool parallel_for(xla::ffi::ThreadPool& pool, int64_t total,
+                         std::function<bool(int64_t)> body, int64_t max_helpers = 1 << 30) {
+  if (total <= 0) return true;
+  auto st = std::make_shared<ParallelState>();
+  st->body = std::move(body);
+  st->total = total;
+  return run_parallel(pool, st, max_helpers);
+}
+
+// parallel_for where a body may call ahead() to learn (and claim) the item its thread runs
+// next, e.g. to prefetch that item's data while it works on i: a claimed item runs on that
+// thread right after i (so the caller's wait for claimed items still ends). ahead()
+// returns total (none) in the last round of items, where each thread takes its last one
+// when it is free (a thread holding one claimed while another finds none left would idle
+// that one for up to an item's time), and claims at most one item per item.
+struct ParallelAheadState : ParallelState {
+  std::function<bool(int64_t, const std::function<int64_t()>&)> body_ahead;
+
+  void drain() {
+    int64_t i = next.fetch_add(1);
+    while (i < total) {
+      int64_t following = -1;  // claimed through ahead(), or not
+      const std::function<int64_t()> ahead = [&] {
+        if (following < 0 && next.load() + threads <= total) following = next.fetch_add(1);
+        return following < 0 ? total : std::min(following, total);
+      };
+      if (!body_ahead(i, ahead)) failed.store(true);
+      finish_one();
+      i = following >= 0 ? following : next.fetch_add(1);
+    }
+  }
+};
+
+inline bool parallel_for_ahead(xla::ffi::ThreadPool& pool, int64_t total,
+                               std::function<bool(int64_t, const std::function<int64_t()>&)> body,
+                               int64_t max_helpers = 1 << 30) {
+  if (total <= 0) return true;
+  auto st = std::make_shared<ParallelAheadState>();
+  st->body_ahead = std::move(body);
+  st->total = total;
+  return run_parallel(pool, st, max_helpers);
 }
 
 // A matmul's work over its weight's `panels` panels and x's M rows: items of consecutive
@@ -94,6 +143,28 @@ inline void parallel_panels(xla::ffi::ThreadPool& pool, int64_t panels, int64_t 
     const int64_t r = item / row_chunks, m_begin = item % row_chunks * chunk;
     const int64_t m_end = std::min(M, m_begin + chunk);
     for (int64_t pi = r * run; pi < std::min(panels, (r + 1) * run); ++pi) fn(pi, m_begin, m_end);
+    return true;
+  });
+}
+
+// parallel_panels for few rows of x (never split by rows: each item is a run of panels
+// over all M rows) and a fn(panel, 0, M, next_panel) that prefetches: next_panel() is the
+// panel its thread multiplies next (-1: none known), the next panel of the item or, for an
+// item's last panel, the first of the item the thread claims then (parallel_for_ahead);
+// fn calls it at most once.
+template <typename F>
+inline void parallel_panels_ahead(xla::ffi::ThreadPool& pool, int64_t panels, int64_t M,
+                                  int64_t items_per_call, F fn) {
+  const int64_t run = std::max<int64_t>(1, panels / items_per_call);
+  const int64_t runs = (panels + run - 1) / run;
+  parallel_for_ahead(pool, runs, [&](int64_t r, const std::function<int64_t()>& ahead) {
+    const int64_t last = std::min(panels, (r + 1) * run) - 1;
+    for (int64_t pi = r * run; pi <= last; ++pi)
+      fn(pi, 0, M, [&]() -> int64_t {
+        if (pi < last) return pi + 1;
+        const int64_t following = ahead();
+        return following < runs ? following * run : -1;
+      });
     return true;
   });
 }
