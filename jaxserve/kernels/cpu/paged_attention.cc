@@ -336,26 +336,47 @@ inline void transpose16(__m512 r[16]) {
 
 // A row's score over one key: the products of its 16-lane slices summed lane by lane,
 // slice after slice (P_j = sum_c q[16c + j] k[16c + j], j the lane), then the lanes in a
-// fixed tree: (P_j + P_j+8), then + 4, + 2, + 1 lanes apart. `score_direct` computes it key
-// by key from the page as stored, `score_transposed` for 16 keys at once from K^T; both
-// give the same bits, so a row's scores do not depend on which one its item took.
-template <int DH, typename T>
-inline __m512 score_direct(const float* q, const T* k, int64_t n, float scale) {
+// fixed tree: (P_j + P_j+8), then + 4, + 2, + 1 lanes apart. `score_direct` computes it for
+// 16 keys of K as stored (rows, widened to f32), `score_transposed` for 16 keys from K^T;
+// both give the same bits, so a row's scores do not depend on which one its item took.
+// score_direct runs the tree for the 16 keys at once: their 16 partial vectors combined
+// pairwise, each level's sums for two keys (then four, eight) in one vector, then the keys
+// put back in order (it took one horizontal sum of ~8 instructions per key and row: most
+// of a decode item's work).
+template <int DH>
+inline __m512 score_direct(const float* q, const float* k, int64_t n, float scale) {
   constexpr int C = DH / 16;
   __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  alignas(64) float s[16] = {};
-  for (int64_t t = 0; t < n; ++t) {
-    const T* kt = k + t * row_stride<T>(DH);
-    const __m512 ks = _mm512_set1_ps(row_scale(kt, DH));
-    __m512 a = _mm512_mul_ps(qv[0], row_load16(kt, 0, ks));
-    for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], row_load16(kt, 16 * c, ks), a);
-    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
-    const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
-    s[t] = _mm_cvtss_f32(_mm_add_ss(a2, _mm_movehdup_ps(a2)));
+  __m512 a[16];  // P of key t (keys from n on: 0, as they score 0 * scale)
+  for (int t = 0; t < 16; ++t) {
+    if (t >= n) {
+      a[t] = _mm512_setzero_ps();
+      continue;
+    }
+    a[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + t * DH));
+    for (int c = 1; c < C; ++c) a[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + t * DH + 16 * c), a[t]);
   }
-  return _mm512_mul_ps(_mm512_load_ps(s), _mm512_set1_ps(scale));
+  // + 8 lanes: x[i] holds keys 2i (lanes 0-7) and 2i + 1 (lanes 8-15)
+  __m512 x[8];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  // + 4: y[m]'s 128-bit lane L holds key 4m + L
+  __m512 y[4];
+  for (int m = 0; m < 4; ++m)
+    y[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0xDD));
+  // + 2: z[i]'s lane L holds keys 8i + L (elements 0, 1) and 8i + 4 + L (2, 3)
+  __m512 z[2];
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+  // + 1: element 4L + i holds key L + 4i
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),
+                                 _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_mul_ps(_mm512_permutexvar_ps(order, w), _mm512_set1_ps(scale));
 }
 
 // P_j (the lane-j partial of score_direct) of R rows for 16 keys: sum over the slices c
@@ -467,7 +488,7 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
   float *acc = it.acc, *m = it.m, *l = it.l;
   float* pr = it.extra;                   // [kRows, kBlockKeys] a group's probabilities
   float* corr = pr + kRows * kBlockKeys;  // [kRows] their running outputs' rescaling
-  float* kt = scratch.page.data();        // [2][DH, 16] K^T of the block's tiles, f32
+  float* kt = scratch.page.data();  // [2][DH, 16] K^T of the block's tiles, f32 (decode: K [32, DH])
   float* vf = kt + kBlockKeys * DH;       // [kBlockKeys, DH] V of the block, f32 (widen)
   const float* vf_tiles[2] = {vf, vf + 16 * DH};
   const int64_t* limit = it.limit;
@@ -510,6 +531,13 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       for (int i = 0; i < n_next; ++i) __builtin_prefetch(next[i] + fetched, 0, 2);
       fetched += 64;
     };
+    // Decode items: K widened to f32 once for the group's rows (kt as [kBlockKeys, DH])
+    for (int64_t t = 0; !transposed && t < used; ++t) {
+      const T* row = kp[t / 16] + (t % 16) * kStride;
+      const __m512 ks = _mm512_set1_ps(row_scale(row, DH));
+      for (int cc = 0; cc < DH / 16; ++cc)
+        _mm512_storeu_ps(kt + t * DH + cc * 16, row_load16(row, cc * 16, ks));
+    }
     // K^T per tile (rows past `used` are transposed too: never read unmasked)
     for (int j = 0; transposed && j < tiles; ++j)
       for (int cc = 0; cc < DH / 16; ++cc) {
@@ -559,10 +587,10 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
         }
         n_group = std::max(n_group, n);
         const __m512 s0 = transposed ? st[0][u]
-                                     : score_direct<DH, T>(it.q_row(r), kp[0],
-                                                           std::min<int64_t>(n, 16), p.scale);
+                                     : score_direct<DH>(it.q_row(r), kt,
+                                                        std::min<int64_t>(n, 16), p.scale);
         const __m512 s1 = transposed ? st[1][u]
-                          : n > 16 ? score_direct<DH, T>(it.q_row(r), kp[1], n - 16, p.scale)
+                          : n > 16 ? score_direct<DH>(it.q_row(r), kt + 16 * DH, n - 16, p.scale)
                                    : ninf;
         const __mmask16 live0 = first_lanes(n), live1 = first_lanes(n - 16);
         const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(
