@@ -1,14 +1,18 @@
 """Query-key pairs per second of the C++ paged attention kernel (jaxserve/kernels/cpu/),
 against XLA attention (`attention_impl="xla"`) on the same inputs in the same run.
 
-    python -m tools.bench_cpu_attention [--repeats 15]
+    python -m tools.bench_cpu_attention [--repeats 15] [--layers 30]
 
 Shapes: SmolLM2-135M's heads (9 query, 3 KV, head_dim 64), a bf16 pool of 16-token pages:
 a 240-token prompt chunk over 1,900 tokens of context (the chunked-prefill benchmark's
-last chunks), a 512-token prompt, and a decode step of 32 sequences over 512 tokens. One
-layer's attention per call; the minimum of `--repeats` calls (the VM's noise is +-20%: to
-compare two versions of the kernel, alternate their runs). A query-key pair is one query
-head scoring one visible key (causal).
+last chunks), a 512-token prompt, and decode steps of 32 sequences over 256 tokens (the
+32-stream peers benchmark's contexts) and 512. One layer's attention per call; the
+minimum of `--repeats` calls (the VM's noise is +-20%: to compare two versions of the
+kernel, alternate their runs). A query-key pair is one query head scoring one visible key
+(causal). --layers N (> 1) also times the C++ kernel on a stack of N layers' pools, each
+call reading the next layer's, as the engine's step does: pools read from DRAM, not from
+the cache a single small pool stays in (median of N * --repeats calls; decode of 32
+sequences over 256 tokens read its K/V at about half of DRAM's bandwidth, session 25).
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ from jaxserve.model.attention import make_metadata, paged_attention as model_att
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 CASES = (("prefill 240 x 1900", 1900, 240, 1), ("prefill 512 x 512", 512, 512, 1),
-         ("decode 32 x 512", 512, 1, 32))
+         ("decode 32 x 256", 256, 1, 32), ("decode 32 x 512", 512, 1, 32))
 
 
-def _case(rng, ctx: int, new: int, seqs: int):
+def _case(rng, ctx: int, new: int, seqs: int, layers: int = 1):
+    """The case's inputs (pools [layers, ...] when layers > 1) and its query-key pairs."""
     pages = -(-ctx // PAGE)
-    shape = (KV_HEADS, seqs * pages + 1, PAGE, HEAD_DIM)
+    shape = (layers,) * (layers > 1) + (KV_HEADS, seqs * pages + 1, PAGE, HEAD_DIM)
     k, v = (jax.lax.bitcast_convert_type(
         jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), jnp.uint16) for _ in range(2))
     tables = jnp.asarray(1 + np.arange(seqs * pages).reshape(seqs, pages), jnp.int32)
@@ -54,21 +59,46 @@ def _seconds(fn, args, repeats: int) -> float:
     return best
 
 
+def _seconds_stacked(fn, args, layers: int, repeats: int) -> float:
+    """Median seconds of layers * repeats calls of `fn` on stacked pools, each call at the
+    next layer."""
+    fn(*args, jnp.int32(0)).block_until_ready()
+    times = []
+    for i in range(layers * repeats):
+        start = time.perf_counter()
+        fn(*args, jnp.int32(i % layers)).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="> 1: also time the C++ kernel on a stack of this many layers' pools")
     args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error("--layers must be >= 1")
     load_library(default_cache_dir() / "kernels")
     cpp = jax.jit(paged_attention)
     xla = jax.jit(lambda q, k, v, t, sl, qs, pos: model_attention(
         q, k, v, make_metadata(t, sl, qs, pos, PAGE, "xla"), "xla", "head_major"))
+    stacked = jax.jit(lambda q, k, v, t, sl, qs, pos, layer: paged_attention(
+        q, k, v, t, sl, qs, pos, layer=layer))
     rng = np.random.default_rng(0)
-    print(f"{'case':>20} {'C++ ms':>8} {'M pairs/s':>10} {'XLA ms':>8} {'M pairs/s':>10} {'C++/XLA time':>13}")
+    dram = f" {'DRAM ms':>8} {'M pairs/s':>10}" if args.layers > 1 else ""
+    print(f"{'case':>20} {'C++ ms':>8} {'M pairs/s':>10} {'XLA ms':>8} {'M pairs/s':>10} "
+          f"{'C++/XLA time':>13}{dram}")
     for name, ctx, new, seqs in CASES:
         inputs, pairs = _case(rng, ctx, new, seqs)
         t_cpp, t_xla = _seconds(cpp, inputs, args.repeats), _seconds(xla, inputs, args.repeats)
-        print(f"{name:>20} {t_cpp * 1e3:8.2f} {pairs / t_cpp / 1e6:10.0f} {t_xla * 1e3:8.2f} "
-              f"{pairs / t_xla / 1e6:10.0f} {t_cpp / t_xla:13.2f}")
+        line = (f"{name:>20} {t_cpp * 1e3:8.2f} {pairs / t_cpp / 1e6:10.0f} {t_xla * 1e3:8.2f} "
+                f"{pairs / t_xla / 1e6:10.0f} {t_cpp / t_xla:13.2f}")
+        if args.layers > 1:
+            inputs, _ = _case(rng, ctx, new, seqs, args.layers)
+            t = _seconds_stacked(stacked, inputs, args.layers, args.repeats)
+            line += f" {t * 1e3:8.2f} {pairs / t / 1e6:10.0f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

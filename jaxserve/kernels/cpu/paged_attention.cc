@@ -17,7 +17,8 @@
 // widen a bf16 V) into f32 scratch and score 16 keys per FMA (`attend_item_tiled`); every
 // row, transposed or not, sums its scores in the same order, so its bits do not depend on
 // the rows beside it. That path's online softmax steps over 32 keys (two 16-key tiles) and
-// its p @ V loads each V vector once for up to 4 rows (the GQA group's in decode).
+// its p @ V loads each V vector once for up to 4 rows (the GQA group's in decode); decode
+// items widen a block's K to f32 once for their rows and sum 16 keys' lanes at once.
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
@@ -355,7 +356,8 @@ inline __m512 score_direct(const float* q, const float* k, int64_t n, float scal
       continue;
     }
     a[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + t * DH));
-    for (int c = 1; c < C; ++c) a[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + t * DH + 16 * c), a[t]);
+    for (int c = 1; c < C; ++c)
+      a[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + t * DH + 16 * c), a[t]);
   }
   // + 8 lanes: x[i] holds keys 2i (lanes 0-7) and 2i + 1 (lanes 8-15)
   __m512 x[8];
@@ -488,7 +490,8 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
   float *acc = it.acc, *m = it.m, *l = it.l;
   float* pr = it.extra;                   // [kRows, kBlockKeys] a group's probabilities
   float* corr = pr + kRows * kBlockKeys;  // [kRows] their running outputs' rescaling
-  float* kt = scratch.page.data();  // [2][DH, 16] K^T of the block's tiles, f32 (decode: K [32, DH])
+  float* kt = scratch.page.data();        // [2][DH, 16] K^T of the block's tiles, f32
+                                          // (decode items: K [kBlockKeys, DH], f32)
   float* vf = kt + kBlockKeys * DH;       // [kBlockKeys, DH] V of the block, f32 (widen)
   const float* vf_tiles[2] = {vf, vf + 16 * DH};
   const int64_t* limit = it.limit;
