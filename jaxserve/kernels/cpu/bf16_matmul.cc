@@ -78,9 +78,8 @@ constexpr int64_t kMaxRows = 8;  // rows of x per register block (8 x 32 columns
 // accumulators + 8 widened weights <= 32 zmm; x is an FMA's broadcast memory operand).
 constexpr int kStreamRows = 6;
 // Up to this many rows of x (decode), a panel's register blocks prefetch the panel their
-// thread multiplies next (Ahead): its arithmetic is short beside its DRAM read (AMD Zen 4
-// VM, weights read from DRAM: 8 rows 1.4-1.9x, 32 rows 1.04-1.2x as fast). A prefill's
-// panel is reused by 32 row blocks, so its first block's wait is a small share.
+// thread multiplies next (Ahead): its arithmetic is short beside its DRAM read. A
+// prefill's panel is reused by 32 row blocks, so its first block's wait is a small share.
 constexpr int64_t kAheadMaxRows = 64;
 
 
