@@ -28,7 +28,7 @@
 // panel their thread multiplies next (the item's next one, or the first of the item the
 // thread claims then: parallel_panels_ahead), so the weights' DRAM stream overlaps the
 // arithmetic instead of stalling each panel's first block (AMD Zen 4 VM, weights read
-// from DRAM: 8 rows 1.4-1.9x, 32 rows 1.04-1.2x as fast).
+// from DRAM: 8 rows 1.13-1.43x, 32 rows 1.00-1.08x as fast).
 //
 // round_x (compute-bound row counts, where vdpbf16ps outruns f32 FMAs: 2x the flops on AMD
 // Zen 4, a quarter on Intel Sapphire Rapids; jaxserve_bf16_dot_speedup measures it): x is
