@@ -92,10 +92,8 @@ struct Problem {
   int64_t M, K2, N, P;
 };
 
-// A register block's share of the next panel (the one its thread multiplies next), fetched
-// into L2 while the block computes: per_k lines per k pair, from `next` up to `lines` lines,
-// so a panel's DRAM stream overlaps the previous panel's arithmetic instead of stalling its
-// own first block.
+// A register block's share of the next panel (kAheadMaxRows), fetched into L2 while the
+// block computes: per_k lines per k pair, from `next` up to `lines` lines.
 struct Ahead {
   const char* next = nullptr;  // the share's first byte (null: nothing to fetch)
   int64_t lines = 0;           // 64-byte lines in the share

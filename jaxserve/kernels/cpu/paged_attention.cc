@@ -500,6 +500,15 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // The pool rows of the 16-key tile from key `key` (a multiple of 16: pages hold a multiple
   // of 16 keys, so a tile never spans two), or null for a page id outside [0, N).
+  // The block's first n rows of the tiles (t / 16, row t % 16) as f32 rows [n, DH] in out.
+  auto widen_rows = [](float* out, const T* const* tiles, int64_t n) {
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = tiles[t / 16] + (t % 16) * kStride;
+      const __m512 scale = _mm512_set1_ps(row_scale(row, DH));
+      for (int cc = 0; cc < DH / 16; ++cc)
+        _mm512_storeu_ps(out + t * DH + cc * 16, row_load16(row, cc * 16, scale));
+    }
+  };
   auto tile = [&](const void* pool, int64_t key) -> const T* {
     const T* page = it.page_rows<T>(pool, key / p.ps);
     return page == nullptr ? nullptr : page + (key % p.ps) * kStride;
@@ -535,12 +544,7 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       fetched += 64;
     };
     // Decode items: K widened to f32 once for the group's rows (kt as [kBlockKeys, DH])
-    for (int64_t t = 0; !transposed && t < used; ++t) {
-      const T* row = kp[t / 16] + (t % 16) * kStride;
-      const __m512 ks = _mm512_set1_ps(row_scale(row, DH));
-      for (int cc = 0; cc < DH / 16; ++cc)
-        _mm512_storeu_ps(kt + t * DH + cc * 16, row_load16(row, cc * 16, ks));
-    }
+    if (!transposed) widen_rows(kt, kp, used);
     // K^T per tile (rows past `used` are transposed too: never read unmasked)
     for (int j = 0; transposed && j < tiles; ++j)
       for (int cc = 0; cc < DH / 16; ++cc) {
@@ -555,13 +559,7 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
           _mm512_storeu_ps(kt + j * 16 * DH + (cc * 16 + d) * 16, r16[d]);
       }
     while (n_next > 0 && fetched < kTileBytes) prefetch_line();
-    if (widen)
-      for (int64_t t = 0; t < used; ++t) {
-        const T* row = vp[t / 16] + (t % 16) * kStride;
-        const __m512 vs = _mm512_set1_ps(row_scale(row, DH));
-        for (int cc = 0; cc < DH / 16; ++cc)
-          _mm512_storeu_ps(vf + t * DH + cc * 16, row_load16(row, cc * 16, vs));
-      }
+    if (widen) widen_rows(vf, vp, used);
 
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));

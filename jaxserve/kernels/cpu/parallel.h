@@ -27,8 +27,8 @@
 
 namespace jaxserve {
 
-struct ParallelState {
-  std::function<bool(int64_t)> body;  // returns false on bad input (reported as an error)
+// What both loops' states share: the items' counters and the caller's wait.
+struct ParallelCounters {
   int64_t total = 0;
   int64_t threads = 1;  // the caller and its helpers
   std::atomic<int64_t> next{0};
@@ -43,6 +43,10 @@ struct ParallelState {
       cv.notify_all();
     }
   }
+};
+
+struct ParallelState : ParallelCounters {
+  std::function<bool(int64_t)> body;  // returns false on bad input (reported as an error)
 
   void drain() {
     for (int64_t i; (i = next.fetch_add(1)) < total;) {
@@ -92,8 +96,8 @@ inline bool parallel_for(xla::ffi::ThreadPool& pool, int64_t total,
 // returns total (none) in the last round of items, where each thread takes its last one
 // when it is free (a thread holding one claimed while another finds none left would idle
 // that one for up to an item's time), and claims at most one item per item.
-struct ParallelAheadState : ParallelState {
-  std::function<bool(int64_t, const std::function<int64_t()>&)> body_ahead;
+struct ParallelAheadState : ParallelCounters {
+  std::function<bool(int64_t, const std::function<int64_t()>&)> body;
 
   void drain() {
     int64_t i = next.fetch_add(1);
@@ -103,7 +107,7 @@ struct ParallelAheadState : ParallelState {
         if (following < 0 && next.load() + threads <= total) following = next.fetch_add(1);
         return following < 0 ? total : std::min(following, total);
       };
-      if (!body_ahead(i, ahead)) failed.store(true);
+      if (!body(i, ahead)) failed.store(true);
       finish_one();
       i = following >= 0 ? following : next.fetch_add(1);
     }
@@ -115,7 +119,7 @@ inline bool parallel_for_ahead(xla::ffi::ThreadPool& pool, int64_t total,
                                int64_t max_helpers = 1 << 30) {
   if (total <= 0) return true;
   auto st = std::make_shared<ParallelAheadState>();
-  st->body_ahead = std::move(body);
+  st->body = std::move(body);
   st->total = total;
   return run_parallel(pool, st, max_helpers);
 }
