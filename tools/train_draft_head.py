@@ -188,7 +188,8 @@ def acceptance(hp, embed, cfg, heldout, k: int, rng, num_positions: int = 64):
     lm = np.asarray(hp.body.lm_head, np.float32)
     vocab = np.asarray(hp.vocab)
     W = 256 + k  # every chain padded to one shape (causal: padding after does not matter)
-    fwd = jax.jit(lambda hp, t, f, q: head_forward(hp, embed, t, f, q, cfg))
+    # embed as an argument: closed over, it would be lowered into the program as a constant
+    fwd = jax.jit(lambda hp, e, t, f, q: head_forward(hp, e, t, f, q, cfg))
     lengths, agree, total = [], 0, 0
     cands = [(i, p) for i, (ids, pl, f) in enumerate(heldout)
              for p in range(max(pl, 1), len(f) - k - 1)]
@@ -205,7 +206,7 @@ def acceptance(hp, embed, cfg, heldout, k: int, rng, num_positions: int = 64):
         n = 0
         for j in range(k):
             last = n_ctx + j - 1
-            guess = np.asarray(fwd(hp, toks[None], prev[None], pos[None]))[0, last]
+            guess = np.asarray(fwd(hp, embed, toks[None], prev[None], pos[None]))[0, last]
             d = int(vocab[np.argmax(guess @ lm)])
             if j == 0:
                 total += 1
@@ -352,8 +353,11 @@ def main(argv=None) -> int:
         trainable, opt_state = restored["trainable"], restored["opt_state"]
         log(f"resumed from step {start}")
 
-    @jax.jit
-    def step(trainable, opt_state, batch, key):
+    # committed to the device as the step's outputs will be (else step 2 compiles again)
+    trainable, opt_state = jax.device_put((trainable, opt_state), jax.devices()[0])
+
+    @jax.jit  # frozen as an argument, not a constant lowered into the program
+    def step(trainable, opt_state, frozen, batch, key):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             trainable, frozen, batch, hcfg, key, args.depths, args.reg_weight)
         updates, opt_state = opt.update(grads, opt_state, trainable)
@@ -367,7 +371,7 @@ def main(argv=None) -> int:
                total=args.steps)
     for i in bar:
         batch = jax.tree.map(jnp.asarray, ds[i])
-        trainable, opt_state, loss, aux = step(trainable, opt_state, batch,
+        trainable, opt_state, loss, aux = step(trainable, opt_state, frozen, batch,
                                                jax.random.fold_in(key, i))
         if i % 10 == 0:
             bar.set_postfix(loss=f"{float(loss):.3f}", top1=f"{float(aux['top1']):.2f}")
