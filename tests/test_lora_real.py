@@ -54,8 +54,10 @@ def lora_llm(smollm2_checkpoint, cache_dir, adapters):
     return LLM(cfg, cache_dir=cache_dir, warmup=False)
 
 
-def _pad(seqs):
-    width = max(map(len, seqs))
+def _pad(seqs, width=None):
+    """seqs as tokens [B, width] int32, zero-padded, and their lengths [B] int32; one
+    width for calls of different sequences means one compiled program for them all."""
+    width = width or max(map(len, seqs))
     toks = np.zeros((len(seqs), width), np.int32)
     for i, s in enumerate(seqs):
         toks[i, :len(s)] = s
@@ -80,14 +82,15 @@ def test_adapters_and_base_in_one_batch_match_the_merged_models(lora_llm, real, 
     got = lora_llm.generate(prompts, sp, lora_request=which)
     merged = {name: merge_adapter(params, load_peft_adapter(adapters[name], cfg, 8))
               for name in ("a1", "a2")}
+    width = max(map(len, prompts)) + N  # every call below at one shape (one compile each)
     for prompt, req, out in zip(prompts, which, got):
         p = params if req is None else merged[req.lora_name]
-        toks, lens = _pad([prompt])
+        toks, lens = _pad([prompt], width - N)
         want, _ = functional.generate(p, cfg, toks, lens, jax.random.key(0), max_new_tokens=N,
                                       temperature=0.0)
         assert out.token_ids == list(map(int, np.asarray(want)[0])), req
-        seq, seq_len = _pad([prompt + out.token_ids])
-        scored = np.asarray(functional.score(p, cfg, seq, seq_len))[0, len(prompt):]
+        seq, seq_len = _pad([prompt + out.token_ids], width)
+        scored = np.asarray(functional.score(p, cfg, seq, seq_len))[0, len(prompt):len(prompt) + N]
         np.testing.assert_allclose([lp.logprob for lp in out.logprobs], scored, atol=2e-4,
                                    rtol=0)
         if req is not None:  # the adapter matters
