@@ -25,11 +25,14 @@
         [--compare precision|attention|matmul|fusion|round_x|decode_steps|kv_dtype]
         [--decode-steps N] [--kv-dtypes float32,bfloat16]
         [--ragged]
-        [--shapes decode:1x16,decode:32x16,prefill:1x512 ...] [--json out.json]
+        [--shapes decode:1x16,decode:32x16,prefill:1x512,mixed:31x16x225 ...] [--json out.json]
 
 Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
 (P = L pages of page_size tokens, one new token each; with --ragged row i's context is
-drawn uniformly from 1 .. L pages, as in a serving batch); prefill = B prompts of L tokens.
+drawn uniformly from 1 .. L pages, as in a serving batch); prefill = B prompts of L tokens;
+`mixed:BxLxT` = decode:BxL's rows and, in the same step, a T-token prompt (a mixed step of
+continuous batching with chunked prefill: B + 1 sequences, B + T token rows; B + 1 at
+most max_num_seqs).
 Both variants run the same step (forward, logits, greedy sampling) on the same random
 batch. Prints per shape the median ms of each and the variant/baseline time ratio (< 1:
 the variant is faster); for precision also the smallest row count (B x Q) from which bf16
@@ -54,47 +57,70 @@ DEFAULT_SHAPES = ("decode:1x16,decode:2x16,decode:4x16,decode:8x16,decode:16x16,
                   "decode:32x64,prefill:1x64,prefill:1x512,prefill:4x128")
 
 
-def parse_shape(text: str) -> tuple[str, int, int]:
-    """"decode:32x16" -> ("decode", 32, 16). Raises ValueError on a malformed shape."""
+def parse_shape(text: str) -> tuple[str, int, int, int]:
+    """"decode:32x16" -> ("decode", 32, 16, 0); "mixed:31x16x225" -> ("mixed", 31, 16,
+    225) (the prompt's tokens last). Raises ValueError on a malformed shape."""
     kind, _, dims = text.partition(":")
-    b, _, l = dims.partition("x")
-    if kind not in ("decode", "prefill") or not b.isdigit() or not l.isdigit():
-        raise ValueError(f"shape {text!r}: expected decode:BxPAGES or prefill:BxTOKENS")
-    return kind, int(b), int(l)
+    parts = dims.split("x")
+    want = 3 if kind == "mixed" else 2
+    if kind not in ("decode", "prefill", "mixed") or len(parts) != want \
+            or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"shape {text!r}: expected decode:BxPAGES, prefill:BxTOKENS or "
+                         "mixed:BxPAGESxTOKENS (positive integers)")
+    return kind, int(parts[0]), int(parts[1]), int(parts[2]) if kind == "mixed" else 0
+
+
+def shape_pages(kind: str, B: int, L: int, T: int, page_size: int) -> int:
+    """KV pages a shape's batch uses (make_batch): B x L for decode rows, B x ceil(L /
+    page_size) for prompts, and a mixed step's prompt its ceil(T / page_size) more."""
+    if kind == "prefill":
+        return B * -(-L // page_size)
+    return B * L + (-(-T // page_size) if kind == "mixed" else 0)
 
 
 def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
-               ragged: bool = False, room: int = 3):
-    """A full random batch of the shape (every row real), as the engine would build it;
-    ragged: decode rows get contexts drawn uniformly from 1 .. L pages; room: slots left
-    free at the end of a full decode row's L pages (multi-step decode writes there)."""
+               ragged: bool = False, room: int = 3, T: int = 0):
+    """A full random batch of the shape (every row real), as the engine would build it:
+    (StepBatch, SamplingBatch, greedy). ragged: decode rows get contexts drawn uniformly
+    from 1 .. L pages; room: slots left free at the end of a full decode row's L pages
+    (multi-step decode writes there); T: a mixed step's prompt tokens, after the B decode
+    rows (its own pages, positions 0 .. T - 1). Raises ValueError when the pool's
+    num_pages - 1 pages (page 0 is the null page) cannot hold the batch."""
     from jaxserve.worker.input_batch import empty_batch
     from jaxserve.sample.sampler import SamplingBatch
     from jaxserve.sampling_params import SamplingParams
 
-    if kind == "decode":
-        Q, P, ctx = 1, L, L * page_size - room
+    # each sequence: (query tokens, pages, context tokens)
+    if kind == "prefill":
+        seqs = [(L, -(-L // page_size), L)] * B
     else:
-        Q, P, ctx = L, -(-L // page_size), L
-    b = empty_batch(B * Q, B, P, decode=kind == "decode")
+        seqs = [(1, L, L * page_size - room)] * B
+        if kind == "mixed":
+            seqs.append((T, -(-T // page_size), T))
+    S, P = len(seqs), max(p for _, p, _ in seqs)
+    b = empty_batch(sum(q for q, _, _ in seqs), S, P, decode=kind == "decode")
     pages = rng.permutation(np.arange(1, num_pages))
-    if B * P > len(pages):
-        raise ValueError(f"{kind}:{B}x{L} needs {B * P} pages, the pool has {len(pages)}")
-    full_ctx = ctx
-    for i in range(B):
-        table = pages[i * P:(i + 1) * P]
-        if ragged and kind == "decode":
-            ctx = int(rng.integers(1, full_ctx + 1))  # room stays free in every row
+    need = sum(p for _, p, _ in seqs)
+    if need > len(pages):
+        raise ValueError(f"{kind}:{B}x{L}{f'x{T}' if T else ''} needs {need} pages, the pool "
+                         f"has {len(pages)}")
+    row = used = 0
+    for i, (Q, n_pages, ctx) in enumerate(seqs):
+        table = pages[used:used + n_pages]
+        used += n_pages
+        if ragged and Q == 1:
+            ctx = int(rng.integers(1, ctx + 1))  # room stays free in every row
         pos = np.arange(ctx - Q, ctx)
-        rows = slice(i * Q, (i + 1) * Q)
+        rows = slice(row, row + Q)
         b.tokens[rows] = rng.integers(100, 30000, Q)
         b.positions[rows] = pos
         b.slot_mapping[rows] = table[pos // page_size] * page_size + pos % page_size
-        b.block_tables[i] = table
+        b.block_tables[i, :n_pages] = table
         b.seq_lens[i] = ctx
-        b.query_start[i + 1] = (i + 1) * Q
-        b.logits_indices[i] = (i + 1) * Q - 1
-    s = SamplingBatch.from_params([SamplingParams(temperature=0)] * B, [0] * B, [0] * B, B)
+        row += Q
+        b.query_start[i + 1] = row
+        b.logits_indices[i] = row - 1
+    s = SamplingBatch.from_params([SamplingParams(temperature=0)] * S, [0] * S, [0] * S, S)
     return b, s
 
 
@@ -182,11 +208,16 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     model_cfg = load_model_config(ckpt).replace(dtype="float32")
     params = load_params(ckpt, model_cfg)
     ps = cfg.engine.cache.page_size
-    num_pages = 1 + max(B * (L if k == "decode" else -(-L // ps)) for k, B, L in shapes)
+    num_pages = 1 + max(shape_pages(k, B, L, T, ps) for k, B, L, T in shapes)
     # room in the block tables for the longest shape (decode:32x256 is 4,096 tokens a row)
-    longest = max(L * ps if k == "decode" else L for k, _, L in shapes)
+    longest = max(max(T, L * ps) if k != "prefill" else L for k, _, L, T in shapes)
     if longest > cfg.engine.max_model_len:
         cfg = cfg.override(max_model_len=-(-longest // ps) * ps)
+    max_seqs = cfg.engine.scheduler.max_num_seqs
+    for k, B, L, T in shapes:
+        if B + (k == "mixed") > max_seqs:
+            sys.exit(f"--shapes {k}:{B}x{L}{f'x{T}' if T else ''}: {B + (k == 'mixed')} "
+                     f"sequences in one step, the config's max_num_seqs is {max_seqs}")
     if args.compare == "precision":
         ecfg = cfg.engine.override(bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
                                    bf16_matmul_round_x_min_rows=None, weight_quant=None)
@@ -215,7 +246,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         ecfg = cfg.engine
         params, kernels = served(params, ecfg, cache_dir)
         n = args.decode_steps or ecfg.scheduler.decode_steps
-        if n < 2 or any(k != "decode" for k, _, _ in shapes):
+        if n < 2 or any(k != "decode" for k, *_ in shapes):
             sys.exit("--compare decode_steps: needs --decode-steps >= 2 (or a config with "
                      "decode_steps >= 2) and decode shapes only")
         base, var = "1/step", f"{n}/step"
@@ -254,17 +285,18 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     rng = np.random.default_rng(0)
     rows = []
     print(f"{'shape':>16} {'rows':>5} {base + ' ms':>9} {var + ' ms':>9} {var + '/' + base:>9}")
-    for kind, B, L in shapes:
+    for kind, B, L, T in shapes:
         if args.compare == "decode_steps":
             batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, room=n + 1)
             r = runners[base]
             t = {base: time_per_token(r, batch, sampling, 1, args.repeats),
                  var: time_per_token(r, batch, sampling, n, args.repeats)}
         else:
-            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged)
+            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, T=T)
             t = {name: time_step(r, batch, sampling, args.repeats) for name, r in runners.items()}
-        n_rows = B * (1 if kind == "decode" else L)
-        rows.append({"shape": f"{kind}:{B}x{L}", "rows": n_rows, f"{base}_ms": t[base] * 1e3,
+        n_rows = len(batch.tokens)
+        shape = f"{kind}:{B}x{L}" + (f"x{T}" if kind == "mixed" else "")
+        rows.append({"shape": shape, "rows": n_rows, f"{base}_ms": t[base] * 1e3,
                      f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
         print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
               f"{t[var] / t[base]:9.2f}", flush=True)
