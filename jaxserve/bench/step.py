@@ -81,7 +81,7 @@ def shape_pages(kind: str, B: int, L: int, T: int, page_size: int) -> int:
 def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
                ragged: bool = False, room: int = 3, T: int = 0):
     """A full random batch of the shape (every row real), as the engine would build it:
-    (StepBatch, SamplingBatch, greedy). ragged: decode rows get contexts drawn uniformly
+    (StepBatch, SamplingBatch), every sequence sampled greedily. ragged: decode rows get contexts drawn uniformly
     from 1 .. L pages; room: slots left free at the end of a full decode row's L pages
     (multi-step decode writes there); T: a mixed step's prompt tokens, after the B decode
     rows (its own pages, positions 0 .. T - 1). Raises ValueError when the pool's
