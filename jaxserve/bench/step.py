@@ -70,12 +70,22 @@ def parse_shape(text: str) -> tuple[str, int, int, int]:
     return kind, int(parts[0]), int(parts[1]), int(parts[2]) if kind == "mixed" else 0
 
 
-def shape_pages(kind: str, B: int, L: int, T: int, page_size: int) -> int:
-    """KV pages a shape's batch uses (make_batch): B x L for decode rows, B x ceil(L /
-    page_size) for prompts, and a mixed step's prompt its ceil(T / page_size) more."""
+def shape_sequences(kind: str, B: int, L: int, T: int, page_size: int,
+                    room: int = 3) -> list[tuple[int, int, int]]:
+    """A shape's sequences, in make_batch's order, as (query tokens, KV pages, context
+    tokens): B prompts of L tokens; or B decode rows of L pages (room slots left free at
+    their end) and, for mixed, a T-token prompt after them."""
     if kind == "prefill":
-        return B * -(-L // page_size)
-    return B * L + (-(-T // page_size) if kind == "mixed" else 0)
+        return [(L, -(-L // page_size), L)] * B
+    seqs = [(1, L, L * page_size - room)] * B
+    if kind == "mixed":
+        seqs.append((T, -(-T // page_size), T))
+    return seqs
+
+
+def shape_pages(kind: str, B: int, L: int, T: int, page_size: int) -> int:
+    """KV pages a shape's batch uses (make_batch)."""
+    return sum(p for _, p, _ in shape_sequences(kind, B, L, T, page_size))
 
 
 def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
@@ -90,13 +100,7 @@ def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
     from jaxserve.sample.sampler import SamplingBatch
     from jaxserve.sampling_params import SamplingParams
 
-    # each sequence: (query tokens, pages, context tokens)
-    if kind == "prefill":
-        seqs = [(L, -(-L // page_size), L)] * B
-    else:
-        seqs = [(1, L, L * page_size - room)] * B
-        if kind == "mixed":
-            seqs.append((T, -(-T // page_size), T))
+    seqs = shape_sequences(kind, B, L, T, page_size, room)
     S, P = len(seqs), max(p for _, p, _ in seqs)
     b = empty_batch(sum(q for q, _, _ in seqs), S, P, decode=kind == "decode")
     pages = rng.permutation(np.arange(1, num_pages))

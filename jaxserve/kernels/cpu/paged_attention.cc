@@ -500,6 +500,10 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // The pool rows of the 16-key tile from key `key` (a multiple of 16: pages hold a multiple
   // of 16 keys, so a tile never spans two), or null for a page id outside [0, N).
+  auto tile = [&](const void* pool, int64_t key) -> const T* {
+    const T* page = it.page_rows<T>(pool, key / p.ps);
+    return page == nullptr ? nullptr : page + (key % p.ps) * kStride;
+  };
   // The block's first n rows of the tiles (t / 16, row t % 16) as f32 rows [n, DH] in out.
   auto widen_rows = [](float* out, const T* const* tiles, int64_t n) {
     for (int64_t t = 0; t < n; ++t) {
@@ -508,10 +512,6 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       for (int cc = 0; cc < DH / 16; ++cc)
         _mm512_storeu_ps(out + t * DH + cc * 16, row_load16(row, cc * 16, scale));
     }
-  };
-  auto tile = [&](const void* pool, int64_t key) -> const T* {
-    const T* page = it.page_rows<T>(pool, key / p.ps);
-    return page == nullptr ? nullptr : page + (key % p.ps) * kStride;
   };
 
   const int64_t n_keys = it.max_limit;  // keys any row sees

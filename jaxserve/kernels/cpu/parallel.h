@@ -124,6 +124,11 @@ inline bool parallel_for_ahead(xla::ffi::ThreadPool& pool, int64_t total,
   return run_parallel(pool, st, max_helpers);
 }
 
+// Panels per item (a run of consecutive panels) for about items_per_call items a call.
+inline int64_t panel_run(int64_t panels, int64_t items_per_call) {
+  return std::max<int64_t>(1, panels / items_per_call);
+}
+
 // A matmul's work over its weight's `panels` panels and x's M rows: items of consecutive
 // panels (about items_per_call of them a call), so each thread streams long contiguous
 // stretches of the weight; a weight of few panels is also split by rows when x has at
@@ -135,7 +140,7 @@ template <typename F>
 inline void parallel_panels(xla::ffi::ThreadPool& pool, int64_t panels, int64_t M,
                             int64_t items_per_call, int64_t min_split_rows, int64_t row_block,
                             F fn) {
-  const int64_t run = std::max<int64_t>(1, panels / items_per_call);
+  const int64_t run = panel_run(panels, items_per_call);
   const int64_t runs = (panels + run - 1) / run;
   int64_t chunk = M;  // rows per item
   if (runs < items_per_call && M >= 2 * min_split_rows) {
@@ -159,7 +164,7 @@ inline void parallel_panels(xla::ffi::ThreadPool& pool, int64_t panels, int64_t 
 template <typename F>
 inline void parallel_panels_ahead(xla::ffi::ThreadPool& pool, int64_t panels, int64_t M,
                                   int64_t items_per_call, F fn) {
-  const int64_t run = std::max<int64_t>(1, panels / items_per_call);
+  const int64_t run = panel_run(panels, items_per_call);
   const int64_t runs = (panels + run - 1) / run;
   parallel_for_ahead(pool, runs, [&](int64_t r, const std::function<int64_t()>& ahead) {
     const int64_t last = std::min(panels, (r + 1) * run) - 1;
