@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels.pallas.quantized_matmul import (quantize_weights, quantized_matmul,
-                                                      quantized_matmul_reference)
+                                                      quantized_matmul_reference,
+                                                      quantized_matmul_xla)
 from kernel_utils import DTYPES, case_grid
 
 INTERPRET = "pallas_interpret"
@@ -71,6 +72,25 @@ def test_kernel_matches_reference(fmt, group, k, n, dtype, pallas_impl):
         x = _acts(rng, m, k, dtype)
         out = quantized_matmul(x, w_q, scales, impl=pallas_impl)
         _assert_close(out, quantized_matmul_reference(x, w_q, scales), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_xla_form_matches_reference(dtype):
+    """quantized_matmul_xla (matmul_impl "xla": the widened weight as the dot's operand,
+    scales on the f32 sum) gives the reference's product within the kernels' bounds, per
+    channel and per group, and a wrong scale changes it."""
+    rng = np.random.default_rng(SEED)
+    for fmt, group, k, n in FORMATS:
+        w_q, scales = quantize_weights(_weights(rng, k, n, group), fmt, group)
+        x = _acts(rng, 5, k, dtype)
+        ref = quantized_matmul_reference(x, w_q, scales)
+        _assert_close(quantized_matmul_xla(x, w_q, scales), ref, dtype)
+        if group is None:
+            bad = np.asarray(quantized_matmul_xla(x, w_q, scales.at[3].mul(2)).astype(jnp.float32))
+            ref32 = np.asarray(ref.astype(jnp.float32))
+            assert not np.allclose(bad[:, 3], ref32[:, 3], rtol=0.1)
+            np.testing.assert_array_equal(np.delete(bad, 3, 1), np.delete(
+                np.asarray(quantized_matmul_xla(x, w_q, scales).astype(jnp.float32)), 3, 1))
 
 
 @pytest.mark.parametrize("fmt,group,blocks", [

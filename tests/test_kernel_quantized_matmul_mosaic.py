@@ -178,14 +178,15 @@ def test_bench_tool_reports_bytes_rates_and_skips():
 
     # a weight of 8 MB: a call takes ~1 ms on CPU, so 16 calls against 1 (the tool's timing)
     # measure more than noise
-    res = bench(["1024x4096"], [2], ["xla_bf16", "xla", "pallas", "pallas_mosaic"], ["int8"],
-                None, 3)
+    res = bench(["1024x4096"], [2], ["xla_bf16", "xla", "reference", "pallas", "pallas_mosaic"],
+                ["int8"], None, 3, sweep=True)
     by_impl = {r["impl"]: r for r in res["rows"]}
-    assert set(by_impl) == {"xla_bf16", "xla", "pallas", "pallas_mosaic"}
+    # no GPU here: the sweep's variants run only where their kernel does
+    assert set(by_impl) == {"xla_bf16", "xla", "reference", "pallas", "pallas_mosaic"}
     io = (2 * 1024 + 2 * 4096) * 2
     assert by_impl["xla_bf16"]["bytes"] == 1024 * 4096 * 2 + io
-    assert by_impl["xla"]["bytes"] == 1024 * 4096 + 4096 * 4 + io
-    for r in (by_impl["xla_bf16"], by_impl["xla"]):
+    assert by_impl["xla"]["bytes"] == by_impl["reference"]["bytes"] == 1024 * 4096 + 4096 * 4 + io
+    for r in (by_impl["xla_bf16"], by_impl["xla"], by_impl["reference"]):
         assert r["gb_s"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
         assert r["of_peak"] == pytest.approx(r["gb_s"] / res["read_gb_s"])
     assert by_impl["xla_bf16"]["vs_bf16"] == 1.0

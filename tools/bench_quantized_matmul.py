@@ -2,8 +2,8 @@
 the device's read bandwidth, and each kernel's time against XLA's bf16 dot in the same run.
 
     python -m tools.bench_quantized_matmul [--shapes 4096x4096 4096x1024 4096x14336 14336x4096]
-        [--m 1 64 256] [--impls xla_bf16 xla pallas pallas_mosaic] [--formats int8 fp8_e4m3]
-        [--group G] [--repeats 20] [--json OUT]
+        [--m 1 64 256] [--impls xla_bf16 xla reference pallas pallas_mosaic]
+        [--formats int8 fp8_e4m3] [--group G] [--repeats 20] [--sweep] [--json OUT]
 
 For each weight shape [in_features, out_features] (default: Llama-3-8B's projections), each
 row count M (1: single-stream decode, 64: a batch of decodes, 256+: prefill chunks) and each
@@ -15,10 +15,16 @@ matmul itself:
 
 - `xla_bf16`: the baseline, XLA's dot of bf16 x and a bf16 weight (what an unquantised model
   runs); bytes = the bf16 weight + x + out.
-- `xla`: the plain-jnp reference (dequantise the whole weight, f32 dot): what an engine
-  without the kernels would do.
+- `xla`: what KernelConfig.matmul_impl "xla" runs (`quantized_matmul_xla`: the widened
+  weight as an operand of XLA's dot, which XLA:GPU fuses into its GEMM).
+- `reference`: the plain-jnp reference (dequantise the whole weight, f32 dot).
 - `pallas`: the Triton kernel (`quantized_matmul`, any GPU).
 - `pallas_mosaic`: the Hopper kernel (`quantized_matmul_mosaic`, sm_90 only).
+
+With --sweep each Pallas kernel is also timed with the tiles of SWEEP (the Triton kernel's
+block_n / block_k / num_warps / num_stages, the Mosaic one's tile_n / max_concurrent_steps;
+M <= 64 only, where split-K applies and the defaults were chosen without a GPU), each row
+named `impl[option=value,...]`: which tiles reach the bound, to set the defaults by.
 
 bytes = the stored weight (1 byte per element) + its f32 scales + x + out, read or written
 once: the least any implementation must move. GB/s = bytes / time; "of peak" divides it by
@@ -39,7 +45,21 @@ import sys
 import time
 
 LLAMA3_8B_SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096")
-IMPLS = ("xla_bf16", "xla", "pallas", "pallas_mosaic")
+IMPLS = ("xla_bf16", "xla", "reference", "pallas", "pallas_mosaic")
+# --sweep: the tile options each kernel is also timed with at M <= 64 (the defaults first:
+# Triton block_n 64, block_k 128, 4 warps, 2 stages; Mosaic tile_n 128, 4 steps in flight).
+# More bytes in flight per program is the lever a GEMV has (PERFORMANCE.md, "The GPU run
+# of session 24": the kernels read at 30-43% of the bandwidth).
+SWEEP = {
+    "pallas": [dict(block_n=128, block_k=128, num_warps=4, num_stages=3),
+               dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
+               dict(block_n=128, block_k=256, num_warps=8, num_stages=3),
+               dict(block_n=256, block_k=128, num_warps=8, num_stages=4),
+               dict(block_n=64, block_k=512, num_warps=8, num_stages=2)],
+    # (tile_n 256 with 8 steps in flight needs 296 KB of SMEM, over the 227 KB a CTA has)
+    "pallas_mosaic": [dict(max_concurrent_steps=8), dict(tile_n=256),
+                      dict(tile_n=256, max_concurrent_steps=5)],
+}
 
 
 # Distinct weight copies one timed program multiplies by: more bytes than an H100's 50 MB L2
@@ -86,8 +106,9 @@ def _runnable(impl: str, platform: str, capability: str | None) -> str | None:
     return None
 
 
-def bench(shapes, ms, impls, formats, group, repeats, on_row=None) -> dict:
-    """{"device", "read_gb_s", "rows": [...]} for every (shape, M, format, impl).
+def bench(shapes, ms, impls, formats, group, repeats, on_row=None, sweep=False) -> dict:
+    """{"device", "read_gb_s", "rows": [...]} for every (shape, M, format, impl), and with
+    `sweep` every SWEEP variant of the Pallas impls at M <= 64.
     on_row(row, read_gb_s), if given, is called as each row is measured (a run cut short
     by a time cap still reports what it measured)."""
     import functools
@@ -97,7 +118,8 @@ def bench(shapes, ms, impls, formats, group, repeats, on_row=None) -> dict:
 
     from jaxserve.bench.bandwidth import read_bandwidth_gb_s
     from jaxserve.kernels.pallas.quantized_matmul import (quantize_weights, quantized_matmul,
-                                                          quantized_matmul_reference)
+                                                          quantized_matmul_reference,
+                                                          quantized_matmul_xla)
     from jaxserve.kernels.pallas.quantized_matmul_mosaic import (mosaic_supports,
                                                                  quantized_matmul_mosaic)
 
@@ -149,11 +171,21 @@ def bench(shapes, ms, impls, formats, group, repeats, on_row=None) -> dict:
                     if why is not None:
                         add(dict(shape=shape, m=m, format=fmt, impl=impl, skipped=why))
                         continue
-                    fn = {"xla": quantized_matmul_reference,
+                    fn = {"xla": quantized_matmul_xla, "reference": quantized_matmul_reference,
                           "pallas": functools.partial(quantized_matmul, impl="pallas"),
                           "pallas_mosaic": functools.partial(quantized_matmul_mosaic,
                                                              impl="pallas_mosaic")}[impl]
                     add(row(fmt, impl, _time(fn, x, (w_q, scales), repeats), nbytes))
+                    for opts in (SWEEP.get(impl, []) if sweep and m <= 64 else []):
+                        name = f"{impl}[{','.join(f'{o}={v}' for o, v in opts.items())}]"
+                        try:
+                            seconds = _time(functools.partial(fn, **opts), x, (w_q, scales),
+                                            repeats)
+                        except Exception as e:  # a tile the kernel refuses or cannot compile
+                            add(dict(shape=shape, m=m, format=fmt, impl=name,
+                                     skipped=f"{type(e).__name__}: {str(e)[:120]}"))
+                            continue
+                        add(row(fmt, name, seconds, nbytes))
     return {"device": dev.device_kind, "platform": dev.platform, "compute_capability": capability,
             "read_gb_s": read_gb_s, "rows": rows}
 
@@ -168,6 +200,8 @@ def main(argv=None) -> int:
                     choices=["int8", "fp8_e4m3"])
     ap.add_argument("--group", type=int, default=None, help="int8 group size (default per channel)")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the Pallas kernels with the tiles of SWEEP at M <= 64")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     for s in args.shapes:
@@ -193,7 +227,7 @@ def main(argv=None) -> int:
               flush=True)
 
     res = bench(args.shapes, args.m, args.impls, args.formats, args.group, args.repeats,
-                print_row)
+                print_row, args.sweep)
     print(f"{res['device']} ({res['platform']}, compute capability {res['compute_capability']})")
     if args.json:
         with open(args.json, "w") as f:

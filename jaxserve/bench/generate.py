@@ -3,7 +3,8 @@ in the same run: the one command for a GPU session (issue 28's table), on CPU to
 
     jaxserve bench generate [--config llama3_8b] [--load-format dummy]
         [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--branches auto]
-        [--fuse-projections auto] [--weight-quant auto] [--hf] [--trace DIR]
+        [--fuse-projections auto] [--weight-quant auto] [--matmul-impl auto] [--hf]
+        [--trace DIR]
         [--xla-compiler-options JSON [JSON ...]] [--json out.json]
 
 A case SxPxO is S streams of P-token random prompts, O greedy tokens each (ignore_eos).
@@ -13,7 +14,8 @@ config's, `{"xla_gpu_enable_command_buffer": ""}`: no CUDA graphs), and each val
 --branches (KernelConfig.branches: "device", "host", "auto"; jaxserve.sample.plan),
 --fuse-projections (KernelConfig.fuse_projections: "on", "off", "auto";
 jaxserve.model.weight_layouts.fuse_projections) and --weight-quant (KernelConfig.weight_quant:
-"none", "int8", "fp8_e4m3", "auto"), one engine is built
+"none", "int8", "fp8_e4m3", "auto") and --matmul-impl (KernelConfig.matmul_impl: "xla",
+"pallas", "pallas_mosaic", "auto"; what runs the quantised projections), one engine is built
 (`jaxserve.LLM`, warm-up off, room for the largest case) and each case runs on it:
 `generate` once on one set of prompts (which compiles the case's step shapes), then timed
 on another set of the same lengths (other random tokens, so no prefix-cache hit changes
@@ -140,6 +142,8 @@ KERNEL_AXES = {
     "branches": ("branches", {"device": "device", "host": "host"}),
     "fuse_projections": ("fuse_projections", {"on": True, "off": False}),
     "weight_quant": ("weight_quant", {"none": None, "int8": "int8", "fp8_e4m3": "fp8_e4m3"}),
+    "matmul_impl": ("matmul_impl", {"xla": "xla", "pallas": "pallas",
+                                    "pallas_mosaic": "pallas_mosaic"}),
 }
 
 
@@ -158,7 +162,7 @@ def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None,
     if fields.get("weight_quant"):  # quantised weights have no bf16 copies (as "fp8" does)
         fields.update(bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
                       bf16_matmul_round_x_min_rows=None)
-        if config.engine.kernels.matmul_impl == "cpu":
+        if fields.get("matmul_impl", config.engine.kernels.matmul_impl) == "cpu":
             fields["matmul_impl"] = "auto"
     engine = config.engine.override(
         max_num_seqs=max([s for s, _, _ in cases] + [config.engine.scheduler.max_num_seqs]),
@@ -205,6 +209,7 @@ def run_case(llm, case, trace_dir: Path | None, bandwidth: float) -> dict:
            "branches": "host" if runner.kernels.host_branches else "device",
            "fuse_projections": bool(engine.kernels.fuse_projections),
            "weight_quant": engine.kernels.weight_quant,
+           "matmul_impl": runner.kernels.matmul.name,
            "xla_compiler_options": dict(engine.compilation.xla_compiler_options),
            "output_tok_s": tok_s, "seconds": seconds, "bound_tok_s": bound,
            "ratio_to_bound": tok_s / bound, "weight_bytes": weight_bytes,
@@ -277,6 +282,10 @@ def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
     ap.add_argument("--weight-quant", default="auto",
                     help="KernelConfig.weight_quant values to run each case with, "
                          "comma-separated: none, int8, fp8_e4m3, auto (the config's) "
+                         "(default: auto)")
+    ap.add_argument("--matmul-impl", default="auto",
+                    help="KernelConfig.matmul_impl values to run each case with, "
+                         "comma-separated: xla, pallas, pallas_mosaic, auto (the config's) "
                          "(default: auto)")
     ap.add_argument("--hf", action="store_true",
                     help="also time HF transformers' eager generate on the same shapes")

@@ -170,13 +170,15 @@ class Matmul:
 
 @dataclasses.dataclass(frozen=True)
 class XlaMatmul(Matmul):
-    """XLA's dot; quantised weights through the plain-jnp reference of the Pallas kernel."""
+    """XLA's dot; quantised weights as a dot of their widened values
+    (jaxserve.kernels.pallas.quantized_matmul.quantized_matmul_xla: XLA:GPU reads the
+    1-byte weight inside its GEMM)."""
 
     name = "xla"
 
     def _quantized(self, x2, w2, scales):
-        from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul_reference
-        return quantized_matmul_reference(x2, w2, scales)
+        from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul_xla
+        return quantized_matmul_xla(x2, w2, scales)
 
 
 @dataclasses.dataclass(frozen=True)

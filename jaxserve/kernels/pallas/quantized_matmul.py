@@ -270,4 +270,29 @@ def quantized_matmul_reference(x: jax.Array, w_q: jax.Array, scales: jax.Array) 
     return out.astype(x.dtype)
 
 
-__all__ = ["quantize_weights", "quantized_matmul", "quantized_matmul_reference"]
+def quantized_matmul_xla(x: jax.Array, w_q: jax.Array, scales: jax.Array) -> jax.Array:
+    """`quantized_matmul` as XLA compiles it with no Pallas kernel (KernelConfig.matmul_impl
+    "xla"): per-channel scales -> x @ w_q.astype(x.dtype) with f32 accumulation, times the
+    scales, so the widening of the weight is an operand of the dot that XLA:GPU fuses into
+    its GEMM (the weight read from HBM at 1 byte per element; `tools/bench_quantized_matmul`
+    measures it against the kernels). The products are exact (int8 and e4m3 values are
+    bf16 / f16 / f32 values) and the scale multiplies the f32 sum, not each product;
+    f32 x uses Precision.HIGHEST (IEEE f32 products, no TF32). Group scales: the
+    plain-jnp reference (a [M, K / g, N] f32 intermediate of per-group sums would grow
+    with M).
+
+    Same arguments, shapes, dtypes and ValueErrors as `quantized_matmul`; returns
+    [M, out_features] in x.dtype.
+    Source: W8A16 as XLA's own int8-weight GEMM fusion runs it (a convert feeding a dot).
+    """
+    group = check_qmm_operands("quantized_matmul_xla", x, w_q, scales)
+    if group is not None:
+        return quantized_matmul_reference(x, w_q, scales)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    out = jnp.dot(x, w_q.astype(x.dtype), precision=precision,
+                  preferred_element_type=jnp.float32)  # [M, N] f32
+    return (out * scales[None, :]).astype(x.dtype)
+
+
+__all__ = ["quantize_weights", "quantized_matmul", "quantized_matmul_reference",
+           "quantized_matmul_xla"]
