@@ -182,6 +182,16 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
             == gpu("pallas_mosaic", "pallas_mosaic"))
     for other in ("8.0", "10.0"):
         assert select_kernels(auto, "gpu", 1, "float32", tmp_path, other) == gpu("pallas", "pallas")
+    # weight_quant's per-channel int8 / fp8 weights: XLA's dot of the widened weight (faster
+    # on an H200 than either kernel); group scales, an explicit impl and CPUs keep theirs
+    for fmt in ("int8", "fp8_e4m3"):
+        quant = KernelConfig(weight_quant=fmt)
+        for cc in ("9.0", "8.0"):
+            assert select_kernels(quant, "gpu", 1, "bfloat16", tmp_path, cc).matmul.name == "xla"
+    grouped = KernelConfig(weight_quant="int8", weight_quant_group_size=128)
+    assert select_kernels(grouped, "gpu", 1, "bfloat16", tmp_path, "9.0").matmul.name == "pallas_mosaic"
+    named = KernelConfig(weight_quant="int8", matmul_impl="pallas")
+    assert select_kernels(named, "gpu", 1, "bfloat16", tmp_path, "9.0").matmul.name == "pallas"
     bf16 = KernelConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel
     assert select_kernels(bf16, "cpu", 1, "float32", tmp_path) == Kernels("cpu", "cpu", "cpu")
     assert select_kernels(bf16, "cpu", 2, "float32", tmp_path) == Kernels("cpu", "cpu", "xla")

@@ -46,12 +46,14 @@ import time
 
 LLAMA3_8B_SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096")
 IMPLS = ("xla_bf16", "xla", "reference", "pallas", "pallas_mosaic")
-# --sweep: the tile options each kernel is also timed with at M <= 64 (the defaults first:
-# Triton block_n 64, block_k 128, 4 warps, 2 stages; Mosaic tile_n 128, 4 steps in flight).
-# More bytes in flight per program is the lever a GEMV has (PERFORMANCE.md, "The GPU run
-# of session 24": the kernels read at 30-43% of the bandwidth).
+# --sweep: the tile options each kernel is also timed with at M <= 64 (the defaults: Triton
+# block_n 128, block_k 128, 4 warps, 3 stages at M <= 16, block_n 64 and 2 stages above;
+# Mosaic tile_n 128, 4 steps in flight). More bytes in flight per program is the lever a
+# GEMV has (PERFORMANCE.md, "The GPU run of session 24": the kernels read at 30-43% of
+# the bandwidth; session 27's sweep chose the Triton GEMV tiles).
 SWEEP = {
-    "pallas": [dict(block_n=128, block_k=128, num_warps=4, num_stages=3),
+    "pallas": [dict(block_n=64, block_k=128, num_warps=4, num_stages=2),
+               dict(block_n=128, block_k=128, num_warps=4, num_stages=3),
                dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
                dict(block_n=128, block_k=256, num_warps=8, num_stages=3),
                dict(block_n=256, block_k=128, num_warps=8, num_stages=4),

@@ -78,7 +78,10 @@ class KernelConfig:
     (the Mosaic GPU decode and prefill kernels for Hopper where they take the dtypes and
     shapes, the Triton kernels otherwise) (see ATTENTION_KERNEL_IMPLS)."""
     matmul_impl: str = dataclasses.field(default="auto", metadata={"choices": MATMUL_IMPLS})
-    """The matmul kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere; on CPU
+    """The matmul kernel: "auto" (on a GPU: pallas_mosaic on Hopper, pallas elsewhere, except
+    that weight_quant's int8 / fp8 weights with per-channel scales run XLA's dot of the
+    widened weight, measured faster on an H200 (PERFORMANCE.md, "The GPU run of session
+    27"); on CPU
     "cpu" when bf16_matmul_min_rows is set or the model is bfloat16 (then
     bf16_matmul_min_rows resolves to 1: its weights packed for the C++ kernel as they are,
     jaxserve.worker.kernel_selection.resolve_kernel_config); xla otherwise), "xla",

@@ -65,7 +65,9 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
                    build_dir: Path, compute_capability: str | None = None) -> Kernels:
     """The resolved Kernels for `kcfg` on `num_devices` devices of `platform`
     ("cpu", "gpu", ...) of `compute_capability` (a CUDA device's "9.0": "auto" picks the
-    Mosaic GPU matmul and attention on Hopper) with a KV pool of `kv_dtype`. Picking "cpu"
+    Mosaic GPU matmul and attention on Hopper; on any GPU, int8 / fp8 weights of
+    weight_quant with per-channel scales go to XLA's dot, measured faster) with a KV pool
+    of `kv_dtype`. Picking "cpu"
     for attention or the bf16 matmuls builds (once, cached in `build_dir`) and registers
     the C++ kernels
     (jaxserve.kernels.cpu.build.load_library, ~5 to 20 s the first time). Under tensor
@@ -94,6 +96,13 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
                     attention, kv_dtype)
         attention = "xla"
     matmul = resolve_impl(kcfg.matmul_impl, platform, compute_capability)
+    if (kcfg.matmul_impl == "auto" and platform in GPU_PLATFORMS
+            and kcfg.weight_quant is not None and kcfg.weight_quant_group_size is None):
+        # int8 / fp8 weights quantised per channel at load: XLA's dot of the widened weight
+        # (quantized_matmul_xla) decoded faster than both Pallas kernels on an H200
+        # (PERFORMANCE.md, "The GPU run of session 27": 1.12x / 1.19x at one stream, 1.28x
+        # at 64); GGML blocks and group scales keep the kernels
+        matmul = "xla"
     if (kcfg.matmul_impl == "auto" and platform == "cpu"
             and kcfg.bf16_matmul_min_rows is not None):
         matmul = "cpu"

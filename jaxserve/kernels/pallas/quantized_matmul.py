@@ -46,6 +46,13 @@ WEIGHT_DTYPES = tuple(f.dtype for f in QUANT_FORMATS.values())  # int8, float8_e
 # H100 / H200, and the fewest K blocks a range walks.
 TARGET_PROGRAMS = 264
 MIN_BLOCKS_PER_SPLIT = 4
+# A GEMV (M <= GEMV_ROWS: one 16-row block, single-stream decode) defaults to 128 x 128
+# weight tiles with 3 stages in flight: on an H200 this read the weight 1.2-1.8x faster
+# than 64 x 128 tiles with 2 stages at every Llama-3-8B projection shape (PERFORMANCE.md,
+# "The GPU run of session 27": `tools/bench_quantized_matmul --sweep`); a GEMV is
+# latency bound, so the bytes in flight per SM are what count.
+GEMV_ROWS = 16
+GEMV_STAGES = 3
 F32_DOT_PRECISION = {"pallas": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                      "pallas_interpret": jax.lax.Precision.HIGHEST}
 
@@ -212,7 +219,7 @@ def quantize_weights(w: jax.Array, fmt: str, group_size: int | None = None) -> t
 def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m: int | None = None,
                      block_n: int | None = None, block_k: int | None = None,
                      splits: int | None = None, impl: str = "pallas", num_warps: int = 4,
-                     num_stages: int = 2) -> jax.Array:
+                     num_stages: int | None = None) -> jax.Array:
     """x @ dequantise(w_q, scales) with f32 accumulation, in one Pallas (Triton) kernel.
 
     x: [M, in_features] f32/bf16/f16 activations (any M >= 1); w_q: [in_features,
@@ -222,8 +229,9 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     (about f32 accuracy), a plain f32 dot in interpret mode.
     block_m / block_n / block_k: power-of-two tiles >= 16 (defaults from the shapes; with
     groups block_k must divide g). splits: K ranges reduced in f32 outside the kernel
-    (split-K; default: `default_splits`, > 1 only for M <= 64). impl: "pallas" (GPU) or
-    "pallas_interpret" (CPU).
+    (split-K; default: `default_splits`, > 1 only for M <= 64). num_warps, num_stages:
+    Triton's (stages default: GEMV_STAGES for M <= GEMV_ROWS, else 2). impl: "pallas"
+    (GPU) or "pallas_interpret" (CPU).
     Raises ValueError for bad shapes, dtypes, scales, blocks or impl.
     Source: W8A16 weight-only quantised GEMM (vLLM / TensorRT-LLM), Triton's tiled matmul.
     """
@@ -233,11 +241,13 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     m, k = x.shape
     n = w_q.shape[1]
     small = m <= 64  # decode: more, narrower column tiles to spread the weight over SMs
+    gemv = m <= GEMV_ROWS
     block_m = block_size(m, 64) if block_m is None else block_m
-    block_n = block_size(n, 64 if small else 128) if block_n is None else block_n
+    block_n = block_size(n, 128 if gemv or not small else 64) if block_n is None else block_n
     if block_k is None:
         block_k = block_size(k, 128 if small else 64)
         block_k = block_k if group is None else min(block_k, group)
+    num_stages = (GEMV_STAGES if gemv else 2) if num_stages is None else num_stages
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         check(fn, isinstance(b, int) and is_power_of_2(b) and b >= MIN_DOT,
               f"{name} must be a power of two >= {MIN_DOT}, got {b}")
