@@ -47,8 +47,8 @@ WEIGHT_DTYPES = tuple(f.dtype for f in QUANT_FORMATS.values())  # int8, float8_e
 TARGET_PROGRAMS = 264
 MIN_BLOCKS_PER_SPLIT = 4
 # A GEMV (M <= GEMV_ROWS: one 16-row block, single-stream decode) defaults to 128 x 128
-# weight tiles with 3 stages in flight: on an H200 this read the weight 1.2-1.8x faster
-# than 64 x 128 tiles with 2 stages at every Llama-3-8B projection shape (PERFORMANCE.md,
+# weight tiles with 3 stages in flight: on an H200 this read the weight 1.07-1.81x faster
+# than 64 x 128 tiles with 2 stages at each Llama-3-8B projection shape (PERFORMANCE.md,
 # "The GPU run of session 27": `tools/bench_quantized_matmul --sweep`); a GEMV is
 # latency bound, so the bytes in flight per SM are what count.
 GEMV_ROWS = 16
