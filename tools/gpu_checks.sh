@@ -41,8 +41,10 @@
 # yet run: their caps are estimates. Session 24's (H100): env 3 s, branches 173 s (four
 # engines, one case each, traced; fuse is the same size), cmdbuf over 190 s (two engines,
 # both cases), qmm 60 s (four shapes, M 1 and 64, three implementations), the 64-stream
-# case at decode_steps 8 and 1 without a trace 192 s. A lease of 15 minutes holds one call
-# of ~9.5 minutes after the machine's start: env, fuse, generate (capped) and quant.
+# case at decode_steps 8 and 1 without a trace 192 s. Session 27's (H200): decode1 86 s,
+# decode64 80 s, sweep 64 s, quant 154 s (four engines), kernels 71 s, hf 41 s (one case):
+# 498 s for `DEADLINE_S=545 ... env decode1 decode64 sweep quant kernels hf`. A lease of
+# 15 minutes holds one call of ~9.5 minutes after the machine's start.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
