@@ -57,10 +57,16 @@ SWEEP = {
                dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
                dict(block_n=128, block_k=256, num_warps=8, num_stages=3),
                dict(block_n=256, block_k=128, num_warps=8, num_stages=4),
-               dict(block_n=64, block_k=512, num_warps=8, num_stages=2)],
+               dict(block_n=64, block_k=512, num_warps=8, num_stages=2),
+               # more programs than split-K's default (2 per SM, TARGET_PROGRAMS): more
+               # bytes in flight in all, as Little's law asks of a latency-bound GEMV
+               dict(block_n=128, block_k=128, num_warps=4, num_stages=3, splits=4),
+               dict(block_n=128, block_k=128, num_warps=4, num_stages=3, splits=8),
+               dict(block_n=128, block_k=128, num_warps=4, num_stages=4, splits=8)],
     # (tile_n 256 with 8 steps in flight needs 296 KB of SMEM, over the 227 KB a CTA has)
     "pallas_mosaic": [dict(max_concurrent_steps=8), dict(tile_n=256),
-                      dict(tile_n=256, max_concurrent_steps=5)],
+                      dict(tile_n=256, max_concurrent_steps=5),
+                      dict(tile_n=256, max_concurrent_steps=5, splits=8)],
 }
 
 
