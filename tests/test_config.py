@@ -170,6 +170,7 @@ MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     "--async-scheduling", "--no-async-scheduling", "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--speculative-config", "--max-logprobs", "--max-logit-bias",
     "--cpu-kv-cache-space",  # added with the memory check (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    "--jump-forward", "--no-jump-forward",  # structured output's forced tokens (session 27)
     "--quantization", "-q",  # added with GGUF blocks served as they are (vLLM's)
     "--kv-cache-dtype",  # added with the fp8 KV cache (vLLM's)
     # added with multi-LoRA serving (vLLM's)

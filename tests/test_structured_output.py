@@ -159,3 +159,59 @@ def test_constrained_request_refused_by_the_engine_fails_alone(params):
             structured_outputs=StructuredOutput("regex", "((", "guided_regex")))
     assert info.value.field == "guided_regex"
     assert not engine.has_unfinished_requests()
+
+
+CHOICES = ["alpha", "beta gamma"]
+
+
+def _choice(**kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 40, "temperature": 0, **kw},
+                          structured_outputs=StructuredOutput("choice", json.dumps(CHOICES)))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_jump_forward_computes_forced_tokens_as_a_chunk(params, async_scheduling):
+    """Jump-forward (SchedulerConfig.jump_forward): the tokens a grammar forces join the
+    output without a step each. With the byte-level tokenizer a forced token is the only
+    one the mask allows, so greedy outputs are the same token for token with it on and
+    off; on, the JSON and choice requests finish in fewer steps than they have tokens
+    (off: one step a token at least), the engine counts the forced tokens, and a free
+    request beside them gets the tokens it gets alone. With async scheduling the step in
+    flight drops its token for the request; without, the tokens follow the one read."""
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone, _ = run_counting_steps(tiny_engine(params), [("free", [65, 66], free)])
+    schema = SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutput(
+        "json", json.dumps(SCHEMA)))
+    reqs = [("free", [65, 66], free), ("json", [65, 66], schema), ("choice", [67], _choice())]
+    runs = {}
+    for jf in (True, False):
+        engine = tiny_engine(params, jump_forward=jf, async_scheduling=async_scheduling)
+        runs[jf] = (*run_counting_steps(engine, reqs), engine.num_forced_tokens)
+    (on, on_steps, forced), (off, off_steps, none_forced) = runs[True], runs[False]
+    assert none_forced == 0 and forced > 0
+    for k in ("json", "choice"):
+        assert on[k].token_ids == off[k].token_ids and on[k].text == off[k].text, k
+        assert on[k].finish_reason == "stop", k
+        assert off_steps[k] >= len(off[k].token_ids), k
+        assert on_steps[k] < len(on[k].token_ids), (k, on_steps[k], len(on[k].token_ids))
+    assert on["choice"].text in CHOICES
+    value = json.loads(on["json"].text)
+    assert set(value) == {"n", "tag"} and value["tag"] in ("red", "blue")
+    assert on["free"].token_ids == off["free"].token_ids == alone["free"].token_ids
+
+
+def test_jump_forward_keeps_stops_limits_and_logprobs(params):
+    """Forced tokens go through the output processor as sampled ones do: a stop string
+    inside them ends the request there, max_tokens cuts them; a request that asks for
+    logprobs samples every token (a forced one would have none)."""
+    engine = tiny_engine(params)
+    done, _ = run_counting_steps(engine, [
+        ("stop", [67], _choice(stop=["ph"])),
+        ("length", [67], _choice(max_tokens=3)),
+        ("logprobs", [67], _choice(logprobs=0))])
+    assert done["stop"].text in ("al", "beta gamma") and done["stop"].finish_reason == "stop"
+    assert len(done["length"].token_ids) == 3 and done["length"].finish_reason == "length"
+    assert done["length"].text in ("alp", "bet")
+    lp = done["logprobs"]
+    assert lp.text in CHOICES and len(lp.logprobs) == len(lp.token_ids)
+    assert all(x.token_id == t for x, t in zip(lp.logprobs, lp.token_ids))

@@ -75,7 +75,7 @@ FLAGS: dict[type, tuple[str | Flag, ...]] = {
         Flag("speculative", name="speculative-config", type=str, metavar="JSON",
              convert=SpeculativeConfig.from_dict), "pooling"),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                      "async_scheduling"),
+                      "async_scheduling", "jump_forward"),
     CacheConfig: ("enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization",
                   "cpu_kv_cache_space", Flag("cache_dtype", name="kv-cache-dtype", none_if="auto")),
     SamplerConfig: ("max_logprobs", "max_logit_bias"),

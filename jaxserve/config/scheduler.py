@@ -42,6 +42,17 @@ class SchedulerConfig:
     before the next is planned (the output is the same; for debugging and A/B
     measurement). Source: vLLM's --async-scheduling."""
 
+    jump_forward: bool = True
+    """Structured output: the tokens a request's grammar forces next (llguidance's
+    fast-forward tokens: a JSON schema's keys and punctuation, a choice's rest) join its
+    output as soon as the token before them is read, and its next step computes them as
+    one chunk, sampling after the last, instead of sampling them a step each. The text is
+    the grammar's; its tokens are the tokenizer's canonical ones, which the model might
+    have split otherwise. Not for a request that asks for logprobs (a forced token has
+    none). Off: every output token is sampled. Source: SGLang's jump-forward decoding
+    (Zheng et al., 2024, "SGLang: Efficient Execution of Structured Language Model
+    Programs")."""
+
     def __post_init__(self):
         _positive("SchedulerConfig", self, ("max_num_seqs", "max_num_batched_tokens")
                   + (("decode_steps",) if self.decode_steps is not None else ()))

@@ -20,7 +20,10 @@ max_model_len sits that step out. A one-token step runs as two programs, the for
 the sampler: a structured-output sequence takes every step, its forward dispatched before
 its last token is read, and the sampler half, with the grammar's bitmask for its next token,
 dispatched once that token is read and processed, while the forward runs (vLLM v1's
-execute_model / sample_tokens with the grammar bitmask). With speculative decoding whose
+execute_model / sample_tokens with the grammar bitmask). The tokens its grammar then
+forces (jump-forward, SchedulerConfig.jump_forward) join its output at once: the step in
+flight drops the token it samples for it, and its next step computes them as one chunk
+and samples after them. With speculative decoding whose
 drafts are proposed on device (a draft model, an EAGLE head, n-gram lookup), a verify step
 is planned and dispatched before the previous verify step is read
 (`Scheduler.schedule_ahead`): as if that step had kept one token of each sequence, with
@@ -47,6 +50,7 @@ engine is dead: `healthy` turns False and `step()` raises EngineDeadError.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -118,9 +122,11 @@ class Engine:
         self.input_processor = InputProcessor(model_config, engine_config, tokenizer, eos)
         self.output_processor = OutputProcessor(eos, engine_config.max_model_len)
         self._async = engine_config.scheduler.async_scheduling
+        self._jump_forward = engine_config.scheduler.jump_forward
         self._pending: list[RequestOutput] = []
         self._inflight: InflightStep | None = None  # the launched step not read yet
         self.num_steps = 0
+        self.num_forced_tokens = 0  # output tokens jump-forward added (`_forced`)
         self.healthy = True
         self._kv_lost = False         # set by a failed device step, cleared by _reset_kv
         self.num_failed_requests = 0  # finished with "error" (faults, failed device steps)
@@ -150,8 +156,10 @@ class Engine:
         adapter not served (field "model"), embed without pooling (field "pooling"), or
         what the input processor refuses (InputProcessor.process: empty prompt, token
         ids, lengths, sampler limits, parameters that cannot be packed for the device).
-        Raises EngineDeadError once the engine is dead. Source: vLLM's pooling requests
-        (`LLM.embed`)."""
+        Raises EngineDeadError once the engine is dead. A structured-output request's
+        first tokens, when its grammar forces them (jump-forward: `_forced`), join its
+        output at once and its prompt's last chunk computes them. Source: vLLM's pooling
+        requests (`LLM.embed`)."""
         if not self.healthy:
             raise EngineDeadError("the engine is dead (a device step failed and the KV pool "
                                   "could not be restored)")
@@ -170,8 +178,11 @@ class Engine:
                 raise InvalidRequest("pooling", "this engine serves no embeddings: build it "
                                                 "with EngineConfig.pooling (--pooling last|mean)")
             params = _EMBED_PARAMS
-        self.scheduler.add(self.input_processor.process(request_id, prompt_token_ids, params,
-                                                        lora_name, salt, pooling))
+        seq = self.input_processor.process(request_id, prompt_token_ids, params, lora_name,
+                                           salt, pooling)
+        self.scheduler.add(seq)
+        if seq.matcher is not None:  # what its grammar forces first joins its prompt's chunk
+            self._resolve_alone(seq, 0, [])
 
     # --- LoRA adapters -------------------------------------------------------------------
 
@@ -382,7 +393,7 @@ class Engine:
             if index is not None:  # None: a prompt chunk that does not sample
                 logprobs = self._logprobs_alone(seq, out, b, n)
                 if not seq.finished:
-                    self._resolve_alone(seq, index, column, logprobs)
+                    self._resolve_alone(seq, index, column, logprobs, after)
         return wait
 
     def _logprobs_alone(self, seq: Sequence, out, b: int, m: int) -> list | None:
@@ -446,22 +457,56 @@ class Engine:
         self._resolve_alone(seq, index, tokens, logprobs)
 
     def _resolve_alone(self, seq: Sequence, index: int, tokens: list[int],
-                       logprobs: list[TokenLogprobs] | None = None) -> None:
+                       logprobs: list[TokenLogprobs] | None = None,
+                       after: InflightStep | None = None) -> None:
         """Process `seq`'s sampled `tokens` at output positions index, index + 1, ...
-        (OutputProcessor.process), record them and its finish (the scheduler), and queue
-        its output; a fault in this request's host work fails it alone."""
+        (OutputProcessor.process), then the tokens its grammar forces after them
+        (`_forced`: jump-forward), record them and its finish (the scheduler), and queue
+        its output; a fault in this request's host work fails it alone. after: the step
+        dispatched after the one these tokens come from (None: none), whose token for
+        `seq` the forced ones replace."""
         try:
             update = self.output_processor.process(seq, index, tokens, logprobs)
             self.scheduler.commit(seq, index, update.tokens)
             num_known = index + len(update.tokens)
+            new_ids, new_text = update.tokens, update.text
+            forced = self._forced(seq, after) if update.finish_reason is None else []
+            if forced:
+                # the forced tokens take the place of the token the step in flight samples
+                # for `seq` (its PLACEHOLDER; `_forced` dropped that row), or follow
+                index = num_known
+                update = self.output_processor.process(seq, index, forced)
+                self.scheduler.commit(seq, index, update.tokens)
+                num_known = index + len(update.tokens)
+                new_ids, new_text = new_ids + update.tokens, new_text + update.text
             if update.finish_reason is not None:
                 self.scheduler.finish(seq, update.finish_reason, num_outputs=num_known)
-            out = self.output_processor.make_output(seq, update.tokens, update.text, num_known)
+            elif not new_ids:
+                return  # (at admission, nothing forced)
+            out = self.output_processor.make_output(seq, new_ids, new_text, num_known)
         except Exception as e:
             log.exception("processing the output of request %r failed", seq.request_id)
             self._fail(seq, f"processing its output failed: {e!r}")
             return
         self._pending.append(out)
+
+    def _forced(self, seq: Sequence, after: InflightStep | None) -> list[int]:
+        """Jump-forward (SchedulerConfig.jump_forward): the tokens `seq`'s grammar forces
+        after its last known token (GrammarMatcher.forced_tokens, up to an EOS), for a
+        structured-output request that asks for no logprobs; [] for any other. When the
+        step dispatched after the one just read (`after`) samples `seq`'s next token, that
+        row is dropped (its token is not read, its bitmask not computed): the forced
+        tokens replace its PLACEHOLDER, and the next step computes them as a chunk, as
+        Scheduler._plan does any tokens not yet computed. Raises what the matcher raises."""
+        if not self._jump_forward or seq.matcher is None or seq.logprobs is not None:
+            return []
+        forced = list(itertools.takewhile(lambda t: t not in self.eos_token_ids,
+                                          seq.matcher.forced_tokens()))
+        if forced and seq.has_placeholder and not (after is not None
+                                                   and after.drop_sample(seq)):
+            return []  # (a PLACEHOLDER is only ever the step in flight's)
+        self.num_forced_tokens += len(forced)
+        return forced
 
     # --- faults ------------------------------------------------------------------------
 

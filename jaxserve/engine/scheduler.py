@@ -122,6 +122,20 @@ class InflightStep:
     # handle is None until then
     pending_sample: tuple | None = None
 
+    def drop_sample(self, seq: Sequence) -> bool:
+        """Make this step's token for `seq` not count: it is not read back (its
+        `first_index` None, as a prompt chunk's that does not sample), and while the
+        sampler half waits its grammar's bitmask is not computed (the row keeps the
+        all-allowed one). The caller puts known tokens in place of its PLACEHOLDER
+        (jump-forward: Engine._forced). Returns False if `seq` samples nothing here."""
+        for b, (s, first) in enumerate(zip(self.scheduled.seqs, self.first_index)):
+            if s is seq and first is not None:
+                self.first_index[b] = None
+                if self.pending_sample is not None and b in self.pending_sample[2]:
+                    self.pending_sample[2].remove(b)
+                return True
+        return False
+
     def row_of(self) -> dict[Sequence, int]:
         """{sequence: its row in this step's batch} for the sequences that sampled."""
         return {seq: i for i, (seq, first) in

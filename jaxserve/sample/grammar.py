@@ -113,6 +113,13 @@ class GrammarMatcher:
         is in error)."""
         return bool(self._m.consume_token(token))
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows no alternative to from here (llguidance's
+        fast-forward tokens, the canonical tokenization of the bytes it forces; [] when
+        the next token is a free choice or only EOS is left). The matcher is not
+        advanced."""
+        return list(self._m.compute_ff_tokens())
+
     @property
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
@@ -142,6 +149,9 @@ class DeferredMatcher(GrammarMatcher):
             super().fill_bitmask(out)
         else:
             out.fill(-1)
+
+    def forced_tokens(self) -> list[int]:
+        return super().forced_tokens() if self.active else []
 
     def accept(self, token: int) -> bool:
         if self.active:
