@@ -40,6 +40,8 @@ def test_cases_and_flags_are_checked(capsys):
     assert bg.main(["--cases", "1x2x2", "--branches", "host,gpu"]) == 2
     assert bg.main(["--cases", "1x2x2", "--fuse-projections", "on,yes"]) == 2
     assert bg.main(["--cases", "1x2x2", "--weight-quant", "int8,int4"]) == 2
+    assert bg.main(["--cases", "1x2x2", "--matmul-impl", "xla,triton"]) == 2
+    assert bg.main(["--cases", "1x2x2", "--bandwidth-gb-s", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("jaxserve bench generate: error: --cases: '1x2'")
     assert "--decode-steps: '0'" in err[1]
@@ -48,6 +50,8 @@ def test_cases_and_flags_are_checked(capsys):
     assert "--branches: 'gpu' is not one of auto, device, host" in err[4]
     assert "--fuse-projections: 'yes' is not one of auto, on, off" in err[5]
     assert "--weight-quant: 'int4' is not one of auto, none, int8, fp8_e4m3" in err[6]
+    assert "--matmul-impl: 'triton' is not one of auto, xla, pallas, pallas_mosaic" in err[7]
+    assert "--bandwidth-gb-s: must be a positive number of GB/s, got 0.0" in err[8]
 
 
 @pytest.mark.full  # fast tier: the parts above; its engine path is LLM.generate's

@@ -32,7 +32,9 @@
 # Caps: KERNELS_S, FUSE_S, BRANCHES_S, GENERATE_S, DECODE1_S, DECODE64_S, QUANT_S, CMDBUF_S,
 # QMM_S, SWEEP_S, HF_S; DEADLINE_S (default 3600): no stage runs past this many seconds from
 # the start (each cap is cut to what is left, a stage with under 20 s left is skipped), so one
-# device call ends inside its limit with the stages in the order given. Needs a Python where
+# device call ends inside its limit with the stages in the order given. BANDWIDTH_GB_S: the
+# read bandwidth generate's bounds use (default: measured in each process; e.g. 4300 on an
+# H200, its copy rate). Needs a Python where
 # `import jaxserve` works (the repository on PYTHONPATH, its dependencies installed or
 # carried as wheels).
 # Session 22's run on an H100 (PERFORMANCE.md, "The GPU run of session 22"): env ~15 s,
@@ -62,6 +64,7 @@ cap() { local left=$(( ${DEADLINE_S:-3600} - ($(date +%s) - T0) - 5 ))
 keep() { local f; f=$(ls -S "$2"/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
          [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/$1"; }
 cases=1x128x256,64x512x256
+BW=${BANDWIDTH_GB_S:+--bandwidth-gb-s $BANDWIDTH_GB_S}
 for stage in $stages; do
   say "$stage"
   var=${stage^^}_S
@@ -78,37 +81,37 @@ getattr(jax.devices()[0], 'compute_capability', None))" ;;
       echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernels.log" | cut -c1-200 | head -40 ;;
     fuse)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases 1x128x256 --decode-steps 1,8 \
+        bench generate --config llama3_8b $BW --cases 1x128x256 --decode-steps 1,8 \
         --fuse-projections on,off --trace /tmp/trace_fu --json "$OUT/fuse.json" 2>&1 \
         | grep -v "compiling step" | tee "$OUT/fuse.log" | tail -6
       keep trace_1x128x256_ds1_fused.json.gz /tmp/trace_fu/1x128x256-1-on ;;
     branches)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases 1x128x256 --decode-steps 1,8 \
+        bench generate --config llama3_8b $BW --cases 1x128x256 --decode-steps 1,8 \
         --branches host,device --trace /tmp/trace_br --json "$OUT/branches.json" 2>&1 \
         | grep -v "compiling step" | tee "$OUT/branches.log" | tail -6
       keep trace_1x128x256_ds1_host.json.gz /tmp/trace_br/1x128x256-1-host ;;
     generate)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases ${GEN_CASES:-$cases} \
+        bench generate --config llama3_8b $BW --cases ${GEN_CASES:-$cases} \
         --decode-steps ${GEN_STEPS:-8,1} --trace /tmp/trace \
         --json "$OUT/generate.json" 2>&1 | grep -v "compiling step" | tee "$OUT/generate.log" | tail -8
       keep trace_1x128x256_ds1.json.gz /tmp/trace/1x128x256-1 ;;
     decode1)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases 1x128x256 --decode-steps auto,1 \
+        bench generate --config llama3_8b $BW --cases 1x128x256 --decode-steps auto,1 \
         --trace /tmp/trace_d1 --json "$OUT/decode1.json" 2>&1 | grep -v "compiling step" \
         | tee "$OUT/decode1.log" | tail -4
       keep trace_1x128x256_auto.json.gz /tmp/trace_d1/1x128x256-auto
       keep trace_1x128x256_ds1.json.gz /tmp/trace_d1/1x128x256-1 ;;
     decode64)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases 64x512x256 --decode-steps auto \
+        bench generate --config llama3_8b $BW --cases 64x512x256 --decode-steps auto \
         --json "$OUT/decode64.json" 2>&1 | grep -v "compiling step" \
         | tee "$OUT/decode64.log" | tail -3 ;;
     quant)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases 1x128x256 --decode-steps 8 \
+        bench generate --config llama3_8b $BW --cases 1x128x256 --decode-steps 8 \
         --weight-quant "${QUANT_FORMATS:-none,int8,fp8_e4m3}" --matmul-impl "${QUANT_IMPLS:-auto}" \
         --json "$OUT/quant.json" 2>&1 | grep -v "compiling step" | tee "$OUT/quant.log" | tail -7 ;;
     sweep)
@@ -117,7 +120,7 @@ getattr(jax.devices()[0], 'compute_capability', None))" ;;
         pallas_mosaic --sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -60 ;;
     cmdbuf)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
-        bench generate --config llama3_8b --cases $cases --decode-steps 1 \
+        bench generate --config llama3_8b $BW --cases $cases --decode-steps 1 \
         --xla-compiler-options '{"xla_gpu_enable_command_buffer": ""}' '{}' \
         --json "$OUT/cmdbuf.json" 2>&1 | grep -v "compiling step" | tee "$OUT/cmdbuf.log" | tail -8 ;;
     qmm)

@@ -33,15 +33,18 @@ def weight_bytes_per_token(model, engine) -> dict[str, int]:
 
 
 def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7, samples: int = 1,
-                        interval_s: float = 1.0) -> list[float]:
+                        interval_s: float = 1.0, warmup_s: float = 0.5) -> list[float]:
     """Read bandwidth samples in GB/s (1e9 bytes/s), `samples` of them `interval_s` seconds
     apart. Each is the array's bytes over (the median of `repeats` XLA sums of a gib-GiB
     f32 array, less the median of as many of the same sum over 1,024 elements: a call's
     fixed cost, dispatch, launch and the wait for the scalar). On an H100 machine that cost
     was ~0.15 ms against ~0.35 ms to read 1 GiB: timing the sum alone read 1.7-2.0 TB/s
     where the card copies at ~3 TB/s (PERFORMANCE.md, "The GPU run of session 22"); on a
-    CPU it is a few microseconds of ~50 ms. Raises ValueError if the large sum is not
-    slower than the small one (a machine too noisy to measure on)."""
+    CPU it is a few microseconds of ~50 ms. Before the first sample the large sum runs for
+    `warmup_s` seconds: an idle GPU starts at its lowest clocks (an H200 read 345 MHz), and
+    the unwarmed probe of session 27 read 2.3-3.7 TB/s on one H200 from one process to the
+    next. Raises ValueError if the large sum is not slower than the small one (a machine too
+    noisy to measure on)."""
     import jax
     import jax.numpy as jnp
 
@@ -50,6 +53,9 @@ def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7, samples: int = 1,
     total = jax.jit(jnp.sum)
     for a in (x, tiny):
         total(a).block_until_ready()  # compiles both shapes
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:  # the device's clocks up
+        total(x).block_until_ready()
 
     def median_seconds(a) -> float:
         times = []

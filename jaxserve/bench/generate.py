@@ -4,7 +4,7 @@ in the same run: the one command for a GPU session (issue 28's table), on CPU to
     jaxserve bench generate [--config llama3_8b] [--load-format dummy]
         [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--branches auto]
         [--fuse-projections auto] [--weight-quant auto] [--matmul-impl auto] [--hf]
-        [--trace DIR]
+        [--trace DIR] [--bandwidth-gb-s GB_S]
         [--xla-compiler-options JSON [JSON ...]] [--json out.json]
 
 A case SxPxO is S streams of P-token random prompts, O greedy tokens each (ignore_eos).
@@ -27,8 +27,9 @@ case it prints:
   served (jaxserve.bench.bandwidth.weight_bytes_per_token), and each stream's K/V up to
   its mean context (P + O / 2 tokens), at the device's read bandwidth measured here (an
   XLA sum over 1 GiB less the same call over 1,024 floats, the median of three samples:
-  jaxserve.bench.bandwidth.read_bandwidth_gb_s); the ratio tok/s / bound (prefill is
-  in the timed call, not in the bound: long prompts lower the ratio);
+  jaxserve.bench.bandwidth.read_bandwidth_gb_s), or at --bandwidth-gb-s; the ratio
+  tok/s / bound (prefill is in the timed call, not in the bound: long prompts lower the
+  ratio);
 - the host's share of the step loop: host microseconds per engine step (Engine.stats'
   host_seconds: `step()` time not spent waiting for the device) and their fraction of the
   steps' time (on XLA:CPU the call that launches a step runs part of it on the calling
@@ -296,6 +297,10 @@ def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
                     help="sets of XLA compiler options to run every case with, one JSON object "
                          "each (CompilationConfig.xla_compiler_options); {}: the config's "
                          "(default: {})")
+    ap.add_argument("--bandwidth-gb-s", type=float, default=None, metavar="GB_S",
+                    help="the read bandwidth the bound uses, in GB/s (default: measured here, "
+                         "jaxserve.bench.bandwidth.read_bandwidth_gb_s); e.g. 4300, the "
+                         "device-to-device copy rate seen on an H200")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     return ap
@@ -312,6 +317,9 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
         for s in steps:
             if s != "auto" and not (s.isdigit() and int(s) > 0):
                 raise ValueError(f"--decode-steps: {s!r} is not a positive integer or auto")
+        if args.bandwidth_gb_s is not None and not args.bandwidth_gb_s > 0:
+            raise ValueError(f"--bandwidth-gb-s: must be a positive number of GB/s, got "
+                             f"{args.bandwidth_gb_s}")
         option_sets = [parse_compiler_options(o) for o in args.xla_compiler_options]
         kernel_axes = {}  # flag -> its values, each checked
         for flag in KERNEL_AXES:
@@ -340,7 +348,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench generate") -
             hf = dict(zip(cases, pool.starmap(hf_tok_s, [(model_cfg, c) for c in cases])))
     import jax
     device = jax.devices()[0]
-    bandwidth = statistics.median(read_bandwidth_gb_s(samples=3)) * 1e9
+    bandwidth = (args.bandwidth_gb_s if args.bandwidth_gb_s is not None
+                 else statistics.median(read_bandwidth_gb_s(samples=3))) * 1e9
     print(f"{device.device_kind} ({device.platform}), read bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, config {config.name}", flush=True)
     results = []
