@@ -67,9 +67,8 @@ def select_kernels(kcfg: KernelConfig, platform: str, num_devices: int, kv_dtype
     ("cpu", "gpu", ...) of `compute_capability` (a CUDA device's "9.0": "auto" picks the
     Mosaic GPU matmul and attention on Hopper; on any GPU, int8 / fp8 weights of
     weight_quant with per-channel scales go to XLA's dot, measured faster) with a KV pool
-    of `kv_dtype`. Picking "cpu"
-    for attention or the bf16 matmuls builds (once, cached in `build_dir`) and registers
-    the C++ kernels
+    of `kv_dtype`. Picking "cpu" for attention or the bf16 matmuls builds (once, cached
+    in `build_dir`) and registers the C++ kernels
     (jaxserve.kernels.cpu.build.load_library, ~5 to 20 s the first time). Under tensor
     parallelism (num_devices > 1) every device runs the attention and matmul kernels on
     its own shard (jaxserve.model.tensor_parallel); the sampler's argmax / log-sum-exp

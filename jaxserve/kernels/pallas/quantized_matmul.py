@@ -38,10 +38,6 @@ from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, MIN_DOT, QUANT_
                                             quant_format_of, triton_call_params)
 
 WEIGHT_DTYPES = tuple(f.dtype for f in QUANT_FORMATS.values())  # int8, float8_e4m3fn
-# The in-kernel dot's precision for f32 activations (bf16 / f16 use the plain tensor-core
-# dot). On the GPU 3xTF32 (near-f32 accuracy on tensor cores): an IEEE f32 dot
-# (HIGHEST) spills heavily at these tiles (compile_triton, sm_90). XLA:CPU has no 3xTF32,
-# and there HIGHEST is the plain f32 dot.
 # Split-K (both quantised-matmul kernels): programs (CTAs) to aim for, ~2 per SM of a 132-SM
 # H100 / H200, and the fewest K blocks a range walks.
 TARGET_PROGRAMS = 264
@@ -53,6 +49,10 @@ MIN_BLOCKS_PER_SPLIT = 4
 # latency bound, so the bytes in flight per SM are what count.
 GEMV_ROWS = 16
 GEMV_STAGES = 3
+# The in-kernel dot's precision for f32 activations (bf16 / f16 use the plain tensor-core
+# dot). On the GPU 3xTF32 (near-f32 accuracy on tensor cores): an IEEE f32 dot
+# (HIGHEST) spills heavily at these tiles (compile_triton, sm_90). XLA:CPU has no 3xTF32,
+# and there HIGHEST is the plain f32 dot.
 F32_DOT_PRECISION = {"pallas": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                      "pallas_interpret": jax.lax.Precision.HIGHEST}
 
