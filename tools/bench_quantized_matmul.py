@@ -22,9 +22,9 @@ matmul itself:
 - `pallas_mosaic`: the Hopper kernel (`quantized_matmul_mosaic`, sm_90 only).
 
 With --sweep each Pallas kernel is also timed with the tiles of SWEEP (the Triton kernel's
-block_n / block_k / num_warps / num_stages, the Mosaic one's tile_n / max_concurrent_steps;
-M <= 64 only, where split-K applies and the defaults were chosen without a GPU), each row
-named `impl[option=value,...]`: which tiles reach the bound, to set the defaults by.
+block_n / block_k / num_warps / num_stages / splits, the Mosaic one's tile_n /
+max_concurrent_steps / splits; M <= 64 only, where split-K applies), each row named
+`impl[option=value,...]`: which tiles reach the bound, to set the defaults by.
 
 bytes = the stored weight (1 byte per element) + its f32 scales + x + out, read or written
 once: the least any implementation must move. GB/s = bytes / time; "of peak" divides it by
