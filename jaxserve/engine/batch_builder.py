@@ -105,9 +105,10 @@ def _controls(seqs, S: int) -> LogitsControls | None:
         return None
     row = rows[0][1].controls
     c = LogitsControls.neutral(S, len(row.bias_ids), 32 * len(row.allowed))
-    for i, s in rows:
-        for name, value in dataclasses.asdict(s.controls).items():
-            getattr(c, name)[i] = value
+    names = [f.name for f in dataclasses.fields(row)]
+    for i, s in rows:  # (dataclasses.asdict would deep-copy each row's arrays first)
+        for name in names:
+            getattr(c, name)[i] = getattr(s.controls, name)
     return c
 
 
