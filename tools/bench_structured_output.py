@@ -14,11 +14,11 @@ to the last: 1 / TPOT), which does not charge the shorter constrained outputs mo
 the batch's prefill; printed as the mean per class, with ratios to the all-free batch.
 Also the host time the grammar engine took per bitmask (the matcher's masks and
 advances, timed in-process, over the masks computed), and the share of the constrained
-tokens that jump-forward added without sampling them. With --jump-forward on,off each value gets an
-engine of its own (SchedulerConfig.jump_forward), measured one after the other with its
-own all-free baseline; the tokens a request's grammar forces at admission (before its
-first sampled token) count in its tokens, not in its decode rate. A benchmark, not a
-test: run it alone on an idle machine.
+tokens that jump-forward added without sampling them. With --jump-forward on,off each
+value gets an engine of its own (SchedulerConfig.jump_forward), measured one after the
+other with its own all-free baseline; the tokens a request's grammar forces at admission
+(before its first sampled token) count in its tokens, not in its decode rate. A
+benchmark, not a test: run it alone on an idle machine.
 """
 
 from __future__ import annotations
