@@ -92,7 +92,8 @@ class FakeEngine:
                            num_compilations=0, kv_live_token_steps=0,
                            kv_allocated_token_steps=0, host_seconds=0.0, step_seconds=0.0,
                            warmup_pending=0, num_failed_requests=0, num_kv_resets=0,
-                           healthy=True, compile_events=CompileEvents.zero())
+                           num_forced_tokens=0, healthy=True,
+                           compile_events=CompileEvents.zero())
 
     def _running(self) -> list:
         return list(self.requests.values())[:self.max_num_seqs]

@@ -701,7 +701,9 @@ def test_flag_and_metrics():
         dict.fromkeys(compile_events.KINDS, 0.5))
     stats = EngineStats(scheduler=SchedulerStats(**zeros(SchedulerStats)),
                         spec_decode=SpecDecodeStats(4, 12, 7, [4, 2, 1]), compile_events=events,
-                        **zeros(EngineStats, "scheduler", "spec_decode", "compile_events"))
+                        num_forced_tokens=9,
+                        **zeros(EngineStats, "scheduler", "spec_decode", "compile_events",
+                                "num_forced_tokens"))
     samples = {(s.name, tuple(s.labels.items())): s.value
                for f in text_string_to_metric_families(Metrics(lambda: stats).render().decode())
                for s in f.samples}
@@ -714,6 +716,9 @@ def test_flag_and_metrics():
     assert {k: samples[("jaxserve:jax_compile_events_total", (("kind", k),))]
             for k in compile_events.KINDS} == events.counts
     assert samples[("jaxserve:jax_compile_seconds_total", (("kind", "trace"),))] == 0.5
+    # jump-forward's tokens (structured output), /health's num_forced_tokens too
+    assert samples[("jaxserve:structured_output_forced_tokens_total", ())] == 9
     health = stats.as_dict()
+    assert health["num_forced_tokens"] == 9
     assert (health["jax_traces"], health["jax_lowerings"], health["jax_compilations"],
             health["jax_cache_fetches"], health["jax_compile_events"]) == (5, 4, 3, 2, 14)

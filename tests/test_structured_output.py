@@ -186,7 +186,7 @@ def test_jump_forward_computes_forced_tokens_as_a_chunk(params, async_scheduling
     runs = {}
     for jf in (True, False):
         engine = tiny_engine(params, jump_forward=jf, async_scheduling=async_scheduling)
-        runs[jf] = (*run_counting_steps(engine, reqs), engine.num_forced_tokens)
+        runs[jf] = (*run_counting_steps(engine, reqs), engine.stats().num_forced_tokens)
     (on, on_steps, forced), (off, off_steps, none_forced) = runs[True], runs[False]
     assert none_forced == 0 and forced > 0
     for k in ("json", "choice"):

@@ -227,6 +227,7 @@ class Engine:
             host_seconds=self._host_seconds, step_seconds=self._step_seconds,
             warmup_pending=self.runner.warmup_pending,
             num_failed_requests=self.num_failed_requests, num_kv_resets=self.num_kv_resets,
+            num_forced_tokens=self.num_forced_tokens,
             healthy=self.healthy, compile_events=compile_events.snapshot())
 
     def has_unfinished_requests(self) -> bool:

@@ -31,7 +31,9 @@ class EngineStats:
     `Engine.step()`; host_seconds: the part of it not spent waiting for the device
     (seconds); warmup_pending (gauge): step shapes a background warm-up has still to
     compile; num_failed_requests: requests finished with "error"; num_kv_resets: fresh
-    KV pools after failed device steps; healthy (gauge): False once the engine is dead.
+    KV pools after failed device steps; num_forced_tokens: structured-output tokens
+    jump-forward added without sampling them (SchedulerConfig.jump_forward); healthy
+    (gauge): False once the engine is dead.
     spec_decode: None while speculative decoding is off. compile_events: every JAX trace,
     lowering, XLA compilation and persistent-cache fetch in this process since the engine
     was built (jaxserve.worker.compile_events; warm-up included, and anything else the
@@ -48,6 +50,7 @@ class EngineStats:
     warmup_pending: int
     num_failed_requests: int
     num_kv_resets: int
+    num_forced_tokens: int
     healthy: bool
     compile_events: CompileEvents
 

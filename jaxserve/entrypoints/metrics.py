@@ -22,6 +22,9 @@ Names follow vLLM's (`vllm:` -> `jaxserve:`) where they mean the same thing:
     jaxserve:spec_decode_num_accepted_tokens_total    counter, draft tokens accepted
     jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position}  counter, accepted
                                                   drafts at position 0..k-1 of a proposal
+    jaxserve:structured_output_forced_tokens_total    counter, output tokens a grammar
+                                                  forced, added without sampling them
+                                                  (jump-forward)
     jaxserve:prompt_tokens_total                  counter, prompt tokens of accepted requests
     jaxserve:generation_tokens_total              counter, output tokens streamed
     jaxserve:request_success_total{finished_reason}   counter: stop, length, abort (one per
@@ -98,7 +101,10 @@ class _EngineCollector:
                  spec.num_drafts),
                 ("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                 spec.num_accepted_tokens)):
+                 spec.num_accepted_tokens),
+                ("structured_output_forced_tokens",
+                 "Output tokens a grammar forced, added without sampling them (jump-forward).",
+                 s.num_forced_tokens)):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the proposal.",
