@@ -51,6 +51,9 @@ CASES = [("Describe a fictional person as JSON.", PERSON),
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("prompt, schema", CASES, ids=["person", "city", "steps"])
 def test_json_schema_outputs_validate(small_llm_client, prompt, schema, temperature):
+    """The output validates; jump-forward added some of its tokens (the schema's keys and
+    punctuation, in SmolLM2's tokens: /health's num_forced_tokens grew)."""
+    forced = small_llm_client.get("/health").json()["num_forced_tokens"]
     r = small_llm_client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": prompt}], "max_tokens": 300,
         "temperature": temperature, "seed": 7,
@@ -59,6 +62,7 @@ def test_json_schema_outputs_validate(small_llm_client, prompt, schema, temperat
     choice = r["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    assert small_llm_client.get("/health").json()["num_forced_tokens"] > forced
 
 
 def test_json_object_regex_and_choice(small_llm_client):
