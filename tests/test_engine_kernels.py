@@ -189,7 +189,8 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
         for cc in ("9.0", "8.0"):
             assert select_kernels(quant, "gpu", 1, "bfloat16", tmp_path, cc).matmul.name == "xla"
     grouped = KernelConfig(weight_quant="int8", weight_quant_group_size=128)
-    assert select_kernels(grouped, "gpu", 1, "bfloat16", tmp_path, "9.0").matmul.name == "pallas_mosaic"
+    assert (select_kernels(grouped, "gpu", 1, "bfloat16", tmp_path, "9.0").matmul.name
+            == "pallas_mosaic")
     named = KernelConfig(weight_quant="int8", matmul_impl="pallas")
     assert select_kernels(named, "gpu", 1, "bfloat16", tmp_path, "9.0").matmul.name == "pallas"
     bf16 = KernelConfig(bf16_matmul_min_rows=1)  # the bf16 weight copies go to the C++ kernel

@@ -53,13 +53,15 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 T0=$(date +%s)
-stages=${*:-env kernels fuse branches generate decode1 decode64 quant cmdbuf qmm sweep hf}
+all_stages="env kernels fuse branches generate decode1 decode64 quant cmdbuf qmm sweep hf"
+stages=${*:-$all_stages}
 say() { echo; echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 declare -A DEFAULT_CAP=([env]=30 [kernels]=150 [fuse]=240 [branches]=300 [generate]=200
   [decode1]=150 [decode64]=130 [quant]=200 [cmdbuf]=300 [qmm]=180 [sweep]=150 [hf]=100)
 # cap SECONDS: the stage's own cap cut to what DEADLINE_S leaves (0: skip the stage)
 cap() { local left=$(( ${DEADLINE_S:-3600} - ($(date +%s) - T0) - 5 ))
-        if [ "$left" -lt 20 ]; then echo 0; elif [ "$left" -lt "$1" ]; then echo "$left"; else echo "$1"; fi; }
+        if [ "$left" -lt 20 ]; then echo 0
+        elif [ "$left" -lt "$1" ]; then echo "$left"; else echo "$1"; fi; }
 # keep NAME DIR: copy the largest perfetto trace under DIR to $OUT/NAME if it is under 16 MB
 keep() { local f; f=$(ls -S "$2"/plugins/profile/*/*perfetto_trace.json.gz 2>/dev/null | head -1)
          [ -n "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp "$f" "$OUT/$1"; }
@@ -135,7 +137,7 @@ m = load_config('llama3_8b').model
 for case in [tuple(map(int, c.split('x'))) for c in '${HF_CASES:-$cases}'.split(',')]:
     print(case, 'HF eager bf16 tok/s', hf_tok_s(m, case), flush=True)
 " 2>&1 | grep -v Warning | tail -4 ;;
-    *) echo "unknown stage $stage (env kernels fuse branches generate decode1 decode64 quant cmdbuf qmm sweep hf)"; exit 2 ;;
+    *) echo "unknown stage $stage (one of: $all_stages)"; exit 2 ;;
   esac
 done
 say done

@@ -91,8 +91,8 @@ def shape_pages(kind: str, B: int, L: int, T: int, page_size: int) -> int:
 def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
                ragged: bool = False, room: int = 3, T: int = 0):
     """A full random batch of the shape (every row real), as the engine would build it:
-    (StepBatch, SamplingBatch), every sequence sampled greedily. ragged: decode rows get contexts drawn uniformly
-    from 1 .. L pages; room: slots left free at the end of a full decode row's L pages
+    (StepBatch, SamplingBatch), every sequence sampled greedily. ragged: decode rows get
+    contexts drawn uniformly from 1 .. L pages; room: slots left free at the end of a full decode row's L pages
     (multi-step decode writes there); T: a mixed step's prompt tokens, after the B decode
     rows (its own pages, positions 0 .. T - 1). Raises ValueError when the pool's
     num_pages - 1 pages (page 0 is the null page) cannot hold the batch."""
@@ -104,7 +104,7 @@ def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
     S, P = len(seqs), max(p for _, p, _ in seqs)
     b = empty_batch(sum(q for q, _, _ in seqs), S, P, decode=kind == "decode")
     pages = rng.permutation(np.arange(1, num_pages))
-    need = sum(p for _, p, _ in seqs)
+    need = shape_pages(kind, B, L, T, page_size)
     if need > len(pages):
         raise ValueError(f"{kind}:{B}x{L}{f'x{T}' if T else ''} needs {need} pages, the pool "
                          f"has {len(pages)}")
@@ -219,9 +219,10 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         cfg = cfg.override(max_model_len=-(-longest // ps) * ps)
     max_seqs = cfg.engine.scheduler.max_num_seqs
     for k, B, L, T in shapes:
-        if B + (k == "mixed") > max_seqs:
-            sys.exit(f"--shapes {k}:{B}x{L}{f'x{T}' if T else ''}: {B + (k == 'mixed')} "
-                     f"sequences in one step, the config's max_num_seqs is {max_seqs}")
+        n_seqs = len(shape_sequences(k, B, L, T, ps))
+        if n_seqs > max_seqs:
+            sys.exit(f"--shapes {k}:{B}x{L}{f'x{T}' if T else ''}: {n_seqs} sequences in one "
+                     f"step, the config's max_num_seqs is {max_seqs}")
     if args.compare == "precision":
         ecfg = cfg.engine.override(bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
                                    bf16_matmul_round_x_min_rows=None, weight_quant=None)

@@ -243,7 +243,7 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     small = m <= 64  # decode: more, narrower column tiles to spread the weight over SMs
     gemv = m <= GEMV_ROWS
     block_m = block_size(m, 64) if block_m is None else block_m
-    block_n = block_size(n, 128 if gemv or not small else 64) if block_n is None else block_n
+    block_n = block_size(n, 64 if small and not gemv else 128) if block_n is None else block_n
     if block_k is None:
         block_k = block_size(k, 128 if small else 64)
         block_k = block_k if group is None else min(block_k, group)
