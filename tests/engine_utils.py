@@ -23,13 +23,15 @@ def tiny_params():
     return init_params(TINY_CFG, jax.random.key(3), scale=1.0)
 
 
-def tiny_engine(params, draft_params=None, eagle=None, kernels=None, **engine_config):
+def tiny_engine(params, draft_params=None, eagle=None, kernels=None, executable_cache=None,
+                **engine_config):
     """An Engine over `params` (tiny_params()) with TINY_ECFG (fields set by
     `EngineConfig.override(**engine_config)`), a 65-page pool and the byte-level test
     tokenizer. kernels: the Kernels (default XLA's, the device deciding branches).
     draft_params: a draft model (speculative decoding, method "draft_model"): tiny params
     of any number of layers, with its own 65-page pool. eagle: (head config, EagleParams)
-    of an EAGLE head (method "eagle"), with its pool and feature pool."""
+    of an EAGLE head (method "eagle"), with its pool and feature pool. executable_cache:
+    the Runner's (jaxserve.worker.executable_cache; None: JAX compiles)."""
     from fake_engine import tiny_tokenizer
     from jaxserve.engine.engine import Engine
     from jaxserve.worker.runner import Runner
@@ -54,7 +56,7 @@ def tiny_engine(params, draft_params=None, eagle=None, kernels=None, **engine_co
         from jaxserve.model.lora import attach_pools
         params = attach_pools(params, TINY_CFG, ecfg.lora)
     runner = Runner(TINY_CFG, ecfg, params, cache, kernels or Kernels("xla", "xla", "xla"),
-                    draft=draft)
+                    draft=draft, executable_cache=executable_cache)
     return Engine(TINY_CFG, ecfg, runner, tiny_tokenizer())
 
 

@@ -316,6 +316,9 @@ def test_two_processes_tp2_pp2_serve_and_a_follower_exits_when_process_0_dies(
 
 
 def test_sigterm_to_process_0_stops_both_cleanly(tmp_path, cache_dir, smollm2_checkpoint):
+    """And the follower compiled its step programs through its executable cache (JAX's
+    persistent cache serves process 0 only; jaxserve.worker.executable_cache), where each
+    is kept for its next start."""
     import signal
 
     procs, url, logs = _launch_pair(tmp_path, cache_dir)
@@ -323,9 +326,16 @@ def test_sigterm_to_process_0_stops_both_cleanly(tmp_path, cache_dir, smollm2_ch
         procs[0].send_signal(signal.SIGTERM)
         codes = (_exit_within(procs[0], 30), _exit_within(procs[1], 30))
         assert codes == (0, 0), (codes, logs[0].read_text()[-1500:], logs[1].read_text()[-1500:])
-        assert "process 1: process 0 stopped; exiting" in logs[1].read_text()
+        follower = logs[1].read_text()
+        assert "process 1: process 0 stopped; exiting" in follower
     finally:
         _stop(procs)
+    kept = cache_dir / "xla" / "followers" / "process-1"
+    assert f"step programs kept in {kept}" in follower
+    programs = re.findall(r"step program \w+ .* (?:compiled|read from the executable cache) "
+                          r"in [\d.]+ s", follower)
+    assert len(programs) >= 2, follower[-3000:]
+    assert len(list(kept.glob("*.bin"))) >= len(programs)
 
 
 @pytest.mark.full  # fast tier: two processes serve and stop (SIGTERM)

@@ -33,6 +33,7 @@ from jaxserve.worker import compile_events
 from jaxserve.worker.kernel_selection import (loop_layers, prepare_params, resolve_kernel_config,
                                               select_kernels)
 from jaxserve.worker.device_memory import device_available_bytes, memory_name
+from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.memory_plan import check_fits, plan_memory
 from jaxserve.worker.runner import Runner
 
@@ -132,7 +133,15 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout,
                           stacked=looped)
     draft = make_draft(num_pages) if make_draft else None
-    runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft)
+    # a follower process compiles through a cache of its own (JAX's serves process 0 only)
+    executable_cache = None
+    if compilation_cache and jax.process_index() > 0:
+        executable_cache = ExecutableCache(
+            cache_dir / "xla" / "followers" / f"process-{jax.process_index()}",
+            rules.mesh.devices.flat if rules else [jax.devices()[0]])
+        log.info("step programs kept in %s", executable_cache.directory)
+    runner = Runner(model_cfg, ecfg, params, cache, kernels, rules, draft=draft,
+                    executable_cache=executable_cache)
     engine = Engine(model_cfg, ecfg, runner, tokenizer, adapter_cfg)
     log.info("KV page pool: %d pages of %d tokens (%.0f MiB%s, sized by %s); %.2f GiB per "
              "device planned of %.2f GiB available", num_pages, page_size,

@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
+from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.input_batch import empty_batch
 from jaxserve.worker.compilation import (StepKey, StepShapes, abstract_inputs,
                                          abstract_sample_inputs, warmup_order)
@@ -64,12 +65,17 @@ class Runner:
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params: Params,
                  cache: KVCache, kernels: Kernels, rules: ShardingRules | None = None,
-                 draft: tuple[Drafter, object, object] | None = None):
+                 draft: tuple[Drafter, object, object] | None = None,
+                 executable_cache: ExecutableCache | None = None):
         """draft: (drafter, its params, its cache) for speculative decoding with a draft
         model or head (jaxserve.spec_decode.draft_model): its KV pool has the target's
-        pages and page size."""
+        pages and page size. executable_cache: where the step programs are compiled
+        through (read back when kept; jaxserve.worker.executable_cache), for a process
+        JAX's persistent compilation cache does not serve (a multi-process follower);
+        None: compiled by JAX (its persistent cache, when on)."""
         self.model_cfg = model_cfg
         self.engine_cfg = engine_cfg
+        self.executable_cache = executable_cache
         self._compiler_options = dict(engine_cfg.compilation.xla_compiler_options) or None
         if self._compiler_options:  # a name XLA does not know: refused now, not at a step
             self._compile_lowered(jax.jit(lambda: jnp.zeros(())).lower())
@@ -229,8 +235,15 @@ class Runner:
         return self._compile_lowered(traced.lower()), time.perf_counter() - t0
 
     def _compile_lowered(self, lowered):
-        """`lowered` compiled with CompilationConfig.xla_compiler_options. Raises ConfigError
-        when XLA does not take one of them (an unknown name, a value it refuses)."""
+        """`lowered` compiled with CompilationConfig.xla_compiler_options, through the
+        executable cache when there is one. Raises ConfigError when XLA does not take one
+        of the options (an unknown name, a value it refuses)."""
+        if self.executable_cache is not None:
+            return self.executable_cache.compile(lowered, self._compile_now,
+                                                 self._compiler_options)
+        return self._compile_now(lowered)
+
+    def _compile_now(self, lowered):
         try:
             return lowered.compile(compiler_options=self._compiler_options)
         except jax.errors.JaxRuntimeError as e:  # an unknown name, or a value it refuses
@@ -582,11 +595,16 @@ class Runner:
                        keep_last).tokens.block_until_ready()
 
     def _followed(self, key: StepKey):
-        """A follower's executable for `key`, compiled on first use."""
+        """A follower's executable for `key`, compiled (or read from the executable cache)
+        on first use."""
         exe = self._compiled.get(key)
         if exe is None:
+            hits = self.executable_cache.hits if self.executable_cache else 0
             exe, dt = self._compile(key)
             self._add(key, exe, dt)
+            read = self.executable_cache is not None and self.executable_cache.hits > hits
+            log.info("step program %s T=%d S=%d P=%d n=%d rounds=%d plan=%s %s in %.2f s",
+                     *key, "read from the executable cache" if read else "compiled", dt)
         return exe
 
     @staticmethod
