@@ -133,9 +133,11 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout,
                           stacked=looped)
     draft = make_draft(num_pages) if make_draft else None
-    # a follower process compiles through a cache of its own (JAX's serves process 0 only)
+    # a CPU follower process compiles through a cache of its own: JAX's serves process 0
+    # only, its key hashing the topology each process sees (on GPUs JAX strips the device
+    # assignment from its key for multi-process programs: not measured there yet)
     executable_cache = None
-    if compilation_cache and jax.process_index() > 0:
+    if compilation_cache and jax.process_index() > 0 and platform == "cpu":
         executable_cache = ExecutableCache(
             cache_dir / "xla" / "followers" / f"process-{jax.process_index()}",
             rules.mesh.devices.flat if rules else [jax.devices()[0]])
