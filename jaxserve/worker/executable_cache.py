@@ -44,8 +44,8 @@ class ExecutableCache:
     `compile(lowered, compile_fn)` returns the program read back when its file exists and
     loads, else `compile_fn(lowered)`, written to its file (atomically: a file is whole or
     absent). A file that does not load (another JAX, a truncated write) is compiled again
-    and replaced; a program JAX cannot serialise is compiled and not kept. `hits` and
-    `misses` count both outcomes."""
+    and replaced; a program JAX cannot serialise, or that XLA did not compile in that call
+    (see above), is returned and not kept. `hits` and `misses` count both outcomes."""
 
     def __init__(self, directory: str | Path, devices: Sequence[jax.Device]):
         self.directory = Path(directory)
