@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_utils import outputs, tiny_engine, tiny_params  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
-from jaxserve.worker.executable_cache import ExecutableCache  # noqa: E402
+from engine_utils import outputs, tiny_engine, tiny_params  # tests/: the script's directory
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker.executable_cache import ExecutableCache
 
 
 def lowered():
