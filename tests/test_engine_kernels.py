@@ -32,6 +32,7 @@ from jaxserve.model.params import PROJECTIONS
 from jaxserve.model.weight_layouts import QuantizedWeight, quantize_params
 from jaxserve.model.transformer import Kernels
 from model_utils import PagedDriver, tiny_config
+from lowered_text import count_executed
 
 TESTS = Path(__file__).resolve().parent
 
@@ -539,7 +540,7 @@ def test_gpu_weights_run_each_layer_in_four_matmuls(cuda_lowering):
                                         num_top=4, kernels=kernels),
                       params, cache, batch, sampling.prompt_targets, prev, prev_index, None,
                       None, pool)
-        dots[name] = text.count("stablehlo.dot_general")
+        dots[name] = count_executed(text, "stablehlo.dot_general")
     assert dots == {"auto": 4 * cfg.num_layers + 1, "off": 7 * cfg.num_layers + 1}, dots
     # int8 weights are fused before they are quantised: the Pallas matmul reads one
     # [128, 256] q | k | v and one [128, 512] gate | up matrix, no [128, 64] K or V one

@@ -39,6 +39,8 @@ from jaxserve.model.transformer import Kernels
 from jaxserve.distributed.sharding import ShardingRules, make_mesh
 from jaxserve.kernels.pallas.lowering import cuda_target
 
+from lowered_text import count_executed
+
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = (StepKey("decode", 64, 64, 32, 1), StepKey("mixed", 512, 16, 32, 1))
 
@@ -113,8 +115,9 @@ def check_manual_inputs(text: str) -> tuple[int, list[str]]:
 def summary(text: str, layers: int) -> dict:
     checked, bad = check_manual_inputs(text)
     return {"layers": layers, "args_checked": checked, "mismatched": bad,
-            "all_gather": text.count("all_gather"), "all_reduce": text.count("all_reduce"),
-            "collective_permute": text.count("collective_permute"),
+            "all_gather": count_executed(text, "all_gather"),
+            "all_reduce": count_executed(text, "all_reduce"),
+            "collective_permute": count_executed(text, "collective_permute"),
             "triton": text.count("xla.gpu.triton")}
 
 
