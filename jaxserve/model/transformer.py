@@ -222,9 +222,8 @@ def _decoder_layer(x, lp: LayerParams, k_pages, v_pages, cos, sin, batch: StepBa
 
 # One decoder layer as one program function: the unrolled stack calls it once per layer,
 # so JAX traces and lowers a layer once per step program (not num_layers times) and XLA
-# inlines the calls before it optimises. The small test engine (30 layers, 12 programs):
-# tracing 3.06 -> 0.99 s, lowering 1.64 -> 0.87 s, decode time unchanged (PERFORMANCE.md,
-# "The test suite's time"). Static: cfg, rules, kernels, layout, reduce_heads, reduce_mlp.
+# inlines the calls before it optimises (measured: PERFORMANCE.md, "The test suite's
+# time"). Static: cfg, rules, kernels, layout, reduce_heads, reduce_mlp.
 _traced_layer = jax.jit(_decoder_layer, static_argnums=(8, 9, 10, 11, 12, 13))
 
 
