@@ -126,6 +126,29 @@ def test_split_k_ranges_sum_to_the_product(group, pallas_impl):
     assert default_splits(256, 4096, 32, 64) == 1
 
 
+@pytest.mark.parametrize("gemv", ["reduce", "reduce_magic"])
+def test_cuda_core_gemv_matches_reference(gemv, pallas_impl):
+    """The multiply-and-reduce GEMV variants (gemv "reduce" / "reduce_magic", M <= 4):
+    every format with ragged K and N edges (K 96 and N 80 against blocks of 32 and 64),
+    whole tiles, and split-K, give the reference's product (x f32 and bf16 in turn);
+    int8's exact integer-add widening covers every int8 value (-128 .. 127 in one
+    weight)."""
+    rng = np.random.default_rng(SEED)
+    dtypes = list(DTYPES.values())
+    for i, (fmt, group, k, n) in enumerate(FORMATS):
+        dtype = dtypes[i % len(dtypes)]
+        w_q, scales = quantize_weights(_weights(rng, k, n, group), fmt, group)
+        for m, kw in ((1, {}), (3, dict(block_n=64)), (4, dict(block_k=16, splits=3))):
+            x = _acts(rng, m, k, dtype)
+            out = quantized_matmul(x, w_q, scales, impl=pallas_impl, gemv=gemv, **kw)
+            _assert_close(out, quantized_matmul_reference(x, w_q, scales), dtype)
+    w_q = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(64, 4)
+    scales = jnp.ones(4, jnp.float32)
+    x = _acts(rng, 2, 64, jnp.float32)
+    _assert_close(quantized_matmul(x, w_q, scales, impl=pallas_impl, gemv=gemv),
+                  quantized_matmul_reference(x, w_q, scales), jnp.float32)
+
+
 def test_wrong_scales_change_the_result(pallas_impl):
     """The kernel really applies per-group scales: swapping two groups' scale rows (or
     flattening them to per-channel) changes its output well beyond the tolerance."""
@@ -216,6 +239,8 @@ def _bad_calls():
         ((x, w8, S((2, 32), jnp.float32)), dict(block_k=64), r"block_k must divide the group size 32, got 64"),
         ((x, w8, s), dict(splits=0), r"splits must be in \[1, cdiv\(in_features, block_k\) = 1\], got 0"),
         ((x, w8, s), dict(impl="triton"), r"impl must be one of \('pallas', 'pallas_interpret'\), got 'triton'"),
+        ((x, w8, s), dict(gemv="mma"), r"gemv must be one of \('dot', 'reduce', 'reduce_magic'\), got 'mma'"),
+        ((S((5, 64), jnp.float32), w8, s), dict(gemv="reduce"), r"gemv 'reduce' takes at most 4 rows of x, got 5"),
     ]
 
 
@@ -268,3 +293,19 @@ def test_lowers_for_cuda_at_engine_shapes(cuda_lowering):
                     count += 1
     assert count == 9 * 3 * 2 * 3
     assert time.perf_counter() - start < 60
+
+
+def test_cuda_core_gemv_lowers_for_cuda_at_llama3_8b_shapes(cuda_lowering):
+    """The multiply-and-reduce GEMV variants lower to one Triton custom call at
+    Llama-3-8B's fused projection shapes (what tools/bench_quantized_matmul --sweep times),
+    int8 per channel and per group, fp8, M 1."""
+    S = jax.ShapeDtypeStruct
+    for gemv in ("reduce", "reduce_magic"):
+        fn = jax.jit(functools.partial(quantized_matmul, impl="pallas", gemv=gemv))
+        for k, n in ((4096, 28672), (14336, 4096), (4096, 6144)):
+            for fmt, group in (("int8", None), ("int8", 128), ("fp8_e4m3", None)):
+                scales = S((n,) if group is None else (k // group, n), jnp.float32)
+                traced = fn.trace(S((1, k), jnp.bfloat16), S((k, n), WEIGHT_DTYPE[fmt]), scales)
+                assert traced.out_info.shape == (1, n)
+                text = traced.lower(lowering_platforms=("cuda",)).as_text()
+                assert text.count("xla.gpu.triton") == 1, (gemv, k, n, fmt, group)

@@ -62,7 +62,17 @@ SWEEP = {
                # bytes in flight in all, as Little's law asks of a latency-bound GEMV
                dict(block_n=128, block_k=128, num_warps=4, num_stages=3, splits=4),
                dict(block_n=128, block_k=128, num_warps=4, num_stages=3, splits=8),
-               dict(block_n=128, block_k=128, num_warps=4, num_stages=4, splits=8)],
+               dict(block_n=128, block_k=128, num_warps=4, num_stages=4, splits=8),
+               # the CUDA-core GEMV variants (M <= 4; quantized_matmul's `gemv`): f32
+               # multiply-and-reduce, ~3-4 instructions a weight element in the loop
+               # against the dot's ~6 (tools/compile_triton, sm_90), loads not pipelined
+               # through shared memory, so many programs (REDUCE_TARGET_PROGRAMS)
+               dict(gemv="reduce"), dict(gemv="reduce_magic"),
+               dict(gemv="reduce_magic", block_k=64),
+               dict(gemv="reduce_magic", block_n=256),
+               dict(gemv="reduce_magic", splits=32),
+               dict(gemv="reduce_magic", num_warps=8),
+               dict(gemv="reduce", block_k=64, splits=16)],
     # (tile_n 256 with 8 steps in flight needs 296 KB of SMEM, over the 227 KB a CTA has)
     "pallas_mosaic": [dict(max_concurrent_steps=8), dict(tile_n=256),
                       dict(tile_n=256, max_concurrent_steps=5),

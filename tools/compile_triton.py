@@ -451,6 +451,11 @@ def kernel_configs(kernel: str, fn: Callable) -> list[KernelConfig]:
                         _sds(sshape, jnp.float32))
                 out.append(KernelConfig(f"quantized_matmul/{MATMUL_K}x{MATMUL_N}/{fmt}/M{m}", fn, args,
                                         dict(impl="pallas")))
+                # the CUDA-core GEMV variants (quantized_matmul's `gemv`)
+                for mode in (("reduce", "reduce_magic") if m == 1 else ()):
+                    out.append(KernelConfig(
+                        f"quantized_matmul/{MATMUL_K}x{MATMUL_N}/{fmt}/M{m}/{mode}", fn, args,
+                        dict(impl="pallas", gemv=mode)))
     elif kernel == "ggml_matmul":  # Llama-3-8B's w_down shape in each block format
         for fmt in ("q4_0", "q4_1", "q8_0"):
             q8 = fmt == "q8_0"

@@ -49,6 +49,17 @@ MIN_BLOCKS_PER_SPLIT = 4
 # latency bound, so the bytes in flight per SM are what count.
 GEMV_ROWS = 16
 GEMV_STAGES = 3
+# `gemv` variants that multiply and reduce on the CUDA cores instead of a tensor-core dot
+# (M <= REDUCE_ROWS): "reduce" widens the weight with Triton's conversion, "reduce_magic"
+# with an integer add and a bitcast (int8 only). To be measured on a GPU
+# (`tools/bench_quantized_matmul --sweep`); the default stays "dot" until then.
+GEMV_MODES = ("dot", "reduce", "reduce_magic")
+REDUCE_ROWS = 4
+REDUCE_BLOCK_K = 32
+# Split-K's program target for those variants: their loads are not pipelined through
+# shared memory (one K block in flight per warp), so the bytes in flight come from many
+# programs: ~8 per SM of 132 (56 registers a thread: up to 9 programs of 4 warps fit).
+REDUCE_TARGET_PROGRAMS = 1056
 # The in-kernel dot's precision for f32 activations (bf16 / f16 use the plain tensor-core
 # dot). On the GPU 3xTF32 (near-f32 accuracy on tensor cores): an IEEE f32 dot
 # (HIGHEST) spills heavily at these tiles (compile_triton, sm_90). XLA:CPU has no 3xTF32,
@@ -109,19 +120,97 @@ def _qmm_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, k: int, n: int, block_m: 
                 mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _int8_to_f32_magic(w: jax.Array) -> jax.Array:
+    """int8 [..] -> f32 [..], exactly, by an integer add and a bitcast: 0x4B400000 is
+    1.5 * 2**23, where f32's mantissa steps by 1, so its bits plus w are 12582912 + w.
+    (An unsigned form, the byte's top bit flipped and OR-ed into 2**23's bits, compiled
+    to more instructions for sm_90: tools/compile_triton.)
+    Source: the magic-number conversion of FasterTransformer's weight-only GEMV
+    (there for int8 -> f16)."""
+    bits = w.astype(jnp.int32) + jnp.int32(0x4B400000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(12582912.0)
+
+
+def _qmv_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, k: int, n: int, block_n: int,
+                block_k: int, blocks_per_split: int, group_size: int | None, magic: bool):
+    """`_qmm_kernel` for M <= REDUCE_ROWS on the CUDA cores (GEMV_MODES "reduce" /
+    "reduce_magic"): one program owns the block_n columns of every row over one split of
+    K; each K block's weight [block_k, block_n] is widened to f32 and multiplied into an
+    f32 accumulator of the same shape per row (one FMA a weight element, no cross-thread
+    work in the loop), which is summed over K once, after the loop. Same refs and
+    outputs as `_qmm_kernel` (grid (1, N tiles, splits))."""
+    j, sp = pl.program_id(1), pl.program_id(2)
+    split_k = len(o_ref.shape) == 3
+    cols = j * block_n + jnp.arange(block_n)  # [block_n] int32
+    col_ok = cols < n
+    whole = k % block_k == 0 and n % block_n == 0
+
+    def body(kb, accs):  # accs: m x [block_k, block_n] f32
+        ks = kb * block_k + jnp.arange(block_k)  # [block_k] int32
+        k_ok = ks < k
+        w_tile = w_ref.at[pl.ds(kb * block_k, block_k), pl.ds(j * block_n, block_n)]
+        if whole:
+            w = plgpu.load(w_tile)
+        elif w_ref.dtype == jnp.int8:
+            w = plgpu.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0)
+        else:  # (Triton cannot splat an `other` fill into fp8)
+            w_ok = k_ok[:, None] & col_ok[None, :]
+            w = jnp.where(w_ok, plgpu.load(w_tile, mask=w_ok).astype(jnp.float32), 0)
+        if magic and w.dtype == jnp.int8:
+            w = _int8_to_f32_magic(w)  # [block_k, block_n] f32
+        else:
+            w = w.astype(jnp.float32)
+        if group_size is not None:
+            # s: [block_n] f32, the scale row of the group holding this K block
+            w = w * plgpu.load(s_ref.at[(kb * block_k) // group_size,
+                                        pl.ds(j * block_n, block_n)], mask=col_ok, other=0)[None, :]
+        out = []
+        for r in range(m):
+            x_tile = x_ref.at[pl.ds(r, 1), pl.ds(kb * block_k, block_k)]
+            x = (plgpu.load(x_tile) if whole else
+                 plgpu.load(x_tile, mask=k_ok[None, :], other=0))[0].astype(jnp.float32)
+            out.append(accs[r] + x[:, None] * w)
+        return tuple(out)
+
+    first = sp * blocks_per_split
+    accs = jax.lax.fori_loop(first, jnp.minimum(first + blocks_per_split, cdiv(k, block_k)),
+                             body, tuple(jnp.zeros((block_k, block_n), jnp.float32)
+                                         for _ in range(m)))
+    s = None
+    if group_size is None and not split_k:
+        s = plgpu.load(s_ref.at[pl.ds(j * block_n, block_n)], mask=col_ok, other=0)
+    for r in range(m):
+        row = jnp.sum(accs[r], axis=0)  # [1, block_n] after the reshape below
+        if s is not None:
+            row = row * s
+        tile = (pl.ds(r, 1), pl.ds(j * block_n, block_n))
+        plgpu.store(o_ref.at[(sp,) + tile if split_k else tile],
+                    row[None, :].astype(o_ref.dtype), mask=col_ok[None, :])
+
+
 # ----------------------------------------------------------------------------- pallas_call
 
 def _qmm_call(x, w_q, scales, *, block_m: int, block_n: int, block_k: int, splits: int,
-              group_size: int | None, impl: str, num_warps: int, num_stages: int):
+              group_size: int | None, impl: str, num_warps: int, num_stages: int,
+              gemv: str = "dot"):
     """pallas_call over grid (cdiv(M, block_m), cdiv(N, block_n), splits); every operand is
     passed whole (no BlockSpecs) and the kernel indexes and masks its own tiles. With splits
-    > 1 the f32 partials are summed (and per-channel scales applied) here."""
+    > 1 the f32 partials are summed (and per-channel scales applied) here. gemv: one of
+    GEMV_MODES (not "dot": `_qmv_kernel`, block_m = M)."""
     m, k = x.shape
     n = w_q.shape[1]
     k_blocks = cdiv(k, block_k)
-    kernel = functools.partial(_qmm_kernel, m=m, k=k, n=n, block_m=block_m, block_n=block_n,
-                               block_k=block_k, blocks_per_split=cdiv(k_blocks, splits),
-                               group_size=group_size, f32_precision=F32_DOT_PRECISION.get(impl))
+    if gemv == "dot":
+        kernel = functools.partial(_qmm_kernel, m=m, k=k, n=n, block_m=block_m,
+                                   block_n=block_n, block_k=block_k,
+                                   blocks_per_split=cdiv(k_blocks, splits),
+                                   group_size=group_size,
+                                   f32_precision=F32_DOT_PRECISION.get(impl))
+    else:
+        block_m = m
+        kernel = functools.partial(_qmv_kernel, m=m, k=k, n=n, block_n=block_n,
+                                   block_k=block_k, blocks_per_split=cdiv(k_blocks, splits),
+                                   group_size=group_size, magic=gemv == "reduce_magic")
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n) if splits == 1 else (splits, m, n),
@@ -145,15 +234,17 @@ def finish_split_k(partials: jax.Array, scales: jax.Array, group_size: int | Non
     return total.astype(dtype)
 
 
-def default_splits(m: int, n: int, k_blocks: int, block_n: int) -> int:
+def default_splits(m: int, n: int, k_blocks: int, block_n: int,
+                   target: int = TARGET_PROGRAMS) -> int:
     """Split-K ranges for M <= 64 (decode): the largest power of two keeping >=
-    MIN_BLOCKS_PER_SPLIT K blocks per range and <= TARGET_PROGRAMS programs over the N tiles (1 for larger M, whose M
-    tiles give the grid its size, and where partials would cost M x N x 4 bytes each)."""
+    MIN_BLOCKS_PER_SPLIT K blocks per range and <= `target` programs over the N tiles (1
+    for larger M, whose M tiles give the grid its size, and where partials would cost M x
+    N x 4 bytes each)."""
     if m > 64:
         return 1
     splits = 1
     while (splits * 2 * MIN_BLOCKS_PER_SPLIT <= k_blocks
-           and splits * 2 * cdiv(n, block_n) <= TARGET_PROGRAMS):
+           and splits * 2 * cdiv(n, block_n) <= target):
         splits *= 2
     return splits
 
@@ -215,11 +306,11 @@ def quantize_weights(w: jax.Array, fmt: str, group_size: int | None = None) -> t
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "splits", "impl",
-                                             "num_warps", "num_stages"))
+                                             "num_warps", "num_stages", "gemv"))
 def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m: int | None = None,
                      block_n: int | None = None, block_k: int | None = None,
                      splits: int | None = None, impl: str = "pallas", num_warps: int = 4,
-                     num_stages: int | None = None) -> jax.Array:
+                     num_stages: int | None = None, gemv: str = "dot") -> jax.Array:
     """x @ dequantise(w_q, scales) with f32 accumulation, in one Pallas (Triton) kernel.
 
     x: [M, in_features] f32/bf16/f16 activations (any M >= 1); w_q: [in_features,
@@ -231,8 +322,11 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     groups block_k must divide g). splits: K ranges reduced in f32 outside the kernel
     (split-K; default: `default_splits`, > 1 only for M <= 64). num_warps, num_stages:
     Triton's (stages default: GEMV_STAGES for M <= GEMV_ROWS, else 2). impl: "pallas"
-    (GPU) or "pallas_interpret" (CPU).
-    Raises ValueError for bad shapes, dtypes, scales, blocks or impl.
+    (GPU) or "pallas_interpret" (CPU). gemv: one of GEMV_MODES: "dot" (the tiled dot, any
+    M), or for M <= REDUCE_ROWS "reduce" / "reduce_magic": f32 multiply-and-reduce on the
+    CUDA cores (IEEE f32 products and sums; block_k default REDUCE_BLOCK_K; "reduce_magic"
+    widens int8 by an integer add and a bitcast, fp8 as "reduce").
+    Raises ValueError for bad shapes, dtypes, scales, blocks, gemv or impl.
     Source: W8A16 weight-only quantised GEMM (vLLM / TensorRT-LLM), Triton's tiled matmul.
     """
     fn = "quantized_matmul"
@@ -240,26 +334,32 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     group = check_qmm_operands(fn, x, w_q, scales)
     m, k = x.shape
     n = w_q.shape[1]
+    check(fn, gemv in GEMV_MODES, f"gemv must be one of {GEMV_MODES}, got {gemv!r}")
+    check(fn, gemv == "dot" or m <= REDUCE_ROWS,
+          f"gemv {gemv!r} takes at most {REDUCE_ROWS} rows of x, got {m}")
     small = m <= 64  # decode: more, narrower column tiles to spread the weight over SMs
-    gemv = m <= GEMV_ROWS
+    is_gemv = m <= GEMV_ROWS
     block_m = block_size(m, 64) if block_m is None else block_m
-    block_n = block_size(n, 64 if small and not gemv else 128) if block_n is None else block_n
+    block_n = block_size(n, 64 if small and not is_gemv else 128) if block_n is None else block_n
     if block_k is None:
-        block_k = block_size(k, 128 if small else 64)
+        block_k = (REDUCE_BLOCK_K if gemv != "dot" else
+                   block_size(k, 128 if small else 64))
         block_k = block_k if group is None else min(block_k, group)
-    num_stages = (GEMV_STAGES if gemv else 2) if num_stages is None else num_stages
+    num_stages = (GEMV_STAGES if is_gemv else 2) if num_stages is None else num_stages
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         check(fn, isinstance(b, int) and is_power_of_2(b) and b >= MIN_DOT,
               f"{name} must be a power of two >= {MIN_DOT}, got {b}")
     check(fn, group is None or group % block_k == 0,
           f"block_k must divide the group size {group}, got {block_k}")
     k_blocks = cdiv(k, block_k)
-    splits = default_splits(m, n, k_blocks, block_n) if splits is None else splits
+    if splits is None:
+        splits = default_splits(m, n, k_blocks, block_n,
+                                TARGET_PROGRAMS if gemv == "dot" else REDUCE_TARGET_PROGRAMS)
     check(fn, isinstance(splits, int) and 1 <= splits <= k_blocks,
           f"splits must be in [1, cdiv(in_features, block_k) = {k_blocks}], got {splits}")
     return _qmm_call(x, w_q, scales, block_m=block_m, block_n=block_n, block_k=block_k,
                      splits=splits, group_size=group, impl=impl, num_warps=num_warps,
-                     num_stages=num_stages)
+                     num_stages=num_stages, gemv=gemv)
 
 
 def quantized_matmul_reference(x: jax.Array, w_q: jax.Array, scales: jax.Array) -> jax.Array:
