@@ -130,7 +130,8 @@ def test_split_k_ranges_sum_to_the_product(group, pallas_impl):
 def test_cuda_core_gemv_matches_reference(gemv, pallas_impl):
     """The multiply-and-reduce GEMV variants (gemv "reduce" / "reduce_magic", M <= 4):
     every format with ragged K and N edges (K 96 and N 80 against blocks of 32 and 64),
-    whole tiles, and split-K, give the reference's product (x f32 and bf16 in turn);
+    whole tiles, and split-K (5 splits: with group scales each holds whole groups, some
+    then none), give the reference's product (x f32 and bf16 in turn);
     int8's exact integer-add widening covers every int8 value (-128 .. 127 in one
     weight)."""
     rng = np.random.default_rng(SEED)
@@ -138,7 +139,7 @@ def test_cuda_core_gemv_matches_reference(gemv, pallas_impl):
     for i, (fmt, group, k, n) in enumerate(FORMATS):
         dtype = dtypes[i % len(dtypes)]
         w_q, scales = quantize_weights(_weights(rng, k, n, group), fmt, group)
-        for m, kw in ((1, {}), (3, dict(block_n=64)), (4, dict(block_k=16, splits=3))):
+        for m, kw in ((1, {}), (3, dict(block_n=64)), (4, dict(block_k=16, splits=5))):
             x = _acts(rng, m, k, dtype)
             out = quantized_matmul(x, w_q, scales, impl=pallas_impl, gemv=gemv, **kw)
             _assert_close(out, quantized_matmul_reference(x, w_q, scales), dtype)

@@ -137,7 +137,8 @@ def _qmv_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, k: int, n: int, block_n: 
     "reduce_magic"): one program owns the block_n columns of every row over one split of
     K; each K block's weight [block_k, block_n] is widened to f32 and multiplied into an
     f32 accumulator of the same shape per row (one FMA a weight element, no cross-thread
-    work in the loop), which is summed over K once, after the loop. Same refs and
+    work in the loop), which is summed over K once, after the loop. Group scales multiply
+    each group's accumulators once (blocks_per_split holds whole groups). Same refs and
     outputs as `_qmm_kernel` (grid (1, N tiles, splits))."""
     j, sp = pl.program_id(1), pl.program_id(2)
     split_k = len(o_ref.shape) == 3
@@ -160,10 +161,6 @@ def _qmv_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, k: int, n: int, block_n: 
             w = _int8_to_f32_magic(w)  # [block_k, block_n] f32
         else:
             w = w.astype(jnp.float32)
-        if group_size is not None:
-            # s: [block_n] f32, the scale row of the group holding this K block
-            w = w * plgpu.load(s_ref.at[(kb * block_k) // group_size,
-                                        pl.ds(j * block_n, block_n)], mask=col_ok, other=0)[None, :]
         out = []
         for r in range(m):
             x_tile = x_ref.at[pl.ds(r, 1), pl.ds(kb * block_k, block_k)]
@@ -173,9 +170,22 @@ def _qmv_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, k: int, n: int, block_n: 
         return tuple(out)
 
     first = sp * blocks_per_split
-    accs = jax.lax.fori_loop(first, jnp.minimum(first + blocks_per_split, cdiv(k, block_k)),
-                             body, tuple(jnp.zeros((block_k, block_n), jnp.float32)
-                                         for _ in range(m)))
+    last = jnp.minimum(first + blocks_per_split, cdiv(k, block_k))
+    zeros = tuple(jnp.zeros((block_k, block_n), jnp.float32) for _ in range(m))
+    if group_size is None:
+        accs = jax.lax.fori_loop(first, last, body, zeros)
+    else:
+        # group scales once a group, not once a weight element: each group's K blocks sum
+        # into accumulators of their own, added in times the group's scale row (splits
+        # hold whole groups: `_qmm_call`)
+        per_group = group_size // block_k
+
+        def group(g, accs):
+            s = plgpu.load(s_ref.at[g, pl.ds(j * block_n, block_n)], mask=col_ok, other=0)
+            part = jax.lax.fori_loop(g * per_group, (g + 1) * per_group, body, zeros)
+            return tuple(a + p * s[None, :] for a, p in zip(accs, part))
+
+        accs = jax.lax.fori_loop(first // per_group, last // per_group, group, zeros)
     s = None
     if group_size is None and not split_k:
         s = plgpu.load(s_ref.at[pl.ds(j * block_n, block_n)], mask=col_ok, other=0)
@@ -208,8 +218,12 @@ def _qmm_call(x, w_q, scales, *, block_m: int, block_n: int, block_k: int, split
                                    f32_precision=F32_DOT_PRECISION.get(impl))
     else:
         block_m = m
+        per_split = cdiv(k_blocks, splits)
+        if group_size is not None:  # whole groups a split (block_k divides the group)
+            per_group = group_size // block_k
+            per_split = cdiv(per_split, per_group) * per_group
         kernel = functools.partial(_qmv_kernel, m=m, k=k, n=n, block_n=block_n,
-                                   block_k=block_k, blocks_per_split=cdiv(k_blocks, splits),
+                                   block_k=block_k, blocks_per_split=per_split,
                                    group_size=group_size, magic=gemv == "reduce_magic")
     out = pl.pallas_call(
         kernel,
