@@ -231,7 +231,7 @@ def test_select_kernels_auto_and_fallback(monkeypatch, tmp_path, cpu_kernels_lib
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", None), ("int8", 32), ("fp8_e4m3", None)])
-def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group):
+def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group, monkeypatch):
     params = init_params(CFG, jax.random.key(1), scale=0.3)
     qparams = quantize_params(params, fmt, group)
     w = qparams.layers[0].wo
@@ -241,6 +241,19 @@ def test_quantized_projections_kernel_matches_reference_in_the_model(fmt, group)
     want = _drive(qparams, Kernels("xla", "xla"), steps)
     got = _drive(qparams, Kernels("xla", "pallas_interpret"), steps)
     _assert_same(got, want, QUANT_ATOL)
+    # the CUDA-core GEMV for steps of at most 4 rows (matmul_impl "pallas_gemv": the
+    # 3-row decode step), the tiled dot for the rest (the prompts' 64 and 32 rows)
+    import jaxserve.kernels.pallas.quantized_matmul as qmm
+    seen, kernel = set(), qmm.quantized_matmul
+
+    def spy(x, *args, gemv="dot", **kw):
+        seen.add((x.shape[0], gemv))
+        return kernel(x, *args, gemv=gemv, **kw)
+
+    monkeypatch.setattr(qmm, "quantized_matmul", spy)
+    got = _drive(qparams, Kernels("xla", "pallas_gemv_interpret"), steps)
+    _assert_same(got, want, QUANT_ATOL)
+    assert seen == {(64, "dot"), (32, "dot"), (3, "reduce_magic")}, seen
     # and the quantised model differs from the float one, but only by quantisation noise:
     # relative RMS error of all logits, measured 0.04-0.06 for int8 and 0.17-0.22 for fp8
     # e4m3 (3 mantissa bits) over seeds on this random model

@@ -19,14 +19,16 @@
 #   (issue 28's 5,000 tok/s);
 # - quant: 1 stream at decode_steps 8 with QUANT_FORMATS (default none,int8,fp8_e4m3) weights
 #   (fused before they are quantised on a GPU), each with every matmul_impl of QUANT_IMPLS
-#   (default auto: the Mosaic kernel on Hopper; xla: XLA's dot of the widened weight):
-#   end-to-end decode of the quantised matmuls;
+#   (default auto: XLA's dot of the widened weight for per-channel scales; pallas /
+#   pallas_mosaic: the Triton / Mosaic kernels; pallas_gemv: the Triton kernel with its
+#   CUDA-core GEMV at one row): end-to-end decode of the quantised matmuls;
 # - cmdbuf: the same cases at decode_steps 1 with XLA's command buffers (CUDA graphs) off and
 #   as XLA sets them (CompilationConfig.xla_compiler_options): decided by measurement (with
 #   the sampler's branches decided on the host no program has a conditional to put in one);
 # - qmm: tools.bench_quantized_matmul at M = 1 and 64;
 # - sweep: tools.bench_quantized_matmul --sweep at M = 1, int8, the fused model's shapes
-#   (q|k|v 4096x6144, o, gate|up 4096x28672, down): the kernels' tiles against XLA;
+#   (q|k|v 4096x6144, o, gate|up 4096x28672, down): the kernels' tiles and the CUDA-core
+#   GEMV variants against XLA;
 # - hf: HF transformers' eager bf16 generate on the same shapes (HF_CASES, default both).
 # generate's cases and decode_steps: GEN_CASES (default both), GEN_STEPS (default 8,1).
 # Caps: KERNELS_S, FUSE_S, BRANCHES_S, GENERATE_S, DECODE1_S, DECODE64_S, QUANT_S, CMDBUF_S,

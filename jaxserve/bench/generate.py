@@ -15,7 +15,8 @@ config's, `{"xla_gpu_enable_command_buffer": ""}`: no CUDA graphs), and each val
 --fuse-projections (KernelConfig.fuse_projections: "on", "off", "auto";
 jaxserve.model.weight_layouts.fuse_projections) and --weight-quant (KernelConfig.weight_quant:
 "none", "int8", "fp8_e4m3", "auto") and --matmul-impl (KernelConfig.matmul_impl: "xla",
-"pallas", "pallas_mosaic", "auto"; what runs the quantised projections), one engine is built
+"pallas", "pallas_mosaic", "pallas_gemv", "auto"; what runs the quantised projections), one
+engine is built
 (`jaxserve.LLM`, warm-up off, room for the largest case) and each case runs on it:
 `generate` once on one set of prompts (which compiles the case's step shapes), then timed
 on another set of the same lengths (other random tokens, so no prefix-cache hit changes
@@ -144,7 +145,8 @@ KERNEL_AXES = {
     "fuse_projections": ("fuse_projections", {"on": True, "off": False}),
     "weight_quant": ("weight_quant", {"none": None, "int8": "int8", "fp8_e4m3": "fp8_e4m3"}),
     "matmul_impl": ("matmul_impl", {"xla": "xla", "pallas": "pallas",
-                                    "pallas_mosaic": "pallas_mosaic"}),
+                                    "pallas_mosaic": "pallas_mosaic",
+                                    "pallas_gemv": "pallas_gemv"}),
 }
 
 
@@ -286,7 +288,8 @@ def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
                          "(default: auto)")
     ap.add_argument("--matmul-impl", default="auto",
                     help="KernelConfig.matmul_impl values to run each case with, "
-                         "comma-separated: xla, pallas, pallas_mosaic, auto (the config's) "
+                         "comma-separated: xla, pallas, pallas_mosaic, pallas_gemv, auto "
+                         "(the config's) "
                          "(default: auto)")
     ap.add_argument("--hf", action="store_true",
                     help="also time HF transformers' eager generate on the same shapes")

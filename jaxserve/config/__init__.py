@@ -28,7 +28,7 @@ from jaxserve.config.deployment import (CONVERTED_QUANTIZATIONS, HF_QUANTIZATION
                                        QUANTIZATIONS, Config)
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.kernel import (ATTENTION_IMPLS, ATTENTION_KERNEL_IMPLS, BRANCHES,
-                                    GPU_PLATFORMS, KERNEL_IMPLS,
+                                    GEMV_KERNEL_IMPLS, GPU_PLATFORMS, KERNEL_IMPLS,
                                     MATMUL_IMPLS, MATMUL_KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS,
                                     SAMPLING_IMPLS, WEIGHT_QUANT_FORMATS, KernelConfig,
                                     is_hopper, resolve_attention_impl, resolve_impl)
@@ -44,7 +44,7 @@ from jaxserve.config.validation import ConfigError
 
 __all__ = [
     "ATTENTION_IMPLS", "ATTENTION_KERNEL_IMPLS", "BRANCHES", "CONVERTED_QUANTIZATIONS",
-    "GPU_PLATFORMS", "HF_QUANTIZATIONS",
+    "GEMV_KERNEL_IMPLS", "GPU_PLATFORMS", "HF_QUANTIZATIONS",
     "KERNEL_IMPLS", "LOAD_FORMATS", "MATMUL_IMPLS", "MATMUL_KERNEL_IMPLS",
     "MAX_SPECULATIVE_TOKENS", "MOSAIC_KERNEL_IMPLS", "NULL_PAGE", "QUANTIZATIONS",
     "SAMPLING_IMPLS", "SHIPPED_CONFIGS", "SPECULATIVE_METHODS", "WEIGHT_QUANT_FORMATS",

@@ -17,11 +17,16 @@ from jaxserve.config.validation import ConfigError
 # Hopper (sm_90: TMA + wgmma): "pallas_mosaic" (falling back to the Triton kernels for shapes
 # and dtypes they do not take) and "pallas_mosaic_interpret" (Mosaic GPU interpret mode on
 # CPU: tests).
+# The Triton quantised matmul also has a GEMV on the CUDA cores for matmuls of a few rows
+# (quantized_matmul's gemv "reduce_magic", single-stream decode): "pallas_gemv" /
+# "pallas_gemv_interpret" run it there and the tiled dot elsewhere; not measured on a GPU
+# yet, so no "auto" picks it (jaxserve/kernels/pallas/README.md).
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
 MOSAIC_KERNEL_IMPLS = ("pallas_mosaic", "pallas_mosaic_interpret")
+GEMV_KERNEL_IMPLS = ("pallas_gemv", "pallas_gemv_interpret")
 ATTENTION_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",) + MOSAIC_KERNEL_IMPLS
 ATTENTION_IMPLS = ("auto",) + ATTENTION_KERNEL_IMPLS
-MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",) + MOSAIC_KERNEL_IMPLS
+MATMUL_KERNEL_IMPLS = KERNEL_IMPLS + ("cpu",) + MOSAIC_KERNEL_IMPLS + GEMV_KERNEL_IMPLS
 MATMUL_IMPLS = ("auto",) + MATMUL_KERNEL_IMPLS
 SAMPLING_IMPLS = ("auto", "xla", "cpu")
 BRANCHES = ("auto", "device", "host")
@@ -87,7 +92,9 @@ class KernelConfig:
     jaxserve.worker.kernel_selection.resolve_kernel_config); xla otherwise), "xla",
     "pallas", "pallas_interpret" (the quantised projections of weight_quant, Triton),
     "pallas_mosaic", "pallas_mosaic_interpret" (the same in the Mosaic GPU kernel for
-    Hopper, the Triton one for shapes it does not take), "cpu" (the bf16 weight copies of
+    Hopper, the Triton one for shapes it does not take), "pallas_gemv",
+    "pallas_gemv_interpret" (the Triton kernel with its CUDA-core GEMV for matmuls of at
+    most 4 rows: single-stream decode), "cpu" (the bf16 weight copies of
     bf16_matmul_min_rows in the C++ kernel of jaxserve/kernels/cpu/, AVX512-BF16 where the
     CPU has it)."""
     sampling_impl: str = dataclasses.field(default="auto", metadata={"choices": SAMPLING_IMPLS})

@@ -4,7 +4,8 @@ step's rows), a `QuantizedWeight` (int8 / fp8), a `GGMLWeight` (GGML blocks) or 
 `FusedWeight` of several (jaxserve.model.weight_layouts makes them at load). `Matmul.dense`
 contracts the leading `n_in` axes of the weight with the trailing ones of the activations;
 with a QuantizedWeight it calls `jaxserve.kernels.pallas.quantized_matmul` ("pallas" /
-"pallas_interpret", Triton), `quantized_matmul_mosaic` ("pallas_mosaic" /
+"pallas_interpret", Triton; "pallas_gemv" / "pallas_gemv_interpret" with its CUDA-core GEMV
+for a few rows), `quantized_matmul_mosaic` ("pallas_mosaic" /
 "pallas_mosaic_interpret", Hopper) or the plain-jnp reference ("xla": dequantise, then an
 f32 matmul).
 """
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS
+from jaxserve.config import GEMV_KERNEL_IMPLS, KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS
 from jaxserve.kernels.impl_table import lookup, pallas_impl
 from jaxserve.lora.batched import lora_delta
 from jaxserve.model.ggml_weight import GGMLWeight, ggml_matmul_reference
@@ -164,7 +165,7 @@ class Matmul:
     def _quantized(self, x2: jax.Array, w2: jax.Array, scales: jax.Array) -> jax.Array:
         """x2 [M, K] times a quantised w2 [K, N] with its scales -> [M, N] in x2.dtype."""
         raise ValueError(f"quantised weights need a matmul impl of "
-                         f"{KERNEL_IMPLS + MOSAIC_KERNEL_IMPLS}, "
+                         f"{KERNEL_IMPLS + MOSAIC_KERNEL_IMPLS + GEMV_KERNEL_IMPLS}, "
                          f"got {self.name!r}")
 
 
@@ -204,13 +205,18 @@ class PallasMatmul(Matmul):
     (quantized_matmul_mosaic) wherever it takes the shapes and dtypes, the Triton one
     elsewhere (f32 activations, widths not a multiple of 64); GGML blocks (GGUF, GPTQ, AWQ,
     compressed-tensors) in the Triton ggml_matmul. interpret: in the backend's interpret
-    mode, on CPU, for tests."""
+    mode, on CPU, for tests. gemv: the Triton kernel's CUDA-core GEMV (`gemv`
+    "reduce_magic") for matmuls of at most REDUCE_ROWS rows, its tiled dot for more (not
+    with mosaic)."""
 
     interpret: bool = False
     mosaic: bool = False
+    gemv: bool = False
 
     @property
     def name(self) -> str:
+        if self.gemv:
+            return "pallas_gemv" + ("_interpret" if self.interpret else "")
         return pallas_impl(self.mosaic, self.interpret)
 
     def _ggml(self, x2, w):
@@ -230,18 +236,24 @@ class PallasMatmul(Matmul):
             (k, n), group = w2.shape, None if scales.ndim == 1 else w2.shape[0] // scales.shape[0]
             if mosaic_supports(x2.dtype, w2.dtype, k, n, group):
                 return quantized_matmul_mosaic(x2, w2, scales, impl=self.name)
-        return quantized_matmul(x2, w2, scales, impl=pallas_impl(False, self.interpret))
+        from jaxserve.kernels.pallas.quantized_matmul import REDUCE_ROWS
+        gemv = "reduce_magic" if self.gemv and x2.shape[0] <= REDUCE_ROWS else "dot"
+        return quantized_matmul(x2, w2, scales, impl=pallas_impl(False, self.interpret),
+                                gemv=gemv)
 
 
 _MATMULS = {"xla": XlaMatmul(), "cpu": CpuMatmul(), "pallas": PallasMatmul(),
             "pallas_interpret": PallasMatmul(interpret=True),
             "pallas_mosaic": PallasMatmul(mosaic=True),
-            "pallas_mosaic_interpret": PallasMatmul(interpret=True, mosaic=True)}
+            "pallas_mosaic_interpret": PallasMatmul(interpret=True, mosaic=True),
+            "pallas_gemv": PallasMatmul(gemv=True),
+            "pallas_gemv_interpret": PallasMatmul(interpret=True, gemv=True)}
 
 
 def matmul_backend(impl: "str | Matmul") -> Matmul:
     """The Matmul a matmul_impl name stands for ("xla", "cpu", "pallas",
-    "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"); a Matmul is returned
+    "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret", "pallas_gemv",
+    "pallas_gemv_interpret"); a Matmul is returned
     as it is. Raises ValueError for an unknown name."""
     return lookup(_MATMULS, impl, Matmul, "matmul impl")
 
