@@ -190,7 +190,7 @@ def _qmv_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, k: int, n: int, block_n: 
     if group_size is None and not split_k:
         s = plgpu.load(s_ref.at[pl.ds(j * block_n, block_n)], mask=col_ok, other=0)
     for r in range(m):
-        row = jnp.sum(accs[r], axis=0)  # [1, block_n] after the reshape below
+        row = jnp.sum(accs[r], axis=0)  # [block_n] f32
         if s is not None:
             row = row * s
         tile = (pl.ds(r, 1), pl.ds(j * block_n, block_n))
