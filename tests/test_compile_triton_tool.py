@@ -80,6 +80,34 @@ ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 400 bytes 
         ct.parse_arch("hopper")
 
 
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   I2F.S8 R8, R4 ;
+        /*0040*/                   FFMA R9, R8, R6, R9 ;
+        /*0050*/                   FFMA R10, R8, R7, R10 ;
+        /*0060*/              @!P1 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0070*/                   FADD R9, R9, R10 ;
+.L_x_2:
+        /*0080*/                   NOP ;
+        /*0090*/                   BRA `(.L_x_2);
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_sass_loop_counts_the_largest_loop():
+    """The K loop of nvdisasm's listing: from the label a backward branch returns to
+    through the branch (predicated instructions included, forward branches and the
+    trailing self-loop not the largest), opcodes without modifiers; no loop: (0, {})."""
+    n, ops = ct.sass_loop(SASS)
+    assert n == 5 and ops == {"FFMA": 2, "LDG": 1, "I2F": 1, "BRA": 1}
+    assert list(ops)[0] == "FFMA"
+    assert ct.sass_loop("        /*0000*/                   EXIT ;\n") == (0, {})
+
+
 def test_without_triton_clear_message():
     # Hide triton even where it is installed: sys.modules[name] = None makes both
     # find_spec and import fail, as in a venv without it.

@@ -21,7 +21,11 @@ fallback compute capability (9.0); on a real sm_80 device the lowering itself wo
 float8_e4m3fn casts (they need sm_89+), which shows here as an error row.
 Columns: `smem` is the shared memory the kernel needs at launch: Triton's dynamic
 allocation (`shared` in its metadata) plus any static `.shared` ptxas reports; `stack` is
-the per-thread stack frame and `spill st/ld` the spill store/load bytes, both from ptxas.
+the per-thread stack frame and `spill st/ld` the spill store/load bytes, both from ptxas;
+`loop` the instructions of the kernel's largest loop (its K loop) in the SASS that the
+wheel's nvdisasm lists, with their opcodes in the JSON (`loop_ops`): over the elements a
+thread handles in one trip, the instructions an element costs (session 30's GEMV counts,
+PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -226,11 +230,40 @@ def parse_ptxas_log(log: str, entry: str | None = None) -> PtxasStats:
     return stats
 
 
+_RE_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_RE_SASS_INSN = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)")
+_RE_SASS_BRANCH = re.compile(r"BRA\s+`?\((\.L_x_\d+)\)")
+
+
+def sass_loop(sass: str) -> tuple[int, dict[str, int]]:
+    """The largest loop of `sass` (nvdisasm's listing of one kernel): (instructions from
+    the label a backward branch jumps to through that branch, {opcode: count} over them,
+    opcodes without their modifiers: "LDG.E.128" counts as LDG). (0, {}) when the kernel
+    has no loop. A kernel's K loop is its largest: its instructions over the weight
+    elements a thread handles in one trip give the instructions a weight element."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines) if (m := _RE_SASS_LABEL.match(l))}
+    best = (0, 0, -1)
+    for i, line in enumerate(lines):
+        m = _RE_SASS_BRANCH.search(line)
+        if m and labels.get(m.group(1), i) < i:
+            start = labels[m.group(1)]
+            n = sum(1 for l in lines[start:i + 1] if _RE_SASS_INSN.match(l))
+            if n > best[0]:
+                best = (n, start, i)
+    ops: dict[str, int] = {}
+    for l in lines[best[1]:best[2] + 1]:
+        if m := _RE_SASS_INSN.match(l):
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return best[0], dict(sorted(ops.items(), key=lambda kv: -kv[1]))
+
+
 @dataclasses.dataclass
 class CompileResult:
     """One kernel compiled for one arch: the PTX and cubin, Triton's metadata (`shared`:
     dynamic shared memory bytes, `name`, ...), the ptxas stats and log, the ptxas used,
-    and which TTIR text form triton parsed ("custom" or "generic")."""
+    and which TTIR text form triton parsed ("custom" or "generic"); sass: nvdisasm's
+    listing (the nvdisasm beside ptxas in the triton wheel; "" without one)."""
 
     arch: str
     ptx: str
@@ -240,6 +273,7 @@ class CompileResult:
     ptxas_log: str
     ptxas: str
     ttir_form: str
+    sass: str = ""
 
 
 def _import_triton():
@@ -346,15 +380,23 @@ def compile_ttir(ttir: str | TritonCall, arch: str, *, num_warps: int = 4, num_s
         if proc.returncode != 0:
             raise RuntimeError(f"ptxas failed for {arch} (rc {proc.returncode}): {_one_line(log)}")
         cubin = cubin_path.read_bytes()
+        nvdisasm = Path(ptxas).with_name("nvdisasm")
+        sass = ""
+        if nvdisasm.exists():
+            dis = subprocess.run([str(nvdisasm), "-c", str(cubin_path)], capture_output=True,
+                                 text=True)
+            sass = dis.stdout if dis.returncode == 0 else ""
     if dump_dir is not None:
         dump_dir.mkdir(parents=True, exist_ok=True)
         for fname, content in outputs.items():
             (dump_dir / fname).write_text(content)
         (dump_dir / "kernel.cubin").write_bytes(cubin)
         (dump_dir / "ptxas.log").write_text(" ".join(cmd) + "\n" + log)
+        if sass:
+            (dump_dir / "kernel.sass").write_text(sass)
     stats = parse_ptxas_log(log, metadata.get("name"))
     return CompileResult(arch=arch, ptx=ptx, cubin=cubin, metadata=metadata, stats=stats,
-                         ptxas_log=log, ptxas=ptxas, ttir_form=form or "custom")
+                         ptxas_log=log, ptxas=ptxas, ttir_form=form or "custom", sass=sass)
 
 
 @contextlib.contextmanager
@@ -521,6 +563,7 @@ COLUMNS = (  # (row key, header)
     ("config", "config"), ("kernel", "kernel"), ("arch", "arch"), ("grid", "grid"),
     ("num_warps", "warps"), ("num_stages", "stages"), ("registers", "regs"),
     ("spills", "spill st/ld"), ("smem", "smem"), ("stack_frame", "stack"), ("cubin_bytes", "cubin"),
+    ("loop_insns", "loop"),
 )
 
 
@@ -528,7 +571,7 @@ def compile_config(cfg: KernelConfig, archs: Sequence[str], dump_dir: Path | Non
     """Lower one configuration, extract its Triton kernels and compile each for each arch.
     Returns one row dict per (kernel, arch) (keys: COLUMNS' plus spill_stores,
     spill_loads, smem_triton, smem_static, cmem, ttir_form, ptxas, seconds, error,
-    unsupported); a failure becomes a row with `error` set (kernel "-" if lowering failed),
+    unsupported; with nvdisasm, loop_insns and loop_ops: `sass_loop`); a failure becomes a row with `error` set (kernel "-" if lowering failed),
     or `unsupported` when Triton says the arch lacks a feature the kernel uses (not a
     failure: XLA would refuse it on such a device too). Raises TritonUnavailable only."""
     base = dict(config=cfg.label)
@@ -570,6 +613,8 @@ def compile_config(cfg: KernelConfig, archs: Sequence[str], dump_dir: Path | Non
                        smem_triton=shared, smem_static=s.smem, stack_frame=s.stack_frame,
                        cmem=s.cmem, cubin_bytes=len(res.cubin), ttir_form=res.ttir_form,
                        ptxas=Path(res.ptxas).name, seconds=round(time.perf_counter() - t0, 2))
+            if res.sass:
+                row["loop_insns"], row["loop_ops"] = sass_loop(res.sass)
             rows.append(row)
     return rows
 
