@@ -55,7 +55,10 @@ GEMV_STAGES = 3
 # (`tools/bench_quantized_matmul --sweep`); the default stays "dot" until then.
 GEMV_MODES = ("dot", "reduce", "reduce_magic")
 REDUCE_ROWS = 4
+# their default block_k: the accumulators are rows x [block_k, block_n] f32 in registers, so
+# 3-4 rows take half the K block (with group scales 4 rows at 32 spilled, tools/compile_triton)
 REDUCE_BLOCK_K = 32
+REDUCE_BLOCK_K_WIDE = 16
 # Split-K's program target for those variants: their loads are not pipelined through
 # shared memory (one K block in flight per warp), so the bytes in flight come from many
 # programs: ~8 per SM of 132 (56 registers a thread: up to 9 programs of 4 warps fit).
@@ -338,7 +341,8 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     Triton's (stages default: GEMV_STAGES for M <= GEMV_ROWS, else 2). impl: "pallas"
     (GPU) or "pallas_interpret" (CPU). gemv: one of GEMV_MODES: "dot" (the tiled dot, any
     M), or for M <= REDUCE_ROWS "reduce" / "reduce_magic": f32 multiply-and-reduce on the
-    CUDA cores (IEEE f32 products and sums; block_k default REDUCE_BLOCK_K; "reduce_magic"
+    CUDA cores (IEEE f32 products and sums; block_k default REDUCE_BLOCK_K, for 3-4 rows
+    REDUCE_BLOCK_K_WIDE; "reduce_magic"
     widens int8 by an integer add and a bitcast, fp8 as "reduce").
     Raises ValueError for bad shapes, dtypes, scales, blocks, gemv or impl.
     Source: W8A16 weight-only quantised GEMM (vLLM / TensorRT-LLM), Triton's tiled matmul.
@@ -356,7 +360,7 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     block_m = block_size(m, 64) if block_m is None else block_m
     block_n = block_size(n, 64 if small and not is_gemv else 128) if block_n is None else block_n
     if block_k is None:
-        block_k = (REDUCE_BLOCK_K if gemv != "dot" else
+        block_k = ((REDUCE_BLOCK_K if m <= 2 else REDUCE_BLOCK_K_WIDE) if gemv != "dot" else
                    block_size(k, 128 if small else 64))
         block_k = block_k if group is None else min(block_k, group)
     num_stages = (GEMV_STAGES if is_gemv else 2) if num_stages is None else num_stages
