@@ -493,8 +493,12 @@ def kernel_configs(kernel: str, fn: Callable) -> list[KernelConfig]:
                         _sds(sshape, jnp.float32))
                 out.append(KernelConfig(f"quantized_matmul/{MATMUL_K}x{MATMUL_N}/{fmt}/M{m}", fn, args,
                                         dict(impl="pallas")))
-                # the CUDA-core GEMV variants (quantized_matmul's `gemv`)
-                for mode in (("reduce", "reduce_magic") if m == 1 else ()):
+            # the CUDA-core GEMV variants (quantized_matmul's `gemv`), at 1 row and at their
+            # most rows (their accumulators' registers grow with the rows)
+            for m, modes in ((1, ("reduce", "reduce_magic")), (4, ("reduce_magic",))):
+                args = (_sds((m, MATMUL_K), bf16), _sds((MATMUL_K, MATMUL_N), wdtype),
+                        _sds(sshape, jnp.float32))
+                for mode in modes:
                     out.append(KernelConfig(
                         f"quantized_matmul/{MATMUL_K}x{MATMUL_N}/{fmt}/M{m}/{mode}", fn, args,
                         dict(impl="pallas", gemv=mode)))
