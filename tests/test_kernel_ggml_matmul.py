@@ -99,6 +99,31 @@ def test_blocks_splits_and_f32_logits(fmt, pallas_impl):
         assert np.abs(wrong - np.asarray(ref)).max() > 0.1 * np.abs(np.asarray(ref)).max()
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_cuda_core_gemv_matches_reference(fmt, pallas_impl):
+    """gemv "reduce" (M <= 4: each block's quants, scale and x halves loaded whole, the
+    scale applied once a block): 1-4 rows, f32 and bf16 x, the default tiles, a ragged last
+    K step and N edge (K = 160 in steps of 64, N = 80 in tiles of 64), split-K, and f32
+    logits: the reference's product each time; more than 4 rows is refused."""
+    rng = np.random.default_rng(SEED + 3)
+    for k, n in ((96, 80), (576, 200), (160, 80)):
+        qs, d, m = _fields(rng, fmt, n, k)
+        for rows, dtype, kw in ((1, jnp.float32, {}), (2, jnp.bfloat16, {}),
+                                (4, jnp.float32, dict(block_n=64, block_k=64, splits=2)),
+                                (3, jnp.bfloat16, dict(out_dtype=jnp.float32))):
+            x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+            out = ggml_matmul(x, qs, d, m, fmt, impl=pallas_impl, gemv="reduce", **kw)
+            ref = ggml_matmul_reference(x, qs, d, m, fmt, out_dtype=kw.get("out_dtype"))
+            # f32 products of the exact weights: the f32 bound for either x, plus the
+            # output's own rounding for bf16 out
+            out_dt = kw.get("out_dtype", dtype)
+            _assert_close(out, ref, x.astype(jnp.float32), qs, d, m, fmt,
+                          jnp.float32 if out_dt == jnp.float32 else dtype)
+    with pytest.raises(ValueError, match="gemv 'reduce' takes at most 4 rows of x, got 5"):
+        jax.eval_shape(functools.partial(ggml_matmul, fmt=fmt, impl=INTERPRET, gemv="reduce"),
+                       jnp.zeros((5, 96), jnp.float32), qs[:, :3], d[:, :3], None if m is None else m[:, :3])
+
+
 def test_reference_is_numpy_dequantise_then_matmul():
     """Independent of jnp: the blocks dequantised in numpy from the format table
     (jaxserve.kernels.ggml_blocks) and multiplied in float64."""
@@ -151,8 +176,9 @@ def test_rejects_bad_inputs(args, kwargs, match):
 
 def test_model_projections_and_lm_head_run_the_kernel():
     """A tiny model's projections and tied LM head as GGML blocks (jaxserve.model.ggml_weight)
-    under PallasMatmul (interpret): the logits of XlaMatmul's reference path (dequantise,
-    f32 matmul) within f32 summation order, through prefill and decode steps."""
+    under PallasMatmul (interpret; and "pallas_gemv_interpret", whose one-row decode steps
+    take the CUDA-core GEMV): the logits of XlaMatmul's reference path (dequantise, f32
+    matmul) within f32 summation order, through prefill and decode steps."""
     import gguf
     from jaxserve.model.ggml_weight import GGMLWeight, from_gguf_bytes
     from jaxserve.model.params import init_params
@@ -180,12 +206,13 @@ def test_model_projections_and_lm_head_run_the_kernel():
     qparams = dataclasses.replace(params, layers=layers)
     ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 12).tolist()
     out = {}
-    for impl in ("xla", "pallas_interpret"):
+    for impl in ("xla", "pallas_interpret", "pallas_gemv_interpret"):
         drv = PagedDriver(qparams, cfg, page_size=4, kernels=Kernels("xla", impl))
         out[impl] = [drv.step({"s": ids[:9]}, T=16, P=4)["s"]]
         out[impl] += [drv.step({"s": [t]}, T=1, P=4)["s"] for t in ids[9:]]
-    for got, want in zip(out["pallas_interpret"], out["xla"]):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for impl in ("pallas_interpret", "pallas_gemv_interpret"):
+        for got, want in zip(out[impl], out["xla"]):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 # (out_features, in_features): SmolLM2's gate|up (fused), Llama-3-8B's q (4096 x 4096) and

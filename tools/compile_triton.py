@@ -512,6 +512,10 @@ def kernel_configs(kernel: str, fn: Callable) -> list[KernelConfig]:
                 args = (_sds((m, MATMUL_K), bf16), qs, d, d if fmt == "q4_1" else None)
                 out.append(KernelConfig(f"ggml_matmul/{MATMUL_K}x{MATMUL_N}/{fmt}/M{m}", fn, args,
                                         dict(fmt=fmt, impl="pallas")))
+            for m in (1, 4):  # the CUDA-core GEMV (ggml_matmul's `gemv`)
+                args = (_sds((m, MATMUL_K), bf16), qs, d, d if fmt == "q4_1" else None)
+                out.append(KernelConfig(f"ggml_matmul/{MATMUL_K}x{MATMUL_N}/{fmt}/M{m}/reduce",
+                                        fn, args, dict(fmt=fmt, impl="pallas", gemv="reduce")))
     else:
         raise KeyError(f"unknown kernel {kernel!r}; known: {KERNELS}")
     return out

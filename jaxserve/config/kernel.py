@@ -17,10 +17,10 @@ from jaxserve.config.validation import ConfigError
 # Hopper (sm_90: TMA + wgmma): "pallas_mosaic" (falling back to the Triton kernels for shapes
 # and dtypes they do not take) and "pallas_mosaic_interpret" (Mosaic GPU interpret mode on
 # CPU: tests).
-# The Triton quantised matmul also has a GEMV on the CUDA cores for matmuls of a few rows
-# (quantized_matmul's gemv "reduce_magic", single-stream decode): "pallas_gemv" /
-# "pallas_gemv_interpret" run it there and the tiled dot elsewhere; not measured on a GPU
-# yet, so no "auto" picks it (jaxserve/kernels/pallas/README.md).
+# The Triton quantised and GGML-block matmuls also have GEMVs on the CUDA cores for matmuls
+# of a few rows (their `gemv` "reduce_magic" / "reduce", single-stream decode): "pallas_gemv"
+# / "pallas_gemv_interpret" run them there and the tiled dots elsewhere; not measured on a
+# GPU yet, so no "auto" picks them (jaxserve/kernels/pallas/README.md).
 KERNEL_IMPLS = ("xla", "pallas", "pallas_interpret")
 MOSAIC_KERNEL_IMPLS = ("pallas_mosaic", "pallas_mosaic_interpret")
 GEMV_KERNEL_IMPLS = ("pallas_gemv", "pallas_gemv_interpret")
@@ -93,8 +93,8 @@ class KernelConfig:
     "pallas", "pallas_interpret" (the quantised projections of weight_quant, Triton),
     "pallas_mosaic", "pallas_mosaic_interpret" (the same in the Mosaic GPU kernel for
     Hopper, the Triton one for shapes it does not take), "pallas_gemv",
-    "pallas_gemv_interpret" (the Triton kernel with its CUDA-core GEMV for matmuls of at
-    most 4 rows: single-stream decode), "cpu" (the bf16 weight copies of
+    "pallas_gemv_interpret" (the Triton kernels with their CUDA-core GEMVs for matmuls of
+    at most 4 rows: single-stream decode), "cpu" (the bf16 weight copies of
     bf16_matmul_min_rows in the C++ kernel of jaxserve/kernels/cpu/, AVX512-BF16 where the
     CPU has it)."""
     sampling_impl: str = dataclasses.field(default="auto", metadata={"choices": SAMPLING_IMPLS})

@@ -205,9 +205,9 @@ class PallasMatmul(Matmul):
     (quantized_matmul_mosaic) wherever it takes the shapes and dtypes, the Triton one
     elsewhere (f32 activations, widths not a multiple of 64); GGML blocks (GGUF, GPTQ, AWQ,
     compressed-tensors) in the Triton ggml_matmul. interpret: in the backend's interpret
-    mode, on CPU, for tests. gemv: the Triton kernel's CUDA-core GEMV (`gemv`
-    "reduce_magic") for matmuls of at most REDUCE_ROWS rows, its tiled dot for more (not
-    with mosaic)."""
+    mode, on CPU, for tests. gemv: the Triton kernels' CUDA-core GEMVs for matmuls of at
+    most 4 rows (quantized_matmul's "reduce_magic", ggml_matmul's "reduce"), their tiled
+    dot for more (not with mosaic)."""
 
     interpret: bool = False
     mosaic: bool = False
@@ -224,9 +224,10 @@ class PallasMatmul(Matmul):
         jaxserve.kernels.pallas.ggml_matmul, unpacked in registers; f32 out."""
         if w.packed:
             return super()._ggml(x2, w)
-        from jaxserve.kernels.pallas.ggml_matmul import ggml_matmul
+        from jaxserve.kernels.pallas.ggml_matmul import GGML_REDUCE_ROWS, ggml_matmul
+        gemv = "reduce" if self.gemv and x2.shape[0] <= GGML_REDUCE_ROWS else "dot"
         return ggml_matmul(x2, w.qs, w.d, w.m, w.fmt, out_dtype=jnp.float32,
-                           impl=pallas_impl(False, self.interpret))
+                           impl=pallas_impl(False, self.interpret), gemv=gemv)
 
     def _quantized(self, x2, w2, scales):
         from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul

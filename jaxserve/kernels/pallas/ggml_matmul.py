@@ -42,6 +42,8 @@ from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, block_size, cdi
 from jaxserve.kernels.pallas.quantized_matmul import F32_DOT_PRECISION, default_splits
 
 GGML_FORMATS = ("q4_0", "q4_1", "q8_0")
+GGML_GEMV_MODES = ("dot", "reduce")
+GGML_REDUCE_ROWS = 4
 
 
 # ----------------------------------------------------------------------------- kernel body
@@ -96,6 +98,69 @@ def _ggml_kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, fmt: str, m: int, k: int
                 mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _ggml_gemv_kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, fmt: str, m: int, k: int, n: int,
+                      block_n: int, block_k: int, blocks_per_split: int):
+    """`_ggml_kernel` for M <= GGML_REDUCE_ROWS on the CUDA cores (gemv "reduce"): one
+    program owns block_n output features of every row over one split of K. Each K step
+    loads its blocks whole, as stored: the quants [block_n, blocks, 16 | 32] (a Q4 byte
+    once, both nibbles), the scales d (and Q4_1's m) [block_n, blocks] once a block, and x
+    as [blocks, 16 | 32] halves. A block's 32 products are summed in f32, then multiplied by
+    its d once (Q4_1 adds m times the block's sum of x). x_ref: [M, K / 32, 32] x.dtype;
+    qs_ref: as stored, [N, K / 32, 16] u8 or [N, K / 32, 32] i8; d_ref, m_ref: f16
+    [N, K / 32]; o_ref as `_ggml_kernel`'s (grid (1, N tiles, splits))."""
+    j, sp = pl.program_id(1), pl.program_id(2)
+    split_k = len(o_ref.shape) == 3
+    nb = block_k // BLOCK  # blocks a K step
+    cols = j * block_n + jnp.arange(block_n)  # [block_n] int32 output features
+    col_ok = cols < n
+    num_blocks = k // BLOCK
+
+    def body(kb, accs):  # accs: m x [block_n, nb] f32, each block's scaled sums
+        blks = kb * nb + jnp.arange(nb)
+        ok = col_ok[:, None] & (blks < num_blocks)[None, :]  # [block_n, nb]
+        rows_blks = (pl.ds(j * block_n, block_n), pl.ds(kb * nb, nb))
+        d = plgpu.load(d_ref.at[rows_blks], mask=ok).astype(jnp.float32)
+        d = jnp.where(ok, d, 0)  # [block_n, nb] (no fill value for f16 loads)
+        halves = [(0, BLOCK)] if fmt == "q8_0" else [(0, BLOCK // 2), (BLOCK // 2, BLOCK // 2)]
+        if fmt == "q8_0":
+            qs = plgpu.load(qs_ref.at[rows_blks + (pl.ds(0, BLOCK),)], mask=ok[:, :, None],
+                            other=0)
+            quants = [qs.astype(jnp.float32)]  # [block_n, nb, 32]
+        else:
+            qs = plgpu.load(qs_ref.at[rows_blks + (pl.ds(0, BLOCK // 2),)],
+                            mask=ok[:, :, None], other=0).astype(jnp.int32)
+            bias = 8 if fmt == "q4_0" else 0
+            quants = [((qs & 15) - bias).astype(jnp.float32),  # the block's first 16
+                      ((qs >> 4) - bias).astype(jnp.float32)]  # and its last 16
+        mins = None
+        if fmt == "q4_1":
+            mins = jnp.where(ok, plgpu.load(m_ref.at[rows_blks], mask=ok).astype(jnp.float32), 0)
+        out = []
+        for r in range(m):
+            dots, xsum = 0.0, 0.0
+            for q, (start, size) in zip(quants, halves):
+                xh = plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(kb * nb, nb), pl.ds(start, size)],
+                                mask=(blks < num_blocks)[None, :, None], other=0)
+                xh = xh[0].astype(jnp.float32)  # [nb, size]
+                dots = dots + jnp.sum(q * xh[None], axis=2)  # [block_n, nb]
+                if mins is not None:
+                    xsum = xsum + jnp.sum(xh, axis=1)  # [nb]
+            acc = accs[r] + dots * d
+            if mins is not None:
+                acc = acc + mins * xsum[None, :]
+            out.append(acc)
+        return tuple(out)
+
+    first = sp * blocks_per_split
+    accs = jax.lax.fori_loop(first, jnp.minimum(first + blocks_per_split, cdiv(k, block_k)),
+                             body, tuple(jnp.zeros((block_n, nb), jnp.float32) for _ in range(m)))
+    for r in range(m):
+        row = jnp.sum(accs[r], axis=1)  # [block_n] f32
+        tile = (pl.ds(r, 1), pl.ds(j * block_n, block_n))
+        plgpu.store(o_ref.at[(sp,) + tile if split_k else tile],
+                    row[None, :].astype(o_ref.dtype), mask=col_ok[None, :])
+
+
 # ----------------------------------------------------------------------------- checks
 
 def check_ggml_operands(fn: str, x, qs, d, m, fmt: str) -> None:
@@ -122,11 +187,11 @@ def check_ggml_operands(fn: str, x, qs, d, m, fmt: str) -> None:
 # ----------------------------------------------------------------------------- public API
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_m", "block_n", "block_k",
-                                             "splits", "impl", "num_warps", "num_stages"))
+                                             "splits", "impl", "num_warps", "num_stages", "gemv"))
 def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, fmt: str, *,
                 out_dtype: Any = None, block_m: int | None = None, block_n: int | None = None,
                 block_k: int | None = None, splits: int | None = None, impl: str = "pallas",
-                num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                num_warps: int = 4, num_stages: int = 2, gemv: str = "dot") -> jax.Array:
     """x @ dequantise(w).T for a GGML block-quantised w, in one Pallas (Triton) kernel.
 
     x: [M, in_features] f32/bf16/f16 (in_features a multiple of 32); qs: u8 [out_features,
@@ -139,8 +204,11 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
     block_m / block_n: power-of-two tiles >= 16; block_k: a power of two >= 32 (whole
     blocks); defaults from the shapes, as quantized_matmul's. splits: split-K ranges
     (default `default_splits`: > 1 only for M <= 64). impl: "pallas" (GPU) or
-    "pallas_interpret" (CPU). Raises ValueError for bad shapes, dtypes, fields, blocks or
-    impl.
+    "pallas_interpret" (CPU). gemv: one of GGML_GEMV_MODES: "dot" (the tiled dot, any
+    M) or, for M <= GGML_REDUCE_ROWS, "reduce": each block's quants, scale and x halves
+    loaded whole and summed in f32 on the CUDA cores, the scale applied once a block
+    (IEEE f32 products; block_m is M; to be timed on a GPU). Raises ValueError for bad
+    shapes, dtypes, fields, blocks, gemv or impl.
     Source: ggml's dequantize_row_* (ggml-quants.c) inside a weight-only quantised GEMM.
     """
     fn = "ggml_matmul"
@@ -148,10 +216,16 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
     check_ggml_operands(fn, x, qs, d, m, fmt)
     rows, k = x.shape
     n = qs.shape[0]
+    check(fn, gemv in GGML_GEMV_MODES, f"gemv must be one of {GGML_GEMV_MODES}, got {gemv!r}")
+    check(fn, gemv == "dot" or rows <= GGML_REDUCE_ROWS,
+          f"gemv {gemv!r} takes at most {GGML_REDUCE_ROWS} rows of x, got {rows}")
     small = rows <= 64
     block_m = block_size(rows, 64) if block_m is None else block_m
     block_n = block_size(n, 64 if small else 128) if block_n is None else block_n
-    block_k = block_size(k, 128 if small else 64, BLOCK) if block_k is None else block_k
+    if block_k is None:  # the GEMV's registers grow with the rows and Q8_0's 32-byte
+        # blocks: 3-4 rows and Q8_0 take 64 (tools/compile_triton: no spills)
+        wide = gemv == "reduce" and (rows > 2 or fmt == "q8_0")
+        block_k = block_size(k, 64 if wide else 128 if small else 64, BLOCK)
     for name, b, least in (("block_m", block_m, 16), ("block_n", block_n, 16),
                            ("block_k", block_k, BLOCK)):
         check(fn, isinstance(b, int) and is_power_of_2(b) and b >= least,
@@ -161,10 +235,19 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
     check(fn, isinstance(splits, int) and 1 <= splits <= k_blocks,
           f"splits must be in [1, cdiv(in_features, block_k) = {k_blocks}], got {splits}")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    kernel = functools.partial(_ggml_kernel, fmt=fmt, m=rows, k=k, n=n, block_m=block_m,
-                               block_n=block_n, block_k=block_k,
-                               blocks_per_split=cdiv(k_blocks, splits),
-                               f32_precision=F32_DOT_PRECISION.get(impl))
+    if gemv == "reduce":
+        block_m = rows
+        kernel = functools.partial(_ggml_gemv_kernel, fmt=fmt, m=rows, k=k, n=n,
+                                   block_n=block_n, block_k=block_k,
+                                   blocks_per_split=cdiv(k_blocks, splits))
+        operands = (x.reshape(rows, k // BLOCK, BLOCK), qs, d, m)  # free reshapes
+    else:
+        kernel = functools.partial(_ggml_kernel, fmt=fmt, m=rows, k=k, n=n, block_m=block_m,
+                                   block_n=block_n, block_k=block_k,
+                                   blocks_per_split=cdiv(k_blocks, splits),
+                                   f32_precision=F32_DOT_PRECISION.get(impl))
+        # the fields' rows as flat byte / value rows (free)
+        operands = (x, qs.reshape(n, -1), d, m)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((rows, n) if splits == 1 else (splits, rows, n),
@@ -172,7 +255,7 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
         grid=(cdiv(rows, block_m), cdiv(n, block_n), splits),
         name="ggml_matmul",
         **triton_call_params(impl, num_warps=num_warps, num_stages=num_stages),
-    )(x, qs.reshape(n, -1), d, m)  # the fields' rows as flat byte / value rows (free)
+    )(*operands)
     return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
 
 
