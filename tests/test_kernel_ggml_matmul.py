@@ -224,17 +224,18 @@ MATMUL_SHAPES = {"smollm2-gate-up": (3072, 576), "llama3-8b-q": (4096, 4096),
 @pytest.mark.parametrize("shape,fmt", case_grid(list(MATMUL_SHAPES),
                                                 {f: f for f in ("q4_0", "q4_1", "q8_0")}))
 def test_lowers_for_cuda_at_engine_shapes(shape, fmt, cuda_lowering):
-    """bf16 x of 1 / 64 / 512 rows (decode with split-K, mixed steps): one Triton custom
-    call each, [rows, out] in bf16 (tools/compile_triton.py compiles the Llama-3-8B
-    w_down configurations to sm_90 cubin: no spill at M = 1)."""
+    """bf16 x of 1 / 64 / 512 rows (decode with split-K, mixed steps), and 1 / 4 rows in the
+    CUDA-core GEMV: one Triton custom call each, [rows, out] in bf16
+    (tools/compile_triton.py compiles the Llama-3-8B w_down configurations to sm_90 cubin:
+    no spill at M = 1, nor in the GEMV at 1 and 4)."""
     S = jax.ShapeDtypeStruct
     n, k = MATMUL_SHAPES[shape]
     q8 = fmt == "q8_0"
     qs = S((n, k // 32, 32 if q8 else 16), jnp.int8 if q8 else jnp.uint8)
     d = S((n, k // 32), jnp.float16)
-    fn = jax.jit(functools.partial(ggml_matmul, fmt=fmt, impl="pallas"))
     start = time.perf_counter()
-    for rows in (1, 64, 512):
+    for rows, gemv in ((1, "dot"), (64, "dot"), (512, "dot"), (1, "reduce"), (4, "reduce")):
+        fn = jax.jit(functools.partial(ggml_matmul, fmt=fmt, impl="pallas", gemv=gemv))
         traced = fn.trace(S((rows, k), jnp.bfloat16), qs, d, d if fmt == "q4_1" else None)
         assert traced.out_info.shape == (rows, n) and traced.out_info.dtype == jnp.bfloat16
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
