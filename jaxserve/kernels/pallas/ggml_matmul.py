@@ -39,7 +39,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxserve.kernels.ggml_blocks import BLOCK, dequantize_blocks
 from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, block_size, cdiv, check,
                                             check_array, is_power_of_2, triton_call_params)
-from jaxserve.kernels.pallas.quantized_matmul import F32_DOT_PRECISION, default_splits
+from jaxserve.kernels.pallas.quantized_matmul import (F32_DOT_PRECISION, REDUCE_TARGET_PROGRAMS,
+                                                      TARGET_PROGRAMS, default_splits)
 
 GGML_FORMATS = ("q4_0", "q4_1", "q8_0")
 GGML_GEMV_MODES = ("dot", "reduce")
@@ -231,7 +232,9 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
         check(fn, isinstance(b, int) and is_power_of_2(b) and b >= least,
               f"{name} must be a power of two >= {least}, got {b}")
     k_blocks = cdiv(k, block_k)
-    splits = default_splits(rows, n, k_blocks, block_n) if splits is None else splits
+    if splits is None:  # the GEMV's loads are not pipelined: more programs (as quantized_matmul's)
+        splits = default_splits(rows, n, k_blocks, block_n,
+                                REDUCE_TARGET_PROGRAMS if gemv == "reduce" else TARGET_PROGRAMS)
     check(fn, isinstance(splits, int) and 1 <= splits <= k_blocks,
           f"splits must be in [1, cdiv(in_features, block_k) = {k_blocks}], got {splits}")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
