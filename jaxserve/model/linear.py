@@ -224,8 +224,9 @@ class PallasMatmul(Matmul):
         jaxserve.kernels.pallas.ggml_matmul, unpacked in registers; f32 out."""
         if w.packed:
             return super()._ggml(x2, w)
-        from jaxserve.kernels.pallas.ggml_matmul import GGML_REDUCE_ROWS, ggml_matmul
-        gemv = "reduce" if self.gemv and x2.shape[0] <= GGML_REDUCE_ROWS else "dot"
+        from jaxserve.kernels.pallas.ggml_matmul import ggml_matmul
+        from jaxserve.kernels.pallas.quantized_matmul import REDUCE_ROWS
+        gemv = "reduce" if self.gemv and x2.shape[0] <= REDUCE_ROWS else "dot"
         return ggml_matmul(x2, w.qs, w.d, w.m, w.fmt, out_dtype=jnp.float32,
                            impl=pallas_impl(False, self.interpret), gemv=gemv)
 

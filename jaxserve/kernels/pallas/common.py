@@ -1,5 +1,6 @@
 """What the Pallas kernels share, written once: block-size choice, the Triton compiler
 params, masking, the online-softmax step, the log-sum-exp merge of split-K partials, the
+GEMV kernels' row stores,
 quantised formats (int8, fp8 e4m3); the input checks every kernel package shares are
 `jaxserve.kernels.common`' (re-exported here).
 
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.kernels.common import (FLOAT_DTYPES, INT8_SCALE_BYTES, MASK_VALUE,  # noqa: F401
@@ -112,6 +114,18 @@ def load_row_scales(ref, row: jax.Array, h: Any, head_dim: int, ok: jax.Array | 
         bits = bits | ((byte.astype(jnp.int32) & 0xFF) << (8 * j))
     scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
     return scale if ok is None else jnp.where(ok, scale, 0.0)
+
+
+def store_gemv_rows(o_ref, rows: Sequence[jax.Array], j, sp, block_n: int,
+                    col_ok: jax.Array) -> None:
+    """The GEMV kernels' epilogue: row r of `rows` ([block_n] f32 each, the M rows of one
+    program's output columns j * block_n ..) into o_ref [M, N] (cast to its dtype), or
+    into split `sp` of o_ref [splits, M, N] f32 (split-K partials), masked to col_ok."""
+    split_k = len(o_ref.shape) == 3
+    for r, row in enumerate(rows):
+        tile = (pl.ds(r, 1), pl.ds(j * block_n, block_n))
+        plgpu.store(o_ref.at[(sp,) + tile if split_k else tile],
+                    row[None, :].astype(o_ref.dtype), mask=col_ok[None, :])
 
 
 def causal_visible(q_pos: jax.Array, k_pos: jax.Array, kv_len: jax.Array) -> jax.Array:

@@ -38,13 +38,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.kernels.ggml_blocks import BLOCK, dequantize_blocks
 from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, block_size, cdiv, check,
-                                            check_array, is_power_of_2, triton_call_params)
-from jaxserve.kernels.pallas.quantized_matmul import (F32_DOT_PRECISION, REDUCE_TARGET_PROGRAMS,
-                                                      TARGET_PROGRAMS, default_splits)
+                                            check_array, is_power_of_2, store_gemv_rows,
+                                            triton_call_params)
+from jaxserve.kernels.pallas.quantized_matmul import (F32_DOT_PRECISION, REDUCE_ROWS,
+                                                      REDUCE_TARGET_PROGRAMS, TARGET_PROGRAMS,
+                                                      default_splits)
 
 GGML_FORMATS = ("q4_0", "q4_1", "q8_0")
 GGML_GEMV_MODES = ("dot", "reduce")
-GGML_REDUCE_ROWS = 4
 
 
 # ----------------------------------------------------------------------------- kernel body
@@ -101,7 +102,7 @@ def _ggml_kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, fmt: str, m: int, k: int
 
 def _ggml_gemv_kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, fmt: str, m: int, k: int, n: int,
                       block_n: int, block_k: int, blocks_per_split: int):
-    """`_ggml_kernel` for M <= GGML_REDUCE_ROWS on the CUDA cores (gemv "reduce"): one
+    """`_ggml_kernel` for M <= REDUCE_ROWS on the CUDA cores (gemv "reduce"): one
     program owns block_n output features of every row over one split of K. Each K step
     loads its blocks whole, as stored: the quants [block_n, blocks, 16 | 32] (a Q4 byte
     once, both nibbles), the scales d (and Q4_1's m) [block_n, blocks] once a block, and x
@@ -110,7 +111,6 @@ def _ggml_gemv_kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, fmt: str, m: int, k
     qs_ref: as stored, [N, K / 32, 16] u8 or [N, K / 32, 32] i8; d_ref, m_ref: f16
     [N, K / 32]; o_ref as `_ggml_kernel`'s (grid (1, N tiles, splits))."""
     j, sp = pl.program_id(1), pl.program_id(2)
-    split_k = len(o_ref.shape) == 3
     nb = block_k // BLOCK  # blocks a K step
     cols = j * block_n + jnp.arange(block_n)  # [block_n] int32 output features
     col_ok = cols < n
@@ -155,11 +155,7 @@ def _ggml_gemv_kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, fmt: str, m: int, k
     first = sp * blocks_per_split
     accs = jax.lax.fori_loop(first, jnp.minimum(first + blocks_per_split, cdiv(k, block_k)),
                              body, tuple(jnp.zeros((block_n, nb), jnp.float32) for _ in range(m)))
-    for r in range(m):
-        row = jnp.sum(accs[r], axis=1)  # [block_n] f32
-        tile = (pl.ds(r, 1), pl.ds(j * block_n, block_n))
-        plgpu.store(o_ref.at[(sp,) + tile if split_k else tile],
-                    row[None, :].astype(o_ref.dtype), mask=col_ok[None, :])
+    store_gemv_rows(o_ref, [jnp.sum(a, axis=1) for a in accs], j, sp, block_n, col_ok)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -206,7 +202,7 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
     blocks); defaults from the shapes, as quantized_matmul's. splits: split-K ranges
     (default `default_splits`: > 1 only for M <= 64). impl: "pallas" (GPU) or
     "pallas_interpret" (CPU). gemv: one of GGML_GEMV_MODES: "dot" (the tiled dot, any
-    M) or, for M <= GGML_REDUCE_ROWS, "reduce": each block's quants, scale and x halves
+    M) or, for M <= REDUCE_ROWS (quantized_matmul's), "reduce": each block's quants, scale and x halves
     loaded whole and summed in f32 on the CUDA cores, the scale applied once a block
     (IEEE f32 products; block_m is M; to be timed on a GPU). Raises ValueError for bad
     shapes, dtypes, fields, blocks, gemv or impl.
@@ -218,8 +214,8 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
     rows, k = x.shape
     n = qs.shape[0]
     check(fn, gemv in GGML_GEMV_MODES, f"gemv must be one of {GGML_GEMV_MODES}, got {gemv!r}")
-    check(fn, gemv == "dot" or rows <= GGML_REDUCE_ROWS,
-          f"gemv {gemv!r} takes at most {GGML_REDUCE_ROWS} rows of x, got {rows}")
+    check(fn, gemv == "dot" or rows <= REDUCE_ROWS,
+          f"gemv {gemv!r} takes at most {REDUCE_ROWS} rows of x, got {rows}")
     small = rows <= 64
     block_m = block_size(rows, 64) if block_m is None else block_m
     block_n = block_size(n, 64 if small else 128) if block_n is None else block_n

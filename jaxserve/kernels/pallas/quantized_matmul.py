@@ -35,7 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.kernels.pallas.common import (FLOAT_DTYPES, IMPLS, MIN_DOT, QUANT_FORMATS, block_size,
                                             cdiv, check, check_array, is_power_of_2,
-                                            quant_format_of, triton_call_params)
+                                            quant_format_of, store_gemv_rows,
+                                            triton_call_params)
 
 WEIGHT_DTYPES = tuple(f.dtype for f in QUANT_FORMATS.values())  # int8, float8_e4m3fn
 # Split-K (both quantised-matmul kernels): programs (CTAs) to aim for, ~2 per SM of a 132-SM
@@ -189,16 +190,11 @@ def _qmv_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, k: int, n: int, block_n: 
             return tuple(a + p * s[None, :] for a, p in zip(accs, part))
 
         accs = jax.lax.fori_loop(first // per_group, last // per_group, group, zeros)
-    s = None
+    rows = [jnp.sum(a, axis=0) for a in accs]  # m x [block_n] f32
     if group_size is None and not split_k:
         s = plgpu.load(s_ref.at[pl.ds(j * block_n, block_n)], mask=col_ok, other=0)
-    for r in range(m):
-        row = jnp.sum(accs[r], axis=0)  # [block_n] f32
-        if s is not None:
-            row = row * s
-        tile = (pl.ds(r, 1), pl.ds(j * block_n, block_n))
-        plgpu.store(o_ref.at[(sp,) + tile if split_k else tile],
-                    row[None, :].astype(o_ref.dtype), mask=col_ok[None, :])
+        rows = [row * s for row in rows]
+    store_gemv_rows(o_ref, rows, j, sp, block_n, col_ok)
 
 
 # ----------------------------------------------------------------------------- pallas_call
