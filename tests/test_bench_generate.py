@@ -41,6 +41,7 @@ def test_cases_and_flags_are_checked(capsys):
     assert bg.main(["--cases", "1x2x2", "--fuse-projections", "on,yes"]) == 2
     assert bg.main(["--cases", "1x2x2", "--weight-quant", "int8,int4"]) == 2
     assert bg.main(["--cases", "1x2x2", "--matmul-impl", "xla,triton"]) == 2
+    assert bg.main(["--cases", "1x2x2", "--fused-decode", "on,1"]) == 2
     assert bg.main(["--cases", "1x2x2", "--bandwidth-gb-s", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("jaxserve bench generate: error: --cases: '1x2'")
@@ -51,7 +52,8 @@ def test_cases_and_flags_are_checked(capsys):
     assert "--fuse-projections: 'yes' is not one of auto, on, off" in err[5]
     assert "--weight-quant: 'int4' is not one of auto, none, int8, fp8_e4m3" in err[6]
     assert "--matmul-impl: 'triton' is not one of auto, xla, pallas, pallas_mosaic" in err[7]
-    assert "--bandwidth-gb-s: must be a positive number of GB/s, got 0.0" in err[8]
+    assert "--fused-decode: '1' is not one of auto, on, off" in err[8]
+    assert "--bandwidth-gb-s: must be a positive number of GB/s, got 0.0" in err[9]
 
 
 @pytest.mark.full  # fast tier: the parts above; its engine path is LLM.generate's
@@ -61,7 +63,7 @@ def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
     # the compile and run time
     assert bg.main(["--config", "smollm2_135m", "--num-layers", "2", "--cases", "2x8x6,1x4x3",
                     "--decode-steps", "1,auto", "--branches", "host", "--hf",
-                    "--fuse-projections", "on",
+                    "--fuse-projections", "on", "--fused-decode", "on",
                     "--trace", str(tmp_path / "trace"),
                     "--cache-dir", str(cache_dir), "--json", str(out)]) == 0
     got = json.loads(out.read_text())
@@ -72,6 +74,7 @@ def test_a_run_on_dummy_weights_reports_every_figure(tmp_path, cache_dir):
     for r in got["results"]:
         assert r["branches"] == "host"  # (GPUs' default) its sampler plans compile unseen
         assert r["fuse_projections"] is True  # (GPUs' default)
+        assert r["fused_decode"] is True  # (GPUs' default)
         assert r["weight_quant"] is None  # the config's
         assert r["compile_events_timed"] == 0
         # the bound as the module docstring defines it, from the figures the run reports

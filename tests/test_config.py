@@ -41,6 +41,8 @@ def test_override_routes_each_field_to_its_group():
      r"each name an XLA option \(xla_...\)"),
     ({"xla_compiler_options": (("xla_a", "1"), ("xla_a", "2"))},
      "CompilationConfig.xla_compiler_options names an option twice"),
+    ({"fused_decode": "yes"},
+     r"CompilationConfig.fused_decode must be true, false or None \(auto\), got 'yes'"),
     ({"matmul_impl": "cpu"}, "KernelConfig.matmul_impl='cpu' runs the bf16 weight copies"),
     ({"max_model_len": 0}, "EngineConfig.max_model_len must be > 0"),
     ({"max_num_seqs": 32, "max_num_batched_tokens": 16},
@@ -494,4 +496,16 @@ def test_decode_steps_auto_is_chosen_for_the_platform():
         SchedulerConfig(decode_steps=0)
     with pytest.raises(ValueError, match="SchedulerConfig.resolve"):
         StepShapes(EngineConfig(scheduler=auto))
+
+
+def test_fused_decode_auto_is_chosen_for_the_platform():
+    """CompilationConfig.fused_decode None ("auto"): one program a plain one-token decode
+    step on a GPU, two on CPU; a bool is kept."""
+    from jaxserve.config import CompilationConfig
+    auto = CompilationConfig()
+    assert auto.fused_decode is None
+    for platform, fused in (("gpu", True), ("cuda", True), ("rocm", True), ("cpu", False)):
+        assert auto.resolve(platform).fused_decode is fused
+    assert CompilationConfig(fused_decode=False).resolve("cuda").fused_decode is False
+    assert CompilationConfig(fused_decode=True).resolve("cpu").fused_decode is True
 

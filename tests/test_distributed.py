@@ -264,9 +264,10 @@ def _complete_all(url: str) -> list[str]:
 def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
         tmp_path, cache_dir, small_llm):
     """2 processes x 2 devices, TP 4 over all of them: process 0 serves HTTP and schedules,
-    process 1 runs each step process 0 sends it, here with the sampler's branches decided
-    on the host (KernelConfig.branches "host", GPUs' default: each step's sampler program
-    is its plan's, the prompt logprobs a program of their own, on both processes).
+    process 1 runs each step process 0 sends it, here with GPUs' defaults: the sampler's
+    branches decided on the host (KernelConfig.branches "host": each step's sampler
+    program is its plan's, the prompt logprobs a program of their own, on both processes)
+    and a plain one-token decode step in one program (CompilationConfig.fused_decode).
     Greedy completions of a batch of concurrent requests equal one process's
     (jaxserve.LLM, TP 1, the device deciding); when process 1 is killed process 0 exits
     within seconds, saying which process is gone."""
@@ -275,11 +276,14 @@ def test_two_processes_serve_the_real_model_tp4_and_stop_when_a_follower_dies(
     want = [c.text for c in small_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
     config = tmp_path / "host_branches.py"
     config.write_text("from jaxserve.config import load_config\n"
-                      f"CONFIG = load_config({str(SMALL)!r}).override(branches='host')\n")
+                      f"CONFIG = load_config({str(SMALL)!r}).override(branches='host', "
+                      "fused_decode=True)\n")
     procs, url, logs = _launch_pair(tmp_path, cache_dir, config=config)
     try:
         assert _complete_all(url) == want
         assert "step channel: 1 followers connected" in logs[0].read_text()
+        assert "n=1 rounds=1 plan=" in logs[1].read_text()  # (the follower's programs)
+        assert " whole=True " in logs[1].read_text()
         procs[1].kill()
         t0 = time.monotonic()
         assert _exit_within(procs[0], 15) == 3, logs[0].read_text()[-2000:]

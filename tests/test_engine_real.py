@@ -199,13 +199,15 @@ def test_multi_step_decode_gives_the_single_step_outputs(small_llm, cache_dir):
 
 @pytest.mark.full  # fast tier: the tiny model's (tests/test_sampler_plan.py)
 def test_host_branches_give_the_device_branches_outputs(small_llm, cache_dir):
-    """KernelConfig.branches "host" (GPUs' default: the sampler's branches decided on the
-    host, one program per plan; jaxserve.sample.plan) on the real model, with multi-step
+    """KernelConfig.branches "host" and CompilationConfig.fused_decode (GPUs' defaults:
+    the sampler's branches decided on the host, one program per plan, jaxserve.sample.plan;
+    a plain one-token decode step in one program) on the real model, with multi-step
     decode: the same tokens, logprobs, prompt logprobs and finish reasons as the
-    device-branch engine for greedy, seeded sampling with top-k / top-p, penalties with
-    logit bias and top logprobs, in one batch; nothing compiles after its warm-up; its
-    steps took static plans (the batch with the penalties' request one token a step:
-    Scheduler.plain_bursts, then the others in multi-step bursts)."""
+    device-branch, split-step engine for greedy, seeded sampling with top-k / top-p,
+    penalties with logit bias and top logprobs, in one batch; nothing compiles after its
+    warm-up; its steps took static plans (the batch with the penalties' request one token
+    a step, split: Scheduler.plain_bursts; then the others in multi-step bursts, and
+    their last tokens in whole one-token steps)."""
     import dataclasses
 
     from conftest import ROOT
@@ -216,7 +218,7 @@ def test_host_branches_give_the_device_branches_outputs(small_llm, cache_dir):
 
     config = load_config(ROOT / "tests" / "configs" / "smollm2_two_shapes.py")
     config = dataclasses.replace(config, engine=config.engine.override(
-        branches="host", decode_steps=4))
+        branches="host", decode_steps=4, fused_decode=True))
     host = LLM(engine=build_engine(config, cache_dir))
     runner = host.engine.runner
     assert runner.kernels.host_branches
@@ -232,14 +234,15 @@ def test_host_branches_give_the_device_branches_outputs(small_llm, cache_dir):
                              repetition_penalty=1.2, logit_bias={13: 1.0}, logprobs=3,
                              ignore_eos=True)]
     want = small_llm.generate(prompts, params)
-    plans = []
-    planned = runner._planned
+    plans, whole = [], []  # the keys planned; the whole steps run
+    planned, call = runner._planned, runner._call
     runner._planned = lambda key, sb: plans.append(planned(key, sb)) or plans[-1]
+    runner._call = lambda exe, key, *a, **k: whole.append(key) or call(exe, key, *a, **k)
     before = compile_events.snapshot()
     try:
         got = host.generate(prompts, params)
     finally:
-        del runner._planned
+        del runner._planned, runner._call
     assert (compile_events.snapshot() - before).total == 0
     assert [(o.token_ids, o.finish_reason) for o in got] == \
         [(o.token_ids, o.finish_reason) for o in want]
@@ -255,8 +258,9 @@ def test_host_branches_give_the_device_branches_outputs(small_llm, cache_dir):
     samplers = [k.plan for k in plans if k.kind == "sample"]
     assert samplers and ON_DEVICE not in samplers and "filtered" in {p.mode for p in samplers}
     assert any(p.controls and p.top_logprobs for p in samplers)
-    fused = {k.plan for k in plans if k.kind == "decode"}
+    fused = {k.plan for k in whole}
     assert fused and all(p.static and not p.controls for p in fused), fused
+    assert {k.n for k in whole} == {1, 4}, "multi-step and whole one-token steps ran"
     assert_pool_empty(host.engine)
 
 

@@ -226,3 +226,42 @@ def test_engine_with_host_branches_returns_the_device_branches_outputs(params, n
                for k in fused)
     if fused:
         assert any(k.plan.static for k in fused)
+
+
+@pytest.mark.parametrize("host_branches", [False, True], ids=["device branches",
+                                                            "host branches"])
+def test_fused_decode_steps_return_the_split_steps_outputs(params, host_branches):
+    """CompilationConfig.fused_decode: a one-token decode step without a grammar row runs
+    as one program (forward and sampler, StepKey.whole) and returns what the split steps
+    (forward, then sampler) return for the same requests arriving over time; warm-up
+    compiles every whole program it runs (nothing after it). With the device deciding
+    branches every such step is whole; with host branches only those whose batch plan is
+    plain (FUSED_PLANS), the rest split; a step with a grammar row is always split."""
+    kernels = Kernels("xla", "xla", "xla", host_branches=host_branches)
+    split = tiny_engine(params, kernels=kernels, decode_steps=1, fused_decode=False)
+    fused = tiny_engine(params, kernels=kernels, decode_steps=1, fused_decode=True)
+    fused.runner.warmup()
+    compiled = fused.num_compilations
+    whole = {k for k in fused.runner._compiled if k.whole}
+    assert whole and {(k.kind, k.n) for k in whole} == {("decode", 1)}
+    assert not any(k.whole for k in split.runner._warmup_keys(None))
+    runner = fused.runner
+    ran = []  # (whole, the step's grammar rows, its sampler plan)
+    call, forward = runner._call, runner._run_forward
+    runner._call = lambda exe, key, *a, **k: ran.append(key) or call(exe, key, *a, **k)
+    runner._run_forward = lambda exe, key, *a, **k: ran.append(key) or forward(exe, key, *a,
+                                                                               **k)
+    arrivals = [0, 0, 1, 3, 6, 8, 10]
+    try:
+        got = _outputs(fused, arrivals)
+    finally:
+        del runner._call, runner._run_forward
+    assert got == _outputs(split, arrivals)
+    assert re.fullmatch("[a-c]{20}", got["r6"][1]), got["r6"][1]  # the grammar held
+    assert fused.num_compilations == compiled, "nothing compiled after warm-up"
+    decode = [k for k in ran if k.kind == "decode"]
+    assert any(k.whole for k in decode) and any(not k.whole for k in decode)
+    if host_branches:
+        assert all(k.plan in FUSED_PLANS for k in decode if k.whole)
+    else:
+        assert all(k.plan == ON_DEVICE for k in decode)

@@ -3,7 +3,8 @@
 # stage leaves the others their time; logs and JSON under $OUT (default ./gpu_out).
 #
 #     tools/gpu_checks.sh [STAGE ...]     # stages: env kernels fuse branches generate decode1
-#                                         # decode64 quant cmdbuf qmm sweep hf (default: all)
+#                                         # fused decode64 quant cmdbuf qmm sweep hf (default:
+#                                         # all)
 #
 # - kernels: the native kernel tier (`pytest -m gpu tests/test_kernel_*.py`, 8 workers);
 # - fuse: 1 stream at decode_steps 1 and 8 with the projections that share an input fused
@@ -17,6 +18,9 @@
 # - decode1: generate's one stream alone, decode_steps auto (8 on a GPU) and 1, traced (issue
 #   28's 200 tok/s and 90% busy); decode64: its 64 streams at decode_steps auto, untraced
 #   (issue 28's 5,000 tok/s);
+# - fused: one stream at decode_steps 1 with a one-token decode step in one program and in
+#   two (CompilationConfig.fused_decode on / off: the sampler's dispatch of its own), each
+#   traced (issue 28 item 5: device busy at decode_steps 1);
 # - quant: 1 stream at decode_steps 8 with QUANT_FORMATS (default none,int8,fp8_e4m3) weights
 #   (fused before they are quantised on a GPU), each with every matmul_impl of QUANT_IMPLS
 #   (default auto: XLA's dot of the widened weight for per-channel scales; pallas /
@@ -57,11 +61,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 T0=$(date +%s)
-all_stages="env kernels fuse branches generate decode1 decode64 quant cmdbuf qmm sweep hf"
+all_stages="env kernels fuse branches generate decode1 fused decode64 quant cmdbuf qmm sweep hf"
 stages=${*:-$all_stages}
 say() { echo; echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 declare -A DEFAULT_CAP=([env]=30 [kernels]=150 [fuse]=240 [branches]=300 [generate]=200
-  [decode1]=150 [decode64]=130 [quant]=200 [cmdbuf]=300 [qmm]=180 [sweep]=220 [hf]=100)
+  [decode1]=150 [fused]=150 [decode64]=130 [quant]=200 [cmdbuf]=300 [qmm]=180 [sweep]=220 [hf]=100)
 # cap SECONDS: the stage's own cap cut to what DEADLINE_S leaves (0: skip the stage)
 cap() { local left=$(( ${DEADLINE_S:-3600} - ($(date +%s) - T0) - 5 ))
         if [ "$left" -lt 20 ]; then echo 0
@@ -110,6 +114,12 @@ getattr(jax.devices()[0], 'compute_capability', None))" ;;
         | tee "$OUT/decode1.log" | tail -4
       keep trace_1x128x256_auto.json.gz /tmp/trace_d1/1x128x256-auto
       keep trace_1x128x256_ds1.json.gz /tmp/trace_d1/1x128x256-1 ;;
+    fused)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
+        bench generate --config llama3_8b $BW --cases 1x128x256 --decode-steps 1 \
+        --fused-decode on,off --trace /tmp/trace_fd --json "$OUT/fused.json" 2>&1 \
+        | grep -v "compiling step" | tee "$OUT/fused.log" | tail -4
+      keep trace_1x128x256_ds1_whole.json.gz /tmp/trace_fd/1x128x256-1-on ;;
     decode64)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 5 "$c" $PY -m jaxserve.cli.main \
         bench generate --config llama3_8b $BW --cases 64x512x256 --decode-steps auto \

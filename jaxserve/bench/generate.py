@@ -3,7 +3,8 @@ in the same run: the one command for a GPU session (issue 28's table), on CPU to
 
     jaxserve bench generate [--config llama3_8b] [--load-format dummy]
         [--cases 1x128x256,64x512x256] [--decode-steps 1,auto] [--branches auto]
-        [--fuse-projections auto] [--weight-quant auto] [--matmul-impl auto] [--hf]
+        [--fuse-projections auto] [--weight-quant auto] [--matmul-impl auto]
+        [--fused-decode auto] [--hf]
         [--trace DIR] [--bandwidth-gb-s GB_S]
         [--xla-compiler-options JSON [JSON ...]] [--json out.json]
 
@@ -15,8 +16,9 @@ config's, `{"xla_gpu_enable_command_buffer": ""}`: no CUDA graphs), and each val
 --fuse-projections (KernelConfig.fuse_projections: "on", "off", "auto";
 jaxserve.model.weight_layouts.fuse_projections) and --weight-quant (KernelConfig.weight_quant:
 "none", "int8", "fp8_e4m3", "auto") and --matmul-impl (KernelConfig.matmul_impl: "xla",
-"pallas", "pallas_mosaic", "pallas_gemv", "auto"; what runs the quantised projections), one
-engine is built
+"pallas", "pallas_mosaic", "pallas_gemv", "auto"; what runs the quantised projections) and
+--fused-decode (CompilationConfig.fused_decode: "on", "off", "auto"; a one-token decode step
+in one program or two), one engine is built
 (`jaxserve.LLM`, warm-up off, room for the largest case) and each case runs on it:
 `generate` once on one set of prompts (which compiles the case's step shapes), then timed
 on another set of the same lengths (other random tokens, so no prefix-cache hit changes
@@ -147,6 +149,8 @@ KERNEL_AXES = {
     "matmul_impl": ("matmul_impl", {"xla": "xla", "pallas": "pallas",
                                     "pallas_mosaic": "pallas_mosaic",
                                     "pallas_gemv": "pallas_gemv"}),
+    # not a KernelConfig field, but varied the same way (EngineConfig.override routes it)
+    "fused_decode": ("fused_decode", {"on": True, "off": False}),
 }
 
 
@@ -154,8 +158,8 @@ def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None,
               kernel: dict | None = None):
     """The engine the cases run on with one decode_steps value ("auto": the config's),
     XLA compiler options (CompilationConfig.xla_compiler_options pairs; None: the
-    config's) and KernelConfig fields (`kernel`, {flag: value} of KERNEL_AXES; "auto" or
-    absent: the config's; a weight_quant format clears the config's bf16 weight copies):
+    config's) and KernelConfig fields and CompilationConfig.fused_decode (`kernel`,
+    {flag: value} of KERNEL_AXES; "auto" or absent: the config's; a weight_quant format clears the config's bf16 weight copies):
     `jaxserve.LLM` with warm-up off, max_num_seqs and
     max_model_len raised to hold the largest case."""
     from jaxserve.api import LLM
@@ -214,6 +218,7 @@ def run_case(llm, case, trace_dir: Path | None, bandwidth: float) -> dict:
            "weight_quant": engine.kernels.weight_quant,
            "matmul_impl": runner.kernels.matmul.name,
            "xla_compiler_options": dict(engine.compilation.xla_compiler_options),
+           "fused_decode": runner.fused_decode,
            "output_tok_s": tok_s, "seconds": seconds, "bound_tok_s": bound,
            "ratio_to_bound": tok_s / bound, "weight_bytes": weight_bytes,
            "kv_bytes_per_token": kv_per_token, "device_busy": busy, "num_steps": num_steps,
@@ -291,6 +296,10 @@ def parser(prog: str = "jaxserve bench generate") -> argparse.ArgumentParser:
                          "comma-separated: xla, pallas, pallas_mosaic, pallas_gemv, auto "
                          "(the config's) "
                          "(default: auto)")
+    ap.add_argument("--fused-decode", default="auto",
+                    help="CompilationConfig.fused_decode values to run each case with, "
+                         "comma-separated: on (a one-token decode step in one program), off "
+                         "(forward, then sampler), auto (on a GPU: on) (default: auto)")
     ap.add_argument("--hf", action="store_true",
                     help="also time HF transformers' eager generate on the same shapes")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",

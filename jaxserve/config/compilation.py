@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config.kernel import GPU_PLATFORMS
 from jaxserve.config.validation import ConfigError
 
 
@@ -39,6 +40,21 @@ class CompilationConfig:
     of the stack every step); True: on, or a ConfigError saying why it cannot be; False:
     unrolled."""
 
+    fused_decode: bool | None = None
+    """Run a one-token decode step whose rows sample under no structured-output grammar
+    as one program (the forward and the sampler: jaxserve.worker.step.model_step)
+    instead of two (forward_step, then sample_step): one dispatch a step instead of two.
+    The split stays for steps with such a row (the sampler waits for the grammar's
+    bitmask, which needs the previous step's tokens), for mixed steps, and, with host
+    branches (KernelConfig.branches), for a batch whose sampler plan has logits controls
+    or top logprobs. Costs one more compiled program per decode shape (with host
+    branches, one per plain sampler plan: jaxserve.sample.plan.FUSED_PLANS). None
+    ("auto"): on a GPU, where each dispatch is host time the device may wait for
+    (PERFORMANCE.md, "The GPU run of session 27": the sampler's dispatch took 0.48 ms of
+    a 4.8 ms step); off on CPU, where XLA runs a program's first operations on the
+    calling thread, so the second dispatch costs no time the device would have used
+    (the same tok/s either way: PERFORMANCE.md, "The host's share of a step")."""
+
     xla_compiler_options: tuple[tuple[str, str], ...] = ()
     """XLA options for every step program the engine compiles, as (name, value) pairs of
     XLA's DebugOptions (passed to `jax.stages.Lowered.compile(compiler_options=...)`, so
@@ -53,6 +69,9 @@ class CompilationConfig:
     session 22")."""
 
     def __post_init__(self):
+        if self.fused_decode not in (None, True, False):
+            raise ConfigError(f"CompilationConfig.fused_decode must be true, false or None "
+                              f"(auto), got {self.fused_decode!r}")
         opts = self.xla_compiler_options
         if not (isinstance(opts, tuple) and all(
                 isinstance(o, tuple) and len(o) == 2 and all(isinstance(v, str) for v in o)
@@ -70,3 +89,10 @@ class CompilationConfig:
                 if not b or b[0] <= 0:
                     raise ConfigError(f"CompilationConfig.{name} must be positive, got {b}")
                 object.__setattr__(self, name, b)
+
+    def resolve(self, platform: str) -> "CompilationConfig":
+        """This config with fused_decode None ("auto") chosen for `platform` (a
+        jax.Device.platform): on a GPU, off elsewhere (see fused_decode)."""
+        if self.fused_decode is not None:
+            return self
+        return dataclasses.replace(self, fused_decode=platform in GPU_PLATFORMS)

@@ -79,7 +79,8 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     platform = (rules.mesh.devices.flat[0] if rules else jax.devices()[0]).platform
     ecfg = dataclasses.replace(config.engine, kernels=resolve_kernel_config(
         config.engine.kernels, platform, model_cfg.dtype, config.quantization),
-        scheduler=config.engine.scheduler.resolve(platform))
+        scheduler=config.engine.scheduler.resolve(platform),
+        compilation=config.engine.compilation.resolve(platform))
     check_deployment(ecfg, model_cfg, config.parallel)
     kv_dtype = ecfg.cache.kv_dtype(model_cfg.dtype)
     # the memory plan against what the devices really have, before anything is allocated

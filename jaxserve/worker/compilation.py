@@ -135,7 +135,9 @@ class StepKey(NamedTuple):
     (jaxserve.worker.step.forward_step); its sampler half is the key ("sample", 0, S, 0, 1)
     (`sample_key`, jaxserve.worker.step.sample_step). With host branches a mixed step's
     prompt logprobs are ("prompt_logprobs", T, 0, 0, 1)
-    (jaxserve.worker.step.prompt_logprobs_step). Other keys are whole steps."""
+    (jaxserve.worker.step.prompt_logprobs_step). Other keys are whole steps, among them
+    a one-token decode step with `whole` set (CompilationConfig.fused_decode: the
+    forward and the sampler in one program, jaxserve.worker.step.model_step)."""
 
     kind: str
     T: int
@@ -144,6 +146,7 @@ class StepKey(NamedTuple):
     n: int = 1
     rounds: int = 1
     plan: SamplerPlan = ON_DEVICE
+    whole: bool = False
 
     @classmethod
     def of(cls, batch: StepBatch, num_steps: int = 1) -> "StepKey":
@@ -164,7 +167,7 @@ class StepKey(NamedTuple):
     @property
     def split(self) -> bool:
         """Whether this step runs as a forward program, then a sampler program."""
-        return self.kind in ("mixed", "decode") and self.n == 1
+        return self.kind in ("mixed", "decode") and self.n == 1 and not self.whole
 
     @property
     def sample_key(self) -> "StepKey":
@@ -190,8 +193,9 @@ def warmup_order(keys: set[StepKey]) -> list[StepKey]:
     prompts = {k for k in keys if k.kind == "prompt_logprobs"}
     samplers = {k for k in keys if k.kind == "sample"}
     order = sorted(keys - prompts - samplers,
-                   key=lambda k: (False, k.P, k.n, k.T, k.kind, _plan_rank(k.plan))
-                   if k.S == 1 else (True, k.T * k.P, k.S, k.n, k.kind, _plan_rank(k.plan)))
+                   key=lambda k: (False, k.P, k.n, k.T, k.kind, k.whole, _plan_rank(k.plan))
+                   if k.S == 1 else (True, k.T * k.P, k.S, k.n, k.kind, k.whole,
+                                     _plan_rank(k.plan)))
     out = []
     for key in order:
         prompt_key = StepKey("prompt_logprobs", key.T, 0, 0, 1)

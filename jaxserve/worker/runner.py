@@ -87,6 +87,9 @@ class Runner:
         self.kernels = kernels  # resolved: jaxserve.worker.kernel_selection.select_kernels
         self.shapes = StepShapes(engine_cfg, bucket_pages=kernels.attention.pads_pages)
         self.num_top = engine_cfg.sampler.max_logprobs
+        # one-token decode steps without a grammar run forward and sampler in one program
+        # (CompilationConfig.fused_decode; None, unresolved: off)
+        self.fused_decode = bool(engine_cfg.compilation.fused_decode)
         self.max_logit_bias = engine_cfg.sampler.max_logit_bias
         static = dict(cfg=model_cfg, drafter=self.drafter, rules=rules, kernels=self.kernels,
                       num_top=self.num_top)
@@ -272,7 +275,7 @@ class Runner:
             return future.result()
         if on_demand:
             log.warning("compiling step for unwarmed shape %s T=%d S=%d P=%d n=%d rounds=%d "
-                        "plan=%s", *key)
+                        "plan=%s whole=%s", *key)
         try:
             exe, dt = self._compile(key)
             if not on_demand:
@@ -430,10 +433,13 @@ class Runner:
     def _warmup_keys(self, shapes) -> list[StepKey]:
         """The programs not compiled yet of `shapes` (None: every bucketed shape), each for
         its sampler plans (`_plans`), with a mixed step's own prompt-logprobs program
-        (`_own_prompt_logprobs`), most likely first (compilation.warmup_order)."""
+        (`_own_prompt_logprobs`) and, with fused_decode, a one-token decode shape's whole
+        program beside its split one, most likely first (compilation.warmup_order)."""
         shapes = shapes if shapes is not None else self.shapes.warmup()
-        keys = {key._replace(plan=plan) for key in (StepKey(*shape) for shape in shapes)
-                for plan in self._plans(key)}
+        keys = [StepKey(*shape) for shape in shapes]
+        if self.fused_decode:
+            keys += [k._replace(whole=True) for k in keys if k.kind == "decode" and k.split]
+        keys = {key._replace(plan=plan) for key in keys for plan in self._plans(key)}
         keys |= {StepKey("prompt_logprobs", k.T, 0, 0, 1) for k in keys
                  if self._own_prompt_logprobs(k)}
         return warmup_order(keys - set(self._compiled))
@@ -501,15 +507,30 @@ class Runner:
         with num_steps rounds: its `last_tokens` are each sequence's last kept token and
         `last_shift` how many more than one it kept, which a verify step planned before it
         is read moves its rows by. A one-token step is `dispatch_forward` then
-        `dispatch_sample`."""
+        `dispatch_sample`, except a decode step with fused_decode whose sampler plan was
+        compiled whole (`_whole_decode`): one program."""
         if prev_index is None:
             prev_index = np.full(batch.tokens.shape, -1, np.int32)
         key = StepKey.of(batch, num_steps)
+        whole = self._whole_decode(key, sampling)
+        if whole is not None:
+            return self._call(self._executable(whole), whole, batch, sampling, prev_index)
         if key.split:
             return self.dispatch_sample(self.dispatch_forward(batch, sampling, prev_index),
                                         sampling)
         key = self._planned(key, sampling)
         return self._call(self._executable(key), key, batch, sampling, prev_index)
+
+    def _whole_decode(self, key: StepKey, sampling: SamplingBatch) -> StepKey | None:
+        """The key of `key`'s whole program (forward and sampler in one) when `key` is a
+        one-token decode step that runs so: with fused_decode, and a sampler plan that
+        program was compiled for at warm-up (with host branches FUSED_PLANS only: a batch
+        with logits controls or top logprobs takes the split step's static sampler
+        program, not an on-demand compilation); else None."""
+        if not (self.fused_decode and key.split and key.kind == "decode"):
+            return None
+        whole = self._planned(key._replace(whole=True), sampling)
+        return whole if whole.plan in self._plans(whole) else None
 
     def dispatch_forward(self, batch: StepBatch, sampling: SamplingBatch,
                          prev_index: np.ndarray | None = None) -> "ForwardHandle":
@@ -603,7 +624,8 @@ class Runner:
             exe, dt = self._compile(key)
             self._add(key, exe, dt)
             read = self.executable_cache is not None and self.executable_cache.hits > hits
-            log.info("step program %s T=%d S=%d P=%d n=%d rounds=%d plan=%s %s in %.2f s",
+            log.info("step program %s T=%d S=%d P=%d n=%d rounds=%d plan=%s whole=%s %s in "
+                     "%.2f s",
                      *key, "read from the executable cache" if read else "compiled", dt)
         return exe
 
