@@ -50,10 +50,11 @@ class CompilationConfig:
     or top logprobs. Costs one more compiled program per decode shape (with host
     branches, one per plain sampler plan: jaxserve.sample.plan.FUSED_PLANS). None
     ("auto"): on a GPU, where each dispatch is host time the device may wait for
-    (PERFORMANCE.md, "The GPU run of session 27": the sampler's dispatch took 0.48 ms of
-    a 4.8 ms step); off on CPU, where XLA runs a program's first operations on the
-    calling thread, so the second dispatch costs no time the device would have used
-    (the same tok/s either way: PERFORMANCE.md, "The host's share of a step")."""
+    (PERFORMANCE.md, "The GPU run of session 27": at decode_steps 1 the sampler's
+    dispatch took 0.48 ms of the host's ~5 ms a step, against a 4.8 ms device step);
+    off on CPU, where XLA runs a program's first operations on the calling thread, so
+    the second dispatch costs no time the device would have used (the same tok/s either
+    way: PERFORMANCE.md, "One program for a one-token decode step")."""
 
     xla_compiler_options: tuple[tuple[str, str], ...] = ()
     """XLA options for every step program the engine compiles, as (name, value) pairs of
