@@ -159,9 +159,9 @@ def build_llm(config, cases, decode_steps, cache_dir, compiler_options=None,
     """The engine the cases run on with one decode_steps value ("auto": the config's),
     XLA compiler options (CompilationConfig.xla_compiler_options pairs; None: the
     config's) and KernelConfig fields and CompilationConfig.fused_decode (`kernel`,
-    {flag: value} of KERNEL_AXES; "auto" or absent: the config's; a weight_quant format clears the config's bf16 weight copies):
-    `jaxserve.LLM` with warm-up off, max_num_seqs and
-    max_model_len raised to hold the largest case."""
+    {flag: value} of KERNEL_AXES; "auto" or absent: the config's; a weight_quant format
+    clears the config's bf16 weight copies): `jaxserve.LLM` with warm-up off,
+    max_num_seqs and max_model_len raised to hold the largest case."""
     from jaxserve.api import LLM
 
     fields = {KERNEL_AXES[k][0]: KERNEL_AXES[k][1][v]

@@ -327,7 +327,8 @@ class Runner:
 
     def _call(self, exe, key: StepKey, batch: StepBatch, sampling: SamplingBatch,
               prev_index: np.ndarray, keep_last: bool = False) -> "StepHandle":
-        """Run the whole-step `exe` (a multi-step decode or a verify step) on the pools
+        """Run the whole-step `exe` (a multi-step decode, a verify step, or a whole
+        one-token decode step: `_whole_decode`) on the pools
         (donated, replaced by its outputs) and return its handle; it also replaces
         `last_tokens` and `last_shift` unless `keep_last`."""
         with self._dispatch_lock:

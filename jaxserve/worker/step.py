@@ -6,7 +6,8 @@ A one-token mixed or decode step is two programs, as vLLM v1 splits `execute_mod
 device) and `sample_step` (controls -> sample), so that the engine can dispatch step N+1's
 forward before it has read step N's tokens, and give the sampler what depends on them (a
 grammar's bitmask) afterwards. `model_step` is the same in one program, `num_steps` times
-for a multi-step decode (each sub-step feeding its tokens back on device);
+for a multi-step decode (each sub-step feeding its tokens back on device), once for a
+one-token decode step with no grammar row when CompilationConfig.fused_decode is on;
 `verify_step` verifies draft tokens (the draft model or head proposes inside it, then the
 rejection sampler keeps exactly the model's distribution), in one round or several
 (SpeculativeConfig.verify_steps). Logits controls, top logprobs and prompt logprobs run
