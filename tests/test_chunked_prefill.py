@@ -18,7 +18,6 @@ def params():
     return tiny_params()
 
 
-@pytest.mark.full  # fast tier: the real model's chunked prefill (below)
 def test_chunked_prefill_equals_whole_prompt_prefill(params):
     """Budget 16 (page size 4): prompts of 5 to 50 tokens arrive while others decode, so
     their chunks are 16 - (decodes) rows, ending mid-page; outputs equal a budget-64
@@ -70,6 +69,8 @@ def test_no_compilation_after_warmup_under_a_mixed_workload(params):
     assert engine.num_compilations == compiled
 
 
+@pytest.mark.full  # fast tier: the tiny model's chunks (above) and the real model's prefill
+# over cached pages (tests/test_prefix_caching.py: the C++ kernel's path of a later chunk)
 def test_real_model_chunked_prefill_gives_the_unchunked_outputs(small_llm, cache_dir):
     """Prompts of 1, 2 and 3 chunks of 120 tokens (7.5 pages: chunks end mid-page), each
     alone, greedy and seeded: the same tokens as the small config's whole-prompt prefill."""

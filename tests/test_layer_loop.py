@@ -223,6 +223,8 @@ def test_stacked_layers_need_a_stacked_pool():
         forward(params, init_kv_cache(CFG, 4, 16, jnp.float32), batch, CFG)
 
 
+@pytest.mark.full  # fast tier: the tiny model's loop gives the unrolled logits (above), and
+# the served default runs its layers as a loop on the real model (tests/test_gguf_serving.py)
 def test_real_model_engine_runs_the_loop_with_the_unrolled_tokens(small_llm, smollm2_checkpoint,
                                                                   cache_dir):
     """The tests' small SmolLM2 engine (C++ attention, f32 XLA matmuls, one device) stays
