@@ -508,4 +508,3 @@ def test_fused_decode_auto_is_chosen_for_the_platform():
         assert auto.resolve(platform).fused_decode is fused
     assert CompilationConfig(fused_decode=False).resolve("cuda").fused_decode is False
     assert CompilationConfig(fused_decode=True).resolve("cpu").fused_decode is True
-

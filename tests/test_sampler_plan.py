@@ -246,7 +246,7 @@ def test_fused_decode_steps_return_the_split_steps_outputs(params, host_branches
     assert whole and {(k.kind, k.n) for k in whole} == {("decode", 1)}
     assert not any(k.whole for k in split.runner._warmup_keys(None))
     runner = fused.runner
-    ran = []  # (whole, the step's grammar rows, its sampler plan)
+    ran = []  # the key of each whole program and split forward the steps ran
     call, forward = runner._call, runner._run_forward
     runner._call = lambda exe, key, *a, **k: ran.append(key) or call(exe, key, *a, **k)
     runner._run_forward = lambda exe, key, *a, **k: ran.append(key) or forward(exe, key, *a,
