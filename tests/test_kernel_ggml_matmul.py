@@ -123,7 +123,8 @@ def test_cuda_core_gemv_matches_reference(fmt, pallas_impl):
                           jnp.float32 if out_dt == jnp.float32 else dtype)
     with pytest.raises(ValueError, match="gemv 'reduce' takes at most 4 rows of x, got 5"):
         jax.eval_shape(functools.partial(ggml_matmul, fmt=fmt, impl=INTERPRET, gemv="reduce"),
-                       jnp.zeros((5, 96), jnp.float32), qs[:, :3], d[:, :3], None if m is None else m[:, :3])
+                       jnp.zeros((5, 96), jnp.float32), qs[:, :3], d[:, :3],
+                       None if m is None else m[:, :3])
 
 
 def test_reference_is_numpy_dequantise_then_matmul():

@@ -219,16 +219,21 @@ class PallasMatmul(Matmul):
             return "pallas_gemv" + ("_interpret" if self.interpret else "")
         return pallas_impl(self.mosaic, self.interpret)
 
+    def _gemv_mode(self, rows: int, mode: str) -> str:
+        """The Triton kernel's `gemv` argument for a matmul of `rows` rows: `mode` (its
+        CUDA-core GEMV) with `gemv` for at most REDUCE_ROWS rows, else "dot"."""
+        from jaxserve.kernels.pallas.quantized_matmul import REDUCE_ROWS
+        return mode if self.gemv and rows <= REDUCE_ROWS else "dot"
+
     def _ggml(self, x2, w):
         """GGML blocks (not packed for the CPU) in the Pallas (Triton) kernel
         jaxserve.kernels.pallas.ggml_matmul, unpacked in registers; f32 out."""
         if w.packed:
             return super()._ggml(x2, w)
         from jaxserve.kernels.pallas.ggml_matmul import ggml_matmul
-        from jaxserve.kernels.pallas.quantized_matmul import REDUCE_ROWS
-        gemv = "reduce" if self.gemv and x2.shape[0] <= REDUCE_ROWS else "dot"
         return ggml_matmul(x2, w.qs, w.d, w.m, w.fmt, out_dtype=jnp.float32,
-                           impl=pallas_impl(False, self.interpret), gemv=gemv)
+                           impl=pallas_impl(False, self.interpret),
+                           gemv=self._gemv_mode(x2.shape[0], "reduce"))
 
     def _quantized(self, x2, w2, scales):
         from jaxserve.kernels.pallas.quantized_matmul import quantized_matmul
@@ -238,10 +243,8 @@ class PallasMatmul(Matmul):
             (k, n), group = w2.shape, None if scales.ndim == 1 else w2.shape[0] // scales.shape[0]
             if mosaic_supports(x2.dtype, w2.dtype, k, n, group):
                 return quantized_matmul_mosaic(x2, w2, scales, impl=self.name)
-        from jaxserve.kernels.pallas.quantized_matmul import REDUCE_ROWS
-        gemv = "reduce_magic" if self.gemv and x2.shape[0] <= REDUCE_ROWS else "dot"
         return quantized_matmul(x2, w2, scales, impl=pallas_impl(False, self.interpret),
-                                gemv=gemv)
+                                gemv=self._gemv_mode(x2.shape[0], "reduce_magic"))
 
 
 _MATMULS = {"xla": XlaMatmul(), "cpu": CpuMatmul(), "pallas": PallasMatmul(),

@@ -202,10 +202,10 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
     blocks); defaults from the shapes, as quantized_matmul's. splits: split-K ranges
     (default `default_splits`: > 1 only for M <= 64). impl: "pallas" (GPU) or
     "pallas_interpret" (CPU). gemv: one of GGML_GEMV_MODES: "dot" (the tiled dot, any
-    M) or, for M <= REDUCE_ROWS (quantized_matmul's), "reduce": each block's quants, scale and x halves
-    loaded whole and summed in f32 on the CUDA cores, the scale applied once a block
-    (IEEE f32 products; block_m is M; to be timed on a GPU). Raises ValueError for bad
-    shapes, dtypes, fields, blocks, gemv or impl.
+    M) or, for M <= REDUCE_ROWS (quantized_matmul's), "reduce": each block's quants,
+    scale and x halves loaded whole and summed in f32 on the CUDA cores, the scale
+    applied once a block (IEEE f32 products; block_m is M; to be timed on a GPU).
+    Raises ValueError for bad shapes, dtypes, fields, blocks, gemv or impl.
     Source: ggml's dequantize_row_* (ggml-quants.c) inside a weight-only quantised GEMM.
     """
     fn = "ggml_matmul"
@@ -228,7 +228,8 @@ def ggml_matmul(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.Array | None, 
         check(fn, isinstance(b, int) and is_power_of_2(b) and b >= least,
               f"{name} must be a power of two >= {least}, got {b}")
     k_blocks = cdiv(k, block_k)
-    if splits is None:  # the GEMV's loads are not pipelined: more programs (as quantized_matmul's)
+    if splits is None:  # the GEMV's loads are not pipelined: more programs (as
+        # quantized_matmul's GEMV)
         splits = default_splits(rows, n, k_blocks, block_n,
                                 REDUCE_TARGET_PROGRAMS if gemv == "reduce" else TARGET_PROGRAMS)
     check(fn, isinstance(splits, int) and 1 <= splits <= k_blocks,

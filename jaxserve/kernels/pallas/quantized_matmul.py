@@ -338,8 +338,8 @@ def quantized_matmul(x: jax.Array, w_q: jax.Array, scales: jax.Array, *, block_m
     (GPU) or "pallas_interpret" (CPU). gemv: one of GEMV_MODES: "dot" (the tiled dot, any
     M), or for M <= REDUCE_ROWS "reduce" / "reduce_magic": f32 multiply-and-reduce on the
     CUDA cores (IEEE f32 products and sums; block_k default REDUCE_BLOCK_K, for 3-4 rows
-    REDUCE_BLOCK_K_WIDE; "reduce_magic"
-    widens int8 by an integer add and a bitcast, fp8 as "reduce").
+    REDUCE_BLOCK_K_WIDE; "reduce_magic" widens int8 by an integer add and a bitcast, fp8
+    as "reduce").
     Raises ValueError for bad shapes, dtypes, scales, blocks, gemv or impl.
     Source: W8A16 weight-only quantised GEMM (vLLM / TensorRT-LLM), Triton's tiled matmul.
     """
