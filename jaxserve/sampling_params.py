@@ -46,6 +46,8 @@ class SamplingParams:
     include_stop_str_in_output: return the stop string too (vLLM's flag; default off).
     min_tokens: EOS, stop_token_ids and stop strings cannot end the output before this
         many tokens (vLLM; EOS and stop token ids are masked on device); <= max_tokens.
+        It yields to structured output: a grammar whose value is complete (EOS or a stop
+        token id is all it allows) ends the output there, short of min_tokens.
     presence_penalty, frequency_penalty: in [-2, 2] (OpenAI): subtract penalty x (1 if
         the token is in the output so far) / x (its count there) from its logit.
     repetition_penalty: > 0, 1 = off (vLLM / HF): a token in the prompt or output has

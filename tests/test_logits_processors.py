@@ -72,6 +72,34 @@ def test_logit_bias_and_min_tokens_mask():
     np.testing.assert_array_equal(late, want)
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_nothing_else():
+    """Row 0's grammar allows only token 7 (an EOS that min_tokens masks): the row keeps its
+    logits on 7 (vLLM #54218) and its bias and penalties elsewhere stay applied. Row 1's
+    grammar allows 7 and 3: min_tokens still masks 7. Row 2 (no grammar) is as row 1
+    without the bitmask. Bit for bit what the masks-first order gives where a token is
+    left."""
+    c = controls(S=3, K=2, presence_penalty=0.25, prompt_len=3)
+    c.bias_ids[:] = [7, 3]
+    c.bias_values[:] = [-np.inf, 1.5]
+    c.bias_until[:] = [3, NO_LIMIT]
+    c.allowed[0] = 1 << 7
+    c.allowed[1] = (1 << 7) | (1 << 3)
+    rows = np.repeat(ROW, 3, axis=0)
+    tokens = np.repeat(TOKENS, 3, axis=0)
+    got = apply(rows, c, [2, 2, 2], tokens, [7, 7, 7])
+    want = rows.copy()
+    want[:, 3] += 1.5
+    want[:, [8, 1]] -= 0.25  # in the output so far
+    assert got[0, 7] == want[0, 7] and np.isfinite(got[0, 7])
+    assert np.all(got[0, np.arange(V) != 7] == -np.inf)
+    assert got[1, 7] == -np.inf and got[1, 3] == want[1, 3]
+    assert np.all(got[1, np.setdiff1d(np.arange(V), [3, 7])] == -np.inf)
+    want[2, 7] = -np.inf
+    np.testing.assert_array_equal(got[2], want[2])
+    late = apply(rows, c, [3, 3, 3], tokens, [7, 7, 7])  # min_tokens reached: no fallback
+    assert late[1, 7] == rows[1, 7]  # 7 is not in the output: unpenalised
+
+
 def test_bias_entries_order_and_min_tokens():
     assert bias_entries({5: 1.0, 2: -3.0}, 0, [9]) == [(2, -3.0, NO_LIMIT), (5, 1.0, NO_LIMIT)]
     assert bias_entries({}, 4, [9, 7, 9]) == [(7, -np.inf, 4), (9, -np.inf, 4)]

@@ -215,3 +215,27 @@ def test_jump_forward_keeps_stops_limits_and_logprobs(params):
     lp = done["logprobs"]
     assert lp.text in CHOICES and len(lp.logprobs) == len(lp.token_ids)
     assert all(x.token_id == t for x, t in zip(lp.logprobs, lp.token_ids))
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_a_value_the_grammar_completed_ends_before_min_tokens(params, jump_forward):
+    """min_tokens masks EOS, and a grammar whose value is complete allows only EOS: the
+    request ends there ("stop", short of min_tokens) instead of sampling a token outside
+    the grammar and failing (vLLM #54218). Where the grammar leaves other tokens, min_tokens
+    still holds: "beta gamma" with min_tokens past "beta" but within it is generated whole,
+    and a free request beside them keeps its min_tokens."""
+    engine = tiny_engine(params, jump_forward=jump_forward)
+    free = SamplingParams(max_tokens=12, temperature=0, min_tokens=12)
+    done, _ = run_counting_steps(engine, [
+        ("short", [67], _choice(min_tokens=30)),
+        ("sampled", [68], _choice(min_tokens=30, temperature=1.0, seed=5)),
+        ("within", [69], SamplingParams(max_tokens=40, temperature=0, min_tokens=7,
+                                        structured_outputs=StructuredOutput(
+                                            "choice", json.dumps(["beta", "beta gamma"])))),
+        ("free", [70], free)])
+    for rid in ("short", "sampled"):
+        assert done[rid].text in CHOICES and done[rid].finish_reason == "stop", done[rid]
+    assert done["within"].text == "beta gamma" and done["within"].finish_reason == "stop"
+    assert len(done["free"].token_ids) == 12
+    assert engine.stats().num_failed_requests == 0
+    assert engine.pool.num_free == engine.pool.capacity

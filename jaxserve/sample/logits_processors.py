@@ -132,10 +132,20 @@ def apply_controls(logits: jax.Array, c: LogitsControls, step: jax.Array,
     (its tokens out so far). tokens: [R, L] int32, each row's sequence by position
     (`history`); num_context: [R] int32, how many of them precede the sampled token
     (positions 0 .. num_context - 1: prompt, then output from c.prompt_len on).
-    Returns [R, V] f32 (a structured-output mask last: its -inf stays -inf)."""
+    Returns [R, V] f32 (a structured-output mask last: its -inf stays -inf).
+
+    min_tokens yields to a grammar that allows nothing else: where its masks (the bias
+    entries that end at min_tokens) would leave a row no token the grammar allows (a value
+    the grammar has completed, whose only continuation is EOS), the row samples from its
+    logits without them, so the request ends there, short of min_tokens, instead of
+    sampling a token outside the grammar. Every other row is as if the masks came first
+    (they are -inf: the penalties keep them -inf). Source: vLLM #54218 ("Let terminal
+    grammars stop under min_tokens")."""
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
-    on = (c.bias_ids >= 0) & (step[:, None] < c.bias_until)
+    live = (c.bias_ids >= 0) & (step[:, None] < c.bias_until)
+    until_min = c.bias_until != NO_LIMIT  # min_tokens' masks of EOS and stop token ids
+    on = live & ~until_min
     logits = logits.at[rows, jnp.where(on, c.bias_ids, V)].add(c.bias_values, mode="drop")
 
     pos = jnp.arange(tokens.shape[1])[None, :]
@@ -148,4 +158,8 @@ def apply_controls(logits: jax.Array, c: LogitsControls, step: jax.Array,
     logits = jnp.where(in_context, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - c.frequency_penalty[:, None] * counts
     logits = logits - c.presence_penalty[:, None] * (counts > 0)
-    return apply_bitmask(logits, c.allowed)
+    logits = apply_bitmask(logits, c.allowed)
+    masked = logits.at[rows, jnp.where(live & until_min, c.bias_ids, V)].set(-jnp.inf,
+                                                                            mode="drop")
+    empty = jnp.all(masked == -jnp.inf, axis=1, keepdims=True)
+    return jnp.where(empty, logits, masked)
