@@ -29,7 +29,7 @@ def hf_log_softmax(hf_model, ids):
 
 def sse(resp) -> list[dict]:
     out = []
-    for line in resp.text.splitlines():
+    for line in resp.text.split("\n"):
         if line.startswith("data: ") and line != "data: [DONE]":
             out.append(json.loads(line[len("data: "):]))
     return out

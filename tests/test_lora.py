@@ -306,3 +306,17 @@ def test_adapters_follow_kv_heads_repeated_over_devices(base, tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     plain = np.asarray(logits(served, cfg, tokens, lengths, lora_slot=jnp.zeros(2, jnp.int32)))
     assert np.abs(plain[0] - want[0]).max() > 1e-3  # the adapter matters
+
+
+def test_training_chats_are_json_lines_cut_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028, U+2029 or U+0085 unescaped (ensure_ascii=False, as
+    jaxserve's own batch output writes): they are no line ends of a JSON-lines file."""
+    from jaxserve.train.lora import read_chats
+    data = tmp_path / "chats.jsonl"
+    texts = ["one\u2028line", "a\u0085b\u2029c"]
+    data.write_text("\n".join(json.dumps({"prompt": t, "completion": t[::-1]},
+                                         ensure_ascii=False) for t in texts) + "\n\n",
+                    encoding="utf-8")
+    chats = read_chats(data)
+    assert [c[0]["content"] for c in chats] == texts
+    assert [c[1]["content"] for c in chats] == [t[::-1] for t in texts]

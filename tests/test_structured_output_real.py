@@ -102,7 +102,7 @@ def test_named_tool_choice_returns_a_valid_call_streamed_too(small_llm_client):
     jsonschema.validate(json.loads(call["function"]["arguments"]),
                         tools[0]["function"]["parameters"])
     events = small_llm_client.post("/v1/chat/completions", json={**body, "stream": True})
-    chunks = [json.loads(line[6:]) for line in events.text.splitlines()
+    chunks = [json.loads(line[6:]) for line in events.text.split("\n")
               if line.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"

@@ -57,8 +57,9 @@ def run_batch_process(args, requests) -> dict:
             raise BenchmarkError(f"the batch runner failed ({done.returncode}): "
                                  f"{done.stderr[-2000:]}")
         stats = json.loads(done.stdout.strip().splitlines()[-1])
-        failed = [json.loads(x) for x in out.read_text().splitlines()
-                  if json.loads(x)["response"]["status_code"] != 200]
+        lines = out.read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 in JSON
+        failed = [json.loads(x) for x in lines
+                  if x.strip() and json.loads(x)["response"]["status_code"] != 200]
         if failed:
             raise BenchmarkError(f"{len(failed)} batch requests failed, e.g. {failed[0]}")
     return stats

@@ -110,7 +110,9 @@ def read_chats(path: str | Path) -> list[list[dict]]:
     OpenAI fine-tuning format) or {"prompt", "completion"} (one user turn and the answer).
     Raises ValueError naming the line of one that is neither."""
     chats = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    # JSON lines end at "\n" only: splitlines() would also cut at a U+2028 or U+0085 that
+    # a JSON string holds unescaped (ensure_ascii=False writers, ours among them)
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         rec = json.loads(line)
