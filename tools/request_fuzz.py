@@ -73,7 +73,13 @@ def request_strategies(model: str, vocab_size: int, max_tokens: int = 70) -> Req
         "suffix": any_json, "tools": any_json, "tool_choice": any_json,
         "parallel_tool_calls": any_json, "response_format": any_json, "user": any_json,
         "input": any_text | st.lists(edge_ints, max_size=5) | any_json,
-        "encoding_format": any_json, "dimensions": edge_ints | any_json}
+        "encoding_format": any_json, "dimensions": edge_ints | any_json,
+        "structured_outputs": any_json, "guided_json": any_json, "guided_regex": any_json,
+        "guided_choice": any_json, "guided_grammar": any_json, "min_tokens": edge_ints | any_json,
+        "stop_token_ids": st.lists(edge_ints, max_size=3) | any_json,
+        "include_stop_str_in_output": scalars, "skip_special_tokens": scalars,
+        "add_special_tokens": scalars, "add_generation_prompt": scalars,
+        "return_token_strs": scalars, "tokens": st.lists(edge_ints, max_size=5) | any_json}
     # well-typed values around the edges of each range, so that bodies get past the types
     # and reach the checks that need the tokenizer and the limits (and many are accepted)
     short_text = st.text(alphabet=st.characters(codec=None, categories=None), min_size=1,
@@ -83,6 +89,20 @@ def request_strategies(model: str, vocab_size: int, max_tokens: int = 70) -> Req
                                    "required": ["city"]},
         {"type": "object", "properties": {"x": {"type": "string", "pattern": "(("}}},
         {"type": "nonsense"}])
+    # structured output: constraints that compile, ones that do not, and several at once
+    # (exactly one is allowed)
+    json_schema = schema | st.sampled_from(['{"type": "integer"}', "{oops"])
+    constraint = st.sampled_from([
+        {"regex": "[a-c]{1,3}"}, {"regex": "(("}, {"regex": ""}, {"choice": ["yes", "no"]},
+        {"choice": [""]}, {"choice": []}, {"grammar": 'start: "a" | "b"'},
+        {"grammar": 'root ::= "x" | "y"'}, {"grammar": "nonsense ::="}, {"json_object": True},
+        {"json_object": False}, {"regex": "a", "choice": ["a"]}, {}]) \
+        | st.fixed_dictionaries({"json": json_schema})
+    response_format = st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                       {"type": "json_schema"}]) \
+        | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                 st.fixed_dictionaries({"name": st.just("reply")},
+                                                       optional={"schema": schema})})
     tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
         {"name": st.sampled_from(["get_weather", "add", ""]) | short_text},
         optional={"parameters": schema, "description": short_text})})
@@ -126,10 +146,22 @@ def request_strategies(model: str, vocab_size: int, max_tokens: int = 70) -> Req
         | st.lists(short_text, min_size=1, max_size=2) | st.just(""),
         "encoding_format": st.sampled_from(["float", "base64", "int8"]),
         "dimensions": st.sampled_from([1, 16, 576]),
-        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}
-    plausible_dicts = st.fixed_dictionaries(
-        {"prompt": plausible["prompt"], "messages": plausible["messages"]},
-        optional={k: s for k, s in plausible.items() if k not in ("prompt", "messages")})
+        "response_format": response_format, "structured_outputs": constraint,
+        "guided_json": json_schema, "guided_regex": st.sampled_from(["[0-9]{1,4}", "(("]),
+        "guided_choice": st.sampled_from([["red", "green"], []]),
+        "guided_grammar": st.sampled_from(['start: "ok"', "::="]),
+        "min_tokens": st.integers(-1, max_tokens + 2),
+        "stop_token_ids": st.lists(st.integers(-1, v), max_size=3),
+        "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
+        "add_special_tokens": st.booleans(), "add_generation_prompt": st.booleans(),
+        "return_token_strs": st.booleans(),
+        "tokens": st.lists(st.integers(-1, v), max_size=8)}
+    # a prompt, messages, or both (each endpoint ignores the other's; /tokenize takes one)
+    rest = {k: s for k, s in plausible.items() if k not in ("prompt", "messages")}
+    plausible_dicts = st.one_of([st.fixed_dictionaries({k: plausible[k] for k in keys},
+                                                       optional=rest)
+                                 for keys in (("prompt", "messages"), ("prompt",),
+                                              ("messages",))])
     return RequestStrategies(any_json, st.fixed_dictionaries({}, optional=known),
                              plausible_dicts)
 

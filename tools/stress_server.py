@@ -9,7 +9,9 @@ and check that no request harmed another (PERFORMANCE.md, "Serving under hostile
 While `--streams` long greedy streams run (ignore_eos, `--stream-tokens` tokens each), it
 sends the named hostile inputs (`named_bad_inputs`: each must get its expected status),
 `--fuzz` request bodies drawn by hypothesis (tools/request_fuzz.py: any JSON, objects of the
-known keys with any values, near-valid bodies at every range's edges) and `--disconnects`
+known keys with any values, near-valid bodies at every range's edges, structured-output
+constraints among them), each to one of the completions, chat, embeddings, /tokenize and
+/detokenize endpoints, and `--disconnects`
 streams whose clients leave after the first chunk. Then it checks: every long stream ended
 with all its tokens and no error event; no response was a 5xx; no connection was reset or
 closed early; every KV page came back (`/health`: nothing running, all pages free); the
@@ -50,12 +52,15 @@ class StressReport:
     bad_expectations: named inputs answered other than expected; streams_lost: long
     streams that did not end with all their tokens; pages_returned: the KV pool was whole
     again afterwards; probe_before / probe_after: the greedy answer to PROBE. choices: the
-    choices of the requests answered 200 (n per prompt; what the server's
-    request_success_total counts)."""
+    engine requests of the requests answered 200 (a completion's n per prompt, an
+    embedding's inputs; what the server's request_success_total counts). by_path: the
+    statuses of the POSTs to each path ({path: {status: count}}), so that refusals can be
+    told apart from the engine's (/tokenize and /detokenize never reach it)."""
 
     requests: int = 0
     choices: int = 0
     by_status: dict = dataclasses.field(default_factory=dict)
+    by_path: dict = dataclasses.field(default_factory=dict)
     server_errors: list = dataclasses.field(default_factory=list)
     connection_errors: list = dataclasses.field(default_factory=list)
     bad_expectations: list = dataclasses.field(default_factory=list)
@@ -86,13 +91,15 @@ class _Client:
         self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=1024))
 
     def record(self, what: str, status: int | None, error: str | None = None,
-               choices: int = 1) -> None:
+               choices: int = 1, path: str = "/v1/completions") -> None:
         with self._lock:
             self.report.requests += 1
             if status == 200:
                 self.report.choices += choices
             if status is not None:
                 self.report.by_status[status] = self.report.by_status.get(status, 0) + 1
+                counts = self.report.by_path.setdefault(path, {})
+                counts[status] = counts.get(status, 0) + 1
                 if status >= 500:
                     self.report.server_errors.append((what, status, (error or "")[:300]))
             else:
@@ -103,10 +110,10 @@ class _Client:
             r = self.http.post(self.base + path, content=content,
                                headers={"content-type": "application/json", **self.headers})
         except httpx.TransportError as e:
-            self.record(what, None, repr(e))
+            self.record(what, None, repr(e), path=path)
             return None
         self.record(what, r.status_code, r.text if r.status_code >= 500 else None,
-                    _num_choices(r) if r.status_code == 200 else 0)
+                    _num_choices(r) if r.status_code == 200 else 0, path)
         return r
 
     def get_json(self, path: str) -> dict:
@@ -114,15 +121,19 @@ class _Client:
 
 
 def _num_choices(r: httpx.Response) -> int:
-    """The choices of a 200 response: of the JSON body, or the distinct indices of an SSE
-    stream's chunks."""
+    """The engine requests of a 200 response: its choices (of the JSON body, or the distinct
+    indices of an SSE stream's chunks), an embedding response's vectors; 0 for /tokenize
+    and /detokenize."""
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         indices = set()
-        for line in r.text.splitlines():
+        for line in r.text.split("\n"):  # not splitlines(): U+2028 in the JSON is no line end
             if line.startswith("data: {"):
                 indices.update(c.get("index") for c in json.loads(line[6:]).get("choices", []))
         return len(indices)
-    return len(r.json().get("choices", []))
+    body = r.json()
+    if body.get("object") == "list":  # /v1/embeddings: one engine request per input
+        return len(body.get("data", []))
+    return len(body.get("choices", []))
 
 
 def named_bad_inputs(model: str) -> list[tuple[str, str, bytes, int]]:
@@ -201,9 +212,16 @@ def _probe(client: _Client, model: str) -> str | None:
     return r.json()["choices"][0]["text"] if r is not None and r.status_code == 200 else None
 
 
+# where the fuzzed bodies go: mostly the generating endpoints
+FUZZ_PATHS = ("/v1/completions", "/v1/chat/completions") * 3 + ("/v1/embeddings", "/tokenize",
+                                                                 "/detokenize")
+# the paths whose refusals the server's requests_rejected_total counts
+ENGINE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+
+
 def _fuzz(client: _Client, model: str, n: int, seed: int, max_tokens: int,
           vocab_size: int) -> None:
-    """`n` hypothesis-drawn bodies, each POSTed to one of the two endpoints."""
+    """`n` hypothesis-drawn bodies, each POSTed to one of FUZZ_PATHS."""
     from hypothesis import HealthCheck, given, seed as hyp_seed, settings, strategies as st
 
     bodies = request_strategies(model, vocab_size, max_tokens=max_tokens).bodies
@@ -211,14 +229,13 @@ def _fuzz(client: _Client, model: str, n: int, seed: int, max_tokens: int,
     @hyp_seed(seed)
     @settings(max_examples=n, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
-    @given(body=bodies, ascii_=st.booleans(), chat=st.booleans())
-    def case(body, ascii_, chat):
+    @given(body=bodies, ascii_=st.booleans(), path=st.sampled_from(FUZZ_PATHS))
+    def case(body, ascii_, path):
         if isinstance(body, dict) and "max_tokens" not in body \
                 and "max_completion_tokens" not in body:
             body = {**body, "max_tokens": max_tokens}  # a valid chat would run to max_model_len
         client.report.fuzz_cases += 1
-        client.post("/v1/chat/completions" if chat else "/v1/completions",
-                    dump_body(body, ascii_), "fuzz: " + repr(body)[:200])
+        client.post(path, dump_body(body, ascii_), f"fuzz {path}: " + repr(body)[:200])
 
     case()
 
@@ -277,6 +294,8 @@ def print_report(report: StressReport) -> None:
     print(f"requests tried:       {report.requests} ({report.fuzz_cases} fuzz cases, "
           f"{report.disconnects} disconnects) in {report.seconds:.0f} s")
     print(f"responses by status:  {dict(sorted(report.by_status.items()))}")
+    for path, counts in sorted(report.by_path.items()):
+        print(f"  {path:<22}{dict(sorted(counts.items()))}")
     print(f"5xx responses:        {len(report.server_errors)}")
     print(f"connection errors:    {len(report.connection_errors)}")
     print(f"unexpected statuses:  {len(report.bad_expectations)} (named inputs)")
