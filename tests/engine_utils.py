@@ -24,9 +24,10 @@ def tiny_params():
 
 
 def tiny_engine(params, draft_params=None, eagle=None, kernels=None, executable_cache=None,
-                **engine_config):
+                num_pages=65, **engine_config):
     """An Engine over `params` (tiny_params()) with TINY_ECFG (fields set by
-    `EngineConfig.override(**engine_config)`), a 65-page pool and the byte-level test
+    `EngineConfig.override(**engine_config)`), a `num_pages`-page pool (65: room for every
+    sequence; 20: preemptions) and the byte-level test
     tokenizer. kernels: the Kernels (default XLA's, the device deciding branches).
     draft_params: a draft model (speculative decoding, method "draft_model"): tiny params
     of any number of layers, with its own 65-page pool. eagle: (head config, EagleParams)
@@ -38,7 +39,7 @@ def tiny_engine(params, draft_params=None, eagle=None, kernels=None, executable_
     from jaxserve.model.kv_cache import init_kv_cache
     from jaxserve.model.transformer import Kernels
     ecfg = TINY_ECFG.override(**engine_config)
-    cache = init_kv_cache(TINY_CFG, 65, TINY_PAGE, TINY_CFG.dtype, layout="head_major")
+    cache = init_kv_cache(TINY_CFG, num_pages, TINY_PAGE, TINY_CFG.dtype, layout="head_major")
     draft = None
     if draft_params is not None:
         dcfg = TINY_CFG.replace(num_layers=len(draft_params.layers))

@@ -5,7 +5,8 @@ an output its grammar accepts; afterwards nothing is in flight and every KV page
 The mixes combine what the unit tests take one at a time: sampling controls, min_tokens,
 stops, logit bias, penalties, logprobs and prompt logprobs, structured outputs (some of
 whose values end before min_tokens), shared prompt prefixes (prefix caching) and
-staggered arrivals, in engines with async scheduling, multi-step decode and speculation.
+staggered arrivals, in engines with async scheduling, multi-step decode, speculation and
+a pool small enough that sequences are preempted.
 A throwaway version of this ran ~19,000 mixes over seven engine configs in ~7 minutes
 (PERFORMANCE.md, "Serving under hostile clients"); before the min_tokens + grammar fix
 (a332c95) it failed hundreds of requests a minute, and so does this test. Seeded: a
@@ -143,6 +144,9 @@ def params():
     ("async, jump-forward, prefix caching", {}),
     ("multi-step decode, synchronous", {"decode_steps": 4, "async_scheduling": False}),
     ("n-gram speculation", {"speculative_config": NGRAM}),
+    # ~11 s, most of it compiling each step shape again for the smaller pool
+    pytest.param("preemption: a 20-page pool, n-gram speculation",
+                 {"num_pages": 20, "speculative_config": NGRAM}, marks=pytest.mark.full),
 ])
 def test_random_request_mixes_finish_cleanly(params, name, engine_kw):
     engine = tiny_engine(params, **engine_kw)
@@ -156,3 +160,5 @@ def test_random_request_mixes_finish_cleanly(params, name, engine_kw):
         assert not engine.has_unfinished_requests(), (name, seed)
         assert engine.pool.num_free == engine.pool.capacity, (name, seed)
     assert engine.stats().num_failed_requests == 0
+    if engine_kw.get("num_pages"):
+        assert engine.scheduler.num_preemptions > 0, "the small pool preempted nothing"
