@@ -115,7 +115,8 @@ def test_hostile_clients_harm_no_other_request(server, fuzz_examples):
     # refused by the generating endpoints (/tokenize and /detokenize never reach the engine)
     refused = sum(n for path in stress_server.ENGINE_PATHS
                   for status, n in report.by_path.get(path, {}).items() if 400 <= status < 500)
-    assert set(report.by_path) >= set(stress_server.FUZZ_PATHS)  # every path was fuzzed
+    if fuzz_examples >= 100:  # each path was fuzzed (1 in 9 bodies goes to each of three)
+        assert set(report.by_path) >= set(stress_server.FUZZ_PATHS), report.by_path
     # one per choice (n per prompt) of every request answered 200
     assert delta("jaxserve:request_success_total") == report.choices
     assert delta("jaxserve:requests_failed_total") == 0

@@ -11,12 +11,11 @@ sends the named hostile inputs (`named_bad_inputs`: each must get its expected s
 `--fuzz` request bodies drawn by hypothesis (tools/request_fuzz.py: any JSON, objects of the
 known keys with any values, near-valid bodies at every range's edges, structured-output
 constraints among them), each to one of the completions, chat, embeddings, /tokenize and
-/detokenize endpoints, and `--disconnects`
-streams whose clients leave after the first chunk. Then it checks: every long stream ended
-with all its tokens and no error event; no response was a 5xx; no connection was reset or
-closed early; every KV page came back (`/health`: nothing running, all pages free); the
-greedy answer to a probe prompt is what it was before. Prints those figures; exits 1 if
-any check failed.
+/detokenize endpoints, and `--disconnects` streams whose clients leave after the first
+chunk. Then it checks: every long stream ended with all its tokens and no error event; no
+response was a 5xx; no connection was reset or closed early; every KV page came back
+(`/health`: nothing running, all pages free); the greedy answer to a probe prompt is what
+it was before. Prints those figures; exits 1 if any check failed.
 
 Importable: `stress(...)` returns the `StressReport` (tests/test_server_real.py runs a
 small one in CI).
