@@ -27,8 +27,8 @@ def tiny_engine(params, draft_params=None, eagle=None, kernels=None, executable_
                 num_pages=65, **engine_config):
     """An Engine over `params` (tiny_params()) with TINY_ECFG (fields set by
     `EngineConfig.override(**engine_config)`), a `num_pages`-page pool (65: room for every
-    sequence; 20: preemptions) and the byte-level test
-    tokenizer. kernels: the Kernels (default XLA's, the device deciding branches).
+    sequence; 20: preemptions) and the byte-level test tokenizer. kernels: the Kernels
+    (default XLA's, the device deciding branches).
     draft_params: a draft model (speculative decoding, method "draft_model"): tiny params
     of any number of layers, with its own 65-page pool. eagle: (head config, EagleParams)
     of an EAGLE head (method "eagle"), with its pool and feature pool. executable_cache:
