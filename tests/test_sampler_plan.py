@@ -265,3 +265,33 @@ def test_fused_decode_steps_return_the_split_steps_outputs(params, host_branches
         assert all(k.plan in FUSED_PLANS for k in decode if k.whole)
     else:
         assert all(k.plan == ON_DEVICE for k in decode)
+
+
+def test_prompt_logprobs_survive_a_preemption_with_host_branches(params):
+    """A request asking for prompt logprobs, preempted after its prefill, computes its
+    prompt again; with host branches that step runs no prompt-logprobs program (no row
+    needs any), and the request keeps the ones it has: they equal those of an engine
+    with room for everything. (Reading the step's missing arrays failed the request.)"""
+    host = Kernels("xla", "xla", "xla", host_branches=True)
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    asks = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2,
+                          logprobs=1)  # the step reads logprobs: its prompt ones too
+    reqs = [(f"r{i}", [65 + i] * 12, long) for i in range(3)] + [("asks", [70] * 12, asks)]
+
+    def run(num_pages):
+        engine = tiny_engine(params, kernels=host, num_pages=num_pages)
+        done, _ = run_staggered(engine, reqs, [0, 0, 0, 1])
+        return engine, done
+
+    small, got = run(20)
+    _, want = run(65)
+    assert small.scheduler.num_preemptions > 0
+    assert got["asks"].finish_reason == "length", got["asks"]
+    assert got["asks"].token_ids == want["asks"].token_ids
+    # the same up to f32 rounding: the preempted request's steps batch other rows
+    for g, w in [(got["asks"].prompt_logprobs[1:], want["asks"].prompt_logprobs[1:]),
+                 (got["asks"].logprobs, want["asks"].logprobs)]:
+        assert len(g) == len(w) and all(
+            (a.token_id, [t for t, _ in a.top]) == (b.token_id, [t for t, _ in b.top])
+            and abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(g, w))
+    assert got["asks"].prompt_logprobs[0] is None

@@ -410,10 +410,12 @@ class Engine:
     def _record_prompt_logprobs(self, step: InflightStep, out) -> None:
         """Put the prompt logprobs a mixed step computed into its sequences (each prompt
         row r of a sequence at position p gives token p + 1's); a fault fails that
-        request alone."""
+        request alone. A sequence whose prompt logprobs are all known (its prompt computed
+        again after a preemption) keeps them: the step computed none for it (with host
+        branches, a step whose rows need none runs no prompt-logprobs program at all)."""
         row = 0
         for seq, n, start in zip(step.scheduled.seqs, step.scheduled.num_new, step.chunk_starts):
-            if seq.prompt_logprobs is not None and not seq.finished:
+            if seq.needs_prompt_logprobs and not seq.finished:
                 try:
                     self.output_processor.record_prompt_logprobs(seq, out.extra, row, start, n)
                 except Exception as e:
