@@ -18,7 +18,7 @@ import re
 import numpy as np
 import pytest
 
-from engine_utils import tiny_engine, tiny_params
+from engine_utils import run_staggered, tiny_engine, tiny_params
 from jaxserve.sample.grammar import StructuredOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -115,19 +115,18 @@ def problems_of(out, sp: SamplingParams) -> list[str]:
 
 
 def run_mix(engine, mix) -> dict:
-    """Add each request at its arrival step; step until all finish (at most 3000 steps),
-    then until nothing is in flight. Returns {id: final RequestOutput}."""
-    pending, done, step = sorted(mix, key=lambda r: r[3]), {}, 0
-    while len(done) < len(mix):
-        while pending and pending[0][3] <= step:
-            rid, prompt, sp, _ = pending.pop(0)
-            engine.add_request(rid, prompt, sp)
-        for out in engine.step():
-            assert out.request_id not in done, f"{out.request_id}: output after its last"
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
-        assert step < 3000, f"unfinished after 3000 steps: {set(r[0] for r in mix) - set(done)}"
+    """Add each request at its arrival step (`run_staggered`, at most 3000 steps), checking
+    that none has an output after its final one; then step until nothing is in flight.
+    Returns {id: final RequestOutput}."""
+    finished = set()
+
+    def check(out):
+        assert out.request_id not in finished, f"{out.request_id}: output after its last"
+        if out.finished:
+            finished.add(out.request_id)
+
+    done, _ = run_staggered(engine, [r[:3] for r in mix], [r[3] for r in mix], check,
+                            max_steps=3000)
     for _ in range(20):  # a step dispatched ahead of the last reads
         if not engine.has_unfinished_requests():
             break
