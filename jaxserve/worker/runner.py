@@ -6,12 +6,14 @@ bucketed shape (kind, T, S, P, n: jaxserve.worker.compilation.StepShapes): "mixe
 (Kernels.host_branches, GPUs' default) a program that samples once per sampler plan too
 (jaxserve.sample.plan: `_plans`), each step running its batch's (`_planned`). The
 executables are kept here, so a shape outside the buckets is a visible compilation
-(`num_compilations`), never a silent retrace. The KV pool is donated to every step and
-replaced by the returned one. A one-token step is two executables, the forward
-(`dispatch_forward`: the logits of the sampled rows stay on device) and the sampler
-(`dispatch_sample`, one per sequence bucket), so that what the sampler needs from the
-host (a grammar's bitmask) can be given after the forward is launched; multi-step decode
-and verify steps are one executable.
+(`num_compilations`), never a silent retrace; they come through jitted functions shared
+with every engine of the same static configuration in the process
+(jaxserve.worker.shared_jit), so an engine built again compiles nothing. The KV pool is
+donated to every step and replaced by the returned one. A one-token step is two
+executables, the forward (`dispatch_forward`: the logits of the sampled rows stay on
+device) and the sampler (`dispatch_sample`, one per sequence bucket), so that what the
+sampler needs from the host (a grammar's bitmask) can be given after the forward is
+launched; multi-step decode and verify steps are one executable.
 
 Steps are dispatched asynchronously (`dispatch` returns before the device finishes) and
 their sampled tokens stay on device: the next step reads its decode tokens from
@@ -23,7 +25,6 @@ scheduling; JetStream's overlapped generate loop.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 import threading
@@ -38,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.input_batch import empty_batch
+from jaxserve.worker.shared_jit import shared_jit
 from jaxserve.worker.compilation import (StepKey, StepShapes, abstract_inputs,
                                          abstract_sample_inputs, warmup_order)
 from jaxserve.model.kv_cache import KVCache
@@ -93,20 +95,16 @@ class Runner:
         self.max_logit_bias = engine_cfg.sampler.max_logit_bias
         static = dict(cfg=model_cfg, drafter=self.drafter, rules=rules, kernels=self.kernels,
                       num_top=self.num_top)
-        self._jitted = jax.jit(functools.partial(model_step, **static), donate_argnums=(1, 7, 8),
-                               static_argnames=("num_steps", "plan"))
+        self._jitted = shared_jit(model_step, (1, 7, 8), ("num_steps", "plan"), **static)
         spec = engine_cfg.speculative
         ngram = ((spec.prompt_lookup_min, spec.prompt_lookup_max)
                  if spec is not None and spec.method == "ngram" else None)
-        self._jitted_verify = jax.jit(functools.partial(verify_step, ngram=ngram, **static),
-                                      donate_argnums=(1, 8, 9),
-                                      static_argnames=("rounds", "plan"))
-        self._jitted_forward = jax.jit(functools.partial(forward_step, **static,
-                                                         pooling=engine_cfg.pooling),
-                                       donate_argnums=(1, 7, 8),
-                                       static_argnames=("keep_hidden",))
-        self._jitted_prompt = jax.jit(functools.partial(
-            prompt_logprobs_step, rules=rules, kernels=self.kernels, num_top=self.num_top))
+        self._jitted_verify = shared_jit(verify_step, (1, 8, 9), ("rounds", "plan"),
+                                         ngram=ngram, **static)
+        self._jitted_forward = shared_jit(forward_step, (1, 7, 8), ("keep_hidden",), **static,
+                                          pooling=engine_cfg.pooling)
+        self._jitted_prompt = shared_jit(prompt_logprobs_step, (), (), rules=rules,
+                                         kernels=self.kernels, num_top=self.num_top)
         self.max_pages = engine_cfg.max_pages_per_seq
         self._logits_sharding = (logits_sharding(params, rules, model_cfg.vocab_size)
                                  or self._replicated)
@@ -121,10 +119,9 @@ class Runner:
         self.compile_seconds = 0.0
         # The last dispatched step's sampled tokens, on device, padded to max_rows.
         self.max_rows = max(self.shapes.seq_buckets)
-        self._jitted_sample = jax.jit(
-            functools.partial(sample_step, page_size=cache.page_size, max_rows=self.max_rows,
-                              rules=rules, kernels=self.kernels, num_top=self.num_top),
-            donate_argnums=(2,), static_argnames=("plan",))
+        self._jitted_sample = shared_jit(sample_step, (2,), ("plan",),
+                                         page_size=cache.page_size, max_rows=self.max_rows,
+                                         rules=rules, kernels=self.kernels, num_top=self.num_top)
         # a follower's (Runner.follow) forward half whose sampler half has not come yet
         self._follow_forward: ForwardHandle | None = None
         self._following = False  # this process follows another's steps (Runner.follow)
