@@ -176,11 +176,11 @@ CAPITALS = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "M
 HELD_OUT = ["Brazil", "Australia", "Nigeria", "Argentina", "India"]
 
 
-@pytest.mark.full  # ~40 s of training; fast tier: the trainer on the tiny model (test_lora.py)
+@pytest.mark.full  # ~20 s of training; fast tier: the trainer on the tiny model (test_lora.py)
 def test_an_adapter_trained_here_answers_in_its_style_when_served(lora_llm, real, tmp_path,
                                                                   hf_smollm2_model):
-    """tools/train_lora.py on the real model (f32, rank 8, 8 AdamW steps of 8 chats of 50-52
-    tokens, padded to 56; the loss falls from 3.65 to ~0.07 nats a token): capital
+    """tools/train_lora.py on the real model (f32, rank 8, 8 AdamW steps of 4 chats of 50-52
+    tokens, padded to 56; the loss falls from 3.69 to ~0.04 nats a token): capital
     questions answered as a pirate ("Arr! The capital of X be Y, matey!"). Served (loaded
     at run time by LLM.generate's lora_request), its answers to the questions of five
     countries it never saw start with "Arr!" and end with "matey!"; the base's do not; and
@@ -198,7 +198,7 @@ def test_an_adapter_trained_here_answers_in_its_style_when_served(lora_llm, real
                 f.write(json.dumps({"prompt": q, "completion": f"Arr! The capital of {country} "
                                                               f"be {capital}, matey!"}) + "\n")
     out = tmp_path / "pirate"
-    assert train(["--data", str(data), "--out", str(out), "--steps", "8", "--batch", "8",
+    assert train(["--data", str(data), "--out", str(out), "--steps", "8", "--batch", "4",
                   "--max-len", "56", "--save-every", "4"]) == 0
     tok = lora_llm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content":
