@@ -97,9 +97,9 @@ def server_url(small_llm):
         bridge.shutdown()
 
 
-def evaluate(model, model_args, tasks, names):
+def evaluate(model, model_args, tasks, names, batch_size=1):
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=names,
-                                   task_manager=tasks, log_samples=True, batch_size=1,
+                                   task_manager=tasks, log_samples=True, batch_size=batch_size,
                                    random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                    fewshot_random_seed=0)
 
@@ -114,12 +114,15 @@ def results(server_url, hf_dir, tasks, monkeypatch_module):
     monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
     names = ["jaxserve_mc", "jaxserve_qa"]
+    # the hf backend's requests in batches of 16 (right-padded: a causal model's logits at
+    # the real tokens are those of the sequence alone, to f32 noise); the served model
+    # gets them one by one over 16 connections, batched by the engine
     hf = evaluate("hf", {"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"},
-                  tasks, names)
+                  tasks, names, batch_size=16)
     served = evaluate("local-completions", {
         "base_url": f"{server_url}/completions", "model": "smollm2",
         "tokenizer_backend": "huggingface", "tokenizer": str(hf_dir),
-        "tokenized_requests": True, "num_concurrent": 4, "max_retries": 1,
+        "tokenized_requests": True, "num_concurrent": 16, "max_retries": 1,
         "max_length": 512}, tasks, names)
     return hf, served
 
