@@ -72,11 +72,11 @@ def test_continuous_batching_equals_alone(small_llm):
 def test_preemption_completes_everything_with_same_outputs(small_llm):
     engine, tok = small_llm.engine, small_llm.tokenizer
     rng = np.random.default_rng(2)
-    # 6 x (~200 prompt + 40 output tokens) = ~90 pages > the 80-page pool
-    requests = [(f"p{i}", make_prompt(tok, rng, 180 + 5 * i),
-                 SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) for i in range(6)]
+    # 6 x (~210 prompt + 24 output tokens) = ~90 pages > the 80-page pool
+    requests = [(f"p{i}", make_prompt(tok, rng, 190 + 5 * i),
+                 SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for i in range(6)]
     need = sum(engine.pool.pages_for(len(p) + sp.max_tokens) for _, p, sp in requests)
-    assert need > engine.pool.capacity
+    assert need > engine.pool.capacity, need
     preempted_before = engine.scheduler.num_preemptions
 
     together, _ = run_staggered(engine, requests, [0] * len(requests))
