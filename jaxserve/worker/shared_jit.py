@@ -6,7 +6,8 @@ A Runner traces, lowers and compiles its step programs through jitted functions
 by the jitted function's identity (weakly) and the arguments' types. A jitted function of
 its own per Runner therefore meant that an engine built again in the same process, with
 the same model and kernels, traced, lowered and read every program back from the
-persistent cache again: ~8 s for the SmolLM2 preset's 44 programs, most of a rebuild.
+persistent cache again: the SmolLM2 preset's rebuild took 7.8 s, 3.5 s with its 44
+programs shared (PERFORMANCE.md, "The test suite's time", session 33).
 Here equal static configurations get the same jitted function, so such an engine's
 programs come from JAX's memory: nothing is traced, lowered or compiled (a rebuilt
 `jaxserve.LLM` in a notebook, a benchmark's engines of one model; the test suite builds
