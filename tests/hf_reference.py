@@ -2,8 +2,8 @@
 
 transformers reads a GGUF itself (`from_pretrained(dir, gguf_file=name)`): dequantised
 float32 weights with llama.cpp's q/k permutation undone, and a tokenizer rebuilt from the
-vocabulary. Reading the GGUF takes ~14 s for the model (kept as safetensors beside it after
-the first time) and ~4 s for the tokenizer; conftest.py wraps both in session fixtures
+vocabulary. Reading the GGUF takes ~14 s for the model and ~4 s for the tokenizer; both are
+kept beside it after the first time (`_keep`). conftest.py wraps both in session fixtures
 (`hf_smollm2_model`, `hf_smollm2_tokenizer`).
 
 HF's greedy decoding (`hf_greedy`, ~60 ms a token on the 2-core VM: ~4 s for 64 tokens)
@@ -27,9 +27,6 @@ def load_gguf_model(gguf_path: str | Path):
     float32 safetensors for the next sessions (~0.3 s; the directory is named by the
     transformers version, which does the dequantising, and written whole or not at all)."""
     import copy
-    import os
-    import shutil
-    import uuid
 
     import torch
     import transformers
@@ -42,18 +39,31 @@ def load_gguf_model(gguf_path: str | Path):
             AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval(), kept)
     model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name,
                                                  dtype=torch.float32).eval()
+
+    def write(d: Path) -> None:
+        config = copy.deepcopy(model.config)  # the weights are saved dequantised
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(d)
+        save_model(model, str(d / "model.safetensors"))  # tied embedding / LM head kept once
+
+    _keep(kept, write)
+    return _with_memo_dir(model, kept)
+
+
+def _keep(kept: Path, write) -> None:
+    """`write(d)` into a fresh directory beside `kept`, then renamed to `kept`: whole or
+    absent, and the first of several processes writing it wins."""
+    import os
+    import shutil
+    import uuid
     tmp = kept.with_name(f"{kept.name}.tmp-{uuid.uuid4().hex}")
     tmp.mkdir()
-    config = copy.deepcopy(model.config)  # the weights are saved dequantised
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))  # tied embedding / LM head kept once
+    write(tmp)
     try:
         os.rename(tmp, kept)
     except OSError:  # another process kept it first
         shutil.rmtree(tmp, ignore_errors=True)
-    return _with_memo_dir(model, kept)
 
 
 def float_hf_dir(gguf_path: str | Path) -> Path:
@@ -109,10 +119,6 @@ def load_gguf_tokenizer(gguf_path: str | Path):
     from the GGUF the first time (~4 s) and kept beside it with `save_pretrained` for the
     next sessions (~0.2 s; named by the transformers version, which converts, and written
     whole or not at all, as `load_gguf_model`'s weights)."""
-    import os
-    import shutil
-    import uuid
-
     import transformers
     from transformers import AutoTokenizer
     p = Path(gguf_path)
@@ -120,12 +126,7 @@ def load_gguf_tokenizer(gguf_path: str | Path):
     if kept.is_dir():
         return AutoTokenizer.from_pretrained(kept)
     tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-    tmp = kept.with_name(f"{kept.name}.tmp-{uuid.uuid4().hex}")
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.rename(tmp, kept)
-    except OSError:  # another process kept it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    _keep(kept, tokenizer.save_pretrained)
     return tokenizer
 
 
