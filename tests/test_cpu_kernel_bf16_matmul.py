@@ -107,6 +107,35 @@ def test_portable_path_matches_reference(portable_cpu_kernels):
     assert bf16_dot_speedup(portable_cpu_kernels) == 0.0, "no AVX512-BF16 in the portable build"
 
 
+def test_avx2_path_matches_reference_and_a_row_keeps_its_bits(avx2_cpu_kernels):
+    """The build for x86-64-v3 (AVX2 and FMA, no AVX-512: Zen 1-3, Intel's client CPUs):
+    4-row x 16-column register blocks, one row streamed over 64 columns and two over 32,
+    every remainder of the 4-row blocks (1 to 9 rows, 37, 300 split into row chunks),
+    64- and 16-column panels (n = 80: no 64- or 32-column block fits), the reference; and a
+    row's bits do not depend on the rows beside it (each column summed in one order)."""
+    jax.ffi.register_ffi_target("jaxserve_bf16_matmul_avx2_test",
+                                jax.ffi.pycapsule(avx2_cpu_kernels.JaxserveBf16Matmul),
+                                platform="cpu")
+
+    def call(x, wp):
+        fn = jax.ffi.ffi_call("jaxserve_bf16_matmul_avx2_test",
+                              jax.ShapeDtypeStruct((x.shape[0], wp.shape[0] * wp.shape[2]),
+                                                   jnp.float32))
+        return np.asarray(fn(x, wp, jnp.zeros((), jnp.int32), round_x=False))
+
+    rng = np.random.default_rng(SEED + 7)
+    for k, n in ((96, 192), (64, 80), (576, 64)):
+        wp = pack_weight(_w(rng, k, n))
+        x = jnp.asarray(rng.standard_normal((300, k)), jnp.float32)
+        for m in list(range(1, 10)) + [37, 300]:
+            ref = np.asarray(bf16_matmul_reference(x[:m], wp))
+            np.testing.assert_allclose(call(x[:m], wp), ref, rtol=1e-5,
+                                       atol=1e-5 * max(1.0, np.abs(ref).max()))
+        alone = np.stack([call(x[i:i + 1], wp)[0] for i in range(37)])
+        for m in list(range(2, 10)) + [37]:
+            np.testing.assert_array_equal(call(x[:m], wp), alone[:m], err_msg=f"{m} rows")
+
+
 @pytest.mark.parametrize("k,n", [(96, 192), (576, 64), (32, 64 * 37), (40, 80)])
 def test_round_x_matches_reference_with_bf16_activations(k, n):
     """round_x: x rounded to bf16 (nearest even, NaN stays NaN) and bf16 dot products:

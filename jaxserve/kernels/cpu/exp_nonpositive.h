@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -53,6 +53,26 @@ inline __m512 exp16(__m512 x) {
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
                                  _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(y, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive on 8 lanes (the same reduction and polynomial; 2^n built in the exponent
+// field, as the scalar one: n >= -125 after the clamp, so 2^n is a normal f32).
+inline __m256 exp8(__m256 x) {
+  using namespace exp_coef;
+  x = _mm256_max_ps(x, _mm256_set1_ps(kMin));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP[i]));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+                                 _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
 }
 #endif
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -41,6 +41,22 @@ inline __m512 load16_fp8_e4m3(const uint8_t* x) {
   const __m512 f = _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(normal), sub);
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+}
+#endif
+
+#if defined(__AVX2__)
+// 8 e4m3fn bytes -> 8 f32, as from_fp8_e4m3.
+inline __m256 load8_fp8_e4m3(const uint8_t* x) {
+  const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+  const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7f));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20),
+                                          _mm256_set1_epi32(120 << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
+  const __m256 f = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub,
+                                    _mm256_castsi256_ps(is_sub));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
 }
 #endif
 

@@ -19,6 +19,11 @@
 // the rows beside it. That path's online softmax steps over 32 keys (two 16-key tiles) and
 // its p @ V loads each V vector once for up to 4 rows (the GQA group's in decode); decode
 // items widen a block's K to f32 once for their rows and sum 16 keys' lanes at once.
+// Without AVX-512, with AVX2 and FMA (Zen 1-3, Intel's client CPUs), every item takes the
+// per-row path on 8-lane vectors: a row's scores over 8 keys at once (one FMA per 8-lane
+// slice of each key, then one tree of horizontal adds for the 8 keys), exp on 8 lanes,
+// p @ V with 64 columns of the row's output in registers (AMD Zen 3 VM, one layer: 5.3-6.5x
+// the portable loop's query-key pairs/s).
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
@@ -68,6 +73,10 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// Without AVX-512: the per-row path's scores, softmax and p @ V on 8-lane AVX2 vectors.
+#define JAXSERVE_ATTENTION_AVX2 1
 #endif
 
 #include "bf16.h"
@@ -81,6 +90,8 @@ namespace ffi = xla::ffi;
 using jaxserve::exp_nonpositive;
 #if defined(__AVX512F__)
 using jaxserve::exp16;
+#elif defined(JAXSERVE_ATTENTION_AVX2)
+using jaxserve::exp8;
 #endif
 
 namespace {
@@ -157,6 +168,23 @@ inline __m512 row_load16(const T* row, int64_t d, __m512 s) {
   if constexpr (kScaled<T>) return _mm512_mul_ps(load16(row + d), s);
   else return load16(row + d);
 }
+#elif defined(JAXSERVE_ATTENTION_AVX2)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+inline __m256 load8(const uint8_t* x) { return jaxserve::load8_fp8_e4m3(x); }
+inline __m256 load8(const int8_t* x) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+// Values d .. d + 7 of a row as f32 (s: the row's scale, broadcast; used for int8 only).
+template <typename T>
+inline __m256 row_load8(const T* row, int64_t d, __m256 s) {
+  if constexpr (kScaled<T>) return _mm256_mul_ps(load8(row + d), s);
+  else return load8(row + d);
+}
 #endif
 
 template <int DH, typename T>
@@ -176,6 +204,27 @@ inline void accumulate_values(float* acc, float corr, const float* p, const T* v
         a[c] = _mm512_fmadd_ps(pt, row_load16(vt, 16 * c, vs), a[c]);
     }
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return;
+  }
+#elif defined(JAXSERVE_ATTENTION_AVX2)
+  if constexpr (DH > 0 && DH % 8 == 0 && DH <= 256) {
+    // 64 columns of acc (8 of the 16 ymm registers) at a time, each over all n keys: an
+    // element's sum runs in key order whatever the chunking
+    constexpr int C = DH / 8, kChunk = 8;
+    const __m256 vc = _mm256_set1_ps(corr);
+    for (int c0 = 0; c0 < C; c0 += kChunk) {
+      constexpr int W = C < kChunk ? C : kChunk;
+      __m256 a[W];
+      for (int c = 0; c < W; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (c0 + c)), vc);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        const T* vt = v + t * row_stride<T>(DH);
+        const __m256 vs = _mm256_set1_ps(row_scale(vt, DH));
+        for (int c = 0; c < W; ++c)
+          a[c] = _mm256_fmadd_ps(pt, row_load8(vt, 8 * (c0 + c), vs), a[c]);
+      }
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), a[c]);
+    }
     return;
   }
 #endif
@@ -217,6 +266,45 @@ inline void score_keys(float* s, const float* q, const T* k, int64_t n, int64_t 
       __m512 a = _mm512_mul_ps(qv[0], row_load16(kt, 0, ks));
       for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], row_load16(kt, 16 * c, ks), a);
       s[t] = _mm512_reduce_add_ps(a) * scale;
+    }
+    return;
+  }
+#elif defined(JAXSERVE_ATTENTION_AVX2)
+  if constexpr (DH > 0 && DH % 8 == 0 && DH <= 256) {
+    // 8 keys at a time: each key's lane-wise products summed over the row's 8-lane slices
+    // (a[u], one FMA per slice), then the 8 keys' lanes summed at once by a tree of
+    // horizontal adds, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) for every key
+    // alike (keys past n: zero vectors, their sums dropped)
+    constexpr int C = DH / 8;
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      __m256 a[8];
+      for (int u = 0; u < 8; ++u) {
+        const int64_t t = t0 + u;
+        if (t >= n) {
+          a[u] = _mm256_setzero_ps();
+          continue;
+        }
+        prefetch(t);
+        const T* kt = k + t * row_stride<T>(DH);
+        const __m256 ks = _mm256_set1_ps(row_scale(kt, DH));
+        a[u] = _mm256_mul_ps(_mm256_loadu_ps(q), row_load8(kt, 0, ks));
+        for (int c = 1; c < C; ++c)
+          a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), row_load8(kt, 8 * c, ks), a[u]);
+      }
+      // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
+      const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      // g0 = [keys 0-3: l0..l3 summed | keys 0-3: l4..l7 summed], g1 likewise for keys 4-7
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                                        _mm256_permute2f128_ps(g0, g1, 0x31));
+      const __m256 s8 = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
+      if (t0 + 8 <= n) {
+        _mm256_storeu_ps(s + t0, s8);
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, s8);
+        std::copy(tail, tail + (n - t0), s + t0);
+      }
     }
     return;
   }
@@ -649,11 +737,14 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
       float mx = m[r];
       for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
       const float corr = exp_nonpositive(m[r] - mx);  // 0 on the first page (m = -inf)
+      int64_t t = 0;
+#if defined(JAXSERVE_ATTENTION_AVX2)
+      for (const __m256 vmx = _mm256_set1_ps(mx); t + 8 <= n; t += 8)
+        _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx)));
+#endif
+      for (; t < n; ++t) s[t] = exp_nonpositive(s[t] - mx);
       float sum = 0.0f;
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = exp_nonpositive(s[t] - mx);
-        sum += s[t];
-      }
+      for (t = 0; t < n; ++t) sum += s[t];
       accumulate_values<DH, T>(acc + r * dh, corr, s, vp, n, dh);
       l[r] = l[r] * corr + sum;
       m[r] = mx;
