@@ -207,7 +207,7 @@ inline void accumulate_values(float* acc, float corr, const float* p, const T* v
     return;
   }
 #elif defined(JAXSERVE_ATTENTION_AVX2)
-  if constexpr (DH > 0 && DH % 8 == 0 && DH <= 256) {
+  if constexpr (DH > 0 && DH % 8 == 0 && (DH <= 64 || DH % 64 == 0) && DH <= 256) {
     // 64 columns of acc (8 of the 16 ymm registers) at a time, each over all n keys: an
     // element's sum runs in key order whatever the chunking
     constexpr int C = DH / 8, kChunk = 8;
