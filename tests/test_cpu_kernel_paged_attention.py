@@ -135,40 +135,53 @@ def _built_attention(library, target: str):
 
 @pytest.mark.parametrize("pool", ["float32", "bfloat16", "float8_e4m3fn", "int8"])
 def test_avx2_path_matches_reference_and_a_row_keeps_its_bits(avx2_cpu_kernels, pool):
-    """The build for x86-64-v3 (AVX2 and FMA, no AVX-512: Zen 1-3, Intel's client CPUs),
-    where decode and prefill rows alike take the per-row path on 8-lane vectors (8 keys'
-    scores at once, exp on 8 lanes, p @ V): the reference on the same K/V values for every
-    pool dtype, head dims 64 and 128 (the vector code) and 40 (the scalar loop), decode and
-    ragged prefill, with slots that hold no context token poisoned (NaN) where the dtype
-    has a NaN; and a row alone in decode has the bits it has inside a prefill of any
-    q_block (a causal limit mid-page: 9 keys on the last page, a vector of 8 and one more)."""
+    """The build for x86-64-v3 (AVX2 and FMA, no AVX-512: Zen 1-3, Intel's client CPUs).
+    Head dims 64 and 128 with pages of a multiple of 8 keys take the tiled path on 8-lane
+    vectors (32-key softmax steps over four 8-key tiles; prefill items of >= 8 rows score
+    from K^T, 3 rows at a time, decode items from K as stored); a page of 12 keys, the
+    per-row path on 8-lane vectors; head dim 40, the scalar loop. Each against the
+    reference on the same K/V values for every pool dtype, decode and ragged prefill, with
+    slots that hold no context token poisoned (NaN) where the dtype has a NaN; and a row
+    alone in decode has the bits it has inside a prefill of any q_block, on both vector
+    paths (GQA 4: groups of 3 rows and the 1- and 2-row remainders; a causal limit mid-page
+    and mid-tile: 9 keys on the last 16-key page, a tile of 8 and one more)."""
     attend = _built_attention(avx2_cpu_kernels, "jaxserve_paged_attention_avx2_test")
     rng = np.random.default_rng(SEED + 19)
     narrow = {"bfloat16": jnp.bfloat16, "float8_e4m3fn": jnp.float8_e4m3fn}.get(pool)
-    for head_dim, q_lens, ctx in ((64, [1] * 5, [0, 1, 17, 40, 96]), (128, [1, 14], [50, 33]),
-                                  (40, [3, 1, 5], [3, 21, 40]), (64, [20], [57])):
-        args, clean = _problem(rng, ctx, q_lens, heads=6, kv_heads=2, head_dim=head_dim,
-                               page_size=16, pages_per_seq=6, poison=narrow is None)
+
+    def problem(head_dim, q_lens, ctx, page_size, heads=6, kv_heads=2):
+        args, clean = _problem(rng, ctx, q_lens, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, page_size=page_size,
+                               pages_per_seq=-(-96 // page_size), poison=narrow is None)
         if narrow is not None:
             args = dict(args, k_pages=args["k_pages"].astype(narrow),
                         v_pages=args["v_pages"].astype(narrow))
-            ref_args = args
-        elif pool == "int8":
-            ref_args = _int8_pool(dict(args, k_pages=clean[0], v_pages=clean[1]))
-            args = _int8_pool(dict(args, k_pages=clean[0], v_pages=clean[1]), clean)
-        else:
-            ref_args = dict(args, k_pages=clean[0], v_pages=clean[1])
+            return args, args
+        if pool == "int8":
+            return (_int8_pool(dict(args, k_pages=clean[0], v_pages=clean[1]), clean),
+                    _int8_pool(dict(args, k_pages=clean[0], v_pages=clean[1])))
+        return args, dict(args, k_pages=clean[0], v_pages=clean[1])
+
+    for case in ((64, [1] * 5, [0, 1, 17, 40, 96], 16), (128, [1, 14], [50, 33], 16),
+                 (64, [3, 1, 30], [90, 9, 75], 8), (128, [1, 2, 9], [41, 70, 9], 8),
+                 (64, [2, 1, 11], [40, 13, 60], 12), (40, [3, 1, 5], [3, 21, 40], 16)):
+        args, ref_args = problem(*case)
         out = attend(**args)
         assert np.isfinite(out).all(), "read a slot holding no context token"
         np.testing.assert_allclose(out, np.asarray(paged_attention_reference(**ref_args)),
+                                   atol=ATOL, rtol=ATOL, err_msg=f"case {case}")
+    for page_size in (16, 12):  # the tiled path, the per-row path
+        args, ref_args = problem(64, [20], [57], page_size, heads=8, kv_heads=2)
+        prefill = {q_block: attend(**args, q_block=q_block) for q_block in (1, 7, 32)}
+        np.testing.assert_allclose(prefill[32], np.asarray(paged_attention_reference(**ref_args)),
                                    atol=ATOL, rtol=ATOL)
-    prefill = {q_block: attend(**args, q_block=q_block) for q_block in (1, 7, 32)}
-    for t in (0, 5, 19):  # positions 37, 42, 56
-        alone = dict(args, q=args["q"][t:t + 1], positions=args["positions"][t:t + 1],
-                     query_start=jnp.asarray([0, 1], jnp.int32))
-        row = attend(**alone)[0]
-        for q_block, got in prefill.items():
-            np.testing.assert_array_equal(got[t], row, err_msg=f"q_block {q_block}, row {t}")
+        for t in (0, 5, 19):  # positions 37, 42, 56
+            alone = dict(args, q=args["q"][t:t + 1], positions=args["positions"][t:t + 1],
+                         query_start=jnp.asarray([0, 1], jnp.int32))
+            row = attend(**alone)[0]
+            for q_block, got in prefill.items():
+                np.testing.assert_array_equal(got[t], row, err_msg=f"page size {page_size}, "
+                                              f"q_block {q_block}, row {t}")
 
 
 @pytest.mark.parametrize("narrow, bits", [(jnp.bfloat16, jnp.uint16),
