@@ -138,19 +138,20 @@ def test_avx2_path_matches_reference_and_a_row_keeps_its_bits(avx2_cpu_kernels, 
     """The build for x86-64-v3 (AVX2 and FMA, no AVX-512: Zen 1-3, Intel's client CPUs).
     Head dims 64 and 128 with pages of a multiple of 8 keys take the tiled path on 8-lane
     vectors (32-key softmax steps over four 8-key tiles; prefill items of >= 8 rows score
-    from K^T, 3 rows at a time, decode items from K as stored); a page of 12 keys, the
+    from K^T, 2 rows at a time, decode items from K widened once); a page of 12 keys, the
     per-row path on 8-lane vectors; head dim 40, the scalar loop. Each against the
     reference on the same K/V values for every pool dtype, decode and ragged prefill, with
     slots that hold no context token poisoned (NaN) where the dtype has a NaN; and a row
     alone in decode has the bits it has inside a prefill of any q_block, on both vector
-    paths (GQA 4: groups of 3 rows and the 1- and 2-row remainders; a causal limit mid-page
-    and mid-tile: 9 keys on the last 16-key page, a tile of 8 and one more)."""
+    paths (GQA 3: 3 decode rows, 21 rows for q_block 7, pairs and a 1-row remainder; a
+    causal limit mid-page and mid-tile: 9 keys on the last 16-key page, a tile of 8 and
+    one more)."""
     attend = _built_attention(avx2_cpu_kernels, "jaxserve_paged_attention_avx2_test")
     rng = np.random.default_rng(SEED + 19)
     narrow = {"bfloat16": jnp.bfloat16, "float8_e4m3fn": jnp.float8_e4m3fn}.get(pool)
 
-    def problem(head_dim, q_lens, ctx, page_size, heads=6, kv_heads=2):
-        args, clean = _problem(rng, ctx, q_lens, heads=heads, kv_heads=kv_heads,
+    def problem(head_dim, q_lens, ctx, page_size):
+        args, clean = _problem(rng, ctx, q_lens, heads=6, kv_heads=2,
                                head_dim=head_dim, page_size=page_size,
                                pages_per_seq=-(-96 // page_size), poison=narrow is None)
         if narrow is not None:
@@ -171,7 +172,7 @@ def test_avx2_path_matches_reference_and_a_row_keeps_its_bits(avx2_cpu_kernels, 
         np.testing.assert_allclose(out, np.asarray(paged_attention_reference(**ref_args)),
                                    atol=ATOL, rtol=ATOL, err_msg=f"case {case}")
     for page_size in (16, 12):  # the tiled path, the per-row path
-        args, ref_args = problem(64, [20], [57], page_size, heads=8, kv_heads=2)
+        args, ref_args = problem(64, [20], [57], page_size)
         prefill = {q_block: attend(**args, q_block=q_block) for q_block in (1, 7, 32)}
         np.testing.assert_allclose(prefill[32], np.asarray(paged_attention_reference(**ref_args)),
                                    atol=ATOL, rtol=ATOL)
