@@ -26,7 +26,7 @@
 // other page sizes take the per-row path on 8-lane vectors (scores of 8 keys at once, exp
 // on 8 lanes, p @ V with 64 columns of the row's output in registers). AMD Zen 3 VM, one
 // layer: the per-row path 5.3-6.5x the portable loop's query-key pairs/s, the tiled one
-// 1.2-1.6x the per-row path's in prefill, 1.0-1.2x in decode.
+// 1.5-1.9x the per-row path's in prefill, 1.0-1.2x in decode.
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
@@ -735,8 +735,8 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
 // each V vector loaded once for 2 rows), so a row's bits do not depend on the rows beside
 // it. (The per-row path, kept for other page sizes, scored each key from the pool for every
 // row, widening bf16 each time, and kept the softmax's max and sum in scalar loops.) Zen 3
-// VM, one layer, against the per-row path, calls alternated: prefill 1.2-1.6x the query-key
-// pairs/s (~150 -> ~200-230 M/s on 2 cores), decode 1.0-1.1x.
+// VM, one layer, against the per-row path, calls alternated: prefill 1.5-1.9x the query-key
+// pairs/s (~135-175 -> ~205-320 M/s on 2 cores), decode 1.0-1.2x.
 
 // Rows scored together from K^T, and sharing each V load in p @ V: 2 rows' 8 FMA chains
 // (Zen 3: two FMA pipes of latency 4) in 8 of the 16 ymm registers. (3 rows, 6 chains: the
@@ -784,7 +784,8 @@ template <int DH, int R>
   }
   for (int c = 1; c < DH / 8; ++c)
     for (int l = 0; l < 4; ++l) {
-      const __m256 k = _mm256_loadu_ps(kt + (8 * c + j + l) * 8);
+      __m256 k = _mm256_loadu_ps(kt + (8 * c + j + l) * 8);
+      asm("" : "+x"(k));  // one load for the R rows (GCC folds it into each FMA otherwise)
       for (int i = 0; i < R; ++i)
         x[l][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + 8 * c + j + l), k, x[l][i]);
     }
@@ -830,7 +831,8 @@ inline void accumulate_rows8(float* const* acc, const float* corr, const float* 
         __m256 pt[R];
         for (int i = 0; i < R; ++i) pt[i] = _mm256_set1_ps(p[i * kBlockKeys + t0 + t]);
         for (int w = 0; w < W; ++w) {
-          const __m256 vv = row_load8(vt, 8 * (c0 + w), vs);
+          __m256 vv = row_load8(vt, 8 * (c0 + w), vs);
+          asm("" : "+x"(vv));  // one load for the R rows, as in lane_quad8
           for (int i = 0; i < R; ++i) a[i][w] = _mm256_fmadd_ps(pt[i], vv, a[i][w]);
         }
       }
