@@ -133,23 +133,53 @@ def test_portable_path_matches_the_vnni_one(portable_cpu_kernels):
     assert isinstance(portable_cpu_kernels, ctypes.CDLL)
 
 
-def test_avx2_path_is_the_vnni_one_bit_for_bit(avx2_cpu_kernels):
-    """The AVX2 path (built for x86-64-v3: vpmaddubsw / vpmaddwd in place of vpdpbusd, two
-    8-column halves per record load) gives the native path's outputs exactly, every format
-    (Q8_0's full-range weights: -127 and +127 quants, no 16-bit pair saturating), every
-    remainder of its 4-row blocks and extreme x (a +-127 quant in every block)."""
+def _saturating_q4_weight(n: int, k: int, fmt: str):
+    """A Q4 weight whose every quant is 15 (the nibble's maximum), d = 1 (and m = 0): with
+    x's quants all +127 (or all -127), each of the AVX2 path's int16 sums of a block's 8
+    vpmaddubsw pair sums reaches +-8 * 2 * 15 * 127 = +-30,480, next to int16's limit."""
+    from jaxserve.model.ggml_weight import GGMLWeight
+    qs = jnp.full((n, k // 32, 16), 0xFF, jnp.uint8)
+    d = jnp.ones((n, k // 32), jnp.float16)
+    m = jnp.zeros((n, k // 32), jnp.float16) if fmt == "q4_1" else None
+    return GGMLWeight(qs=qs, d=d, m=m, fmt=fmt)
+
+
+def test_avx2_path_is_the_portable_one_bit_for_bit(avx2_cpu_kernels, portable_cpu_kernels):
+    """The AVX2 path (built for x86-64-v3: vpmaddubsw in place of vpdpbusd, a Q4 block's
+    pair sums added in int16 before one vpmaddwd, 8-column halves) gives the portable
+    loop's outputs (and so the VNNI path's: test_portable_path_matches_the_vnni_one)
+    exactly: every format (Q8_0's full-range weights: -127 and +127 quants, no 16-bit pair
+    saturating), every remainder of its 8-row blocks, both of its pass orders (both halves
+    per pass up to 2 rows, one half per pass from 3), extreme x (a +-127 quant in every
+    block), and Q4 weights at their maximum times x at +-127 everywhere (the int16 sums'
+    worst case)."""
     rng = np.random.default_rng(SEED + 4)
+
+    def both(x, packed, fmt):
+        got = _built_call(avx2_cpu_kernels, "jaxserve_ggml_matmul_avx2_test", x, packed, fmt)
+        want = _built_call(portable_cpu_kernels, "jaxserve_ggml_matmul_portable_test", x,
+                           packed, fmt)
+        return got, want
+
     for fmt in FORMATS:
         w = _weight(rng, 48, 128, fmt)
         packed = pack(*_fields(w))
         if fmt == "q8_0":  # each block's absmax weight quantises to +-127
             assert np.abs(np.asarray(w.qs)).max() == 127
-        for m in (1, 2, 3, 4, 5, 9):
+        for m in (1, 2, 3, 4, 7, 8, 9, 13, 17):
             x = rng.standard_normal((m, 128)).astype(np.float32)
             x[:, ::32] = 50.0 * np.sign(x[:, ::32])  # the block maximum: a quant of +-127
-            x = jnp.asarray(x)
-            got = _built_call(avx2_cpu_kernels, "jaxserve_ggml_matmul_avx2_test", x, packed, fmt)
-            np.testing.assert_array_equal(got, np.asarray(ggml_matmul(x, packed, fmt)))
+            got, want = both(jnp.asarray(x), packed, fmt)
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(got, np.asarray(ggml_matmul(jnp.asarray(x), packed, fmt)))
+    for fmt in ("q4_0", "q4_1"):
+        w = _saturating_q4_weight(32, 128, fmt)
+        x = np.ones((10, 128), np.float32)
+        x[1::2] = -1.0  # quants of +127 and -127 in every block
+        got, want = both(jnp.asarray(x), pack(*_fields(w)), fmt)
+        np.testing.assert_array_equal(got, want)
+        exact = x @ np.asarray(dequantize(w), np.float32).T  # x's quants are exact here
+        np.testing.assert_allclose(got, exact, rtol=1e-6)
 
 
 def test_a_stacked_weight_is_read_at_its_layer():
