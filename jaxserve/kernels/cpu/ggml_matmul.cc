@@ -28,9 +28,12 @@
 // AVX512-VNNI, an AVX2 (+ FMA, F16C) path takes each 64-byte load as two 8-column halves
 // and each 4-product lane sum as vpmaddubsw then vpmaddwd against ones (llama.cpp's
 // mul_sum_us8_pairs_float; Q8_0's weights made signed, their sign moved onto x so no
-// 16-bit pair sum saturates), and elsewhere a portable loop; all three do the same
-// integer and f32 arithmetic in the same order (bit-identical results). Which one runs is
-// fixed when the library is built for the machine (-march=native, build.py).
+// 16-bit pair sum saturates; a Q4 block's 8 vpmaddubsw results added in int16 first, one
+// vpmaddwd per block), and elsewhere a portable loop; all three do the same integer sums
+// (exact) and f32 arithmetic in the same order (bit-identical results). Which one runs is
+// fixed when the library is built for the machine (-march=native, build.py). x's quants,
+// scales and sums are stored block-major ([K / 32, M, ...], x_block): a register block's
+// rows of one block lie together.
 //
 // Shapes: x [M, K] f32; w [N / 16, K / 32, B] u8, or a stack of them [L, N / 16, K / 32, B]
 // (a layer loop's weights) read at layer (s32 scalar, 0 for an unstacked w) in place; out
