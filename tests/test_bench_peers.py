@@ -223,6 +223,41 @@ def test_weight_bytes_per_token_follow_the_served_format():
     assert int8 == {"layers": 2 * layer, "lm_head": 100 * 8 * 4}
 
 
+def test_ggml_weight_bytes_are_the_served_blocks():
+    """A GGUF-served model's bytes per token are its blocks' (per tensor format, fused or
+    not, stacked or not; the head tied to a Q8_0 embedding), and None where a projection
+    or the head is not GGML blocks (the config's formula then decides)."""
+    import numpy as np
+    from jaxserve.bench.bandwidth import ggml_weight_bytes_per_token
+    from jaxserve.model.ggml_weight import GGMLWeight
+    from jaxserve.model.layer_loop import StackedLayers
+    from jaxserve.model.params import LayerParams, Params
+    from jaxserve.model.weight_layouts import FusedWeight
+
+    def blocks(n_bytes, fmt="q4_1"):
+        return GGMLWeight(qs=np.zeros((n_bytes,), np.uint8), d=None, m=None, fmt=fmt)
+
+    def layer(wo):
+        return LayerParams(attn_norm=np.zeros(8, np.float32),
+                           wq=FusedWeight(blocks(300), ((4,), (2,), (2,))), wk=None, wv=None,
+                           wo=wo, mlp_norm=np.zeros(8, np.float32),
+                           w_gate=blocks(500), w_up=blocks(500), w_down=blocks(700))
+
+    embed = blocks(1000, "q8_0")
+    two = Params(embed=embed, layers=(layer(blocks(100)), layer(blocks(100))),
+                 final_norm=np.zeros(8, np.float32))
+    assert ggml_weight_bytes_per_token(two) == {"layers": 2 * 2100, "lm_head": 1000}
+    stacked = Params(embed=embed, layers=StackedLayers(layer(blocks(200)), 2),
+                     final_norm=np.zeros(8, np.float32), lm_head=blocks(40))
+    assert ggml_weight_bytes_per_token(stacked) == {"layers": 2200, "lm_head": 40}
+    mixed = Params(embed=embed, layers=(layer(np.zeros((4, 8), np.float32)),),
+                   final_norm=np.zeros(8, np.float32))
+    assert ggml_weight_bytes_per_token(mixed) is None
+    float_head = Params(embed=np.zeros((10, 8), np.float32), layers=(layer(blocks(100)),),
+                        final_norm=np.zeros(8, np.float32))
+    assert ggml_weight_bytes_per_token(float_head) is None
+
+
 def test_llama_ngram_flags_follow_help_text():
     help_text = ("--spec-type none,draft-simple,ngram-simple,ngram-cache\n"
                  "--spec-ngram-simple-size-n N   ngram size N\n"

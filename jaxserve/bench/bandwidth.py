@@ -32,6 +32,34 @@ def weight_bytes_per_token(model, engine) -> dict[str, int]:
     return {"layers": model.num_layers * layer * proj, "lm_head": V * D * head}
 
 
+def ggml_weight_bytes_per_token(params) -> dict[str, int] | None:
+    """weight_bytes_per_token of a model served in GGUF's own blocks (`quantization=
+    "gguf"`: jaxserve.model.ggml_weight), counted from its loaded params (a Params: the
+    layers' projections, fused or not, and the LM head, or the embedding it is tied to),
+    since a GGUF file picks a block format per tensor (SmolLM2-135M's Q4_1 file keeps its
+    tied embedding in Q8_0). None if any projection or the head is not GGML blocks (then
+    the config's formats decide: weight_bytes_per_token)."""
+    import jax
+
+    from jaxserve.model.ggml_weight import GGMLWeight
+    from jaxserve.model.layer_loop import StackedLayers
+    from jaxserve.model.params import PROJECTIONS
+    from jaxserve.model.weight_layouts import FusedWeight
+
+    def ggml_bytes(w) -> int | None:
+        w = w.w if isinstance(w, FusedWeight) else w
+        return sum(x.nbytes for x in jax.tree.leaves(w)) if isinstance(w, GGMLWeight) else None
+
+    layers = params.layers
+    layers = [layers.layers] if isinstance(layers, StackedLayers) else list(layers)
+    parts = [ggml_bytes(getattr(layer, name)) for layer in layers for name in PROJECTIONS
+             if getattr(layer, name) is not None]
+    head = ggml_bytes(params.lm_head if params.lm_head is not None else params.embed)
+    if not parts or head is None or any(b is None for b in parts):
+        return None
+    return {"layers": sum(parts), "lm_head": head}
+
+
 def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7, samples: int = 1,
                         interval_s: float = 1.0, warmup_s: float = 0.5) -> list[float]:
     """Read bandwidth samples in GB/s (1e9 bytes/s), `samples` of them `interval_s` seconds

@@ -27,7 +27,8 @@ case it prints:
 
 - output tok/s (S x O tokens over the timed call, prefill included);
 - the bound: one decode step reads every projection and the LM head once, in the format
-  served (jaxserve.bench.bandwidth.weight_bytes_per_token), and each stream's K/V up to
+  served (jaxserve.bench.bandwidth.weight_bytes_per_token; a GGUF-served model's blocks
+  counted from its params: ggml_weight_bytes_per_token), and each stream's K/V up to
   its mean context (P + O / 2 tokens), at the device's read bandwidth measured here (an
   XLA sum over 1 GiB less the same call over 1,024 floats, the median of three samples:
   jaxserve.bench.bandwidth.read_bandwidth_gb_s), or at --bandwidth-gb-s; the ratio
@@ -63,7 +64,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.bench.bandwidth import read_bandwidth_gb_s, weight_bytes_per_token
+from jaxserve.bench.bandwidth import (ggml_weight_bytes_per_token, read_bandwidth_gb_s,
+                                      weight_bytes_per_token)
 
 DEFAULT_CASES = "1x128x256,64x512x256"
 
@@ -206,7 +208,9 @@ def run_case(llm, case, trace_dir: Path | None, bandwidth: float) -> dict:
             llm.generate(_prompts(rng, streams, prompt_len, vocab), sp)
         busy = trace_busy_fraction(trace_dir)
     model_cfg = llm.engine.model_config
-    weight_bytes = sum(weight_bytes_per_token(model_cfg, engine).values())
+    per_part = (ggml_weight_bytes_per_token(runner.params)
+                or weight_bytes_per_token(model_cfg, engine))
+    weight_bytes = sum(per_part.values())
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.cache))
     kv_per_token = cache_bytes / (runner.cache.num_pages * runner.cache.page_size)
     step_bytes = weight_bytes + streams * (prompt_len + out_len / 2) * kv_per_token
