@@ -110,22 +110,23 @@ inline int64_t x_block(int64_t M, int64_t m, int64_t b) { return b * M + m; }
 // away from zero, as llama.cpp's quantize_row_q8_0_ref), s = sum(q); stored at x_block.
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* sx) {
   const int64_t KB = K / kBlock;
-  for (int64_t src = 0; src < M * KB; ++src) {
-    const float* v = x + src * kBlock;
-    const int64_t i = x_block(M, src / KB, src % KB);
-    float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t s = 0;
-    for (int j = 0; j < kBlock; ++j) {
-      const int q = static_cast<int>(std::round(v[j] * id));
-      xq[i * kBlock + j] = static_cast<int8_t>(q);
-      s += q;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* v = x + (m * KB + b) * kBlock;
+      const int64_t i = x_block(M, m, b);
+      float amax = 0.0f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t s = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int q = static_cast<int>(std::round(v[j] * id));
+        xq[i * kBlock + j] = static_cast<int8_t>(q);
+        s += q;
+      }
+      dx[i] = d;
+      sx[i] = s;
     }
-    dx[i] = d;
-    sx[i] = s;
-  }
 }
 
 // x's quants of row m, block b, inputs 8g .. 8g + 3 and 8g + 4 .. 8g + 7 as two 32-bit words
@@ -277,9 +278,9 @@ inline __m256i dot4(__m256i w, __m256i x) {
 // R rows (m0 ..) of panel pi, as block_vnni, on 8-column halves (h: the records' 32-byte
 // halves): per block and row an int32 sum of each half's 8 columns, then the same scaled f32
 // FMAs. Up to 2 rows take both halves in one pass over the panel; more rows take one half per
-// pass, so that R accumulators and R sums stay in registers (both halves of 4 rows at once,
-// GCC spilled them around every multiply); the second pass reads the panel from L1 (a record
-// stream of <= 17 KB).
+// pass, halving the accumulators and sums live at once (both halves of 4 rows at once, GCC
+// spilled them around every multiply; at 8 rows a few accumulators still spill, once per
+// block); the second pass reads the panel from L1 (a record stream of <= 17 KB).
 template <int R, int64_t kFmt>
 inline void block_avx2(const Problem& p, int64_t pi, int64_t m0, bool prefetch) {
   constexpr int kH = R <= 2 ? 2 : 1;  // halves per pass
