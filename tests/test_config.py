@@ -179,6 +179,7 @@ MODEL_AND_ENGINE_FLAGS_TODAY = {  # both commands'
     "--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
     "--lora-modules", "--lora-dtype",
     "--pooling",  # added with /v1/embeddings (issue 32)
+    "--dynamic-chunking-keys",  # SGLang's --enable-dynamic-chunking, with its cost's K
 }
 SERVE_FLAGS_TODAY = MODEL_AND_ENGINE_FLAGS_TODAY | {
     "-h", "--help", "--config", "--host", "--port", "--cache-dir", "--api-key",
@@ -274,6 +275,12 @@ def test_a_bool_field_gives_x_and_no_x():
     assert cfg.engine.cache.enable_prefix_caching is False
     assert cfg.engine.scheduler.enable_chunked_prefill is False
     assert apply(base, given(ap.parse_args(["--enable-prefix-caching"]))) == base
+    keyed = apply(base, given(ap.parse_args(["--dynamic-chunking-keys", "1024"])))
+    assert keyed.engine.scheduler.dynamic_chunking_keys == 1024
+    off = apply(keyed, given(ap.parse_args(["--dynamic-chunking-keys", "0"])))
+    assert off.engine.scheduler.dynamic_chunking_keys is None and off == base
+    with pytest.raises(ConfigError, match="SchedulerConfig.dynamic_chunking_keys must be > 0"):
+        apply(base, given(ap.parse_args(["--dynamic-chunking-keys", "-3"])))
 
 
 def test_an_optional_int_field_parses_and_overrides_only_when_given():

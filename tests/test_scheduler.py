@@ -173,14 +173,15 @@ def test_abort_frees_pages_waiting_or_running():
     assert pool.num_free == pool.capacity and not sched.has_work()
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_random_workloads_keep_the_invariants_and_finish(chunked):
+@pytest.mark.parametrize("chunked,keys", [(True, None), (False, None), (True, 3), (False, 3)])
+def test_random_workloads_keep_the_invariants_and_finish(chunked, keys):
     rng = random.Random(0)
     hits = 0
     for trial in range(40):
         budget = rng.choice([8, 13, 32, 64]) if chunked else 32
         sched, pool = make(num_pages=rng.randint(9, 30), max_num_batched_tokens=budget,
-                           max_num_seqs=rng.choice([2, 4, 8]), enable_chunked_prefill=chunked)
+                           max_num_seqs=rng.choice([2, 4, 8]), enable_chunked_prefill=chunked,
+                           dynamic_chunking_keys=keys)
         seqs = [seq(f"r{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 12))
                 for i in range(12)]
         for s in seqs[::2]:  # half of them share a prefix with others (prefix-cache hits)
@@ -230,6 +231,91 @@ def test_a_long_prompt_among_32_decoding_streams_completes():
         steps += 1
     assert steps == -(-1900 // 16)  # 16-row chunks; the last one samples its one token
     assert sched.num_preemptions == 0
+
+
+def chunk_cost(n, start, keys):
+    """A prompt chunk's cost in token rows under dynamic chunking
+    (SchedulerConfig.dynamic_chunking_keys): its rows, plus its query-key pairs over K."""
+    return n + (n * start + n * (n + 1) / 2) / keys
+
+
+def long_prompt_chunks(keys):
+    """(start, rows) of each chunk of a 1,900-token prompt among 16 decoding streams, 64
+    rows a step; every stream decodes in every step."""
+    sched, _ = make(num_pages=2000, max_num_seqs=17, max_num_batched_tokens=64,
+                    max_model_len=2048, dynamic_chunking_keys=keys)
+    streams = [seq(f"s{i}", 8, max_tokens=1000) for i in range(16)]
+    for s in streams:
+        sched.add(s)
+    while not all(s.output_ids for s in streams):
+        advance(sched, sched.schedule())
+    long = seq("long", 1900, max_tokens=1)
+    sched.add(long)
+    chunks = []
+    while not long.finished:
+        plan = sched.schedule()
+        check_plan(sched, plan)
+        assert sum(1 for s in plan.seqs if s in streams) == 16
+        chunks.append((long.num_computed, plan.num_new[plan.seqs.index(long)]))
+        advance(sched, plan)
+    assert sum(n for _, n in chunks) == 1900 and sched.num_preemptions == 0
+    return chunks
+
+
+def test_dynamic_chunking_cuts_a_long_prompts_late_chunks_to_the_first_ones_cost():
+    """Without it every chunk takes the 48 rows the streams leave; with it the first one
+    does too, and each later one the most rows whose cost (rows + query-key pairs / K)
+    stays within the first one's, so the chunks shrink as the context they attend to
+    grows (SGLang's dynamic chunking)."""
+    assert [n for _, n in long_prompt_chunks(None)[:-1]] == [48] * (1900 // 48)
+    keys = 256
+    chunks = long_prompt_chunks(keys)
+    assert chunks[0] == (0, 48)
+    first = chunk_cost(48, 0, keys)
+    for start, n in chunks[:-1]:  # (the last one is what is left of the prompt)
+        assert chunk_cost(n, start, keys) <= first < chunk_cost(n + 1, start, keys)
+    sizes = [n for _, n in chunks]
+    assert sizes[:-1] == sorted(sizes[:-1], reverse=True)
+    assert sizes[-2] <= 48 / 4  # at ~1,850 keys, a row costs ~8 rows' matmuls here
+
+
+def test_dynamic_chunking_leaves_prompts_without_earlier_tokens_whole():
+    """Prompts with nothing computed before them are planned as without it (their chunks
+    together cost at most what the rows left cost as one: n1^2 + n2^2 <= (n1 + n2)^2);
+    one admitted beside a decoding stream with a cached prefix attends to it, and is cut;
+    a long prompt alone (no stream waits on its steps) is chunked as without it."""
+    plans = {}
+    for keys in (None, 3):
+        sched, _ = make(num_pages=64, max_num_batched_tokens=64, dynamic_chunking_keys=keys)
+        stream = seq("s", 3, max_tokens=20)
+        sched.add(stream)
+        advance(sched, sched.schedule())  # it decodes from now on
+        for i, n in enumerate((20, 30, 30)):
+            sched.add(seq(f"r{i}", n))
+        plans[keys] = sched.schedule().num_new
+    assert plans[3] == plans[None] == [1, 20, 30, 13]
+
+    keys = 4
+    sched, _ = make(num_pages=64, max_num_batched_tokens=41, max_model_len=128,
+                    dynamic_chunking_keys=keys)
+    a = seq("a", 32, max_tokens=1)
+    sched.add(a)
+    run_to_completion(sched)
+    stream = seq("s", 3, max_tokens=20)
+    sched.add(stream)
+    advance(sched, sched.schedule())
+    b = seq("b", 72)
+    b.prompt_ids[:32] = a.prompt_ids  # its first 8 pages are cached
+    sched.add(b)
+    plan = sched.schedule()
+    assert b.num_computed == 32 and plan.seqs == [stream, b]
+    n = plan.num_new[1]
+    assert n < 40 and chunk_cost(n, 32, keys) <= chunk_cost(40, 0, keys) < chunk_cost(n + 1, 32, keys)
+
+    sched, _ = make(num_pages=64, max_num_batched_tokens=16, max_model_len=128,
+                    dynamic_chunking_keys=keys)
+    sched.add(seq("alone", 100, max_tokens=1))
+    assert [p.num_new for p in run_to_completion(sched)] == [[16]] * 6 + [[4]]
 
 
 def test_pages_ahead_are_all_or_nothing():

@@ -25,6 +25,21 @@ class SchedulerConfig:
     """Split a prompt longer than what is left of a step's budget across steps (its last
     chunk samples). Off: a prompt is prefilled whole, so the budget must hold
     max_model_len tokens (as in vLLM)."""
+    dynamic_chunking_keys: int | None = None
+    """Dynamic chunking (with chunked prefill): size a prompt chunk by its attention's cost
+    as well as its rows. A row attends to every key before it, so a chunk late in a long
+    prompt costs more than its first, and the streams decoding beside it wait longer. With
+    K set (keys a row attends to that cost as much as the row's own matmuls), a chunk of n
+    rows after L computed tokens of its sequence costs n + (n * L + n * (n + 1) / 2) / K
+    token rows, and it is cut to the longest whose cost stays within that of the rows left
+    at L = 0 (at least one token). So a prompt's first chunk takes the rows left, as
+    without it, and its later ones about the first one's time. Only in steps that decode
+    (a prompt alone is chunked as without it: no stream waits on its steps); decode rows
+    are never cut.
+    None: every chunk takes the rows left (vLLM). Source: SGLang's
+    --enable-dynamic-chunking, which fits the same quadratic cost to timed prefills at
+    start-up and solves it for each next chunk (here K comes from the config); Sarathi-Serve
+    (Agrawal et al., 2024) sizes its per-step budget by the step's time."""
     decode_steps: int | None = 1
     """Tokens each sequence decodes per dispatched step when no request is waiting and
     every sequence of the batch has that many tokens left (multi-step decode: the host
@@ -55,7 +70,9 @@ class SchedulerConfig:
 
     def __post_init__(self):
         _positive("SchedulerConfig", self, ("max_num_seqs", "max_num_batched_tokens")
-                  + (("decode_steps",) if self.decode_steps is not None else ()))
+                  + (("decode_steps",) if self.decode_steps is not None else ())
+                  + (("dynamic_chunking_keys",) if self.dynamic_chunking_keys is not None
+                     else ()))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) "
                               f"must be at least max_num_seqs ({self.max_num_seqs}): every "

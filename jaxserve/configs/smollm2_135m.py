@@ -40,6 +40,13 @@ CONFIG = Config(
             # flowing (attention grows with chunk x context), long enough to amortise
             # the weight reads over many rows.
             max_num_batched_tokens=256,
+            # Dynamic chunking: a prompt chunk's rows attend to the tokens before them, so
+            # the later chunks of a long prompt are cut to about the first one's cost.
+            # 1,024 keys a row cost about as much as the row's matmuls: a 1,900-token
+            # prompt's 240-row chunks took 415 ms (the first) to 974 ms (the last) beside
+            # 16 streams on a Zen 3 VM, ~1.46 ms a row plus ~1.41 us a row's key; Zen 4's
+            # bf16 steps and attention give ~1,470 (PERFORMANCE.md, "CPU prefill attention").
+            dynamic_chunking_keys=1024,
             # Multi-step decode: up to 8 tokens per sequence per dispatch while no request
             # waits (the host loop, dispatch and output processing once per 8 tokens; they
             # share the 2 cores with the kernels).

@@ -8,7 +8,10 @@ admitted with their first chunk, while the budget lasts (chunked prefill, as vLL
 SGLang schedule). A sequence's tokens still to compute are `num_tokens - num_computed`: one
 for a decoding sequence (its last sampled token), the rest of its prompt (and, after a
 preemption, of its earlier outputs) otherwise. Only the chunk that reaches the last token
-samples. With `enable_chunked_prefill` off, a prompt is admitted only whole.
+samples. With `enable_chunked_prefill` off, a prompt is admitted only whole. With dynamic
+chunking (`dynamic_chunking_keys`) a chunk is also cut by the cost of its attention to the
+tokens before it (`_chunk_rows`), so that a long prompt's late chunks do not lengthen the
+steps of the streams decoding beside it.
 
 Prefix caching (`enable_prefix_caching`, the pages and the cache are the KVCacheManager's):
 a sequence admitted from the queue first takes the cached pages of the longest prefix of
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import deque
 
 from jaxserve.config import EngineConfig
@@ -318,16 +322,29 @@ class Scheduler:
                     kv.allocate(seq, seq.num_tokens + k)
                     taken[seq] = list(drafts[seq][:k])
                     plan[seq] += k
-        for seq in by_age:  # then the prompts part-way through, oldest first
+        # then prompt chunks: the rows left, and with dynamic chunking in a step that
+        # decodes (sequences wait on its time) their attention's cost
+        keys = limits.dynamic_chunking_keys
+        budget = (_ChunkCost(keys, left())
+                  if keys is not None and limits.enable_chunked_prefill and plan else None)
+
+        def chunk_rows(seq: Sequence) -> int:
+            return left() if budget is None else budget.rows(seq.num_computed, left())
+
+        for seq in by_age:  # the prompts part-way through, oldest first
             if seq in hold or seq.status is not SequenceStatus.RUNNING or _todo(seq) <= 1:
                 continue
-            want = min(_todo(seq), left())
-            if want <= 0:
+            if left() <= 0:
                 break
+            want = min(_todo(seq), chunk_rows(seq))
+            if want == 0:  # its chunk's cost is spent on older ones
+                continue
             n = kv.room(seq, want, self._reserve(plan))
             if n == 0 and self._take_pages(seq, seq.num_computed + 1, plan, self_victim=False):
-                n = kv.room(seq, min(_todo(seq), left()), 0)
+                n = kv.room(seq, min(_todo(seq), chunk_rows(seq)), 0)
             if n:
+                if budget is not None:
+                    budget.take(seq.num_computed, n)
                 kv.allocate(seq, seq.num_computed + n)
                 plan[seq] = n
         deferred: list[Sequence] = []
@@ -349,14 +366,16 @@ class Scheduler:
                     deferred.append(self.waiting.popleft())
                     continue
             hit = seq.num_computed = kv.take_cached_prefix(seq)
-            n = min(_todo(seq), left())
-            n = kv.room(seq, n, self._reserve(plan) + self._growth(seq, n))
+            n = min(_todo(seq), chunk_rows(seq))
+            n = kv.room(seq, n, self._reserve(plan) + self._growth(seq, n)) if n else 0
             if n == 0 or (n < _todo(seq) and not limits.enable_chunked_prefill):
                 kv.free(seq)  # the cached pages it took stay cached
                 seq.num_computed = 0
                 if self.lora is not None:
                     self.lora.release(seq)
                 break
+            if budget is not None:
+                budget.take(seq.num_computed, n)
             kv.count_admission(seq, hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -555,6 +574,47 @@ class Scheduler:
 def _drop_placeholders(seq: Sequence) -> None:
     while seq.has_placeholder:
         seq.output_ids.pop()
+
+
+class _ChunkCost:
+    """What a step's prompt chunks may cost with dynamic chunking
+    (SchedulerConfig.dynamic_chunking_keys = K): a chunk of n rows from position L (its
+    sequence's computed tokens) costs n + (n * L + n * (n + 1) / 2) / K token rows (each
+    row attends to the keys up to its own: n * L + n * (n + 1) / 2 query-key pairs, K of
+    which cost as much as a row's matmuls), and the step's chunks together at most what
+    the `rows` rows left after its decodes cost as one chunk at L = 0. Only in a step with
+    decode rows: without, no sequence waits on its time, and chunks take the rows left,
+    so a prompt alone is chunked as without it. Prompts without
+    earlier tokens are therefore never cut (n1^2 + n2^2 <= (n1 + n2)^2); a later chunk of
+    a long prompt gets fewer rows. Costs are kept in units of 1 / (2K), as integers."""
+
+    def __init__(self, k: int, rows: int):
+        self.k = k
+        self.left = self._cost(0, rows)
+        self.first = True
+
+    def _cost(self, start: int, n: int) -> int:
+        return n * n + n * (2 * self.k + 2 * start + 1)
+
+    def rows(self, start: int, rows: int) -> int:
+        """The most rows (<= `rows`) of a chunk from position `start` within what is left;
+        at least 1 for the step's first chunk (rows > 0), so that a prompt always
+        progresses."""
+        if rows <= 0:
+            return 0
+        b = 2 * self.k + 2 * start + 1  # cost = n^2 + b n
+        n = int((math.sqrt(b * b + 4 * max(self.left, 0)) - b) / 2)
+        n = max(0, min(n, rows))
+        while n < rows and self._cost(start, n + 1) <= self.left:
+            n += 1
+        while n > 0 and self._cost(start, n) > self.left:
+            n -= 1
+        return max(n, 1) if self.first else n
+
+    def take(self, start: int, n: int) -> None:
+        """A chunk of n rows from `start` planned."""
+        self.left -= self._cost(start, n)
+        self.first = False
 
 
 def _todo(seq: Sequence) -> int:
