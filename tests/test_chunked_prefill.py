@@ -18,10 +18,13 @@ def params():
     return tiny_params()
 
 
-def test_chunked_prefill_equals_whole_prompt_prefill(params):
+@pytest.mark.parametrize("keys", [None, 8])
+def test_chunked_prefill_equals_whole_prompt_prefill(params, keys):
     """Budget 16 (page size 4): prompts of 5 to 50 tokens arrive while others decode, so
     their chunks are 16 - (decodes) rows, ending mid-page; outputs equal a budget-64
-    engine that prefills each prompt whole."""
+    engine that prefills each prompt whole. With dynamic chunking (keys 8: a row's 8
+    earlier tokens cost as much as its matmuls) later chunks beside decodes are cut short
+    of the rows left, with the same outputs."""
     rng = np.random.default_rng(3)
     lengths = (5, 23, 50, 31, 12, 44)
     requests = []
@@ -32,15 +35,19 @@ def test_chunked_prefill_equals_whole_prompt_prefill(params):
         requests.append((f"r{i}", rng.integers(0, 256, n).tolist(), sp))
     arrivals = [0, 0, 2, 3, 7, 9]
     whole = tiny_engine(params, max_num_batched_tokens=64, enable_chunked_prefill=False)
-    chunked = tiny_engine(params, max_num_batched_tokens=16)
+    chunked = tiny_engine(params, max_num_batched_tokens=16, dynamic_chunking_keys=keys)
     chunk_rows = []
+    step_rows = []  # rows of the steps that cut a prompt
     schedule = chunked.scheduler.schedule
 
     def recording(*a, **kw):
         plan = schedule(*a, **kw)
         if plan is not None:
             assert plan.num_tokens <= 16
-            chunk_rows.extend(n for n, s in zip(plan.num_new, plan.samples) if not s)
+            cut = [n for n, s in zip(plan.num_new, plan.samples) if not s]
+            chunk_rows.extend(cut)
+            if cut:
+                step_rows.append(plan.num_tokens)
         return plan
 
     chunked.scheduler.schedule = recording
@@ -49,6 +56,10 @@ def test_chunked_prefill_equals_whole_prompt_prefill(params):
     assert got == want
     assert len(chunk_rows) >= 6, "prompts were split"
     assert any(n % 4 for n in chunk_rows), "a chunk ended mid-page"
+    if keys is None:
+        assert set(step_rows) == {16}, "a cut prompt takes every row left"
+    else:
+        assert min(step_rows) < 16, "no chunk was cut by its attention's cost"
     for engine in (whole, chunked):
         assert engine.pool.num_free == engine.pool.capacity
     assert {k.kind for k in chunked.runner._compiled} == {"mixed", "decode", "sample"}
