@@ -223,6 +223,28 @@ def test_weight_bytes_per_token_follow_the_served_format():
     assert int8 == {"layers": 2 * layer, "lm_head": 100 * 8 * 4}
 
 
+def test_membw_counts_the_default_configs_gguf_blocks(smollm2_config, cache_dir):
+    """tools/membw.py's bytes per token for the default config (the Q4_1 file served in its
+    blocks) are its blocks': 20 bytes per 32 weights of every projection, 34 per 32 of the
+    Q8_0 embedding the head is tied to; the bf16 config's, the same weights in bf16."""
+    from tools import membw
+    from jaxserve.checkpoint import load_model_config
+    from jaxserve.checkpoint.sources import resolve_checkpoint
+    from jaxserve.kernels.ggml_blocks import BLOCK, FORMATS
+    from jaxserve.model.params import PROJECTIONS, param_specs
+
+    root = Path(__file__).resolve().parent.parent
+    model = load_model_config(resolve_checkpoint(smollm2_config.source, cache_dir))
+    spec = param_specs(model).layers[0]
+    weights = model.num_layers * sum(math.prod(getattr(spec, n).shape) for n in PROJECTIONS)
+    head = model.vocab_size * model.hidden_size
+    blocks = membw.weight_parts(str(root / "configs" / "smollm2_135m.py"), cache_dir)
+    assert blocks == {"layers": weights // BLOCK * FORMATS["q4_1"][0],
+                      "lm_head": head // BLOCK * FORMATS["q8_0"][0]}
+    bf16 = membw.weight_parts(str(root / "configs" / "smollm2_135m_bf16.py"), cache_dir)
+    assert bf16 == {"layers": weights * 2, "lm_head": head * 2}
+
+
 def test_ggml_weight_bytes_are_the_served_blocks():
     """A GGUF-served model's bytes per token are its blocks' (per tensor format, fused or
     not, stacked or not; the head tied to a Q8_0 embedding), and None where a projection

@@ -13,7 +13,8 @@ seconds apart, and takes the median sample (on the project's VMs the read bandwi
 jumps between ~31 and ~50 GB/s for seconds at a time, and a single sample can catch a
 burst that no workload running over minutes sees), counts the bytes the engine
 reads per token in the weight format the config serves (bf16 for the C++ matmul and XLA
-bf16 copies, else the model dtype or the int8 / fp8 quantised projections), and prints
+bf16 copies, else the model dtype or the int8 / fp8 quantised projections; a GGUF file's
+blocks as loaded for `quantization="gguf"`, the default config's Q4_1), and prints
 both and the bound as JSON. tools/bench_peers.py runs it before the peers and reports the
 single-stream decode rate as a fraction of the bound. K/V reads (small next to the
 weights for short contexts) and activations are not counted, so the bound is optimistic.
@@ -27,27 +28,39 @@ import json
 import sys
 from pathlib import Path
 
-from jaxserve.bench.bandwidth import (bound_from_samples, read_bandwidth_gb_s,  # noqa: F401
-                                      weight_bytes_per_token)
+from jaxserve.bench.bandwidth import (bound_from_samples, ggml_weight_bytes_per_token,  # noqa: F401
+                                      read_bandwidth_gb_s, weight_bytes_per_token)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bound(config_path: str, gib: float = 1.0, repeats: int = 7, samples: int = 1,
-          interval_s: float = 1.0) -> dict:
-    """`bound_from_samples` of `samples` bandwidth samples and the weights `config_path`
-    serves."""
+def weight_parts(config_path: str, cache_dir=None) -> dict[str, int]:
+    """Bytes of weights a decode step of one sequence reads under `config_path`, by part
+    (weight_bytes_per_token; for a GGUF file served in its blocks, `quantization="gguf"`,
+    the blocks as loaded: ggml_weight_bytes_per_token). cache_dir: where the checkpoint is
+    (default_cache_dir() when None)."""
     from jaxserve.checkpoint import load_model_config
     from jaxserve.config import load_config
     from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
 
     cfg = load_config(config_path)
-    model = cfg.model
+    model, parts = cfg.model, None
     if model is None:
-        model = load_model_config(resolve_checkpoint(cfg.source, default_cache_dir()))
+        ckpt = resolve_checkpoint(cfg.source, cache_dir or default_cache_dir(), cfg.quantization)
+        model = load_model_config(ckpt)
+        if cfg.quantization == "gguf":
+            from jaxserve.checkpoint import load_params
+            parts = ggml_weight_bytes_per_token(load_params(ckpt, model))
     if cfg.dtype is not None:
         model = model.replace(dtype=cfg.dtype)
-    parts = weight_bytes_per_token(model, cfg.engine)
+    return parts or weight_bytes_per_token(model, cfg.engine)
+
+
+def bound(config_path: str, gib: float = 1.0, repeats: int = 7, samples: int = 1,
+          interval_s: float = 1.0) -> dict:
+    """`bound_from_samples` of `samples` bandwidth samples and the weights `config_path`
+    serves (`weight_parts`)."""
+    parts = weight_parts(config_path)
     return bound_from_samples(read_bandwidth_gb_s(gib, repeats, samples, interval_s), parts)
 
 
