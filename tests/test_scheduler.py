@@ -210,41 +210,14 @@ def test_random_workloads_keep_the_invariants_and_finish(chunked, keys):
     assert hits > 0
 
 
-def test_a_long_prompt_among_32_decoding_streams_completes():
-    """No starvation: 32 streams decode in every step, and a long prompt's chunks fill the
-    rest of each step's budget until it completes."""
-    sched, pool = make(num_pages=2000, max_num_seqs=33, max_num_batched_tokens=48,
-                       max_model_len=2048)
-    streams = [seq(f"s{i}", 8, max_tokens=1000) for i in range(32)]
-    for s in streams:
-        sched.add(s)
-    while not all(s.output_ids for s in streams):
-        advance(sched, sched.schedule())
-    long = seq("long", 1900, max_tokens=1)
-    sched.add(long)
-    steps = 0
-    while not long.finished:
-        plan = sched.schedule()
-        check_plan(sched, plan)
-        assert sum(1 for s in plan.seqs if s in streams) == 32  # every stream, every step
-        advance(sched, plan)
-        steps += 1
-    assert steps == -(-1900 // 16)  # 16-row chunks; the last one samples its one token
-    assert sched.num_preemptions == 0
-
-
-def chunk_cost(n, start, keys):
-    """A prompt chunk's cost in token rows under dynamic chunking
-    (SchedulerConfig.dynamic_chunking_keys): its rows, plus its query-key pairs over K."""
-    return n + (n * start + n * (n + 1) / 2) / keys
-
-
-def long_prompt_chunks(keys):
-    """(start, rows) of each chunk of a 1,900-token prompt among 16 decoding streams, 64
-    rows a step; every stream decodes in every step."""
-    sched, _ = make(num_pages=2000, max_num_seqs=17, max_num_batched_tokens=64,
-                    max_model_len=2048, dynamic_chunking_keys=keys)
-    streams = [seq(f"s{i}", 8, max_tokens=1000) for i in range(16)]
+def long_prompt_chunks(num_streams, budget, keys=None):
+    """(start, rows) of each chunk of a 1,900-token prompt among `num_streams` decoding
+    streams, `budget` rows a step (dynamic chunking: `keys`); checks that every stream
+    decodes in every step and that the prompt completes without preemptions."""
+    sched, _ = make(num_pages=2000, max_num_seqs=num_streams + 1,
+                    max_num_batched_tokens=budget, max_model_len=2048,
+                    dynamic_chunking_keys=keys)
+    streams = [seq(f"s{i}", 8, max_tokens=1000) for i in range(num_streams)]
     for s in streams:
         sched.add(s)
     while not all(s.output_ids for s in streams):
@@ -255,11 +228,24 @@ def long_prompt_chunks(keys):
     while not long.finished:
         plan = sched.schedule()
         check_plan(sched, plan)
-        assert sum(1 for s in plan.seqs if s in streams) == 16
+        assert sum(1 for s in plan.seqs if s in streams) == num_streams  # every step
         chunks.append((long.num_computed, plan.num_new[plan.seqs.index(long)]))
         advance(sched, plan)
     assert sum(n for _, n in chunks) == 1900 and sched.num_preemptions == 0
     return chunks
+
+
+def test_a_long_prompt_among_32_decoding_streams_completes():
+    """No starvation: 32 streams decode in every step, and a long prompt's chunks fill the
+    rest of each step's budget until it completes."""
+    chunks = long_prompt_chunks(32, 48)
+    assert [n for _, n in chunks] == [16] * (1900 // 16) + [1900 % 16]
+
+
+def chunk_cost(n, start, keys):
+    """A prompt chunk's cost in token rows under dynamic chunking
+    (SchedulerConfig.dynamic_chunking_keys): its rows, plus its query-key pairs over K."""
+    return n + (n * start + n * (n + 1) / 2) / keys
 
 
 def test_dynamic_chunking_cuts_a_long_prompts_late_chunks_to_the_first_ones_cost():
@@ -267,9 +253,9 @@ def test_dynamic_chunking_cuts_a_long_prompts_late_chunks_to_the_first_ones_cost
     does too, and each later one the most rows whose cost (rows + query-key pairs / K)
     stays within the first one's, so the chunks shrink as the context they attend to
     grows (SGLang's dynamic chunking)."""
-    assert [n for _, n in long_prompt_chunks(None)[:-1]] == [48] * (1900 // 48)
+    assert [n for _, n in long_prompt_chunks(16, 64)[:-1]] == [48] * (1900 // 48)
     keys = 256
-    chunks = long_prompt_chunks(keys)
+    chunks = long_prompt_chunks(16, 64, keys)
     assert chunks[0] == (0, 48)
     first = chunk_cost(48, 0, keys)
     for start, n in chunks[:-1]:  # (the last one is what is left of the prompt)
