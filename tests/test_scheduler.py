@@ -249,27 +249,47 @@ def chunk_cost(n, start, keys):
 
 
 def test_dynamic_chunking_cuts_a_long_prompts_late_chunks_to_the_first_ones_cost():
-    """Without it every chunk takes the 48 rows the streams leave; with it the first one
-    does too, and each later one the most rows whose cost (rows + query-key pairs / K)
-    stays within the first one's, so the chunks shrink as the context they attend to
-    grows (SGLang's dynamic chunking)."""
+    """Without it every chunk takes the 48 rows the streams leave; with it the chunks
+    from the first 64 tokens (the budget) do too, and each later one the most rows whose
+    cost (rows + query-key pairs / K) stays within the first one's, so the chunks shrink
+    as the context they attend to grows (SGLang's dynamic chunking)."""
     assert [n for _, n in long_prompt_chunks(16, 64)[:-1]] == [48] * (1900 // 48)
     keys = 256
     chunks = long_prompt_chunks(16, 64, keys)
-    assert chunks[0] == (0, 48)
+    assert chunks[:2] == [(0, 48), (48, 48)]
     first = chunk_cost(48, 0, keys)
-    for start, n in chunks[:-1]:  # (the last one is what is left of the prompt)
+    for start, n in chunks[2:-1]:  # (the last one is what is left of the prompt)
         assert chunk_cost(n, start, keys) <= first < chunk_cost(n + 1, start, keys)
     sizes = [n for _, n in chunks]
     assert sizes[:-1] == sorted(sizes[:-1], reverse=True)
     assert sizes[-2] <= 48 / 4  # at ~1,850 keys, a row costs ~8 rows' matmuls here
 
 
-def test_dynamic_chunking_leaves_prompts_without_earlier_tokens_whole():
+def prefix_hit_chunk(budget, keys, cached=32):
+    """Rows planned for a 72-token prompt whose first `cached` tokens are in the prefix
+    cache, admitted beside one decoding stream (page size 4, dynamic chunking: keys)."""
+    sched, _ = make(num_pages=64, max_num_batched_tokens=budget, max_model_len=128,
+                    dynamic_chunking_keys=keys)
+    a = seq("a", cached, max_tokens=1)
+    sched.add(a)
+    run_to_completion(sched)
+    stream = seq("s", 3, max_tokens=20)
+    sched.add(stream)
+    advance(sched, sched.schedule())
+    b = seq("b", 72)
+    b.prompt_ids[:cached] = a.prompt_ids
+    sched.add(b)
+    plan = sched.schedule()
+    assert b.num_computed == cached and plan.seqs == [stream, b]
+    return plan.num_new[1]
+
+
+def test_dynamic_chunking_leaves_short_prompts_whole():
     """Prompts with nothing computed before them are planned as without it (their chunks
-    together cost at most what the rows left cost as one: n1^2 + n2^2 <= (n1 + n2)^2);
-    one admitted beside a decoding stream with a cached prefix attends to it, and is cut;
-    a long prompt alone (no stream waits on its steps) is chunked as without it."""
+    together cost at most what the rows left cost as one: n1^2 + n2^2 <= (n1 + n2)^2), and
+    so is one with a cached prefix no longer than the budget; a longer cached prefix is
+    attended to, and its chunk cut; a long prompt alone (no stream waits on its steps) is
+    chunked as without it."""
     plans = {}
     for keys in (None, 3):
         sched, _ = make(num_pages=64, max_num_batched_tokens=64, dynamic_chunking_keys=keys)
@@ -282,21 +302,10 @@ def test_dynamic_chunking_leaves_prompts_without_earlier_tokens_whole():
     assert plans[3] == plans[None] == [1, 20, 30, 13]
 
     keys = 4
-    sched, _ = make(num_pages=64, max_num_batched_tokens=41, max_model_len=128,
-                    dynamic_chunking_keys=keys)
-    a = seq("a", 32, max_tokens=1)
-    sched.add(a)
-    run_to_completion(sched)
-    stream = seq("s", 3, max_tokens=20)
-    sched.add(stream)
-    advance(sched, sched.schedule())
-    b = seq("b", 72)
-    b.prompt_ids[:32] = a.prompt_ids  # its first 8 pages are cached
-    sched.add(b)
-    plan = sched.schedule()
-    assert b.num_computed == 32 and plan.seqs == [stream, b]
-    n = plan.num_new[1]
-    assert n < 40 and chunk_cost(n, 32, keys) <= chunk_cost(40, 0, keys) < chunk_cost(n + 1, 32, keys)
+    assert prefix_hit_chunk(41, keys) == prefix_hit_chunk(41, None) == 40
+    assert prefix_hit_chunk(25, None) == 24
+    n = prefix_hit_chunk(25, keys)  # 32 cached tokens > the budget of 25
+    assert n < 24 and chunk_cost(n, 32, keys) <= chunk_cost(24, 0, keys) < chunk_cost(n + 1, 32, keys)
 
     sched, _ = make(num_pages=64, max_num_batched_tokens=16, max_model_len=128,
                     dynamic_chunking_keys=keys)

@@ -32,10 +32,10 @@ class SchedulerConfig:
     K set (keys a row attends to that cost as much as the row's own matmuls), a chunk of n
     rows after L computed tokens of its sequence costs n + (n * L + n * (n + 1) / 2) / K
     token rows, and it is cut to the longest whose cost stays within that of the rows left
-    at L = 0 (at least one token). So a prompt's first chunk takes the rows left, as
-    without it, and its later ones about the first one's time. Only in steps that decode
-    (a prompt alone is chunked as without it: no stream waits on its steps); decode rows
-    are never cut.
+    at L = 0 (at least one token). Chunks from L <= max_num_batched_tokens (a prompt's
+    first two, a short cached prefix) are never cut, so a prompt's later chunks take about
+    its first one's time. Only in steps that decode (a prompt alone is chunked as without
+    it: no stream waits on its steps); decode rows are never cut.
     None: every chunk takes the rows left (vLLM). Source: SGLang's
     --enable-dynamic-chunking, which fits the same quadratic cost to timed prefills at
     start-up and solves it for each next chunk (here K comes from the config); Sarathi-Serve
