@@ -41,7 +41,8 @@ CONFIG = Config(
             # the weight reads over many rows.
             max_num_batched_tokens=256,
             # Dynamic chunking: a prompt chunk's rows attend to the tokens before them, so
-            # the later chunks of a long prompt are cut to about the first one's cost.
+            # the later chunks of a long prompt are cut to about the first one's cost (the
+            # bf16, EAGLE and n-gram configs inherit it).
             # 1,024 keys a row cost about as much as the row's matmuls: a 1,900-token
             # prompt's 240-row chunks took 415 ms (the first) to 974 ms (the last) beside
             # 16 streams on a Zen 3 VM, ~1.46 ms a row plus ~1.41 us a row's key; Zen 4's
