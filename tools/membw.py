@@ -46,9 +46,11 @@ def weight_parts(config_path: str, cache_dir=None) -> dict[str, int]:
     cfg = load_config(config_path)
     model, parts = cfg.model, None
     if model is None:
-        ckpt = resolve_checkpoint(cfg.source, cache_dir or default_cache_dir(), cfg.quantization)
+        blocks = cfg.quantization == "gguf"
+        ckpt = resolve_checkpoint(cfg.source, cache_dir or default_cache_dir(),
+                                  "gguf" if blocks else None)
         model = load_model_config(ckpt)
-        if cfg.quantization == "gguf":
+        if blocks:
             from jaxserve.checkpoint import load_params
             parts = ggml_weight_bytes_per_token(load_params(ckpt, model))
     if cfg.dtype is not None:

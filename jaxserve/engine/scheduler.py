@@ -10,7 +10,7 @@ for a decoding sequence (its last sampled token), the rest of its prompt (and, a
 preemption, of its earlier outputs) otherwise. Only the chunk that reaches the last token
 samples. With `enable_chunked_prefill` off, a prompt is admitted only whole. With dynamic
 chunking (`dynamic_chunking_keys`) a chunk is also cut by the cost of its attention to the
-tokens before it (`_chunk_rows`), so that a long prompt's late chunks do not lengthen the
+tokens before it (`_ChunkCost`), so that a long prompt's late chunks do not lengthen the
 steps of the streams decoding beside it.
 
 Prefix caching (`enable_prefix_caching`, the pages and the cache are the KVCacheManager's):
@@ -585,8 +585,7 @@ class _ChunkCost:
     the `rows` rows left after its decodes cost as one chunk at L = 0. A chunk from L <=
     `uncut` (max_num_batched_tokens: a prompt's first two chunks, a short cached prefix)
     is never cut, its cost counted: cutting a short prompt only moves its last tokens
-    into a step of their own (bench_peers' chat prompts: 9% fewer tokens/s at 32
-    streams). Only in a step with decode rows: without, no sequence waits on its time,
+    into a step of their own (measured: PERFORMANCE.md, "Dynamic chunking"). Only in a step with decode rows: without, no sequence waits on its time,
     and chunks take the rows left, so a prompt alone is chunked as without it. A long
     prompt's later chunks get fewer rows. Costs are kept in units of 1 / (2K), as
     integers."""
