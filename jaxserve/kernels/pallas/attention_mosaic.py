@@ -28,7 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.kernels.pallas.common import MASK_VALUE, check
-from jaxserve.kernels.pallas.mosaic import broadcasted_iota, matmul_transposed, with_layout
+from jaxserve.kernels.pallas.mosaic import (broadcasted_iota, matmul_transposed, swizzled,
+                                            with_layout)
 
 Q_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit inputs (f32 q: the Triton kernels)
 HEAD_DIMS = (64, 128)  # whole 128-byte swizzle rows; 128 keeps K, V, P and q/out in SMEM
@@ -78,12 +79,6 @@ def check_mosaic_attention(fn: str, q, k_pages, block_tables, block_kv: int | No
     check(fn, isinstance(max_concurrent_steps, int) and 1 <= max_concurrent_steps <= 4,
           f"max_concurrent_steps must be 1 to 4, got {max_concurrent_steps}")
     return block_kv
-
-
-def swizzled(d: int, itemsize: int):
-    """(tiling, swizzle) transforms for an SMEM tile whose minor dimension is d elements."""
-    swizzle = plgpu.find_swizzle(d * itemsize * 8, "attention tile")
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def kv_scratch(dtype, head_dim: int, block_kv: int, page_size: int, stages: int) -> dict:
@@ -192,4 +187,4 @@ def normalize(acc, m, l):
 
 __all__ = ["BLOCK_KVS", "HEAD_DIMS", "MAX_CONCURRENT_STEPS", "PAGE_SIZES", "Q_DTYPES",
            "WGMMA_ROWS", "check_mosaic_attention", "default_block_kv", "kv_scratch",
-           "mosaic_attention_supports", "normalize", "swizzled", "walk_kv_blocks"]
+           "mosaic_attention_supports", "normalize", "walk_kv_blocks"]

@@ -34,11 +34,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.kernels.pallas.attention_mosaic import (MAX_CONCURRENT_STEPS, WGMMA_ROWS,
                                                       check_mosaic_attention, kv_scratch,
-                                                      normalize, swizzled, walk_kv_blocks)
+                                                      normalize, walk_kv_blocks)
 from jaxserve.kernels.pallas.common import cdiv, check, next_power_of_2
 from jaxserve.kernels.pallas.flash_attention import check_operands
 from jaxserve.kernels.pallas.mosaic import (MOSAIC_IMPLS, broadcasted_iota, compiler_params,
-                                            mosaic_interpret_params)
+                                            mosaic_interpret_params, swizzled)
 
 
 def _tile_table(cu_q_lens, block_q: int, num_tiles: int):

@@ -50,6 +50,17 @@ def broadcasted_iota(dtype, shape, dimension: int, layout, interpret: bool):
     return plgpu.broadcasted_iota(dtype, shape, dimension, layout=layout)
 
 
+def swizzled(minor: int, itemsize: int, what: str = "SMEM tile"):
+    """The (tiling, swizzle) transforms of an SMEM tile whose minor dimension is `minor`
+    elements of `itemsize` bytes: the widest swizzle (<= 128 bytes) that divides a row, in
+    (8, swizzle / itemsize) tiles, as wgmma's operands, TMA copies and conflict-free stores
+    from registers want them (JAX's Mosaic GPU matmul and attention examples). Raises
+    ValueError (Mosaic's, naming `what`) when no swizzle divides the row."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8, what)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
 def matmul_transposed(a_smem, b_smem, interpret: bool):
     """a @ b^T with f32 accumulation, in a kernel: a_smem [64, K] and b_smem [N, K] 16-bit
     SMEM refs (wgmma's operands, 128-byte swizzled). Lowered: one wgmma reading b through
@@ -74,4 +85,4 @@ def matmul_transposed(a_smem, b_smem, interpret: bool):
 
 
 __all__ = ["MOSAIC_IMPLS", "broadcasted_iota", "compiler_params", "matmul_transposed",
-           "mosaic_interpret_params", "with_layout"]
+           "mosaic_interpret_params", "swizzled", "with_layout"]

@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.kernels.pallas.common import cdiv, check
 from jaxserve.kernels.pallas.mosaic import (MOSAIC_IMPLS, compiler_params, mosaic_interpret_params,
-                                            with_layout)
+                                            swizzled, with_layout)
 from jaxserve.kernels.pallas.quantized_matmul import (MIN_BLOCKS_PER_SPLIT, TARGET_PROGRAMS,
                                                       check_qmm_operands, finish_split_k)
 
@@ -64,13 +64,6 @@ def mosaic_supports(x_dtype, w_dtype, k: int, n: int, group_size: int | None) ->
     min_n = 128 if jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn) else 64
     return (jnp.dtype(x_dtype) in [jnp.dtype(d) for d in X_DTYPES] and k % TILE_K == 0
             and n % min_n == 0 and (group_size is None or group_size % TILE_K == 0))
-
-
-def _swizzled(tile_minor_bytes: int, itemsize: int, what: str):
-    """The (tiling, swizzle) transforms wgmma / TMA want for an SMEM tile whose minor
-    dimension is `tile_minor_bytes` long (JAX's Mosaic GPU matmul examples)."""
-    swizzle = plgpu.find_swizzle(tile_minor_bytes * 8, what)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _split_count(k_steps: int, tiles: int) -> int:
@@ -94,13 +87,13 @@ def _qmm_mosaic_call(x, w_q, scales, *, rows: int, group_size: int | None, tile_
     n = w_q.shape[1]
     xdt = x.dtype
     k_steps = k // TILE_K // splits  # pipeline steps per CTA
-    x_tf = _swizzled(TILE_K * 2, 2, "lhs")
-    w_tf = _swizzled(tile_n, 1, "rhs")
-    wdq_tf = _swizzled(tile_n * 2, 2, "rhs")
+    x_tf = swizzled(TILE_K, 2, "lhs")
+    w_tf = swizzled(tile_n, 1, "rhs")
+    wdq_tf = swizzled(tile_n, 2, "rhs")
     out_dtype = xdt if splits == 1 else jnp.float32
     # the epilogue's tile: swizzled in x's dtype (a plain 16-bit tile has no fast store from
     # the accumulator's layout), plain f32 for split-K partials (sliced to the real rows)
-    o_tf = _swizzled(tile_n * 2, 2, "out") if splits == 1 else ()
+    o_tf = swizzled(tile_n, 2, "out") if splits == 1 else ()
     grouped = group_size is not None
     steps_per_group = None if not grouped else group_size // TILE_K
 
