@@ -34,7 +34,8 @@ from jaxserve.kernels.pallas.attention_mosaic import (MAX_CONCURRENT_STEPS, WGMM
                                                       check_mosaic_attention, default_block_kv,
                                                       kv_scratch, normalize, walk_kv_blocks)
 from jaxserve.kernels.pallas.common import cdiv, check, merge_partials
-from jaxserve.kernels.pallas.mosaic import MOSAIC_IMPLS, compiler_params, mosaic_interpret_params
+from jaxserve.kernels.pallas.mosaic import (MOSAIC_IMPLS, compiler_params, mosaic_interpret_params,
+                                            swizzled)
 from jaxserve.kernels.pallas.paged_attention import check_operands
 from jaxserve.kernels.pallas.quantized_matmul import TARGET_PROGRAMS
 
@@ -71,7 +72,7 @@ def _decode_mosaic_call(q, k_pages, v_pages, block_tables, context_lens, *, sm_s
         # q_gmem [batch, kv_heads, rows, D]; k_gmem, v_gmem [num_pages, page_size, kv_heads,
         # D]; bt_gmem [batch, pages_per_seq] int32; len_gmem [batch] int32; o_gmem [batch,
         # splits, kv_heads, rows, D] f32; lse_gmem [batch, splits, kv_heads, rows] f32;
-        # o_smem [64, D] f32; lse_smem [64] f32 (the epilogue's tiles).
+        # o_smem [64, D] f32 (swizzled); lse_smem [64] f32 (the epilogue's tiles).
         b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         kv_len = jnp.clip(len_gmem[b], 0, max_context)  # scalar int32
         n_full = kv_len // block_kv  # blocks entirely inside the context
@@ -99,7 +100,11 @@ def _decode_mosaic_call(q, k_pages, v_pages, block_tables, context_lens, *, sm_s
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_splits, kv_heads, rows, head_dim), jnp.float32),
                   jax.ShapeDtypeStruct((batch, num_splits, kv_heads, rows), jnp.float32)),
-        scratch_types=dict(o_smem=plgpu.SMEM((WGMMA_ROWS, head_dim), jnp.float32),
+        # o_smem swizzled: a store from the accumulator's (WGMMA) layout into a plain f32
+        # tile has bank conflicts, which Mosaic GPU refuses to lower from JAX 0.12
+        # (TransferPlanDerivationError); its copy out takes `rows`, a multiple of 8: whole tiles
+        scratch_types=dict(o_smem=plgpu.SMEM((WGMMA_ROWS, head_dim), jnp.float32,
+                                             transforms=swizzled(head_dim, 4, "out")),
                            lse_smem=plgpu.SMEM((WGMMA_ROWS,), jnp.float32),
                            **kv_scratch(q.dtype, head_dim, block_kv, page_size,
                                         max_concurrent_steps)),

@@ -54,6 +54,7 @@ TILE_N = 128
 TILE_K = 64  # one 128-byte swizzle row of 16-bit x
 GEMM_TILE_M = 128
 MAX_CONCURRENT_STEPS = 4
+PARTIAL_ROW_ALIGN = 8  # split-K partials leave SMEM in whole (8, 32)-tiles of f32 rows
 
 
 def mosaic_supports(x_dtype, w_dtype, k: int, n: int, group_size: int | None) -> bool:
@@ -80,9 +81,10 @@ def _split_count(k_steps: int, tiles: int) -> int:
 def _qmm_mosaic_call(x, w_q, scales, *, rows: int, group_size: int | None, tile_m: int,
                      tile_n: int, splits: int, max_concurrent_steps: int, interpret: bool):
     """The plgpu.kernel over grid (m tiles, n tiles, splits). x: [M_pad, K] (M_pad a multiple
-    of tile_m), `rows` of them real. Returns [splits, rows, N] f32 partials (group scales
-    applied, per-channel ones not) when splits > 1 (then rows <= tile_m), else the scaled
-    [M_pad, N] in x.dtype."""
+    of tile_m), `rows` of them real. Returns [splits, rows8, N] f32 partials (group scales
+    applied, per-channel ones not; rows8 = rows rounded up to PARTIAL_ROW_ALIGN, the rows
+    past `rows` the products of x's zero padding, for the caller to drop) when splits > 1 (then rows <= tile_m), else
+    the scaled [M_pad, N] in x.dtype."""
     m_pad, k = x.shape
     n = w_q.shape[1]
     xdt = x.dtype
@@ -91,15 +93,18 @@ def _qmm_mosaic_call(x, w_q, scales, *, rows: int, group_size: int | None, tile_
     w_tf = swizzled(tile_n, 1, "rhs")
     wdq_tf = swizzled(tile_n, 2, "rhs")
     out_dtype = xdt if splits == 1 else jnp.float32
-    # the epilogue's tile: swizzled in x's dtype (a plain 16-bit tile has no fast store from
-    # the accumulator's layout), plain f32 for split-K partials (sliced to the real rows)
-    o_tf = swizzled(tile_n, 2, "out") if splits == 1 else ()
+    # the epilogue's tile, swizzled: a store from the accumulator's (WGMMA) layout into a
+    # plain tile has bank conflicts (no fast store for 16 bits; refused for f32 by Mosaic GPU
+    # from JAX 0.12: TransferPlanDerivationError). Split-K partials are f32, copied out in
+    # whole (8, 32) tiles: the real rows rounded up to PARTIAL_ROW_ALIGN
+    o_tf = swizzled(tile_n, jnp.dtype(out_dtype).itemsize, "out")
+    rows8 = cdiv(rows, PARTIAL_ROW_ALIGN) * PARTIAL_ROW_ALIGN
     grouped = group_size is not None
     steps_per_group = None if not grouped else group_size // TILE_K
 
     def kernel(x_gmem, w_gmem, s_gmem, o_gmem, wdq_smem, o_smem, s_smem, s_barrier):
         # x_gmem [M_pad, K] x.dtype; w_gmem [K, N] int8 | e4m3; s_gmem [N] or [K // g, N] f32;
-        # o_gmem [M_pad, N] x.dtype or [splits, M, N] f32; wdq_smem [TILE_K, tile_n] x.dtype
+        # o_gmem [M_pad, N] x.dtype or [splits, rows8, N] f32; wdq_smem [TILE_K, tile_n] x.dtype
         # (the widened weight tile); o_smem [tile_m, tile_n] out dtype (the epilogue's tile);
         # s_smem [tile_n] f32: the tile's per-channel scales (TMA'd while the K loop runs).
         i, j, sp = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k")
@@ -158,11 +163,11 @@ def _qmm_mosaic_call(x, w_q, scales, *, rows: int, group_size: int | None, tile_
         plgpu.commit_smem()
         if splits == 1:
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(i * tile_m, tile_m), cols])
-        else:  # only the real rows of the one m tile
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_gmem.at[sp, :, cols])
+        else:  # the one m tile's real rows, rounded up to whole tiles
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows8)], o_gmem.at[sp, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    out_shape = (m_pad, n) if splits == 1 else (splits, rows, n)
+    out_shape = (m_pad, n) if splits == 1 else (splits, rows8, n)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -232,7 +237,7 @@ def quantized_matmul_mosaic(x: jax.Array, w_q: jax.Array, scales: jax.Array, *,
                            group_size=group, tile_m=tile_m, tile_n=tile_n, splits=splits,
                            max_concurrent_steps=max_concurrent_steps,
                            interpret=impl == "pallas_mosaic_interpret")
-    return out[:m] if splits == 1 else finish_split_k(out, scales, group, x.dtype)
+    return out[:m] if splits == 1 else finish_split_k(out[:, :m], scales, group, x.dtype)
 
 
 __all__ = ["mosaic_supports", "quantized_matmul_mosaic"]
