@@ -19,9 +19,10 @@ then `wgmma` accumulates [tile_m, tile_n] f32 in registers.
   and added to a running f32 sum in registers.
 - GEMV (M <= tile_m = 64: decode): the N tiles alone are too few CTAs to keep HBM busy
   (Llama-3-8B's 4096 outputs are 32 tiles for 132 SMs), so K is split in `splits` ranges
-  (split-K); each split writes its f32 partial [M, N] (only the M real rows) and XLA sums the
-  partials and applies the scales in one fused pass (M x N x splits x 4 bytes: 1 row x 4096 x 8
-  splits = 128 KiB next to 16 MiB of weights).
+  (split-K); each split writes its f32 partial [M8, N] (the M real rows rounded up to 8: whole
+  swizzled tiles, which Mosaic GPU needs from JAX 0.12) and XLA sums the partials' real rows
+  and applies the scales in one fused pass (M8 x N x splits x 4 bytes: 8 rows x 4096 x 8
+  splits = 1 MiB next to 16 MiB of weights).
 - GEMM (M > 64: prefill): tile_m 128 (64 with group scales: their running sum takes registers
   too), splits 1, x rows padded to whole tiles; the scaled tile is written in x's dtype.
 wgmma needs 64 rows, so a decode step's x (1 to 64 rows) is padded to 64 rows in the wrapper
