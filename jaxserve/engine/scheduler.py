@@ -585,10 +585,10 @@ class _ChunkCost:
     the `rows` rows left after its decodes cost as one chunk at L = 0. A chunk from L <=
     `uncut` (max_num_batched_tokens: a prompt's first two chunks, a short cached prefix)
     is never cut, its cost counted: cutting a short prompt only moves its last tokens
-    into a step of their own (measured: PERFORMANCE.md, "Dynamic chunking"). Only in a step with decode rows: without, no sequence waits on its time,
-    and chunks take the rows left, so a prompt alone is chunked as without it. A long
-    prompt's later chunks get fewer rows. Costs are kept in units of 1 / (2K), as
-    integers."""
+    into a step of their own (measured: PERFORMANCE.md, "Dynamic chunking"). Only in a
+    step with decode rows: without, no sequence waits on its time, and chunks take the
+    rows left, so a prompt alone is chunked as without it. A long prompt's later chunks get
+    fewer rows. Costs are kept in units of 1 / (2K), as integers."""
 
     def __init__(self, k: int, rows: int, uncut: int):
         self.k = k
