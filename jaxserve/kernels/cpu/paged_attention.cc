@@ -21,12 +21,12 @@
 // items widen a block's K to f32 once for their rows and sum 16 keys' lanes at once.
 // Without AVX-512, with AVX2 and FMA (Zen 1-3, Intel's client CPUs), the same plan runs on
 // 8-lane vectors (`attend_item_tiled8`: head dims 64 / 128, pages of a multiple of 8 keys):
-// 32-key steps over four 8-key tiles, prefill items scoring from f32 K^T two rows per load,
-// decode items from K widened once, both summing each key's 8-lane partials in one tree;
+// 32-key steps over four 8-key tiles of K widened to f32 once for the item's rows, each row
+// scoring a tile's 8 keys from them and summing each key's 8-lane partials in one tree;
 // other page sizes take the per-row path on 8-lane vectors (scores of 8 keys at once, exp
 // on 8 lanes, p @ V with 64 columns of the row's output in registers). AMD Zen 3 VM, one
 // layer: the per-row path 5.3-6.5x the portable loop's query-key pairs/s, the tiled one
-// 1.5-1.9x the per-row path's in prefill, 1.0-1.2x in decode.
+// 1.8-1.9x the per-row path's in prefill, 1.0-1.2x in decode.
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
@@ -336,7 +336,7 @@ inline void score_keys(float* s, const float* q, const T* k, int64_t n, int64_t 
 struct Scratch {
   std::vector<float> f;
   std::vector<int64_t> limit;
-  std::vector<float> page;  // the tiled path's f32 K^T and V of one 32-key block
+  std::vector<float> page;  // the tiled paths' f32 K (K^T with AVX-512) and V of a block
 };
 
 // What both item paths keep: the item's rows (row r = (t - q0) * G + g: query row t, head
@@ -399,9 +399,10 @@ struct Item {
 };
 
 // The tiled paths (AVX-512's and AVX2's, below):
-// Items with at least this many rows (query rows x GQA group) transpose each page's K:
-// a vector of keys per FMA instead of one key and a lane sum; fewer rows (decode: the
-// group) do not repay the transpose.
+// Items with at least this many rows (query rows x GQA group) widen a narrow pool's V to
+// f32 once for all their rows, and with AVX-512 transpose each page's K: a vector of keys
+// per FMA instead of one key and a lane sum; fewer rows (decode: the group) do not repay
+// either.
 constexpr int64_t kTransposeRows = 8;
 // Keys per online-softmax step: two 16-key tiles (four 8-key tiles with AVX2; two 16-token
 // pages, or part of a longer page). A row's max, rescaling of its running output and sum
@@ -723,87 +724,54 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
 
 #if defined(JAXSERVE_ATTENTION_AVX2)
 // ------------------------------------------------------------------------ tiled path, AVX2
-// AVX-512's tiled path on 8-lane vectors, for head dims 64 and 128 and pages of a multiple
-// of 8 keys: an item steps over blocks of kBlockKeys keys (four 8-key tiles). An item of
-// >= kTransposeRows rows (prefill) turns each tile into f32 K^T (8 keys per vector, 8 x 8
-// register transposes) and a narrow pool's V into f32, once for all its rows; a row's 8
-// scores of a tile are then DH FMAs over broadcast q elements, 2 rows per K^T load, summed
-// as score8 sums them (the lanes' partials P_j, then ((P0 + P1) + (P2 + P3)) + ((P4 + P5) +
-// (P6 + P7))). Decode items widen a block's K once for their rows and score it with score8.
-// Either way a row's scores have the same bits, and every row takes the same softmax steps
-// (per block: max, rescale, exp on 8 lanes, sum) and p @ V (one FMA per key in key order,
-// each V vector loaded once for 2 rows), so a row's bits do not depend on the rows beside
-// it. (The per-row path, kept for other page sizes, scored each key from the pool for every
-// row, widening bf16 each time, and kept the softmax's max and sum in scalar loops.) Zen 3
-// VM, one layer, against the per-row path, calls alternated: prefill 1.5-1.9x the query-key
-// pairs/s (~135-175 -> ~205-320 M/s on 2 cores), decode 1.0-1.2x.
+// AVX-512's tiled plan on 8-lane vectors, for head dims 64 and 128 and pages of a multiple
+// of 8 keys: an item steps over blocks of kBlockKeys keys (four 8-key tiles). Each block's
+// K is widened to f32 once for the item's rows (and, in items of >= kTransposeRows rows,
+// a narrow pool's V too); every row, decode or prefill, scores a tile's 8 keys with
+// score_block8 (score8's sums: the lanes' partials P_j, then ((P0 + P1) + (P2 + P3)) +
+// ((P4 + P5) + (P6 + P7))), takes the same softmax steps (per block: max, rescale, exp on 8
+// lanes, sum) and the same p @ V (one FMA per key in key order, each V vector loaded once
+// for 2 rows), so a row's bits do not depend on the rows beside it. (The per-row path,
+// kept for other page sizes, scored each key from the pool for every row, widening bf16
+// each time, and kept the softmax's max and sum in scalar loops.) Zen 3 VM, against the
+// per-row path, calls alternated: prefill 1.8-1.9x the query-key pairs/s over one layer's
+// pool and 30 layers' (~145-160 -> ~270-310 M/s on 2 cores), decode 1.0-1.2x. (Until
+// session 39 prefill items scored from f32 K^T, 2 rows per K^T load over broadcast q
+// elements, as the AVX-512 path does: 1.5 loads an FMA, 1.07-1.11x slower in the kernel.)
 
-// Rows scored together from K^T, and sharing each V load in p @ V: 2 rows' 8 FMA chains
-// (Zen 3: two FMA pipes of latency 4) in 8 of the 16 ymm registers. (3 rows, 6 chains: the
-// pipes waited on the chains' latency.)
+// Rows sharing each V load in p @ V: 2 rows' 8 FMA chains (Zen 3: two FMA pipes of
+// latency 4) in 8 of the 16 ymm registers.
 constexpr int kRows8 = 2;
 
-// r[i][j] <- r[j][i] for an 8 x 8 block of f32 held as 8 vectors.
-[[gnu::always_inline]] inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4h + c]: columns c (low 128 bits) and c + 4 (high) of rows 4h .. 4h + 3
-  for (int h = 0; h < 2; ++h) {
-    u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], 0x44);
-    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], 0xEE);
-    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
-    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-  }
-}
-
-// R rows' vectors, returned by value: written through a pointer, each partial sum went to
-// memory after every FMA (an __m256 store may alias the q pointers, reloaded each time).
-template <int R>
-struct Rows8 {
-  __m256 v[R];
-};
-
-// ((P_j + P_j+1) + (P_j+2 + P_j+3)) of R rows for the 8 keys of K^T ([DH, 8] f32), P_j
-// the sum over the slices c of q_i[8c + j] * K^T[8c + j] in c order (score8's lane j): the
-// four lanes' chains run side by side (4R independent FMAs per slice: 8 at R = 2 keep
-// both FMA pipes busy through their latency), each K^T vector loaded once for the R rows.
-template <int DH, int R>
-[[gnu::always_inline]] inline Rows8<R> lane_quad8(const float* const* q, const float* kt,
-                                                  int j) {
-  __m256 x[4][R];
-  for (int l = 0; l < 4; ++l) {
-    const __m256 k0 = _mm256_loadu_ps(kt + (j + l) * 8);
-    for (int i = 0; i < R; ++i) x[l][i] = _mm256_mul_ps(_mm256_broadcast_ss(q[i] + j + l), k0);
-  }
-  for (int c = 1; c < DH / 8; ++c)
-    for (int l = 0; l < 4; ++l) {
-      __m256 k = _mm256_loadu_ps(kt + (8 * c + j + l) * 8);
-      asm("" : "+x"(k));  // one load for the R rows (GCC folds it into each FMA otherwise)
-      for (int i = 0; i < R; ++i)
-        x[l][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + 8 * c + j + l), k, x[l][i]);
+// score8's scores of one row over the first `tiles` 8-key tiles of a block's f32 K rows
+// (k [kBlockKeys, DH]), in s[0 .. tiles): the same products and sums in the same order
+// (lane j of key u: P_j = sum_c q[8c + j] k_u[8c + j], in c order; then the tree of
+// horizontal adds), so the bits are score8's. Each tile's 8 keys take a slice c of q at a
+// time (one q load for 8 FMAs, the key rows as the FMAs' memory operands): 1.5x the L1
+// rate of 2 rows scored from K^T with broadcast q elements (the previous prefill path:
+// 1.5 loads an FMA) on the Zen 3 VM.
+template <int DH>
+[[gnu::always_inline]] inline void score_block8(__m256* s, const float* q, const float* k,
+                                                int tiles, float scale) {
+  constexpr int C = DH / 8;
+  for (int j = 0; j < tiles; ++j) {
+    const float* kb = k + 8 * j * DH;
+    __m256 a[8];
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(kb + u * DH));
+#pragma GCC unroll 16
+    for (int c = 1; c < C; ++c) {
+      __m256 qc = _mm256_loadu_ps(q + 8 * c);
+      asm("" : "+x"(qc));  // one load of the slice for the 8 keys
+      for (int u = 0; u < 8; ++u)
+        a[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + u * DH + 8 * c), a[u]);
     }
-  Rows8<R> out;
-  for (int i = 0; i < R; ++i)
-    out.v[i] = _mm256_add_ps(_mm256_add_ps(x[0][i], x[1][i]), _mm256_add_ps(x[2][i], x[3][i]));
-  return out;
-}
-
-// Scores of R rows over the 8 keys of K^T: score8's bits.
-template <int DH, int R>
-inline void score_transposed8(__m256* s, const float* const* q, const float* kt, float scale) {
-  const float* qr[R];
-  for (int i = 0; i < R; ++i) qr[i] = q[i];
-  const Rows8<R> lo = lane_quad8<DH, R>(qr, kt, 0);
-  const Rows8<R> hi = lane_quad8<DH, R>(qr, kt, 4);
-  for (int i = 0; i < R; ++i)
-    s[i] = _mm256_mul_ps(_mm256_add_ps(lo.v[i], hi.v[i]), _mm256_set1_ps(scale));
+    const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                                      _mm256_permute2f128_ps(g0, g1, 0x31));
+    s[j] = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
+  }
 }
 
 // acc[i][0 .. DH) = corr[i] * acc[i] + sum_{t < n} p[i * kBlockKeys + t] * v[t] for R rows,
@@ -832,7 +800,7 @@ inline void accumulate_rows8(float* const* acc, const float* corr, const float* 
         for (int i = 0; i < R; ++i) pt[i] = _mm256_set1_ps(p[i * kBlockKeys + t0 + t]);
         for (int w = 0; w < W; ++w) {
           __m256 vv = row_load8(vt, 8 * (c0 + w), vs);
-          asm("" : "+x"(vv));  // one load for the R rows, as in lane_quad8
+          asm("" : "+x"(vv));  // one load for the R rows (GCC folds it into each FMA otherwise)
           for (int i = 0; i < R; ++i) a[i][w] = _mm256_fmadd_ps(pt[i], vv, a[i][w]);
         }
       }
@@ -874,21 +842,19 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
   Item it(p, c, h, DH, scratch, kRows8 * kBlockKeys + kRows8);
   if (!it.context_fits()) return false;
   const int64_t rows = it.rows;
-  const bool transposed = rows >= kTransposeRows;
-  const bool widen = transposed && !std::is_same_v<T, float>;  // V in f32 once for many rows
+  // V in f32 once for many rows (K always: every row scores from f32 rows)
+  const bool widen = rows >= kTransposeRows && !std::is_same_v<T, float>;
   scratch.page.resize(2 * kBlockKeys * DH);
   float *acc = it.acc, *m = it.m, *l = it.l;
   float* pr = it.extra;                    // [kRows8, kBlockKeys] a group's probabilities
   float* corr = pr + kRows8 * kBlockKeys;  // [kRows8] their running outputs' rescaling
-  float* kt = scratch.page.data();         // [kTiles][DH, 8] K^T of the block's tiles, f32
-                                           // (decode items: K [kBlockKeys, DH], f32)
+  float* kt = scratch.page.data();         // [kBlockKeys, DH] K of the block, f32
   float* vf = kt + kBlockKeys * DH;        // [kBlockKeys, DH] V of the block, f32 (widen)
   const float* vf_tiles[kTiles];
   for (int j = 0; j < kTiles; ++j) vf_tiles[j] = vf + 8 * j * DH;
   const int64_t* limit = it.limit;
   constexpr int64_t kStride = row_stride<T>(DH);  // a pool row's elements
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  auto no_prefetch = [](int) {};
   // The pool rows of the 8-key tile from key `key` (a multiple of 8: pages hold a multiple
   // of 8 keys, so a tile never spans two), or null for a page id outside [0, N).
   auto tile = [&](const void* pool, int64_t key) -> const T* {
@@ -918,10 +884,10 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
       vp[j] = tile(p.v, key0 + 8 * j);
       if (kp[j] == nullptr) return false;
     }
-    // The next block's K and V rows into L2, one key's rows per K row widened (decode) or
-    // per 8 x 8 block transposed (pages lie anywhere in the pool: no hardware prefetcher
-    // sees them coming). A 32-row decode over 512 tokens of 30 layers' pools (DRAM) ran at
-    // ~0.86x the per-row path's pairs/s without prefetching, ~1.0x with it.
+    // The next block's K and V rows into L2, one key's rows per K row widened (pages lie
+    // anywhere in the pool: no hardware prefetcher sees them coming). A 32-row decode over
+    // 512 tokens of 30 layers' pools (DRAM) ran at ~0.86x the per-row path's pairs/s
+    // without prefetching, ~1.0x with it.
     const T* next_k[kTiles] = {};
     const T* next_v[kTiles] = {};
     int64_t next_keys = 0;
@@ -946,37 +912,14 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
     };
     int64_t fetched = 0;  // keys of the next block prefetched
     auto prefetch_some = [&] { prefetch_key(fetched++); };
-    if (!transposed) widen_rows(kt, kp, used, prefetch_some);
-    // K^T per tile (rows past `used` are transposed too: never read unmasked)
-    for (int j = 0; transposed && j < tiles; ++j)
-      for (int cc = 0; cc < DH / 8; ++cc) {
-        __m256 r8[8];
-        for (int t = 0; t < 8; ++t) {
-          const T* row = kp[j] + t * kStride;
-          r8[t] = row_load8(row, cc * 8, _mm256_set1_ps(row_scale(row, DH)));
-        }
-        prefetch_some();
-        transpose8(r8);
-        for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kt + (j * DH + cc * 8 + d) * 8, r8[d]);
-      }
+    // the tiles' rows, all 8 of the last one (rows past `used` are scored too: their lanes
+    // are masked, and the lane sums never mix keys)
+    widen_rows(kt, kp, 8 * tiles, prefetch_some);
     while (fetched < next_keys) prefetch_some();
     if (widen) widen_rows(vf, vp, used, [] {});
 
     for (int64_t r0 = 0; r0 < rows; r0 += kRows8) {
       const int nr = static_cast<int>(std::min<int64_t>(kRows8, rows - r0));
-      __m256 st[kTiles][kRows8];  // the group's scores over the tiles (transposed)
-      if (transposed) {
-        const float* qs[kRows8];
-        for (int u = 0; u < kRows8; ++u) qs[u] = it.q_row(r0 + std::min(u, nr - 1));
-        for (int j = 0; j < kTiles; ++j) {
-          const float* ktj = kt + j * 8 * DH;
-          if (j >= tiles) for (int u = 0; u < kRows8; ++u) st[j][u] = ninf;
-          else if (nr == kRows8) score_transposed8<DH, kRows8>(st[j], qs, ktj, p.scale);
-          else
-            for (int u = 0; u < nr; ++u)
-              score_transposed8<DH, 1>(st[j] + u, qs + u, ktj, p.scale);
-        }
-      }
       int64_t n_group = 0;  // keys any row of the group sees in this block
       for (int u = 0; u < nr; ++u) {
         const int64_t r = r0 + u;
@@ -990,12 +933,11 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
         n_group = std::max(n_group, n);
         __m256 s[kTiles], live[kTiles];
         __m256 smax = ninf;
+        const int row_tiles = static_cast<int>((n + 7) / 8);  // tiles with a key the row sees
+        score_block8<DH>(s, it.q_row(r), kt, row_tiles, p.scale);
         for (int j = 0; j < kTiles; ++j) {
           const int64_t nj = n - 8 * j;  // this tile's keys the row sees
-          s[j] = nj <= 0 ? ninf
-                 : transposed ? st[j][u]
-                              : score8<DH>(it.q_row(r), kt + 8 * j * DH, std::min<int64_t>(nj, 8),
-                                           p.scale, no_prefetch);
+          if (nj <= 0) s[j] = ninf;
           live[j] = first_lanes8(nj);
           smax = _mm256_max_ps(smax, _mm256_blendv_ps(ninf, s[j], live[j]));
         }
