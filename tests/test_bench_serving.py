@@ -36,6 +36,18 @@ def test_summarise_chunks_ttft_itl_latency():
     assert not r.success and "content" in r.error
 
 
+def test_request_body_takes_extra_fields_which_win():
+    for endpoint in ("completions", "chat"):
+        plain = bs.request_body(endpoint, "m", "hi", 8)
+        body = bs.request_body(endpoint, "m", "hi", 8,
+                               {"skip_special_tokens": False, "temperature": 0.5})
+        assert body["skip_special_tokens"] is False and body["temperature"] == 0.5
+        assert "skip_special_tokens" not in plain and plain["temperature"] == 0.0
+        assert {k: v for k, v in body.items() if k not in ("skip_special_tokens",
+                                                           "temperature")} == \
+            {k: v for k, v in plain.items() if k != "temperature"}
+
+
 def test_calculate_metrics_known_values():
     R = bs.RequestResult
     results = [

@@ -178,9 +178,10 @@ def arrival_times(num_requests: int, request_rate: float = math.inf, burstiness:
 
 # --- one request --------------------------------------------------------------------------
 
-def request_body(endpoint: str, model: str | None, prompt: str, output_len: int) -> dict:
+def request_body(endpoint: str, model: str | None, prompt: str, output_len: int,
+                 extra: dict | None = None) -> dict:
     """The JSON body of one streaming benchmark request (temperature 0, ignore_eos, usage
-    in the stream) for "completions" or "chat"."""
+    in the stream) for "completions" or "chat"; `extra`: more fields (they win)."""
     body = {"temperature": 0.0, "max_tokens": output_len, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     if model:
@@ -190,6 +191,7 @@ def request_body(endpoint: str, model: str | None, prompt: str, output_len: int)
         body["max_completion_tokens"] = output_len
     else:
         body["prompt"] = prompt
+    body.update(extra or {})
     return body
 
 
@@ -204,11 +206,12 @@ def _error_message(status: int, raw: bytes) -> str:
 
 
 async def send_request(client: httpx.AsyncClient, url: str, model: str | None,
-                       request: BenchRequest, endpoint: str = "completions") -> RequestResult:
+                       request: BenchRequest, endpoint: str = "completions",
+                       extra: dict | None = None) -> RequestResult:
     """Send one streaming request to {url}/completions or {url}/chat/completions and time
-    its chunks (see RequestResult). Never raises for server or network errors: those give
-    success=False with the error message."""
-    body = request_body(endpoint, model, request.prompt, request.output_len)
+    its chunks (see RequestResult); `extra`: more body fields (request_body). Never raises
+    for server or network errors: those give success=False with the error message."""
+    body = request_body(endpoint, model, request.prompt, request.output_len, extra)
     content_times: list[float] = []
     last_choice_time = usage_tokens = prompt_tokens = None
     start = time.perf_counter()
