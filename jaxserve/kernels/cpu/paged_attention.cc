@@ -26,7 +26,7 @@
 // other page sizes take the per-row path on 8-lane vectors (scores of 8 keys at once, exp
 // on 8 lanes, p @ V with 64 columns of the row's output in registers). AMD Zen 3 VM, one
 // layer: the per-row path 5.3-6.5x the portable loop's query-key pairs/s, the tiled one
-// 1.8-1.9x the per-row path's in prefill, 1.0-1.2x in decode.
+// 1.7-2.0x the per-row path's in prefill, 1.0-1.2x in decode.
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
@@ -728,16 +728,16 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
 // of 8 keys: an item steps over blocks of kBlockKeys keys (four 8-key tiles). Each block's
 // K is widened to f32 once for the item's rows (and, in items of >= kTransposeRows rows,
 // a narrow pool's V too); every row, decode or prefill, scores a tile's 8 keys with
-// score_block8 (score8's sums: the lanes' partials P_j, then ((P0 + P1) + (P2 + P3)) +
+// score_tiles8 (score8's sums: the lanes' partials P_j, then ((P0 + P1) + (P2 + P3)) +
 // ((P4 + P5) + (P6 + P7))), takes the same softmax steps (per block: max, rescale, exp on 8
 // lanes, sum) and the same p @ V (one FMA per key in key order, each V vector loaded once
 // for 2 rows), so a row's bits do not depend on the rows beside it. (The per-row path,
 // kept for other page sizes, scored each key from the pool for every row, widening bf16
 // each time, and kept the softmax's max and sum in scalar loops.) Zen 3 VM, against the
-// per-row path, calls alternated: prefill 1.8-1.9x the query-key pairs/s over one layer's
-// pool and 30 layers' (~145-160 -> ~270-310 M/s on 2 cores), decode 1.0-1.2x. (Until
+// per-row path, calls alternated: prefill 1.7-2.0x the query-key pairs/s over one layer's
+// pool and 30 layers' (~125-160 -> ~215-315 M/s on 2 cores), decode 1.0-1.2x. (Until
 // session 39 prefill items scored from f32 K^T, 2 rows per K^T load over broadcast q
-// elements, as the AVX-512 path does: 1.5 loads an FMA, 1.07-1.11x slower in the kernel.)
+// elements, as the AVX-512 path does: 1.5 loads an FMA, 1.06-1.12x slower in the kernel.)
 
 // Rows sharing each V load in p @ V: 2 rows' 8 FMA chains (Zen 3: two FMA pipes of
 // latency 4) in 8 of the 16 ymm registers.
@@ -747,11 +747,11 @@ constexpr int kRows8 = 2;
 // (k [kBlockKeys, DH]), in s[0 .. tiles): the same products and sums in the same order
 // (lane j of key u: P_j = sum_c q[8c + j] k_u[8c + j], in c order; then the tree of
 // horizontal adds), so the bits are score8's. Each tile's 8 keys take a slice c of q at a
-// time (one q load for 8 FMAs, the key rows as the FMAs' memory operands): 1.5x the L1
-// rate of 2 rows scored from K^T with broadcast q elements (the previous prefill path:
+// time (one q load for 8 FMAs, the key rows as the FMAs' memory operands): 1.1-1.6x the
+// L1 rate of 2 rows scored from K^T with broadcast q elements (the previous prefill path:
 // 1.5 loads an FMA) on the Zen 3 VM.
 template <int DH>
-[[gnu::always_inline]] inline void score_block8(__m256* s, const float* q, const float* k,
+[[gnu::always_inline]] inline void score_tiles8(__m256* s, const float* q, const float* k,
                                                 int tiles, float scale) {
   constexpr int C = DH / 8;
   for (int j = 0; j < tiles; ++j) {
@@ -934,7 +934,7 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
         __m256 s[kTiles], live[kTiles];
         __m256 smax = ninf;
         const int row_tiles = static_cast<int>((n + 7) / 8);  // tiles with a key the row sees
-        score_block8<DH>(s, it.q_row(r), kt, row_tiles, p.scale);
+        score_tiles8<DH>(s, it.q_row(r), kt, row_tiles, p.scale);
         for (int j = 0; j < kTiles; ++j) {
           const int64_t nj = n - 8 * j;  // this tile's keys the row sees
           if (nj <= 0) s[j] = ninf;
