@@ -239,7 +239,7 @@ def _cgroup_files(d: Path, limit_file: str, limit: str, usage_file: str, usage: 
     (d / usage_file).write_text(usage + "\n")
 
 
-def test_host_memory_is_the_smaller_of_meminfo_and_the_cgroup_limit(tmp_path):
+def test_host_memory_is_the_smaller_of_meminfo_and_the_cgroup_limit(tmp_path, monkeypatch):
     from jaxserve.worker import device_memory as dm
     membership = tmp_path / "cgroup"
     v2 = tmp_path / "v2"
@@ -256,7 +256,14 @@ def test_host_memory_is_the_smaller_of_meminfo_and_the_cgroup_limit(tmp_path):
     assert dm._cgroup_headroom(v1, membership) == 1_000_000_000
     _cgroup_files(v1 / "memory", v1_files[0], "9223372036854771712", v1_files[1], "4000000000")
     assert dm._cgroup_headroom(v1, membership) is None
-    assert 0 < dm.host_available_bytes() <= dm._meminfo_available()
+    # the smaller of the two where both are known (fixed readings: MemAvailable read twice
+    # moves between the reads while another test process allocates)
+    assert 0 < dm.host_available_bytes()
+    for meminfo, headroom, want in ((8_000, 3_000, 3_000), (2_000, 3_000, 2_000),
+                                    (2_000, None, 2_000), (None, 3_000, 3_000)):
+        monkeypatch.setattr(dm, "_meminfo_available", lambda v=meminfo: v)
+        monkeypatch.setattr(dm, "_cgroup_headroom", lambda v=headroom: v)
+        assert dm.host_available_bytes() == want
 
 
 def test_plan_memory_prints_the_decision_or_the_refusal(capsys):
