@@ -57,8 +57,7 @@ async def measure(url: str, streams: int, stream_tokens: int, prompt_tokens: int
     """One run against a ready server; see the module docstring."""
     model = await get_model_id(url)
     async with make_client(streams + 1) as client:
-        # special tokens' text kept: under ignore_eos a story that has ended goes on in
-        # end-of-text tokens, whose skipped text would send no event for whole bursts
+        # special tokens' text kept (skip_special_tokens: see the module docstring)
         tasks = [asyncio.create_task(send_request(
             client, url, model, BenchRequest(f"Story {i}: once upon a time", stream_tokens),
             extra={"skip_special_tokens": False})) for i in range(streams)]

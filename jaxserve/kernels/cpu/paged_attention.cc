@@ -191,11 +191,23 @@ inline __m256 row_load8(const T* row, int64_t d, __m256 s) {
 #endif
 
 #if defined(JAXSERVE_ATTENTION_AVX2)
+// scale * the lane sums of 8 keys' partials a[u] (lane j: P_j of key u) as 8 lanes (key u
+// in lane u), by a tree of horizontal adds: ((P0 + P1) + (P2 + P3)) + ((P4 + P5) + (P6 +
+// P7)) for every key alike. score8 and score_tiles8 both end here: one order, the same bits.
+[[gnu::always_inline]] inline __m256 key_sums8(const __m256 a[8], float scale) {
+  // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
+  const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // g0 = [keys 0-3: l0..l3 summed | keys 0-3: l4..l7 summed], g1 likewise for keys 4-7
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                                    _mm256_permute2f128_ps(g0, g1, 0x31));
+  return _mm256_mul_ps(sums, _mm256_set1_ps(scale));
+}
+
 // The scores scale * (q . k[t]) of the n <= 8 key rows k [n, DH] as 8 lanes (lanes from n
 // on: 0). Each key's lane-wise products summed over the row's 8-lane slices (a[u], one FMA
 // per slice; lane j holds P_j = sum_c q[8c + j] k[8c + j], in c order), then the 8 keys'
-// lanes summed at once by a tree of horizontal adds, ((P0 + P1) + (P2 + P3)) + ((P4 + P5) +
-// (P6 + P7)) for every key alike. prefetch(u) is called before key u is read.
+// lanes summed at once (key_sums8). prefetch(u) is called before key u is read.
 template <int DH, typename T, typename Prefetch>
 inline __m256 score8(const float* q, const T* k, int64_t n, float scale, Prefetch&& prefetch) {
   constexpr int C = DH / 8;
@@ -212,13 +224,7 @@ inline __m256 score8(const float* q, const T* k, int64_t n, float scale, Prefetc
     for (int c = 1; c < C; ++c)
       a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), row_load8(kt, 8 * c, ks), a[u]);
   }
-  // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
-  const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  // g0 = [keys 0-3: l0..l3 summed | keys 0-3: l4..l7 summed], g1 likewise for keys 4-7
-  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
-                                    _mm256_permute2f128_ps(g0, g1, 0x31));
-  return _mm256_mul_ps(sums, _mm256_set1_ps(scale));
+  return key_sums8(a, scale);
 }
 #endif
 
@@ -766,11 +772,7 @@ template <int DH>
       for (int u = 0; u < 8; ++u)
         a[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + u * DH + 8 * c), a[u]);
     }
-    const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
-                                      _mm256_permute2f128_ps(g0, g1, 0x31));
-    s[j] = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
+    s[j] = key_sums8(a, scale);
   }
 }
 
@@ -848,8 +850,8 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
   float *acc = it.acc, *m = it.m, *l = it.l;
   float* pr = it.extra;                    // [kRows8, kBlockKeys] a group's probabilities
   float* corr = pr + kRows8 * kBlockKeys;  // [kRows8] their running outputs' rescaling
-  float* kt = scratch.page.data();         // [kBlockKeys, DH] K of the block, f32
-  float* vf = kt + kBlockKeys * DH;        // [kBlockKeys, DH] V of the block, f32 (widen)
+  float* kf = scratch.page.data();         // [kBlockKeys, DH] K of the block, f32
+  float* vf = kf + kBlockKeys * DH;        // [kBlockKeys, DH] V of the block, f32 (widen)
   const float* vf_tiles[kTiles];
   for (int j = 0; j < kTiles; ++j) vf_tiles[j] = vf + 8 * j * DH;
   const int64_t* limit = it.limit;
@@ -914,7 +916,7 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
     auto prefetch_some = [&] { prefetch_key(fetched++); };
     // the tiles' rows, all 8 of the last one (rows past `used` are scored too: their lanes
     // are masked, and the lane sums never mix keys)
-    widen_rows(kt, kp, 8 * tiles, prefetch_some);
+    widen_rows(kf, kp, 8 * tiles, prefetch_some);
     while (fetched < next_keys) prefetch_some();
     if (widen) widen_rows(vf, vp, used, [] {});
 
@@ -934,7 +936,7 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
         __m256 s[kTiles], live[kTiles];
         __m256 smax = ninf;
         const int row_tiles = static_cast<int>((n + 7) / 8);  // tiles with a key the row sees
-        score_tiles8<DH>(s, it.q_row(r), kt, row_tiles, p.scale);
+        score_tiles8<DH>(s, it.q_row(r), kf, row_tiles, p.scale);
         for (int j = 0; j < kTiles; ++j) {
           const int64_t nj = n - 8 * j;  // this tile's keys the row sees
           if (nj <= 0) s[j] = ninf;
