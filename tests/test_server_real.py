@@ -36,7 +36,12 @@ CONFIG = ROOT / "tests" / "configs" / "smollm2_small.py"
 TWO_SHAPES = ROOT / "tests" / "configs" / "smollm2_two_shapes.py"
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-jaxserve-test"
-SHUTDOWN_TIMEOUT_S = 3
+# The drain test's two streams on the f32 two-shape engine (~130 ms a token on a 2-core Zen 3
+# VM alone, 2x that beside the suite's other worker): the short stream's 8 tokens finish
+# well inside the timeout even on a loaded machine, the long stream's 480 cannot on one 4x
+# faster. (At 3 s with 16 short tokens the short stream was cut once under the whole suite.)
+SHUTDOWN_TIMEOUT_S = 6
+SHORT_TOKENS, LONG_TOKENS = 8, 480
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -254,7 +259,7 @@ def _drain(proc, base, log) -> None:
     results = {"short": {}, "long": {}}
     started = {k: threading.Event() for k in results}
     threads = [threading.Thread(target=_stream, args=(base, n, results[k], started[k]))
-               for k, n in (("short", 16), ("long", 480))]
+               for k, n in (("short", SHORT_TOKENS), ("long", LONG_TOKENS))]
     for t in threads:
         t.start()
     for e in started.values():
@@ -272,7 +277,7 @@ def _drain(proc, base, log) -> None:
     assert time.monotonic() - t0 < SHUTDOWN_TIMEOUT_S + 10
     short = [json.loads(e) for e in results["short"]["events"][:-1]]
     assert results["short"]["events"][-1] == "[DONE]"
-    assert short[-1]["usage"]["completion_tokens"] == 16, "the short stream finished"
+    assert short[-1]["usage"]["completion_tokens"] == SHORT_TOKENS, "the short stream finished"
     long_ = results["long"]["events"]
     assert long_[-1] == "[DONE]" and "shutting_down" in long_[-2], long_[-2:]
     text = log.read_text()
