@@ -9,10 +9,13 @@ last chunks), a 512-token prompt, and decode steps of 32 sequences over 256 toke
 32-stream peers benchmark's contexts) and 512. One layer's attention per call; the
 minimum of `--repeats` calls (the VM's noise is +-20%: to compare two versions of the
 kernel, alternate their runs). A query-key pair is one query head scoring one visible key
-(causal). --layers N (> 1) also times the C++ kernel on a stack of N layers' pools, each
-call reading the next layer's, as the engine's step does: pools read from DRAM, not from
-the cache a single small pool stays in (median of N * --repeats calls; decode of 32
-sequences over 256 tokens read its K/V at about half of DRAM's bandwidth, session 25).
+(causal). --layers N (> 1) also times the C++ kernel on a stack of N layers' pools in
+one program that calls it for each layer in turn, as the engine's step does: pools read
+from DRAM, not from the cache a single small pool stays in, and no dispatch between the
+calls (per layer: the median of --repeats programs over N; the K/V bytes read per second
+beside it, against `python -m tools.membw`'s read bandwidth). Timed as one call per layer
+instead (before session 40), the figures included each call's dispatch from Python: on
+the 2-core Zen 3 VM 1.2-1.5x a decode layer's time in one program, 1.1-1.7x a prefill's.
 """
 
 from __future__ import annotations
@@ -59,16 +62,20 @@ def _seconds(fn, args, repeats: int) -> float:
     return best
 
 
-def _seconds_stacked(fn, args, layers: int, repeats: int) -> float:
-    """Median seconds of layers * repeats calls of `fn` on stacked pools, each call at the
-    next layer."""
-    fn(*args, layer=jnp.int32(0)).block_until_ready()
+def _seconds_per_layer(fn, args, layers: int, repeats: int) -> float:
+    """Median seconds per layer of `repeats` runs of one program that calls `fn` on each of
+    the stacked pools' `layers` layers in turn (the outputs summed, so each call is kept)."""
+    def all_layers(*a):
+        return jax.lax.fori_loop(0, layers, lambda i, acc: acc + fn(*a, layer=i),
+                                 jnp.zeros(a[0].shape, jnp.float32))
+    program = jax.jit(all_layers)
+    program(*args).block_until_ready()
     times = []
-    for i in range(layers * repeats):
+    for _ in range(repeats):
         start = time.perf_counter()
-        fn(*args, layer=jnp.int32(i % layers)).block_until_ready()
+        program(*args).block_until_ready()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(times)) / layers
 
 
 def main(argv=None) -> None:
@@ -84,7 +91,7 @@ def main(argv=None) -> None:
     xla = jax.jit(lambda q, k, v, t, sl, qs, pos: model_attention(
         q, k, v, make_metadata(t, sl, qs, pos, PAGE, "xla"), "xla", "head_major"))
     rng = np.random.default_rng(0)
-    dram = f" {'DRAM ms':>8} {'M pairs/s':>10}" if args.layers > 1 else ""
+    dram = (f" {'ms/layer':>8} {'M pairs/s':>10} {'K/V GB/s':>9}" if args.layers > 1 else "")
     print(f"{'case':>20} {'C++ ms':>8} {'M pairs/s':>10} {'XLA ms':>8} {'M pairs/s':>10} "
           f"{'C++/XLA time':>13}{dram}")
     for name, ctx, new, seqs in CASES:
@@ -94,8 +101,9 @@ def main(argv=None) -> None:
                 f"{pairs / t_xla / 1e6:10.0f} {t_cpp / t_xla:13.2f}")
         if args.layers > 1:
             inputs, _ = _case(rng, ctx, new, seqs, args.layers)
-            t = _seconds_stacked(cpp, inputs, args.layers, args.repeats)
-            line += f" {t * 1e3:8.2f} {pairs / t / 1e6:10.0f}"
+            t = _seconds_per_layer(paged_attention, inputs, args.layers, args.repeats)
+            kv_bytes = 2 * seqs * ctx * KV_HEADS * HEAD_DIM * inputs[1].dtype.itemsize
+            line += f" {t * 1e3:8.2f} {pairs / t / 1e6:10.0f} {kv_bytes / t / 1e9:9.1f}"
         print(line, flush=True)
 
 
