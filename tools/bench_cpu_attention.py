@@ -91,7 +91,7 @@ def main(argv=None) -> None:
     xla = jax.jit(lambda q, k, v, t, sl, qs, pos: model_attention(
         q, k, v, make_metadata(t, sl, qs, pos, PAGE, "xla"), "xla", "head_major"))
     rng = np.random.default_rng(0)
-    dram = (f" {'ms/layer':>8} {'M pairs/s':>10} {'K/V GB/s':>9}" if args.layers > 1 else "")
+    dram = f" {'ms/layer':>8} {'M pairs/s':>10} {'K/V GB/s':>9}" if args.layers > 1 else ""
     print(f"{'case':>20} {'C++ ms':>8} {'M pairs/s':>10} {'XLA ms':>8} {'M pairs/s':>10} "
           f"{'C++/XLA time':>13}{dram}")
     for name, ctx, new, seqs in CASES:
