@@ -13,9 +13,8 @@ kernel, alternate their runs). A query-key pair is one query head scoring one vi
 one program that calls it for each layer in turn, as the engine's step does: pools read
 from DRAM, not from the cache a single small pool stays in, and no dispatch between the
 calls (per layer: the median of --repeats programs over N; the K/V bytes read per second
-beside it, against `python -m tools.membw`'s read bandwidth). Timed as one call per layer
-instead (before session 40), the figures included each call's dispatch from Python: on
-the 2-core Zen 3 VM 1.2-1.5x a decode layer's time in one program, 1.1-1.7x a prefill's.
+beside it, against `python -m tools.membw`'s read bandwidth; why one program:
+PERFORMANCE.md, "Decode attention and the page pool's layout").
 """
 
 from __future__ import annotations
@@ -52,14 +51,19 @@ def _case(rng, ctx: int, new: int, seqs: int, layers: int = 1):
     return (q, k, v, tables, seq_lens, query_start, positions), pairs
 
 
-def _seconds(fn, args, repeats: int) -> float:
+def _times(fn, args, repeats: int) -> list[float]:
+    """Seconds of `repeats` calls of `fn(*args)` after one warm-up call."""
     fn(*args).block_until_ready()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn(*args).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _seconds(fn, args, repeats: int) -> float:
+    return min(_times(fn, args, repeats))
 
 
 def _seconds_per_layer(fn, args, layers: int, repeats: int) -> float:
@@ -68,14 +72,7 @@ def _seconds_per_layer(fn, args, layers: int, repeats: int) -> float:
     def all_layers(*a):
         return jax.lax.fori_loop(0, layers, lambda i, acc: acc + fn(*a, layer=i),
                                  jnp.zeros(a[0].shape, jnp.float32))
-    program = jax.jit(all_layers)
-    program(*args).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        program(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) / layers
+    return float(np.median(_times(jax.jit(all_layers), args, repeats))) / layers
 
 
 def main(argv=None) -> None:
