@@ -120,3 +120,15 @@ def test_reset_forgets_every_cached_page():
     kv.free(a)
     kv.reset_prefix_cache()
     assert kv.take_cached_prefix(seq("b", range(100, 110))) == 0
+
+
+def test_sequences_decoding_side_by_side_keep_their_pages_together():
+    """The manager hands the pool each sequence's last page, so decode's one page at a
+    time per sequence still gives each a run of consecutive pages (an extent's worth)."""
+    kv = KVCacheManager(PagePool(1 + 4 * 8, PAGE, extent_pages=8), False)
+    a, b = seq("a", range(3)), seq("b", range(3))
+    for n in range(4, 4 * PAGE * 8 // 2 + 1):
+        for s in (a, b):
+            kv.allocate(s, n)
+    assert a.block_table == list(range(1, 9)) + list(range(17, 25))
+    assert b.block_table == list(range(9, 17)) + list(range(25, 33))

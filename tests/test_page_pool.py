@@ -100,3 +100,114 @@ def test_register_keeps_the_first_page_of_a_hash_and_clear_cache_forgets_all():
         pool.register(a[0], b"h")
     with pytest.raises(ValueError, match="not allocated"):
         pool.share(a)
+
+
+# --- which page: a sequence's pages kept together ------------------------------------------
+
+def _runs(pages):
+    """Lengths of the runs of consecutive page ids in a block table."""
+    runs = [1]
+    for a, b in zip(pages, pages[1:]):
+        if b == a + 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
+
+
+def test_sequences_decoding_side_by_side_get_runs_of_an_extent():
+    """Three sequences taking one page each in turn (as decode does) each get extents of
+    consecutive pages, not every third page of one list."""
+    pool = PagePool(num_pages=1 + 4 * 8, page_size=16, extent_pages=4)
+    tables = [[], [], []]
+    for _ in range(8):
+        for t in tables:
+            t += pool.allocate(1, t[-1] if t else None)
+    for t in tables:
+        assert _runs(t) == [4, 4] and all((t[i] - 1) % 4 == 0 for i in (0, 4))
+    assert len(set(sum(tables, []))) == 24
+    # a prompt's pages in one call: consecutive across extents while whole ones are in order
+    assert _runs(pool.allocate(8)) == [8]
+
+
+def test_a_partial_extent_is_used_only_when_no_whole_one_is_left():
+    pool = PagePool(num_pages=1 + 2 * 4, page_size=16, extent_pages=4)
+    a = pool.allocate(1)  # extent 0
+    b = pool.allocate(1)  # extent 1
+    assert (a, b) == ([1], [5])
+    c = pool.allocate(1)  # no whole extent left: the first free page, even in a's extent
+    assert c == [2]
+    assert pool.allocate(1, after=a[0]) == [3]  # a's next free page, past c's
+    pool.free(a + b + c)
+
+
+def test_eviction_takes_the_callers_next_page_then_whole_extents_least_recently_released():
+    pool = PagePool(num_pages=1 + 3 * 4, page_size=16, extent_pages=4)
+    seqs = [pool.allocate(4) for _ in range(3)]  # extents 0, 1, 2
+    assert seqs == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    for i, s in enumerate(seqs):
+        for j, p in enumerate(s):
+            pool.register(p, bytes([i, j]))
+    pool.free(seqs[1][::-1])
+    pool.free(seqs[0][::-1])
+    pool.free(seqs[2][::-1])
+    assert pool.num_free == 12 and pool.num_cached == 12
+    # no never-cached page: extent 1 was released first, so it goes first, page by page
+    new = pool.allocate(2)
+    assert new == [5, 6] and pool.num_evictions == 2
+    assert pool.lookup([bytes([1, 0])]) == [] and pool.lookup([bytes([0, 0])]) == [1]
+    # a prefix hit on extent 0 holds it; the next new sequence takes extent 2
+    pool.share([1])
+    assert pool.allocate(1) == [9]
+    # the first sequence's next page is its extent's next one, though cached
+    assert pool.allocate(1, after=new[-1]) == [7]
+    # no whole extent left: the least recently freed page (page-level LRU)
+    assert pool.allocate(1) == [8]  # freed before extent 0's pages 2-4 (extent 1 first)
+
+
+def test_bookkeeping_holds_under_random_use():
+    """Random allocate / share / free / register / clear_cache: the pool's per-extent
+    counts and whole-extent sets equal a recount, and every page is in one state."""
+    import random
+    rng = random.Random(0)
+    pool = PagePool(num_pages=1 + 7 * 3 + 2, page_size=4, extent_pages=3)  # a short last extent
+    tables: list[list[int]] = []
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45 and pool.num_free:
+            if tables and rng.random() < 0.7:
+                t = rng.choice(tables)
+                t += pool.allocate(rng.randint(1, min(3, pool.num_free)), t[-1] if t else None)
+            else:
+                tables.append(pool.allocate(rng.randint(1, min(4, pool.num_free))))
+        elif op < 0.6 and tables:
+            t = rng.choice(tables)
+            pool.register(rng.choice(t), rng.randbytes(2)) if t else None
+        elif op < 0.7:
+            hashes = [rng.randbytes(2) for _ in range(3)]
+            hit = pool.lookup(hashes) + [p for p in list(pool._evictable)[:1]]
+            pool.share(hit)
+            tables.append(hit)
+        elif op < 0.98 and tables:
+            t = tables.pop(rng.randrange(len(tables)))
+            pool.free(t[::-1])
+        elif not tables:
+            pool.clear_cache()
+        held = [0] * pool.num_pages
+        for t in tables:
+            for p in t:
+                held[p] += 1
+        assert held[1:] == pool._refs[1:] and NULL_PAGE not in pool._free
+        unheld = [p for p in range(1, pool.num_pages) if not held[p]]
+        assert set(unheld) == set(pool._free) | set(pool._evictable)
+        assert not set(pool._free) & set(pool._evictable)
+        assert set(pool._evictable) <= set(pool._hash_of)
+        assert not set(pool._free) & set(pool._hash_of)
+        ext = [(p - 1) // 3 for p in range(pool.num_pages)]
+        for e, size in enumerate(pool._extent_size):
+            n_unheld = sum(1 for p in unheld if ext[p] == e)
+            n_free = sum(1 for p in pool._free if ext[p] == e)
+            assert (pool._unheld[e], pool._nfree[e]) == (n_unheld, n_free)
+            assert (e in pool._whole) == (n_unheld == size)
+            assert (e in pool._whole_free) == (n_free == size)
+    assert pool.num_evictions > 0

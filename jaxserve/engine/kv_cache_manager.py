@@ -59,7 +59,7 @@ class KVCacheManager:
         pool) if the free pages do not hold them: callers check `room` first."""
         need = self.pages_needed(seq, num_tokens)
         if need:
-            seq.block_table += self.pool.allocate(need)
+            seq.block_table += self.pool.allocate(need, self._last_page(seq))
 
     def allocate_all(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
         """Give each of `seqs` the pages of its `num_tokens`, if the free pages hold them
@@ -69,8 +69,13 @@ class KVCacheManager:
             return False
         for seq, n in zip(seqs, need):
             if n:
-                seq.block_table += self.pool.allocate(n)
+                seq.block_table += self.pool.allocate(n, self._last_page(seq))
         return True
+
+    @staticmethod
+    def _last_page(seq: Sequence) -> int | None:
+        """The page the pool should hand out the next of (its pages kept together)."""
+        return seq.block_table[-1] if seq.block_table else None
 
     def trim(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Give back the pages of `seq` past those of its first `num_tokens` tokens (default:

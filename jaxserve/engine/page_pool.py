@@ -9,8 +9,11 @@ Prefix caching: a full page whose K/V are computed can be registered under its c
 hash (`page_hashes`: the hash of the previous page and this page's tokens, so a page
 matches only when its whole prefix matches). A registered page that no sequence holds
 stays in the pool with its K/V, evictable: `lookup` finds it again for a later sequence
-with the same prefix, and `allocate` takes it (least recently freed first, its hash
-forgotten) only when no never-cached page is left. `num_free` counts both kinds.
+with the same prefix, and `allocate` takes it (its hash forgotten) only when no
+never-cached page is left. `num_free` counts both kinds.
+
+Which free page is handed out keeps each sequence's pages together, in extents of
+consecutive page ids (`PagePool`'s docstring says how and why).
 
 Source: PagedAttention's block manager (vLLM), vLLM v1's KVCacheManager (chained block
 hashes, free-block queue with LRU eviction), nano-vllm's BlockManager.
@@ -19,7 +22,7 @@ hashes, free-block queue with LRU eviction), nano-vllm's BlockManager.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Sequence
 
 from jaxserve.config import NULL_PAGE  # never allocated; padding tokens write here
@@ -44,21 +47,49 @@ def page_hashes(token_ids: Sequence[int], page_size: int, start: int = 0,
     return hashes
 
 
+EXTENT_PAGES = 8  # pages a sequence's block table keeps together (see PagePool)
+
+
 class PagePool:
     """Free list + refcounts + prefix cache over page ids 1 .. num_pages - 1 (0 is the null
-    page). Counters: num_evictions (cached pages taken for new content)."""
+    page). Counters: num_evictions (cached pages taken for new content).
 
-    def __init__(self, num_pages: int, page_size: int):
+    Which free page `allocate` hands out: a sequence's pages are kept together in extents
+    of `extent_pages` consecutive page ids (pages 1 + k * extent_pages onwards). Given the
+    caller's last page (`after`), the next page of its extent comes first; a sequence
+    that needs a new extent takes the first page of a wholly free one, and no one else
+    takes pages from an extent a sequence holds while wholly free ones are left. Without
+    this, sequences decoding side by side each took the next page of one FIFO list, so a
+    sequence's pages were interleaved with every other's; the C++ CPU attention kernel
+    read such tables 1.2-1.7x slower than contiguous ones, and runs of 8 pages recovered
+    most of it (PERFORMANCE.md, "Decode attention and the page pool's layout").
+    Eviction keeps its order: a cached page is taken only when no never-cached page is
+    left, then, first, the next page of the caller's extent or a whole extent of unheld
+    pages, least recently released first, and last the least recently freed page."""
+
+    def __init__(self, num_pages: int, page_size: int, extent_pages: int = EXTENT_PAGES):
         if num_pages < 2:
             raise ValueError(f"PagePool needs >= 2 pages (one is the null page), got {num_pages}")
+        if extent_pages < 1:
+            raise ValueError(f"PagePool extent_pages must be >= 1, got {extent_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(1, num_pages))  # hold nothing cached
+        self.extent_pages = extent_pages
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unheld, LRU first
         self._refs = [0] * num_pages
         self._hash_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
         self.num_evictions = 0
+        # per extent: its size, its unheld pages (free or evictable), its free ones; the
+        # extents whose pages are all unheld / all free, in the order they became so
+        num_extents = -(-(num_pages - 1) // extent_pages)
+        self._extent_size = [min(extent_pages, num_pages - 1 - e * extent_pages)
+                             for e in range(num_extents)]
+        self._unheld = list(self._extent_size)
+        self._nfree = list(self._extent_size)
+        self._whole: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_extents))
+        self._whole_free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_extents))
 
     @property
     def num_free(self) -> int:
@@ -79,23 +110,75 @@ class PagePool:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` pages (refcount 1 each): never-cached pages first, then evictable cached
-        ones, least recently freed first (their hashes are forgotten). Raises OutOfPages,
-        allocating nothing, if fewer than `n` are free."""
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take `n` pages (refcount 1 each), each the next of `after` (the caller's last
+        page; None for a sequence with none) or of the page before it, as far as the order
+        in the class docstring allows: never-cached pages first, then evictable cached
+        ones (their hashes are forgotten). Raises OutOfPages, allocating nothing, if fewer
+        than `n` are free."""
         if n > self.num_free:
             raise OutOfPages(f"asked for {n} pages, {self.num_free} free")
         pages = []
         for _ in range(n):
-            if self._free:
-                page = self._free.popleft()
-            else:
-                page, _ = self._evictable.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)]
+            after = self._choose(after)
+            if after in self._evictable:
+                del self._page_of[self._hash_of.pop(after)]
                 self.num_evictions += 1
-            self._refs[page] = 1
-            pages.append(page)
+            self._hold(after)
+            self._refs[after] = 1
+            pages.append(after)
         return pages
+
+    def _choose(self, after: int | None) -> int:
+        nxt = None
+        if after is not None and (after % self.extent_pages) and after + 1 < self.num_pages:
+            nxt = after + 1  # `after` is not the last page of its extent
+        if self._free:
+            if nxt in self._free:
+                return nxt
+            if self._whole_free:
+                return self._first_page(next(iter(self._whole_free)))
+            return next(iter(self._free))
+        if nxt in self._evictable:
+            return nxt
+        if self._whole:
+            return self._first_page(next(iter(self._whole)))
+        return next(iter(self._evictable))
+
+    def _first_page(self, extent: int) -> int:
+        return 1 + extent * self.extent_pages
+
+    def _hold(self, page: int) -> None:
+        """Bookkeeping of an unheld page becoming held (allocated or shared)."""
+        e = (page - 1) // self.extent_pages
+        if self._unheld[e] == self._extent_size[e]:
+            del self._whole[e]
+        self._unheld[e] -= 1
+        if page in self._free:
+            if self._nfree[e] == self._extent_size[e]:
+                del self._whole_free[e]
+            self._nfree[e] -= 1
+            del self._free[page]
+        else:
+            del self._evictable[page]
+
+    def _release(self, page: int) -> None:
+        """Bookkeeping of a held page whose last reference was dropped."""
+        e = (page - 1) // self.extent_pages
+        self._unheld[e] += 1
+        if self._unheld[e] == self._extent_size[e]:
+            self._whole[e] = None
+        if page in self._hash_of:
+            self._evictable[page] = None
+        else:
+            self._add_free(page)
+
+    def _add_free(self, page: int) -> None:
+        e = (page - 1) // self.extent_pages
+        self._free[page] = None
+        self._nfree[e] += 1
+        if self._nfree[e] == self._extent_size[e]:
+            self._whole_free[e] = None
 
     def share(self, pages: list[int]) -> None:
         """Add a reference to each page: allocated ones (a sequence forking), or cached
@@ -106,7 +189,7 @@ class PagePool:
                 raise ValueError(f"page {p} is not allocated")
         for p in pages:
             if self._refs[p] == 0:
-                del self._evictable[p]
+                self._hold(p)
             self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
@@ -118,10 +201,7 @@ class PagePool:
                 raise ValueError(f"freeing page {p}, which is not allocated")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                if p in self._hash_of:
-                    self._evictable[p] = None
-                else:
-                    self._free.append(p)
+                self._release(p)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -150,7 +230,8 @@ class PagePool:
     def clear_cache(self) -> None:
         """Forget every cached page (after the KV pool was made again: their K/V are gone);
         evictable pages become free."""
-        self._free.extend(self._evictable)
-        self._evictable.clear()
+        evictable, self._evictable = self._evictable, OrderedDict()
+        for p in evictable:
+            self._add_free(p)
         self._hash_of.clear()
         self._page_of.clear()
