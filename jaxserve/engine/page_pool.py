@@ -111,25 +111,26 @@ class PagePool:
         return -(-num_tokens // self.page_size)
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:
-        """Take `n` pages (refcount 1 each), each the next of `after` (the caller's last
-        page; None for a sequence with none) or of the page before it, as far as the order
-        in the class docstring allows: never-cached pages first, then evictable cached
-        ones (their hashes are forgotten). Raises OutOfPages, allocating nothing, if fewer
-        than `n` are free."""
+        """Take `n` pages (refcount 1 each) for a sequence whose last page is `after` (None
+        if it holds none), each placed after the one before it where the class docstring's
+        order allows: never-cached pages first, then evictable cached ones (their hashes
+        are forgotten). Raises OutOfPages, allocating nothing, if fewer than `n` are free."""
         if n > self.num_free:
             raise OutOfPages(f"asked for {n} pages, {self.num_free} free")
         pages = []
         for _ in range(n):
-            after = self._choose(after)
-            if after in self._evictable:
-                del self._page_of[self._hash_of.pop(after)]
+            page = self._choose(after)
+            if page in self._evictable:
+                del self._page_of[self._hash_of.pop(page)]
                 self.num_evictions += 1
-            self._hold(after)
-            self._refs[after] = 1
-            pages.append(after)
+            self._hold(page)
+            self._refs[page] = 1
+            pages.append(page)
+            after = page
         return pages
 
     def _choose(self, after: int | None) -> int:
+        """The unheld page to hand out next to a sequence whose last page is `after`."""
         nxt = None
         if after is not None and (after % self.extent_pages) and after + 1 < self.num_pages:
             nxt = after + 1  # `after` is not the last page of its extent
