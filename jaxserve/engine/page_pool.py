@@ -65,7 +65,9 @@ class PagePool:
     most of it (PERFORMANCE.md, "Decode attention and the page pool's layout").
     Eviction keeps its order: a cached page is taken only when no never-cached page is
     left, then, first, the next page of the caller's extent or a whole extent of unheld
-    pages, least recently released first, and last the least recently freed page."""
+    pages, least recently released first, and last the least recently freed page.
+    `extent_pages=1` gives the order of before, vLLM's (never-cached pages in the order
+    freed, then cached ones least recently freed first): a baseline to measure against."""
 
     def __init__(self, num_pages: int, page_size: int, extent_pages: int = EXTENT_PAGES):
         if num_pages < 2:
