@@ -47,7 +47,8 @@ def page_hashes(token_ids: Sequence[int], page_size: int, start: int = 0,
     return hashes
 
 
-EXTENT_PAGES = 8  # pages a sequence's block table keeps together (see PagePool)
+EXTENT_PAGES = 8  # pages a sequence's block table keeps together: runs of 8 recovered most of
+#                  contiguous tables' decode attention speed (see PagePool)
 
 
 class PagePool:
@@ -60,9 +61,10 @@ class PagePool:
     that needs a new extent takes the first page of a wholly free one, and no one else
     takes pages from an extent a sequence holds while wholly free ones are left. Without
     this, sequences decoding side by side each took the next page of one FIFO list, so a
-    sequence's pages were interleaved with every other's; the C++ CPU attention kernel
-    read such tables 1.2-1.7x slower than contiguous ones, and runs of 8 pages recovered
-    most of it (PERFORMANCE.md, "Decode attention and the page pool's layout").
+    sequence's pages were interleaved with every other's, and the C++ CPU attention
+    kernel's decode read such tables markedly slower than contiguous ones; runs of 8
+    pages recovered most of the difference (PERFORMANCE.md, "Decode attention and the
+    page pool's layout", and "A sequence's pages kept together" for the end-to-end gain).
     Eviction keeps its order: a cached page is taken only when no never-cached page is
     left, then, first, the next page of the caller's extent or a whole extent of unheld
     pages, least recently released first, and last the least recently freed page.
