@@ -165,6 +165,28 @@ def test_eviction_takes_the_callers_next_page_then_whole_extents_least_recently_
     assert pool.allocate(1) == [8]  # freed before extent 0's pages 2-4 (extent 1 first)
 
 
+def test_a_prefix_hit_does_not_evict_the_cached_page_after_it():
+    """A conversation's cached turn after a shared system prompt survives another
+    conversation that hits the same system prompt: the hit continues elsewhere."""
+    pool = PagePool(num_pages=1 + 2 * 4, page_size=16, extent_pages=4)
+    first = pool.allocate(4)  # the system prompt (2 pages), then conversation A's turn
+    assert first == [1, 2, 3, 4]
+    for i, p in enumerate(first):
+        pool.register(p, b"turn-a" + bytes([i]))
+    other = pool.allocate(4)  # extent 1, cached by someone else and released earlier
+    for i, p in enumerate(other):
+        pool.register(p, b"other" + bytes([i]))
+    pool.free(other[::-1])
+    pool.free(first[::-1])
+    hit = pool.lookup([b"turn-a\x00", b"turn-a\x01"])
+    assert hit == [1, 2]
+    pool.share(hit)  # conversation B: the same system prompt
+    assert pool.allocate(1, after=hit[-1]) == [5]  # not A's turn (3): extent 1, LRU
+    assert pool.lookup([b"turn-a" + bytes([i]) for i in range(4)]) == [1, 2, 3, 4]
+    # the allocation opened extent 1, so its sequence continues there though cached
+    assert pool.allocate(1, after=5) == [6]
+
+
 def test_bookkeeping_holds_under_random_use():
     """Random allocate / share / free / register / clear_cache: the pool's per-extent
     counts and whole-extent sets equal a recount, and every page is in one state."""
@@ -213,6 +235,7 @@ def test_bookkeeping_holds_under_random_use():
             assert (pool._unheld[e], pool._nfree[e]) == (n_unheld, n_free)
             assert (e in pool._whole) == (n_unheld == size)
             assert (e in pool._whole_free) == (n_free == size)
+            assert not (pool._claimed[e] and e in pool._whole)
     assert pool.num_evictions > 0 and clears > 0
 
 

@@ -66,8 +66,10 @@ class PagePool:
     pages recovered most of the difference (PERFORMANCE.md, "Decode attention and the
     page pool's layout", and "A sequence's pages kept together" for the end-to-end gain).
     Eviction keeps its order: a cached page is taken only when no never-cached page is
-    left, then, first, the next page of the caller's extent or a whole extent of unheld
-    pages, least recently released first, and last the least recently freed page.
+    left, then, first, the next page of the caller's extent (if an allocation, not a
+    prefix-cache hit, opened that extent: a hit's next page may be another conversation's
+    cached turn) or a whole extent of unheld pages, least recently released first, and
+    last the least recently freed page.
     `extent_pages=1` gives the order of before, vLLM's (never-cached pages in the order
     freed, then cached ones least recently freed first): a baseline to measure against."""
 
@@ -94,6 +96,9 @@ class PagePool:
         self._nfree = list(self._extent_size)
         self._whole: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_extents))
         self._whole_free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_extents))
+        # whether an extent's first held page since it was last whole was allocated (not
+        # a prefix hit): only then may its next cached page be evicted for contiguity
+        self._claimed = [False] * num_extents
 
     @property
     def num_free(self) -> int:
@@ -127,7 +132,7 @@ class PagePool:
             if page in self._evictable:
                 del self._page_of[self._hash_of.pop(page)]
                 self.num_evictions += 1
-            self._hold(page)
+            self._hold(page, claim=True)
             self._refs[page] = 1
             pages.append(page)
             after = page
@@ -144,8 +149,8 @@ class PagePool:
             if self._whole_free:
                 return self._first_page(next(iter(self._whole_free)))
             return next(iter(self._free))
-        if nxt in self._evictable:
-            return nxt
+        if nxt in self._evictable and self._claimed[(nxt - 1) // self.extent_pages]:
+            return nxt  # evicted out of LRU order only within an extent the caller started
         if self._whole:
             return self._first_page(next(iter(self._whole)))
         return next(iter(self._evictable))
@@ -153,11 +158,13 @@ class PagePool:
     def _first_page(self, extent: int) -> int:
         return 1 + extent * self.extent_pages
 
-    def _hold(self, page: int) -> None:
-        """Bookkeeping of an unheld page becoming held (allocated or shared)."""
+    def _hold(self, page: int, claim: bool) -> None:
+        """Bookkeeping of an unheld page becoming held: allocated (`claim`: a whole extent
+        it opens is its sequence's to continue in) or shared (a prefix-cache hit)."""
         e = (page - 1) // self.extent_pages
         if self._unheld[e] == self._extent_size[e]:
             del self._whole[e]
+            self._claimed[e] = claim
         self._unheld[e] -= 1
         if page in self._free:
             if self._nfree[e] == self._extent_size[e]:
@@ -173,6 +180,7 @@ class PagePool:
         self._unheld[e] += 1
         if self._unheld[e] == self._extent_size[e]:
             self._whole[e] = None
+            self._claimed[e] = False
         if page in self._hash_of:
             self._evictable[page] = None
         else:
@@ -194,7 +202,7 @@ class PagePool:
                 raise ValueError(f"page {p} is not allocated")
         for p in pages:
             if self._refs[p] == 0:
-                self._hold(p)
+                self._hold(p, claim=False)
             self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
