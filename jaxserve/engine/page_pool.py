@@ -150,7 +150,7 @@ class PagePool:
                 return self._first_page(next(iter(self._whole_free)))
             return next(iter(self._free))
         if nxt in self._evictable and self._claimed[(nxt - 1) // self.extent_pages]:
-            return nxt  # evicted out of LRU order only within an extent the caller started
+            return nxt  # out of LRU order only in an extent an allocation opened
         if self._whole:
             return self._first_page(next(iter(self._whole)))
         return next(iter(self._evictable))
