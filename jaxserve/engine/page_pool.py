@@ -149,11 +149,14 @@ class PagePool:
             if self._whole_free:
                 return self._first_page(next(iter(self._whole_free)))
             return next(iter(self._free))
-        if nxt in self._evictable and self._claimed[(nxt - 1) // self.extent_pages]:
+        if nxt in self._evictable and self._claimed[self._extent(nxt)]:
             return nxt  # out of LRU order only in an extent an allocation opened
         if self._whole:
             return self._first_page(next(iter(self._whole)))
         return next(iter(self._evictable))
+
+    def _extent(self, page: int) -> int:
+        return (page - 1) // self.extent_pages
 
     def _first_page(self, extent: int) -> int:
         return 1 + extent * self.extent_pages
@@ -161,7 +164,7 @@ class PagePool:
     def _hold(self, page: int, claim: bool) -> None:
         """Bookkeeping of an unheld page becoming held: allocated (`claim`: a whole extent
         it opens is its sequence's to continue in) or shared (a prefix-cache hit)."""
-        e = (page - 1) // self.extent_pages
+        e = self._extent(page)
         if self._unheld[e] == self._extent_size[e]:
             del self._whole[e]
             self._claimed[e] = claim
@@ -176,7 +179,7 @@ class PagePool:
 
     def _release(self, page: int) -> None:
         """Bookkeeping of a held page whose last reference was dropped."""
-        e = (page - 1) // self.extent_pages
+        e = self._extent(page)
         self._unheld[e] += 1
         if self._unheld[e] == self._extent_size[e]:
             self._whole[e] = None
@@ -187,7 +190,7 @@ class PagePool:
             self._add_free(page)
 
     def _add_free(self, page: int) -> None:
-        e = (page - 1) // self.extent_pages
+        e = self._extent(page)
         self._free[page] = None
         self._nfree[e] += 1
         if self._nfree[e] == self._extent_size[e]:
