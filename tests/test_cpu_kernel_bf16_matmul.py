@@ -229,7 +229,7 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
     packed = dual_precision_params(params, 1, packed=True)
     head = packed.lm_head
     assert isinstance(head, DualPrecisionWeight) and head.packed and head.vocab_major
-    assert head.shape == (cfg.vocab_size, cfg.hidden_size) and head.w_bf16.ndim == 4
+    assert head.shape == (cfg.vocab_size, cfg.hidden_size) and head.w_copy.ndim == 4
     assert packed.layers[0].wo.shape == params.layers[0].wo.shape  # [heads, head_dim, embed]
     lp = packed.layers[0]  # projections sharing an input are fused
     assert isinstance(lp.wq, FusedWeight) and isinstance(lp.w_gate, FusedWeight)

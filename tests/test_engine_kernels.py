@@ -642,16 +642,16 @@ def test_bf16_weights_pack_losslessly_and_panels_split_over_shards(cpu_kernels_l
     w = jax.random.normal(jax.random.key(0), (64, 96)).astype(jnp.bfloat16)
     d = dual_precision(w, 1, packed=True)
     assert d.packed and d.w is None
-    np.testing.assert_array_equal(np.asarray(unpack_weight(d.w_bf16)), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(unpack_weight(d.w_copy)), np.asarray(w))
     with pytest.raises(ValueError, match="needs f32 weights"):
         dual_precision(w, 8, packed=True)
     # N = 96: panels of 64 do not tile it, 16 does; over 2 shards 48 columns each -> 16
-    assert dual_precision(w, 1, packed=True, split=(1, 2)).w_bf16.shape == (6, 32, 16, 2)
+    assert dual_precision(w, 1, packed=True, split=(1, 2)).w_copy.shape == (6, 32, 16, 2)
     # 3 shards of 32 columns: panels of 16 (2 per shard)
-    assert dual_precision(w, 1, packed=True, split=(1, 3)).w_bf16.shape == (6, 32, 16, 2)
+    assert dual_precision(w, 1, packed=True, split=(1, 3)).w_copy.shape == (6, 32, 16, 2)
     w128 = jnp.zeros((64, 128), jnp.bfloat16)
-    assert dual_precision(w128, 1, packed=True, split=(1, 2)).w_bf16.shape[2] == 64
-    assert dual_precision(w128, 1, packed=True, split=(1, 4)).w_bf16.shape[2] == 16
+    assert dual_precision(w128, 1, packed=True, split=(1, 2)).w_copy.shape[2] == 64
+    assert dual_precision(w128, 1, packed=True, split=(1, 4)).w_copy.shape[2] == 16
 
 
 def test_quant_groups_must_fit_each_devices_rows():

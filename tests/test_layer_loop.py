@@ -159,7 +159,7 @@ def test_layer_view_keeps_packed_kernel_weights_stacked(cpu_kernels_library):
     params = dual_precision_params(init_params(CFG, jax.random.key(4), scale=0.3), 1, packed=True)
     stacked = stack_layers(params.layers)
     lp = layer_view(stacked, jnp.int32(1))
-    assert lp.w_down.w_bf16.shape[0] == CFG.num_layers and int(lp.w_down.layer) == 1
+    assert lp.w_down.w_copy.shape[0] == CFG.num_layers and int(lp.w_down.layer) == 1
     np.testing.assert_array_equal(np.asarray(lp.mlp_norm), np.asarray(params.layers[1].mlp_norm))
 
 
@@ -168,11 +168,11 @@ def test_stacking_with_donate_frees_the_packed_per_layer_arrays(cpu_kernels_libr
     stacked, so the weights are not held twice; the other leaves are left alone; the stack
     holds each layer's values."""
     params = dual_precision_params(init_params(CFG, jax.random.key(8), scale=0.3), 1, packed=True)
-    want = np.asarray(params.layers[2].w_down.w_bf16)
+    want = np.asarray(params.layers[2].w_down.w_copy)
     stacked = stack_layers(params.layers, donate=True)
-    assert all(lp.w_down.w_bf16.is_deleted() for lp in params.layers)
+    assert all(lp.w_down.w_copy.is_deleted() for lp in params.layers)
     assert not any(lp.mlp_norm.is_deleted() for lp in params.layers)
-    np.testing.assert_array_equal(np.asarray(stacked.layers.w_down.w_bf16[2]), want)
+    np.testing.assert_array_equal(np.asarray(stacked.layers.w_down.w_copy[2]), want)
 
 
 def test_why_not_loop_names_the_reason():

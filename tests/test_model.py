@@ -218,7 +218,7 @@ def test_dual_precision_weights_pick_by_rows():
     params = _params(cfg, 6)
     dual = dual_precision_params(params, min_rows=4)
     assert isinstance(dual.lm_head, DualPrecisionWeight) and dual.lm_head.vocab_major
-    assert dual.layers[0].wq.w_bf16.dtype == jnp.bfloat16 and dual.layers[0].wq.w is params.layers[0].wq
+    assert dual.layers[0].wq.w_copy.dtype == jnp.bfloat16 and dual.layers[0].wq.w is params.layers[0].wq
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 9).tolist()
     f32 = PagedDriver(params, cfg, page_size=4)
     mixed = PagedDriver(dual, cfg, page_size=4)
@@ -235,7 +235,7 @@ def test_dual_precision_weights_pick_by_rows():
     # summation errors, each at most (K - 1) u sum |x_k w_k| (u = 2^-24)
     one, many = np.asarray(dense(x[:1], w, 1)), np.asarray(dense(x, w, 1))[:1]
     xb = np.asarray(x[:1].astype(jnp.bfloat16), np.float64)
-    wb = np.asarray(w.w_bf16, np.float64)
+    wb = np.asarray(w.w_copy, np.float64)
     bound = 2 * (cfg.hidden_size - 1) * 2.0 ** -24 * (np.abs(xb) @ np.abs(wb))
     assert np.all(np.abs(one - many) <= bound), np.abs(one - many).max()
 

@@ -50,7 +50,7 @@ def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
     count; from w.round_x_min_rows rows x rounded to bf16, bf16 dot products)."""
     from jaxserve.kernels.cpu.bf16_matmul import bf16_matmul as cpu_bf16_matmul
     round_x = w.round_x_min_rows is not None and x2.shape[0] >= w.round_x_min_rows
-    return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_bf16, round_x=round_x,
+    return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_copy, round_x=round_x,
                            layer=getattr(w, "layer", None))
 
 

@@ -108,7 +108,7 @@ def _dual_spec(node: DualPrecisionWeight, spec: PartitionSpec, ax_in: str | None
     weight (`spec`); a packed copy [N / P, K / 2, P, 2] by output then input axis."""
     return dataclasses.replace(
         node, w=None if node.w is None else spec,
-        w_bf16=PartitionSpec(ax_out, ax_in, None, None) if node.packed else spec)
+        w_copy=PartitionSpec(ax_out, ax_in, None, None) if node.packed else spec)
 
 
 def layer_specs(lp: LayerParams, rules: ShardingRules) -> LayerParams:
@@ -184,7 +184,7 @@ def vocab_axis(params: Params, rules: ShardingRules) -> str | None:
     if isinstance(head, GGMLWeight):  # [vocab, D] blocks
         return rules.spec(EMBED_AXES, head.shape)[0]
     if isinstance(head, DualPrecisionWeight):  # [V, D] when tied or packed: vocab first
-        spec = node_spec(head, LM_HEAD_AXES, 1, rules).w_bf16
+        spec = node_spec(head, LM_HEAD_AXES, 1, rules).w_copy
         return spec[0] if head.packed or head.vocab_major else spec[1]
     return rules.spec(LM_HEAD_AXES, head.shape)[1]
 

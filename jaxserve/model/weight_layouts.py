@@ -102,7 +102,7 @@ def quantize_params(params: Params, fmt: str, group_size: int | None = None,
 
 @pytree_dataclass(meta=("min_rows", "vocab_major", "logical_shape", "max_rows", "round_x_min_rows"))
 class DualPrecisionWeight:
-    """An f32 weight kept twice: `w_bf16` (the same values rounded to bf16) for matmuls over
+    """An f32 weight kept twice: `w_copy` (the same values rounded to bf16) for matmuls over
     `min_rows` to `max_rows` rows of activations (None: no upper limit), and `w` (f32) for
     the others. A plain bf16 copy runs XLA's bf16 x bf16 dot (x rounded to bf16, f32
     accumulation); a packed one the C++ CPU kernel (weights widened to f32, x and the
@@ -118,7 +118,7 @@ class DualPrecisionWeight:
     max_rows is for machines where f32 wins again at prefill sizes (PERFORMANCE.md, the same
     section).
     vocab_major: the LM head tied to the embedding, stored [vocab, embed].
-    logical_shape: None, or the weight's [*in, *out] shape when `w_bf16` is packed for the
+    logical_shape: None, or the weight's [*in, *out] shape when `w_copy` is packed for the
     C++ CPU kernel (jaxserve.kernels.cpu.bf16_matmul.pack_weight: [N / P, K / 2, P, 2], input rows
     K = prod(in), N = prod(out); a vocab-major head packs as [embed, vocab]).
     round_x_min_rows: None, or for a packed copy: matmuls over at least this many rows round
@@ -127,7 +127,7 @@ class DualPrecisionWeight:
     """
 
     w: Any
-    w_bf16: Any
+    w_copy: Any
     min_rows: int = 16
     vocab_major: bool = False
     logical_shape: tuple[int, ...] | None = None
@@ -140,7 +140,7 @@ class DualPrecisionWeight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.logical_shape if self.packed else tuple(self.w_bf16.shape)
+        return self.logical_shape if self.packed else tuple(self.w_copy.shape)
 
     def uses_bf16(self, rows: int) -> bool:
         """Whether a matmul over `rows` rows uses the bf16 copy."""
@@ -148,7 +148,7 @@ class DualPrecisionWeight:
 
     def pick(self, rows: int) -> jax.Array:
         """The copy a matmul over `rows` rows uses."""
-        return self.w_bf16 if self.uses_bf16(rows) else self.w
+        return self.w_copy if self.uses_bf16(rows) else self.w
 
 
 def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in: int = 1,
@@ -184,10 +184,10 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
         panel = next((p for p in (PANEL, LANES) if n % (p * split[1]) == 0), None)
         if panel is not None and k % split[0] == 0 and can_pack(k // split[0], n // split[1]):
             w_packed = jax.jit(pack_weight, static_argnums=(1, 2))(w2, vocab_major, panel)
-            return DualPrecisionWeight(w=keep, w_bf16=w_packed, min_rows=min_rows,
+            return DualPrecisionWeight(w=keep, w_copy=w_packed, min_rows=min_rows,
                                        vocab_major=vocab_major, logical_shape=tuple(w.shape),
                                        max_rows=max_rows, round_x_min_rows=round_x_min_rows)
-    return DualPrecisionWeight(w=keep, w_bf16=w.astype(jnp.bfloat16), min_rows=min_rows,
+    return DualPrecisionWeight(w=keep, w_copy=w.astype(jnp.bfloat16), min_rows=min_rows,
                                vocab_major=vocab_major, max_rows=max_rows)
 
 
