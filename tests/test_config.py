@@ -43,7 +43,8 @@ def test_override_routes_each_field_to_its_group():
      "CompilationConfig.xla_compiler_options names an option twice"),
     ({"fused_decode": "yes"},
      r"CompilationConfig.fused_decode must be true, false or None \(auto\), got 'yes'"),
-    ({"matmul_impl": "cpu"}, "KernelConfig.matmul_impl='cpu' runs the bf16 weight copies"),
+    ({"matmul_impl": "cpu", "weight_quant": "int8"},
+     "KernelConfig.matmul_impl='cpu' multiplies float weights"),
     ({"max_model_len": 0}, "EngineConfig.max_model_len must be > 0"),
     ({"max_num_seqs": 32, "max_num_batched_tokens": 16},
      r"SchedulerConfig.max_num_batched_tokens \(16\) must be at least max_num_seqs \(32\)"),
@@ -102,6 +103,9 @@ def test_check_deployment_needs_of_the_model_and_mesh():
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows needs float32 weights"):
         check_deployment(copies.override(bf16_matmul_max_rows=64), bf16, one)
     check_deployment(copies, f32, tp2)  # kernels run per device under TP
+    panels = EngineConfig().override(matmul_impl="cpu")  # f32 panels, or bf16 as they are
+    check_deployment(panels, f32, one)
+    check_deployment(panels, bf16, one)
     check_deployment(EngineConfig().override(weight_quant="int8"), f32, tp2)
     # 4 query / 2 KV heads on 4 devices: each KV head repeated over 2 of them
     check_deployment(EngineConfig(), f32, ParallelConfig(tensor_parallel_size=4))

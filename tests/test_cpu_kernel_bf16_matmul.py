@@ -176,7 +176,7 @@ def test_bf16_dot_speedup_is_measured(cpu_kernels_library):
 @pytest.mark.parametrize("x,w,match", [
     (jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((1, 32, 16, 2), jnp.bfloat16), r"x must be one of \(float32\)"),
     (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 16, 16, 2), jnp.bfloat16), r"w_packed must have shape \[\*, 32, \*, 2\]"),
-    (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 32, 16, 2), jnp.float32), r"w_packed must be one of \(bfloat16\)"),
+    (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 32, 16, 2), jnp.float16), r"w_packed must be one of \(bfloat16, float32\)"),
     (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 32, 8, 2), jnp.bfloat16), "panel width must be a multiple of 16, got 8"),
 ])
 def test_bad_inputs_name_the_argument(x, w, match):
@@ -250,3 +250,119 @@ def test_packed_weights_in_the_model_match_bf16_rounded_f32_weights():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     for got, want in zip(out["packed"], out["unfused"]):  # fusing changes no output column
         np.testing.assert_array_equal(got, want)
+
+
+# --- f32 panels: a float32 model's own weights (KernelConfig.matmul_impl "cpu") ----------
+
+def test_f32_panels_round_trip_and_layout():
+    """pack_weight's float32 layout: element [n // P, k // 2, k % 2, n % P] = W[k, n],
+    exactly (no rounding), from [K, N] or a transposed [N, K]."""
+    rng = np.random.default_rng(SEED + 11)
+    w = _w(rng, 6, 80)
+    p = pack_weight(w, dtype=jnp.float32)
+    assert p.shape == (5, 3, 2, 16) and p.dtype == jnp.float32
+    assert p[2, 1, 1, 5] == w[3, 37]
+    np.testing.assert_array_equal(np.asarray(unpack_weight(p)), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(pack_weight(w.T, True, dtype=jnp.float32)),
+                                  np.asarray(p))
+    with pytest.raises(ValueError, match="dtype must be bfloat16 or float32, got float16"):
+        pack_weight(w, dtype=jnp.float16)
+
+
+def _f32_panels_call(library, target):
+    """The library's f32-panel handler registered as `target`, called like bf16_matmul."""
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.JaxserveF32Matmul),
+                                platform="cpu")
+
+    def call(x, wp):
+        fn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], wp.shape[0] * wp.shape[3]),
+                                                           jnp.float32))
+        return np.asarray(fn(x, wp, jnp.zeros((), jnp.int32)))
+    return call
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_f32_panels_match_reference_and_a_row_keeps_its_bits(build, request):
+    """f32 panels in the native build (the AVX2 blocks wherever the CPU has AVX2: 1 row
+    streamed over 64 columns, 2 over 32, more in 6 x 16 blocks with every remainder; 300
+    rows over few panels split into row chunks) and the portable loop: the f32 dot at
+    HIGHEST precision up to summation order, on 64- and 16-column panels; and a row's bits
+    do not depend on the rows beside it (the tests' engine relies on it: the same greedy
+    tokens in any batch)."""
+    if build == "native":
+        call = lambda x, wp: np.asarray(bf16_matmul(x, wp))  # noqa: E731
+    else:
+        call = _f32_panels_call(request.getfixturevalue("portable_cpu_kernels"),
+                                "jaxserve_f32_matmul_portable_test")
+    rng = np.random.default_rng(SEED + 13)
+    for k, n in ((96, 192), (64, 80), (576, 64), (32, 64 * 37)):
+        wp = pack_weight(_w(rng, k, n), dtype=jnp.float32)
+        x = jnp.asarray(rng.standard_normal((300, k)), jnp.float32)
+        for m in list(range(0, 14)) + [37, 300]:
+            got = call(x[:m], wp)
+            ref = np.asarray(bf16_matmul_reference(x[:m], wp))
+            assert got.shape == (m, n)
+            np.testing.assert_allclose(got, ref, rtol=1e-5,
+                                       atol=1e-5 * max(1.0, np.abs(ref).max(initial=0)))
+        alone = np.stack([call(x[i:i + 1], wp)[0] for i in range(37)])
+        for m in list(range(2, 14)) + [37]:
+            np.testing.assert_array_equal(call(x[:m], wp), alone[:m], err_msg=f"{m} rows")
+
+
+def test_f32_panels_stacked_and_bad_inputs():
+    """A stack of f32 panels is read at its layer (in lax.scan too); round_x, an f32 weight
+    in the bf16 layout and a panel width not a multiple of 16 are refused, naming why."""
+    rng = np.random.default_rng(SEED + 17)
+    ws = [pack_weight(_w(rng, 96, 80), dtype=jnp.float32) for _ in range(3)]
+    stacked = jnp.stack(ws)
+    x = jnp.asarray(rng.standard_normal((9, 96)), jnp.float32)
+    want = np.stack([np.asarray(bf16_matmul(x, w)) for w in ws])
+    assert np.abs(want[0] - want[1]).max() > 0.1
+    _, got = jax.lax.scan(lambda c, i: (c, bf16_matmul(x, stacked, False, i)), 0,
+                          jnp.arange(3, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(Exception, match="f32_matmul: layer must be in"):
+        np.asarray(bf16_matmul(x, stacked, False, 3))
+    with pytest.raises(ValueError, match="round_x rounds x for the bf16 dot: not with f32 panels"):
+        bf16_matmul(x, ws[0], round_x=True)
+    with pytest.raises(ValueError, match=r"w_packed must have shape \[\*, 48, 2, \*\]"):
+        bf16_matmul(x, jnp.zeros((5, 48, 16, 2), jnp.float32))
+    with pytest.raises(ValueError, match="panel width must be a multiple of 16, got 8"):
+        bf16_matmul(x, jnp.zeros((10, 48, 2, 8), jnp.float32))
+
+
+def test_f32_panels_in_the_model_give_the_f32_logits():
+    """dual_precision_params(copy_dtype=float32) through the model: the plain f32 model's
+    logits up to summation order (prefill and decode, a tied head packed from [vocab,
+    embed], projections fused); unfused panels give the fused ones' bits."""
+    from jaxserve.model.params import init_params
+    from jaxserve.model.params import PROJECTIONS
+    from jaxserve.model.weight_layouts import (DualPrecisionWeight, FusedWeight,
+                                               dual_precision, dual_precision_params)
+    from jaxserve.model.transformer import Kernels
+    from model_utils import PagedDriver, tiny_config
+
+    cfg = tiny_config(hidden_size=64, intermediate_size=96, num_heads=6, num_kv_heads=2,
+                      head_dim=32, vocab_size=256, tie_word_embeddings=True)
+    params = init_params(cfg, jax.random.key(4), scale=0.3)
+    packed = dual_precision_params(params, 1, packed=True, copy_dtype=jnp.float32)
+    head, lp = packed.lm_head, packed.layers[0]
+    assert isinstance(head, DualPrecisionWeight) and head.packed and head.w is None
+    assert head.w_copy.dtype == jnp.float32 and head.w_copy.shape == (4, 32, 2, 64)
+    assert isinstance(lp.wq, FusedWeight) and lp.wq.w.w_copy.dtype == jnp.float32
+    unfused = dataclasses.replace(packed, layers=tuple(
+        dataclasses.replace(p, **{name: dual_precision(getattr(p, name), 1, packed=True, n_in=n_in,
+                                                       copy_dtype=jnp.float32)
+                                  for name, n_in in PROJECTIONS.items()})
+        for p in params.layers))
+    ids = np.random.default_rng(SEED).integers(0, cfg.vocab_size, 12).tolist()
+    out = {}
+    for name, p in (("plain", params), ("packed", packed), ("unfused", unfused)):
+        drv = PagedDriver(p, cfg, page_size=4, kernels=Kernels("xla", "xla"), layout="head_major")
+        out[name] = [drv.step({"s": ids[:9]}, T=16, P=4)["s"], drv.step({"s": ids[9:10]}, T=1, P=4)["s"]]
+    for got, want in zip(out["packed"], out["plain"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for got, want in zip(out["packed"], out["unfused"]):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="f32 panels .* needs packed, min_rows 1"):
+        dual_precision(params.layers[0].wo, 2, packed=True, n_in=2, copy_dtype=jnp.float32)

@@ -255,8 +255,9 @@ def test_dual_precision_weights_pick_by_rows():
         KernelConfig(bf16_matmul_min_rows=4, bf16_matmul_max_rows=2)
     with pytest.raises(ConfigError, match="bf16_matmul_max_rows needs bf16_matmul_min_rows"):
         KernelConfig(bf16_matmul_max_rows=8)
-    with pytest.raises(ConfigError, match="matmul_impl='cpu' runs the bf16 weight copies"):
-        KernelConfig(matmul_impl="cpu")
+    with pytest.raises(ConfigError, match="weight_quant's int8 / fp8 weights have no C"):
+        KernelConfig(matmul_impl="cpu", weight_quant="fp8_e4m3")
+    KernelConfig(matmul_impl="cpu")  # a float32 model's own weights in f32 panels
     with pytest.raises(ConfigError, match="bf16_matmul_min_rows and weight_quant"):
         KernelConfig(bf16_matmul_min_rows=1, weight_quant="int8")
 

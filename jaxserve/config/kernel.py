@@ -96,7 +96,9 @@ class KernelConfig:
     "pallas_gemv_interpret" (the Triton kernels with their CUDA-core GEMVs for matmuls of
     at most 4 rows: single-stream decode), "cpu" (the bf16 weight copies of
     bf16_matmul_min_rows in the C++ kernel of jaxserve/kernels/cpu/, AVX512-BF16 where the
-    CPU has it)."""
+    CPU has it; without bf16_matmul_min_rows, a float32 model's own weights packed in the
+    kernel's f32 panels, every row count in one path of f32 FMAs, so a row's result never
+    depends on the rows beside it; a bfloat16 model's packed as they are)."""
     sampling_impl: str = dataclasses.field(default="auto", metadata={"choices": SAMPLING_IMPLS})
     """What computes each row's argmax and log-sum-exp over the vocabulary for the sampler
     (greedy tokens, logprobs): "auto" ("cpu" on one CPU device, xla otherwise), "xla",
@@ -175,9 +177,10 @@ class KernelConfig:
         elif self.bf16_matmul_round_x_min_rows is not None:
             raise ConfigError("KernelConfig.bf16_matmul_round_x_min_rows needs "
                               "bf16_matmul_min_rows")
-        elif self.matmul_impl == "cpu":
-            raise ConfigError("KernelConfig.matmul_impl='cpu' runs the bf16 weight copies: set "
-                              "bf16_matmul_min_rows")
+        elif self.matmul_impl == "cpu" and self.weight_quant is not None:
+            raise ConfigError("KernelConfig.matmul_impl='cpu' multiplies float weights (f32 "
+                              "panels or bf16 copies); weight_quant's int8 / fp8 weights have "
+                              "no C++ kernel: use matmul_impl 'auto' or 'xla'")
         g = self.weight_quant_group_size
         if g is not None:
             if self.weight_quant != "int8":

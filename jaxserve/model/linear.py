@@ -45,9 +45,10 @@ def bf16_matmul(x2: jax.Array, w: jax.Array, w_vocab_major: bool = False) -> jax
 
 
 def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
-    """x2 [rows, K] (any float) times a packed DualPrecisionWeight's bf16 copy -> [rows, N]
-    f32 in the C++ CPU kernel (weights widened to f32, x and the arithmetic f32; any row
-    count; from w.round_x_min_rows rows x rounded to bf16, bf16 dot products)."""
+    """x2 [rows, K] (any float) times a packed DualPrecisionWeight's copy -> [rows, N] f32 in
+    the C++ CPU kernel: a bf16 copy's weights widened to f32, x and the arithmetic f32
+    (any row count; from w.round_x_min_rows rows x rounded to bf16, bf16 dot products),
+    or f32 panels (the f32 weight itself) in f32 FMAs."""
     from jaxserve.kernels.cpu.bf16_matmul import bf16_matmul as cpu_bf16_matmul
     round_x = w.round_x_min_rows is not None and x2.shape[0] >= w.round_x_min_rows
     return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_copy, round_x=round_x,
@@ -184,8 +185,9 @@ class XlaMatmul(Matmul):
 
 @dataclasses.dataclass(frozen=True)
 class CpuMatmul(Matmul):
-    """bf16 weight copies packed at load for the C++ kernel of jaxserve/kernels/cpu/bf16_matmul (the
-    packed leaves pick that kernel themselves); no quantised weights."""
+    """Float weights packed at load for the C++ kernel of jaxserve/kernels/cpu/bf16_matmul:
+    bf16 copies, or f32 panels of a float32 model's own weights (the packed leaves pick
+    that kernel themselves); GGUF blocks packed for ggml_matmul; no quantised weights."""
 
     name = "cpu"
     packs_bf16 = True

@@ -106,7 +106,10 @@ class DualPrecisionWeight:
     `min_rows` to `max_rows` rows of activations (None: no upper limit), and `w` (f32) for
     the others. A plain bf16 copy runs XLA's bf16 x bf16 dot (x rounded to bf16, f32
     accumulation); a packed one the C++ CPU kernel (weights widened to f32, x and the
-    arithmetic f32).
+    arithmetic f32). With min_rows 1 and no max_rows the copy is the only weight (`w` None),
+    and a packed one may also be the f32 weight itself in the kernel's f32 panels
+    (`dual_precision`'s copy_dtype float32: KernelConfig.matmul_impl "cpu" without
+    bf16_matmul_min_rows).
 
     Why: on XLA:CPU (YNNPACK) a bf16 matmul with f32 accumulation can beat f32 from a few
     rows up, while a 1-row bf16 product takes a matrix-vector path slower than f32
@@ -119,8 +122,9 @@ class DualPrecisionWeight:
     section).
     vocab_major: the LM head tied to the embedding, stored [vocab, embed].
     logical_shape: None, or the weight's [*in, *out] shape when `w_copy` is packed for the
-    C++ CPU kernel (jaxserve.kernels.cpu.bf16_matmul.pack_weight: [N / P, K / 2, P, 2], input rows
-    K = prod(in), N = prod(out); a vocab-major head packs as [embed, vocab]).
+    C++ CPU kernel (jaxserve.kernels.cpu.bf16_matmul.pack_weight: [N / P, K / 2, P, 2] bf16
+    or [N / P, K / 2, 2, P] f32, input rows K = prod(in), N = prod(out); a vocab-major head
+    packs as [embed, vocab]).
     round_x_min_rows: None, or for a packed copy: matmuls over at least this many rows round
     x to bf16 and use the CPU's bf16 dot-product instruction (jaxserve.kernels.cpu.bf16_matmul's
     round_x).
@@ -154,7 +158,8 @@ class DualPrecisionWeight:
 def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in: int = 1,
                    packed: bool = False, max_rows: int | None = None,
                    round_x_min_rows: int | None = None,
-                   split: tuple[int, int] = (1, 1)) -> DualPrecisionWeight:
+                   split: tuple[int, int] = (1, 1),
+                   copy_dtype: Any = jnp.bfloat16) -> DualPrecisionWeight:
     """`w` (f32) with its bf16 copy for matmuls over min_rows .. max_rows rows (only the
     copy when min_rows is 1 and max_rows None). packed: store the bf16 copy in the C++
     kernel's layout (jaxserve.kernels.cpu.bf16_matmul.pack_weight, over the first `n_in` axes as
@@ -163,13 +168,21 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
     tensor-parallel weight: the packed layout is blockwise over N and pairwise over K, so
     the global packing split over devices is each shard's own packing when every shard's
     K and N pack (checked; else plain). A bf16 `w` used for every row count (min_rows 1,
-    no max_rows) is its own copy: packing it is lossless. Raises ValueError if w is not
-    f32 (or such a bf16), min_rows < 1 or max_rows < min_rows."""
+    no max_rows) is its own copy: packing it is lossless. copy_dtype float32 (packed, min_rows
+    1, no max_rows, no round_x_min_rows): the f32 weight itself in the kernel's f32 panels,
+    where its shape packs (else the plain f32 weight: XLA's f32 dot). Raises ValueError if w is not
+    f32 (or such a bf16), min_rows < 1 or max_rows < min_rows, or copy_dtype float32 is
+    asked for otherwise."""
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if max_rows is not None and max_rows < min_rows:
         raise ValueError(f"max_rows must be >= min_rows ({min_rows}), got {max_rows}")
     keep = w if min_rows > 1 or max_rows is not None else None
+    f32_panels = jnp.dtype(copy_dtype) == jnp.float32
+    if f32_panels and (not packed or keep is not None or round_x_min_rows is not None
+                       or w.dtype != jnp.float32):
+        raise ValueError("f32 panels (copy_dtype float32) are the whole f32 weight, packed: "
+                         "needs packed, min_rows 1, no max_rows or round_x_min_rows")
     if w.dtype != jnp.float32 and not (w.dtype == jnp.bfloat16 and keep is None):
         raise ValueError(f"dual precision needs f32 weights (or bf16 ones with min_rows 1 "
                          f"and no max_rows), got {w.dtype} with min_rows {min_rows}")
@@ -183,11 +196,13 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
         # the widest panel whose blocks split evenly over the output shards
         panel = next((p for p in (PANEL, LANES) if n % (p * split[1]) == 0), None)
         if panel is not None and k % split[0] == 0 and can_pack(k // split[0], n // split[1]):
-            w_packed = jax.jit(pack_weight, static_argnums=(1, 2))(w2, vocab_major, panel)
+            w_packed = jax.jit(pack_weight, static_argnums=(1, 2, 3))(w2, vocab_major, panel,
+                                                                      copy_dtype)
             return DualPrecisionWeight(w=keep, w_copy=w_packed, min_rows=min_rows,
                                        vocab_major=vocab_major, logical_shape=tuple(w.shape),
                                        max_rows=max_rows, round_x_min_rows=round_x_min_rows)
-    return DualPrecisionWeight(w=keep, w_copy=w.astype(jnp.bfloat16), min_rows=min_rows,
+    # not packed: a plain copy (f32 panels that do not pack: the f32 weight, XLA's dot)
+    return DualPrecisionWeight(w=keep, w_copy=w.astype(copy_dtype), min_rows=min_rows,
                                vocab_major=vocab_major, max_rows=max_rows)
 
 
@@ -283,22 +298,25 @@ def fuse_projections(params: Params, rules: Any = None) -> Params:
 
 def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
                           max_rows: int | None = None, fuse: bool = True,
-                          round_x_min_rows: int | None = None, rules: Any = None) -> Params:
+                          round_x_min_rows: int | None = None, rules: Any = None,
+                          copy_dtype: Any = jnp.bfloat16) -> Params:
     """`params` (f32) with every layer projection (PROJECTIONS) and the LM head as
     DualPrecisionWeights over min_rows .. max_rows rows (a tied LM head becomes `lm_head`
     [vocab, embed] over the same f32 embedding array, plus its bf16 copy); embeddings and
     norms unchanged. packed: the bf16 copies in the C++ CPU kernel's layout (matmul_impl
     "cpu"), and with `fuse` the projections that share an input fused (FusedWeight in wq:
     wq | wk | wv, in w_gate: w_gate | w_up; fewer, larger kernel calls, every output
-    column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight.
-    rules: the ShardingRules of a tensor-parallel mesh (None: one device): packing and
+    column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight;
+    copy_dtype float32 (packed, min_rows 1): the f32 weights themselves in the kernel's f32
+    panels instead of bf16 copies (dual_precision). rules: the ShardingRules of a tensor-parallel mesh (None: one device): packing and
     fusion are then done per shard of each weight's split (jaxserve.model.tensor_parallel).
     GGMLWeight leaves (block-quantised weights) are kept as they are, and a layer holding
     one is not fused."""
     split = functools.partial(_shards, rules)
     def dual(w, split_, n_in=1, **kw):
         return dual_precision(w, min_rows, packed=packed, max_rows=max_rows, n_in=n_in,
-                              round_x_min_rows=round_x_min_rows, split=split_, **kw)
+                              round_x_min_rows=round_x_min_rows, split=split_,
+                              copy_dtype=copy_dtype, **kw)
 
     def proj(lp: LayerParams, name: str):
         w, n_in = getattr(lp, name), PROJECTIONS[name]

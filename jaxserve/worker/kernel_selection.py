@@ -12,6 +12,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from jaxserve.config import (GPU_PLATFORMS, ConfigError, KernelConfig, resolve_attention_impl,
                              resolve_impl)
 from jaxserve.model.layer_loop import slices_projections, stack_layers, why_not_loop
@@ -37,9 +39,10 @@ PALLAS_ATTENTION_KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn",
 def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str,
                           quantization: str | None = None) -> KernelConfig:
     """`kcfg` with what "auto" means for the model: a bfloat16 model on CPU with the
-    matmul left to "auto" (no weight_quant, no bf16_matmul_min_rows) runs its projections
-    and LM head in the C++ bf16 kernel, weights packed as they are (bf16_matmul_min_rows
-    = 1): XLA:CPU widens a bf16 weight to f32 on every matmul, a whole f32 temporary of
+    matmul left to "auto" or "cpu" (no weight_quant, no bf16_matmul_min_rows) runs its
+    projections and LM head in the C++ bf16 kernel, weights packed as they are
+    (bf16_matmul_min_rows = 1; a float32 model's "cpu" packs f32 panels instead:
+    layout_params): XLA:CPU widens a bf16 weight to f32 on every matmul, a whole f32 temporary of
     the weight each time, where the C++ kernel widens it in registers (PERFORMANCE.md,
     "Tensor parallel"). quantization: Config.quantization; "fp8" quantises the
     projections at load (weight_quant "fp8_e4m3", per output channel, vLLM's dynamic fp8)
@@ -55,7 +58,7 @@ def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str,
             bf16_matmul_min_rows=None, bf16_matmul_max_rows=None,
             bf16_matmul_round_x_min_rows=None,
             matmul_impl="auto" if kcfg.matmul_impl == "cpu" else kcfg.matmul_impl)
-    if (platform == "cpu" and model_dtype == "bfloat16" and kcfg.matmul_impl == "auto"
+    if (platform == "cpu" and model_dtype == "bfloat16" and kcfg.matmul_impl in ("auto", "cpu")
             and kcfg.weight_quant is None and kcfg.bf16_matmul_min_rows is None):
         return dataclasses.replace(kcfg, bf16_matmul_min_rows=1)
     return kcfg
@@ -188,10 +191,11 @@ def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
     first), or given bf16 copies beside
     the f32 weights (bf16_matmul_min_rows: DualPrecisionWeight leaves, packed for the C++
     kernel when kernels.matmul.packs_bf16; fused unless kcfg.fuse_projections is False),
-    or with kcfg.fuse_projections the projections that share an input fused (FusedWeight:
+    or, with the C++ matmul and no bf16 copies, the f32 weights themselves packed in its
+    f32 panels (projections and LM head, fused alike), or with kcfg.fuse_projections the projections that share an input fused (FusedWeight:
     jaxserve.model.weight_layouts.fuse_projections, the GPU default); otherwise
     unchanged. Float32 params for the
-    bf16 copies (checked by jaxserve.config.check_deployment). Under a tensor-parallel
+    bf16 copies and the f32 panels (checked by jaxserve.config.check_deployment). Under a tensor-parallel
     mesh (`rules`, read for its shapes only: an abstract mesh does) each device's shard
     is laid out on its own (packing and fusion per shard); nothing is placed."""
     if kcfg.weight_quant is not None:
@@ -204,6 +208,10 @@ def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
                                        max_rows=kcfg.bf16_matmul_max_rows,
                                        fuse=kcfg.fuse_projections is not False,
                                        round_x_min_rows=kernels.round_x_min_rows, rules=rules)
+    elif kernels.matmul.packs_bf16:  # matmul_impl "cpu" over the f32 weights themselves
+        params = dual_precision_params(params, 1, packed=True,
+                                       fuse=kcfg.fuse_projections is not False, rules=rules,
+                                       copy_dtype=jnp.float32)
     elif kcfg.fuse_projections:
         params = fuse_projections(params, rules)
     if kernels.matmul.packs_bf16:  # GGUF blocks in the C++ kernel's panels

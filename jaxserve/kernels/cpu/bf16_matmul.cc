@@ -58,11 +58,12 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-// Without AVX-512: the register blocks on 8-column AVX2 vectors (block_avx2).
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+// The register blocks on 8-column AVX2 vectors (block_avx2): bf16 panels without AVX-512,
+// and f32 panels on every CPU with AVX2 and FMA (AVX-512 ones too).
 #define JAXSERVE_MATMUL_AVX2 1
 #endif
 
@@ -95,10 +96,16 @@ struct Problem {
   const float* x;      // [M, K]
   const uint32_t* xb;  // nullptr, or x rounded to bf16, (k, k + 1) pairs: [M, xb_pairs]
   int64_t xb_pairs;    // xb's row stride in pairs: K / 2, or rounded up to 16 for AMX
-  const uint16_t* w;   // [N / P, K / 2, P, 2]
+  const void* w;       // bf16 [N / P, K / 2, P, 2] or f32 panels [N / P, K / 2, 2, P]
   float* out;          // [M, N]
   int64_t M, K2, N, P;
 };
+
+// Panel pi of p.w, whose elements are W (uint16_t: bf16 bits, or float): K * P of them.
+template <typename W>
+inline const W* panel_at(const Problem& p, int64_t pi) {
+  return static_cast<const W*>(p.w) + pi * p.K2 * p.P * 2;
+}
 
 // A register block's share of the next panel (kAheadMaxRows), fetched into L2 while the
 // block computes: per_k lines per k pair, from `next` up to `lines` lines.
@@ -232,34 +239,58 @@ inline void rows_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int
 #endif
 
 #if defined(JAXSERVE_MATMUL_AVX2)
-// block_avx512 on 8-column vectors: acc[r][j] over rows m0 .. m0 + R of x and columns
-// c0 .. c0 + 8 * J of the panel, each column summed in the same order (k pair after k
-// pair, the even row's product, then the odd one's). The 16 ymm registers hold R x J
-// accumulators and either 2 J widened weights and two broadcasts (4 x 16 blocks for many
-// rows) or, where those do not fit (1 x 64 and 2 x 32, which stream the panel in one or two
-// passes: a 1-row block of 32 columns read the LM head from DRAM 8% slower than the
-// portable loop's one pass), 2 R broadcasts and one 8-column vector's widened pair at a
-// time. fetch_panel (a panel's first block of many rows): prefetch the panel's whole
-// k-pair row kPrefetchPairs ahead; 1- and 2-row blocks prefetch their own columns.
-template <int R, int J>
-inline void block_avx2(const Problem& p, const uint16_t* panel, int64_t m0, int64_t c0,
-                       int64_t n0, bool fetch_panel) {
+// The even and odd k rows of 8 columns from column c of a k pair's row `wk` of a panel P
+// columns wide, as f32: bf16 pairs widened (shift left 16 for the even row, mask for the
+// odd one), or f32 panels' two rows loaded as they are.
+inline void load_pair(const uint16_t* wk, int64_t /*P*/, int64_t c, __m256& even, __m256& odd) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 2 * c));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void load_pair(const float* wk, int64_t P, int64_t c, __m256& even, __m256& odd) {
+  even = _mm256_loadu_ps(wk + c);
+  odd = _mm256_loadu_ps(wk + P + c);
+}
+
+// Prefetch columns c .. c + n of a k pair's row `wk` (both of its rows).
+inline void prefetch_cols(const uint16_t* wk, int64_t /*P*/, int64_t c, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(wk + 2 * c);
+  for (int64_t o = 0; o < n * 4; o += 64) _mm_prefetch(b + o, _MM_HINT_T0);
+}
+inline void prefetch_cols(const float* wk, int64_t P, int64_t c, int64_t n) {
+  for (int64_t o = 0; o < n; o += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(wk + c + o), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + P + c + o), _MM_HINT_T0);
+  }
+}
+
+// block_avx512 on 8-column vectors, for bf16 panels (W = uint16_t) or f32 panels (W =
+// float): acc[r][j] over rows m0 .. m0 + R of x and columns c0 .. c0 + 8 * J of the panel,
+// each column summed in the same order (k pair after k pair, the even row's product, then
+// the odd one's: an f32 panel's column is summed k after k). The 16 ymm registers hold
+// R x J accumulators and either 2 J loaded weights and two broadcasts (4 x 16 blocks for
+// many rows) or, where those do not fit (1 x 64 and 2 x 32, which stream the panel in one
+// or two passes: a 1-row block of 32 columns read the LM head from DRAM 8% slower than the
+// portable loop's one pass), 2 R broadcasts and one 8-column vector's pair at a time.
+// fetch_panel (a panel's first block of many rows): prefetch the panel's whole k-pair row
+// kPrefetchPairs ahead; 1- and 2-row blocks prefetch their own columns.
+template <int R, int J, typename W>
+inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0, int64_t n0,
+                       bool fetch_panel) {
   __m256 acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = p.x + (m0 + r) * p.K2 * 2;
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const uint16_t* wk = panel + c0 * 2;
-  const int64_t stride = p.P * 2;  // bf16 elements per k pair
+  const int64_t stride = p.P * 2;  // elements per k pair
+  const W* wk = panel;
   for (int64_t k = 0; k < p.K2; ++k, wk += stride) {
     if (R <= 2) {
-      for (int j = 0; j < J; j += 2)  // 64 bytes: two 8-column vectors
-        _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchPairs * stride + 16 * j),
-                     _MM_HINT_T0);
+      prefetch_cols(wk + kPrefetchPairs * stride, p.P, c0, 8 * J);
     } else if (fetch_panel) {
       const char* row = reinterpret_cast<const char*>(panel + (k + kPrefetchPairs) * stride);
-      for (int64_t b = 0; b < stride * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < stride * static_cast<int64_t>(sizeof(W)); b += 64)
+        _mm_prefetch(row + b, _MM_HINT_T0);
     }
     if constexpr (R * J + 2 * J + 2 > 16) {
       __m256 x0[R], x1[R];
@@ -268,9 +299,8 @@ inline void block_avx2(const Problem& p, const uint16_t* panel, int64_t m0, int6
         x1[r] = _mm256_set1_ps(xr[r][2 * k + 1]);
       }
       for (int j = 0; j < J; ++j) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16 * j));
-        const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-        const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        __m256 w_even, w_odd;
+        load_pair(wk, p.P, c0 + 8 * j, w_even, w_odd);
         for (int r = 0; r < R; ++r) {
           acc[r][j] = _mm256_fmadd_ps(x0[r], w_even, acc[r][j]);
           acc[r][j] = _mm256_fmadd_ps(x1[r], w_odd, acc[r][j]);
@@ -279,11 +309,7 @@ inline void block_avx2(const Problem& p, const uint16_t* panel, int64_t m0, int6
       continue;
     }
     __m256 w_even[J], w_odd[J];
-    for (int j = 0; j < J; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16 * j));
-      w_even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      w_odd[j] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
-    }
+    for (int j = 0; j < J; ++j) load_pair(wk, p.P, c0 + 8 * j, w_even[j], w_odd[j]);
     for (int r = 0; r < R; ++r) {
       const __m256 x0 = _mm256_set1_ps(xr[r][2 * k]);
       const __m256 x1 = _mm256_set1_ps(xr[r][2 * k + 1]);
@@ -297,11 +323,45 @@ inline void block_avx2(const Problem& p, const uint16_t* panel, int64_t m0, int6
     for (int j = 0; j < J; ++j)
       _mm256_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 8 * j, acc[r][j]);
 }
+
+// A panel's rows m_begin .. m_end in AVX2 register blocks: 4 x 16 for many rows, one
+// 64-column pass for 1 row and 32-column passes for 2 (load-bound).
+template <typename W>
+void run_panel_avx2(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
+  const W* panel = panel_at<W>(p, pi);
+  const int64_t n0 = pi * p.P;
+  constexpr int64_t kRowsAvx2 = 4;
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowsAvx2) {
+    const int64_t rows = std::min(kRowsAvx2, m_end - m0);
+    const bool first_rows = m0 == m_begin;
+    int64_t c0 = 0;
+    if (rows == 1)
+      for (; c0 + 64 <= p.P; c0 += 64) block_avx2<1, 8>(p, panel, m0, c0, n0, false);
+    if (rows == 2)
+      for (; c0 + 32 <= p.P; c0 += 32) block_avx2<2, 4>(p, panel, m0, c0, n0, false);
+    for (; c0 < p.P; c0 += 16) {  // (P is a multiple of 16)
+      const bool fetch = first_rows && c0 == 0 && rows > 1;
+      switch (rows) {
+        case 4: block_avx2<4, 2>(p, panel, m0, c0, n0, fetch); break;
+        case 3: block_avx2<3, 2>(p, panel, m0, c0, n0, fetch); break;
+        case 2: block_avx2<2, 2>(p, panel, m0, c0, n0, fetch); break;
+        default: block_avx2<1, 2>(p, panel, m0, c0, n0, false); break;
+      }
+    }
+  }
+}
 #endif
 
-// Portable path: the same packing and f32 arithmetic.
+// Weight (k, column c) of a k pair's row `wk`, as f32: `odd` picks the pair's second row.
+inline float weight_at(const uint16_t* wk, int64_t /*P*/, int64_t c, int odd) {
+  return from_bf16(wk[2 * c + odd]);
+}
+inline float weight_at(const float* wk, int64_t P, int64_t c, int odd) { return wk[odd * P + c]; }
+
+// Portable path: the same packing and f32 arithmetic, bf16 panels (W = uint16_t) or f32.
+template <typename W>
 void panel_portable(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
-  const uint16_t* panel = p.w + pi * p.K2 * p.P * 2;
+  const W* panel = panel_at<W>(p, pi);
   const int64_t n0 = pi * p.P;
   std::vector<float> acc(p.P);
   for (int64_t m = m_begin; m < m_end; ++m) {
@@ -314,9 +374,9 @@ void panel_portable(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end
         x0 = from_bf16(static_cast<uint16_t>(p.xb[m * p.xb_pairs + k] & 0xffffu));
         x1 = from_bf16(static_cast<uint16_t>(p.xb[m * p.xb_pairs + k] >> 16));
       }
-      const uint16_t* wk = panel + k * p.P * 2;
+      const W* wk = panel + k * p.P * 2;
       for (int64_t c = 0; c < p.P; ++c)
-        acc[c] += x0 * from_bf16(wk[2 * c]) + x1 * from_bf16(wk[2 * c + 1]);
+        acc[c] += x0 * weight_at(wk, p.P, c, 0) + x1 * weight_at(wk, p.P, c, 1);
     }
     std::copy(acc.begin(), acc.end(), p.out + m * p.N + n0);
   }
@@ -326,10 +386,10 @@ template <typename NextPanel>
 void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
                NextPanel next_panel) {
 #if defined(__AVX512F__)
-  const uint16_t* panel = p.w + pi * p.K2 * p.P * 2;
+  const uint16_t* panel = panel_at<uint16_t>(p, pi);
   const int64_t n0 = pi * p.P;
 #if !defined(__AVX512BF16__)
-  if (p.xb != nullptr) return panel_portable(p, pi, m_begin, m_end);
+  if (p.xb != nullptr) return panel_portable<uint16_t>(p, pi, m_begin, m_end);
 #endif
   if (p.M <= kStreamRows && p.P % 64 == 0) {
     // 1-6 rows (decode of a few streams, a verify step of one) are load-bound: take the
@@ -355,7 +415,7 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
   const int64_t blocks = (m_end - m_begin + kMaxRows - 1) / kMaxRows * ((p.P + 31) / 32);
   const int64_t next_lines = next_pi >= 0 ? p.K2 * p.P * 4 / 64 : 0;
   const int64_t share = (next_lines + blocks - 1) / blocks;
-  const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(p.w + next_pi * p.K2 * p.P * 2)
+  const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(panel_at<uint16_t>(p, next_pi))
                                    : nullptr;
   int64_t block = 0;
   auto ahead = [&]() {
@@ -375,30 +435,74 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
   }
 #elif defined(JAXSERVE_MATMUL_AVX2)
   (void)next_panel;
-  if (p.xb != nullptr) return panel_portable(p, pi, m_begin, m_end);  // (no bf16 dot here)
-  const uint16_t* panel = p.w + pi * p.K2 * p.P * 2;
+  if (p.xb != nullptr) return panel_portable<uint16_t>(p, pi, m_begin, m_end);  // (no bf16 dot)
+  run_panel_avx2<uint16_t>(p, pi, m_begin, m_end);
+#else
+  (void)next_panel;
+  panel_portable<uint16_t>(p, pi, m_begin, m_end);
+#endif
+}
+
+#if defined(JAXSERVE_MATMUL_AVX2)
+// An f32 panel's rows m0 .. m0 + R (R <= 6) times its columns c0 .. c0 + 16, k after k
+// (an f32 panel [K / 2, 2, P] is [K, P]: row k at k * P): 12 ymm accumulators, two weight
+// vectors and a broadcast, the AVX2 f32 GEMM micro-kernel's 6 x 16 (BLIS). Each column is
+// summed k after k, as in block_avx2's pairs (the even row, then the odd one), so every
+// block gives a row the same result. fetch_panel: as block_avx2's.
+template <int R>
+inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t c0, int64_t n0,
+                      bool fetch_panel) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = p.x + (m0 + r) * p.K2 * 2;
+  const int64_t K = p.K2 * 2;
+  const float* wk = panel + c0;
+  for (int64_t k = 0; k < K; ++k, wk += p.P) {
+    if (fetch_panel) {
+      const char* row = reinterpret_cast<const char*>(panel + (k + 2 * kPrefetchPairs) * p.P);
+      for (int64_t b = 0; b < p.P * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xk = _mm256_set1_ps(xr[r][k]);
+      acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xk, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0, acc[r][0]);
+    _mm256_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 8, acc[r][1]);
+  }
+}
+#endif
+
+// An f32 panel's rows: the AVX2 blocks wherever the CPU has AVX2 and FMA (AVX-512 CPUs
+// too: one path at every row count, so a row's result never depends on the rows beside
+// it), else the portable loop. 1 and 2 rows stream the panel as block_avx2 does; more in
+// 6 x 16 blocks (block_f32).
+void run_panel_f32(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
+#if defined(JAXSERVE_MATMUL_AVX2)
+  if (m_end - m_begin <= 2) return run_panel_avx2<float>(p, pi, m_begin, m_end);
+  const float* panel = panel_at<float>(p, pi);
   const int64_t n0 = pi * p.P;
-  constexpr int64_t kRowsAvx2 = 4;
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowsAvx2) {
-    const int64_t rows = std::min(kRowsAvx2, m_end - m0);
-    const bool first_rows = m0 == m_begin;
-    int64_t c0 = 0;
-    if (rows == 1)
-      for (; c0 + 64 <= p.P; c0 += 64) block_avx2<1, 8>(p, panel, m0, c0, n0, false);
-    if (rows == 2)
-      for (; c0 + 32 <= p.P; c0 += 32) block_avx2<2, 4>(p, panel, m0, c0, n0, false);
-    for (; c0 < p.P; c0 += 16) {  // (P is a multiple of 16)
-      const bool fetch = first_rows && c0 == 0 && rows > 1;
+  constexpr int64_t kRowsF32 = 6;
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowsF32) {
+    const int64_t rows = std::min(kRowsF32, m_end - m0);
+    for (int64_t c0 = 0; c0 < p.P; c0 += 16) {  // (P is a multiple of 16)
+      const bool fetch = m0 == m_begin && c0 == 0;
       switch (rows) {
-        case 4: block_avx2<4, 2>(p, panel, m0, c0, n0, fetch); break;
-        case 3: block_avx2<3, 2>(p, panel, m0, c0, n0, fetch); break;
-        case 2: block_avx2<2, 2>(p, panel, m0, c0, n0, fetch); break;
-        default: block_avx2<1, 2>(p, panel, m0, c0, n0, false); break;
+        case 6: block_f32<6>(p, panel, m0, c0, n0, fetch); break;
+        case 5: block_f32<5>(p, panel, m0, c0, n0, fetch); break;
+        case 4: block_f32<4>(p, panel, m0, c0, n0, fetch); break;
+        case 3: block_f32<3>(p, panel, m0, c0, n0, fetch); break;
+        case 2: block_f32<2>(p, panel, m0, c0, n0, fetch); break;
+        default: block_f32<1>(p, panel, m0, c0, n0, fetch); break;
       }
     }
   }
 #else
-  panel_portable(p, pi, m_begin, m_end);
+  panel_portable<float>(p, pi, m_begin, m_end);
 #endif
 }
 
@@ -444,7 +548,7 @@ bool amx_runs_round_x() {
 // A block with fewer rows than its tiles stores them through `partial`.
 void run_panel_amx(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
   jaxserve::amx_configure();
-  const uint16_t* panel = p.w + pi * p.K2 * p.P * 2;
+  const uint16_t* panel = panel_at<uint16_t>(p, pi);
   const int64_t n0 = pi * p.P;
   const int64_t b_stride = p.P * 4;  // bytes per k pair of the panel
   const int64_t steps = (p.K2 + 15) / 16, tail = p.K2 % 16;
@@ -541,6 +645,38 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// The f32-weight matmul: w packed as f32 panels [N / P, K / 2, 2, P] (or a stack of them),
+// every row count in the AVX2 blocks (run_panel_f32).
+ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                         ffi::Buffer<ffi::F32> w, ffi::BufferR0<ffi::S32> layer,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  int64_t wd[4], offset;
+  switch (jaxserve::layer_of_stack(w.dimensions(), 4, *layer.typed_data(), wd, &offset)) {
+    case jaxserve::StackError::kRank:
+      return ffi::Error::InvalidArgument("f32_matmul: w must be [N / P, K / 2, 2, P] or [L, ...]");
+    case jaxserve::StackError::kLayer:
+      return ffi::Error::InvalidArgument("f32_matmul: layer must be in [0, the stack's length)");
+    case jaxserve::StackError::kNone: break;
+  }
+  if (xd.size() != 2 || wd[2] != 2 || wd[3] % 16 != 0 || xd[1] != 2 * wd[1])
+    return ffi::Error::InvalidArgument(
+        "f32_matmul: x must be [M, K] and w [N / P, K / 2, 2, P] with P % 16 == 0");
+  Problem p;
+  p.M = xd[0]; p.K2 = wd[1]; p.P = wd[3]; p.N = wd[0] * wd[3];
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  p.x = x.typed_data();
+  p.xb = nullptr;
+  p.xb_pairs = p.K2;
+  p.w = w.typed_data() + offset;  // the layer's panels, not a copy
+  p.out = out->typed_data();
+  jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
+                            [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
+                              run_panel_f32(p, pi, m_begin, m_end);
+                            });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
@@ -551,6 +687,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<bool>("round_x"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveF32Matmul, F32MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w, f32 panels
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
 
 #if defined(__AVX512BF16__)
 // Seconds for kChainIters rounds of `op` on 12 independent accumulator chains (distinct starts:

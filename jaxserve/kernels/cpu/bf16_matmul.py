@@ -8,6 +8,12 @@ rows paired ([N / P, K / 2, P, 2]). XLA:CPU's own bf16 dot rounds x to bf16 too,
 for 1 row (a matrix-vector product several times slower than 2 rows) and reaches a
 fraction of the machine's throughput at decode batch sizes.
 
+The same kernel also multiplies f32 weights packed into panels ([N / P, K / 2, 2, P]:
+each k pair's two rows of P columns, loaded as they lie) in its AVX2 register blocks on
+every CPU with AVX2 and FMA (one path at every row count, so a row's result never depends
+on the rows beside it: the tests' f32 engine needs that; XLA:CPU's f32 dot of an LM head
+of a few rows took 3-7x the C++ kernel's time on an AMD Zen 3 VM).
+
 Sources: oneDNN's VNNI-style pair packing; GotoBLAS panels.
 """
 
@@ -22,6 +28,7 @@ import jax.numpy as jnp
 from jaxserve.kernels.common import check, check_array, layer_operand
 
 TARGET = "jaxserve_bf16_matmul"
+F32_TARGET = "jaxserve_f32_matmul"  # f32 panels
 LANES = 16  # f32 lanes of one AVX-512 register: panel widths are multiples of this
 PANEL = 64  # preferred panel width (4 registers)
 
@@ -40,13 +47,15 @@ def can_pack(k: int, n: int) -> bool:
     return k % 2 == 0 and panel_width(n) is not None
 
 
-def pack_weight(w: jax.Array, transposed: bool = False, panel: int | None = None) -> jax.Array:
+def pack_weight(w: jax.Array, transposed: bool = False, panel: int | None = None,
+                dtype=jnp.bfloat16) -> jax.Array:
     """Pack W [K, N] (or [N, K] when `transposed`, e.g. a tied LM head [vocab, embed]), any
-    float dtype, into the kernel's layout: [N / P, K / 2, P, 2] bf16 with element
-    [n // P, k // 2, n % P, k % 2] = bf16(W[k, n]) (round to nearest even), P = `panel`
-    (a multiple of 16 dividing N; default panel_width(N): a split of the panels over
-    devices may need a narrower one). Raises ValueError if K is odd or N not a multiple
-    of 16, or of `panel`."""
+    float dtype, into the kernel's layout: for `dtype` bfloat16, [N / P, K / 2, P, 2] bf16
+    with element [n // P, k // 2, n % P, k % 2] = bf16(W[k, n]) (round to nearest even);
+    for float32, f32 panels [N / P, K / 2, 2, P] with element [n // P, k // 2, k % 2, n % P]
+    = W[k, n]. P = `panel` (a multiple of 16 dividing N; default panel_width(N): a split
+    of the panels over devices may need a narrower one). Raises ValueError if K is odd
+    or N not a multiple of 16, or of `panel`, or dtype is neither."""
     w = w.T if transposed else w
     check_array("pack_weight", "w", w, (None, None))
     K, N = w.shape
@@ -55,31 +64,46 @@ def pack_weight(w: jax.Array, transposed: bool = False, panel: int | None = None
     P = panel or panel_width(N)
     check("pack_weight", P % LANES == 0 and N % P == 0,
           f"panel must be a multiple of {LANES} dividing N={N}, got {P}")
-    wb = w.astype(jnp.bfloat16).reshape(K // 2, 2, N // P, P)
-    return wb.transpose(2, 0, 3, 1)
+    check("pack_weight", jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)),
+          f"dtype must be bfloat16 or float32, got {jnp.dtype(dtype)}")
+    wb = w.astype(dtype).reshape(K // 2, 2, N // P, P)
+    return wb.transpose(2, 0, 1, 3) if wb.dtype == jnp.float32 else wb.transpose(2, 0, 3, 1)
 
 
 def unpack_weight(w_packed: jax.Array) -> jax.Array:
-    """The bf16 W [K, N] a packed weight [N / P, K / 2, P, 2] holds (the inverse of
-    pack_weight, up to the bf16 rounding)."""
+    """The W [K, N] a packed weight holds, in its dtype: [N / P, K / 2, P, 2] bf16 or
+    [N / P, K / 2, 2, P] f32 panels (the inverse of pack_weight, up to the bf16
+    rounding)."""
+    if w_packed.dtype == jnp.float32:
+        nb, k2, _, p = w_packed.shape
+        return w_packed.transpose(1, 2, 0, 3).reshape(2 * k2, nb * p)
     nb, k2, p, _ = w_packed.shape
     return w_packed.transpose(1, 3, 0, 2).reshape(2 * k2, nb * p)
 
 
+def _panel_width(w_packed) -> int:
+    """P of a packed weight (or a stack of them): its last axis for f32 panels."""
+    return w_packed.shape[-1] if w_packed.dtype == jnp.float32 else w_packed.shape[-2]
+
+
 def _check_operands(fn: str, x, w_packed, stacked: bool = False) -> None:
     check_array(fn, "x", x, (None, None), (jnp.float32,))
-    check_array(fn, "w_packed", w_packed,
-                (None,) * stacked + (None, x.shape[1] // 2, None, 2), (jnp.bfloat16,))
+    layout = ((None, x.shape[1] // 2, 2, None) if w_packed.dtype == jnp.float32
+              else (None, x.shape[1] // 2, None, 2))
+    check_array(fn, "w_packed", w_packed, (None,) * stacked + layout,
+                (jnp.bfloat16, jnp.float32))
     check(fn, x.shape[1] % 2 == 0, f"x must have an even number of columns, got {x.shape[1]}")
-    check(fn, w_packed.shape[-2] % LANES == 0,
-          f"w_packed's panel width must be a multiple of {LANES}, got {w_packed.shape[-2]}")
+    check(fn, _panel_width(w_packed) % LANES == 0,
+          f"w_packed's panel width must be a multiple of {LANES}, got {_panel_width(w_packed)}")
 
 
 @functools.partial(jax.jit, static_argnames=("round_x",))
 def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
                 layer: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] f32 times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N] f32: the weights
-    widened to f32, products and sums in f32 (any M >= 0). round_x: x rounded to bf16 first
+    widened to f32, products and sums in f32 (any M >= 0); or times f32 panels [N / P,
+    K / 2, 2, P] (pack_weight's float32 layout; not with round_x), in the kernel's AVX2
+    blocks at every row count. round_x: x rounded to bf16 first
     (round to nearest even) and the products summed by the CPU's bf16 dot-product
     instructions, f32 accumulation: AMX tiles (TDPBF16PS, 16 x 16 outputs per instruction;
     jaxserve/kernels/cpu/amx.h) where the CPU has AMX-BF16 and Linux grants the process the
@@ -95,15 +119,20 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
     kernel checks it)."""
     fn = "cpu bf16_matmul"
     _check_operands(fn, x, w_packed, stacked=layer is not None)
-    n = w_packed.shape[-4] * w_packed.shape[-2]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, w_packed, layer_operand(fn, layer), round_x=round_x)
+    n = w_packed.shape[-4] * _panel_width(w_packed)
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    if w_packed.dtype == jnp.float32:
+        check(fn, not round_x, "round_x rounds x for the bf16 dot: not with f32 panels")
+        return jax.ffi.ffi_call(F32_TARGET, out)(x, w_packed, layer_operand(fn, layer))
+    return jax.ffi.ffi_call(TARGET, out)(x, w_packed, layer_operand(fn, layer), round_x=round_x)
 
 
 def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = False) -> jax.Array:
     """Plain-jnp `bf16_matmul` (same arguments and result): unpack, widen to f32 (x rounded
     to bf16 first with round_x), then an f32 dot at HIGHEST precision."""
     _check_operands("bf16_matmul_reference", x, w_packed)
+    if round_x and w_packed.dtype == jnp.float32:
+        raise ValueError("bf16_matmul_reference: round_x is not for f32 panels")
     if round_x:
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     return jnp.dot(x, unpack_weight(w_packed).astype(jnp.float32),
