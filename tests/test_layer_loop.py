@@ -227,26 +227,27 @@ def test_stacked_layers_need_a_stacked_pool():
 # the served default runs its layers as a loop on the real model (tests/test_gguf_serving.py)
 def test_real_model_engine_runs_the_loop_with_the_unrolled_tokens(small_llm, smollm2_checkpoint,
                                                                   cache_dir):
-    """The tests' small SmolLM2 engine (C++ attention, f32 XLA matmuls, one device) stays
-    unrolled by default (its f32 weights would be sliced every step), and with
-    layer_loop=True runs its layers as a loop with the unrolled engine's greedy tokens and
-    log-probabilities. (The default config's packed Q4_1 blocks loop by default:
-    tests/test_gguf_serving.py.)"""
+    """The tests' small SmolLM2 engine (C++ attention, f32 weights in the C++ matmul's f32
+    panels, one device) runs its layers as a loop by default (every projection is read
+    at the loop's layer in place), with the greedy tokens and log-probabilities of the
+    same engine unrolled (layer_loop=False). (The default config's packed Q4_1 blocks loop
+    too: tests/test_gguf_serving.py.)"""
     from pathlib import Path
     from jaxserve.api import LLM
     from jaxserve.config import load_config
     from jaxserve.engine.builder import build_engine
     from jaxserve.sampling_params import SamplingParams
 
-    runner = small_llm.engine.runner
-    assert isinstance(runner.params.layers, tuple) and not runner.cache.stacked
-    base = load_config(Path(__file__).parent / "configs" / "smollm2_small.py")
-    looped = LLM(engine=build_engine(base.override(layer_loop=True), cache_dir, warmup=False))
+    looped = small_llm
     assert isinstance(looped.engine.runner.params.layers, StackedLayers)
     assert looped.engine.runner.cache.stacked
+    base = load_config(Path(__file__).parent / "configs" / "smollm2_small.py")
+    unrolled = LLM(engine=build_engine(base.override(layer_loop=False), cache_dir, warmup=False))
+    runner = unrolled.engine.runner
+    assert isinstance(runner.params.layers, tuple) and not runner.cache.stacked
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
     prompts = ["The capital of France is", "def add(a, b):"]
-    want = small_llm.generate(prompts, sp)
+    want = unrolled.generate(prompts, sp)
     got = looped.generate(prompts, sp)
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids

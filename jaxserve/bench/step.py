@@ -7,6 +7,9 @@
   --compare matmul: f32 weights in XLA's dot (the baseline) against bf16 weights in the
       C++ "cpu" bf16 matmul kernel, both with the C++ attention: where the kernel wins
       gives `bf16_matmul_min_rows` / `bf16_matmul_max_rows` with matmul_impl "cpu".
+  --compare f32_panels: f32 weights in XLA's dot (the baseline) against the same f32
+      weights in the C++ kernel's f32 panels (KernelConfig.matmul_impl "cpu" without bf16
+      copies), both with the C++ attention.
   --compare fusion: the C++ bf16 matmul with one call per projection (the baseline)
       against the fused wq | wk | wv and w_gate | w_up calls the engine uses.
   --compare round_x: the C++ bf16 matmul with f32 activations (the baseline) against
@@ -22,7 +25,7 @@
       holds (the served pool size: a step that copied the pool would show).
 
     jaxserve bench step [--config smollm2_135m] [--repeats 7]
-        [--compare precision|attention|matmul|fusion|round_x|decode_steps|kv_dtype]
+        [--compare precision|attention|matmul|f32_panels|fusion|round_x|decode_steps|kv_dtype]
         [--decode-steps N] [--kv-dtypes float32,bfloat16]
         [--ragged]
         [--shapes decode:1x16,decode:32x16,prefill:1x512,mixed:31x16x225 ...] [--json out.json]
@@ -174,8 +177,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     ap.add_argument("--cache-dir")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--compare", choices=("precision", "attention", "matmul", "fusion",
-                                          "round_x", "decode_steps", "kv_dtype"),
+    ap.add_argument("--compare", choices=("precision", "attention", "matmul", "f32_panels",
+                                          "fusion", "round_x", "decode_steps", "kv_dtype"),
                     default="precision")
     ap.add_argument("--decode-steps", type=int,
                     help="multi-step decode tokens for --compare decode_steps (default: the config's)")
@@ -266,7 +269,12 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
                                    bf16_matmul_max_rows=None)
         kernels = select_kernels(ecfg.kernels, "cpu", 1, "float32", cache_dir / "kernels")
         fused = dual_precision_params(params, 1, packed=True)
-        if args.compare == "fusion":
+        if args.compare == "f32_panels":
+            base, var = "f32", "f32cpu"
+            variants = {base: (params, dataclasses.replace(kernels, matmul="xla")),
+                        var: (dual_precision_params(params, 1, packed=True,
+                                                    copy_dtype=np.float32), kernels)}
+        elif args.compare == "fusion":
             base, var = "unfused", "fused"
             variants = {base: (dual_precision_params(params, 1, packed=True, fuse=False), kernels),
                         var: (fused, kernels)}
@@ -305,7 +313,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
                      f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
         print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
               f"{t[var] / t[base]:9.2f}", flush=True)
-    if args.compare in ("attention", "fusion", "round_x", "decode_steps", "kv_dtype"):
+    if args.compare in ("attention", "f32_panels", "fusion", "round_x", "decode_steps",
+                        "kv_dtype"):
         if args.json:
             Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
         return 0

@@ -276,7 +276,7 @@ inline void prefetch_cols(const float* wk, int64_t P, int64_t c, int64_t n) {
 // kPrefetchPairs ahead; 1- and 2-row blocks prefetch their own columns.
 template <int R, int J, typename W>
 inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0, int64_t n0,
-                       bool fetch_panel) {
+                       bool fetch_panel, Ahead ahead = {}) {
   __m256 acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -292,6 +292,8 @@ inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0,
       for (int64_t b = 0; b < stride * static_cast<int64_t>(sizeof(W)); b += 64)
         _mm_prefetch(row + b, _MM_HINT_T0);
     }
+    for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
+      _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
     if constexpr (R * J + 2 * J + 2 > 16) {
       __m256 x0[R], x1[R];
       for (int r = 0; r < R; ++r) {
@@ -324,28 +326,48 @@ inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0,
       _mm256_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 8 * j, acc[r][j]);
 }
 
+// The share of the panel `next` (`next_lines` 64-byte lines; null: none) that register
+// block `block` of `blocks` fetches into L2 over its `steps` k steps (kAheadMaxRows).
+inline Ahead ahead_share(const char* next, int64_t next_lines, int64_t blocks, int64_t block,
+                         int64_t steps) {
+  const int64_t share = (next_lines + blocks - 1) / blocks, first = block * share;
+  return next != nullptr && first < next_lines
+             ? Ahead{next + 64 * first, std::min(share, next_lines - first),
+                     (share + steps - 1) / steps}
+             : Ahead{};
+}
+
 // A panel's rows m_begin .. m_end in AVX2 register blocks: 4 x 16 for many rows, one
-// 64-column pass for 1 row and 32-column passes for 2 (load-bound).
+// 64-column pass for 1 row and 32-column passes for 2 (load-bound). next_pi >= 0: the
+// panel this thread multiplies next, which the blocks of more than 2 rows fetch into L2
+// in shares (Ahead).
 template <typename W>
-void run_panel_avx2(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
+void run_panel_avx2(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
+                    int64_t next_pi = -1) {
   const W* panel = panel_at<W>(p, pi);
   const int64_t n0 = pi * p.P;
   constexpr int64_t kRowsAvx2 = 4;
+  const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(panel_at<W>(p, next_pi))
+                                   : nullptr;
+  const int64_t next_lines = p.K2 * p.P * 2 * static_cast<int64_t>(sizeof(W)) / 64;
+  const int64_t blocks = (m_end - m_begin + kRowsAvx2 - 1) / kRowsAvx2 * (p.P / 16);
+  int64_t block = 0;
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowsAvx2) {
     const int64_t rows = std::min(kRowsAvx2, m_end - m0);
     const bool first_rows = m0 == m_begin;
     int64_t c0 = 0;
     if (rows == 1)
       for (; c0 + 64 <= p.P; c0 += 64) block_avx2<1, 8>(p, panel, m0, c0, n0, false);
-    if (rows == 2)
+    if (rows == 2 && next == nullptr)
       for (; c0 + 32 <= p.P; c0 += 32) block_avx2<2, 4>(p, panel, m0, c0, n0, false);
     for (; c0 < p.P; c0 += 16) {  // (P is a multiple of 16)
       const bool fetch = first_rows && c0 == 0 && rows > 1;
+      const Ahead ahead = ahead_share(next, next_lines, blocks, block++, p.K2);
       switch (rows) {
-        case 4: block_avx2<4, 2>(p, panel, m0, c0, n0, fetch); break;
-        case 3: block_avx2<3, 2>(p, panel, m0, c0, n0, fetch); break;
-        case 2: block_avx2<2, 2>(p, panel, m0, c0, n0, fetch); break;
-        default: block_avx2<1, 2>(p, panel, m0, c0, n0, false); break;
+        case 4: block_avx2<4, 2>(p, panel, m0, c0, n0, fetch, ahead); break;
+        case 3: block_avx2<3, 2>(p, panel, m0, c0, n0, fetch, ahead); break;
+        case 2: block_avx2<2, 2>(p, panel, m0, c0, n0, fetch, ahead); break;
+        default: block_avx2<1, 2>(p, panel, m0, c0, n0, false, ahead); break;
       }
     }
   }
@@ -434,9 +456,8 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
       rows_avx512<1>(p, panel, m0, rows, c0, n0, first_rows && c0 == 0, ahead());
   }
 #elif defined(JAXSERVE_MATMUL_AVX2)
-  (void)next_panel;
   if (p.xb != nullptr) return panel_portable<uint16_t>(p, pi, m_begin, m_end);  // (no bf16 dot)
-  run_panel_avx2<uint16_t>(p, pi, m_begin, m_end);
+  run_panel_avx2<uint16_t>(p, pi, m_begin, m_end, m_end - m_begin > 1 ? next_panel() : -1);
 #else
   (void)next_panel;
   panel_portable<uint16_t>(p, pi, m_begin, m_end);
@@ -451,7 +472,7 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
 // block gives a row the same result. fetch_panel: as block_avx2's.
 template <int R>
 inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t c0, int64_t n0,
-                      bool fetch_panel) {
+                      bool fetch_panel, Ahead ahead) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const float* xr[R];
@@ -463,6 +484,8 @@ inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t 
       const char* row = reinterpret_cast<const char*>(panel + (k + 2 * kPrefetchPairs) * p.P);
       for (int64_t b = 0; b < p.P * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
+    for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
+      _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xk = _mm256_set1_ps(xr[r][k]);
@@ -480,28 +503,38 @@ inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t 
 // An f32 panel's rows: the AVX2 blocks wherever the CPU has AVX2 and FMA (AVX-512 CPUs
 // too: one path at every row count, so a row's result never depends on the rows beside
 // it), else the portable loop. 1 and 2 rows stream the panel as block_avx2 does; more in
-// 6 x 16 blocks (block_f32).
-void run_panel_f32(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
+// 6 x 16 blocks (block_f32), which with next_pi >= 0 (up to kAheadMaxRows rows) share the
+// prefetch of the panel this thread multiplies next into L2 (Ahead, as the AVX-512 bf16
+// blocks do: a panel's first block otherwise waits on DRAM alone).
+void run_panel_f32(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
+                   int64_t next_pi) {
 #if defined(JAXSERVE_MATMUL_AVX2)
-  if (m_end - m_begin <= 2) return run_panel_avx2<float>(p, pi, m_begin, m_end);
+  if (m_end - m_begin <= 2) return run_panel_avx2<float>(p, pi, m_begin, m_end, next_pi);
   const float* panel = panel_at<float>(p, pi);
   const int64_t n0 = pi * p.P;
   constexpr int64_t kRowsF32 = 6;
+  const int64_t K = p.K2 * 2;
+  const int64_t blocks = (m_end - m_begin + kRowsF32 - 1) / kRowsF32 * (p.P / 16);
+  const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(panel_at<float>(p, next_pi))
+                                   : nullptr;
+  int64_t block = 0;
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowsF32) {
     const int64_t rows = std::min(kRowsF32, m_end - m0);
     for (int64_t c0 = 0; c0 < p.P; c0 += 16) {  // (P is a multiple of 16)
       const bool fetch = m0 == m_begin && c0 == 0;
+      const Ahead ahead = ahead_share(next, K * p.P * 4 / 64, blocks, block++, K);
       switch (rows) {
-        case 6: block_f32<6>(p, panel, m0, c0, n0, fetch); break;
-        case 5: block_f32<5>(p, panel, m0, c0, n0, fetch); break;
-        case 4: block_f32<4>(p, panel, m0, c0, n0, fetch); break;
-        case 3: block_f32<3>(p, panel, m0, c0, n0, fetch); break;
-        case 2: block_f32<2>(p, panel, m0, c0, n0, fetch); break;
-        default: block_f32<1>(p, panel, m0, c0, n0, fetch); break;
+        case 6: block_f32<6>(p, panel, m0, c0, n0, fetch, ahead); break;
+        case 5: block_f32<5>(p, panel, m0, c0, n0, fetch, ahead); break;
+        case 4: block_f32<4>(p, panel, m0, c0, n0, fetch, ahead); break;
+        case 3: block_f32<3>(p, panel, m0, c0, n0, fetch, ahead); break;
+        case 2: block_f32<2>(p, panel, m0, c0, n0, fetch, ahead); break;
+        default: block_f32<1>(p, panel, m0, c0, n0, fetch, ahead); break;
       }
     }
   }
 #else
+  (void)next_pi;
   panel_portable<float>(p, pi, m_begin, m_end);
 #endif
 }
@@ -670,9 +703,18 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.xb_pairs = p.K2;
   p.w = w.typed_data() + offset;  // the layer's panels, not a copy
   p.out = out->typed_data();
+  if (p.M <= kAheadMaxRows) {  // few rows: each panel prefetches the next (Ahead)
+    jaxserve::parallel_panels_ahead(pool, wd[0], p.M, kItemsPerCall,
+                                    [&p](int64_t pi, int64_t m_begin, int64_t m_end,
+                                         auto next_panel) {
+                                      run_panel_f32(p, pi, m_begin, m_end,
+                                                    m_end - m_begin > 1 ? next_panel() : -1);
+                                    });
+    return ffi::Error::Success();
+  }
   jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
                             [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
-                              run_panel_f32(p, pi, m_begin, m_end);
+                              run_panel_f32(p, pi, m_begin, m_end, -1);
                             });
   return ffi::Error::Success();
 }
