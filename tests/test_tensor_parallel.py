@@ -150,8 +150,9 @@ def test_real_model_engine_greedy_is_the_same_under_tp2_tp3_and_pipeline_stages(
     TP 3 splits SmolLM2's 9 query / 3 KV heads and the KV pool over the devices, TP 2
     replicates the heads (3 KV heads do not split over 2) and splits the MLP and the
     vocabulary (TP 4 serves in tests/test_distributed.py); all give TP 1's greedy tokens
-    for a batch of prompts, TP 2 with XLA kernels and TP 3 with the default ones (the C++
-    attention kernel, each device on its own heads; XLA's at TP 3:
+    for a batch of prompts, TP 2 with XLA kernels and TP 3 with the config's (the C++
+    attention kernel, each device on its own heads, and the C++ matmul on each device's
+    f32 panels; XLA's at TP 3:
     test_real_model_tp2_tp3_tp4_match_tp1's logits). Pipeline stages: TP 1 x PP 4 (the
     default kernels; 30 layers as 4 stages of 8 slots, the last two zero layers; the
     default microbatches: a prefill split in 4 or 8, the prompts cut between them, decode

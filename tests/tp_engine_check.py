@@ -2,11 +2,12 @@
 engine (scheduler, runner, sampler; jaxserve.LLM) on SmolLM2-135M (tests/configs/
 smollm2_small.py) under tensor parallel 1 and 2 with XLA attention and matmuls
 ("xla-TP"; XLA at TP 3: tests/tp_check.py's logits), and 1 and 3 with the default
-kernels ("auto-TP": the C++ attention kernel, per device under TP), and pipeline stages
+kernels ("auto-TP": the C++ attention kernel and the config's C++ matmul over f32 panels,
+per device under TP), and pipeline stages
 "TPxPP" (auto-1x4: 30 layers in 4 stages of 8 slots, the last 2 zero layers; TP 2 x PP
 2 serves in tests/test_distributed.py's two processes, and with XLA kernels on the tiny
 model in tests/tp_check.py), the same prompts batched, greedy; prints JSON {"tokens": {run: [token ids per prompt]},
-"wq": {run: layer 0's wq sharding spec}, "kv": {run: the KV pool's sharding spec},
+"wq": {run: layer 0's wq sharding spec (the fused q | k | v panels' with the C++ matmul)}, "kv": {run: the KV pool's sharding spec},
 "attention": {run: the attention kernel}, "device0_bytes": {run: bytes of the params'
 shards on device 0}, "layer_bytes": one layer's bytes (XLA layout),
 "loaded_on": [device ids of each layer as load_params places it at PP 4], "embeddings":
@@ -58,7 +59,8 @@ def main(cache_dir: str) -> None:
             layer0 = layers.layers
         else:
             layer0 = layers.layers[0] if pp > 1 else layers[0]  # a stage-stacked pipeline's
-        out["wq"][name] = str(getattr(layer0.wq.sharding, "spec", None))
+        # wq's array: the leaf itself (XLA), or the f32 panels of the fused q | k | v
+        out["wq"][name] = str(getattr(jax.tree.leaves(layer0.wq)[0].sharding, "spec", None))
         out["kv"][name] = str(getattr(runner.cache.k[0].sharding, "spec", None))
         out["attention"][name] = runner.kernels.attention.name
         dev0 = jax.devices()[0]

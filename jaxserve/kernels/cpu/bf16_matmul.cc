@@ -90,6 +90,10 @@ constexpr int kStreamRows = 6;
 // thread multiplies next (Ahead): its arithmetic is short beside its DRAM read. A
 // prefill's panel is reused by 32 row blocks, so its first block's wait is a small share.
 constexpr int64_t kAheadMaxRows = 64;
+// The AVX2 blocks' limit for the same (AMD Zen 3 VM, SmolLM2's step matmuls with weights
+// from DRAM: 2-16 rows 0.72-0.97x the time without, 32 and 64 rows 0.90-1.12x: there the
+// blocks are compute-bound, and an f32 panel of 393 KB and the next overflow a 512 KB L2).
+constexpr int64_t kAheadMaxRowsAvx2 = 16;
 
 
 struct Problem {
@@ -114,6 +118,17 @@ struct Ahead {
   int64_t lines = 0;           // 64-byte lines in the share
   int64_t per_k = 0;           // lines fetched per k pair
 };
+
+// The share of the panel `next` (`next_lines` 64-byte lines; null: none) that register
+// block `block` of `blocks` fetches into L2 over its `steps` k steps (kAheadMaxRows).
+inline Ahead ahead_share(const char* next, int64_t next_lines, int64_t blocks, int64_t block,
+                         int64_t steps) {
+  const int64_t share = (next_lines + blocks - 1) / blocks, first = block * share;
+  return next != nullptr && first < next_lines
+             ? Ahead{next + 64 * first, std::min(share, next_lines - first),
+                     (share + steps - 1) / steps}
+             : Ahead{};
+}
 
 
 #if defined(__AVX512F__)
@@ -205,6 +220,7 @@ inline void block_dot(const Problem& p, const uint16_t* panel, int64_t m0, int64
       _mm512_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 16 * j, acc[r][j]);
 }
 #endif
+#endif
 
 // Calls f(std::integral_constant<int, R>) for rows = R in 1 .. kMaxRows.
 template <typename F>
@@ -221,6 +237,7 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
+#if defined(__AVX512F__)
 template <int J>
 inline void rows_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int64_t rows,
                         int64_t c0, int64_t n0, bool first, Ahead ahead) {
@@ -274,7 +291,7 @@ inline void prefetch_cols(const float* wk, int64_t P, int64_t c, int64_t n) {
 // portable loop's one pass), 2 R broadcasts and one 8-column vector's pair at a time.
 // fetch_panel (a panel's first block of many rows): prefetch the panel's whole k-pair row
 // kPrefetchPairs ahead; 1- and 2-row blocks prefetch their own columns.
-template <int R, int J, typename W>
+template <int R, int J, typename W, bool kAhead = false>
 inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0, int64_t n0,
                        bool fetch_panel, Ahead ahead = {}) {
   __m256 acc[R][J];
@@ -292,8 +309,9 @@ inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0,
       for (int64_t b = 0; b < stride * static_cast<int64_t>(sizeof(W)); b += 64)
         _mm_prefetch(row + b, _MM_HINT_T0);
     }
-    for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
-      _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
+    if constexpr (kAhead)
+      for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
+        _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
     if constexpr (R * J + 2 * J + 2 > 16) {
       __m256 x0[R], x1[R];
       for (int r = 0; r < R; ++r) {
@@ -326,21 +344,10 @@ inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0,
       _mm256_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 8 * j, acc[r][j]);
 }
 
-// The share of the panel `next` (`next_lines` 64-byte lines; null: none) that register
-// block `block` of `blocks` fetches into L2 over its `steps` k steps (kAheadMaxRows).
-inline Ahead ahead_share(const char* next, int64_t next_lines, int64_t blocks, int64_t block,
-                         int64_t steps) {
-  const int64_t share = (next_lines + blocks - 1) / blocks, first = block * share;
-  return next != nullptr && first < next_lines
-             ? Ahead{next + 64 * first, std::min(share, next_lines - first),
-                     (share + steps - 1) / steps}
-             : Ahead{};
-}
-
 // A panel's rows m_begin .. m_end in AVX2 register blocks: 4 x 16 for many rows, one
-// 64-column pass for 1 row and 32-column passes for 2 (load-bound). next_pi >= 0: the
-// panel this thread multiplies next, which the blocks of more than 2 rows fetch into L2
-// in shares (Ahead).
+// 64-column pass for 1 row (load-bound). next_pi >= 0: the panel this thread multiplies
+// next, which the blocks of 2 or more rows fetch into L2 in shares (Ahead); without it
+// (more than kAheadMaxRowsAvx2 rows of x) 2 rows take 32-column passes.
 template <typename W>
 void run_panel_avx2(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
                     int64_t next_pi = -1) {
@@ -363,11 +370,20 @@ void run_panel_avx2(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end
     for (; c0 < p.P; c0 += 16) {  // (P is a multiple of 16)
       const bool fetch = first_rows && c0 == 0 && rows > 1;
       const Ahead ahead = ahead_share(next, next_lines, blocks, block++, p.K2);
+      if (ahead.lines > 0) {  // the prefetch compiled in only where it runs
+        switch (rows) {
+          case 4: block_avx2<4, 2, W, true>(p, panel, m0, c0, n0, fetch, ahead); break;
+          case 3: block_avx2<3, 2, W, true>(p, panel, m0, c0, n0, fetch, ahead); break;
+          case 2: block_avx2<2, 2, W, true>(p, panel, m0, c0, n0, fetch, ahead); break;
+          default: block_avx2<1, 2, W, true>(p, panel, m0, c0, n0, false, ahead); break;
+        }
+        continue;
+      }
       switch (rows) {
-        case 4: block_avx2<4, 2>(p, panel, m0, c0, n0, fetch, ahead); break;
-        case 3: block_avx2<3, 2>(p, panel, m0, c0, n0, fetch, ahead); break;
-        case 2: block_avx2<2, 2>(p, panel, m0, c0, n0, fetch, ahead); break;
-        default: block_avx2<1, 2>(p, panel, m0, c0, n0, false, ahead); break;
+        case 4: block_avx2<4, 2>(p, panel, m0, c0, n0, fetch); break;
+        case 3: block_avx2<3, 2>(p, panel, m0, c0, n0, fetch); break;
+        case 2: block_avx2<2, 2>(p, panel, m0, c0, n0, fetch); break;
+        default: block_avx2<1, 2>(p, panel, m0, c0, n0, false); break;
       }
     }
   }
@@ -435,17 +451,10 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
   // this panel's register blocks (each fetches its share over its own k pairs).
   const int64_t next_pi = next_panel();
   const int64_t blocks = (m_end - m_begin + kMaxRows - 1) / kMaxRows * ((p.P + 31) / 32);
-  const int64_t next_lines = next_pi >= 0 ? p.K2 * p.P * 4 / 64 : 0;
-  const int64_t share = (next_lines + blocks - 1) / blocks;
   const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(panel_at<uint16_t>(p, next_pi))
                                    : nullptr;
   int64_t block = 0;
-  auto ahead = [&]() {
-    const int64_t first = block++ * share;
-    return first < next_lines ? Ahead{next + 64 * first, std::min(share, next_lines - first),
-                                      (share + p.K2 - 1) / p.K2}
-                              : Ahead{};
-  };
+  auto ahead = [&]() { return ahead_share(next, p.K2 * p.P * 4 / 64, blocks, block++, p.K2); };
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, m_end - m0);
     const bool first_rows = m0 == m_begin;  // this item's first block of the panel
@@ -457,7 +466,8 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
   }
 #elif defined(JAXSERVE_MATMUL_AVX2)
   if (p.xb != nullptr) return panel_portable<uint16_t>(p, pi, m_begin, m_end);  // (no bf16 dot)
-  run_panel_avx2<uint16_t>(p, pi, m_begin, m_end, m_end - m_begin > 1 ? next_panel() : -1);
+  const bool ahead = p.M > 1 && p.M <= kAheadMaxRowsAvx2;
+  run_panel_avx2<uint16_t>(p, pi, m_begin, m_end, ahead ? next_panel() : -1);
 #else
   (void)next_panel;
   panel_portable<uint16_t>(p, pi, m_begin, m_end);
@@ -470,9 +480,9 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
 // vectors and a broadcast, the AVX2 f32 GEMM micro-kernel's 6 x 16 (BLIS). Each column is
 // summed k after k, as in block_avx2's pairs (the even row, then the odd one), so every
 // block gives a row the same result. fetch_panel: as block_avx2's.
-template <int R>
+template <int R, bool kAhead = false>
 inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t c0, int64_t n0,
-                      bool fetch_panel, Ahead ahead) {
+                      bool fetch_panel, Ahead ahead = {}) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const float* xr[R];
@@ -484,8 +494,9 @@ inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t 
       const char* row = reinterpret_cast<const char*>(panel + (k + 2 * kPrefetchPairs) * p.P);
       for (int64_t b = 0; b < p.P * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
-    for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
-      _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
+    if constexpr (kAhead)
+      for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
+        _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xk = _mm256_set1_ps(xr[r][k]);
@@ -503,7 +514,7 @@ inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t 
 // An f32 panel's rows: the AVX2 blocks wherever the CPU has AVX2 and FMA (AVX-512 CPUs
 // too: one path at every row count, so a row's result never depends on the rows beside
 // it), else the portable loop. 1 and 2 rows stream the panel as block_avx2 does; more in
-// 6 x 16 blocks (block_f32), which with next_pi >= 0 (up to kAheadMaxRows rows) share the
+// 6 x 16 blocks (block_f32), which with next_pi >= 0 (up to kAheadMaxRowsAvx2 rows) share the
 // prefetch of the panel this thread multiplies next into L2 (Ahead, as the AVX-512 bf16
 // blocks do: a panel's first block otherwise waits on DRAM alone).
 void run_panel_f32(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
@@ -523,14 +534,12 @@ void run_panel_f32(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
     for (int64_t c0 = 0; c0 < p.P; c0 += 16) {  // (P is a multiple of 16)
       const bool fetch = m0 == m_begin && c0 == 0;
       const Ahead ahead = ahead_share(next, K * p.P * 4 / 64, blocks, block++, K);
-      switch (rows) {
-        case 6: block_f32<6>(p, panel, m0, c0, n0, fetch, ahead); break;
-        case 5: block_f32<5>(p, panel, m0, c0, n0, fetch, ahead); break;
-        case 4: block_f32<4>(p, panel, m0, c0, n0, fetch, ahead); break;
-        case 3: block_f32<3>(p, panel, m0, c0, n0, fetch, ahead); break;
-        case 2: block_f32<2>(p, panel, m0, c0, n0, fetch, ahead); break;
-        default: block_f32<1>(p, panel, m0, c0, n0, fetch, ahead); break;
-      }
+      with_rows(rows, [&](auto r) {  // (rows <= kRowsF32)
+        constexpr int R = decltype(r)::value;
+        if constexpr (R <= kRowsF32)
+          ahead.lines > 0 ? block_f32<R, true>(p, panel, m0, c0, n0, fetch, ahead)
+                          : block_f32<R>(p, panel, m0, c0, n0, fetch);
+      });
     }
   }
 #else
@@ -703,12 +712,12 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.xb_pairs = p.K2;
   p.w = w.typed_data() + offset;  // the layer's panels, not a copy
   p.out = out->typed_data();
-  if (p.M <= kAheadMaxRows) {  // few rows: each panel prefetches the next (Ahead)
+  if (p.M <= kAheadMaxRowsAvx2) {  // few rows: each panel prefetches the next (Ahead)
     jaxserve::parallel_panels_ahead(pool, wd[0], p.M, kItemsPerCall,
                                     [&p](int64_t pi, int64_t m_begin, int64_t m_end,
                                          auto next_panel) {
                                       run_panel_f32(p, pi, m_begin, m_end,
-                                                    m_end - m_begin > 1 ? next_panel() : -1);
+                                                    p.M > 1 ? next_panel() : -1);
                                     });
     return ffi::Error::Success();
   }
