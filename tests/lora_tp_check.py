@@ -3,8 +3,8 @@ adapters served by the whole engine (jaxserve.LLM) on SmolLM2-135M (tests/config
 smollm2_small.py, f32) under tensor parallel 1, 2 (the MLP split, the 9 query / 3 KV heads
 replicated) and 3 (heads and MLP split), with XLA kernels ("xla-TP") and the default ones
 at TP 3 ("auto-3": the C++ attention and the C++ matmul's f32 panels per device, the
-lora deltas in the C++ LoRA kernel): four prompts over two random adapters and the base in one batch,
-greedy. Prints JSON {"tokens": {run: [token ids per prompt]}, "logprobs": {run: [...]},
+lora deltas in the C++ LoRA kernel): four prompts over two random adapters and the base in
+one batch, greedy. Prints JSON {"tokens": {run: [token ids per prompt]}, "logprobs": {run: [...]},
 "base_tokens" / "base_logprobs": {run: [...]} (the same prompts with no adapter), "specs": {run: {pool:
 spec}} (layer 0's wq B and wo A and w_down A pools' shardings), "devices": n}.
 

@@ -170,9 +170,9 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
     K and N pack (checked; else plain). A bf16 `w` used for every row count (min_rows 1,
     no max_rows) is its own copy: packing it is lossless. copy_dtype float32 (packed, min_rows
     1, no max_rows, no round_x_min_rows): the f32 weight itself in the kernel's f32 panels,
-    where its shape packs (else the plain f32 weight: XLA's f32 dot). Raises ValueError if w is not
-    f32 (or such a bf16), min_rows < 1 or max_rows < min_rows, or copy_dtype float32 is
-    asked for otherwise."""
+    where its shape packs (else the plain f32 weight: XLA's f32 dot). Raises ValueError if
+    w is not f32 (or such a bf16), min_rows < 1 or max_rows < min_rows, or copy_dtype
+    float32 is asked for otherwise."""
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if max_rows is not None and max_rows < min_rows:
@@ -308,8 +308,9 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
     wq | wk | wv, in w_gate: w_gate | w_up; fewer, larger kernel calls, every output
     column summed exactly as unfused); round_x_min_rows: see DualPrecisionWeight;
     copy_dtype float32 (packed, min_rows 1): the f32 weights themselves in the kernel's f32
-    panels instead of bf16 copies (dual_precision). rules: the ShardingRules of a tensor-parallel mesh (None: one device): packing and
-    fusion are then done per shard of each weight's split (jaxserve.model.tensor_parallel).
+    panels instead of bf16 copies (dual_precision). rules: the ShardingRules of a
+    tensor-parallel mesh (None: one device): packing and fusion are then done per shard
+    of each weight's split (jaxserve.model.tensor_parallel).
     GGMLWeight leaves (block-quantised weights) are kept as they are, and a layer holding
     one is not fused."""
     split = functools.partial(_shards, rules)

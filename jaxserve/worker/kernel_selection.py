@@ -42,8 +42,8 @@ def resolve_kernel_config(kcfg: KernelConfig, platform: str, model_dtype: str,
     matmul left to "auto" or "cpu" (no weight_quant, no bf16_matmul_min_rows) runs its
     projections and LM head in the C++ bf16 kernel, weights packed as they are
     (bf16_matmul_min_rows = 1; a float32 model's "cpu" packs f32 panels instead:
-    layout_params): XLA:CPU widens a bf16 weight to f32 on every matmul, a whole f32 temporary of
-    the weight each time, where the C++ kernel widens it in registers (PERFORMANCE.md,
+    layout_params): XLA:CPU widens a bf16 weight to f32 on every matmul, a whole f32
+    temporary of the weight each time, where the C++ kernel widens it in registers (PERFORMANCE.md,
     "Tensor parallel"). quantization: Config.quantization; "fp8" quantises the
     projections at load (weight_quant "fp8_e4m3", per output channel, vLLM's dynamic fp8)
     in place of any bf16 copies (bf16_matmul_* cleared, a "cpu" matmul back to "auto").
@@ -192,10 +192,11 @@ def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
     the f32 weights (bf16_matmul_min_rows: DualPrecisionWeight leaves, packed for the C++
     kernel when kernels.matmul.packs_bf16; fused unless kcfg.fuse_projections is False),
     or, with the C++ matmul and no bf16 copies, the f32 weights themselves packed in its
-    f32 panels (projections and LM head, fused alike), or with kcfg.fuse_projections the projections that share an input fused (FusedWeight:
+    f32 panels (projections and LM head, fused alike), or with kcfg.fuse_projections the
+    projections that share an input fused (FusedWeight:
     jaxserve.model.weight_layouts.fuse_projections, the GPU default); otherwise
-    unchanged. Float32 params for the
-    bf16 copies and the f32 panels (checked by jaxserve.config.check_deployment). Under a tensor-parallel
+    unchanged. Float32 params for the bf16 copies and the f32 panels (checked by
+    jaxserve.config.check_deployment). Under a tensor-parallel
     mesh (`rules`, read for its shapes only: an abstract mesh does) each device's shard
     is laid out on its own (packing and fusion per shard); nothing is placed."""
     if kcfg.weight_quant is not None:
