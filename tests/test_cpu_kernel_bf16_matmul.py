@@ -109,8 +109,9 @@ def test_portable_path_matches_reference(portable_cpu_kernels):
 
 def test_avx2_path_matches_reference_and_a_row_keeps_its_bits(avx2_cpu_kernels):
     """The build for x86-64-v3 (AVX2 and FMA, no AVX-512: Zen 1-3, Intel's client CPUs):
-    4-row x 16-column register blocks, one row streamed over 64 columns and two over 32,
-    every remainder of the 4-row blocks (1 to 9 rows, 37, 300 split into row chunks),
+    4-row x 16-column register blocks, one row streamed over 64 columns and two over 16
+    (fetching the next panel ahead, up to 16 rows) or 32 (beyond), every remainder of the
+    4-row blocks (1 to 9 rows, 37, 300 split into row chunks),
     64- and 16-column panels (n = 80: no 64- or 32-column block fits), the reference; and a
     row's bits do not depend on the rows beside it (each column summed in one order)."""
     jax.ffi.register_ffi_target("jaxserve_bf16_matmul_avx2_test",
@@ -281,19 +282,21 @@ def _f32_panels_call(library, target):
     return call
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 def test_f32_panels_match_reference_and_a_row_keeps_its_bits(build, request):
-    """f32 panels in the native build (the AVX2 blocks wherever the CPU has AVX2: 1 row
-    streamed over 64 columns, 2 over 32, more in 6 x 16 blocks with every remainder; 300
-    rows over few panels split into row chunks) and the portable loop: the f32 dot at
+    """f32 panels in the native build (the AVX2 blocks wherever the CPU has AVX2, AVX-512
+    CPUs included: 1 row streamed over 64 columns, 2 over 16 or 32, more in 6 x 16 blocks
+    with every remainder, up to 16 rows fetching the next panel ahead; 300 rows over few
+    panels split into row chunks), the x86-64-v3 build (an AVX2-only machine's) and the
+    portable loop: the f32 dot at
     HIGHEST precision up to summation order, on 64- and 16-column panels; and a row's bits
     do not depend on the rows beside it (the tests' engine relies on it: the same greedy
     tokens in any batch)."""
     if build == "native":
         call = lambda x, wp: np.asarray(bf16_matmul(x, wp))  # noqa: E731
     else:
-        call = _f32_panels_call(request.getfixturevalue("portable_cpu_kernels"),
-                                "jaxserve_f32_matmul_portable_test")
+        call = _f32_panels_call(request.getfixturevalue(f"{build}_cpu_kernels"),
+                                f"jaxserve_f32_matmul_{build}_test")
     rng = np.random.default_rng(SEED + 13)
     for k, n in ((96, 192), (64, 80), (576, 64), (32, 64 * 37)):
         wp = pack_weight(_w(rng, k, n), dtype=jnp.float32)
