@@ -264,24 +264,21 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         params, kernels = served(params, ecfg, cache_dir)
         base, var = (f"{d}kv" for d in kv_pair)
         variants = {base: (params, kernels), var: (params, kernels)}
-    else:  # the C++ bf16 matmul (every shape) against f32 in XLA's dot, or unfused calls
+    else:  # the C++ matmul (every shape) against f32 in XLA's dot, or unfused calls
         ecfg = cfg.engine.override(matmul_impl="cpu", bf16_matmul_min_rows=1,
                                    bf16_matmul_max_rows=None)
         kernels = select_kernels(ecfg.kernels, "cpu", 1, "float32", cache_dir / "kernels")
-        fused = dual_precision_params(params, 1, packed=True)
-        if args.compare == "f32_panels":
-            base, var = "f32", "f32cpu"
-            variants = {base: (params, dataclasses.replace(kernels, matmul="xla")),
-                        var: (dual_precision_params(params, 1, packed=True,
-                                                    copy_dtype=np.float32), kernels)}
-        elif args.compare == "fusion":
+        if args.compare == "fusion":
             base, var = "unfused", "fused"
             variants = {base: (dual_precision_params(params, 1, packed=True, fuse=False), kernels),
-                        var: (fused, kernels)}
-        else:
-            base, var = "f32", "bf16cpu"
+                        var: (dual_precision_params(params, 1, packed=True), kernels)}
+        else:  # matmul: bf16 copies; f32_panels: the f32 weights themselves
+            f32 = args.compare == "f32_panels"
+            base, var = "f32", "f32cpu" if f32 else "bf16cpu"
+            packed = (dual_precision_params(params, 1, packed=True, copy_dtype=np.float32) if f32
+                      else dual_precision_params(params, 1, packed=True))
             variants = {base: (params, dataclasses.replace(kernels, matmul="xla")),
-                        var: (fused, kernels)}
+                        var: (packed, kernels)}
     # the served KV dtype where both variants run the config's kernels, else f32 (XLA
     # attention in the precision comparison)
     kv_dtype = (ecfg.cache.cache_dtype or "float32") if args.compare in ("round_x", "decode_steps") \

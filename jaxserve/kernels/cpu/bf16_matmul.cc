@@ -55,6 +55,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -635,31 +636,51 @@ void run_panel_amx(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end)
 }
 #endif
 
+// The Problem of x [M, K] times layer `layer` of w (a layer's panels, read in place, not
+// copied): bf16 [N / P, K / 2, P, 2] or, with `f32`, f32 panels [N / P, K / 2, 2, P]
+// (or a stack [L, ...] of either); *panels = N / P. An InvalidArgument error naming `fn`
+// when the shapes or the layer do not fit.
+template <typename WBuffer>
+ffi::Error make_problem(const char* fn, bool f32, const ffi::Buffer<ffi::F32>& x,
+                        const WBuffer& w, int32_t layer, ffi::ResultBuffer<ffi::F32>& out,
+                        Problem* p, int64_t* panels) {
+  const std::string name(fn);
+  const std::string layout = f32 ? "[N / P, K / 2, 2, P]" : "[N / P, K / 2, P, 2]";
+  const auto xd = x.dimensions();
+  int64_t wd[4], offset;
+  switch (jaxserve::layer_of_stack(w.dimensions(), 4, layer, wd, &offset)) {
+    case jaxserve::StackError::kRank:
+      return ffi::Error::InvalidArgument(name + ": w must be " + layout + " or [L, ...]");
+    case jaxserve::StackError::kLayer:
+      return ffi::Error::InvalidArgument(name + ": layer must be in [0, the stack's length)");
+    case jaxserve::StackError::kNone: break;
+  }
+  const int64_t P = f32 ? wd[3] : wd[2], pair_axis = f32 ? wd[2] : wd[3];
+  if (xd.size() != 2 || pair_axis != 2 || P % 16 != 0 || xd[1] != 2 * wd[1])
+    return ffi::Error::InvalidArgument(name + ": x must be [M, K] and w " + layout +
+                                       " with P % 16 == 0");
+  p->M = xd[0]; p->K2 = wd[1]; p->P = P; p->N = wd[0] * P;
+  p->x = x.typed_data();
+  p->xb = nullptr;
+  p->xb_pairs = p->K2;
+  p->w = static_cast<const char*>(w.untyped_data()) +
+         offset * static_cast<int64_t>(f32 ? sizeof(float) : sizeof(uint16_t));
+  p->out = out->typed_data();
+  *panels = wd[0];
+  return ffi::Error::Success();
+}
+
 ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
                           ffi::ResultBuffer<ffi::F32> out, bool round_x) {
-  const auto xd = x.dimensions();
-  int64_t wd[4], offset;
-  switch (jaxserve::layer_of_stack(w.dimensions(), 4, *layer.typed_data(), wd, &offset)) {
-    case jaxserve::StackError::kRank:
-      return ffi::Error::InvalidArgument("bf16_matmul: w must be [N / P, K / 2, P, 2] or [L, ...]");
-    case jaxserve::StackError::kLayer:
-      return ffi::Error::InvalidArgument("bf16_matmul: layer must be in [0, the stack's length)");
-    case jaxserve::StackError::kNone: break;
-  }
-  if (xd.size() != 2 || wd[3] != 2 || wd[2] % 16 != 0 || xd[1] != 2 * wd[1])
-    return ffi::Error::InvalidArgument(
-        "bf16_matmul: x must be [M, K] and w [N / P, K / 2, P, 2] with P % 16 == 0");
   Problem p;
-  p.M = xd[0]; p.K2 = wd[1]; p.P = wd[2]; p.N = wd[0] * wd[2];
+  int64_t panels;
+  if (ffi::Error e = make_problem("bf16_matmul", false, x, w, *layer.typed_data(), out, &p,
+                                  &panels);
+      e.failure())
+    return e;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  p.x = x.typed_data();
-  p.xb = nullptr;
-  // the layer's panels, not a copy
-  p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + offset;
-  p.out = out->typed_data();
   const bool amx = round_x && amx_runs_round_x();  // (run_panel_amx)
-  p.xb_pairs = p.K2;
   std::vector<uint32_t> xb;
   if (round_x) {  // x rounded to bf16 once, as (x[2k], x[2k + 1]) pairs in 32 bits
     // AMX: padded for the tiles (rows to a multiple of 16 pairs, kAmxRows zero rows after)
@@ -669,14 +690,14 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     p.xb = xb.data();
   }
   if (!amx && p.M <= kAheadMaxRows) {  // few rows: each panel prefetches the next (Ahead)
-    jaxserve::parallel_panels_ahead(pool, wd[0], p.M, kItemsPerCall,
+    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall,
                                     [&p](int64_t pi, int64_t m_begin, int64_t m_end,
                                          auto next_panel) {
                                       run_panel(p, pi, m_begin, m_end, next_panel);
                                     });
     return ffi::Error::Success();
   }
-  jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows,
+  jaxserve::parallel_panels(pool, panels, p.M, kItemsPerCall, kMinSplitRows,
                             amx ? kAmxRows : kMaxRows,
                             [&p, amx](int64_t pi, int64_t m_begin, int64_t m_end) {
 #if defined(JAXSERVE_AMX)
@@ -692,28 +713,15 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::F32> w, ffi::BufferR0<ffi::S32> layer,
                          ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions();
-  int64_t wd[4], offset;
-  switch (jaxserve::layer_of_stack(w.dimensions(), 4, *layer.typed_data(), wd, &offset)) {
-    case jaxserve::StackError::kRank:
-      return ffi::Error::InvalidArgument("f32_matmul: w must be [N / P, K / 2, 2, P] or [L, ...]");
-    case jaxserve::StackError::kLayer:
-      return ffi::Error::InvalidArgument("f32_matmul: layer must be in [0, the stack's length)");
-    case jaxserve::StackError::kNone: break;
-  }
-  if (xd.size() != 2 || wd[2] != 2 || wd[3] % 16 != 0 || xd[1] != 2 * wd[1])
-    return ffi::Error::InvalidArgument(
-        "f32_matmul: x must be [M, K] and w [N / P, K / 2, 2, P] with P % 16 == 0");
   Problem p;
-  p.M = xd[0]; p.K2 = wd[1]; p.P = wd[3]; p.N = wd[0] * wd[3];
+  int64_t panels;
+  if (ffi::Error e = make_problem("f32_matmul", true, x, w, *layer.typed_data(), out, &p,
+                                  &panels);
+      e.failure())
+    return e;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  p.x = x.typed_data();
-  p.xb = nullptr;
-  p.xb_pairs = p.K2;
-  p.w = w.typed_data() + offset;  // the layer's panels, not a copy
-  p.out = out->typed_data();
   if (p.M <= kAheadMaxRowsAvx2) {  // few rows: each panel prefetches the next (Ahead)
-    jaxserve::parallel_panels_ahead(pool, wd[0], p.M, kItemsPerCall,
+    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall,
                                     [&p](int64_t pi, int64_t m_begin, int64_t m_end,
                                          auto next_panel) {
                                       run_panel_f32(p, pi, m_begin, m_end,
@@ -721,7 +729,7 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                     });
     return ffi::Error::Success();
   }
-  jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
+  jaxserve::parallel_panels(pool, panels, p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
                             [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
                               run_panel_f32(p, pi, m_begin, m_end, -1);
                             });
