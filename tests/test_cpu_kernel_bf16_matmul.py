@@ -284,11 +284,11 @@ def _f32_panels_call(library, target):
 
 @pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 def test_f32_panels_match_reference_and_a_row_keeps_its_bits(build, request):
-    """f32 panels in the native build (the AVX2 blocks wherever the CPU has AVX2, AVX-512
-    CPUs included: 1 row streamed over 64 columns, 2 over 16 or 32, more in 6 x 16 blocks
-    with every remainder, up to 16 rows fetching the next panel ahead; 300 rows over few
-    panels split into row chunks), the x86-64-v3 build (an AVX2-only machine's) and the
-    portable loop: the f32 dot at
+    """f32 panels in the native build (1 row streamed over 64 columns by the AVX2 blocks
+    wherever the CPU has AVX2, 2 over 16 or 32; more in 6-row blocks, 6 x 64 of zmm on an
+    AVX-512 CPU, else 6 x 16 of ymm, with every remainder, up to 16 rows fetching the next
+    panel ahead; 300 rows over few panels split into row chunks), the x86-64-v3 build (an
+    AVX2-only machine's) and the portable loop: the f32 dot at
     HIGHEST precision up to summation order, on 64- and 16-column panels; and a row's bits
     do not depend on the rows beside it (the tests' engine relies on it: the same greedy
     tokens in any batch)."""

@@ -64,7 +64,7 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 // The register blocks on 8-column AVX2 vectors (block_avx2): bf16 panels without AVX-512,
-// and f32 panels on every CPU with AVX2 and FMA (AVX-512 ones too).
+// and f32 panels on every CPU with AVX2 and FMA (on AVX-512 ones: their 1- and 2-row calls).
 #define JAXSERVE_MATMUL_AVX2 1
 #endif
 
@@ -512,10 +512,49 @@ inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t 
 }
 #endif
 
-// An f32 panel's rows: the AVX2 blocks wherever the CPU has AVX2 and FMA (AVX-512 CPUs
-// too: one path at every row count, so a row's result never depends on the rows beside
-// it), else the portable loop. 1 and 2 rows stream the panel as block_avx2 does; more in
-// 6 x 16 blocks (block_f32), which with next_pi >= 0 (up to kAheadMaxRowsAvx2 rows) share the
+#if defined(__AVX512F__)
+// block_f32 on 16-column zmm vectors: an f32 panel's rows m0 .. m0 + R (R <= 6) times its
+// columns c0 .. c0 + 16 * J (J = 4: a 64-column panel's whole width in one pass, R x 4
+// accumulators and 4 weight vectors in 28 of the 32 zmm registers; x's elements the FMAs'
+// broadcast operands), each column summed k after k with one FMA a k: block_f32's and
+// block_avx2's bits (an FMA rounds each lane alone, whatever the vector's width).
+// fetch_panel and ahead: as block_f32's.
+template <int R, int J, bool kAhead = false>
+inline void block_f32_avx512(const Problem& p, const float* panel, int64_t m0, int64_t c0,
+                             int64_t n0, bool fetch_panel, Ahead ahead = {}) {
+  __m512 acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = p.x + (m0 + r) * p.K2 * 2;
+  const int64_t K = p.K2 * 2;
+  const float* wk = panel + c0;
+  for (int64_t k = 0; k < K; ++k, wk += p.P) {
+    if (fetch_panel) {
+      const char* row = reinterpret_cast<const char*>(panel + (k + 2 * kPrefetchPairs) * p.P);
+      for (int64_t b = 0; b < p.P * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
+    if constexpr (kAhead)
+      for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
+        _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
+    __m512 w[J];
+    for (int j = 0; j < J; ++j) w[j] = _mm512_loadu_ps(wk + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xk = _mm512_set1_ps(xr[r][k]);
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_fmadd_ps(xk, w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j)
+      _mm512_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 16 * j, acc[r][j]);
+}
+#endif
+
+// An f32 panel's rows: 1 and 2 rows stream the panel as block_avx2 does wherever the CPU
+// has AVX2 and FMA; more rows run in 6-row blocks: 6 x 64 zmm blocks on AVX-512 CPUs
+// (block_f32_avx512), else 6 x 16 ymm ones (block_f32). Without AVX2, the portable loop.
+// Every path sums a column k after k with one FMA a k, so a row's result never depends on
+// the rows beside it. With next_pi >= 0 (up to kAheadMaxRowsAvx2 rows) the blocks share the
 // prefetch of the panel this thread multiplies next into L2 (Ahead, as the AVX-512 bf16
 // blocks do: a panel's first block otherwise waits on DRAM alone).
 void run_panel_f32(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
@@ -525,21 +564,39 @@ void run_panel_f32(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
   const float* panel = panel_at<float>(p, pi);
   const int64_t n0 = pi * p.P;
   constexpr int64_t kRowsF32 = 6;
+#if defined(__AVX512F__)
+  constexpr int64_t kCols = 64;  // a block's columns (a 16-column panel: one 16-column block)
+#else
+  constexpr int64_t kCols = 16;
+#endif
   const int64_t K = p.K2 * 2;
-  const int64_t blocks = (m_end - m_begin + kRowsF32 - 1) / kRowsF32 * (p.P / 16);
+  const int64_t col_blocks = (p.P + kCols - 1) / kCols;
+  const int64_t blocks = (m_end - m_begin + kRowsF32 - 1) / kRowsF32 * col_blocks;
   const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(panel_at<float>(p, next_pi))
                                    : nullptr;
   int64_t block = 0;
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowsF32) {
     const int64_t rows = std::min(kRowsF32, m_end - m0);
-    for (int64_t c0 = 0; c0 < p.P; c0 += 16) {  // (P is a multiple of 16)
+    for (int64_t c0 = 0; c0 < p.P; c0 += kCols) {  // (P is 64, or 16: panel_width)
       const bool fetch = m0 == m_begin && c0 == 0;
       const Ahead ahead = ahead_share(next, K * p.P * 4 / 64, blocks, block++, K);
       with_rows(rows, [&](auto r) {  // (rows <= kRowsF32)
         constexpr int R = decltype(r)::value;
-        if constexpr (R <= kRowsF32)
+        if constexpr (R <= kRowsF32) {
+#if defined(__AVX512F__)
+          if (p.P - c0 >= 64)
+            return ahead.lines > 0
+                       ? block_f32_avx512<R, 4, true>(p, panel, m0, c0, n0, fetch, ahead)
+                       : block_f32_avx512<R, 4>(p, panel, m0, c0, n0, fetch);
+          for (int64_t c = c0; c < p.P; c += 16)  // (a 16-column panel)
+            ahead.lines > 0
+                ? block_f32_avx512<R, 1, true>(p, panel, m0, c, n0, fetch && c == c0, ahead)
+                : block_f32_avx512<R, 1>(p, panel, m0, c, n0, fetch && c == c0);
+#else
           ahead.lines > 0 ? block_f32<R, true>(p, panel, m0, c0, n0, fetch, ahead)
                           : block_f32<R>(p, panel, m0, c0, n0, fetch);
+#endif
+        }
       });
     }
   }
@@ -709,7 +766,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 // The f32-weight matmul: w packed as f32 panels [N / P, K / 2, 2, P] (or a stack of them),
-// every row count in the AVX2 blocks (run_panel_f32).
+// every row count summed k after k (run_panel_f32).
 ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::F32> w, ffi::BufferR0<ffi::S32> layer,
                          ffi::ResultBuffer<ffi::F32> out) {
