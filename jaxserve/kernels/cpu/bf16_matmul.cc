@@ -131,6 +131,15 @@ inline Ahead ahead_share(const char* next, int64_t next_lines, int64_t blocks, i
              : Ahead{};
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// A register block's k step k of its Ahead share: per_k lines of the next panel into L2
+// (always inlined: a prefetch-only call GCC does not inline may be dropped).
+[[gnu::always_inline]] inline void fetch_ahead(const Ahead& a, int64_t k) {
+  for (int64_t l = k * a.per_k, e = std::min(a.lines, l + a.per_k); l < e; ++l)
+    _mm_prefetch(a.next + 64 * l, _MM_HINT_T1);
+}
+#endif
+
 
 #if defined(__AVX512F__)
 // acc[r][j] (16 columns each) over rows m0 .. m0 + R of x and columns c0 .. c0 + 16 * J of
@@ -160,9 +169,7 @@ inline void block_avx512(const Problem& p, const uint16_t* panel, int64_t m0, in
       const char* row = reinterpret_cast<const char*>(panel + (k + kPrefetchPairs) * stride);
       for (int64_t b = 0; b < stride * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
-    if constexpr (kAhead)
-      for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
-        _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
+    if constexpr (kAhead) fetch_ahead(ahead, k);
     __m512 w_even[J], w_odd[J];
     for (int j = 0; j < J; ++j) {
       const __m512i w = _mm512_loadu_si512(wk + 32 * j);
@@ -206,9 +213,7 @@ inline void block_dot(const Problem& p, const uint16_t* panel, int64_t m0, int64
       const char* row = reinterpret_cast<const char*>(panel + (k + kPrefetchPairs) * stride);
       for (int64_t b = 0; b < stride * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
-    if constexpr (kAhead)
-      for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
-        _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
+    if constexpr (kAhead) fetch_ahead(ahead, k);
     __m512bh w[J];
     for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
     for (int r = 0; r < R; ++r) {
@@ -310,9 +315,7 @@ inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0,
       for (int64_t b = 0; b < stride * static_cast<int64_t>(sizeof(W)); b += 64)
         _mm_prefetch(row + b, _MM_HINT_T0);
     }
-    if constexpr (kAhead)
-      for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
-        _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
+    if constexpr (kAhead) fetch_ahead(ahead, k);
     if constexpr (R * J + 2 * J + 2 > 16) {
       __m256 x0[R], x1[R];
       for (int r = 0; r < R; ++r) {
@@ -476,55 +479,42 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
 }
 
 #if defined(JAXSERVE_MATMUL_AVX2)
-// An f32 panel's rows m0 .. m0 + R (R <= 6) times its columns c0 .. c0 + 16, k after k
-// (an f32 panel [K / 2, 2, P] is [K, P]: row k at k * P): 12 ymm accumulators, two weight
-// vectors and a broadcast, the AVX2 f32 GEMM micro-kernel's 6 x 16 (BLIS). Each column is
-// summed k after k, as in block_avx2's pairs (the even row, then the odd one), so every
-// block gives a row the same result. fetch_panel: as block_avx2's.
-template <int R, bool kAhead = false>
-inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t c0, int64_t n0,
-                      bool fetch_panel, Ahead ahead = {}) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = p.x + (m0 + r) * p.K2 * 2;
-  const int64_t K = p.K2 * 2;
-  const float* wk = panel + c0;
-  for (int64_t k = 0; k < K; ++k, wk += p.P) {
-    if (fetch_panel) {
-      const char* row = reinterpret_cast<const char*>(panel + (k + 2 * kPrefetchPairs) * p.P);
-      for (int64_t b = 0; b < p.P * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    }
-    if constexpr (kAhead)
-      for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
-        _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
-    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xk = _mm256_set1_ps(xr[r][k]);
-      acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xk, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0, acc[r][0]);
-    _mm256_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 8, acc[r][1]);
-  }
-}
+// The f32 vector ops block_f32 runs on: 8-lane ymm (AVX2) or 16-lane zmm (AVX-512).
+struct Ymm {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* x) { return _mm256_loadu_ps(x); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* y, V v) { _mm256_storeu_ps(y, v); }
+};
+#if defined(__AVX512F__)
+struct Zmm {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* x) { return _mm512_loadu_ps(x); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* y, V v) { _mm512_storeu_ps(y, v); }
+};
 #endif
 
-#if defined(__AVX512F__)
-// block_f32 on 16-column zmm vectors: an f32 panel's rows m0 .. m0 + R (R <= 6) times its
-// columns c0 .. c0 + 16 * J (J = 4: a 64-column panel's whole width in one pass, R x 4
-// accumulators and 4 weight vectors in 28 of the 32 zmm registers; x's elements the FMAs'
-// broadcast operands), each column summed k after k with one FMA a k: block_f32's and
-// block_avx2's bits (an FMA rounds each lane alone, whatever the vector's width).
-// fetch_panel and ahead: as block_f32's.
-template <int R, int J, bool kAhead = false>
-inline void block_f32_avx512(const Problem& p, const float* panel, int64_t m0, int64_t c0,
-                             int64_t n0, bool fetch_panel, Ahead ahead = {}) {
-  __m512 acc[R][J];
+// An f32 panel's rows m0 .. m0 + R (R <= 6) times its columns c0 .. c0 + J vectors of
+// Vec (an f32 panel [K / 2, 2, P] is [K, P]: row k at k * P), k after k with one FMA a k:
+// R x J accumulators, J weight vectors and a broadcast. Ymm with J = 2: 6 x 16, the AVX2
+// f32 GEMM micro-kernel of BLIS (12 of the 16 ymm accumulators); Zmm with J = 4: a
+// 64-column panel's whole width in one pass (24 accumulators and 4 weight vectors in 28
+// of the 32 zmm registers). Each column is summed k after k, as in block_avx2's pairs (the
+// even row, then the odd one), and an FMA rounds each lane alone whatever the vector's
+// width, so every block gives a row the same result. fetch_panel: as block_avx2's.
+template <typename Vec, int R, int J, bool kAhead = false>
+inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t c0, int64_t n0,
+                      bool fetch_panel, Ahead ahead = {}) {
+  typename Vec::V acc[R][J];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < J; ++j) acc[r][j] = Vec::zero();
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = p.x + (m0 + r) * p.K2 * 2;
   const int64_t K = p.K2 * 2;
@@ -534,25 +524,23 @@ inline void block_f32_avx512(const Problem& p, const float* panel, int64_t m0, i
       const char* row = reinterpret_cast<const char*>(panel + (k + 2 * kPrefetchPairs) * p.P);
       for (int64_t b = 0; b < p.P * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
-    if constexpr (kAhead)
-      for (int64_t l = k * ahead.per_k, e = std::min(ahead.lines, l + ahead.per_k); l < e; ++l)
-        _mm_prefetch(ahead.next + 64 * l, _MM_HINT_T1);
-    __m512 w[J];
-    for (int j = 0; j < J; ++j) w[j] = _mm512_loadu_ps(wk + 16 * j);
+    if constexpr (kAhead) fetch_ahead(ahead, k);
+    typename Vec::V w[J];
+    for (int j = 0; j < J; ++j) w[j] = Vec::load(wk + Vec::kLanes * j);
     for (int r = 0; r < R; ++r) {
-      const __m512 xk = _mm512_set1_ps(xr[r][k]);
-      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_fmadd_ps(xk, w[j], acc[r][j]);
+      const typename Vec::V xk = Vec::set1(xr[r][k]);
+      for (int j = 0; j < J; ++j) acc[r][j] = Vec::fma(xk, w[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
-      _mm512_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 16 * j, acc[r][j]);
+      Vec::store(p.out + (m0 + r) * p.N + n0 + c0 + Vec::kLanes * j, acc[r][j]);
 }
 #endif
 
 // An f32 panel's rows: 1 and 2 rows stream the panel as block_avx2 does wherever the CPU
-// has AVX2 and FMA; more rows run in 6-row blocks: 6 x 64 zmm blocks on AVX-512 CPUs
-// (block_f32_avx512), else 6 x 16 ymm ones (block_f32). Without AVX2, the portable loop.
+// has AVX2 and FMA; more rows run in 6-row blocks (block_f32): 6 x 64 of zmm on AVX-512
+// CPUs, else 6 x 16 of ymm. Without AVX2, the portable loop.
 // Every path sums a column k after k with one FMA a k, so a row's result never depends on
 // the rows beside it. With next_pi >= 0 (up to kAheadMaxRowsAvx2 rows) the blocks share the
 // prefetch of the panel this thread multiplies next into L2 (Ahead, as the AVX-512 bf16
@@ -586,15 +574,15 @@ void run_panel_f32(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
 #if defined(__AVX512F__)
           if (p.P - c0 >= 64)
             return ahead.lines > 0
-                       ? block_f32_avx512<R, 4, true>(p, panel, m0, c0, n0, fetch, ahead)
-                       : block_f32_avx512<R, 4>(p, panel, m0, c0, n0, fetch);
+                       ? block_f32<Zmm, R, 4, true>(p, panel, m0, c0, n0, fetch, ahead)
+                       : block_f32<Zmm, R, 4>(p, panel, m0, c0, n0, fetch);
           for (int64_t c = c0; c < p.P; c += 16)  // (a 16-column panel)
             ahead.lines > 0
-                ? block_f32_avx512<R, 1, true>(p, panel, m0, c, n0, fetch && c == c0, ahead)
-                : block_f32_avx512<R, 1>(p, panel, m0, c, n0, fetch && c == c0);
+                ? block_f32<Zmm, R, 1, true>(p, panel, m0, c, n0, fetch && c == c0, ahead)
+                : block_f32<Zmm, R, 1>(p, panel, m0, c, n0, fetch && c == c0);
 #else
-          ahead.lines > 0 ? block_f32<R, true>(p, panel, m0, c0, n0, fetch, ahead)
-                          : block_f32<R>(p, panel, m0, c0, n0, fetch);
+          ahead.lines > 0 ? block_f32<Ymm, R, 2, true>(p, panel, m0, c0, n0, fetch, ahead)
+                          : block_f32<Ymm, R, 2>(p, panel, m0, c0, n0, fetch);
 #endif
         }
       });
