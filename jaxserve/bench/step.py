@@ -37,7 +37,9 @@ drawn uniformly from 1 .. L pages, as in a serving batch); prefill = B prompts o
 continuous batching with chunked prefill: B + 1 sequences, B + T token rows; B + 1 at
 most max_num_seqs).
 Both variants run the same step (forward, logits, greedy sampling) on the same random
-batch. Prints per shape the median ms of each and the variant/baseline time ratio (< 1:
+batch, each as the engine would compile it: its layers as one loop over stacked weights
+and a stacked KV pool where the engine loops them (CompilationConfig.layer_loop; until
+2026-11-30 this tool always unrolled them), else unrolled; the tool prints which. Prints per shape the median ms of each and the variant/baseline time ratio (< 1:
 the variant is faster); for precision also the smallest row count (B x Q) from which bf16
 is faster for every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not
 a test: run it alone on an idle machine.
@@ -288,10 +290,16 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         pools = {name: (dt, max(num_pages, num_pages_for_budget(model_cfg, ps, dt,
                                                                 ecfg.cache.kv_cache_memory_bytes)))
                  for name, dt in zip((base, var), kv_pair)}
-    runners = {name: Runner(model_cfg, ecfg, p,
-                            init_kv_cache(model_cfg, pools[name][1], ps, pools[name][0],
-                                          layout="head_major"), kernels)
-               for name, (p, kernels) in variants.items()}
+    from jaxserve.worker.kernel_selection import loop_layers
+    runners = {}
+    for name, (p, kernels) in variants.items():
+        # the layers as the engine runs them: one loop over stacked weights and a stacked
+        # pool where it would (CompilationConfig.layer_loop), else unrolled
+        p, looped = loop_layers(p, ecfg.compilation.layer_loop, kernels, 1)
+        print(f"{name}: {'a loop over the stacked layers' if looped else 'layers unrolled'}")
+        runners[name] = Runner(model_cfg, ecfg, p,
+                               init_kv_cache(model_cfg, pools[name][1], ps, pools[name][0],
+                                             layout="head_major", stacked=looped), kernels)
     rng = np.random.default_rng(0)
     rows = []
     print(f"{'shape':>16} {'rows':>5} {base + ' ms':>9} {var + ' ms':>9} {var + '/' + base:>9}")
