@@ -39,10 +39,11 @@ most max_num_seqs).
 Both variants run the same step (forward, logits, greedy sampling) on the same random
 batch, each as the engine would compile it: its layers as one loop over stacked weights
 and a stacked KV pool where the engine loops them (CompilationConfig.layer_loop; until
-2026-11-30 this tool always unrolled them), else unrolled; the tool prints which. Prints per shape the median ms of each and the variant/baseline time ratio (< 1:
-the variant is faster); for precision also the smallest row count (B x Q) from which bf16
-is faster for every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not
-a test: run it alone on an idle machine.
+2026-11-30 this tool always unrolled them), else unrolled; the tool prints which. Prints
+per shape the median ms of each and the variant/baseline time ratio (< 1: the variant is
+faster); for precision also the smallest row count (B x Q) from which bf16 is faster for
+every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not a test: run
+it alone on an idle machine.
 """
 
 from __future__ import annotations
