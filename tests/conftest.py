@@ -43,8 +43,8 @@ def _free_compiled_code():
     the next compilation aborted the run. Live engines keep theirs (compiled ahead of time).
 
     What survives the collection (the session's fixtures and models, imported modules,
-    JAX's own state: ~800,000 objects) is then frozen (`gc.freeze`): no later collection,
-    automatic or here, walks it again. Each full collection had cost ~0.45 s, ~73 of them a
+    JAX's own state: ~770,000 objects) is then frozen (`gc.freeze`): no later collection,
+    automatic or here, walks it again. Each full collection had cost ~0.43 s, ~73 of them a
     worker in the fast tier. Frozen objects are still freed when their reference counts
     drop; only a reference cycle among them that dies later would stay (an engine of a
     session fixture, at the session's end). JAX's caches are cleared above, so the compiled
