@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     from jaxserve.checkpoint import load_model_config, load_params
     from jaxserve.config import load_config
     from jaxserve.worker.runner import Runner
-    from jaxserve.worker.kernel_selection import select_kernels
+    from jaxserve.worker.kernel_selection import loop_layers, select_kernels
     from jaxserve.model.kv_cache import init_kv_cache, num_pages_for_budget
     from jaxserve.model.weight_layouts import dual_precision_params
     from jaxserve.model.transformer import Kernels
@@ -291,7 +291,6 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         pools = {name: (dt, max(num_pages, num_pages_for_budget(model_cfg, ps, dt,
                                                                 ecfg.cache.kv_cache_memory_bytes)))
                  for name, dt in zip((base, var), kv_pair)}
-    from jaxserve.worker.kernel_selection import loop_layers
     runners = {}
     for name, (p, kernels) in variants.items():
         # the layers as the engine runs them: one loop over stacked weights and a stacked
