@@ -735,7 +735,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     p.xb = xb.data();
   }
   if (!amx && p.M <= kAheadMaxRows) {  // few rows: each panel prefetches the next (Ahead)
-    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall,
+    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall, kMaxRows,
                                     [&p](int64_t pi, int64_t m_begin, int64_t m_end,
                                          auto next_panel) {
                                       run_panel(p, pi, m_begin, m_end, next_panel);
@@ -766,7 +766,7 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return e;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (p.M <= kAheadMaxRowsAvx2) {  // few rows: each panel prefetches the next (Ahead)
-    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall,
+    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall, kMaxRows,
                                     [&p](int64_t pi, int64_t m_begin, int64_t m_end,
                                          auto next_panel) {
                                       run_panel_f32(p, pi, m_begin, m_end,
