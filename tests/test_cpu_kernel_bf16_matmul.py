@@ -104,6 +104,16 @@ def test_portable_path_matches_reference(portable_cpu_kernels):
             got = call(x, wp, jnp.zeros((), jnp.int32), round_x=round_x)
             np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5,
                                        atol=1e-5 * np.abs(ref).max())
+        # x given in bf16 (round_x's x, rounded by the caller): read without an f32 x
+        jax.ffi.register_ffi_target("jaxserve_bf16_matmul_bf16x_portable_test",
+                                    jax.ffi.pycapsule(portable_cpu_kernels.JaxserveBf16MatmulBf16x),
+                                    platform="cpu")
+        got = jax.ffi.ffi_call("jaxserve_bf16_matmul_bf16x_portable_test",
+                               jax.ShapeDtypeStruct((m, 80), jnp.float32))(
+            x.astype(jnp.bfloat16), wp, jnp.zeros((), jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got),
+                                      np.asarray(call(x, wp, jnp.zeros((), jnp.int32),
+                                                      round_x=True)))
     assert bf16_dot_speedup(portable_cpu_kernels) == 0.0, "no AVX512-BF16 in the portable build"
 
 
@@ -161,6 +171,24 @@ def test_round_x_matches_reference_with_bf16_activations(k, n):
         assert got[0] == 2.5 and np.isnan(got[1]) and got[2] == 1.0 + 4 * 2.0 ** -8, (k, got)
 
 
+@pytest.mark.parametrize("k,n", [(576, 576), (96, 64 * 37), (40, 80)])
+def test_bf16_x_is_round_x_on_x_rounded_by_the_caller(k, n):
+    """A bf16 x (the model rounds x in the op that makes it) gives round_x's bits on the
+    f32 x it was rounded from, at every row count of each path: the one-pass rows, the
+    8-row blocks with the next panel fetched ahead (up to 64 rows; 9 panels and 37 in
+    runs of 2 leave a run over, split by rows from 32 rows on), the row-chunked prefill
+    split, AMX's padded copy where the CPU has AMX; and its checks name the argument."""
+    rng = np.random.default_rng(SEED + 5 * k + n)
+    wp = pack_weight(_w(rng, k, n))
+    for m in (0, 1, 5, 8, 9, 16, 31, 32, 33, 40, 64, 65, 300):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(bf16_matmul(x.astype(jnp.bfloat16), wp)),
+                                      np.asarray(bf16_matmul(x, wp, round_x=True)),
+                                      err_msg=f"{m} rows")
+    with pytest.raises(ValueError, match="not with f32 panels"):
+        bf16_matmul(jnp.zeros((2, k), jnp.bfloat16), pack_weight(_w(rng, k, n), dtype=jnp.float32))
+
+
 def test_bf16_dot_speedup_is_measured(cpu_kernels_library):
     """The probe select_kernels uses: a positive ratio with AVX512-BF16, 0 without; on a
     CPU with AMX-BF16 the ratio of the AMX tiles round_x then runs (6.9-11x the f32 FMA
@@ -175,7 +203,7 @@ def test_bf16_dot_speedup_is_measured(cpu_kernels_library):
 
 
 @pytest.mark.parametrize("x,w,match", [
-    (jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((1, 32, 16, 2), jnp.bfloat16), r"x must be one of \(float32\)"),
+    (jnp.zeros((2, 64), jnp.float16), jnp.zeros((1, 32, 16, 2), jnp.bfloat16), r"x must be one of \(float32, bfloat16\)"),
     (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 16, 16, 2), jnp.bfloat16), r"w_packed must have shape \[\*, 32, \*, 2\]"),
     (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 32, 16, 2), jnp.float16), r"w_packed must be one of \(bfloat16, float32\)"),
     (jnp.zeros((2, 64), jnp.float32), jnp.zeros((1, 32, 8, 2), jnp.bfloat16), "panel width must be a multiple of 16, got 8"),

@@ -48,10 +48,11 @@ def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
     """x2 [rows, K] (any float) times a packed DualPrecisionWeight's copy -> [rows, N] f32 in
     the C++ CPU kernel: a bf16 copy's weights widened to f32, x and the arithmetic f32
     (any row count; from w.round_x_min_rows rows x rounded to bf16, bf16 dot products),
-    or f32 panels (the f32 weight itself) in f32 FMAs."""
+    or f32 panels (the f32 weight itself) in f32 FMAs. A rounded x is rounded here, where
+    XLA fuses the rounding into the op that makes x (the kernel reads bf16 x in place)."""
     from jaxserve.kernels.cpu.bf16_matmul import bf16_matmul as cpu_bf16_matmul
     round_x = w.round_x_min_rows is not None and x2.shape[0] >= w.round_x_min_rows
-    return cpu_bf16_matmul(x2.astype(jnp.float32), w.w_copy, round_x=round_x,
+    return cpu_bf16_matmul(x2.astype(jnp.bfloat16 if round_x else jnp.float32), w.w_copy,
                            layer=getattr(w, "layer", None))
 
 

@@ -39,6 +39,9 @@
 // rounded to bf16 once per call, as (x[2k], x[2k + 1]) pairs in 32 bits, and each register
 // block runs one vdpbf16ps per row, 16 columns and k pair on the packed weights as they are
 // (the pair layout is the instruction's). 512-token prefill steps: 0.63-0.67x the time.
+// The engine hands x over in bf16 instead (JaxserveBf16MatmulBf16x): a row of bf16 x is
+// those pairs as they lie, read in place, and the op that makes x rounds it in its own
+// fusion, so no single-threaded rounding pass runs before the call's threads start.
 // Where the CPU has AMX-BF16 and Linux grants the tile state (amx.h), round_x runs on AMX
 // tiles instead, at every row count (run_panel_amx): the same rounding of x, the panels'
 // k-pair rows loaded as B tiles as they lie, 5-11x the f32 FMA flop rate of a core; on an
@@ -46,7 +49,8 @@
 //
 // Shapes: x [M, K] f32; w [N / P, K / 2, P, 2] bf16 (P a multiple of 16, K even), or a
 // stack of them [L, N / P, K / 2, P, 2] (a layer loop's weights) read at layer (s32 scalar,
-// 0 for an unstacked w) in place; out [M, N] f32; attribute round_x (bool).
+// 0 for an unstacked w) in place; out [M, N] f32; attribute round_x (bool). Or x [M, K]
+// bf16 (JaxserveBf16MatmulBf16x: round_x on x the caller rounded; no attribute).
 //
 // Sources: the VNNI-style pair packing of oneDNN's bf16 GEMM; the panel / register-block
 // structure of GotoBLAS (Goto & van de Geijn, 2008).
@@ -408,13 +412,14 @@ void panel_portable(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end
   std::vector<float> acc(p.P);
   for (int64_t m = m_begin; m < m_end; ++m) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    const float* xr = p.x + m * p.K2 * 2;
     for (int64_t k = 0; k < p.K2; ++k) {
-      float x0 = xr[2 * k];
-      float x1 = xr[2 * k + 1];
+      float x0, x1;
       if (p.xb != nullptr) {  // x rounded to bf16: the pair's low half is x[2k]
         x0 = from_bf16(static_cast<uint16_t>(p.xb[m * p.xb_pairs + k] & 0xffffu));
         x1 = from_bf16(static_cast<uint16_t>(p.xb[m * p.xb_pairs + k] >> 16));
+      } else {
+        x0 = p.x[(m * p.K2 + k) * 2];
+        x1 = p.x[(m * p.K2 + k) * 2 + 1];
       }
       const W* wk = panel + k * p.P * 2;
       for (int64_t c = 0; c < p.P; ++c)
@@ -684,9 +689,10 @@ void run_panel_amx(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end)
 // The Problem of x [M, K] times layer `layer` of w (a layer's panels, read in place, not
 // copied): bf16 [N / P, K / 2, P, 2] or, with `f32`, f32 panels [N / P, K / 2, 2, P]
 // (or a stack [L, ...] of either); *panels = N / P. An InvalidArgument error naming `fn`
-// when the shapes or the layer do not fit.
-template <typename WBuffer>
-ffi::Error make_problem(const char* fn, bool f32, const ffi::Buffer<ffi::F32>& x,
+// when the shapes or the layer do not fit. x: f32, or bf16 (p->x is then null: the
+// caller points p->xb at it).
+template <typename XBuffer, typename WBuffer>
+ffi::Error make_problem(const char* fn, bool f32, const XBuffer& x,
                         const WBuffer& w, int32_t layer, ffi::ResultBuffer<ffi::F32>& out,
                         Problem* p, int64_t* panels) {
   const std::string name(fn);
@@ -705,7 +711,8 @@ ffi::Error make_problem(const char* fn, bool f32, const ffi::Buffer<ffi::F32>& x
     return ffi::Error::InvalidArgument(name + ": x must be [M, K] and w " + layout +
                                        " with P % 16 == 0");
   p->M = xd[0]; p->K2 = wd[1]; p->P = P; p->N = wd[0] * P;
-  p->x = x.typed_data();
+  if constexpr (std::is_same_v<XBuffer, ffi::Buffer<ffi::F32>>) p->x = x.typed_data();
+  else p->x = nullptr;
   p->xb = nullptr;
   p->xb_pairs = p->K2;
   p->w = static_cast<const char*>(w.untyped_data()) +
@@ -713,6 +720,26 @@ ffi::Error make_problem(const char* fn, bool f32, const ffi::Buffer<ffi::F32>& x
   p->out = out->typed_data();
   *panels = wd[0];
   return ffi::Error::Success();
+}
+
+// The panels of p (p.xb set: x as bf16 pairs, or null: f32 x) over the pool's threads.
+void run_bf16(ffi::ThreadPool& pool, const Problem& p, int64_t panels, bool amx) {
+  if (!amx && p.M <= kAheadMaxRows) {  // few rows: each panel prefetches the next (Ahead)
+    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall, kMaxRows,
+                                    [&p](int64_t pi, int64_t m_begin, int64_t m_end,
+                                         auto next_panel) {
+                                      run_panel(p, pi, m_begin, m_end, next_panel);
+                                    });
+    return;
+  }
+  jaxserve::parallel_panels(pool, panels, p.M, kItemsPerCall, kMinSplitRows,
+                            amx ? kAmxRows : kMaxRows,
+                            [&p, amx](int64_t pi, int64_t m_begin, int64_t m_end) {
+#if defined(JAXSERVE_AMX)
+                              if (amx) return run_panel_amx(p, pi, m_begin, m_end);
+#endif
+                              run_panel(p, pi, m_begin, m_end, [] { return int64_t{-1}; });
+                            });
 }
 
 ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -734,22 +761,37 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     round_to_bf16_pairs(p.x, p.M, p.K2, xb.data(), p.xb_pairs);
     p.xb = xb.data();
   }
-  if (!amx && p.M <= kAheadMaxRows) {  // few rows: each panel prefetches the next (Ahead)
-    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall, kMaxRows,
-                                    [&p](int64_t pi, int64_t m_begin, int64_t m_end,
-                                         auto next_panel) {
-                                      run_panel(p, pi, m_begin, m_end, next_panel);
-                                    });
-    return ffi::Error::Success();
+  run_bf16(pool, p, panels, amx);
+  return ffi::Error::Success();
+}
+
+// round_x with x given in bf16 [M, K] (the model's producer of x rounds it, in its own
+// fusion, instead of a pass over f32 x here before the threads start: in a 256-token
+// prefill step that pass took 90-240 us a call, one core idle). A row of bf16 x is its
+// (x[2k], x[2k + 1]) pairs in 32 bits as they lie (little-endian: x[2k] the low half),
+// read in place; AMX's padded copy is made from it.
+ffi::Error Bf16MatmulBf16xImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  Problem p;
+  int64_t panels;
+  if (ffi::Error e = make_problem("bf16_matmul", false, x, w, *layer.typed_data(), out, &p,
+                                  &panels);
+      e.failure())
+    return e;
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  const bool amx = amx_runs_round_x();
+  const uint32_t* pairs = static_cast<const uint32_t*>(x.untyped_data());
+  std::vector<uint32_t> xb;
+  if (amx) {  // padded for the tiles, as Bf16MatmulImpl's
+    p.xb_pairs = (p.K2 + 15) / 16 * 16;
+    xb.assign((p.M + kAmxRows) * p.xb_pairs, 0u);
+    for (int64_t m = 0; m < p.M; ++m)
+      std::memcpy(xb.data() + m * p.xb_pairs, pairs + m * p.K2, p.K2 * sizeof(uint32_t));
+    pairs = xb.data();
   }
-  jaxserve::parallel_panels(pool, panels, p.M, kItemsPerCall, kMinSplitRows,
-                            amx ? kAmxRows : kMaxRows,
-                            [&p, amx](int64_t pi, int64_t m_begin, int64_t m_end) {
-#if defined(JAXSERVE_AMX)
-                              if (amx) return run_panel_amx(p, pi, m_begin, m_end);
-#endif
-                              run_panel(p, pi, m_begin, m_end, [] { return int64_t{-1}; });
-                            });
+  p.xb = pairs;
+  run_bf16(pool, p, panels, amx);
   return ffi::Error::Success();
 }
 
@@ -791,6 +833,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<bool>("round_x"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16MatmulBf16x, Bf16MatmulBf16xImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x, bf16
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveF32Matmul, F32MatmulImpl,
                               ffi::Ffi::Bind()

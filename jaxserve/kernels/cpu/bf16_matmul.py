@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxserve.kernels.common import check, check_array, layer_operand
 
 TARGET = "jaxserve_bf16_matmul"
+BF16X_TARGET = "jaxserve_bf16_matmul_bf16x"  # round_x with x already bf16
 F32_TARGET = "jaxserve_f32_matmul"  # f32 panels
 LANES = 16  # f32 lanes of one AVX-512 register: panel widths are multiples of this
 PANEL = 64  # preferred panel width (4 registers)
@@ -87,7 +88,7 @@ def _panel_width(w_packed) -> int:
 
 
 def _check_operands(fn: str, x, w_packed, stacked: bool = False) -> None:
-    check_array(fn, "x", x, (None, None), (jnp.float32,))
+    check_array(fn, "x", x, (None, None), (jnp.float32, jnp.bfloat16))
     layout = ((None, x.shape[1] // 2, 2, None) if w_packed.dtype == jnp.float32
               else (None, x.shape[1] // 2, None, 2))
     check_array(fn, "w_packed", w_packed, (None,) * stacked + layout,
@@ -100,7 +101,8 @@ def _check_operands(fn: str, x, w_packed, stacked: bool = False) -> None:
 @functools.partial(jax.jit, static_argnames=("round_x",))
 def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
                 layer: jax.Array | int | None = None) -> jax.Array:
-    """x [M, K] f32 times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N] f32: the weights
+    """x [M, K] f32 (or bf16: below) times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N]
+    f32: the weights
     widened to f32, products and sums in f32 (any M >= 0); or times f32 panels [N / P,
     K / 2, 2, P] (pack_weight's float32 layout; not with round_x), each column summed k
     after k with one f32 FMA a k at every row count (AVX2 blocks for 1-2 rows, AVX-512 ones
@@ -110,7 +112,12 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
     jaxserve/kernels/cpu/amx.h) where the CPU has AMX-BF16 and Linux grants the process the
     tile state, else AVX512-BF16 vdpbf16ps (the portable build does the same arithmetic in
     f32): 2x (Zen 4's vdpbf16ps) to 5-11x (AMX) the f32 FMA rate where
-    `bf16_dot_speedup()` says so, for compute-bound row counts. Within one path a row's
+    `bf16_dot_speedup()` says so, for compute-bound row counts. A bf16 x is round_x's
+    rounded x given by the caller (round_x is then implied): the kernel reads it in place
+    instead of rounding f32 x in a pass of its own before its threads start, and the
+    producer of x (a norm, an activation) writes half the bytes; the same result as f32 x
+    with round_x (to nearest even; both paths' dot instructions read a bf16 denormal as
+    zero). Not with f32 panels. Within one path a row's
     result does not depend on the rows beside it. layer: with a stack of packed weights
     [L, N / P, K / 2, P, 2] (a loop over layers), the int32 index of the one to use, traced or not, read where it
     lies (a slice of the stack handed to the call would be copied first; see
@@ -123,8 +130,11 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
     n = w_packed.shape[-4] * _panel_width(w_packed)
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     if w_packed.dtype == jnp.float32:
-        check(fn, not round_x, "round_x rounds x for the bf16 dot: not with f32 panels")
+        check(fn, not round_x and x.dtype == jnp.float32,
+              "round_x rounds x for the bf16 dot: not with f32 panels (nor a bf16 x)")
         return jax.ffi.ffi_call(F32_TARGET, out)(x, w_packed, layer_operand(fn, layer))
+    if x.dtype == jnp.bfloat16:
+        return jax.ffi.ffi_call(BF16X_TARGET, out)(x, w_packed, layer_operand(fn, layer))
     return jax.ffi.ffi_call(TARGET, out)(x, w_packed, layer_operand(fn, layer), round_x=round_x)
 
 
@@ -132,9 +142,9 @@ def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = Fal
     """Plain-jnp `bf16_matmul` (same arguments and result): unpack, widen to f32 (x rounded
     to bf16 first with round_x), then an f32 dot at HIGHEST precision."""
     _check_operands("bf16_matmul_reference", x, w_packed)
-    if round_x and w_packed.dtype == jnp.float32:
-        raise ValueError("bf16_matmul_reference: round_x is not for f32 panels")
-    if round_x:
+    if (round_x or x.dtype == jnp.bfloat16) and w_packed.dtype == jnp.float32:
+        raise ValueError("bf16_matmul_reference: round_x (or a bf16 x) is not for f32 panels")
+    if round_x or x.dtype == jnp.bfloat16:
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     return jnp.dot(x, unpack_weight(w_packed).astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)

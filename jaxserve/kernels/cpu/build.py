@@ -32,6 +32,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 # FFI handler symbol in the library -> target name it is registered under.
 HANDLERS = {"JaxservePagedAttention": "jaxserve_paged_attention",
             "JaxserveBf16Matmul": "jaxserve_bf16_matmul",
+            "JaxserveBf16MatmulBf16x": "jaxserve_bf16_matmul_bf16x",
             "JaxserveF32Matmul": "jaxserve_f32_matmul",
             "JaxserveArgmaxLogsumexp": "jaxserve_argmax_logsumexp",
             "JaxserveGgmlMatmul": "jaxserve_ggml_matmul",
