@@ -742,57 +742,51 @@ void run_bf16(ffi::ThreadPool& pool, const Problem& p, int64_t panels, bool amx)
                             });
 }
 
-ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> out, bool round_x) {
+// x times layer `layer` of the packed bf16 w into out: x f32 (rounded to bf16 pairs here
+// when round_x), or bf16 (round_x on x the caller rounded: a row of bf16 x is its (x[2k],
+// x[2k + 1]) pairs in 32 bits as they lie, little-endian, x[2k] the low half; read in
+// place, so no pass over x runs on the calling thread before its helpers start: in a
+// 256-token prefill step the f32 rounding took 90-240 us a call, one core idle). AMX
+// reads a padded copy either way.
+template <typename XBuffer>
+ffi::Error bf16_matmul(ffi::ThreadPool& pool, const XBuffer& x, const ffi::Buffer<ffi::BF16>& w,
+                       int32_t layer, ffi::ResultBuffer<ffi::F32>& out, bool round_x) {
+  constexpr bool kBf16X = !std::is_same_v<XBuffer, ffi::Buffer<ffi::F32>>;
   Problem p;
   int64_t panels;
-  if (ffi::Error e = make_problem("bf16_matmul", false, x, w, *layer.typed_data(), out, &p,
-                                  &panels);
+  if (ffi::Error e = make_problem("bf16_matmul", false, x, w, layer, out, &p, &panels);
       e.failure())
     return e;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  const bool amx = round_x && amx_runs_round_x();  // (run_panel_amx)
+  const bool amx = (round_x || kBf16X) && amx_runs_round_x();  // (run_panel_amx)
+  if constexpr (kBf16X) p.xb = static_cast<const uint32_t*>(x.untyped_data());
   std::vector<uint32_t> xb;
-  if (round_x) {  // x rounded to bf16 once, as (x[2k], x[2k + 1]) pairs in 32 bits
+  if (amx || (round_x && !kBf16X)) {  // x as bf16 (x[2k], x[2k + 1]) pairs in 32 bits
     // AMX: padded for the tiles (rows to a multiple of 16 pairs, kAmxRows zero rows after)
     if (amx) p.xb_pairs = (p.K2 + 15) / 16 * 16;
     xb.assign((p.M + (amx ? kAmxRows : 0)) * p.xb_pairs, 0u);
-    round_to_bf16_pairs(p.x, p.M, p.K2, xb.data(), p.xb_pairs);
+    if constexpr (kBf16X) {
+      for (int64_t m = 0; m < p.M; ++m)
+        std::memcpy(xb.data() + m * p.xb_pairs, p.xb + m * p.K2, p.K2 * sizeof(uint32_t));
+    } else {
+      round_to_bf16_pairs(p.x, p.M, p.K2, xb.data(), p.xb_pairs);
+    }
     p.xb = xb.data();
   }
   run_bf16(pool, p, panels, amx);
   return ffi::Error::Success();
 }
 
-// round_x with x given in bf16 [M, K] (the model's producer of x rounds it, in its own
-// fusion, instead of a pass over f32 x here before the threads start: in a 256-token
-// prefill step that pass took 90-240 us a call, one core idle). A row of bf16 x is its
-// (x[2k], x[2k + 1]) pairs in 32 bits as they lie (little-endian: x[2k] the low half),
-// read in place; AMX's padded copy is made from it.
+ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out, bool round_x) {
+  return bf16_matmul(pool, x, w, *layer.typed_data(), out, round_x);
+}
+
 ffi::Error Bf16MatmulBf16xImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                                ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
                                ffi::ResultBuffer<ffi::F32> out) {
-  Problem p;
-  int64_t panels;
-  if (ffi::Error e = make_problem("bf16_matmul", false, x, w, *layer.typed_data(), out, &p,
-                                  &panels);
-      e.failure())
-    return e;
-  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  const bool amx = amx_runs_round_x();
-  const uint32_t* pairs = static_cast<const uint32_t*>(x.untyped_data());
-  std::vector<uint32_t> xb;
-  if (amx) {  // padded for the tiles, as Bf16MatmulImpl's
-    p.xb_pairs = (p.K2 + 15) / 16 * 16;
-    xb.assign((p.M + kAmxRows) * p.xb_pairs, 0u);
-    for (int64_t m = 0; m < p.M; ++m)
-      std::memcpy(xb.data() + m * p.xb_pairs, pairs + m * p.K2, p.K2 * sizeof(uint32_t));
-    pairs = xb.data();
-  }
-  p.xb = pairs;
-  run_bf16(pool, p, panels, amx);
-  return ffi::Error::Success();
+  return bf16_matmul(pool, x, w, *layer.typed_data(), out, true);
 }
 
 // The f32-weight matmul: w packed as f32 panels [N / P, K / 2, 2, P] (or a stack of them),
