@@ -86,11 +86,14 @@ def test_kernel_keeps_x_in_f32():
 
 
 def test_portable_path_matches_reference(portable_cpu_kernels):
-    """The loop machines without AVX-512 run."""
+    """The loop machines without AVX-512 run, with f32 x and with x given in bf16."""
     from jaxserve.kernels.cpu.bf16_matmul import _check_operands
 
     jax.ffi.register_ffi_target("jaxserve_bf16_matmul_portable_test",
                                 jax.ffi.pycapsule(portable_cpu_kernels.JaxserveBf16Matmul),
+                                platform="cpu")
+    jax.ffi.register_ffi_target("jaxserve_bf16_matmul_bf16x_portable_test",
+                                jax.ffi.pycapsule(portable_cpu_kernels.JaxserveBf16MatmulBf16x),
                                 platform="cpu")
     rng = np.random.default_rng(SEED)
     wp = pack_weight(_w(rng, 96, 80))
@@ -105,9 +108,6 @@ def test_portable_path_matches_reference(portable_cpu_kernels):
             np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5,
                                        atol=1e-5 * np.abs(ref).max())
         # x given in bf16 (round_x's x, rounded by the caller): read without an f32 x
-        jax.ffi.register_ffi_target("jaxserve_bf16_matmul_bf16x_portable_test",
-                                    jax.ffi.pycapsule(portable_cpu_kernels.JaxserveBf16MatmulBf16x),
-                                    platform="cpu")
         got = jax.ffi.ffi_call("jaxserve_bf16_matmul_bf16x_portable_test",
                                jax.ShapeDtypeStruct((m, 80), jnp.float32))(
             x.astype(jnp.bfloat16), wp, jnp.zeros((), jnp.int32))

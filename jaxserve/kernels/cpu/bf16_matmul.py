@@ -102,11 +102,10 @@ def _check_operands(fn: str, x, w_packed, stacked: bool = False) -> None:
 def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
                 layer: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] f32 (or bf16: below) times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N]
-    f32: the weights
-    widened to f32, products and sums in f32 (any M >= 0); or times f32 panels [N / P,
-    K / 2, 2, P] (pack_weight's float32 layout; not with round_x), each column summed k
-    after k with one f32 FMA a k at every row count (AVX2 blocks for 1-2 rows, AVX-512 ones
-    from 3 where the CPU has them). round_x: x rounded to bf16 first
+    f32: the weights widened to f32, products and sums in f32 (any M >= 0); or times f32
+    panels [N / P, K / 2, 2, P] (pack_weight's float32 layout; not with round_x), each
+    column summed k after k with one f32 FMA a k at every row count (AVX2 blocks for 1-2
+    rows, AVX-512 ones from 3 where the CPU has them). round_x: x rounded to bf16 first
     (round to nearest even) and the products summed by the CPU's bf16 dot-product
     instructions, f32 accumulation: AMX tiles (TDPBF16PS, 16 x 16 outputs per instruction;
     jaxserve/kernels/cpu/amx.h) where the CPU has AMX-BF16 and Linux grants the process the
