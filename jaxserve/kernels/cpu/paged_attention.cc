@@ -8,10 +8,11 @@
 // Only the pages a row really uses are read (the XLA formulation gathers and copies every
 // row's pages up to the batch's page bucket).
 //
-// Work split: one item per (sequence b, KV head h, block of q_block of its queries), handed out
-// dynamically to XLA's intra-op thread pool and the calling thread (parallel.h; contexts
-// are ragged, so items differ in size). An item owns the q_block * G query rows that share KV head h (GQA:
-// G = H / K) and walks the pages once with an online softmax (FlashAttention), so each K/V
+// Work split: one item per (sequence b, KV head h, block of q_block of its queries), handed
+// out dynamically to XLA's intra-op thread pool and the calling thread (parallel.h's
+// parallel_for_ahead: contexts are ragged, so items differ in size, and a thread learns its
+// next item early enough to prefetch that item's first keys). An item owns the q_block * G
+// query rows that share KV head h (GQA: G = H / K) and walks the pages once with an online softmax (FlashAttention), so each K/V
 // page is read once per item. With AVX-512 (and DQ), head dim 64 or 128 and pages of a
 // multiple of 16 keys, items of >= 8 rows (prefill) first transpose each page's K (and
 // widen a bf16 V) into f32 scratch and score 16 keys per FMA (`attend_item_tiled`); every
@@ -70,6 +71,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -404,6 +406,37 @@ struct Item {
   }
 };
 
+// The item its thread runs next (parallel_for_ahead's ahead()): the tiled paths prefetch
+// its first keys' K and V during their own last block, which no prefetch covered before
+// (the hardware prefetchers do not see the jump to another sequence's or head's page).
+struct NextItem {
+  const std::function<int64_t()>& ahead;  // the next item's index, or `total`: none
+  const std::vector<Chunk>& chunks;
+  int64_t total;  // items: chunks x KV heads
+
+  // Claims the next item and points k[i] / v[i] at the pool rows of its tiles of
+  // `tile_keys` keys (a divisor of p.ps) covering its first `keys` keys; returns how many
+  // tiles (0: no next item; stops at a page id outside [0, N), which its own item reports).
+  template <typename T>
+  int first_tiles(const Problem& p, int64_t keys, int64_t tile_keys, const T** k,
+                  const T** v) const {
+    const int64_t j = ahead();
+    if (j >= total) return 0;
+    const Chunk& c = chunks[j / p.K];
+    const int64_t h = j % p.K, stride = row_stride<T>(p.Dh);
+    keys = std::min<int64_t>(keys, p.seq_lens[c.b]);
+    int n = 0;
+    for (int64_t key = 0; key < keys && key / p.ps < p.P; key += tile_keys, ++n) {
+      const int64_t page = p.block_tables[c.b * p.P + key / p.ps];
+      if (page < 0 || page >= p.N) break;
+      const int64_t row = ((h * p.N + page) * p.ps + key % p.ps) * stride;
+      k[n] = static_cast<const T*>(p.k) + row;
+      v[n] = static_cast<const T*>(p.v) + row;
+    }
+    return n;
+  }
+};
+
 // The tiled paths (AVX-512's and AVX2's, below):
 // Items with at least this many rows (query rows x GQA group) widen a narrow pool's V to
 // f32 once for all their rows, and with AVX-512 transpose each page's K: a vector of keys
@@ -543,10 +576,11 @@ constexpr int kRows = 4;
 // v[t] the row t % 16 of tile v[t / 16] ([16, DH]). Each V vector is loaded once for the R
 // rows, their outputs held in registers across the keys; a row's sum runs in key order with
 // one FMA per key whatever R is, so its bits do not depend on the rows beside it (a row
-// whose keys end before n adds p = 0 times a visible key's finite V: + 0).
-template <int DH, int R, typename V>
+// whose keys end before n adds p = 0 times a visible key's finite V: + 0). each_key(t) is
+// called before key t (the caller's prefetches, spread over the loop).
+template <int DH, int R, typename V, typename EachKey>
 inline void accumulate_rows(float* const* acc, const float* corr, const float* p,
-                            const V* const* v, int64_t n) {
+                            const V* const* v, int64_t n, EachKey&& each_key) {
   constexpr int C = DH / 16;
   __m512 a[R][C];
   for (int i = 0; i < R; ++i) {
@@ -554,6 +588,7 @@ inline void accumulate_rows(float* const* acc, const float* corr, const float* p
     for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16 * c), ci);
   }
   for (int64_t t = 0; t < n; ++t) {
+    each_key(t);
     const V* vt = v[t / 16] + (t % 16) * row_stride<V>(DH);
     const __m512 vs = _mm512_set1_ps(row_scale(vt, DH));
     __m512 vv[C];
@@ -568,17 +603,19 @@ inline void accumulate_rows(float* const* acc, const float* corr, const float* p
 }
 
 // accumulate_rows over a group of nr <= kRows rows, as many at once as registers hold.
-template <int DH, typename V>
+template <int DH, typename V, typename EachKey>
 inline void accumulate_group(float* const* acc, const float* corr, const float* p,
-                             const V* const* v, int64_t n, int nr) {
+                             const V* const* v, int64_t n, int nr, EachKey&& each_key) {
   constexpr int kMax = DH <= 64 ? 4 : 2;
   for (int i = 0; i < nr; i += kMax) {
     const float* pi = p + i * kBlockKeys;
     switch (std::min(kMax, nr - i)) {
-      case 1: accumulate_rows<DH, 1, V>(acc + i, corr + i, pi, v, n); break;
-      case 2: accumulate_rows<DH, 2, V>(acc + i, corr + i, pi, v, n); break;
-      case 3: accumulate_rows<DH, (kMax >= 3 ? 3 : 1), V>(acc + i, corr + i, pi, v, n); break;
-      default: accumulate_rows<DH, kMax, V>(acc + i, corr + i, pi, v, n); break;
+      case 1: accumulate_rows<DH, 1, V>(acc + i, corr + i, pi, v, n, each_key); break;
+      case 2: accumulate_rows<DH, 2, V>(acc + i, corr + i, pi, v, n, each_key); break;
+      case 3:
+        accumulate_rows<DH, (kMax >= 3 ? 3 : 1), V>(acc + i, corr + i, pi, v, n, each_key);
+        break;
+      default: accumulate_rows<DH, kMax, V>(acc + i, corr + i, pi, v, n, each_key); break;
     }
   }
 }
@@ -589,7 +626,8 @@ inline __mmask16 first_lanes(int64_t n) {
 }
 
 template <int DH, typename T>
-bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
+bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch,
+                       const NextItem& next_item) {
   Item it(p, c, h, DH, scratch, kRows * kBlockKeys + kRows);
   if (!it.context_fits()) return false;
   const int64_t rows = it.rows;
@@ -614,8 +652,9 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
     return page == nullptr ? nullptr : page + (key % p.ps) * kStride;
   };
   // The block's first n rows of the tiles (t / 16, row t % 16) as f32 rows [n, DH] in out.
-  auto widen_rows = [](float* out, const T* const* tiles, int64_t n) {
+  auto widen_rows = [](float* out, const T* const* tiles, int64_t n, auto&& each_row) {
     for (int64_t t = 0; t < n; ++t) {
+      each_row();
       const T* row = tiles[t / 16] + (t % 16) * kStride;
       const __m512 scale = _mm512_set1_ps(row_scale(row, DH));
       for (int cc = 0; cc < DH / 16; ++cc)
@@ -634,18 +673,31 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       vp[j] = tile(p.v, key0 + 16 * j);
       if (kp[j] == nullptr) return false;
     }
-    // The next block's K and V tiles into L2 while this one is transposed, a cache line of
-    // each per loaded row (pages lie anywhere in the pool: no hardware prefetcher sees them
-    // coming; all at once at the page's start they came too late: the 32-row decode step's
-    // attention took 1.5x). Decode items (no transpose) issue them all here.
-    const char* next[4];
-    int n_next = 0;
+    // The next block's K and V tiles (in the last block, the next item's first) into L2, a
+    // cache line of each at a time, spread over this block's work: per loaded row of the
+    // transpose, or in decode items per other K row widened and per other key of p @ V
+    // (pages lie anywhere in the pool: no hardware prefetcher sees them coming; all at once
+    // at the page's start they came too late: the 32-row decode step's attention took 1.5x;
+    // all at once per block in decode items, they stalled the item and came late: 32 x 256
+    // over 30 layers' pools, 0.44 -> 0.32 ms a layer spread so and with the next item's
+    // first block; kernels README, session 46).
+    const T* next_k[2];
+    const T* next_v[2];
+    int n_tiles = 0;
     for (int64_t key = key0 + kBlockKeys; key < std::min(n_keys, key0 + 2 * kBlockKeys);
          key += 16) {
       const T* kn = tile(p.k, key);
       if (kn == nullptr) break;  // a bad page id: reported when its block comes
-      next[n_next++] = reinterpret_cast<const char*>(kn);
-      next[n_next++] = reinterpret_cast<const char*>(tile(p.v, key));
+      next_k[n_tiles] = kn;
+      next_v[n_tiles++] = tile(p.v, key);
+    }
+    if (key0 + kBlockKeys >= n_keys)  // the last block: the next item's first
+      n_tiles = next_item.first_tiles<T>(p, kBlockKeys, 16, next_k, next_v);
+    const char* next[4];  // each tile's K, then its V (interleaved: K tiles first was slower)
+    int n_next = 0;
+    for (int i = 0; i < n_tiles; ++i) {
+      next[n_next++] = reinterpret_cast<const char*>(next_k[i]);
+      next[n_next++] = reinterpret_cast<const char*>(next_v[i]);
     }
     int64_t fetched = 0;  // bytes of each next tile prefetched
     auto prefetch_line = [&] {
@@ -653,7 +705,11 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       fetched += 64;
     };
     // Decode items: K widened to f32 once for the group's rows (kt as [kBlockKeys, DH])
-    if (!transposed) widen_rows(kt, kp, used);
+    int64_t widened = 0;
+    if (!transposed)
+      widen_rows(kt, kp, used, [&] {
+        if (widened++ % 2 == 0 && fetched < kTileBytes) prefetch_line();
+      });
     // K^T per tile (rows past `used` are transposed too: never read unmasked)
     for (int j = 0; transposed && j < tiles; ++j)
       for (int cc = 0; cc < DH / 16; ++cc) {
@@ -667,8 +723,8 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
         for (int d = 0; d < 16; ++d)
           _mm512_storeu_ps(kt + j * 16 * DH + (cc * 16 + d) * 16, r16[d]);
       }
-    while (n_next > 0 && fetched < kTileBytes) prefetch_line();
-    if (widen) widen_rows(vf, vp, used);
+    if (transposed) while (n_next > 0 && fetched < kTileBytes) prefetch_line();
+    if (widen) widen_rows(vf, vp, used, [] {});
 
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
@@ -719,9 +775,13 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       if (n_group == 0) continue;
       float* accs[kRows];
       for (int u = 0; u < nr; ++u) accs[u] = acc + (r0 + u) * DH;
-      if (widen) accumulate_group<DH, float>(accs, corr, pr, vf_tiles, n_group, nr);
-      else accumulate_group<DH, T>(accs, corr, pr, vp, n_group, nr);
+      auto each_key = [&](int64_t t) __attribute__((always_inline)) {
+        if (t % 2 == 0 && fetched < kTileBytes) prefetch_line();
+      };
+      if (widen) accumulate_group<DH, float>(accs, corr, pr, vf_tiles, n_group, nr, each_key);
+      else accumulate_group<DH, T>(accs, corr, pr, vp, n_group, nr, each_key);
     }
+    while (n_next > 0 && fetched < kTileBytes) prefetch_line();
   }
   it.finish();
   return true;
@@ -780,10 +840,10 @@ template <int DH>
 // v[t] the row t % 8 of tile v[t / 8] ([8, DH]): accumulate_values's sums (one FMA per key,
 // in key order) with each V vector loaded once for the R rows, W of each row's output
 // vectors held in registers across the keys. A row whose keys end before n adds p = 0
-// times a visible key's finite V: + 0.
-template <int DH, int R, typename V>
+// times a visible key's finite V: + 0. each_key(t) is called before key t's first use.
+template <int DH, int R, typename V, typename EachKey>
 inline void accumulate_rows8(float* const* acc, const float* corr, const float* p,
-                             const V* const* v, int64_t n) {
+                             const V* const* v, int64_t n, EachKey&& each_key) {
   constexpr int W = 8 / R;  // R * W = 8 accumulators, 8 independent FMA chains
   for (int c0 = 0; c0 < DH / 8; c0 += W) {
     __m256 a[R][W];
@@ -796,6 +856,7 @@ inline void accumulate_rows8(float* const* acc, const float* corr, const float* 
       const V* vtile = v[t0 / 8];
       const int64_t tn = std::min<int64_t>(n - t0, 8);
       for (int64_t t = 0; t < tn; ++t) {
+        if (c0 == 0) each_key(t0 + t);
         const V* vt = vtile + t * row_stride<V>(DH);
         const __m256 vs = _mm256_set1_ps(row_scale(vt, DH));
         __m256 pt[R];
@@ -812,11 +873,11 @@ inline void accumulate_rows8(float* const* acc, const float* corr, const float* 
   }
 }
 
-template <int DH, typename V>
+template <int DH, typename V, typename EachKey>
 inline void accumulate_group8(float* const* acc, const float* corr, const float* p,
-                              const V* const* v, int64_t n, int nr) {
-  if (nr == 1) accumulate_rows8<DH, 1, V>(acc, corr, p, v, n);
-  else accumulate_rows8<DH, 2, V>(acc, corr, p, v, n);
+                              const V* const* v, int64_t n, int nr, EachKey&& each_key) {
+  if (nr == 1) accumulate_rows8<DH, 1, V>(acc, corr, p, v, n, each_key);
+  else accumulate_rows8<DH, 2, V>(acc, corr, p, v, n, each_key);
 }
 
 // Lanes [0, n) of 8 as an all-ones mask (n clamped to [0, 8]).
@@ -839,7 +900,8 @@ inline float reduce_add8(__m256 x) {
 }
 
 template <int DH, typename T>
-bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
+bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch,
+                        const NextItem& next_item) {
   constexpr int kTiles = kBlockKeys / 8;
   Item it(p, c, h, DH, scratch, kRows8 * kBlockKeys + kRows8);
   if (!it.context_fits()) return false;
@@ -886,10 +948,12 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
       vp[j] = tile(p.v, key0 + 8 * j);
       if (kp[j] == nullptr) return false;
     }
-    // The next block's K and V rows into L2, one key's rows per K row widened (pages lie
-    // anywhere in the pool: no hardware prefetcher sees them coming). A 32-row decode over
-    // 512 tokens of 30 layers' pools (DRAM) ran at ~0.86x the per-row path's pairs/s
-    // without prefetching, ~1.0x with it.
+    // The next block's K and V rows (in the last block, the next item's first) into L2,
+    // one key's rows per other K row widened and per other key of p @ V (pages lie anywhere
+    // in the pool: no hardware prefetcher sees them coming). A 32-row decode over 512
+    // tokens of 30 layers' pools (DRAM) ran at ~0.86x the per-row path's pairs/s without
+    // prefetching, ~1.0x with one key per K row widened; spread over p @ V too and with the
+    // next item's first block, 0.90-0.93x that time (kernels README, session 46).
     const T* next_k[kTiles] = {};
     const T* next_v[kTiles] = {};
     int64_t next_keys = 0;
@@ -901,6 +965,8 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
       next_v[next_keys / 8] = tile(p.v, key);
       next_keys += 8;
     }
+    if (key0 + kBlockKeys >= n_keys)  // the last block: the next item's first
+      next_keys = 8 * next_item.first_tiles<T>(p, kBlockKeys, 8, next_k, next_v);
     // The next block's key u: its K and V rows' cache lines. (Inlined: as a call, GCC
     // finds it free of side effects and drops it, prefetches and all.)
     auto prefetch_key = [&](int64_t u) __attribute__((always_inline)) {
@@ -916,8 +982,8 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
     auto prefetch_some = [&] { prefetch_key(fetched++); };
     // the tiles' rows, all 8 of the last one (rows past `used` are scored too: their lanes
     // are masked, and the lane sums never mix keys)
-    widen_rows(kf, kp, 8 * tiles, prefetch_some);
-    while (fetched < next_keys) prefetch_some();
+    int64_t widened = 0;
+    widen_rows(kf, kp, 8 * tiles, [&] { if (widened++ % 2 == 0) prefetch_some(); });
     if (widen) widen_rows(vf, vp, used, [] {});
 
     for (int64_t r0 = 0; r0 < rows; r0 += kRows8) {
@@ -961,9 +1027,13 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
       if (n_group == 0) continue;
       float* accs[kRows8];
       for (int u = 0; u < nr; ++u) accs[u] = acc + (r0 + u) * DH;
-      if (widen) accumulate_group8<DH, float>(accs, corr, pr, vf_tiles, n_group, nr);
-      else accumulate_group8<DH, T>(accs, corr, pr, vp, n_group, nr);
+      auto each_key = [&](int64_t t) __attribute__((always_inline)) {
+        if (t % 2 == 0) prefetch_some();
+      };
+      if (widen) accumulate_group8<DH, float>(accs, corr, pr, vf_tiles, n_group, nr, each_key);
+      else accumulate_group8<DH, T>(accs, corr, pr, vp, n_group, nr, each_key);
     }
+    while (fetched < next_keys) prefetch_some();
   }
   it.finish();
   return true;
@@ -1019,32 +1089,35 @@ bool attend_item(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) 
 
 // DH: 64, 128 (compile-time head dims) or 0 (any); the tiled path where it applies.
 template <int DH, typename T>
-bool attend_dh_typed(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
+bool attend_dh_typed(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch,
+                     const NextItem& next_item) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   if constexpr (DH > 0)
-    if (p.ps % 16 == 0) return attend_item_tiled<DH, T>(p, c, h, scratch);
+    if (p.ps % 16 == 0) return attend_item_tiled<DH, T>(p, c, h, scratch, next_item);
 #elif defined(JAXSERVE_ATTENTION_AVX2)
   if constexpr (DH > 0)
-    if (p.ps % 8 == 0) return attend_item_tiled8<DH, T>(p, c, h, scratch);
+    if (p.ps % 8 == 0) return attend_item_tiled8<DH, T>(p, c, h, scratch, next_item);
 #endif
   return attend_item<DH, T>(p, c, h, scratch);
 }
 
 template <int DH>
-bool attend_dh(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
+bool attend_dh(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch,
+               const NextItem& next_item) {
   switch (p.kv) {
-    case KvType::kBF16: return attend_dh_typed<DH, uint16_t>(p, c, h, scratch);
-    case KvType::kFP8: return attend_dh_typed<DH, uint8_t>(p, c, h, scratch);
-    case KvType::kInt8: return attend_dh_typed<DH, int8_t>(p, c, h, scratch);
-    default: return attend_dh_typed<DH, float>(p, c, h, scratch);
+    case KvType::kBF16: return attend_dh_typed<DH, uint16_t>(p, c, h, scratch, next_item);
+    case KvType::kFP8: return attend_dh_typed<DH, uint8_t>(p, c, h, scratch, next_item);
+    case KvType::kInt8: return attend_dh_typed<DH, int8_t>(p, c, h, scratch, next_item);
+    default: return attend_dh_typed<DH, float>(p, c, h, scratch, next_item);
   }
 }
 
-bool attend(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch) {
+bool attend(const Problem& p, const Chunk& c, int64_t h, Scratch& scratch,
+            const NextItem& next_item) {
   switch (p.Dh) {
-    case 64: return attend_dh<64>(p, c, h, scratch);
-    case 128: return attend_dh<128>(p, c, h, scratch);
-    default: return attend_dh<0>(p, c, h, scratch);
+    case 64: return attend_dh<64>(p, c, h, scratch, next_item);
+    case 128: return attend_dh<128>(p, c, h, scratch, next_item);
+    default: return attend_dh<0>(p, c, h, scratch, next_item);
   }
 }
 
@@ -1114,10 +1187,11 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   std::fill(o + qs[p.S] * row, o + p.T * row, 0.0f);
 
   const int64_t total = static_cast<int64_t>(chunks.size()) * p.K;
-  const bool ok = jaxserve::parallel_for(pool, total, [&p, &chunks](int64_t item) {
-    thread_local Scratch scratch;
-    return attend(p, chunks[item / p.K], item % p.K, scratch);
-  });
+  const bool ok = jaxserve::parallel_for_ahead(
+      pool, total, [&p, &chunks, total](int64_t item, const std::function<int64_t()>& ahead) {
+        thread_local Scratch scratch;
+        return attend(p, chunks[item / p.K], item % p.K, scratch, NextItem{ahead, chunks, total});
+      });
   if (!ok)
     return ffi::Error::InvalidArgument(
         "paged_attention: a block table holds a page id outside [0, num_pages) or a sequence "
