@@ -2,6 +2,7 @@
 against XLA attention (`attention_impl="xla"`) on the same inputs in the same run.
 
     python -m tools.bench_cpu_attention [--repeats 15] [--layers 30]
+                                        [--page-order contiguous|extents|random]
 
 Shapes: SmolLM2-135M's heads (9 query, 3 KV, head_dim 64), a bf16 pool of 16-token pages:
 a 240-token prompt chunk over 1,900 tokens of context (the chunked-prefill benchmark's
@@ -14,7 +15,10 @@ one program that calls it for each layer in turn, as the engine's step does: poo
 from DRAM, not from the cache a single small pool stays in, and no dispatch between the
 calls (per layer: the median of --repeats programs over N; the K/V bytes read per second
 beside it, against `python -m tools.membw`'s read bandwidth; why one program:
-PERFORMANCE.md, "Decode attention and the page pool's layout").
+PERFORMANCE.md, "Decode attention and the page pool's layout"). --page-order says where
+each sequence's pages lie in the pool: `contiguous` (one run of ids per sequence),
+`extents` (runs of EXTENT_PAGES ids in a random order, as the engine's page pool hands
+them out) or `random` (every page anywhere).
 """
 
 from __future__ import annotations
@@ -27,22 +31,40 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint.sources import default_cache_dir
+from jaxserve.engine.page_pool import EXTENT_PAGES
 from jaxserve.kernels.cpu.build import load_library
 from jaxserve.kernels.cpu.paged_attention import paged_attention
 from jaxserve.model.attention import make_metadata, paged_attention as model_attention
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+PAGE_ORDERS = ("contiguous", "extents", "random")
 CASES = (("prefill 240 x 1900", 1900, 240, 1), ("prefill 512 x 512", 512, 512, 1),
          ("decode 32 x 256", 256, 1, 32), ("decode 32 x 512", 512, 1, 32))
 
 
-def _case(rng, ctx: int, new: int, seqs: int, layers: int = 1):
+def page_ids(rng, n: int, order: str) -> np.ndarray:
+    """Page ids 1 .. n (page 0 is the pool's null page) in the order the block tables list
+    them, read row by row: `order` one of PAGE_ORDERS (module docstring). extents: runs of
+    EXTENT_PAGES consecutive ids (the last run shorter when n is not a multiple), shuffled
+    as whole runs. Raises ValueError for another order."""
+    ids = 1 + np.arange(n)
+    if order == "contiguous":
+        return ids
+    if order == "random":
+        return rng.permutation(ids)
+    if order == "extents":
+        runs = [ids[i:i + EXTENT_PAGES] for i in range(0, n, EXTENT_PAGES)]
+        return np.concatenate([runs[i] for i in rng.permutation(len(runs))])
+    raise ValueError(f"page order must be one of {PAGE_ORDERS}, got {order!r}")
+
+
+def _case(rng, ctx: int, new: int, seqs: int, layers: int = 1, order: str = "contiguous"):
     """The case's inputs (pools [layers, ...] when layers > 1) and its query-key pairs."""
     pages = -(-ctx // PAGE)
     shape = (layers,) * (layers > 1) + (KV_HEADS, seqs * pages + 1, PAGE, HEAD_DIM)
     k, v = (jax.lax.bitcast_convert_type(
         jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), jnp.uint16) for _ in range(2))
-    tables = jnp.asarray(1 + np.arange(seqs * pages).reshape(seqs, pages), jnp.int32)
+    tables = jnp.asarray(page_ids(rng, seqs * pages, order).reshape(seqs, pages), jnp.int32)
     q = jnp.asarray(rng.standard_normal((seqs * new, HEADS, HEAD_DIM)), jnp.float32)
     query_start = jnp.asarray(np.arange(seqs + 1) * new, jnp.int32)
     positions = jnp.asarray(np.tile(np.arange(ctx - new, ctx), seqs), jnp.int32)
@@ -80,6 +102,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--layers", type=int, default=1,
                     help="> 1: also time the C++ kernel on a stack of this many layers' pools")
+    ap.add_argument("--page-order", choices=PAGE_ORDERS, default="contiguous",
+                    help="where each sequence's pages lie in the pool (module docstring)")
     args = ap.parse_args(argv)
     if args.layers < 1:
         ap.error("--layers must be >= 1")
@@ -92,12 +116,12 @@ def main(argv=None) -> None:
     print(f"{'case':>20} {'C++ ms':>8} {'M pairs/s':>10} {'XLA ms':>8} {'M pairs/s':>10} "
           f"{'C++/XLA time':>13}{dram}")
     for name, ctx, new, seqs in CASES:
-        inputs, pairs = _case(rng, ctx, new, seqs)
+        inputs, pairs = _case(rng, ctx, new, seqs, order=args.page_order)
         t_cpp, t_xla = _seconds(cpp, inputs, args.repeats), _seconds(xla, inputs, args.repeats)
         line = (f"{name:>20} {t_cpp * 1e3:8.2f} {pairs / t_cpp / 1e6:10.0f} {t_xla * 1e3:8.2f} "
                 f"{pairs / t_xla / 1e6:10.0f} {t_cpp / t_xla:13.2f}")
         if args.layers > 1:
-            inputs, _ = _case(rng, ctx, new, seqs, args.layers)
+            inputs, _ = _case(rng, ctx, new, seqs, args.layers, args.page_order)
             t = _seconds_per_layer(paged_attention, inputs, args.layers, args.repeats)
             kv_bytes = 2 * seqs * ctx * KV_HEADS * HEAD_DIM * inputs[1].dtype.itemsize
             line += f" {t * 1e3:8.2f} {pairs / t / 1e6:10.0f} {kv_bytes / t / 1e9:9.1f}"
