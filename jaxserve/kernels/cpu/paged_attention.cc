@@ -12,22 +12,22 @@
 // out dynamically to XLA's intra-op thread pool and the calling thread (parallel.h's
 // parallel_for_ahead: contexts are ragged, so items differ in size, and a thread learns its
 // next item early enough to prefetch that item's first keys). An item owns the q_block * G
-// query rows that share KV head h (GQA: G = H / K) and walks the pages once with an online softmax (FlashAttention), so each K/V
-// page is read once per item. With AVX-512 (and DQ), head dim 64 or 128 and pages of a
-// multiple of 16 keys, items of >= 8 rows (prefill) first transpose each page's K (and
-// widen a bf16 V) into f32 scratch and score 16 keys per FMA (`attend_item_tiled`); every
-// row, transposed or not, sums its scores in the same order, so its bits do not depend on
-// the rows beside it. That path's online softmax steps over 32 keys (two 16-key tiles) and
-// its p @ V loads each V vector once for up to 4 rows (the GQA group's in decode); decode
-// items widen a block's K to f32 once for their rows and sum 16 keys' lanes at once.
-// Without AVX-512, with AVX2 and FMA (Zen 1-3, Intel's client CPUs), the same plan runs on
-// 8-lane vectors (`attend_item_tiled8`: head dims 64 / 128, pages of a multiple of 8 keys):
-// 32-key steps over four 8-key tiles of K widened to f32 once for the item's rows, each row
-// scoring a tile's 8 keys from them and summing each key's 8-lane partials in one tree;
-// other page sizes take the per-row path on 8-lane vectors (scores of 8 keys at once, exp
-// on 8 lanes, p @ V with 64 columns of the row's output in registers). AMD Zen 3 VM, one
-// layer: the per-row path 5.3-6.5x the portable loop's query-key pairs/s, the tiled one
-// 1.7-2.0x the per-row path's in prefill, 1.0-1.2x in decode.
+// query rows that share KV head h (GQA: G = H / K) and walks the pages once with an online
+// softmax (FlashAttention), so each K/V page is read once per item. With AVX-512 (and DQ),
+// head dim 64 or 128 and pages of a multiple of 16 keys, items of >= 8 rows (prefill) first
+// transpose each page's K (and widen a bf16 V) into f32 scratch and score 16 keys per FMA
+// (`attend_item_tiled`); every row, transposed or not, sums its scores in the same order,
+// so its bits do not depend on the rows beside it. That path's online softmax steps over 32
+// keys (two 16-key tiles) and its p @ V loads each V vector once for up to 4 rows (the GQA
+// group's in decode); decode items widen a block's K to f32 once for their rows and sum 16
+// keys' lanes at once. Without AVX-512, with AVX2 and FMA (Zen 1-3, Intel's client CPUs),
+// the same plan runs on 8-lane vectors (`attend_item_tiled8`: head dims 64 / 128, pages of
+// a multiple of 8 keys): 32-key steps over four 8-key tiles of K widened to f32 once for
+// the item's rows, each row scoring a tile's 8 keys from them and summing each key's 8-lane
+// partials in one tree; other page sizes take the per-row path on 8-lane vectors (scores of
+// 8 keys at once, exp on 8 lanes, p @ V with 64 columns of the row's output in registers).
+// AMD Zen 3 VM, one layer: the per-row path 5.3-6.5x the portable loop's query-key pairs/s,
+// the tiled one 1.7-2.0x the per-row path's in prefill, 1.0-1.2x in decode.
 //
 // Shapes (all row-major):
 //   q            [T, H, Dh]       f32   new tokens, packed by sequence
