@@ -16,9 +16,8 @@ from DRAM, not from the cache a single small pool stays in, and no dispatch betw
 calls (per layer: the median of --repeats programs over N; the K/V bytes read per second
 beside it, against `python -m tools.membw`'s read bandwidth; why one program:
 PERFORMANCE.md, "Decode attention and the page pool's layout"). --page-order says where
-each sequence's pages lie in the pool: `contiguous` (one run of ids per sequence),
-`extents` (runs of EXTENT_PAGES ids in a random order, as the engine's page pool hands
-them out) or `random` (every page anywhere).
+each sequence's pages lie in the pool (jaxserve.bench.pages: `extents` as the engine's
+page pool hands them out).
 """
 
 from __future__ import annotations
@@ -31,31 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint.sources import default_cache_dir
-from jaxserve.engine.page_pool import EXTENT_PAGES
+from jaxserve.bench.pages import PAGE_ORDERS, page_ids
 from jaxserve.kernels.cpu.build import load_library
 from jaxserve.kernels.cpu.paged_attention import paged_attention
 from jaxserve.model.attention import make_metadata, paged_attention as model_attention
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
-PAGE_ORDERS = ("contiguous", "extents", "random")
 CASES = (("prefill 240 x 1900", 1900, 240, 1), ("prefill 512 x 512", 512, 512, 1),
          ("decode 32 x 256", 256, 1, 32), ("decode 32 x 512", 512, 1, 32))
-
-
-def page_ids(rng, n: int, order: str) -> np.ndarray:
-    """Page ids 1 .. n (page 0 is the pool's null page) in the order the block tables list
-    them, read row by row: `order` one of PAGE_ORDERS (module docstring). extents: runs of
-    EXTENT_PAGES consecutive ids (the last run shorter when n is not a multiple), shuffled
-    as whole runs. Raises ValueError for another order."""
-    ids = 1 + np.arange(n)
-    if order == "contiguous":
-        return ids
-    if order == "random":
-        return rng.permutation(ids)
-    if order == "extents":
-        runs = [ids[i:i + EXTENT_PAGES] for i in range(0, n, EXTENT_PAGES)]
-        return np.concatenate([runs[i] for i in rng.permutation(len(runs))])
-    raise ValueError(f"page order must be one of {PAGE_ORDERS}, got {order!r}")
 
 
 def _case(rng, ctx: int, new: int, seqs: int, layers: int = 1, order: str = "contiguous"):
@@ -103,7 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=1,
                     help="> 1: also time the C++ kernel on a stack of this many layers' pools")
     ap.add_argument("--page-order", choices=PAGE_ORDERS, default="contiguous",
-                    help="where each sequence's pages lie in the pool (module docstring)")
+                    help="where each sequence's pages lie in the pool (jaxserve.bench.pages)")
     args = ap.parse_args(argv)
     if args.layers < 1:
         ap.error("--layers must be >= 1")

@@ -27,7 +27,7 @@
     jaxserve bench step [--config smollm2_135m] [--repeats 7]
         [--compare precision|attention|matmul|f32_panels|fusion|round_x|decode_steps|kv_dtype]
         [--decode-steps N] [--kv-dtypes float32,bfloat16]
-        [--ragged]
+        [--ragged] [--page-order random|extents|contiguous]
         [--shapes decode:1x16,decode:32x16,prefill:1x512,mixed:31x16x225 ...] [--json out.json]
 
 Each shape `kind:BxL` is one engine step: decode = B sequences of L context pages
@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from jaxserve.bench.pages import PAGE_ORDERS, page_ids
 
 
 DEFAULT_SHAPES = ("decode:1x16,decode:2x16,decode:4x16,decode:8x16,decode:16x16,decode:32x16,"
@@ -95,12 +97,13 @@ def shape_pages(kind: str, B: int, L: int, T: int, page_size: int) -> int:
 
 
 def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
-               ragged: bool = False, room: int = 3, T: int = 0):
+               ragged: bool = False, room: int = 3, T: int = 0, page_order: str = "random"):
     """A full random batch of the shape (every row real), as the engine would build it:
     (StepBatch, SamplingBatch), every sequence sampled greedily. ragged: decode rows get
     contexts drawn uniformly from 1 .. L pages; room: slots left free at the end of a full decode row's L pages
     (multi-step decode writes there); T: a mixed step's prompt tokens, after the B decode
-    rows (its own pages, positions 0 .. T - 1). Raises ValueError when the pool's
+    rows (its own pages, positions 0 .. T - 1); page_order: where the sequences' pages lie
+    in the pool (jaxserve.bench.pages.PAGE_ORDERS). Raises ValueError when the pool's
     num_pages - 1 pages (page 0 is the null page) cannot hold the batch."""
     from jaxserve.worker.input_batch import empty_batch
     from jaxserve.sample.sampler import SamplingBatch
@@ -109,7 +112,7 @@ def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
     seqs = shape_sequences(kind, B, L, T, page_size, room)
     S, P = len(seqs), max(p for _, p, _ in seqs)
     b = empty_batch(sum(q for q, _, _ in seqs), S, P, decode=kind == "decode")
-    pages = rng.permutation(np.arange(1, num_pages))
+    pages = page_ids(rng, num_pages - 1, page_order)
     need = shape_pages(kind, B, L, T, page_size)
     if need > len(pages):
         raise ValueError(f"{kind}:{B}x{L}{f'x{T}' if T else ''} needs {need} pages, the pool "
@@ -189,6 +192,9 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
                     help="--compare kv_dtype: baseline,variant KV cache dtypes "
                          "(--kv-cache-dtype's values)")
     ap.add_argument("--ragged", action="store_true", help="decode rows of random context length")
+    ap.add_argument("--page-order", choices=PAGE_ORDERS, default="random",
+                    help="where the sequences' pages lie in the KV pool (jaxserve.bench.pages; "
+                         "the engine's page pool gives extents)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
@@ -305,12 +311,14 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     print(f"{'shape':>16} {'rows':>5} {base + ' ms':>9} {var + ' ms':>9} {var + '/' + base:>9}")
     for kind, B, L, T in shapes:
         if args.compare == "decode_steps":
-            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, room=n + 1)
+            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, room=n + 1,
+                                         page_order=args.page_order)
             r = runners[base]
             t = {base: time_per_token(r, batch, sampling, 1, args.repeats),
                  var: time_per_token(r, batch, sampling, n, args.repeats)}
         else:
-            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, T=T)
+            batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, T=T,
+                                         page_order=args.page_order)
             t = {name: time_step(r, batch, sampling, args.repeats) for name, r in runners.items()}
         n_rows = len(batch.tokens)
         shape = f"{kind}:{B}x{L}" + (f"x{T}" if kind == "mixed" else "")
