@@ -406,37 +406,6 @@ struct Item {
   }
 };
 
-// The item its thread runs next (parallel_for_ahead's ahead()): the tiled paths prefetch
-// its first keys' K and V during their own last block, which no prefetch covered before
-// (the hardware prefetchers do not see the jump to another sequence's or head's page).
-struct NextItem {
-  const std::function<int64_t()>& ahead;  // the next item's index, or `total`: none
-  const std::vector<Chunk>& chunks;
-  int64_t total;  // items: chunks x KV heads
-
-  // Claims the next item and points k[i] / v[i] at the pool rows of its tiles of
-  // `tile_keys` keys (a divisor of p.ps) covering its first `keys` keys; returns how many
-  // tiles (0: no next item; stops at a page id outside [0, N), which its own item reports).
-  template <typename T>
-  int first_tiles(const Problem& p, int64_t keys, int64_t tile_keys, const T** k,
-                  const T** v) const {
-    const int64_t j = ahead();
-    if (j >= total) return 0;
-    const Chunk& c = chunks[j / p.K];
-    const int64_t h = j % p.K, stride = row_stride<T>(p.Dh);
-    keys = std::min<int64_t>(keys, p.seq_lens[c.b]);
-    int n = 0;
-    for (int64_t key = 0; key < keys && key / p.ps < p.P; key += tile_keys, ++n) {
-      const int64_t page = p.block_tables[c.b * p.P + key / p.ps];
-      if (page < 0 || page >= p.N) break;
-      const int64_t row = ((h * p.N + page) * p.ps + key % p.ps) * stride;
-      k[n] = static_cast<const T*>(p.k) + row;
-      v[n] = static_cast<const T*>(p.v) + row;
-    }
-    return n;
-  }
-};
-
 // The tiled paths (AVX-512's and AVX2's, below):
 // Items with at least this many rows (query rows x GQA group) widen a narrow pool's V to
 // f32 once for all their rows, and with AVX-512 transpose each page's K: a vector of keys
@@ -448,6 +417,37 @@ constexpr int64_t kTransposeRows = 8;
 // come once per step: per 16-key step they were ~40 instructions beside the 64 FMAs of
 // scores and 64 of p @ V (AVX-512).
 constexpr int64_t kBlockKeys = 32;
+
+// The item its thread runs next (parallel_for_ahead's ahead()): the tiled paths prefetch
+// its first keys' K and V during their own last block, which no prefetch covered before
+// (the hardware prefetchers do not see the jump to another sequence's or head's page).
+struct NextItem {
+  const std::function<int64_t()>& ahead;  // the next item's index, or `total`: none
+  const std::vector<Chunk>& chunks;
+  int64_t total;  // items: chunks x KV heads
+
+  // Claims the next item and points k[i] / v[i] at the pool rows of its tiles of
+  // `tile_keys` keys (a divisor of p.ps) covering its first block (kBlockKeys keys); returns
+  // how many tiles (0: no next item; stops at a page id outside [0, N), which its own item
+  // reports).
+  template <typename T>
+  int first_tiles(const Problem& p, int64_t tile_keys, const T** k, const T** v) const {
+    const int64_t j = ahead();
+    if (j >= total) return 0;
+    const Chunk& c = chunks[j / p.K];
+    const int64_t h = j % p.K, stride = row_stride<T>(p.Dh);
+    const int64_t keys = std::min<int64_t>(kBlockKeys, p.seq_lens[c.b]);
+    int n = 0;
+    for (int64_t key = 0; key < keys && key / p.ps < p.P; key += tile_keys, ++n) {
+      const int64_t page = p.block_tables[c.b * p.P + key / p.ps];
+      if (page < 0 || page >= p.N) break;
+      const int64_t row = ((h * p.N + page) * p.ps + key % p.ps) * stride;
+      k[n] = static_cast<const T*>(p.k) + row;
+      v[n] = static_cast<const T*>(p.v) + row;
+    }
+    return n;
+  }
+};
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // ----------------------------------------------------------------------------- tiled path
@@ -692,7 +692,7 @@ bool attend_item_tiled(const Problem& p, const Chunk& c, int64_t h, Scratch& scr
       next_v[n_tiles++] = tile(p.v, key);
     }
     if (key0 + kBlockKeys >= n_keys)  // the last block: the next item's first
-      n_tiles = next_item.first_tiles<T>(p, kBlockKeys, 16, next_k, next_v);
+      n_tiles = next_item.first_tiles<T>(p, 16, next_k, next_v);
     const char* next[4];  // each tile's K, then its V (interleaved: K tiles first was slower)
     int n_next = 0;
     for (int i = 0; i < n_tiles; ++i) {
@@ -966,7 +966,7 @@ bool attend_item_tiled8(const Problem& p, const Chunk& c, int64_t h, Scratch& sc
       next_keys += 8;
     }
     if (key0 + kBlockKeys >= n_keys)  // the last block: the next item's first
-      next_keys = 8 * next_item.first_tiles<T>(p, kBlockKeys, 8, next_k, next_v);
+      next_keys = 8 * next_item.first_tiles<T>(p, 8, next_k, next_v);
     // The next block's key u: its K and V rows' cache lines. (Inlined: as a call, GCC
     // finds it free of side effects and drops it, prefetches and all.)
     auto prefetch_key = [&](int64_t u) __attribute__((always_inline)) {
