@@ -16,8 +16,9 @@
 // >= 128 rows when x has many), handed out to XLA's intra-op threads (parallel.h). A
 // panel's rows of x are walked in blocks of up to 8 rows x 32 columns (16 zmm
 // accumulators, 4 widened weight registers: per pair of input rows 4 widening ops feed 32
-// FMAs; 4 x 64 blocks measured 15-25% slower at 32 rows), so the panel (<= 200 KB)
-// streams from memory once and stays in L2 for the later row blocks. 1-6 rows (decode of
+// FMAs; 4 x 64 blocks measured 15-25% slower at 32 rows; round_x's: up to 14 rows,
+// kDotRows), so the panel (<= 200 KB) streams from memory once and stays in L2 for the
+// later row blocks. 1-6 rows (decode of
 // a few streams, a speculative verify step of one) are load-bound instead: all 64 columns
 // in one pass, with software prefetch 4 KB ahead (5 rows: 1.06x the time of 1, against
 // 1.37x in two strided 32-column passes; tools/bench_step.py, prefill:1x5 vs decode:1x13). Measured on a Sapphire Rapids VM (2 cores) for the 56 MB LM head streamed
@@ -88,6 +89,14 @@ constexpr int64_t kPrefetchPairs = 16;  // k pairs ahead (16 x 256 B = 4 KB at P
 constexpr int64_t kItemsPerCall = 16;
 constexpr int64_t kMinSplitRows = 128;  // rows per item when a call is also split by rows
 constexpr int64_t kMaxRows = 8;  // rows of x per register block (8 x 32 columns: 16 zmm)
+// round_x's register blocks (vdpbf16ps) take up to 14 rows x 32 columns: 28 zmm
+// accumulators, 2 weight registers and a broadcast, so a panel is read from L2 once per
+// 14 rows instead of once per 8. AMD Zen 4 VM, SmolLM2's four step matmuls over 30 layers
+// of weights read from DRAM: 16 rows 0.87-0.93x the time of 8-row blocks, 32 rows
+// 0.88-0.91x, 64 rows 0.89-0.91x; the engine's 32-row decode step 0.92x, a 256-row mixed
+// step 0.96x (12-row blocks: 0.95x and 0.96x; 16 x 16 blocks, a broadcast per
+// accumulator: slower than 8 x 32).
+constexpr int64_t kDotRows = 14;
 // Up to this many rows, a panel's 64 columns are taken in one streaming pass (R x 4
 // accumulators + 8 widened weights <= 32 zmm; x is an FMA's broadcast memory operand).
 constexpr int kStreamRows = 6;
@@ -232,10 +241,16 @@ inline void block_dot(const Problem& p, const uint16_t* panel, int64_t m0, int64
 #endif
 #endif
 
-// Calls f(std::integral_constant<int, R>) for rows = R in 1 .. kMaxRows.
+// Calls f(std::integral_constant<int, R>) for rows = R in 1 .. kDotRows.
 template <typename F>
 inline void with_rows(int64_t rows, F&& f) {
   switch (rows) {
+    case 14: return f(std::integral_constant<int, 14>{});
+    case 13: return f(std::integral_constant<int, 13>{});
+    case 12: return f(std::integral_constant<int, 12>{});
+    case 11: return f(std::integral_constant<int, 11>{});
+    case 10: return f(std::integral_constant<int, 10>{});
+    case 9: return f(std::integral_constant<int, 9>{});
     case 8: return f(std::integral_constant<int, 8>{});
     case 7: return f(std::integral_constant<int, 7>{});
     case 6: return f(std::integral_constant<int, 6>{});
@@ -259,8 +274,9 @@ inline void rows_avx512(const Problem& p, const uint16_t* panel, int64_t m0, int
       return a ? block_dot<R, J, true>(p, panel, m0, c0, n0, first, ahead)
                : block_dot<R, J>(p, panel, m0, c0, n0, first);
 #endif
-    a ? block_avx512<R, J, true>(p, panel, m0, c0, n0, first, ahead)
-      : block_avx512<R, J>(p, panel, m0, c0, n0, first);
+    if constexpr (R <= kMaxRows)  // (f32 x: blocks of up to kMaxRows rows)
+      a ? block_avx512<R, J, true>(p, panel, m0, c0, n0, first, ahead)
+        : block_avx512<R, J>(p, panel, m0, c0, n0, first);
   });
 }
 #endif
@@ -447,7 +463,7 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
     for (int64_t c0 = 0; c0 < p.P; c0 += 64)
       with_rows(p.M, [&](auto r) {
         constexpr int R = decltype(r)::value;
-        if constexpr (R <= kStreamRows) {  // (7 and 8 rows never come here)
+        if constexpr (R <= kStreamRows) {  // (7 rows and more never come here)
 #if defined(__AVX512BF16__)
           if (p.xb != nullptr) return block_dot<R, 4>(p, panel, 0, c0, n0, false);
 #endif
@@ -459,13 +475,14 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
   // The next panel, if this thread multiplies one, split into equal shares of lines over
   // this panel's register blocks (each fetches its share over its own k pairs).
   const int64_t next_pi = next_panel();
-  const int64_t blocks = (m_end - m_begin + kMaxRows - 1) / kMaxRows * ((p.P + 31) / 32);
+  const int64_t rb = p.xb != nullptr ? kDotRows : kMaxRows;  // rows per register block
+  const int64_t blocks = (m_end - m_begin + rb - 1) / rb * ((p.P + 31) / 32);
   const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(panel_at<uint16_t>(p, next_pi))
                                    : nullptr;
   int64_t block = 0;
   auto ahead = [&]() { return ahead_share(next, p.K2 * p.P * 4 / 64, blocks, block++, p.K2); };
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRows) {
-    const int64_t rows = std::min(kMaxRows, m_end - m0);
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += rb) {
+    const int64_t rows = std::min(rb, m_end - m0);
     const bool first_rows = m0 == m_begin;  // this item's first block of the panel
     int64_t c0 = 0;
     for (; c0 + 32 <= p.P; c0 += 32)
