@@ -23,9 +23,12 @@
       baseline; default f32) against one of the second (default bf16; also int8 or fp8:
       --kv-cache-dtype's values), each as many pages as the config's kv_cache_memory_bytes
       holds (the served pool size: a step that copied the pool would show).
+  --compare huge_pages: the config's engine with its weights and KV pool in the
+      allocator's 4 KiB pages (the baseline) against its own copy of them in transparent
+      huge pages (KernelConfig.cpu_huge_pages: jaxserve.worker.huge_pages).
 
     jaxserve bench step [--config smollm2_135m] [--repeats 7]
-        [--compare precision|attention|matmul|f32_panels|fusion|round_x|decode_steps|kv_dtype]
+        [--compare precision|attention|matmul|f32_panels|fusion|round_x|decode_steps|kv_dtype|huge_pages]
         [--decode-steps N] [--kv-dtypes float32,bfloat16]
         [--ragged] [--page-order random|extents|contiguous]
         [--shapes decode:1x16,decode:32x16,prefill:1x512,mixed:31x16x225 ...] [--json out.json]
@@ -39,7 +42,9 @@ most max_num_seqs).
 Both variants run the same step (forward, logits, greedy sampling) on the same random
 batch, each as the engine would compile it: its layers as one loop over stacked weights
 and a stacked KV pool where the engine loops them (CompilationConfig.layer_loop; until
-2026-11-30 this tool always unrolled them), else unrolled; the tool prints which. Prints
+2026-11-30 this tool always unrolled them), else unrolled; the tool prints which; their
+weights and pools in huge pages where the config puts the engine's there (cpu_huge_pages;
+until 2026-12-01 never). Prints
 per shape the median ms of each and the variant/baseline time ratio (< 1: the variant is
 faster); for precision also the smallest row count (B x Q) from which bf16 is faster for
 every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not a test: run
@@ -56,6 +61,8 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.bench.pages import PAGE_ORDERS, page_ids
@@ -184,7 +191,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compare", choices=("precision", "attention", "matmul", "f32_panels",
-                                          "fusion", "round_x", "decode_steps", "kv_dtype"),
+                                          "fusion", "round_x", "decode_steps", "kv_dtype",
+                                          "huge_pages"),
                     default="precision")
     ap.add_argument("--decode-steps", type=int,
                     help="multi-step decode tokens for --compare decode_steps (default: the config's)")
@@ -211,6 +219,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     from jaxserve.worker.runner import Runner
     from jaxserve.worker.kernel_selection import loop_layers, select_kernels
     from jaxserve.model.kv_cache import init_kv_cache, num_pages_for_budget
+    from jaxserve.worker.huge_pages import advise_huge_pages
     from jaxserve.model.weight_layouts import dual_precision_params
     from jaxserve.model.transformer import Kernels
     from jaxserve.checkpoint.sources import default_cache_dir, resolve_checkpoint
@@ -268,6 +277,12 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
                      "decode_steps >= 2) and decode shapes only")
         base, var = "1/step", f"{n}/step"
         variants = {base: (params, kernels)}  # one runner: both step kinds, same pool
+    elif args.compare == "huge_pages":
+        ecfg = cfg.engine
+        params, kernels = served(params, ecfg, cache_dir)
+        base, var = "4KiB", "huge"
+        # the variant's own copy of every buffer, its pages advised alone
+        variants = {base: (params, kernels), var: (jax.tree.map(jnp.copy, params), kernels)}
     elif args.compare == "kv_dtype":
         ecfg = cfg.engine.override(cache_dtype=kv_names[1])  # kernels for the variant's pool
         params, kernels = served(params, ecfg, cache_dir)
@@ -290,7 +305,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
                         var: (packed, kernels)}
     # the served KV dtype where both variants run the config's kernels, else f32 (XLA
     # attention in the precision comparison)
-    kv_dtype = (ecfg.cache.cache_dtype or "float32") if args.compare in ("round_x", "decode_steps") \
+    kv_dtype = (ecfg.cache.cache_dtype or "float32") if args.compare in ("round_x", "decode_steps",
+                                                                   "huge_pages") \
         else "float32"
     pools = {name: (kv_dtype, num_pages) for name in variants}
     if args.compare == "kv_dtype":
@@ -303,9 +319,13 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         # pool where it would (CompilationConfig.layer_loop), else unrolled
         p, looped = loop_layers(p, ecfg.compilation.layer_loop, kernels, 1)
         print(f"{name}: {'a loop over the stacked layers' if looped else 'layers unrolled'}")
-        runners[name] = Runner(model_cfg, ecfg, p,
-                               init_kv_cache(model_cfg, pools[name][1], ps, pools[name][0],
-                                             layout="head_major", stacked=looped), kernels)
+        pool = init_kv_cache(model_cfg, pools[name][1], ps, pools[name][0],
+                             layout="head_major", stacked=looped)
+        # the buffers in huge pages where the engine would put them (the huge_pages
+        # comparison: the variant's only)
+        if (name == var if args.compare == "huge_pages" else ecfg.kernels.cpu_huge_pages):
+            advise_huge_pages(p, zeros=pool)
+        runners[name] = Runner(model_cfg, ecfg, p, pool, kernels)
     rng = np.random.default_rng(0)
     rows = []
     print(f"{'shape':>16} {'rows':>5} {base + ' ms':>9} {var + ' ms':>9} {var + '/' + base:>9}")

@@ -139,6 +139,12 @@ class KernelConfig:
     bf16_matmul_max_rows: int | None = None
     """None, or with bf16_matmul_min_rows: matmuls over more rows than this use the f32
     weights again (jaxserve bench step --compare matmul suggests both)."""
+    cpu_huge_pages: bool = True
+    """On CPU (Linux), back the weights and the KV page pool with transparent huge pages
+    once they are loaded (jaxserve.worker.huge_pages: madvise MADV_HUGEPAGE and
+    MADV_COLLAPSE; a hint Linux may refuse). The kernels stream both from DRAM every step,
+    through a TLB miss every 4 KiB otherwise. False: leave them as the allocator gave
+    them."""
     bf16_matmul_round_x_min_rows: int | None = None
     """None, or with the C++ bf16 matmul (matmul_impl "cpu"): matmuls over at least this
     many rows round the activations to bf16 and sum with the CPU's bf16 dot-product

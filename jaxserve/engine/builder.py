@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -34,6 +35,7 @@ from jaxserve.worker.kernel_selection import (loop_layers, prepare_params, resol
                                               select_kernels)
 from jaxserve.worker.device_memory import device_available_bytes, memory_name
 from jaxserve.worker.executable_cache import ExecutableCache
+from jaxserve.worker.huge_pages import advise_huge_pages
 from jaxserve.worker.memory_plan import check_fits, plan_memory
 from jaxserve.worker.runner import Runner
 
@@ -134,6 +136,13 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     cache = init_kv_cache(model_cfg, num_pages, page_size, kv_dtype, rules, layout,
                           stacked=looped)
     draft = make_draft(num_pages) if make_draft else None
+    if ecfg.kernels.cpu_huge_pages and platform == "cpu":
+        t0 = time.perf_counter()
+        # the pools hold zeros until the first step: dropped, not copied
+        huge = advise_huge_pages((params, draft[1] if draft else None),
+                                 zeros=(cache, draft[2] if draft else None))
+        log.info("huge pages: %.0f MiB of weights and KV pool in %.2f s", huge / 2**20,
+                 time.perf_counter() - t0)
     # a CPU follower process compiles through a cache of its own: JAX's serves process 0
     # only, its key hashing the topology each process sees (on GPUs JAX strips the device
     # assignment from its key for multi-process programs: not measured there yet)
