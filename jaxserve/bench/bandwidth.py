@@ -71,13 +71,19 @@ def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 7, samples: int = 1,
     CPU it is a few microseconds of ~50 ms. Before the first sample the large sum runs for
     `warmup_s` seconds: an idle GPU starts at its lowest clocks (an H200 read 345 MHz), and
     the unwarmed probe of session 27 read 2.3-3.7 TB/s on one H200 from one process to the
-    next. Raises ValueError if the large sum is not slower than the small one (a machine too
-    noisy to measure on)."""
+    next. On CPU the array lies in transparent huge pages where Linux grants them, as the
+    engine's weights do (KernelConfig.cpu_huge_pages; in 4 KiB pages an AMD Zen 4 VM read
+    ~27 GB/s, and single-stream decode in huge pages ran above that bound). Raises
+    ValueError if the large sum is not slower than the small one (a machine too noisy to
+    measure on)."""
     import jax
     import jax.numpy as jnp
 
+    from jaxserve.worker.huge_pages import advise_huge_pages
+
     n = int(gib * 2**30) // 4
     x, tiny = jnp.ones((n,), jnp.float32), jnp.ones((1024,), jnp.float32)
+    advise_huge_pages(x)  # on CPU in huge pages, as the engine's weights (cpu_huge_pages)
     total = jax.jit(jnp.sum)
     for a in (x, tiny):
         total(a).block_until_ready()  # compiles both shapes
