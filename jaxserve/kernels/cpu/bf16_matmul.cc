@@ -92,10 +92,10 @@ constexpr int64_t kMaxRows = 8;  // rows of x per register block (8 x 32 columns
 // round_x's register blocks (vdpbf16ps) take up to 14 rows x 32 columns: 28 zmm
 // accumulators, 2 weight registers and a broadcast, so a panel is read from L2 once per
 // 14 rows instead of once per 8. AMD Zen 4 VM, SmolLM2's four step matmuls over 30 layers
-// of weights read from DRAM: 16 rows 0.87-0.93x the time of 8-row blocks, 32 rows
-// 0.88-0.91x, 64 rows 0.89-0.91x; the engine's 32-row decode step 0.92x, a 256-row mixed
-// step 0.96x (12-row blocks: 0.95x and 0.96x; 16 x 16 blocks, a broadcast per
-// accumulator: slower than 8 x 32).
+// of weights read from DRAM: 16 rows 0.91-0.99x the time of 8-row blocks, 32 rows
+// 0.88-0.93x, 64 rows 0.86-0.91x; the engine's 32-row decode step 0.93x, a 256-row mixed
+// step 0.97x (12-row blocks: 0.95x and 0.96x; 16 x 16 blocks, a broadcast per
+// accumulator: slower than 8 x 32; kernels README, "2026-12-01").
 constexpr int64_t kDotRows = 14;
 // Up to this many rows, a panel's 64 columns are taken in one streaming pass (R x 4
 // accumulators + 8 widened weights <= 32 zmm; x is an FMA's broadcast memory operand).
