@@ -305,9 +305,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
                         var: (packed, kernels)}
     # the served KV dtype where both variants run the config's kernels, else f32 (XLA
     # attention in the precision comparison)
-    kv_dtype = (ecfg.cache.cache_dtype or "float32") if args.compare in ("round_x", "decode_steps",
-                                                                   "huge_pages") \
-        else "float32"
+    served_kv = args.compare in ("round_x", "decode_steps", "huge_pages")
+    kv_dtype = (ecfg.cache.cache_dtype or "float32") if served_kv else "float32"
     pools = {name: (kv_dtype, num_pages) for name in variants}
     if args.compare == "kv_dtype":
         pools = {name: (dt, max(num_pages, num_pages_for_budget(model_cfg, ps, dt,
