@@ -62,6 +62,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -241,25 +242,16 @@ inline void block_dot(const Problem& p, const uint16_t* panel, int64_t m0, int64
 #endif
 #endif
 
-// Calls f(std::integral_constant<int, R>) for rows = R in 1 .. kDotRows.
+// Calls f(std::integral_constant<int, R>) for rows = R in 1 .. kDotRows (any other count
+// as 1), one instantiation of f per R.
+template <typename F, int... I>
+inline void with_rows_of(int64_t rows, F& f, std::integer_sequence<int, I...>) {
+  if (!((rows == I + 1 && (f(std::integral_constant<int, I + 1>{}), true)) || ...))
+    f(std::integral_constant<int, 1>{});
+}
 template <typename F>
 inline void with_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 14: return f(std::integral_constant<int, 14>{});
-    case 13: return f(std::integral_constant<int, 13>{});
-    case 12: return f(std::integral_constant<int, 12>{});
-    case 11: return f(std::integral_constant<int, 11>{});
-    case 10: return f(std::integral_constant<int, 10>{});
-    case 9: return f(std::integral_constant<int, 9>{});
-    case 8: return f(std::integral_constant<int, 8>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    default: return f(std::integral_constant<int, 1>{});
-  }
+  with_rows_of(rows, f, std::make_integer_sequence<int, kDotRows>{});
 }
 
 #if defined(__AVX512F__)
