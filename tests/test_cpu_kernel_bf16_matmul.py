@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels.cpu.bf16_matmul import (bf16_dot_speedup, bf16_matmul, bf16_matmul_reference,
-                                              can_pack, pack_weight, panel_width, unpack_weight)
+                                              can_pack, deinterleave_gate_up, interleave_gate_up,
+                                              pack_weight, panel_width, unpack_weight)
 
 SEED = 20261123
 
@@ -104,16 +105,16 @@ def test_portable_path_matches_reference(portable_cpu_kernels):
                                 jax.ShapeDtypeStruct((m, 80), jnp.float32))
         for round_x in (False, True):
             ref = np.asarray(bf16_matmul_reference(x, wp, round_x=round_x))
-            got = call(x, wp, jnp.zeros((), jnp.int32), round_x=round_x)
+            got = call(x, wp, jnp.zeros((), jnp.int32), round_x=round_x, swiglu=False)
             np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5,
                                        atol=1e-5 * np.abs(ref).max())
         # x given in bf16 (round_x's x, rounded by the caller): read without an f32 x
         got = jax.ffi.ffi_call("jaxserve_bf16_matmul_bf16x_portable_test",
                                jax.ShapeDtypeStruct((m, 80), jnp.float32))(
-            x.astype(jnp.bfloat16), wp, jnp.zeros((), jnp.int32))
+            x.astype(jnp.bfloat16), wp, jnp.zeros((), jnp.int32), swiglu=False)
         np.testing.assert_array_equal(np.asarray(got),
                                       np.asarray(call(x, wp, jnp.zeros((), jnp.int32),
-                                                      round_x=True)))
+                                                      round_x=True, swiglu=False)))
     assert bf16_dot_speedup(portable_cpu_kernels) == 0.0, "no AVX512-BF16 in the portable build"
 
 
@@ -132,7 +133,7 @@ def test_avx2_path_matches_reference_and_a_row_keeps_its_bits(avx2_cpu_kernels):
         fn = jax.ffi.ffi_call("jaxserve_bf16_matmul_avx2_test",
                               jax.ShapeDtypeStruct((x.shape[0], wp.shape[0] * wp.shape[2]),
                                                    jnp.float32))
-        return np.asarray(fn(x, wp, jnp.zeros((), jnp.int32), round_x=False))
+        return np.asarray(fn(x, wp, jnp.zeros((), jnp.int32), round_x=False, swiglu=False))
 
     rng = np.random.default_rng(SEED + 7)
     for k, n in ((96, 192), (64, 80), (576, 64)):
@@ -306,7 +307,7 @@ def _f32_panels_call(library, target):
     def call(x, wp):
         fn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], wp.shape[0] * wp.shape[3]),
                                                            jnp.float32))
-        return np.asarray(fn(x, wp, jnp.zeros((), jnp.int32)))
+        return np.asarray(fn(x, wp, jnp.zeros((), jnp.int32), swiglu=False))
     return call
 
 
@@ -397,3 +398,179 @@ def test_f32_panels_in_the_model_give_the_f32_logits():
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="f32 panels .* needs packed, min_rows 1"):
         dual_precision(params.layers[0].wo, 2, packed=True, n_in=2, copy_dtype=jnp.float32)
+
+
+# --- the SwiGLU epilogue: silu(gate) * up of an interleaved w_gate | w_up -------------------
+
+def _gate_up(rng, k, f, gate_scale=3.0):
+    """An interleaved gate | up [k, 2 f] (gate's columns scaled so that the SiLU's both
+    tails are reached) and the plain one."""
+    gate = _w(rng, k, f) * gate_scale
+    plain = jnp.concatenate([gate, _w(rng, k, f)], axis=1)
+    return interleave_gate_up(plain), plain
+
+
+def test_interleave_gate_up_layout_and_round_trip():
+    """Column 32 j + i is gate's 16 j + i, 32 j + 16 + i up's, per shard; de-interleaving
+    the product's columns gives gate's and up's products; F not a multiple of 16 (per
+    shard) is refused, naming the shapes."""
+    w = jnp.arange(2 * 64, dtype=jnp.float32)[None, :] * jnp.ones((2, 1))  # gate 0..63, up 64..127
+    inter = np.asarray(interleave_gate_up(w))
+    assert inter[0, :16].tolist() == list(range(16))
+    assert inter[0, 16:32].tolist() == list(range(64, 80))
+    assert inter[0, 32:48].tolist() == list(range(16, 32))
+    gate, up = deinterleave_gate_up(jnp.asarray(inter))
+    np.testing.assert_array_equal(np.asarray(gate), np.asarray(w[:, :64]))
+    np.testing.assert_array_equal(np.asarray(up), np.asarray(w[:, 64:]))
+    two = np.asarray(interleave_gate_up(w, shards=2))  # shard s: gate | up of 32 columns each
+    np.testing.assert_array_equal(two[:, :64], np.asarray(interleave_gate_up(w[:, :64])))
+    np.testing.assert_array_equal(two[:, 64:], np.asarray(interleave_gate_up(w[:, 64:])))
+    with pytest.raises(ValueError, match=r"F a multiple of 16, got \[2, 80\]"):
+        interleave_gate_up(jnp.zeros((2, 80)))
+    with pytest.raises(ValueError, match=r"\[K, 2 x 2 F\] with F a multiple of 16"):
+        interleave_gate_up(jnp.zeros((2, 96)), shards=2)
+
+
+@pytest.mark.parametrize("k,f", [(96, 96), (576, 256), (32, 32 * 37)])
+def test_swiglu_epilogue_matches_silu_of_the_product(k, f):
+    """bf16_matmul(..., swiglu=True) over an interleaved gate | up, every path (bf16
+    panels with f32 x, round_x and bf16 x; f32 panels), every row-block remainder and the
+    scratch's 224-row chunks (225, 300; 37 panels in runs): silu(gate) * up of the
+    reference product (HIGHEST), up to summation order, and of the kernel's own unfused
+    product up to the SiLU's rounding; a gate of +-100s (exp's clamp) stays finite and
+    right; an f32-panel row gets the same bits in any batch."""
+    rng = np.random.default_rng(SEED + k + f)
+    inter, _ = _gate_up(rng, k, f)
+    rows = list(range(16)) + [37, 64, 65, 224, 225, 300]
+    for dtype, modes in ((jnp.bfloat16, ("f32", "round_x", "bf16")), (jnp.float32, ("f32",))):
+        wp = pack_weight(inter, dtype=dtype)
+        x_all = jnp.asarray(rng.standard_normal((300, k)), jnp.float32)
+        for mode in modes:
+            for m in rows:
+                x = x_all[:m].astype(jnp.bfloat16) if mode == "bf16" else x_all[:m]
+                round_x = mode == "round_x"
+                got = np.asarray(bf16_matmul(x, wp, round_x, swiglu=True))
+                assert got.shape == (m, f) and np.isfinite(got).all()
+                scale = max(1.0, np.abs(got).max(initial=0))
+                ref = np.asarray(bf16_matmul_reference(x, wp, round_x, swiglu=True))
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale,
+                                           err_msg=f"{dtype.__name__} {mode} {m} rows")
+                gate, up = deinterleave_gate_up(bf16_matmul(x, wp, round_x))
+                np.testing.assert_allclose(got, np.asarray(jax.nn.silu(gate) * up), rtol=2e-6,
+                                           atol=2e-6 * scale)
+                if dtype == jnp.bfloat16:  # rounded in the epilogue: the f32 result's bf16
+                    np.testing.assert_array_equal(
+                        np.asarray(bf16_matmul(x, wp, round_x, swiglu=True,
+                                               out_dtype=jnp.bfloat16)).astype(np.float32),
+                        np.asarray(jnp.asarray(got).astype(jnp.bfloat16)).astype(np.float32))
+        if dtype == jnp.float32:
+            alone = np.stack([np.asarray(bf16_matmul(x_all[i:i + 1], wp, swiglu=True))[0]
+                              for i in range(20)])
+            for m in (2, 7, 14, 20):
+                np.testing.assert_array_equal(np.asarray(bf16_matmul(x_all[:m], wp, swiglu=True)),
+                                              alone[:m], err_msg=f"{m} rows")
+    big = pack_weight(_gate_up(rng, k, f, gate_scale=300.0)[0])
+    x = jnp.asarray(rng.standard_normal((20, k)), jnp.float32)
+    got = np.asarray(bf16_matmul(x, big, swiglu=True))
+    ref = np.asarray(bf16_matmul_reference(x, big, swiglu=True))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+def test_swiglu_epilogue_in_the_other_builds(build, request):
+    """The x86-64-v3 (AVX2) and portable builds' epilogue (a scalar loop over the same
+    exp): bf16 panels (f32 x and round_x) and f32 panels, against the reference."""
+    lib = request.getfixturevalue(f"{build}_cpu_kernels")
+    targets = {}
+    for name, handler in (("bf16", "JaxserveBf16Matmul"), ("f32", "JaxserveF32Matmul")):
+        targets[name] = f"jaxserve_{name}_matmul_swiglu_{build}_test"
+        jax.ffi.register_ffi_target(targets[name], jax.ffi.pycapsule(getattr(lib, handler)),
+                                    platform="cpu")
+    rng = np.random.default_rng(SEED + 23)
+    inter, _ = _gate_up(rng, 96, 96)
+    for m in (1, 2, 5, 9, 37):
+        x = jnp.asarray(rng.standard_normal((m, 96)), jnp.float32)
+        out = jax.ShapeDtypeStruct((m, 96), jnp.float32)
+        layer = jnp.zeros((), jnp.int32)
+        wp = pack_weight(inter)
+        for round_x in (False, True):
+            got = jax.ffi.ffi_call(targets["bf16"], out)(x, wp, layer, round_x=round_x, swiglu=True)
+            ref = np.asarray(bf16_matmul_reference(x, wp, round_x, swiglu=True))
+            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+            rounded = jax.ffi.ffi_call(targets["bf16"], out.update(dtype=jnp.bfloat16))(
+                x, wp, layer, round_x=round_x, swiglu=True)
+            np.testing.assert_array_equal(np.asarray(rounded).astype(np.float32),
+                                          np.asarray(got.astype(jnp.bfloat16)).astype(np.float32))
+        wf = pack_weight(inter, dtype=jnp.float32)
+        got = jax.ffi.ffi_call(targets["f32"], out)(x, wf, layer, swiglu=True)
+        ref = np.asarray(bf16_matmul_reference(x, wf, swiglu=True))
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_swiglu_epilogue_refuses_narrow_panels_and_a_wrong_output():
+    """16-column panels cannot hold a gate and up group side by side: refused by the
+    wrapper and by the kernel itself, as is an output of the wrong width."""
+    rng = np.random.default_rng(SEED + 29)
+    inter, _ = _gate_up(rng, 32, 48)  # N = 96: 32-column groups, but packed in 16-column panels
+    wp = pack_weight(inter, panel=16)
+    x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    with pytest.raises(ValueError, match="swiglu needs panels of a multiple of 32 columns, got 16"):
+        bf16_matmul(x, wp, swiglu=True)
+    call = jax.ffi.ffi_call("jaxserve_bf16_matmul", jax.ShapeDtypeStruct((4, 48), jnp.float32))
+    with pytest.raises(Exception, match="swiglu needs panels of a multiple of 32"):
+        np.asarray(call(x, wp, jnp.zeros((), jnp.int32), round_x=False, swiglu=True))
+    wide = pack_weight(inter, panel=32)
+    call = jax.ffi.ffi_call("jaxserve_bf16_matmul", jax.ShapeDtypeStruct((4, 96), jnp.float32))
+    with pytest.raises(Exception, match=r"out must be \[M, N / 2\]"):
+        np.asarray(call(x, wide, jnp.zeros((), jnp.int32), round_x=False, swiglu=True))
+    with pytest.raises(ValueError, match="out_dtype must be float32 .or bfloat16 with swiglu."):
+        bf16_matmul(x, wide, out_dtype=jnp.bfloat16)
+    call = jax.ffi.ffi_call("jaxserve_bf16_matmul", jax.ShapeDtypeStruct((4, 96), jnp.bfloat16))
+    with pytest.raises(Exception, match=r"out must be f32 \(or bf16 with swiglu\)"):
+        np.asarray(call(x, wide, jnp.zeros((), jnp.int32), round_x=False, swiglu=False))
+
+
+def test_swiglu_epilogue_in_the_model():
+    """dual_precision_params(swiglu=True): w_gate | w_up interleaved (FusedWeight.interleaved)
+    and run as the kernel's epilogue (Matmul.swiglu) give the plain layout's logits up to the
+    SiLU's rounding, with bf16 copies (the activation rounded to bf16 in the epilogue when
+    the down matmul rounds its x: round_x) and f32 panels, prefill and decode; `project` splits
+    an interleaved weight back into gate and up (bf16 copies used from 4 rows, XLA's f32 dot
+    below), as LoRA's path needs."""
+    from jaxserve.model.linear import matmul_backend
+    from jaxserve.model.params import init_params
+    from jaxserve.model.transformer import Kernels
+    from jaxserve.model.weight_layouts import FusedWeight, dual_precision_params
+    from model_utils import PagedDriver, tiny_config
+
+    cfg = tiny_config(hidden_size=64, intermediate_size=96, num_heads=6, num_kv_heads=2,
+                      head_dim=32, vocab_size=256)
+    params = init_params(cfg, jax.random.key(5), scale=0.3)
+    ids = np.random.default_rng(SEED).integers(0, cfg.vocab_size, 12).tolist()
+    for kw in ({}, {"copy_dtype": jnp.float32}, {"round_x_min_rows": 1}):
+        out = {}
+        for swiglu in (False, True):
+            p = dual_precision_params(params, 1, packed=True, swiglu=swiglu, **kw)
+            assert p.layers[0].w_gate.interleaved == (16 if swiglu else 0)
+            drv = PagedDriver(p, cfg, page_size=4, kernels=Kernels("xla", "xla"),
+                              layout="head_major")
+            out[swiglu] = [drv.step({"s": ids[:9]}, T=16, P=4)["s"],
+                           drv.step({"s": ids[9:10]}, T=1, P=4)["s"]]
+        # round_x: the activation rounded to bf16 in the epilogue (the down matmul's x), where
+        # the plain layout rounds XLA's SiLU of the same sums: a rare last-bit difference
+        # of the SiLU can move a bf16 rounding by one bf16 ulp (2^-8 relative)
+        tol = 2e-3 if "round_x_min_rows" in kw else 1e-5
+        for got, want in zip(out[True], out[False]):
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    x = jnp.asarray(np.random.default_rng(SEED + 1).standard_normal((3, 7, 64)), jnp.float32)
+    mm = matmul_backend("cpu")
+    plain = dual_precision_params(params, 4, packed=True).layers[0].w_gate
+    inter = dual_precision_params(params, 4, packed=True, swiglu=True).layers[0].w_gate
+    assert isinstance(inter, FusedWeight) and inter.interleaved == 16
+    for rows in (x[:1, :3], x):  # 3 rows: the f32 weight in XLA's dot; 21: the packed copy
+        for a, b in zip(mm.project(rows, (inter, None)), mm.project(rows, (plain, None))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        gate, up = mm.project(rows, (plain, None))
+        np.testing.assert_allclose(np.asarray(mm.swiglu(rows, inter, None)),
+                                   np.asarray(jax.nn.silu(gate) * up), rtol=2e-6, atol=1e-6)

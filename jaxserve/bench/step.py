@@ -12,6 +12,9 @@
       copies), both with the C++ attention.
   --compare fusion: the C++ bf16 matmul with one call per projection (the baseline)
       against the fused wq | wk | wv and w_gate | w_up calls the engine uses.
+  --compare swiglu: the config's engine with w_gate | w_up's product written out and
+      silu(gate) * up in XLA (the baseline) against the C++ kernel's SwiGLU epilogue
+      (jaxserve.model.linear.Matmul.swiglu), the layout the engine serves without LoRA.
   --compare round_x: the C++ bf16 matmul with f32 activations (the baseline) against
       activations rounded to bf16 and the CPU's bf16 dot-product instruction at every row
       count (KernelConfig.bf16_matmul_round_x_min_rows: where it wins).
@@ -28,7 +31,8 @@
       huge pages (KernelConfig.cpu_huge_pages: jaxserve.worker.huge_pages).
 
     jaxserve bench step [--config smollm2_135m] [--repeats 7]
-        [--compare precision|attention|matmul|f32_panels|fusion|round_x|decode_steps|kv_dtype|huge_pages]
+        [--compare precision|attention|matmul|f32_panels|fusion|swiglu|round_x|decode_steps|
+                   kv_dtype|huge_pages]
         [--decode-steps N] [--kv-dtypes float32,bfloat16]
         [--ragged] [--page-order random|extents|contiguous]
         [--shapes decode:1x16,decode:32x16,prefill:1x512,mixed:31x16x225 ...] [--json out.json]
@@ -144,24 +148,30 @@ def make_batch(kind: str, B: int, L: int, page_size: int, num_pages: int, rng,
     return b, s
 
 
-def time_step(runner, batch, sampling, repeats: int) -> float:
-    """Median seconds of `repeats` runs of one step (after one untimed run)."""
-    runner.run(batch, sampling)
-    times = []
+def time_steps(runners: dict, batch, sampling, repeats: int) -> dict:
+    """{name: median seconds of `repeats` runs of one step} of each runner, after one
+    untimed run each; the runners take turns run by run, so that a machine whose speed
+    drifts (a VM) slows them alike."""
+    times = {name: [] for name in runners}
+    for r in runners.values():
+        r.run(batch, sampling)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.run(batch, sampling)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, r in runners.items():
+            t0 = time.perf_counter()
+            r.run(batch, sampling)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def served(params, ecfg, cache_dir: Path):
+def served(params, ecfg, cache_dir: Path, swiglu_epilogue: bool = True):
     """(params, kernels) as the engine serves f32 `params` with `ecfg` on one CPU device:
-    the kernels it selects, the bf16 weight copies of bf16_matmul_min_rows."""
+    the kernels it selects, the bf16 weight copies of bf16_matmul_min_rows (swiglu_epilogue:
+    see jaxserve.worker.kernel_selection.layout_params)."""
     from jaxserve.worker.kernel_selection import prepare_params, select_kernels
 
     kernels = select_kernels(ecfg.kernels, "cpu", 1, "float32", cache_dir / "kernels")
-    return prepare_params(params, ecfg.kernels, kernels), kernels
+    return prepare_params(params, ecfg.kernels, kernels,
+                          swiglu_epilogue=swiglu_epilogue), kernels
 
 
 def time_per_token(runner, batch, sampling, num_steps: int, repeats: int,
@@ -191,8 +201,8 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compare", choices=("precision", "attention", "matmul", "f32_panels",
-                                          "fusion", "round_x", "decode_steps", "kv_dtype",
-                                          "huge_pages"),
+                                          "fusion", "swiglu", "round_x", "decode_steps",
+                                          "kv_dtype", "huge_pages"),
                     default="precision")
     ap.add_argument("--decode-steps", type=int,
                     help="multi-step decode tokens for --compare decode_steps (default: the config's)")
@@ -268,6 +278,11 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         variants = {base: (dual_precision_params(params, 1, packed=True),
                            dataclasses.replace(kernels, round_x_min_rows=None)),
                     var: (params_x, kernels)}
+    elif args.compare == "swiglu":
+        ecfg = cfg.engine
+        base, var = "unfused", "epilogue"
+        variants = {base: served(params, ecfg, cache_dir, swiglu_epilogue=False),
+                    var: served(params, ecfg, cache_dir)}
     elif args.compare == "decode_steps":
         ecfg = cfg.engine
         params, kernels = served(params, ecfg, cache_dir)
@@ -305,7 +320,7 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
                         var: (packed, kernels)}
     # the served KV dtype where both variants run the config's kernels, else f32 (XLA
     # attention in the precision comparison)
-    served_kv = args.compare in ("round_x", "decode_steps", "huge_pages")
+    served_kv = args.compare in ("swiglu", "round_x", "decode_steps", "huge_pages")
     kv_dtype = (ecfg.cache.cache_dtype or "float32") if served_kv else "float32"
     pools = {name: (kv_dtype, num_pages) for name in variants}
     if args.compare == "kv_dtype":
@@ -338,15 +353,15 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         else:
             batch, sampling = make_batch(kind, B, L, ps, num_pages, rng, args.ragged, T=T,
                                          page_order=args.page_order)
-            t = {name: time_step(r, batch, sampling, args.repeats) for name, r in runners.items()}
+            t = time_steps(runners, batch, sampling, args.repeats)
         n_rows = len(batch.tokens)
         shape = f"{kind}:{B}x{L}" + (f"x{T}" if kind == "mixed" else "")
         rows.append({"shape": shape, "rows": n_rows, f"{base}_ms": t[base] * 1e3,
                      f"{var}_ms": t[var] * 1e3, "ratio": t[var] / t[base]})
         print(f"{rows[-1]['shape']:>16} {n_rows:>5} {t[base] * 1e3:9.1f} {t[var] * 1e3:9.1f} "
               f"{t[var] / t[base]:9.2f}", flush=True)
-    if args.compare in ("attention", "f32_panels", "fusion", "round_x", "decode_steps",
-                        "kv_dtype"):
+    if args.compare in ("attention", "f32_panels", "fusion", "swiglu", "round_x",
+                        "decode_steps", "kv_dtype", "huge_pages"):
         if args.json:
             Path(args.json).write_text(json.dumps({"shapes": rows}, indent=1))
         return 0

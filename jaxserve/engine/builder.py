@@ -122,7 +122,9 @@ def build_engine(config: Config, cache_dir: str | Path | None = None,
     # drafters above expand their own from the loaded shapes)
     adapter_cfg = model_cfg  # the shape LoRA adapters are trained for
     raw, model_cfg = expand_kv_heads(raw, model_cfg, config.parallel.tensor_parallel_size)
-    params = prepare_params(raw, ecfg.kernels, kernels, rules)
+    # (LoRA adds to the gate and up outputs apart: no SwiGLU epilogue under it)
+    params = prepare_params(raw, ecfg.kernels, kernels, rules,
+                            swiglu_epilogue=not ecfg.lora.enable_lora)
     del raw
     if ecfg.lora.enable_lora:  # zeroed adapter slots in every layer (jaxserve.model.lora)
         params = attach_pools(params, model_cfg, ecfg.lora, rules)

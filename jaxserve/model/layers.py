@@ -91,7 +91,8 @@ def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
     x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [T, D]; the weights float
     arrays or QuantizedWeights / DualPrecisionWeights (`matmul`, a
     jaxserve.model.linear.Matmul or its name, then picks the kernel); w_gate may be a
-    FusedWeight of w_gate | w_up (w_up None: one matmul). The F axis is the
+    FusedWeight of w_gate | w_up (w_up None: one matmul; laid out for the C++ kernel's
+    SwiGLU epilogue, one call that returns the activation: Matmul.swiglu). The F axis is the
     tensor-parallel `mlp` axis. lora / row_slot: the layer's LoRA slots ({projection:
     LoraSlots}) and each row's slot [T] int32 (jaxserve.lora.batched.add_lora): each
     row's adapter delta joins w_gate's, w_up's and w_down's outputs; None: no LoRA.
@@ -99,8 +100,15 @@ def swiglu_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any,
     """
     mm = matmul_backend(matmul)
     lora = lora or {}
-    gate, up = mm.project(x, (w_gate, w_up))
-    gate = add_lora(gate, x, lora.get("w_gate"), row_slot, mm.lora_delta)
-    up = add_lora(up, x, lora.get("w_up"), row_slot, mm.lora_delta)
-    h = constrain(rules, jax.nn.silu(gate) * up, ("tokens", "mlp"))
-    return add_lora(mm.dense(h, w_down, 1), h, lora.get("w_down"), row_slot, mm.lora_delta)
+    if lora.get("w_gate") is None and lora.get("w_up") is None:
+        # the C++ kernel's epilogue where laid out for it; h then already in bf16 if the
+        # down matmul rounds its x to bf16
+        h = mm.swiglu(x, w_gate, w_up, w_down if lora.get("w_down") is None else None)
+    else:
+        gate, up = mm.project(x, (w_gate, w_up))
+        gate = add_lora(gate, x, lora.get("w_gate"), row_slot, mm.lora_delta)
+        up = add_lora(up, x, lora.get("w_up"), row_slot, mm.lora_delta)
+        h = jax.nn.silu(gate) * up
+    h = constrain(rules, h, ("tokens", "mlp"))
+    return add_lora(mm.dense(h, w_down, 1, out_dtype=x.dtype), h, lora.get("w_down"), row_slot,
+                    mm.lora_delta)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import GEMV_KERNEL_IMPLS, KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS
+from jaxserve.kernels.cpu.bf16_matmul import deinterleave_gate_up, packed_panel_width
 from jaxserve.kernels.impl_table import lookup, pallas_impl
 from jaxserve.lora.batched import lora_delta
 from jaxserve.model.ggml_weight import GGMLWeight, ggml_matmul_reference
@@ -44,16 +45,27 @@ def bf16_matmul(x2: jax.Array, w: jax.Array, w_vocab_major: bool = False) -> jax
     return jnp.einsum(spec, xb, w, preferred_element_type=jnp.float32)[:rows]
 
 
-def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight) -> jax.Array:
+def rounds_x(w: Any, rows: int) -> bool:
+    """Whether a matmul of `rows` rows by `w` rounds its x to bf16 (a packed bf16 copy in the
+    C++ kernel with round_x from w.round_x_min_rows rows: `packed_bf16_matmul`)."""
+    return (isinstance(w, DualPrecisionWeight) and w.packed and w.uses_bf16(rows)
+            and w.w_copy.dtype == jnp.bfloat16 and w.round_x_min_rows is not None
+            and rows >= w.round_x_min_rows)
+
+
+def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight, swiglu: bool = False,
+                       out_dtype: Any = jnp.float32) -> jax.Array:
     """x2 [rows, K] (any float) times a packed DualPrecisionWeight's copy -> [rows, N] f32 in
     the C++ CPU kernel: a bf16 copy's weights widened to f32, x and the arithmetic f32
     (any row count; from w.round_x_min_rows rows x rounded to bf16, bf16 dot products),
     or f32 panels (the f32 weight itself) in f32 FMAs. A rounded x is rounded here, where
-    XLA fuses the rounding into the op that makes x (the kernel reads bf16 x in place)."""
+    XLA fuses the rounding into the op that makes x (the kernel reads bf16 x in place).
+    swiglu: w is gate | up interleaved (FusedWeight.interleaved) and the result silu(gate)
+    * up [rows, N / 2], the kernel's epilogue, in out_dtype (f32, or bf16)."""
     from jaxserve.kernels.cpu.bf16_matmul import bf16_matmul as cpu_bf16_matmul
     round_x = w.round_x_min_rows is not None and x2.shape[0] >= w.round_x_min_rows
     return cpu_bf16_matmul(x2.astype(jnp.bfloat16 if round_x else jnp.float32), w.w_copy,
-                           layer=getattr(w, "layer", None))
+                           layer=getattr(w, "layer", None), swiglu=swiglu, out_dtype=out_dtype)
 
 
 def _out_shape(logical: tuple[int, ...], cols: int) -> tuple[int, ...]:
@@ -75,8 +87,9 @@ class Matmul:
     name: str
     packs_bf16: bool = False
 
-    def dense(self, x: jax.Array, w: Any, n_in: int) -> jax.Array:
-        """x [..., *in] contracted with w [*in, *out] -> [..., *out].
+    def dense(self, x: jax.Array, w: Any, n_in: int, out_dtype: Any = None) -> jax.Array:
+        """x [..., *in] contracted with w [*in, *out] -> [..., *out], in out_dtype (None:
+        x.dtype; a packed bf16 copy's f32 result is cast to it once).
 
         w: a float array (a plain dot_general in x.dtype), a DualPrecisionWeight (its f32
         or bf16 copy by the number of rows of x, prod(x.shape[:-n_in]); a packed bf16 copy
@@ -84,11 +97,18 @@ class Matmul:
         x.dtype), a QuantizedWeight (f32 accumulation, result in x.dtype, in this
         implementation's kernel: `_quantized`) or a GGMLWeight (its blocks [out, in]
         standing for w.logical_shape; result in x.dtype, by `_ggml`)."""
+        lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
+        if isinstance(w, DualPrecisionWeight) and w.packed and w.uses_bf16(rows):
+            y = packed_bf16_matmul(x.reshape(rows, -1), w)
+            return y.reshape(*lead, *_out_shape(w.shape[n_in:], y.shape[-1])).astype(
+                out_dtype or x.dtype)
+        y = self._dense(x, w, n_in)
+        return y if out_dtype is None else y.astype(out_dtype)
+
+    def _dense(self, x: jax.Array, w: Any, n_in: int) -> jax.Array:
+        """`dense`, in x.dtype, of any weight but a packed copy that these rows use."""
         if isinstance(w, DualPrecisionWeight):
             lead, rows = x.shape[:x.ndim - n_in], math.prod(x.shape[:x.ndim - n_in])
-            if w.packed and w.uses_bf16(rows):
-                y = packed_bf16_matmul(x.reshape(rows, -1), w)
-                return y.reshape(*lead, *_out_shape(w.shape[n_in:], y.shape[-1])).astype(x.dtype)
             wx = w.pick(rows)
             if wx.dtype == x.dtype:
                 return jnp.tensordot(x, wx, axes=n_in)
@@ -117,8 +137,31 @@ class Matmul:
         lead = x.shape[:x.ndim - n_in]
         sizes = [math.prod(s) for s in fused.out_shapes]
         y = self.dense(x, fused.w, n_in)  # [..., sum(sizes)]
-        parts = jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=-1)
+        if fused.interleaved:  # w_gate | w_up laid out for the SwiGLU epilogue
+            parts = deinterleave_gate_up(y, fused.interleaved)
+        else:
+            parts = jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=-1)
         return tuple(p.reshape(*lead, *s) for p, s in zip(parts, fused.out_shapes))
+
+    def swiglu(self, x: jax.Array, w_gate: Any, w_up: Any, w_next: Any = None) -> jax.Array:
+        """silu(x @ w_gate) * (x @ w_up): x [..., D] -> [..., F] in x.dtype, the hidden
+        activation of a SwiGLU MLP (Shazeer 2020). w_gate | w_up fused for the C++
+        kernel's epilogue (a FusedWeight with `interleaved`, over a packed bf16 copy or
+        f32 panels that this many rows use, in panels of a multiple of 32 columns) runs as
+        one kernel call whose output is the activation (jaxserve.kernels.cpu.bf16_matmul,
+        swiglu: silu in f32 from a polynomial exp), rounded there to bf16 when the matmul
+        by `w_next` (the down projection) would round it to bf16 anyway (`rounds_x`):
+        then in bf16, and that matmul reads it as it is; any other weights as `project`,
+        then jax.nn.silu(gate) * up."""
+        rows = math.prod(x.shape[:-1])
+        w = w_gate.w if isinstance(w_gate, FusedWeight) and w_gate.interleaved else None
+        if (isinstance(w, DualPrecisionWeight) and w.packed and w.uses_bf16(rows)
+                and packed_panel_width(w.w_copy) % (2 * w_gate.interleaved) == 0):
+            out = jnp.bfloat16 if rounds_x(w_next, rows) else jnp.float32
+            h = packed_bf16_matmul(x.reshape(rows, -1), w, swiglu=True, out_dtype=out)
+            return h.reshape(*x.shape[:-1], -1).astype(x.dtype if out == jnp.float32 else out)
+        gate, up = self.project(x, (w_gate, w_up))
+        return jax.nn.silu(gate) * up
 
     def lm_head(self, hidden: jax.Array, embed: jax.Array, head: Any) -> jax.Array:
         """LM head: hidden [..., D] -> logits [..., vocab] f32. head: None (tied to `embed`

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ConfigError
+from jaxserve.kernels.cpu.bf16_matmul import SWIGLU_GROUP, interleave_gate_up
 from jaxserve.kernels.cpu.ggml_matmul import can_pack
 from jaxserve.model.ggml_weight import GGMLWeight, pack_for_cpu
 from jaxserve.model.params import (EMBED_AXES, LAYER_AXES, LM_HEAD_AXES, PROJECTIONS,
@@ -206,7 +207,7 @@ def dual_precision(w: jax.Array, min_rows: int, vocab_major: bool = False, n_in:
                                vocab_major=vocab_major, max_rows=max_rows)
 
 
-@pytree_dataclass(meta=("out_shapes", "shards"))
+@pytree_dataclass(meta=("out_shapes", "shards", "interleaved"))
 class FusedWeight:
     """Projections of one input stored as one matrix, so that they run as one matmul:
     w [in, sum of their output columns] (a float array or a DualPrecisionWeight) and
@@ -215,11 +216,16 @@ class FusedWeight:
     w_gate | w_up), the others None; `Matmul.project` runs it and splits the result.
     shards: under tensor parallelism, the parts are fused per shard (the columns of shard
     0's parts, then shard 1's, ...) and out_shapes are one shard's: a contiguous split of
-    the columns over `shards` devices gives each its own parts. 1 otherwise."""
+    the columns over `shards` devices gives each its own parts. 1 otherwise.
+    interleaved: 0 (each shard's parts one after another), or g: w_gate | w_up laid out
+    for the C++ kernel's SwiGLU epilogue, two parts of one shape whose columns alternate
+    in groups of g within each shard (jaxserve.kernels.cpu.bf16_matmul.interleave_gate_up;
+    `Matmul.swiglu` runs it, `Matmul.project` splits it back)."""
 
     w: Any
     out_shapes: tuple
     shards: int = 1
+    interleaved: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -255,18 +261,23 @@ def _shards(rules: Any, shape: tuple[int, ...], axes: tuple, n_in: int) -> tuple
     return size(ins[0] if ins else None), size(outs[0] if outs else None)
 
 
-def _fused_layer(lp: LayerParams, rules: Any, wrap=lambda w, split: w) -> LayerParams:
+def _fused_layer(lp: LayerParams, rules: Any, wrap=lambda w, split: w,
+                 swiglu: bool = False) -> LayerParams:
     """`lp` with wq | wk | wv and w_gate | w_up each one FusedWeight (fused per shard of
     their output split under `rules`), its matrix passed through wrap(w, (1, shards))
     (a layout, e.g. dual_precision's; the identity by default); the other leaves as
-    they are."""
+    they are. swiglu: w_gate | w_up's columns interleaved for the C++ kernel's SwiGLU
+    epilogue (FusedWeight.interleaved) where each shard's F divides into its groups."""
     q_shards = _shards(rules, lp.wq.shape, LAYER_AXES["wq"], 1)[1]
     mlp_shards = _shards(rules, lp.w_gate.shape, LAYER_AXES["w_gate"], 1)[1]
     qkv, qkv_shapes = fused_weight([lp.wq, lp.wk, lp.wv], shards=q_shards)
     gate_up, gate_up_shapes = fused_weight([lp.w_gate, lp.w_up], shards=mlp_shards)
+    group = SWIGLU_GROUP if swiglu and gate_up_shapes[0][0] % SWIGLU_GROUP == 0 else 0
+    if group:
+        gate_up = interleave_gate_up(gate_up, group, mlp_shards)
     return dataclasses.replace(
         lp, wq=FusedWeight(wrap(qkv, (1, q_shards)), qkv_shapes, q_shards), wk=None, wv=None,
-        w_gate=FusedWeight(wrap(gate_up, (1, mlp_shards)), gate_up_shapes, mlp_shards),
+        w_gate=FusedWeight(wrap(gate_up, (1, mlp_shards)), gate_up_shapes, mlp_shards, group),
         w_up=None)
 
 
@@ -299,7 +310,7 @@ def fuse_projections(params: Params, rules: Any = None) -> Params:
 def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
                           max_rows: int | None = None, fuse: bool = True,
                           round_x_min_rows: int | None = None, rules: Any = None,
-                          copy_dtype: Any = jnp.bfloat16) -> Params:
+                          copy_dtype: Any = jnp.bfloat16, swiglu: bool = False) -> Params:
     """`params` (f32) with every layer projection (PROJECTIONS) and the LM head as
     DualPrecisionWeights over min_rows .. max_rows rows (a tied LM head becomes `lm_head`
     [vocab, embed] over the same f32 embedding array, plus its bf16 copy); embeddings and
@@ -310,7 +321,9 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
     copy_dtype float32 (packed, min_rows 1): the f32 weights themselves in the kernel's f32
     panels instead of bf16 copies (dual_precision). rules: the ShardingRules of a
     tensor-parallel mesh (None: one device): packing and fusion are then done per shard
-    of each weight's split (jaxserve.model.tensor_parallel).
+    of each weight's split (jaxserve.model.tensor_parallel). swiglu (packed and fused):
+    w_gate | w_up laid out for the C++ kernel's SwiGLU epilogue (`_fused_layer`;
+    jaxserve.model.linear.Matmul.swiglu).
     GGMLWeight leaves (block-quantised weights) are kept as they are, and a layer holding
     one is not fused."""
     split = functools.partial(_shards, rules)
@@ -329,7 +342,7 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
         if not (packed and fuse) or any(isinstance(getattr(lp, name), GGMLWeight)
                                         for name in PROJECTIONS):
             return dataclasses.replace(lp, **{name: proj(lp, name) for name in PROJECTIONS})
-        return dataclasses.replace(_fused_layer(lp, rules, dual), wo=proj(lp, "wo"),
+        return dataclasses.replace(_fused_layer(lp, rules, dual, swiglu), wo=proj(lp, "wo"),
                                    w_down=proj(lp, "w_down"))
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head

@@ -174,18 +174,18 @@ def loop_layers(params: Params, setting: bool | None, kernels: Kernels,
 
 
 def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
-                   rules: ShardingRules | None = None) -> Params:
+                   rules: ShardingRules | None = None, swiglu_epilogue: bool = True) -> Params:
     """`params` laid out for `kernels` as `kcfg` asks (`layout_params`) and, under a
     tensor-parallel mesh (`rules`), every leaf placed where the model's shard_map reads
     it."""
-    params = layout_params(params, kcfg, kernels, rules)
+    params = layout_params(params, kcfg, kernels, rules, swiglu_epilogue)
     if tp_axis(rules) is not None:
         params = shard_params(params, rules)
     return params
 
 
 def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
-                  rules: ShardingRules | None = None) -> Params:
+                  rules: ShardingRules | None = None, swiglu_epilogue: bool = True) -> Params:
     """`params` laid out for `kernels` as `kcfg` asks: the layers' projections quantised
     (weight_quant: int8 / fp8_e4m3 leaves with their scales; with fuse_projections fused
     first), or given bf16 copies beside
@@ -198,7 +198,11 @@ def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
     unchanged. Float32 params for the bf16 copies and the f32 panels (checked by
     jaxserve.config.check_deployment). Under a tensor-parallel
     mesh (`rules`, read for its shapes only: an abstract mesh does) each device's shard
-    is laid out on its own (packing and fusion per shard); nothing is placed."""
+    is laid out on its own (packing and fusion per shard); nothing is placed.
+    swiglu_epilogue: with the C++ matmul's fused projections, w_gate | w_up laid out so that
+    the kernel computes silu(gate) * up as its epilogue (jaxserve.model.linear.Matmul.swiglu;
+    PERFORMANCE.md, "The SwiGLU epilogue"); False where the gate and up outputs are needed
+    apart (LoRA adapters add to each before the SiLU)."""
     if kcfg.weight_quant is not None:
         if kcfg.fuse_projections:  # fused first: one quantised matrix each
             params = fuse_projections(params, rules)
@@ -208,11 +212,12 @@ def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
                                        packed=kernels.matmul.packs_bf16,
                                        max_rows=kcfg.bf16_matmul_max_rows,
                                        fuse=kcfg.fuse_projections is not False,
-                                       round_x_min_rows=kernels.round_x_min_rows, rules=rules)
+                                       round_x_min_rows=kernels.round_x_min_rows, rules=rules,
+                                       swiglu=swiglu_epilogue)
     elif kernels.matmul.packs_bf16:  # matmul_impl "cpu" over the f32 weights themselves
         params = dual_precision_params(params, 1, packed=True,
                                        fuse=kcfg.fuse_projections is not False, rules=rules,
-                                       copy_dtype=jnp.float32)
+                                       copy_dtype=jnp.float32, swiglu=swiglu_epilogue)
     elif kcfg.fuse_projections:
         params = fuse_projections(params, rules)
     if kernels.matmul.packs_bf16:  # GGUF blocks in the C++ kernel's panels

@@ -50,8 +50,11 @@
 //
 // Shapes: x [M, K] f32; w [N / P, K / 2, P, 2] bf16 (P a multiple of 16, K even), or a
 // stack of them [L, N / P, K / 2, P, 2] (a layer loop's weights) read at layer (s32 scalar,
-// 0 for an unstacked w) in place; out [M, N] f32; attribute round_x (bool). Or x [M, K]
-// bf16 (JaxserveBf16MatmulBf16x: round_x on x the caller rounded; no attribute).
+// 0 for an unstacked w) in place; out [M, N] f32; attributes round_x and swiglu (bool). Or
+// x [M, K] bf16 (JaxserveBf16MatmulBf16x: round_x on x the caller rounded; attribute
+// swiglu). swiglu (every handler, f32 panels too): W is gate | up interleaved by 16 columns
+// and out [M, N / 2] = silu(gate) * up (run_panel_swiglu), f32 or bf16 (rounded to nearest
+// even: the next matmul's round_x x).
 //
 // Sources: the VNNI-style pair packing of oneDNN's bf16 GEMM; the panel / register-block
 // structure of GotoBLAS (Goto & van de Geijn, 2008).
@@ -76,6 +79,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "exp_nonpositive.h"
 #include "parallel.h"
 #include "stacked.h"
 #include "xla/ffi/api/ffi.h"
@@ -116,9 +120,18 @@ struct Problem {
   const uint32_t* xb;  // nullptr, or x rounded to bf16, (k, k + 1) pairs: [M, xb_pairs]
   int64_t xb_pairs;    // xb's row stride in pairs: K / 2, or rounded up to 16 for AMX
   const void* w;       // bf16 [N / P, K / 2, P, 2] or f32 panels [N / P, K / 2, 2, P]
-  float* out;          // [M, N]
+  float* out;          // [M, N] (or a panel's scratch: out_at)
   int64_t M, K2, N, P;
+  // Where the blocks store output (row m, column n): out + (m - row0) * ldo + (n - col0).
+  // The whole [M, N] output: ldo N, row0 = col0 = 0; run_panel_swiglu points them at a
+  // thread's scratch for one panel's rows.
+  int64_t ldo = 0, row0 = 0, col0 = 0;
+  bool out_bf16 = false;  // out holds bf16 (swiglu only: swiglu_rows rounds its output)
 };
+
+inline float* out_at(const Problem& p, int64_t m, int64_t n) {
+  return p.out + (m - p.row0) * p.ldo + (n - p.col0);
+}
 
 // Panel pi of p.w, whose elements are W (uint16_t: bf16 bits, or float): K * P of them.
 template <typename W>
@@ -201,7 +214,7 @@ inline void block_avx512(const Problem& p, const uint16_t* panel, int64_t m0, in
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
-      _mm512_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 16 * j, acc[r][j]);
+      _mm512_storeu_ps(out_at(p, m0 + r, n0 + c0 + 16 * j), acc[r][j]);
 }
 
 #if defined(__AVX512BF16__)
@@ -237,7 +250,7 @@ inline void block_dot(const Problem& p, const uint16_t* panel, int64_t m0, int64
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
-      _mm512_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 16 * j, acc[r][j]);
+      _mm512_storeu_ps(out_at(p, m0 + r, n0 + c0 + 16 * j), acc[r][j]);
 }
 #endif
 #endif
@@ -357,7 +370,7 @@ inline void block_avx2(const Problem& p, const W* panel, int64_t m0, int64_t c0,
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
-      _mm256_storeu_ps(p.out + (m0 + r) * p.N + n0 + c0 + 8 * j, acc[r][j]);
+      _mm256_storeu_ps(out_at(p, m0 + r, n0 + c0 + 8 * j), acc[r][j]);
 }
 
 // A panel's rows m_begin .. m_end in AVX2 register blocks: 4 x 16 for many rows, one
@@ -433,7 +446,7 @@ void panel_portable(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end
       for (int64_t c = 0; c < p.P; ++c)
         acc[c] += x0 * weight_at(wk, p.P, c, 0) + x1 * weight_at(wk, p.P, c, 1);
     }
-    std::copy(acc.begin(), acc.end(), p.out + m * p.N + n0);
+    std::copy(acc.begin(), acc.end(), out_at(p, m, n0));
   }
 }
 
@@ -548,7 +561,7 @@ inline void block_f32(const Problem& p, const float* panel, int64_t m0, int64_t 
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
-      Vec::store(p.out + (m0 + r) * p.N + n0 + c0 + Vec::kLanes * j, acc[r][j]);
+      Vec::store(out_at(p, m0 + r, n0 + c0 + Vec::kLanes * j), acc[r][j]);
 }
 #endif
 
@@ -668,17 +681,17 @@ void run_panel_amx(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end)
       constexpr int RB = decltype(rb)::value, CB = decltype(cb)::value;
       const char* b = reinterpret_cast<const char*>(panel + c0 * 2);
       const char* b_last = tail != 0 ? reinterpret_cast<const char*>(last.data() + c0 * 2) : nullptr;
-      float* out = p.out + m0 * p.N + n0 + c0;
+      float* out = out_at(p, m0, n0 + c0);
       // the panel's first block fetches its rows ahead, whole (the later blocks read L2)
       const char* pf = (m0 == m_begin && c0 == 0) ? reinterpret_cast<const char*>(panel) : nullptr;
       if (rows >= 16 * RB) {
         jaxserve::amx_block<RB, CB>(a, a_stride, b, b_last, b_stride, steps,
-                                    reinterpret_cast<char*>(out), p.N * 4, pf);
+                                    reinterpret_cast<char*>(out), p.ldo * 4, pf);
         return;
       }
       jaxserve::amx_block<RB, CB>(a, a_stride, b, b_last, b_stride, steps,
                                   reinterpret_cast<char*>(partial), 64 * 4, pf);
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * p.N, partial + r * 64, CB * 64);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * p.ldo, partial + r * 64, CB * 64);
     };
     using One = std::integral_constant<int, 1>;
     using Two = std::integral_constant<int, 2>;
@@ -695,15 +708,106 @@ void run_panel_amx(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end)
 }
 #endif
 
+// SwiGLU as the matmul's epilogue (attribute swiglu): W holds gate | up with their
+// columns interleaved in groups of 16 (W column 32 g + i is gate's column 16 g + i, 32 g +
+// 16 + i is up's; bf16_matmul.interleave_gate_up), P a multiple of 32, and out [M, N / 2]
+// = silu(gate) * up, silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) (never
+// overflows). A panel's rows run into a thread's scratch in chunks of kSwigluRows, then
+// swiglu_rows writes their P / 2 output columns: the gate | up product (3 MB a call at 256
+// rows of SmolLM2) stays in the thread's L2, no separate elementwise op reads it back, and
+// the down matmul's bf16 x comes out of the epilogue (out bf16). AMD Zen 4 VM, SmolLM2's
+// gate | up then down over 30 layers of weights (bf16 x, round_x): 32 rows 586 -> 477 us a
+// layer, 256 rows 3,560 -> 3,274; the engine's steps 0.94x (32-row decode), 0.97x (256-token
+// prefill) the time (`jaxserve bench step --compare swiglu`).
+// Source: Shazeer 2020, "GLU Variants Improve Transformer" (SwiGLU); the sigmoid of
+// Ramachandran et al. 2017 ("Searching for Activation Functions", SiLU / swish).
+constexpr int64_t kSwigluGroup = 16;  // columns of gate, then of up, in each group of 32
+// Rows per scratch chunk: whole 14-row (round_x) and 32-row (AMX) blocks, 224 x 64 f32 =
+// 56 KB, in L2 while the epilogue reads it back.
+constexpr int64_t kSwigluRows = 224;
+
+// silu(g) * u for one element (the portable epilogue; swiglu_rows' AVX-512 one computes
+// the same with jaxserve::exp16).
+inline float silu_times(float g, float u) {
+  const float e = jaxserve::exp_nonpositive(-std::fabs(g));
+  return g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * u;
+}
+
+// A panel's raw output s [rows, P] (gate and up interleaved) -> out [rows, P / 2], rows
+// ldo elements apart: f32 (O = float), or rounded to bf16 (O = uint16_t: to nearest even,
+// as to_bf16 and XLA's convert).
+template <typename O>
+void swiglu_rows(const float* s, int64_t rows, int64_t P, O* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sr = s + r * P;
+    O* o = out + r * ldo;
+    for (int64_t g = 0; g < P / (2 * kSwigluGroup); ++g) {
+      const float* gate = sr + 2 * kSwigluGroup * g;
+      const float* up = gate + kSwigluGroup;
+      O* og = o + kSwigluGroup * g;
+#if defined(__AVX512F__)
+      const __m512 vg = _mm512_loadu_ps(gate), vu = _mm512_loadu_ps(up);
+      const __m512 one = _mm512_set1_ps(1.0f);
+      const __m512 e = jaxserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(vg)));
+      const __mmask16 neg = _mm512_cmp_ps_mask(vg, _mm512_setzero_ps(), _CMP_LT_OQ);
+      const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
+      const __m512 h = _mm512_mul_ps(_mm512_mul_ps(vg, sig), vu);
+      if constexpr (std::is_same_v<O, float>) {
+        _mm512_storeu_ps(og, h);
+      } else {
+#if defined(__AVX512BF16__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(og), (__m256i)_mm512_cvtneps_pbh(h));
+#else
+        alignas(64) float hs[kSwigluGroup];
+        _mm512_store_ps(hs, h);
+        for (int64_t i = 0; i < kSwigluGroup; ++i) og[i] = to_bf16(hs[i]);
+#endif
+      }
+#else
+      for (int64_t i = 0; i < kSwigluGroup; ++i) {
+        const float h = silu_times(gate[i], up[i]);
+        if constexpr (std::is_same_v<O, float>) og[i] = h;
+        else og[i] = to_bf16(h);
+      }
+#endif
+    }
+  }
+}
+
+// Panel pi's rows m_begin .. m_end of a swiglu Problem p (out [M, N / 2]): run(q, m0, m1)
+// computes rows m0 .. m1 of the panel into q's output (this thread's scratch), chunk by
+// chunk, and each chunk's epilogue writes its P / 2 columns of p.out.
+template <typename Run>
+void run_panel_swiglu(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end, Run&& run) {
+  thread_local std::vector<float> scratch;
+  const int64_t chunk = std::min(kSwigluRows, m_end - m_begin);
+  if (static_cast<int64_t>(scratch.size()) < chunk * p.P) scratch.resize(chunk * p.P);
+  Problem q = p;
+  q.out = scratch.data();
+  q.ldo = p.P;
+  q.col0 = pi * p.P;
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kSwigluRows) {
+    const int64_t m1 = std::min(m0 + kSwigluRows, m_end);
+    q.row0 = m0;
+    run(q, m0, m1);
+    const int64_t at = m0 * p.ldo + pi * (p.P / 2);
+    if (p.out_bf16)
+      swiglu_rows(scratch.data(), m1 - m0, p.P, reinterpret_cast<uint16_t*>(p.out) + at, p.ldo);
+    else
+      swiglu_rows(scratch.data(), m1 - m0, p.P, p.out + at, p.ldo);
+  }
+}
+
 // The Problem of x [M, K] times layer `layer` of w (a layer's panels, read in place, not
 // copied): bf16 [N / P, K / 2, P, 2] or, with `f32`, f32 panels [N / P, K / 2, 2, P]
-// (or a stack [L, ...] of either); *panels = N / P. An InvalidArgument error naming `fn`
-// when the shapes or the layer do not fit. x: f32, or bf16 (p->x is then null: the
+// (or a stack [L, ...] of either); *panels = N / P; out [M, N], or with `swiglu` [M, N / 2]
+// (run_panel_swiglu). An InvalidArgument error naming `fn` when the shapes or the layer do
+// not fit. x: f32, or bf16 (p->x is then null: the
 // caller points p->xb at it).
 template <typename XBuffer, typename WBuffer>
 ffi::Error make_problem(const char* fn, bool f32, const XBuffer& x,
-                        const WBuffer& w, int32_t layer, ffi::ResultBuffer<ffi::F32>& out,
-                        Problem* p, int64_t* panels) {
+                        const WBuffer& w, int32_t layer, ffi::Result<ffi::AnyBuffer>& out,
+                        bool swiglu, Problem* p, int64_t* panels) {
   const std::string name(fn);
   const std::string layout = f32 ? "[N / P, K / 2, 2, P]" : "[N / P, K / 2, P, 2]";
   const auto xd = x.dimensions();
@@ -720,35 +824,64 @@ ffi::Error make_problem(const char* fn, bool f32, const XBuffer& x,
     return ffi::Error::InvalidArgument(name + ": x must be [M, K] and w " + layout +
                                        " with P % 16 == 0");
   p->M = xd[0]; p->K2 = wd[1]; p->P = P; p->N = wd[0] * P;
+  if (swiglu && P % (2 * kSwigluGroup) != 0)
+    return ffi::Error::InvalidArgument(name + ": swiglu needs panels of a multiple of 32 "
+                                       "columns (gate and up interleaved by 16)");
+  const auto od = out->dimensions();
+  const ffi::DataType ot = out->element_type();
+  if (ot != ffi::DataType::F32 && !(swiglu && ot == ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument(name + ": out must be f32 (or bf16 with swiglu)");
+  const int64_t out_cols = swiglu ? p->N / 2 : p->N;
+  if (od.size() != 2 || od[0] != p->M || od[1] != out_cols)
+    return ffi::Error::InvalidArgument(name + ": out must be [M, " +
+                                       (swiglu ? "N / 2" : "N") + "]");
   if constexpr (std::is_same_v<XBuffer, ffi::Buffer<ffi::F32>>) p->x = x.typed_data();
   else p->x = nullptr;
   p->xb = nullptr;
   p->xb_pairs = p->K2;
   p->w = static_cast<const char*>(w.untyped_data()) +
          offset * static_cast<int64_t>(f32 ? sizeof(float) : sizeof(uint16_t));
-  p->out = out->typed_data();
+  p->out = static_cast<float*>(out->untyped_data());
+  p->out_bf16 = ot == ffi::DataType::BF16;
+  p->ldo = out_cols;
   *panels = wd[0];
   return ffi::Error::Success();
 }
 
+// body(q, m_begin, m_end) over panel pi's rows: into p's output, or with `swiglu` through
+// run_panel_swiglu's scratch and epilogue.
+template <typename Body>
+inline void panel_rows(const Problem& p, bool swiglu, int64_t pi, int64_t m_begin,
+                       int64_t m_end, Body&& body) {
+  if (swiglu) return run_panel_swiglu(p, pi, m_begin, m_end, body);
+  body(p, m_begin, m_end);
+}
+
 // The panels of p (p.xb set: x as bf16 pairs, or null: f32 x) over the pool's threads.
-void run_bf16(ffi::ThreadPool& pool, const Problem& p, int64_t panels, bool amx) {
+void run_bf16(ffi::ThreadPool& pool, const Problem& p, int64_t panels, bool amx, bool swiglu) {
   if (!amx && p.M <= kAheadMaxRows) {  // few rows: each panel prefetches the next (Ahead)
-    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall, kMaxRows,
-                                    [&p](int64_t pi, int64_t m_begin, int64_t m_end,
-                                         auto next_panel) {
-                                      run_panel(p, pi, m_begin, m_end, next_panel);
-                                    });
+    jaxserve::parallel_panels_ahead(
+        pool, panels, p.M, kItemsPerCall, kMaxRows,
+        [&p, swiglu](int64_t pi, int64_t m_begin, int64_t m_end, auto next_panel) {
+          panel_rows(p, swiglu, pi, m_begin, m_end,
+                     [&](const Problem& q, int64_t m0, int64_t m1) {
+                       run_panel(q, pi, m0, m1, next_panel);
+                     });
+        });
     return;
   }
-  jaxserve::parallel_panels(pool, panels, p.M, kItemsPerCall, kMinSplitRows,
-                            amx ? kAmxRows : kMaxRows,
-                            [&p, amx](int64_t pi, int64_t m_begin, int64_t m_end) {
+  jaxserve::parallel_panels(
+      pool, panels, p.M, kItemsPerCall, kMinSplitRows, amx ? kAmxRows : kMaxRows,
+      [&p, amx, swiglu](int64_t pi, int64_t m_begin, int64_t m_end) {
+        panel_rows(p, swiglu, pi, m_begin, m_end,
+                   [&](const Problem& q, int64_t m0, int64_t m1) {
 #if defined(JAXSERVE_AMX)
-                              if (amx) return run_panel_amx(p, pi, m_begin, m_end);
+                     if (amx) return run_panel_amx(q, pi, m0, m1);
 #endif
-                              run_panel(p, pi, m_begin, m_end, [] { return int64_t{-1}; });
-                            });
+                     (void)amx;
+                     run_panel(q, pi, m0, m1, [] { return int64_t{-1}; });
+                   });
+      });
 }
 
 // x times layer `layer` of the packed bf16 w into out: x f32 (rounded to bf16 pairs here
@@ -759,11 +892,12 @@ void run_bf16(ffi::ThreadPool& pool, const Problem& p, int64_t panels, bool amx)
 // reads a padded copy either way.
 template <typename XBuffer>
 ffi::Error bf16_matmul(ffi::ThreadPool& pool, const XBuffer& x, const ffi::Buffer<ffi::BF16>& w,
-                       int32_t layer, ffi::ResultBuffer<ffi::F32>& out, bool round_x) {
+                       int32_t layer, ffi::Result<ffi::AnyBuffer>& out, bool round_x,
+                       bool swiglu) {
   constexpr bool kBf16X = !std::is_same_v<XBuffer, ffi::Buffer<ffi::F32>>;
   Problem p;
-  int64_t panels;
-  if (ffi::Error e = make_problem("bf16_matmul", false, x, w, layer, out, &p, &panels);
+  int64_t panels = 0;
+  if (ffi::Error e = make_problem("bf16_matmul", false, x, w, layer, out, swiglu, &p, &panels);
       e.failure())
     return e;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
@@ -782,46 +916,51 @@ ffi::Error bf16_matmul(ffi::ThreadPool& pool, const XBuffer& x, const ffi::Buffe
     }
     p.xb = xb.data();
   }
-  run_bf16(pool, p, panels, amx);
+  run_bf16(pool, p, panels, amx, swiglu);
   return ffi::Error::Success();
 }
 
 ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> out, bool round_x) {
-  return bf16_matmul(pool, x, w, *layer.typed_data(), out, round_x);
+                          ffi::Result<ffi::AnyBuffer> out, bool round_x, bool swiglu) {
+  return bf16_matmul(pool, x, w, *layer.typed_data(), out, round_x, swiglu);
 }
 
 ffi::Error Bf16MatmulBf16xImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                                ffi::Buffer<ffi::BF16> w, ffi::BufferR0<ffi::S32> layer,
-                               ffi::ResultBuffer<ffi::F32> out) {
-  return bf16_matmul(pool, x, w, *layer.typed_data(), out, true);
+                               ffi::Result<ffi::AnyBuffer> out, bool swiglu) {
+  return bf16_matmul(pool, x, w, *layer.typed_data(), out, true, swiglu);
 }
 
 // The f32-weight matmul: w packed as f32 panels [N / P, K / 2, 2, P] (or a stack of them),
 // every row count summed k after k (run_panel_f32).
 ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::F32> w, ffi::BufferR0<ffi::S32> layer,
-                         ffi::ResultBuffer<ffi::F32> out) {
+                         ffi::Result<ffi::AnyBuffer> out, bool swiglu) {
   Problem p;
-  int64_t panels;
-  if (ffi::Error e = make_problem("f32_matmul", true, x, w, *layer.typed_data(), out, &p,
-                                  &panels);
+  int64_t panels = 0;
+  if (ffi::Error e = make_problem("f32_matmul", true, x, w, *layer.typed_data(), out, swiglu,
+                                  &p, &panels);
       e.failure())
     return e;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (p.M <= kAheadMaxRowsAvx2) {  // few rows: each panel prefetches the next (Ahead)
-    jaxserve::parallel_panels_ahead(pool, panels, p.M, kItemsPerCall, kMaxRows,
-                                    [&p](int64_t pi, int64_t m_begin, int64_t m_end,
-                                         auto next_panel) {
-                                      run_panel_f32(p, pi, m_begin, m_end,
-                                                    p.M > 1 ? next_panel() : -1);
-                                    });
+    jaxserve::parallel_panels_ahead(
+        pool, panels, p.M, kItemsPerCall, kMaxRows,
+        [&p, swiglu](int64_t pi, int64_t m_begin, int64_t m_end, auto next_panel) {
+          panel_rows(p, swiglu, pi, m_begin, m_end,
+                     [&](const Problem& q, int64_t m0, int64_t m1) {
+                       run_panel_f32(q, pi, m0, m1, p.M > 1 ? next_panel() : -1);
+                     });
+        });
     return ffi::Error::Success();
   }
   jaxserve::parallel_panels(pool, panels, p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
-                            [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
-                              run_panel_f32(p, pi, m_begin, m_end, -1);
+                            [&p, swiglu](int64_t pi, int64_t m_begin, int64_t m_end) {
+                              panel_rows(p, swiglu, pi, m_begin, m_end,
+                                         [&](const Problem& q, int64_t m0, int64_t m1) {
+                                           run_panel_f32(q, pi, m0, m1, -1);
+                                         });
                             });
   return ffi::Error::Success();
 }
@@ -834,8 +973,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Attr<bool>("round_x"));
+                                  .Ret<ffi::AnyBuffer>()  // out: f32 (bf16 with swiglu)
+                                  .Attr<bool>("round_x")
+                                  .Attr<bool>("swiglu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16MatmulBf16x, Bf16MatmulBf16xImpl,
                               ffi::Ffi::Bind()
@@ -843,7 +983,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16MatmulBf16x, Bf16MatmulBf16xImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x, bf16
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .Ret<ffi::AnyBuffer>()  // out: f32 (bf16 with swiglu)
+                                  .Attr<bool>("swiglu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveF32Matmul, F32MatmulImpl,
                               ffi::Ffi::Bind()
@@ -851,7 +992,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveF32Matmul, F32MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w, f32 panels
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .Ret<ffi::AnyBuffer>()  // out: f32 (bf16 with swiglu)
+                                  .Attr<bool>("swiglu"));
 
 #if defined(__AVX512BF16__)
 // Seconds for kChainIters rounds of `op` on 12 independent accumulator chains (distinct starts:

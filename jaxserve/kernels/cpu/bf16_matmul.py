@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,8 @@ BF16X_TARGET = "jaxserve_bf16_matmul_bf16x"  # round_x with x already bf16
 F32_TARGET = "jaxserve_f32_matmul"  # f32 panels
 LANES = 16  # f32 lanes of one AVX-512 register: panel widths are multiples of this
 PANEL = 64  # preferred panel width (4 registers)
+# swiglu: gate | up interleaved in groups of this many columns (the kernel's kSwigluGroup)
+SWIGLU_GROUP = 16
 
 
 def panel_width(n: int) -> int | None:
@@ -82,7 +85,30 @@ def unpack_weight(w_packed: jax.Array) -> jax.Array:
     return w_packed.transpose(1, 3, 0, 2).reshape(2 * k2, nb * p)
 
 
-def _panel_width(w_packed) -> int:
+def interleave_gate_up(w: jax.Array, group: int = SWIGLU_GROUP, shards: int = 1) -> jax.Array:
+    """gate | up [K, 2 F] (gate's F columns, then up's) with their columns interleaved in
+    groups of `group`: column 2 g j + i is gate's column g j + i, 2 g j + g + i up's (j a
+    group, i < g): the layout `bf16_matmul(..., swiglu=True)` reads, so that a panel of a
+    multiple of 2 g columns holds the gate and up columns of the same outputs. shards: w
+    is `shards` such blocks side by side ([K, shards * 2 F_s], a tensor-parallel split's
+    gate | up per shard), each interleaved on its own. Raises ValueError when a shard's F
+    is not a multiple of `group`."""
+    K, N = w.shape
+    check("interleave_gate_up", N % (2 * group * shards) == 0,
+          f"w must be [K, {shards} x 2 F] with F a multiple of {group}, got [{K}, {N}]")
+    blocks = w.reshape(K, shards, 2, N // (2 * group * shards), group)
+    return blocks.transpose(0, 1, 3, 2, 4).reshape(K, N)
+
+
+def deinterleave_gate_up(y: jax.Array, group: int = SWIGLU_GROUP) -> tuple[jax.Array, jax.Array]:
+    """The (gate, up) columns [..., F] each of y [..., 2 F], the output of a weight laid out
+    by `interleave_gate_up` (its inverse over the last axis)."""
+    *lead, n = y.shape
+    parts = y.reshape(*lead, n // (2 * group), 2, group)
+    return (parts[..., 0, :].reshape(*lead, n // 2), parts[..., 1, :].reshape(*lead, n // 2))
+
+
+def packed_panel_width(w_packed) -> int:
     """P of a packed weight (or a stack of them): its last axis for f32 panels."""
     return w_packed.shape[-1] if w_packed.dtype == jnp.float32 else w_packed.shape[-2]
 
@@ -94,13 +120,15 @@ def _check_operands(fn: str, x, w_packed, stacked: bool = False) -> None:
     check_array(fn, "w_packed", w_packed, (None,) * stacked + layout,
                 (jnp.bfloat16, jnp.float32))
     check(fn, x.shape[1] % 2 == 0, f"x must have an even number of columns, got {x.shape[1]}")
-    check(fn, _panel_width(w_packed) % LANES == 0,
-          f"w_packed's panel width must be a multiple of {LANES}, got {_panel_width(w_packed)}")
+    width = packed_panel_width(w_packed)
+    check(fn, width % LANES == 0,
+          f"w_packed's panel width must be a multiple of {LANES}, got {width}")
 
 
-@functools.partial(jax.jit, static_argnames=("round_x",))
+@functools.partial(jax.jit, static_argnames=("round_x", "swiglu", "out_dtype"))
 def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
-                layer: jax.Array | int | None = None) -> jax.Array:
+                layer: jax.Array | int | None = None, swiglu: bool = False,
+                out_dtype: Any = jnp.float32) -> jax.Array:
     """x [M, K] f32 (or bf16: below) times a packed bf16 weight [N / P, K / 2, P, 2] -> [M, N]
     f32: the weights widened to f32, products and sums in f32 (any M >= 0); or times f32
     panels [N / P, K / 2, 2, P] (pack_weight's float32 layout; not with round_x), each
@@ -120,33 +148,56 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
     result does not depend on the rows beside it. layer: with a stack of packed weights
     [L, N / P, K / 2, P, 2] (a loop over layers), the int32 index of the one to use, traced or not, read where it
     lies (a slice of the stack handed to the call would be copied first; see
-    jaxserve.kernels.cpu.ggml_matmul.ggml_matmul). Needs
+    jaxserve.kernels.cpu.ggml_matmul.ggml_matmul). swiglu: w holds gate | up laid out by
+    `interleave_gate_up` (panels of a multiple of 32 columns), and the result is
+    silu(gate) * up [M, N / 2] f32 (SwiGLU's hidden activation; Shazeer 2020), computed as
+    each panel's epilogue: the [M, N] product stays in each thread's L2. silu(g) = g *
+    sigmoid(g) with the sigmoid from exp(-|g|) (a polynomial exp, relative error < 2e-7);
+    a row's result still does not depend on the rows beside it. out_dtype: float32, or
+    with swiglu bfloat16 (the activation rounded to nearest even in the epilogue: the x
+    of a next matmul that rounds it anyway, round_x, written at half the bytes). Needs
     `jaxserve.kernels.cpu.build.load_library` called first. Raises ValueError for bad
     shapes or dtypes, naming the argument; a layer outside the stack fails the call (the
     kernel checks it)."""
     fn = "cpu bf16_matmul"
     _check_operands(fn, x, w_packed, stacked=layer is not None)
-    n = w_packed.shape[-4] * _panel_width(w_packed)
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    n = w_packed.shape[-4] * packed_panel_width(w_packed)
+    if swiglu:
+        check(fn, packed_panel_width(w_packed) % (2 * SWIGLU_GROUP) == 0,
+              f"swiglu needs panels of a multiple of {2 * SWIGLU_GROUP} columns, got "
+              f"{packed_panel_width(w_packed)}")
+    out_dtype = jnp.dtype(out_dtype)
+    check(fn, out_dtype == jnp.float32 or (swiglu and out_dtype == jnp.bfloat16),
+          f"out_dtype must be float32 (or bfloat16 with swiglu), got {out_dtype}")
+    out = jax.ShapeDtypeStruct((x.shape[0], n // 2 if swiglu else n), out_dtype)
     if w_packed.dtype == jnp.float32:
         check(fn, not round_x and x.dtype == jnp.float32,
               "round_x rounds x for the bf16 dot: not with f32 panels (nor a bf16 x)")
-        return jax.ffi.ffi_call(F32_TARGET, out)(x, w_packed, layer_operand(fn, layer))
+        return jax.ffi.ffi_call(F32_TARGET, out)(x, w_packed, layer_operand(fn, layer),
+                                                 swiglu=swiglu)
     if x.dtype == jnp.bfloat16:
-        return jax.ffi.ffi_call(BF16X_TARGET, out)(x, w_packed, layer_operand(fn, layer))
-    return jax.ffi.ffi_call(TARGET, out)(x, w_packed, layer_operand(fn, layer), round_x=round_x)
+        return jax.ffi.ffi_call(BF16X_TARGET, out)(x, w_packed, layer_operand(fn, layer),
+                                                   swiglu=swiglu)
+    return jax.ffi.ffi_call(TARGET, out)(x, w_packed, layer_operand(fn, layer), round_x=round_x,
+                                         swiglu=swiglu)
 
 
-def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = False) -> jax.Array:
+def bf16_matmul_reference(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
+                          swiglu: bool = False) -> jax.Array:
     """Plain-jnp `bf16_matmul` (same arguments and result): unpack, widen to f32 (x rounded
-    to bf16 first with round_x), then an f32 dot at HIGHEST precision."""
+    to bf16 first with round_x), then an f32 dot at HIGHEST precision (with swiglu,
+    jax.nn.silu(gate) * up of its de-interleaved columns)."""
     _check_operands("bf16_matmul_reference", x, w_packed)
     if (round_x or x.dtype == jnp.bfloat16) and w_packed.dtype == jnp.float32:
         raise ValueError("bf16_matmul_reference: round_x (or a bf16 x) is not for f32 panels")
     if round_x or x.dtype == jnp.bfloat16:
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
-    return jnp.dot(x, unpack_weight(w_packed).astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+    y = jnp.dot(x, unpack_weight(w_packed).astype(jnp.float32),
+                precision=jax.lax.Precision.HIGHEST)
+    if not swiglu:
+        return y
+    gate, up = deinterleave_gate_up(y)
+    return jax.nn.silu(gate) * up
 
 
 def bf16_dot_speedup(library) -> float:
@@ -161,5 +212,6 @@ def bf16_dot_speedup(library) -> float:
     return float(fn())
 
 
-__all__ = ["LANES", "PANEL", "bf16_dot_speedup", "bf16_matmul", "bf16_matmul_reference",
-           "can_pack", "pack_weight", "panel_width", "unpack_weight"]
+__all__ = ["LANES", "PANEL", "SWIGLU_GROUP", "bf16_dot_speedup", "bf16_matmul",
+           "bf16_matmul_reference", "can_pack", "deinterleave_gate_up", "interleave_gate_up",
+           "pack_weight", "packed_panel_width", "panel_width", "unpack_weight"]
