@@ -52,7 +52,10 @@ until 2026-12-01 never). Prints
 per shape the median ms of each and the variant/baseline time ratio (< 1: the variant is
 faster); for precision also the smallest row count (B x Q) from which bf16 is faster for
 every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not a test: run
-it alone on an idle machine.
+it alone on an idle machine. Caution: the variant built second can run faster for no
+reason of its own; two identical variants (`--compare swiglu` on the GGUF config, which
+lays both out alike) measured 0.95-0.97x on a Zen 4 VM (PERFORMANCE.md, "Session 49"), so
+for effects of a few percent compare the same column across trees run one after another.
 """
 
 from __future__ import annotations

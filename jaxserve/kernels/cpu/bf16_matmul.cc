@@ -717,8 +717,8 @@ void run_panel_amx(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end)
 // rows of SmolLM2) stays in the thread's L2, no separate elementwise op reads it back, and
 // the down matmul's bf16 x comes out of the epilogue (out bf16). AMD Zen 4 VM, SmolLM2's
 // gate | up then down over 30 layers of weights (bf16 x, round_x): 32 rows 586 -> 477 us a
-// layer, 256 rows 3,560 -> 3,274; the engine's steps 0.94x (32-row decode), 0.97x (256-token
-// prefill) the time (`jaxserve bench step --compare swiglu`).
+// layer, 256 rows 3,560 -> 3,274; the served 32-stream workload +4% output tok/s (kernels
+// README, "2026-12-01 (session 49)").
 // Source: Shazeer 2020, "GLU Variants Improve Transformer" (SwiGLU); the sigmoid of
 // Ramachandran et al. 2017 ("Searching for Activation Functions", SiLU / swish).
 constexpr int64_t kSwigluGroup = 16;  // columns of gate, then of up, in each group of 32
