@@ -201,8 +201,8 @@ def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
     is laid out on its own (packing and fusion per shard); nothing is placed.
     swiglu_epilogue: with the C++ matmul's fused projections, w_gate | w_up laid out so that
     the kernel computes silu(gate) * up as its epilogue (jaxserve.model.linear.Matmul.swiglu;
-    PERFORMANCE.md, "The SwiGLU epilogue"); False where the gate and up outputs are needed
-    apart (LoRA adapters add to each before the SiLU)."""
+    PERFORMANCE.md, "Session 49" under "32 streams on the Zen 4 VM again"); False where the
+    gate and up outputs are needed apart (LoRA adapters add to each before the SiLU)."""
     if kcfg.weight_quant is not None:
         if kcfg.fuse_projections:  # fused first: one quantised matrix each
             params = fuse_projections(params, rules)
