@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import GEMV_KERNEL_IMPLS, KERNEL_IMPLS, MOSAIC_KERNEL_IMPLS
+from jaxserve.kernels.cpu.bf16_matmul import bf16_matmul as cpu_bf16_matmul
 from jaxserve.kernels.cpu.bf16_matmul import deinterleave_gate_up, packed_panel_width
 from jaxserve.kernels.impl_table import lookup, pallas_impl
 from jaxserve.lora.batched import lora_delta
@@ -62,8 +63,7 @@ def packed_bf16_matmul(x2: jax.Array, w: DualPrecisionWeight, swiglu: bool = Fal
     XLA fuses the rounding into the op that makes x (the kernel reads bf16 x in place).
     swiglu: w is gate | up interleaved (FusedWeight.interleaved) and the result silu(gate)
     * up [rows, N / 2], the kernel's epilogue, in out_dtype (f32, or bf16)."""
-    from jaxserve.kernels.cpu.bf16_matmul import bf16_matmul as cpu_bf16_matmul
-    round_x = w.round_x_min_rows is not None and x2.shape[0] >= w.round_x_min_rows
+    round_x = rounds_x(w, x2.shape[0])
     return cpu_bf16_matmul(x2.astype(jnp.bfloat16 if round_x else jnp.float32), w.w_copy,
                            layer=getattr(w, "layer", None), swiglu=swiglu, out_dtype=out_dtype)
 

@@ -161,11 +161,11 @@ def bf16_matmul(x: jax.Array, w_packed: jax.Array, round_x: bool = False,
     kernel checks it)."""
     fn = "cpu bf16_matmul"
     _check_operands(fn, x, w_packed, stacked=layer is not None)
-    n = w_packed.shape[-4] * packed_panel_width(w_packed)
+    width = packed_panel_width(w_packed)
+    n = w_packed.shape[-4] * width
     if swiglu:
-        check(fn, packed_panel_width(w_packed) % (2 * SWIGLU_GROUP) == 0,
-              f"swiglu needs panels of a multiple of {2 * SWIGLU_GROUP} columns, got "
-              f"{packed_panel_width(w_packed)}")
+        check(fn, width % (2 * SWIGLU_GROUP) == 0,
+              f"swiglu needs panels of a multiple of {2 * SWIGLU_GROUP} columns, got {width}")
     out_dtype = jnp.dtype(out_dtype)
     check(fn, out_dtype == jnp.float32 or (swiglu and out_dtype == jnp.bfloat16),
           f"out_dtype must be float32 (or bfloat16 with swiglu), got {out_dtype}")
