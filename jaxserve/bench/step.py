@@ -55,7 +55,8 @@ every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not a tes
 it alone on an idle machine. Caution: the variant built second can run faster for no
 reason of its own; two identical variants (`--compare swiglu` on the GGUF config, which
 lays both out alike) measured 0.95-0.97x on a Zen 4 VM (PERFORMANCE.md, "Session 49"), so
-for effects of a few percent compare the same column across trees run one after another.
+for effects of a few percent compare the same column across trees run one after another
+(`python -m tools.bench_trees --base REV -- jaxserve bench step ... --json {json}`).
 """
 
 from __future__ import annotations
