@@ -1,7 +1,7 @@
 """One benchmark command run from two trees of this repository, in turns, each run in a
-process of its own: for effects of a few percent, which an in-process comparison biases
-(`jaxserve bench step`'s two variants: the one built second ran 3-8% faster with nothing
-else different; PERFORMANCE.md, "Session 49" under "32 streams on the Zen 4 VM again").
+process of its own: for a change that no in-process comparison covers (a kernel's source,
+the scheduler), or effects of a few percent, which one run on a VM does not show (two
+trees alike: per-round ratios 0.80-1.06 on a slow VM; PERFORMANCE.md, "Session 50").
 
     python -m tools.bench_trees --base REV [--variant REV] [--rounds 3] [--keys REGEX]
         -- COMMAND ... {json} ...

@@ -48,15 +48,18 @@ batch, each as the engine would compile it: its layers as one loop over stacked 
 and a stacked KV pool where the engine loops them (CompilationConfig.layer_loop; until
 2026-11-30 this tool always unrolled them), else unrolled; the tool prints which; their
 weights and pools in huge pages where the config puts the engine's there (cpu_huge_pages;
-until 2026-12-01 never). Prints
+until 2026-12-01 never). The weights: as the config serves them (Config.quantization
+applied: a GGUF file's blocks kept) in the comparisons of two served layouts (attention,
+swiglu, decode_steps, huge_pages, kv_dtype); the others lay out the checkpoint's weights
+dequantised to f32 themselves, and say so for a quantised config (until 2026-12-02 every
+comparison did, silently). Prints
 per shape the median ms of each and the variant/baseline time ratio (< 1: the variant is
 faster); for precision also the smallest row count (B x Q) from which bf16 is faster for
 every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not a test: run
-it alone on an idle machine. Caution: the variant built second can run faster for no
-reason of its own; two identical variants (`--compare swiglu` on the GGUF config, which
-lays both out alike) measured 0.95-0.97x on a Zen 4 VM (PERFORMANCE.md, "Session 49"), so
-for effects of a few percent compare the same column across trees run one after another
-(`python -m tools.bench_trees --base REV -- jaxserve bench step ... --json {json}`).
+it alone on an idle machine. One run's ratio moves by several percent on a VM (two
+variants laid out alike: 0.95-1.14x, median 1.00x; PERFORMANCE.md, "Session 50"): for
+effects of a few percent take the median of several runs (`python -m tools.bench_trees
+--base REV -- jaxserve bench step ... --json {json}` runs the command from two trees).
 """
 
 from __future__ import annotations
@@ -243,7 +246,15 @@ def main(argv: list[str] | None = None, prog: str = "jaxserve bench step") -> in
         cfg.engine, scheduler=cfg.engine.scheduler.resolve("cpu")))
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     enable_compilation_cache(cache_dir)
-    ckpt = resolve_checkpoint(cfg.source, cache_dir)
+    # the comparisons whose variants are both laid out as the engine serves the config
+    # (served()) load its weights as it does (Config.quantization: GGUF blocks kept); the
+    # others lay out f32 weights themselves
+    as_served = args.compare in ("attention", "swiglu", "decode_steps", "huge_pages",
+                                 "kv_dtype")
+    ckpt = resolve_checkpoint(cfg.source, cache_dir, cfg.quantization if as_served else None)
+    if cfg.quantization and not as_served:
+        print(f"the config's quantization {cfg.quantization!r} is not applied: --compare "
+              f"{args.compare} lays out the checkpoint's weights dequantised to f32")
     model_cfg = load_model_config(ckpt).replace(dtype="float32")
     params = load_params(ckpt, model_cfg)
     ps = cfg.engine.cache.page_size
