@@ -1,7 +1,7 @@
 """One benchmark command run from two trees of this repository, in turns, each run in a
 process of its own: for a change that no in-process comparison covers (a kernel's source,
 the scheduler), or effects of a few percent, which one run on a VM does not show (two
-trees alike: per-round ratios 0.80-1.06 on a slow VM; PERFORMANCE.md, "Session 50").
+trees alike: per-round ratios 0.77-1.06 on a slow VM; PERFORMANCE.md, "Session 50").
 
     python -m tools.bench_trees --base REV [--variant REV] [--rounds 3] [--keys REGEX]
         -- COMMAND ... {json} ...

@@ -57,9 +57,10 @@ per shape the median ms of each and the variant/baseline time ratio (< 1: the va
 faster); for precision also the smallest row count (B x Q) from which bf16 is faster for
 every measured shape: the suggested bf16_matmul_min_rows. A benchmark, not a test: run
 it alone on an idle machine. One run's ratio moves by several percent on a VM (two
-variants laid out alike: 0.95-1.14x, median 1.00x; PERFORMANCE.md, "Session 50"): for
-effects of a few percent take the median of several runs (`python -m tools.bench_trees
---base REV -- jaxserve bench step ... --json {json}` runs the command from two trees).
+variants laid out alike: 0.89-1.15x, medians 0.99-1.01x; PERFORMANCE.md, "Session
+50"): for effects of a few percent take the median of several runs (`python -m
+tools.bench_trees --base REV -- jaxserve bench step ... --json {json}` runs the command
+from two trees).
 """
 
 from __future__ import annotations
