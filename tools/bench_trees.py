@@ -120,6 +120,7 @@ def add_worktree(rev: str, where: Path) -> Path:
 
 
 def remove_worktree(tree: Path) -> None:
+    """Remove a worktree add_worktree made (the working tree itself stays)."""
     if tree != REPO:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
                        capture_output=True)
@@ -149,6 +150,9 @@ def summarise(runs: dict[str, list[dict[str, float]]], keys: str | None) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (the module docstring); returns the exit status: 0, 1 when
+    a run fails or no number is common to every run, 2 for a revision that cannot be
+    checked out or a tree that imports another jaxserve (argparse's 2 for bad flags)."""
     argv = sys.argv[1:] if argv is None else argv
     words = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
