@@ -7,6 +7,7 @@ input checks."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import gguf
 import jax
@@ -110,14 +111,15 @@ def test_quantize_x_rounds_half_away_from_zero_and_sums():
     assert not np.asarray(q0).any() and not np.asarray(d0).any() and not np.asarray(s0).any()
 
 
-def _built_call(library, name: str, x, packed, fmt: str):
+def _built_call(library, name: str, x, packed, fmt: str, swiglu: bool = False):
     """ggml_matmul of x by `packed` through `library`'s handler (a build for another
     target), registered as target `name`."""
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(library.JaxserveGgmlMatmul),
                                 platform="cpu")
-    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], COLS * packed.shape[0]),
-                                                       jnp.float32))
-    return np.asarray(call(x, packed, jnp.zeros((), jnp.int32), fmt=np.int64(FMT_IDS[fmt])))
+    cols = COLS * packed.shape[0] // (2 if swiglu else 1)
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32))
+    return np.asarray(call(x, packed, jnp.zeros((), jnp.int32), fmt=np.int64(FMT_IDS[fmt]),
+                           swiglu=swiglu))
 
 
 def test_portable_path_matches_the_vnni_one(portable_cpu_kernels):
@@ -218,3 +220,84 @@ def test_bad_inputs_name_the_argument():
     w48 = _weight(rng, 40, 64, "q8_0")
     with pytest.raises(ValueError, match="output rows a multiple of 16, got 40"):
         pack(*_fields(w48))
+
+
+# --- the SwiGLU epilogue over w_gate | w_up's alternating panels ----------------------------
+
+def _gate_up(rng, f, k, fmt):
+    """Packed gate and up GGMLWeights [f, k] and their fusion with alternating panels."""
+    from jaxserve.model.ggml_weight import pack_for_cpu
+    from jaxserve.model.weight_layouts import fused_ggml_weight
+    # each standing for [k, f] (in, out), as the model's projections do
+    gate, up = (pack_for_cpu(dataclasses.replace(_weight(rng, f, k, fmt), logical_shape=(k, f)))
+                for _ in range(2))
+    fused = fused_ggml_weight([gate, up], swiglu=True)
+    assert fused.interleaved == 16 and fused.out_shapes == ((f,), (f,))
+    return gate, up, fused
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("f,k", [(32, 64), (16 * 37, 64)])
+def test_swiglu_epilogue_is_silu_of_the_two_products(fmt, f, k):
+    """ggml_matmul(..., swiglu=True) over w_gate | w_up fused with alternating panels:
+    silu(gate) * up of the kernel's own gate and up products (the same integer sums; the
+    SiLU's f32 rounding apart: jax.nn.silu's against the epilogue's polynomial exp), for
+    every remainder of the 8-row blocks, 37 pairs of panels in runs, the split by row
+    chunks (300 rows over 2 pairs) and the scratch's 224-row chunks; the fused weight's
+    plain product is the two products' columns interleaved by 16, exactly."""
+    from jaxserve.kernels.cpu.bf16_matmul import deinterleave_gate_up
+    rng = np.random.default_rng(SEED + f + k)
+    gate, up, fused = _gate_up(rng, f, k, fmt)
+    for m in list(range(10)) + [37, 300]:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32) * 3
+        g, u = ggml_matmul(x, gate.qs, fmt), ggml_matmul(x, up.qs, fmt)
+        got = np.asarray(ggml_matmul(x, fused.w.qs, fmt, swiglu=True))
+        want = np.asarray(jax.nn.silu(g) * u)
+        assert got.shape == (m, f) and np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=2e-6,
+                                   atol=2e-6 * max(1.0, np.abs(want).max(initial=0)))
+        gi, ui = deinterleave_gate_up(ggml_matmul(x, fused.w.qs, fmt))
+        np.testing.assert_array_equal(np.asarray(gi), np.asarray(g))
+        np.testing.assert_array_equal(np.asarray(ui), np.asarray(u))
+
+
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+def test_swiglu_epilogue_in_the_other_builds(build, request):
+    """The x86-64-v3 (AVX2) and portable builds' epilogue (the scalar loop) over their own
+    products: the native build's result up to the SiLU's rounding."""
+    lib = request.getfixturevalue(f"{build}_cpu_kernels")
+    rng = np.random.default_rng(SEED + 41)
+    for fmt in FORMATS:
+        _, _, fused = _gate_up(rng, 48, 64, fmt)
+        x = jnp.asarray(rng.standard_normal((11, 64)), jnp.float32) * 3
+        got = _built_call(lib, f"jaxserve_ggml_matmul_swiglu_{build}_test", x, fused.w.qs, fmt,
+                          swiglu=True)
+        want = np.asarray(ggml_matmul(x, fused.w.qs, fmt, swiglu=True))
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+
+
+def test_swiglu_epilogue_in_the_model_and_its_checks():
+    """Matmul.swiglu runs the fused, interleaved GGML weight as one swiglu call: silu of
+    `project`'s gate times its up (project splits the interleaved product back, the
+    unfused weights' bits); an odd number of panels is refused by the wrapper and by the
+    kernel, naming why."""
+    from jaxserve.model.linear import matmul_backend
+    from jaxserve.model.weight_layouts import FusedWeight, fused_ggml_weight
+    rng = np.random.default_rng(SEED + 43)
+    gate, up, fused = _gate_up(rng, 48, 64, "q4_1")
+    mm = matmul_backend("cpu")
+    x = jnp.asarray(rng.standard_normal((2, 5, 64)), jnp.float32)
+    g, u = mm.project(x, (fused, None))
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(mm.dense(x, gate, 1)))
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(mm.dense(x, up, 1)))
+    np.testing.assert_allclose(np.asarray(mm.swiglu(x, fused, None)),
+                               np.asarray(jax.nn.silu(g) * u), rtol=2e-6,
+                               atol=2e-6 * np.abs(np.asarray(g)).max())
+    plain = fused_ggml_weight([gate, up])
+    assert isinstance(plain, FusedWeight) and plain.interleaved == 0
+    with pytest.raises(ValueError, match="swiglu needs an even number of panels, got 3"):
+        ggml_matmul(x[0], gate.qs, "q4_1", swiglu=True)
+    call = jax.ffi.ffi_call("jaxserve_ggml_matmul", jax.ShapeDtypeStruct((5, 24), jnp.float32))
+    with pytest.raises(Exception, match="swiglu needs an even number of panels"):
+        np.asarray(call(x[0], gate.qs, jnp.zeros((), jnp.int32), fmt=np.int64(FMT_IDS["q4_1"]),
+                        swiglu=True))

@@ -147,14 +147,20 @@ class Matmul:
         """silu(x @ w_gate) * (x @ w_up): x [..., D] -> [..., F] in x.dtype, the hidden
         activation of a SwiGLU MLP (Shazeer 2020). w_gate | w_up fused for the C++
         kernel's epilogue (a FusedWeight with `interleaved`, over a packed bf16 copy or
-        f32 panels that this many rows use, in panels of a multiple of 32 columns) runs as
-        one kernel call whose output is the activation (jaxserve.kernels.cpu.bf16_matmul,
-        swiglu: silu in f32 from a polynomial exp), rounded there to bf16 when the matmul
+        f32 panels that this many rows use, in panels of a multiple of 32 columns, or over
+        packed GGML blocks) runs as one kernel call whose output is the activation
+        (jaxserve.kernels.cpu.bf16_matmul or ggml_matmul, swiglu: silu in f32 from a
+        polynomial exp), a bf16 copy's rounded there to bf16 when the matmul
         by `w_next` (the down projection) would round it to bf16 anyway (`rounds_x`):
         then in bf16, and that matmul reads it as it is; any other weights as `project`,
         then jax.nn.silu(gate) * up."""
         rows = math.prod(x.shape[:-1])
         w = w_gate.w if isinstance(w_gate, FusedWeight) and w_gate.interleaved else None
+        if isinstance(w, GGMLWeight) and w.packed:  # alternating panels: ggml_matmul's
+            from jaxserve.kernels.cpu.ggml_matmul import ggml_matmul
+            h = ggml_matmul(x.reshape(rows, -1).astype(jnp.float32), w.qs, w.fmt,
+                            layer=getattr(w, "layer", None), swiglu=True)
+            return h.reshape(*x.shape[:-1], -1).astype(x.dtype)
         if (isinstance(w, DualPrecisionWeight) and w.packed and w.uses_bf16(rows)
                 and packed_panel_width(w.w_copy) % (2 * w_gate.interleaved) == 0):
             out = jnp.bfloat16 if rounds_x(w_next, rows) else jnp.float32

@@ -354,13 +354,15 @@ def dual_precision_params(params: Params, min_rows: int, packed: bool = False,
     return dataclasses.replace(params, lm_head=dual(head, head_split, vocab_major=tied))
 
 
-def fused_ggml_weight(ws: list[GGMLWeight], n_in: int = 1, shards: int = 1
-                      ) -> FusedWeight | None:
+def fused_ggml_weight(ws: list[GGMLWeight], n_in: int = 1, shards: int = 1,
+                      swiglu: bool = False) -> FusedWeight | None:
     """Packed GGMLWeights of one input (each standing for [*in, *out_i]) as one FusedWeight:
     their panel records concatenated (a panel is 16 output rows: the fused matrix's rows
     are the parts' rows, one after another), grouped per shard as `fused_weight` does
     (shard 0's rows of each part, then shard 1's, ...). One x quantisation and one kernel
-    call instead of len(ws), the same integer dot products and scales per column. None
+    call instead of len(ws), the same integer dot products and scales per column. swiglu
+    (two parts of one shape: w_gate, w_up): each shard's panels alternate instead, gate's
+    panel j then up's (FusedWeight.interleaved 16: the C++ kernel's SwiGLU epilogue). None
     (keep them apart) unless every part is packed, of the same format, and each shard's
     rows of each part are whole panels."""
     if (not all(isinstance(w, GGMLWeight) and w.packed for w in ws)
@@ -368,21 +370,27 @@ def fused_ggml_weight(ws: list[GGMLWeight], n_in: int = 1, shards: int = 1
             or any(w.qs.shape[0] % shards for w in ws)):
         return None
     tail = ws[0].qs.shape[1:]
-    qs = jnp.concatenate([w.qs.reshape(shards, -1, *tail) for w in ws], axis=1)
+    parts = [w.qs.reshape(shards, -1, *tail) for w in ws]
+    swiglu = swiglu and len(ws) == 2 and parts[0].shape == parts[1].shape
+    qs = (jnp.stack(parts, axis=2) if swiglu  # [shards, panels, 2, ...]: gate's, up's
+          else jnp.concatenate(parts, axis=1))
     k = math.prod(ws[0].shape[:n_in])
     shapes = tuple((w.shape[n_in] // shards, *w.shape[n_in + 1:]) for w in ws)
     cols = sum(math.prod(w.shape[n_in:]) for w in ws)
     return FusedWeight(GGMLWeight(qs=qs.reshape(-1, *tail), d=None, m=None, fmt=ws[0].fmt,
-                                  logical_shape=(k, cols)), shapes, shards)
+                                  logical_shape=(k, cols)), shapes, shards,
+                       SWIGLU_GROUP if swiglu else 0)
 
 
-def pack_ggml_params(params: Params, rules: Any = None, fuse: bool = True) -> Params:
+def pack_ggml_params(params: Params, rules: Any = None, fuse: bool = True,
+                     swiglu: bool = False) -> Params:
     """`params` with every GGMLWeight leaf (projections, embedding, LM head) packed for the
     C++ kernel (jaxserve.model.ggml_weight.pack_for_cpu: the same bytes in 16-row panels),
     where each device's rows make whole panels (rules: the ShardingRules of a
     tensor-parallel mesh; None: one device); the others stay as they are (run by the
     jnp reference). With `fuse`, a layer's wq | wk | wv and w_gate | w_up, when all
-    packed in one format, become FusedWeights (`fused_ggml_weight`, per shard)."""
+    packed in one format, become FusedWeights (`fused_ggml_weight`, per shard; with
+    `swiglu`, w_gate | w_up's panels alternating for the C++ kernel's SwiGLU epilogue)."""
     def pack(w: Any, axes: tuple, n_in: int | None) -> Any:
         if not isinstance(w, GGMLWeight) or w.packed:
             return w
@@ -393,10 +401,11 @@ def pack_ggml_params(params: Params, rules: Any = None, fuse: bool = True) -> Pa
             return w
         return jax.block_until_ready(pack_for_cpu(w))
 
-    def fused(lp: LayerParams, names: tuple[str, ...]) -> dict[str, Any]:
+    def fused(lp: LayerParams, names: tuple[str, ...], interleave: bool = False
+              ) -> dict[str, Any]:
         ws = [getattr(lp, n) for n in names]
         shards = _shards(rules, ws[0].shape, LAYER_AXES[names[0]], 1)[1]
-        f = fused_ggml_weight(ws, shards=shards)
+        f = fused_ggml_weight(ws, shards=shards, swiglu=interleave)
         if f is None:
             return {}
         return {names[0]: jax.block_until_ready(f), **{n: None for n in names[1:]}}
@@ -407,7 +416,7 @@ def pack_ggml_params(params: Params, rules: Any = None, fuse: bool = True) -> Pa
         if not fuse:
             return lp
         return dataclasses.replace(lp, **fused(lp, ("wq", "wk", "wv")),
-                                   **fused(lp, ("w_gate", "w_up")))
+                                   **fused(lp, ("w_gate", "w_up"), swiglu))
 
     return dataclasses.replace(params, layers=tuple(map(layer, params.layers)),
                                embed=pack(params.embed, EMBED_AXES, None),

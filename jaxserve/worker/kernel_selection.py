@@ -221,5 +221,5 @@ def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
     elif kcfg.fuse_projections:
         params = fuse_projections(params, rules)
     if kernels.matmul.packs_bf16:  # GGUF blocks in the C++ kernel's panels
-        params = pack_ggml_params(params, rules)
+        params = pack_ggml_params(params, rules, swiglu=swiglu_epilogue)
     return params

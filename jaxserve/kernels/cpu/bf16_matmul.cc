@@ -53,7 +53,7 @@
 // 0 for an unstacked w) in place; out [M, N] f32; attributes round_x and swiglu (bool). Or
 // x [M, K] bf16 (JaxserveBf16MatmulBf16x: round_x on x the caller rounded; attribute
 // swiglu). swiglu (every handler, f32 panels too): W is gate | up interleaved by 16 columns
-// and out [M, N / 2] = silu(gate) * up (run_panel_swiglu), f32 or bf16 (rounded to nearest
+// and out [M, N / 2] = silu(gate) * up (swiglu.h), f32 or bf16 (rounded to nearest
 // even: the next matmul's round_x x).
 //
 // Sources: the VNNI-style pair packing of oneDNN's bf16 GEMM; the panel / register-block
@@ -79,9 +79,9 @@
 
 #include "amx.h"
 #include "bf16.h"
-#include "exp_nonpositive.h"
 #include "parallel.h"
 #include "stacked.h"
+#include "swiglu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -123,8 +123,8 @@ struct Problem {
   float* out;          // [M, N] (or a panel's scratch: out_at)
   int64_t M, K2, N, P;
   // Where the blocks store output (row m, column n): out + (m - row0) * ldo + (n - col0).
-  // The whole [M, N] output: ldo N, row0 = col0 = 0; run_panel_swiglu points them at a
-  // thread's scratch for one panel's rows.
+  // The whole [M, N] output: ldo N, row0 = col0 = 0; jaxserve::run_unit_swiglu points them
+  // at a thread's scratch for one panel's rows.
   int64_t ldo = 0, row0 = 0, col0 = 0;
   bool out_bf16 = false;  // out holds bf16 (swiglu only: swiglu_rows rounds its output)
 };
@@ -713,95 +713,18 @@ void run_panel_amx(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end)
 // 16 + i is up's; bf16_matmul.interleave_gate_up), P a multiple of 32, and out [M, N / 2]
 // = silu(gate) * up, silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) (never
 // overflows). A panel's rows run into a thread's scratch in chunks of kSwigluRows, then
-// swiglu_rows writes their P / 2 output columns: the gate | up product (3 MB a call at 256
+// swiglu_rows writes their P / 2 output columns (swiglu.h, shared with ggml_matmul.cc):
+// the gate | up product (3 MB a call at 256
 // rows of SmolLM2) stays in the thread's L2, no separate elementwise op reads it back, and
 // the down matmul's bf16 x comes out of the epilogue (out bf16). AMD Zen 4 VM, SmolLM2's
 // gate | up then down over 30 layers of weights (bf16 x, round_x): 32 rows 586 -> 477 us a
 // layer, 256 rows 3,560 -> 3,274; the served 32-stream workload +4% output tok/s (kernels
 // README, "2026-12-01 (session 49)").
-// Source: Shazeer 2020, "GLU Variants Improve Transformer" (SwiGLU); the sigmoid of
-// Ramachandran et al. 2017 ("Searching for Activation Functions", SiLU / swish).
-constexpr int64_t kSwigluGroup = 16;  // columns of gate, then of up, in each group of 32
-// Rows per scratch chunk: whole 14-row (round_x) and 32-row (AMX) blocks, 224 x 64 f32 =
-// 56 KB, in L2 while the epilogue reads it back.
-constexpr int64_t kSwigluRows = 224;
-
-// silu(g) * u for one element (the portable epilogue; swiglu_rows' AVX-512 one computes
-// the same with jaxserve::exp16).
-inline float silu_times(float g, float u) {
-  const float e = jaxserve::exp_nonpositive(-std::fabs(g));
-  return g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * u;
-}
-
-// A panel's raw output s [rows, P] (gate and up interleaved) -> out [rows, P / 2], rows
-// ldo elements apart: f32 (O = float), or rounded to bf16 (O = uint16_t: to nearest even,
-// as to_bf16 and XLA's convert).
-template <typename O>
-void swiglu_rows(const float* s, int64_t rows, int64_t P, O* out, int64_t ldo) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* sr = s + r * P;
-    O* o = out + r * ldo;
-    for (int64_t g = 0; g < P / (2 * kSwigluGroup); ++g) {
-      const float* gate = sr + 2 * kSwigluGroup * g;
-      const float* up = gate + kSwigluGroup;
-      O* og = o + kSwigluGroup * g;
-#if defined(__AVX512F__)
-      const __m512 vg = _mm512_loadu_ps(gate), vu = _mm512_loadu_ps(up);
-      const __m512 one = _mm512_set1_ps(1.0f);
-      const __m512 e = jaxserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(vg)));
-      const __mmask16 neg = _mm512_cmp_ps_mask(vg, _mm512_setzero_ps(), _CMP_LT_OQ);
-      const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
-      const __m512 h = _mm512_mul_ps(_mm512_mul_ps(vg, sig), vu);
-      if constexpr (std::is_same_v<O, float>) {
-        _mm512_storeu_ps(og, h);
-      } else {
-#if defined(__AVX512BF16__)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(og), (__m256i)_mm512_cvtneps_pbh(h));
-#else
-        alignas(64) float hs[kSwigluGroup];
-        _mm512_store_ps(hs, h);
-        for (int64_t i = 0; i < kSwigluGroup; ++i) og[i] = to_bf16(hs[i]);
-#endif
-      }
-#else
-      for (int64_t i = 0; i < kSwigluGroup; ++i) {
-        const float h = silu_times(gate[i], up[i]);
-        if constexpr (std::is_same_v<O, float>) og[i] = h;
-        else og[i] = to_bf16(h);
-      }
-#endif
-    }
-  }
-}
-
-// Panel pi's rows m_begin .. m_end of a swiglu Problem p (out [M, N / 2]): run(q, m0, m1)
-// computes rows m0 .. m1 of the panel into q's output (this thread's scratch), chunk by
-// chunk, and each chunk's epilogue writes its P / 2 columns of p.out.
-template <typename Run>
-void run_panel_swiglu(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end, Run&& run) {
-  thread_local std::vector<float> scratch;
-  const int64_t chunk = std::min(kSwigluRows, m_end - m_begin);
-  if (static_cast<int64_t>(scratch.size()) < chunk * p.P) scratch.resize(chunk * p.P);
-  Problem q = p;
-  q.out = scratch.data();
-  q.ldo = p.P;
-  q.col0 = pi * p.P;
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += kSwigluRows) {
-    const int64_t m1 = std::min(m0 + kSwigluRows, m_end);
-    q.row0 = m0;
-    run(q, m0, m1);
-    const int64_t at = m0 * p.ldo + pi * (p.P / 2);
-    if (p.out_bf16)
-      swiglu_rows(scratch.data(), m1 - m0, p.P, reinterpret_cast<uint16_t*>(p.out) + at, p.ldo);
-    else
-      swiglu_rows(scratch.data(), m1 - m0, p.P, p.out + at, p.ldo);
-  }
-}
 
 // The Problem of x [M, K] times layer `layer` of w (a layer's panels, read in place, not
 // copied): bf16 [N / P, K / 2, P, 2] or, with `f32`, f32 panels [N / P, K / 2, 2, P]
 // (or a stack [L, ...] of either); *panels = N / P; out [M, N], or with `swiglu` [M, N / 2]
-// (run_panel_swiglu). An InvalidArgument error naming `fn` when the shapes or the layer do
+// (jaxserve::run_unit_swiglu). An InvalidArgument error naming `fn` when the shapes or the layer do
 // not fit. x: f32, or bf16 (p->x is then null: the
 // caller points p->xb at it).
 template <typename XBuffer, typename WBuffer>
@@ -824,7 +747,7 @@ ffi::Error make_problem(const char* fn, bool f32, const XBuffer& x,
     return ffi::Error::InvalidArgument(name + ": x must be [M, K] and w " + layout +
                                        " with P % 16 == 0");
   p->M = xd[0]; p->K2 = wd[1]; p->P = P; p->N = wd[0] * P;
-  if (swiglu && P % (2 * kSwigluGroup) != 0)
+  if (swiglu && P % (2 * jaxserve::kSwigluGroup) != 0)
     return ffi::Error::InvalidArgument(name + ": swiglu needs panels of a multiple of 32 "
                                        "columns (gate and up interleaved by 16)");
   const auto od = out->dimensions();
@@ -849,11 +772,11 @@ ffi::Error make_problem(const char* fn, bool f32, const XBuffer& x,
 }
 
 // body(q, m_begin, m_end) over panel pi's rows: into p's output, or with `swiglu` through
-// run_panel_swiglu's scratch and epilogue.
+// jaxserve::run_unit_swiglu's scratch and epilogue.
 template <typename Body>
 inline void panel_rows(const Problem& p, bool swiglu, int64_t pi, int64_t m_begin,
                        int64_t m_end, Body&& body) {
-  if (swiglu) return run_panel_swiglu(p, pi, m_begin, m_end, body);
+  if (swiglu) return jaxserve::run_unit_swiglu(p, pi, p.P, m_begin, m_end, body);
   body(p, m_begin, m_end);
 }
 

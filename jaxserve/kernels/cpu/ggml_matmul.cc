@@ -37,7 +37,9 @@
 //
 // Shapes: x [M, K] f32; w [N / 16, K / 32, B] u8, or a stack of them [L, N / 16, K / 32, B]
 // (a layer loop's weights) read at layer (s32 scalar, 0 for an unstacked w) in place; out
-// [M, N] f32; attribute fmt (0 Q4_0, 1 Q4_1, 2 Q8_0).
+// [M, N] f32; attributes fmt (0 Q4_0, 1 Q4_1, 2 Q8_0) and swiglu (bool: w is gate | up with
+// their 16-column panels alternating, gate's panel j then up's, and out [M, N / 2] f32 =
+// silu(gate) * up, each pair of panels' epilogue: swiglu.h).
 //
 // Sources: llama.cpp's ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 and quantize_row_q8_0
 // / q8_1 (ggml/src/ggml-cpu/quants.c); the interleaved repacking of its ggml-cpu/repack.cpp
@@ -47,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -55,6 +58,7 @@
 
 #include "parallel.h"
 #include "stacked.h"
+#include "swiglu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -98,9 +102,17 @@ struct Problem {
   const float* dx;      // [K / 32, M] x's block scales
   const int32_t* sx;    // [K / 32, M] sums of x's quants per block
   const uint8_t* w;     // [N / 16, K / 32, B]
-  float* out;           // [M, N]
+  float* out;           // [M, N] (or a unit's scratch: out_at)
   int64_t M, KB, N, fmt, B;
+  // Where the blocks store output (row m, column n): out + (m - row0) * ldo + (n - col0);
+  // the whole output: ldo N, row0 = col0 = 0 (swiglu: jaxserve::run_unit_swiglu's scratch).
+  int64_t ldo = 0, row0 = 0, col0 = 0;
+  bool out_bf16 = false;  // (swiglu.h's field; this kernel's activation is f32)
 };
+
+inline float* out_at(const Problem& p, int64_t m, int64_t n) {
+  return p.out + (m - p.row0) * p.ldo + (n - p.col0);
+}
 
 // Where row m's block b of x is in xq (times 32), dx and sx: block-major, so that a register
 // block's rows of one block lie together (one pointer, constant offsets).
@@ -186,7 +198,7 @@ void panel_portable(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end
       }
     }
     for (int64_t r = 0; r < rows; ++r)
-      std::copy(acc[r], acc[r] + kCols, p.out + (m0 + r) * p.N + pi * kCols);
+      std::copy(acc[r], acc[r] + kCols, out_at(p, m0 + r, pi * kCols));
   }
 }
 
@@ -245,7 +257,7 @@ inline void block_vnni(const Problem& p, int64_t pi, int64_t m0, bool prefetch) 
         acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * static_cast<float>(p.sx[i])), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.out + (m0 + r) * p.N + pi * kCols, acc[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out_at(p, m0 + r, pi * kCols), acc[r]);
 }
 
 template <int64_t kFmt>
@@ -381,7 +393,7 @@ inline void block_avx2(const Problem& p, int64_t pi, int64_t m0, bool prefetch) 
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
       for (int h = 0; h < kH; ++h)
-        _mm256_storeu_ps(p.out + (m0 + r) * p.N + pi * kCols + 8 * (h0 + h), acc[h][r]);
+        _mm256_storeu_ps(out_at(p, m0 + r, pi * kCols + 8 * (h0 + h)), acc[h][r]);
   }
 }
 
@@ -426,7 +438,7 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end) {
 
 ffi::Error GgmlMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::U8> w, ffi::BufferR0<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> out, int64_t fmt) {
+                          ffi::ResultBuffer<ffi::F32> out, int64_t fmt, bool swiglu) {
   const auto xd = x.dimensions();
   if (fmt < kQ4_0 || fmt > kQ8_0)
     return ffi::Error::InvalidArgument("ggml_matmul: fmt must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
@@ -441,8 +453,17 @@ ffi::Error GgmlMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (xd.size() != 2 || xd[1] != wd[1] * kBlock || wd[2] != record_bytes(fmt))
     return ffi::Error::InvalidArgument(
         "ggml_matmul: x must be [M, K] and w [N / 16, K / 32, record bytes of fmt]");
+  if (swiglu && wd[0] % 2 != 0)
+    return ffi::Error::InvalidArgument(
+        "ggml_matmul: swiglu needs an even number of panels (gate's and up's alternating)");
+  const auto od = out->dimensions();
+  const int64_t out_cols = swiglu ? wd[0] * kCols / 2 : wd[0] * kCols;
+  if (od.size() != 2 || od[0] != xd[0] || od[1] != out_cols)
+    return ffi::Error::InvalidArgument(std::string("ggml_matmul: out must be [M, ") +
+                                       (swiglu ? "N / 2" : "N") + "]");
   Problem p;
   p.M = xd[0]; p.KB = wd[1]; p.N = wd[0] * kCols; p.fmt = fmt; p.B = wd[2];
+  p.ldo = out_cols;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   std::vector<int8_t> xq(p.M * p.KB * kBlock);
   std::vector<float> dx(p.M * p.KB);
@@ -451,6 +472,18 @@ ffi::Error GgmlMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.xq = xq.data(); p.dx = dx.data(); p.sx = sx.data();
   p.w = w.typed_data() + offset;  // the layer's panels, not a copy
   p.out = out->typed_data();
+  if (swiglu) {  // units of two panels: gate's 16 columns, then up's (swiglu.h)
+    jaxserve::parallel_panels(
+        pool, wd[0] / 2, p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
+        [&p](int64_t u, int64_t m_begin, int64_t m_end) {
+          jaxserve::run_unit_swiglu(p, u, 2 * kCols, m_begin, m_end,
+                                    [u](const Problem& q, int64_t m0, int64_t m1) {
+                                      run_panel(q, 2 * u, m0, m1);
+                                      run_panel(q, 2 * u + 1, m0, m1);
+                                    });
+        });
+    return ffi::Error::Success();
+  }
   jaxserve::parallel_panels(pool, wd[0], p.M, kItemsPerCall, kMinSplitRows, kMaxRows,
                             [&p](int64_t pi, int64_t m_begin, int64_t m_end) {
                               run_panel(p, pi, m_begin, m_end);
@@ -467,4 +500,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgmlMatmul, GgmlMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // w, packed
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // layer of a stacked w
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Attr<int64_t>("fmt"));
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<bool>("swiglu"));

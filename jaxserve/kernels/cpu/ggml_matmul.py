@@ -133,9 +133,9 @@ def ggml_matmul_q8_reference(x: jax.Array, qs: jax.Array, d: jax.Array, m: jax.A
     return acc
 
 
-@functools.partial(jax.jit, static_argnames=("fmt",))
+@functools.partial(jax.jit, static_argnames=("fmt", "swiglu"))
 def ggml_matmul(x: jax.Array, w_packed: jax.Array, fmt: str,
-                layer: jax.Array | int | None = None) -> jax.Array:
+                layer: jax.Array | int | None = None, swiglu: bool = False) -> jax.Array:
     """x [M, K] f32 times a packed GGML weight [N / 16, K / 32, B] u8 (`pack`) of format
     `fmt` ("q4_0", "q4_1", "q8_0"), transposed -> [M, N] f32 (any M >= 0).
 
@@ -143,7 +143,11 @@ def ggml_matmul(x: jax.Array, w_packed: jax.Array, fmt: str,
     layers), the int32 index of the one to use, traced or not: the kernel reads that
     layer's panels where they lie, where `w_packed[layer]` handed to the call is copied
     first (+36% over 30 layers in lax.scan: PERFORMANCE.md, "Against llama.cpp in its own
-    formats"). Needs `jaxserve.kernels.cpu.build.load_library` called first. Raises
+    formats"). swiglu: w holds gate | up with their 16-column panels alternating (gate's
+    panel j, then up's: jaxserve.model.weight_layouts.fused_ggml_weight's interleaved
+    layout, the columns of bf16_matmul.interleave_gate_up), and the result is silu(gate) *
+    up [M, N / 2] f32, each pair of panels' epilogue (jaxserve/kernels/cpu/swiglu.h, as
+    bf16_matmul's swiglu). Needs `jaxserve.kernels.cpu.build.load_library` called first. Raises
     ValueError for bad shapes, dtypes or an unknown fmt, naming the argument; a layer
     outside the stack fails the call (the kernel checks it: XLA's runtime error names it)."""
     fn = "cpu ggml_matmul"
@@ -153,9 +157,12 @@ def ggml_matmul(x: jax.Array, w_packed: jax.Array, fmt: str,
     check_array(fn, "w_packed", w_packed,
                 stack + (None, x.shape[1] // BLOCK, RECORD_BYTES[fmt]), (jnp.uint8,))
     check(fn, x.shape[1] % BLOCK == 0, f"x's columns must be whole blocks of {BLOCK}, got {x.shape[1]}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[-3] * COLS),
-                                                         jnp.float32))
-    return call(x, w_packed, layer_operand(fn, layer), fmt=FMT_IDS[fmt])
+    if swiglu:
+        check(fn, w_packed.shape[-3] % 2 == 0,
+              f"swiglu needs an even number of panels, got {w_packed.shape[-3]}")
+    n = w_packed.shape[-3] * COLS // (2 if swiglu else 1)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, w_packed, layer_operand(fn, layer), fmt=FMT_IDS[fmt], swiglu=swiglu)
 
 
 __all__ = ["COLS", "RECORD_BYTES", "can_pack", "ggml_matmul", "ggml_matmul_q8_reference",
