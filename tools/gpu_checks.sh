@@ -44,7 +44,7 @@
 # `import jaxserve` works (the repository on PYTHONPATH, its dependencies installed or
 # carried as wheels). Checked on CPU by tests/test_gpu_checks_script.py: every stage run with
 # a recorder in place of Python, each command line parsed by its own tool (a flag renamed
-# since the last GPU run fails there, not on the lent machine).
+# since the last GPU run fails that test here, not a stage on the lent machine).
 # Session 22's run on an H100 (PERFORMANCE.md, "The GPU run of session 22"): env ~15 s,
 # kernels ~90 s, generate ~190 s for two decode_steps values, qmm ~75 s for two shapes with
 # single-call timing, hf ~85 s; cmdbuf (three engines) and qmm (four shapes, 16 copies) not
