@@ -7,6 +7,7 @@ against itself with the sequence batched beside others (only the reduction order
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,6 +33,16 @@ def on_4_devices(script: Path, *args: str) -> dict:
 
 def tp_check(source: str, variant: str, tps: str, cache_dir, reference: str | None = None) -> dict:
     return on_4_devices(TP_CHECK, source, variant, tps, str(cache_dir), *([reference] if reference else []))
+
+
+def reordered_f32_bound(r: dict) -> float:
+    """How far, relative to the largest |value|, TP's reordered f32 sums may move a deep
+    model's residual stream and logits: a dot product of k terms summed in another order
+    changes by ~sqrt(k) u of its terms' scale (u = 2^-24; Higham & Mary, "A new approach to
+    probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019), and each of
+    the L layers adds its change to the residual stream: L sqrt(k) u. For SmolLM2 (30
+    layers, k = 1,536) 7.0e-5. A wrong shard moves values by whole units."""
+    return r["num_layers"] * math.sqrt(r["max_reduction"]) * 2.0 ** -24
 
 
 @pytest.mark.full  # fast tier: the real model under TP 3 (test_real_model_cpp_kernels_per_device_under_tp3)
@@ -122,26 +133,26 @@ def test_real_model_tp2_tp3_tp4_match_tp1(smollm2_checkpoint, cache_dir):
     for tp in ("2", "3", "4"):
         assert {"embed", "layers.0.w_gate", "layers.0.w_up", "layers.0.w_down"} <= set(r["sharded"][tp])
         # |logits| reach ~32 here, where one f32 ulp is 3.8e-6: TP's changed reduction order
-        # moves logits by f32 rounding alone (the model tests' f32 bound). Against the noise
-        # floor (the same sequence batched beside others on one device) the ratio depends
-        # on the CPU's code: <= 2x on Zen 4, 2.1x at TP 3 on a Xeon; a wrong shard moves
-        # logits by whole units.
-        assert r["diff"][tp] <= 1e-5 * r["max_abs_logit"], r
+        # moves logits by f32 rounding alone, how far depending on the CPU's code (2.2e-4 on
+        # Zen 4); a wrong shard moves them by whole units.
+        assert r["diff"][tp] <= reordered_f32_bound(r) * r["max_abs_logit"], r
     # the pipeline splits the batch differently, which is the noise floor's own change
-    assert r["diff"]["1x4m4"] <= 1e-5 * r["max_abs_logit"], r
+    assert r["diff"]["1x4m4"] <= reordered_f32_bound(r) * r["max_abs_logit"], r
 
 
 def test_real_model_cpp_kernels_per_device_under_tp3(smollm2_checkpoint, cache_dir):
     """The C++ attention kernel and packed bf16 matmuls, each device running its own 3
     query heads / KV head and MLP columns, against the same kernels on one device. They
-    are batch-invariant (noise floor 0), so the bound is the f32 one of the XLA test:
-    measured 2.2e-4 on |logits| of 32 (30 layers of partial sums)."""
+    are batch-invariant (noise floor 0); TP 3's partial sums of wo and w_down change the
+    order of the f32 sums, so the bound is the XLA test's, reordered_f32_bound (measured:
+    3.2e-4 on |logits| of 32 on an AMX Xeon, 1.0e-5 of them)."""
     r = tp_check(str(smollm2_checkpoint), "cpu", "3", cache_dir)
     assert {"layers.0.wq", "layers.0.wo", "layers.0.w_down"} <= set(r["sharded"]["3"])
-    assert r["diff"]["3"] <= 1e-5 * r["max_abs_logit"], r
+    assert r["diff"]["3"] <= reordered_f32_bound(r) * r["max_abs_logit"], r
     # the residual streams entering layers 0 and 29 (what an EAGLE-3 head reads) come out
-    # of the shard_map replicated and TP 1's, to the same relative bound
-    assert r["feature_diff"]["3"] <= 1e-5 * r["max_abs_feature"], r
+    # of the shard_map replicated and TP 1's, to the same relative bound (measured: 0.080
+    # in the massive-activation channel, 6,888, of |features| up to 7,563 on that Xeon)
+    assert r["feature_diff"]["3"] <= reordered_f32_bound(r) * r["max_abs_feature"], r
 
 
 @pytest.mark.full  # fast tier: the real model under TP 3 with the C++ kernels

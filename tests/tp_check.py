@@ -5,7 +5,8 @@ prints JSON {"diff": {tp: max |logits - reference|}, "max_abs_logit",
 "noise_floor": max |diff| of the reference against itself with the sequence batched
 beside others (f32 reduction order alone), "sharded": {tp: names of the weights split
 across devices}, "feature_diff": {tp: max |features - reference's|} of the residual
-streams entering layers 0 and L - 1 (not for pipeline meshes), "max_abs_feature"}. The
+streams entering layers 0 and L - 1 (not for pipeline meshes), "max_abs_feature",
+"num_layers", "max_reduction": the longest sum of a layer's or the head's products}. The
 reference is REFERENCE's kernels (default VARIANT's) at TP 1.
 A mesh "TPxPP" or "TPxPPmM" (e.g. 2x2, 1x4m4) runs PP pipeline stages (M microbatches
 for prefill and decode steps alike; default ParallelConfig's) with TP devices each, on the sequence batched beside the others (so that a
@@ -175,6 +176,9 @@ def main():
                       "feature_diff": feature_diff,
                       "max_abs_feature": float(np.abs(base_feats).max()),
                       "noise_floor": float(np.abs(beside - base).max()), "sharded": sharded,
+                      "num_layers": cfg.num_layers,
+                      "max_reduction": max(cfg.hidden_size, cfg.intermediate_size,
+                                           cfg.num_heads * cfg.head_dim),
                       "devices": len(jax.devices())}))
 
 
