@@ -337,6 +337,45 @@ def _tiny_head(params, n_vocab=64, seed=0):
                                             scale=0.5)
 
 
+def test_an_eagle_heads_fc_runs_packed_in_the_cpu_kernel(params, cpu_kernels_library):
+    """layout_head_matrix: with the C++ matmul's bf16 copies from 1 row (the shipped bf16
+    configs) a head's fc (and an EAGLE-3 head's fuse) becomes a packed bf16 copy that
+    Matmul.dense runs in the kernel, within the bf16 rounding of its weights of the f32
+    product; the f32 matrix (XLA's dot) otherwise. An engine whose head runs it keeps
+    the plain greedy output."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.config import KernelConfig
+    from jaxserve.model.transformer import Kernels
+    from jaxserve.model.weight_layouts import DualPrecisionWeight
+    from jaxserve.worker.kernel_selection import layout_head_matrix
+
+    kcfg, cpu = KernelConfig(matmul_impl="cpu", bf16_matmul_min_rows=1), Kernels(matmul="cpu")
+    hcfg, hp = _tiny_head(params)
+    fc = layout_head_matrix(hp.fc, kcfg, cpu, None)
+    assert isinstance(fc, DualPrecisionWeight) and fc.packed
+    for other, kernels in ((dataclasses.replace(kcfg, bf16_matmul_min_rows=16), cpu),
+                           (dataclasses.replace(kcfg, bf16_matmul_max_rows=64), cpu),
+                           (KernelConfig(matmul_impl="cpu"), cpu),  # f32 panels
+                           (kcfg, Kernels())):
+        plain = layout_head_matrix(hp.fc, other, kernels, None)
+        assert isinstance(plain, jax.Array) and plain.dtype == jnp.float32
+    x = jax.random.normal(jax.random.key(1), (3, hp.fc.shape[0]), jnp.float32)
+    w = jnp.asarray(hp.fc, jnp.float32)
+    got = np.asarray(cpu.matmul.dense(x, fc, 1, out_dtype=jnp.float32))
+    want = np.asarray(jnp.dot(x, w, precision="highest"))
+    bound = np.asarray(jnp.dot(jnp.abs(x), jnp.abs(w), precision="highest")) * 2.0 ** -8
+    assert (np.abs(got - want) <= bound).all() and not np.array_equal(got, want)
+    requests = _requests(max_tokens=16)[:2]
+    base = outputs(tiny_engine(params), requests, [0, 0])
+    engine = tiny_engine(params, eagle=(hcfg, dataclasses.replace(hp, fc=fc)), kernels=cpu,
+                         speculative_config=EAGLE)
+    assert outputs(engine, requests, [0, 0]) == base
+    assert engine.stats().spec_decode.num_draft_tokens > 0
+
+
 def test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step(params):
     """A random head over a 64-token draft vocabulary: drafts mostly rejected, output the
     plain greedy's (stops, chunked prompts, batches), pages back; and its proposals are

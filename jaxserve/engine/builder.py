@@ -31,8 +31,8 @@ from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead, load_head
 from jaxserve.tokenization.tokenizer import Tokenizer, placeholder_tokenizer
 from jaxserve.worker import compile_events
-from jaxserve.worker.kernel_selection import (loop_layers, prepare_params, resolve_kernel_config,
-                                              select_kernels)
+from jaxserve.worker.kernel_selection import (layout_head_matrix, loop_layers, prepare_params,
+                                              resolve_kernel_config, select_kernels)
 from jaxserve.worker.device_memory import device_available_bytes, memory_name
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.huge_pages import advise_huge_pages
@@ -238,12 +238,13 @@ def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules |
     body, cfg = expand_kv_heads(head.body, cfg, tp)
     head = dataclasses.replace(head, body=body)
     # on a mesh: the head's layer split like the model's, its fc, fuse, draft vocabulary
-    # and feature pool replicated (a few MB); fc and fuse in f32, the precision the head
-    # computes them in (not converted again at every call)
+    # and feature pool replicated (a few MB); fc and fuse in f32 (not converted again at
+    # every call), or on one device in the layers' packed bf16 layout (layout_head_matrix)
     rep = NamedSharding(rules.mesh, PartitionSpec()) if rules is not None else None
 
     def f32(a):
-        return None if a is None else jax.device_put(jnp.asarray(a, jnp.float32), rep)
+        return None if a is None else jax.device_put(
+            layout_head_matrix(a, ecfg.kernels, kernels, rules), rep)
 
     head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels, rules),
                                fc=f32(head.fc), vocab=jax.device_put(head.vocab, rep),

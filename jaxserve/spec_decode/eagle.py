@@ -77,12 +77,16 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def fused_features(fuse: jax.Array, features) -> jax.Array:
+def fused_features(fuse: Any, features, matmul: Any = None) -> jax.Array:
     """The fused feature [T, D] f32 of the residual streams `features` (one [T, D] per
     feature layer; `forward_features`): each RMS-normalised without weight, concatenated,
-    times fuse [len(features) * D, D]."""
+    times fuse [len(features) * D, D]: a float array (an f32 dot), or with `matmul` (a
+    jaxserve.model.linear.Matmul) any weight leaf it runs, such as the packed bf16 copy
+    the engine serves (`layout_head_matrix`)."""
     x = jnp.concatenate([rms_norm(f.astype(jnp.float32), 1.0, 1e-6) for f in features], -1)
-    return jnp.dot(x, fuse.astype(jnp.float32))
+    if matmul is None:
+        return jnp.dot(x, fuse.astype(jnp.float32))
+    return matmul.dense(x, fuse, 1, out_dtype=jnp.float32)
 
 
 def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
@@ -142,7 +146,8 @@ def head_features(hp: EagleParams, embed: jax.Array, kv: KVCache, batch: StepBat
     x = jnp.concatenate([embed_tokens(embed, batch.tokens, rules).astype(jnp.float32),
                          prev.astype(jnp.float32)],
                         axis=-1)
-    x = jnp.dot(x, hp.fc.astype(jnp.float32)).astype(cfg.dtype)
+    # hp.fc: a float array, or the engine's packed copy (layout_head_matrix)
+    x = kernels.matmul.dense(x, hp.fc, 1, out_dtype=jnp.float32).astype(cfg.dtype)
     x, kv = decoder_layers(x, hp.body.layers, kv, batch, cfg, rules, kernels)
     return rms_norm(x, hp.body.final_norm, cfg.rms_norm_eps), kv
 
@@ -176,7 +181,7 @@ class EagleHead(Drafter):
 
     def sync(self, params, hp, dcache, batch, hidden, features, rules, kernels):
         kv, feats = dcache
-        new = fused_features(hp.fuse, features) if self.feature_layers else hidden
+        new = fused_features(hp.fuse, features, kernels.matmul) if self.feature_layers else hidden
         feats = feats.at[batch.slot_mapping].set(new.astype(feats.dtype))
         prev = _gather(feats, prev_slots(batch, kv.page_size))
         _, kv = head_features(hp, params.embed, kv, batch, prev, self.cfg, rules, kernels)

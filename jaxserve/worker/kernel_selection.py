@@ -18,7 +18,7 @@ from jaxserve.config import (GPU_PLATFORMS, ConfigError, KernelConfig, resolve_a
                              resolve_impl)
 from jaxserve.model.layer_loop import slices_projections, stack_layers, why_not_loop
 from jaxserve.model.params import Params
-from jaxserve.model.weight_layouts import (dual_precision_params, fuse_projections,
+from jaxserve.model.weight_layouts import (dual_precision, dual_precision_params, fuse_projections,
                                            pack_ggml_params, quantize_params)
 from jaxserve.model.tensor_parallel import shard_params, tp_axis
 from jaxserve.model.transformer import Kernels
@@ -182,6 +182,22 @@ def prepare_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
     if tp_axis(rules) is not None:
         params = shard_params(params, rules)
     return params
+
+
+def layout_head_matrix(w, kcfg: KernelConfig, kernels: Kernels, rules: ShardingRules | None):
+    """A matrix outside the layers, [K, N] (an EAGLE head's fc and fuse: a few MB,
+    replicated), in f32 or laid out as the layers' projections are on one device: with the
+    C++ matmul's bf16 copies (bf16_matmul_min_rows 1, no max_rows) a packed
+    DualPrecisionWeight, run by `Matmul.dense` in the C++ kernel (XLA's f32 dot of the
+    f32 matrices of SmolLM2's head took 0.65 ms more of a verify round on an Intel Xeon:
+    PERFORMANCE.md, "Verify rounds without drafts"); else the f32 matrix itself (XLA's
+    f32 dot), and always under a mesh (`rules`), where the projections' layouts are per
+    shard."""
+    w = jnp.asarray(w, jnp.float32)
+    if (rules is not None or not kernels.matmul.packs_bf16
+            or kcfg.bf16_matmul_min_rows != 1 or kcfg.bf16_matmul_max_rows is not None):
+        return w
+    return dual_precision(w, 1, packed=True, round_x_min_rows=kernels.round_x_min_rows)
 
 
 def layout_params(params: Params, kcfg: KernelConfig, kernels: Kernels,
