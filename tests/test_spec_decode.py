@@ -98,6 +98,76 @@ def test_steps_without_drafts_back_off_to_multi_step_bursts(params):
     assert engine.stats().spec_decode.num_drafts >= 1
 
 
+def _verify_round(params, kernels, repeat: bool):
+    """One verify round of the tiny model over a sequence planned ahead (3 draft rows
+    for the n-gram lookup on device): positions 0..5 in the token pool, the pending token
+    at 6 (from prev_tokens), rows at 7..9 for drafts. repeat: the pending token also at
+    position 2 (the lookup finds a draft), else it occurs nowhere before (no draft).
+    Returns (tokens [4] of the round, its tokens kept, the KV pools)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from engine_utils import TINY_CFG, TINY_PAGE
+    from jaxserve.model.inputs import StepBatch
+    from jaxserve.model.kv_cache import init_kv_cache
+    from jaxserve.sample.sampler import SamplingBatch
+    from jaxserve.worker.step import verify_step
+
+    ps, pages = TINY_PAGE, [1, 2, 3]
+    slot = [pages[p // ps] * ps + p % ps for p in range(12)]
+    pool = np.zeros((8 * ps,), np.int32)
+    history = [11, 12, 40, 13, 14, 15]
+    pool[slot[:6]] = history
+    pending = 40 if repeat else 99
+    batch = StepBatch(tokens=np.array([0, 0, 0, 0], np.int32),
+                      positions=np.arange(6, 10, dtype=np.int32),
+                      slot_mapping=np.array(slot[6:10], np.int32),
+                      block_tables=np.array([pages], np.int32),
+                      seq_lens=np.array([10], np.int32), query_start=np.array([0, 4], np.int32),
+                      logits_indices=np.arange(4, dtype=np.int32)[None])
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0)], [0], [0], 1)
+    prev_tokens = np.array([pending, 0, 0, 0], np.int32)
+    no_shift = np.zeros((4,), np.int32)
+    prev_index = np.array([0, -1, -1, -1], np.int32)  # row 0: planned ahead of prev_tokens[0]
+    cache = init_kv_cache(TINY_CFG, 8, ps, jnp.float32, layout="head_major")
+    step = jax.jit(functools.partial(verify_step, cfg=TINY_CFG, drafter=None, ngram=(1, 3),
+                                     rules=None, kernels=kernels))
+    _, _, tokens, _, num, num_drafts, _, cache, _, _ = step(
+        params, cache, batch, sampling, prev_tokens, no_shift, prev_index, None, None,
+        jnp.asarray(pool))
+    assert int(num_drafts[0, 0]) == (3 if repeat else 0)
+    return np.asarray(tokens[:, 0]), int(num[0, 0]), cache
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+def test_a_verify_round_without_drafts_runs_the_first_rows_alone(params, repeat):
+    """With the C++ CPU matmul (Kernels matmul "cpu"; here it runs the tiny float weights
+    in XLA's dot) a verify round whose n-gram lookup on device found no draft runs the
+    forward of its first rows alone: its token is the round over every row's (matmul
+    "xla": no such branch), and the draft rows' K/V slots are left as they were (zeros)
+    where the round over every row writes them; with a draft found, both rounds write
+    them and keep the same tokens."""
+    import numpy as np
+    from jaxserve.model.transformer import Kernels
+
+    got, got_num, got_cache = _verify_round(params, Kernels(matmul="cpu"), repeat)
+    want, want_num, want_cache = _verify_round(params, Kernels(), repeat)
+    assert got_num == want_num and (got[:got_num] == want[:want_num]).all()
+    # the draft rows' slots: positions 7..9 (page 2's row 3, page 3's rows 0 and 1)
+    k_got, k_want = np.asarray(got_cache.k[0]), np.asarray(want_cache.k[0])
+    drafts_got = np.abs(k_got[:, 2, 3]).sum() + np.abs(k_got[:, 3, :2]).sum()
+    drafts_want = np.abs(k_want[:, 2, 3]).sum() + np.abs(k_want[:, 3, :2]).sum()
+    assert drafts_want > 0
+    assert (drafts_got > 0) == repeat
+    # position 6: XLA's dot sums 1 row and 4 in other orders (the C++ kernel would not):
+    # within a reordered f32 sum's bound, hidden_size x 2^-24 x the largest |K|
+    from engine_utils import TINY_CFG
+    bound = TINY_CFG.hidden_size * 2.0 ** -24 * np.abs(k_want).max()
+    np.testing.assert_allclose(k_got[:, 2, 2], k_want[:, 2, 2], rtol=0, atol=bound)
+
+
 @pytest.mark.parametrize("case", ["all_right", "every_third_wrong", "one_silent"])
 def test_greedy_output_is_unchanged_by_speculation(params, case):
     requests = _requests()

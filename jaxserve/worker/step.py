@@ -316,8 +316,9 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
                   plan: SamplerPlan):
     """One verify round over `batch` (its rows already at their positions, each first row
     holding the sequence's last token): drafts proposed where they are made on device (a
-    drafter for every sequence; n-gram lookup for the `ahead` [S] bool ones), the forward,
-    the rows' logits controls and rejection sampling (see `verify_step`).
+    drafter for every sequence; n-gram lookup for the `ahead` [S] bool ones), the forward
+    (with the C++ CPU matmul, of the first rows alone when no sequence has a draft), the
+    rows' logits controls and rejection sampling (see `verify_step`).
     Returns (tokens [S, J] int32, logprobs [S, J] f32, num_tokens [S] int32, num_drafts [S]
     int32, extra: the top logprobs [S, J, num_top], cache, draft_cache, token_pool)."""
     S, J = batch.logits_indices.shape
@@ -340,10 +341,35 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
             cache.page_size, cfg.vocab_size, rules, kernels, plan)
         batch = draft_model.fill_drafts(batch, drafts, num_drafts)
     token_pool = write_token_pool(token_pool, batch.slot_mapping, batch.tokens)
-    hidden, cache, draft_cache = _forward_sync(params, cache, batch, draft_params,
-                                               draft_cache, cfg, drafter, rules, kernels)
-    logits = last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
-                               kernels.matmul)                            # [S * J, V]
+
+    def all_rows():
+        hidden, c, dc = _forward_sync(params, cache, batch, draft_params, draft_cache, cfg,
+                                      drafter, rules, kernels)
+        return last_token_logits(params, hidden, batch.logits_indices.reshape(-1), rules,
+                                 kernels.matmul), c, dc                  # [S * J, V]
+
+    def first_rows_only():  # no drafts to verify: a decode step's forward, 1 row each
+        b1 = draft_model.first_rows(batch)
+        if batch.lora_slot is not None:
+            b1 = dataclasses.replace(b1, lora_slot=batch.lora_slot[first])
+        hidden, c, dc = _forward_sync(params, cache, b1, draft_params, draft_cache, cfg,
+                                      drafter, rules, kernels)
+        lg = last_token_logits(params, hidden, jnp.arange(S), rules, kernels.matmul)
+        return jnp.zeros((S, J, lg.shape[-1]), lg.dtype).at[:, 0].set(lg).reshape(S * J, -1), \
+            c, dc
+
+    # With the C++ CPU matmul, a round whose sequences found no drafts (an n-gram
+    # proposer's miss; no room left) runs the forward of their first rows alone: a few
+    # rows' FMAs cost more than one row's (a 2-core Intel Xeon with AMX: ~10.3 ms against
+    # ~13.6 for 5 rows; PERFORMANCE.md, "Verify rounds without drafts"). Row 0's bits are
+    # the same either way (the kernels sum a row alone: the plain decode step's); the
+    # other rows' logits are unused (zeros). Not on a GPU, where 5 rows cost what 1 does
+    # and a conditional waits on the host.
+    if J == 1 or kernels.host_branches or kernels.matmul.name != "cpu":
+        logits, cache, draft_cache = all_rows()
+    else:
+        logits, cache, draft_cache = jax.lax.cond(jnp.any(num_drafts > 0), all_rows,
+                                                  first_rows_only)
     rows = jnp.clip(start[:, None] + 1 + jnp.arange(J - 1)[None, :], 0, T - 1)
     verify = functools.partial(rejection_sample, draft_ids=batch.tokens[rows],
                                num_drafts=num_drafts, sb=sampling, draft_logits=draft_logits,
