@@ -29,8 +29,8 @@
 // VM: 1.3-1.8x the portable loop at 1 row, 3-5x from 8 rows, and faster than XLA's f32 dot
 // at every shape measured); elsewhere a portable loop does the same arithmetic for the
 // compiler to vectorise.
-// From 2 up to 64 rows (batched decode; a verify step) each panel's blocks also prefetch,
-// into L2, the panel their thread multiplies next (the item's next one, or the first of the item the
+// Up to 64 rows (batched decode) each panel's register blocks also prefetch, into L2, the
+// panel their thread multiplies next (the item's next one, or the first of the item the
 // thread claims then: parallel_panels_ahead), so the weights' DRAM stream overlaps the
 // arithmetic instead of stalling each panel's first block (AMD Zen 4 VM, weights read
 // from DRAM: 8 rows 1.13-1.43x, 32 rows 1.00-1.08x as fast).
@@ -459,46 +459,32 @@ void run_panel(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end,
 #if !defined(__AVX512BF16__)
   if (p.xb != nullptr) return panel_portable<uint16_t>(p, pi, m_begin, m_end);
 #endif
-  // The panel this thread multiplies next, if it multiplies one (fetched into L2 ahead)
-  const int64_t next_pi = next_panel();
-  const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(panel_at<uint16_t>(p, next_pi))
-                                   : nullptr;
-  int64_t block = 0;
   if (p.M <= kStreamRows && p.P % 64 == 0) {
     // 1-6 rows (decode of a few streams, a verify step of one) are load-bound: take the
     // panel's 64 columns in one contiguous pass (4 weight registers per k pair; f32 x: 8
     // FMAs a row after 8 widening ops, bf16 x: 4 vdpbf16ps a row) instead of two strided
     // 32-column passes. Each column's sum runs in the same order as in the register
-    // blocks, so a row's result does not depend on the rows beside it;
-    // and from 2 rows, as the register blocks do, fetch the panel this thread multiplies
-    // next into L2 over the pass (Ahead): an Intel Xeon VM with AMX, SmolLM2's 30 layers
-    // and LM head streamed from DRAM, 4 and 5 rows 0.90-0.94x the time (1 row: no gain
-    // measured, left as it was; PERFORMANCE.md, "Verify rounds without drafts"); without
-    // it these rows' DRAM stream overlapped their FMAs poorly (5 rows took ~1.3x the
-    // time of 1 there, 1.14-1.18x with it)
-    for (int64_t c0 = 0; c0 < p.P; c0 += 64) {
-      const Ahead ahead = p.M > 1 ? ahead_share(next, p.K2 * p.P * 4 / 64, p.P / 64, block++,
-                                                p.K2)
-                                  : Ahead{};
+    // blocks, so a row's result does not depend on the rows beside it.
+    for (int64_t c0 = 0; c0 < p.P; c0 += 64)
       with_rows(p.M, [&](auto r) {
         constexpr int R = decltype(r)::value;
         if constexpr (R <= kStreamRows) {  // (7 rows and more never come here)
 #if defined(__AVX512BF16__)
-          if (p.xb != nullptr)
-            return ahead.lines > 0 ? block_dot<R, 4, true>(p, panel, 0, c0, n0, false, ahead)
-                                   : block_dot<R, 4>(p, panel, 0, c0, n0, false);
+          if (p.xb != nullptr) return block_dot<R, 4>(p, panel, 0, c0, n0, false);
 #endif
-          ahead.lines > 0 ? block_avx512<R, 4, true>(p, panel, 0, c0, n0, false, ahead)
-                          : block_avx512<R, 4>(p, panel, 0, c0, n0);
+          block_avx512<R, 4>(p, panel, 0, c0, n0);
         }
       });
-    }
     return;
   }
-  // The next panel split into equal shares of lines over this panel's register blocks
-  // (each fetches its share over its own k pairs).
+  // The next panel, if this thread multiplies one, split into equal shares of lines over
+  // this panel's register blocks (each fetches its share over its own k pairs).
+  const int64_t next_pi = next_panel();
   const int64_t rb = p.xb != nullptr ? kDotRows : kMaxRows;  // rows per register block
   const int64_t blocks = (m_end - m_begin + rb - 1) / rb * ((p.P + 31) / 32);
+  const char* next = next_pi >= 0 ? reinterpret_cast<const char*>(panel_at<uint16_t>(p, next_pi))
+                                   : nullptr;
+  int64_t block = 0;
   auto ahead = [&]() { return ahead_share(next, p.K2 * p.P * 4 / 64, blocks, block++, p.K2); };
   for (int64_t m0 = m_begin; m0 < m_end; m0 += rb) {
     const int64_t rows = std::min(rb, m_end - m0);
