@@ -98,7 +98,7 @@ def test_steps_without_drafts_back_off_to_multi_step_bursts(params):
     assert engine.stats().spec_decode.num_drafts >= 1
 
 
-def _verify_round(params, kernels, repeat: bool):
+def _one_verify_round(params, kernels, repeat: bool):
     """One verify round of the tiny model over a sequence planned ahead (3 draft rows
     for the n-gram lookup on device): positions 0..5 in the token pool, the pending token
     at 6 (from prev_tokens), rows at 7..9 for drafts. repeat: the pending token also at
@@ -152,8 +152,8 @@ def test_a_verify_round_without_drafts_runs_the_first_rows_alone(params, repeat)
     import numpy as np
     from jaxserve.model.transformer import Kernels
 
-    got, got_num, got_cache = _verify_round(params, Kernels(matmul="cpu"), repeat)
-    want, want_num, want_cache = _verify_round(params, Kernels(), repeat)
+    got, got_num, got_cache = _one_verify_round(params, Kernels(matmul="cpu"), repeat)
+    want, want_num, want_cache = _one_verify_round(params, Kernels(), repeat)
     assert got_num == want_num and (got[:got_num] == want[:want_num]).all()
     # the draft rows' slots: positions 7..9 (page 2's row 3, page 3's rows 0 and 1)
     k_got, k_want = np.asarray(got_cache.k[0]), np.asarray(want_cache.k[0])
