@@ -242,13 +242,13 @@ def _eagle_head(spec, target: ModelConfig, target_params, rules: ShardingRules |
     # every call), or on one device in the layers' packed bf16 layout (layout_head_matrix)
     rep = NamedSharding(rules.mesh, PartitionSpec()) if rules is not None else None
 
-    def f32(a):
+    def matrix(a):
         return None if a is None else jax.device_put(
             layout_head_matrix(a, ecfg.kernels, kernels, rules), rep)
 
     head = dataclasses.replace(head, body=prepare_params(head.body, ecfg.kernels, kernels, rules),
-                               fc=f32(head.fc), vocab=jax.device_put(head.vocab, rep),
-                               fuse=f32(head.fuse))
+                               fc=matrix(head.fc), vocab=jax.device_put(head.vocab, rep),
+                               fuse=matrix(head.fuse))
     page_size, D = ecfg.cache.page_size, target.hidden_size
 
     def make(n):

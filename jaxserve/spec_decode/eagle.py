@@ -80,13 +80,11 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 def fused_features(fuse: Any, features, matmul: Any = None) -> jax.Array:
     """The fused feature [T, D] f32 of the residual streams `features` (one [T, D] per
     feature layer; `forward_features`): each RMS-normalised without weight, concatenated,
-    times fuse [len(features) * D, D]: a float array (an f32 dot), or with `matmul` (a
-    jaxserve.model.linear.Matmul) any weight leaf it runs, such as the packed bf16 copy
-    the engine serves (`layout_head_matrix`)."""
+    times fuse [len(features) * D, D]: a float array (an f32 dot), or any weight leaf
+    `matmul` (a jaxserve.model.linear.Matmul; default XLA's) runs, such as the packed bf16
+    copy the engine serves (`layout_head_matrix`)."""
     x = jnp.concatenate([rms_norm(f.astype(jnp.float32), 1.0, 1e-6) for f in features], -1)
-    if matmul is None:
-        return jnp.dot(x, fuse.astype(jnp.float32))
-    return matmul.dense(x, fuse, 1, out_dtype=jnp.float32)
+    return (matmul or Kernels().matmul).dense(x, fuse, 1, out_dtype=jnp.float32)
 
 
 def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
