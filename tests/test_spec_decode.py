@@ -484,6 +484,92 @@ def test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step(params):
     assert all(x == tok for _, t in seen for x in t[:-1])
 
 
+def _propose_tiny(params, num_drafts, threshold, stop_early):
+    """A one-layer draft model (the tiny model's first layer, its K/V pool zeros) proposes
+    for three sequences of a verify batch of 5 rows each (contexts of 6, 7 and 8 tokens):
+    (drafts [3, 4], logits [3, 4, V], num_drafts [3]) as numpy arrays."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from engine_utils import TINY_CFG, TINY_PAGE
+    from jaxserve.model.inputs import StepBatch
+    from jaxserve.model.kv_cache import init_kv_cache
+    from jaxserve.model.transformer import Kernels
+    from jaxserve.sample.sampler import SamplingBatch
+    from jaxserve.spec_decode.draft_model import DraftModel, propose
+    S, J, P = 3, 5, 4
+    dcfg = TINY_CFG.replace(num_layers=1)
+    dparams = dataclasses.replace(params, layers=params.layers[:1])
+    tables = np.arange(1, 1 + S * P, dtype=np.int32).reshape(S, P)
+    pos = np.concatenate([6 + s + np.arange(J) for s in range(S)]).astype(np.int32)
+    seq = np.repeat(np.arange(S), J)
+    batch = StepBatch(
+        tokens=np.array([(7 * i + 3) % 250 + 3 for i in range(S * J)], np.int32),
+        positions=pos,
+        slot_mapping=(tables[seq, pos // TINY_PAGE] * TINY_PAGE + pos % TINY_PAGE).astype(np.int32),
+        block_tables=tables, seq_lens=np.array([6 + s + J for s in range(S)], np.int32),
+        query_start=np.arange(0, S * J + 1, J, dtype=np.int32),
+        logits_indices=np.arange(S * J, dtype=np.int32).reshape(S, J))
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * S, [0] * S,
+                                         [0] * S, S)
+    cache = init_kv_cache(dcfg, 1 + S * P, TINY_PAGE, jnp.float32, layout="head_major")
+    run = jax.jit(functools.partial(
+        propose, DraftModel(dcfg), k=J - 1, page_size=TINY_PAGE,
+        vocab_size=TINY_CFG.vocab_size, rules=None, kernels=Kernels("xla", "xla", "xla"),
+        min_confidence=threshold, stop_early=stop_early))
+    drafts, logits, _, taken = run(params, dparams, cache, batch, sampling,
+                                   num_drafts=jnp.asarray(num_drafts, jnp.int32))
+    return np.asarray(drafts), np.asarray(logits), np.asarray(taken)
+
+
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_drafts_end_before_the_first_the_drafter_doubts(params, stop_early):
+    """SpeculativeConfig.draft_confidence_threshold: each sequence takes the drafts it
+    would take without one, up to (not including) the first whose probability under the
+    drafter (the softmax of the logits it returns, at that draft) is below the threshold,
+    and no more than it may take; with stop_early the iterations end once no sequence
+    takes another (a while loop), and the drafts taken are the same."""
+    import numpy as np
+    allowed = np.array([4, 4, 2])
+    drafts, logits, taken = _propose_tiny(params, allowed, 0.0, stop_early)
+    assert (taken == allowed).all()
+    z = logits - logits.max(-1, keepdims=True)
+    prob = np.take_along_axis(np.exp(z) / np.exp(z).sum(-1, keepdims=True),
+                              drafts[..., None], -1)[..., 0]                # [3, 4]
+    threshold = float(np.median(prob))
+    below = prob < threshold
+    want = np.minimum(np.where(below.any(1), below.argmax(1), 4), allowed)
+    assert 0 < want.sum() < allowed.sum()   # some stop early, not all at once
+    got_drafts, _, got = _propose_tiny(params, allowed, threshold, stop_early)
+    assert (got == want).all()
+    for s, n in enumerate(want):
+        assert (got_drafts[s, :n] == drafts[s, :n]).all()
+
+
+def test_a_confidence_threshold_keeps_greedy_output_with_fewer_drafts(params):
+    """draft_confidence_threshold in the engine, on the C++ CPU matmul's verify path
+    (Kernels matmul "cpu", running the tiny float weights in XLA's dot: the proposal loop
+    stops early, a round without drafts runs its first rows alone): greedy output the
+    plain engine's and every page back at each threshold; the fewer drafts the higher it
+    is (a random head over 64 tokens: most of its rounds propose none at 0.9; without a
+    threshold: test_an_eagle_head_keeps_greedy_output_and_its_pools_in_step)."""
+    from jaxserve.model.transformer import Kernels
+    requests = _requests(max_tokens=24)
+    base = outputs(tiny_engine(params), requests, [0, 0, 2])
+    drafts = {}
+    for threshold in (0.5, 0.9):
+        engine = tiny_engine(params, eagle=_tiny_head(params), kernels=Kernels(matmul="cpu"),
+                             speculative_config={**EAGLE,
+                                                 "draft_confidence_threshold": threshold})
+        assert outputs(engine, requests, [0, 0, 2]) == base
+        assert engine.pool.num_free == engine.pool.capacity
+        drafts[threshold] = engine.stats().spec_decode.num_draft_tokens
+    assert drafts[0.5] > drafts[0.9] > 0
+
+
 def test_an_eagle3_head_reads_the_fused_layer_features_the_step_exports(params):
     """An EAGLE-3-style head (fusing the features entering layers 0 and 1): greedy output
     the plain engine's, pages back, and its feature pool holds, at each computed position
@@ -603,6 +689,12 @@ def test_every_shipped_config_loads():
     ({"method": "ngram", "num_speculative_tokens": 2, "verify_steps": 17}, "verify_steps"),
     ({"method": "ngram", "num_speculative_tokens": 16, "disable_by_batch_size": 32},
      "max_num_batched_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_confidence_threshold": 0.3},
+     "draft_confidence_threshold"),
+    ({"method": "eagle", "model": "h", "num_speculative_tokens": 2,
+      "draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),
+    ({"method": "eagle", "model": "h", "num_speculative_tokens": 2,
+      "draft_confidence_threshold": "high"}, "draft_confidence_threshold"),
 ])
 def test_bad_speculative_configs_name_the_field(bad, field):
     with pytest.raises(ConfigError, match=field):

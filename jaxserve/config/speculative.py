@@ -41,6 +41,18 @@ class SpeculativeConfig:
     more than it saves: PERFORMANCE.md, "Speculative decoding"). At most max_num_seqs; the
     verify step is compiled for the sequence buckets up to it."""
 
+    draft_confidence_threshold: float = 0.0
+    """draft_model / eagle: a sequence's drafts end before the first to which the drafter
+    (its raw softmax, at the token it proposed) gives a probability below this (0..1; 0:
+    always num_speculative_tokens), as llama.cpp's `--draft-p-min` and Hugging Face's
+    `assistant_confidence_threshold` stop their drafters. With the C++ CPU matmul, where a
+    verify row costs time (~0.8 ms a row on SmolLM2-135M: a round of 4 rows ~1.25x a
+    decode step's), the proposal loop ends once no sequence takes another draft and a
+    round left without drafts runs a decode step's forward; elsewhere (a GPU, where rows
+    cost next to nothing) it only drops drafts, so leave it 0 there. On SmolLM2's EAGLE
+    head 0.2 measured 1.01x the speed of 0 (PERFORMANCE.md, "Drafts the drafter
+    doubts"): the shipped config leaves it off."""
+
     verify_steps: int = 1
     """Verify rounds per dispatched step (1..16), what SchedulerConfig.decode_steps is to
     plain decode: round r + 1 verifies drafts proposed on device after the tokens round r
@@ -66,7 +78,17 @@ class SpeculativeConfig:
                 or not 1 <= self.verify_steps <= MAX_VERIFY_STEPS):
             raise ConfigError(f"SpeculativeConfig.verify_steps must be an integer in "
                               f"1..{MAX_VERIFY_STEPS}, got {self.verify_steps!r}")
+        t = self.draft_confidence_threshold
+        if (isinstance(t, bool) or not isinstance(t, (int, float))
+                or not 0.0 <= t < 1.0):
+            raise ConfigError(f"SpeculativeConfig.draft_confidence_threshold must be a number "
+                              f"in [0, 1), got {t!r}")
+        object.__setattr__(self, "draft_confidence_threshold", float(t))
         if self.method == "ngram":
+            if t:
+                raise ConfigError("SpeculativeConfig.draft_confidence_threshold is for "
+                                  "draft_model / eagle (an n-gram lookup has no "
+                                  "probabilities)")
             if self.model is not None:
                 raise ConfigError("SpeculativeConfig.model is for draft_model / eagle; ngram "
                                   "looks up the sequence's own tokens")

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.params import Params
@@ -98,36 +99,62 @@ def first_rows(batch: StepBatch) -> StepBatch:
 def propose(drafter: Drafter, params: Params, dparams, dcache, batch: StepBatch,
             sampling: SamplingBatch, num_drafts: jax.Array, k: int, page_size: int,
             vocab_size: int, rules: ShardingRules | None, kernels: Kernels,
-            plan: SamplerPlan = ON_DEVICE):
+            plan: SamplerPlan = ON_DEVICE, min_confidence: float = 0.0,
+            stop_early: bool = False):
     """k draft tokens per sequence of a verify batch.
 
     batch: the verify batch (each sequence's last token in its first row, at position
-    num_computed); vocab_size: the target's (the logits' width); num_drafts: [S] int32, the proposals each sequence takes (<= k); the
-    pages of positions up to num_computed + num_drafts must be in its block table.
+    num_computed); vocab_size: the target's (the logits' width); num_drafts: [S] int32, the
+    proposals each sequence may take (<= k); the pages of positions up to num_computed +
+    num_drafts must be in its block table.
     Iteration j feeds the last token (j = 0) or draft j, writes the drafter's K/V at
-    position num_computed + j (the null page once j >= num_drafts) and samples draft
-    j + 1 from the drafter's logits with the request's parameters (greedy: the argmax;
-    output index sampling.step + j, the drafter's own key; the sampling mode plan.mode's,
-    jaxserve.sample.plan).
+    position num_computed + j (the null page once the sequence has no further draft) and
+    samples draft j + 1 from the drafter's logits with the request's parameters (greedy:
+    the argmax; output index sampling.step + j, the drafter's own key; the sampling mode
+    plan.mode's, jaxserve.sample.plan).
+    min_confidence (SpeculativeConfig.draft_confidence_threshold): a sequence's drafts end
+    before the first whose probability under the drafter's raw logits is below it (0: no
+    limit). stop_early: the iterations stop once no sequence takes a further draft (a
+    while loop, for a backend where that saves time: the C++ CPU matmul; else all k run,
+    their surplus unused).
     Returns (drafts [S, k] int32, draft logits [S, k, V] f32 (raw: the rejection sampler
-    applies the request's parameters), dcache)."""
+    applies the request's parameters), dcache, num_drafts [S] int32: the proposals taken,
+    <= the given num_drafts; past them drafts and logits are unused)."""
     S = batch.seq_lens.shape[0]
     seed = sampling.seed ^ jnp.asarray([0, _DRAFT_KEY_SALT], jnp.uint32)
     dsb = dataclasses.replace(sampling, seed=seed)
     pb0 = first_rows(batch)
+    log_min = float(np.log(min_confidence)) if min_confidence > 0 else None
 
-    def body(j, state):
-        pb, carry, dcache, drafts, logits = state
+    def body(state):
+        j, pb, carry, dcache, drafts, logits, taken = state
         lg, carry, dcache = drafter.step(params, dparams, dcache, pb, carry, rules, kernels)
-        tok, _ = sample(lg, dataclasses.replace(dsb, step=dsb.step + j), kernels.sampling,
-                        plan)
-        pb = next_decode_batch(pb, tok, page_size, (j + 1 < num_drafts) & (pb.seq_lens > 0))
-        return pb, carry, dcache, drafts.at[:, j].set(tok), logits.at[:, j].set(lg)
+        tok, logprob = sample(lg, dataclasses.replace(dsb, step=dsb.step + j),
+                              kernels.sampling, plan)
+        going = taken == j            # every draft so far taken, and this one asked for
+        if log_min is not None:
+            going &= logprob >= log_min
+        taken = jnp.where(going, j + 1, taken)
+        pb = next_decode_batch(pb, tok, page_size, going & (j + 1 < num_drafts)
+                               & (pb.seq_lens > 0))
+        return (j + 1, pb, carry, dcache, drafts.at[:, j].set(tok), logits.at[:, j].set(lg),
+                taken)
 
-    init = (pb0, drafter.start(params, dparams, dcache, pb0), dcache,
-            jnp.zeros((S, k), jnp.int32), jnp.zeros((S, k, vocab_size), jnp.float32))
-    _, _, dcache, drafts, logits = jax.lax.fori_loop(0, k, body, init)
-    return drafts, logits, dcache
+    # taken: the drafts each sequence takes so far (a sequence asking for none: 0, and
+    # never `going`: its taken starts at -1 and is clipped at the end)
+    init = (jnp.int32(0), pb0, drafter.start(params, dparams, dcache, pb0), dcache,
+            jnp.zeros((S, k), jnp.int32), jnp.zeros((S, k, vocab_size), jnp.float32),
+            jnp.where(num_drafts > 0, 0, -1).astype(jnp.int32))
+    if stop_early:
+        def more(state):
+            j, taken = state[0], state[-1]
+            return (j < k) & jnp.any((taken == j) & (j < num_drafts))
+
+        state = jax.lax.while_loop(more, body, init)
+    else:
+        state = jax.lax.fori_loop(0, k, lambda _, st: body(st), init)
+    _, _, _, dcache, drafts, logits, taken = state
+    return drafts, logits, dcache, jnp.clip(jnp.minimum(taken, num_drafts), 0, k)
 
 
 def fill_drafts(batch: StepBatch, drafts: jax.Array, num_drafts: jax.Array) -> StepBatch:

@@ -99,8 +99,9 @@ class Runner:
         spec = engine_cfg.speculative
         ngram = ((spec.prompt_lookup_min, spec.prompt_lookup_max)
                  if spec is not None and spec.method == "ngram" else None)
+        confidence = spec.draft_confidence_threshold if spec is not None else 0.0
         self._jitted_verify = shared_jit(verify_step, (1, 8, 9), ("rounds", "plan"),
-                                         ngram=ngram, **static)
+                                         ngram=ngram, draft_confidence=confidence, **static)
         self._jitted_forward = shared_jit(forward_step, (1, 7, 8), ("keep_hidden",), **static,
                                           pooling=engine_cfg.pooling)
         self._jitted_prompt = shared_jit(prompt_logprobs_step, (), (), rules=rules,

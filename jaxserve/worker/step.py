@@ -313,12 +313,13 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
                   ahead: jax.Array, draft_params, draft_cache, token_pool, *,
                   cfg: ModelConfig, drafter: Drafter | None, ngram: tuple[int, int] | None,
                   rules: ShardingRules | None, kernels: Kernels, num_top: int,
-                  plan: SamplerPlan):
+                  plan: SamplerPlan, draft_confidence: float):
     """One verify round over `batch` (its rows already at their positions, each first row
     holding the sequence's last token): drafts proposed where they are made on device (a
-    drafter for every sequence; n-gram lookup for the `ahead` [S] bool ones), the forward
-    (with the C++ CPU matmul, of the first rows alone when no sequence has a draft), the
-    rows' logits controls and rejection sampling (see `verify_step`).
+    drafter for every sequence, up to its first below `draft_confidence`; n-gram lookup
+    for the `ahead` [S] bool ones), the forward (with the C++ CPU matmul, of the first
+    rows alone when no sequence has a draft), the rows' logits controls and rejection
+    sampling (see `verify_step`).
     Returns (tokens [S, J] int32, logprobs [S, J] f32, num_tokens [S] int32, num_drafts [S]
     int32, extra: the top logprobs [S, J, num_top], cache, draft_cache, token_pool)."""
     S, J = batch.logits_indices.shape
@@ -334,11 +335,21 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
                                          min_n=ngram[0], max_n=ngram[1], k=J - 1)
         num_drafts = jnp.where(ahead, jnp.minimum(num_found, num_drafts), num_drafts)
         batch = draft_model.fill_drafts(batch, found, jnp.where(ahead, num_drafts, 0))
+    # With the C++ CPU matmul a verify row costs time, so a round with fewer drafts
+    # should run fewer: the drafter stops once no sequence takes another draft, and a
+    # round whose sequences have no draft runs the forward of their first rows alone
+    # (a few rows' FMAs cost more than one row's: a 2-core Intel Xeon with AMX, ~10.3 ms
+    # against ~13.6 for 5 rows; PERFORMANCE.md, "Verify rounds without drafts"). Row 0's
+    # bits are the same either way (the kernels sum a row alone: the plain decode
+    # step's); the other rows' logits are unused (zeros). Not on a GPU, where 5 rows
+    # cost what 1 does and a conditional waits on the host.
+    rows_cost = not (J == 1 or kernels.host_branches or kernels.matmul.name != "cpu")
     draft_logits = None
     if drafter is not None:
-        drafts, draft_logits, draft_cache = draft_model.propose(
+        drafts, draft_logits, draft_cache, num_drafts = draft_model.propose(
             drafter, params, draft_params, draft_cache, batch, sampling, num_drafts, J - 1,
-            cache.page_size, cfg.vocab_size, rules, kernels, plan)
+            cache.page_size, cfg.vocab_size, rules, kernels, plan, draft_confidence,
+            stop_early=rows_cost)
         batch = draft_model.fill_drafts(batch, drafts, num_drafts)
     token_pool = write_token_pool(token_pool, batch.slot_mapping, batch.tokens)
 
@@ -358,14 +369,7 @@ def _verify_round(params: Params, cache: KVCache, batch: StepBatch, sampling: Sa
         return jnp.zeros((S, J, lg.shape[-1]), lg.dtype).at[:, 0].set(lg).reshape(S * J, -1), \
             c, dc
 
-    # With the C++ CPU matmul, a round whose sequences found no drafts (an n-gram
-    # proposer's miss; no room left) runs the forward of their first rows alone: a few
-    # rows' FMAs cost more than one row's (a 2-core Intel Xeon with AMX: ~10.3 ms against
-    # ~13.6 for 5 rows; PERFORMANCE.md, "Verify rounds without drafts"). Row 0's bits are
-    # the same either way (the kernels sum a row alone: the plain decode step's); the
-    # other rows' logits are unused (zeros). Not on a GPU, where 5 rows cost what 1 does
-    # and a conditional waits on the host.
-    if J == 1 or kernels.host_branches or kernels.matmul.name != "cpu":
+    if not rows_cost:
         logits, cache, draft_cache = all_rows()
     else:
         logits, cache, draft_cache = jax.lax.cond(jnp.any(num_drafts > 0), all_rows,
@@ -406,7 +410,8 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
                 draft_params, draft_cache, token_pool, *, cfg: ModelConfig,
                 drafter: Drafter | None, ngram: tuple[int, int] | None,
                 rules: ShardingRules | None, kernels: Kernels, num_top: int = 0,
-                rounds: int = 1, plan: SamplerPlan = ON_DEVICE):
+                rounds: int = 1, plan: SamplerPlan = ON_DEVICE,
+                draft_confidence: float = 0.0):
     """A verify step (speculative decoding): forward over each sequence's last token and
     its drafts (the tokens after its first row), logits at every one of its rows
     (batch.logits_indices [S, J], J = 1 + num_speculative_tokens), the rows' logits
@@ -414,6 +419,8 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
     history), rejection sampling (jaxserve.sample.rejection_sampler). With a drafter
     (a draft model or head) the drafts are proposed here first
     (jaxserve.spec_decode.draft_model.propose; the batch's draft rows are placeholders),
+    each sequence's ending before the first whose probability under the drafter is below
+    draft_confidence (SpeculativeConfig.draft_confidence_threshold; 0: none end early),
     and the drafter runs over the verify rows too.
 
     Async scheduling: prev_tokens / prev_shift [max_rows] int32 are the previous step's
@@ -452,7 +459,8 @@ def verify_step(params: Params, cache: KVCache, batch: StepBatch, sampling: Samp
     shift = jnp.where(ahead, prev_shift[jnp.maximum(prev, 0)], 0)
     batch = _with_prev_tokens(batch, prev_tokens, prev_index)
     run = functools.partial(_verify_round, params, cfg=cfg, drafter=drafter, ngram=ngram,
-                            rules=rules, kernels=kernels, num_top=num_top, plan=plan)
+                            rules=rules, kernels=kernels, num_top=num_top, plan=plan,
+                            draft_confidence=draft_confidence)
 
     def moved(b: StepBatch, by: jax.Array):
         return (shift_sequences(b, by, cache.page_size),
