@@ -19,11 +19,11 @@ EAGLE proposers, whose drafts run over the target's accepted tokens the same way
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.params import Params
@@ -124,14 +124,14 @@ def propose(drafter: Drafter, params: Params, dparams, dcache, batch: StepBatch,
     seed = sampling.seed ^ jnp.asarray([0, _DRAFT_KEY_SALT], jnp.uint32)
     dsb = dataclasses.replace(sampling, seed=seed)
     pb0 = first_rows(batch)
-    log_min = float(np.log(min_confidence)) if min_confidence > 0 else None
+    log_min = math.log(min_confidence) if min_confidence > 0 else None
 
     def body(state):
         j, pb, carry, dcache, drafts, logits, taken = state
         lg, carry, dcache = drafter.step(params, dparams, dcache, pb, carry, rules, kernels)
         tok, logprob = sample(lg, dataclasses.replace(dsb, step=dsb.step + j),
                               kernels.sampling, plan)
-        going = taken == j            # every draft so far taken, and this one asked for
+        going = asked(j, taken)
         if log_min is not None:
             going &= logprob >= log_min
         taken = jnp.where(going, j + 1, taken)
@@ -140,21 +140,20 @@ def propose(drafter: Drafter, params: Params, dparams, dcache, batch: StepBatch,
         return (j + 1, pb, carry, dcache, drafts.at[:, j].set(tok), logits.at[:, j].set(lg),
                 taken)
 
-    # taken: the drafts each sequence takes so far (a sequence asking for none: 0, and
-    # never `going`: its taken starts at -1 and is clipped at the end)
+    def asked(j, taken):  # draft j + 1 wanted: every draft before it taken, room for it
+        return (taken == j) & (j < num_drafts)
+
+    # taken [S]: the drafts each sequence takes so far
     init = (jnp.int32(0), pb0, drafter.start(params, dparams, dcache, pb0), dcache,
             jnp.zeros((S, k), jnp.int32), jnp.zeros((S, k, vocab_size), jnp.float32),
-            jnp.where(num_drafts > 0, 0, -1).astype(jnp.int32))
+            jnp.zeros((S,), jnp.int32))
     if stop_early:
-        def more(state):
-            j, taken = state[0], state[-1]
-            return (j < k) & jnp.any((taken == j) & (j < num_drafts))
-
-        state = jax.lax.while_loop(more, body, init)
+        state = jax.lax.while_loop(
+            lambda st: (st[0] < k) & jnp.any(asked(st[0], st[-1])), body, init)
     else:
         state = jax.lax.fori_loop(0, k, lambda _, st: body(st), init)
     _, _, _, dcache, drafts, logits, taken = state
-    return drafts, logits, dcache, jnp.clip(jnp.minimum(taken, num_drafts), 0, k)
+    return drafts, logits, dcache, taken
 
 
 def fill_drafts(batch: StepBatch, drafts: jax.Array, num_drafts: jax.Array) -> StepBatch:
