@@ -288,6 +288,8 @@ def main(argv=None) -> int:
         feature_layers = tuple(int(x) for x in args.feature_layers.split(","))
 
     data_file = work / "data.npz"
+    aux_file = work / f"aux-{'-'.join(map(str, feature_layers))}.npz"
+    aux = None
     if data_file.exists():
         z = np.load(data_file, allow_pickle=True)
         seqs, prompt_lens, feats = list(z["seqs"]), list(z["prompt_lens"]), list(z["feats"])
@@ -300,17 +302,19 @@ def main(argv=None) -> int:
         del llm
         seqs = [np.asarray(ids[:args.max_len], np.int32) for ids, _ in pairs]
         prompt_lens = [pl for _, pl in pairs]
-        feats, _ = target_features(ckpt, cfg, [s.tolist() for s in seqs], args.max_len)
+        # one forward a sequence gives both the final hidden states and the layers' inputs
+        feats, aux = target_features(ckpt, cfg, [s.tolist() for s in seqs], args.max_len,
+                                     feature_layers)
+        if aux is not None:
+            np.savez(aux_file, aux=np.asarray(aux, dtype=object))
         np.savez(data_file, seqs=np.asarray(seqs, dtype=object),
                  prompt_lens=np.asarray(prompt_lens), feats=np.asarray(feats, dtype=object))
         log(f"data: {len(seqs)} sequences, {sum(len(s) for s in seqs)} tokens -> {data_file}")
 
-    aux = None
     if feature_layers:  # the residual streams entering them, cached beside the data
-        aux_file = work / f"aux-{'-'.join(map(str, feature_layers))}.npz"
-        if aux_file.exists():
+        if aux is None and aux_file.exists():
             aux = list(np.load(aux_file, allow_pickle=True)["aux"])
-        else:
+        elif aux is None:
             _, aux = target_features(ckpt, cfg, [s.tolist() for s in seqs], args.max_len,
                                      feature_layers)
             np.savez(aux_file, aux=np.asarray(aux, dtype=object))
