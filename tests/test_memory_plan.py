@@ -208,7 +208,7 @@ def test_a_pool_that_does_not_fit_is_refused_with_the_largest_that_does():
 
 
 def test_cpu_pool_sizing_without_an_explicit_size():
-    from jaxserve.worker.memory_plan import CPU_AUTO_KV_FRACTION, check_fits
+    from jaxserve.worker.memory_plan import CPU_AUTO_KV_FRACTION, check_fits, round_page_count
     device = 4 * GiB
     cfg, model = _llama70b_2_layers()
     assert cfg.engine.cache.kv_cache_memory_bytes is None
@@ -217,7 +217,20 @@ def test_cpu_pool_sizing_without_an_explicit_size():
     share = CPU_AUTO_KV_FRACTION * (device - auto.weights - auto.activations)
     per_page = auto.page_bytes_total / auto.kv_split  # one page's bytes on one device
     assert auto.kv_sized_by == "cpu_auto"
-    assert share - per_page < (auto.kv_pool + auto.draft_pool) <= share
+    # the share's pages, rounded down to 5 significant bits: at most 1/16 fewer
+    whole = int(share // per_page)
+    assert auto.kv_pages == round_page_count(whole) and auto.kv_pages.bit_length() > 5
+    assert whole * 15 / 16 < auto.kv_pages <= whole
+    assert [round_page_count(n) for n in (0, 31, 32, 33, 1000, 2**20 + 2**16 + 1)] == \
+        [0, 31, 32, 32, 992, 2**20 + 2**16]
+    assert auto.kv_pool + auto.draft_pool <= share
+    # a restart finding memory for 100 pages more or less sizes the same pool (its
+    # programs' shapes), where the unrounded share's page count moves with it (here
+    # `whole` is mid-bucket: 4,096 pages a step of 5 significant bits at this size)
+    assert whole - 100 > auto.kv_pages and round_page_count(whole + 100) == auto.kv_pages
+    for moved in (-100, 100):
+        near = plan_memory(cfg, model, "cpu", int(device + moved * per_page / CPU_AUTO_KV_FRACTION))
+        assert near.kv_pages == auto.kv_pages, moved
     # --cpu-kv-cache-space GiB: the pool of all devices together, as vLLM's
     # VLLM_CPU_KVCACHE_SPACE; ignored on GPU, where gpu_memory_utilization sizes it
     space = plan_memory(cfg.override(cpu_kv_cache_space=1.5), model, "cpu", device)

@@ -51,7 +51,9 @@ class CacheConfig:
     """With kv_cache_memory_bytes None, on CPU devices: GiB of host memory for the pool, all
     of the process's devices together (vLLM's VLLM_CPU_KVCACHE_SPACE). None: half of what
     the host has available after the weights and the largest step's activations
-    (jaxserve.worker.memory_plan.CPU_AUTO_KV_FRACTION)."""
+    (jaxserve.worker.memory_plan.CPU_AUTO_KV_FRACTION), the page count rounded down to 5
+    significant bits (at most 1/16 fewer pages) so that a restart on about the same free
+    memory gets the same pool and reads its programs back from the compilation cache."""
 
     def __post_init__(self):
         _positive("CacheConfig", self, ("page_size",))

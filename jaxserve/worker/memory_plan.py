@@ -11,7 +11,8 @@ also hold a 4-byte scale: head_dim + 4 bytes); pool =
 kv_cache_memory_bytes split over the devices that share the kv_heads axis (or, without it:
 on GPU gpu_memory_utilization of each device less the weights and activations, as vLLM;
 on CPU cpu_kv_cache_space GiB, or CPU_AUTO_KV_FRACTION of the host memory the weights and
-activations leave); activations = the largest step's live buffers
+activations leave, its page count rounded down to CPU_AUTO_PAGE_BITS significant bits);
+activations = the largest step's live buffers
 (residual, q/k/v, with XLA attention one block's gathered K/V and f32 scores, MLP, f32 logits, the
 logits controls' and the prompt-logprobs block's buffers). A drafter
 of speculative decoding (a draft model, an EAGLE head) keeps its own pool over the same
@@ -50,6 +51,19 @@ GiB = 2**30
 # does not count: the tokenizer, the server, XLA's compiler and its per-step temporaries
 # beyond the planned buffers, and the machine's other processes.
 CPU_AUTO_KV_FRACTION = 0.5
+# ... and its page count then rounded down to this many significant bits (at most 1/16
+# fewer pages): the host's available memory moves by a fraction of a percent between two
+# starts of the same server, and every step program's shapes carry the pool's page count,
+# so an unrounded pool missed XLA's persistent compilation cache at every restart (the TP 8
+# llama70b server of tests/test_distributed.py compiled its ~13 programs anew each start).
+CPU_AUTO_PAGE_BITS = 5
+
+
+def round_page_count(pages: int, bits: int = CPU_AUTO_PAGE_BITS) -> int:
+    """`pages` (>= 0) rounded down to its `bits` most significant binary digits: 1000 ->
+    992 at 5 bits (0b1111100000), 31 -> 31. Loses less than 2**-(bits - 1) of the pages."""
+    drop = max(pages.bit_length() - bits, 0)
+    return pages >> drop << drop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +184,9 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     pool gets, on every device: on GPU gpu_memory_utilization x device_bytes less the
     weights and activations of one device; on CPU cpu_kv_cache_space GiB (all devices),
     or CPU_AUTO_KV_FRACTION of what the weights and activations leave of device_bytes
-    (there: each device's share of the host's available memory). The plan is not checked
+    (there: each device's share of the host's available memory), its page count rounded
+    down to CPU_AUTO_PAGE_BITS significant bits (round_page_count: the same pool, and so
+    the same compiled programs, when a restart finds slightly more or less memory). The plan is not checked
     against device_bytes here: check_fits does that. Raises ValueError if neither gives a
     shape; ConfigError when the pool is to be sized from device memory and
     `device_bytes` is None, or not one page is left for it.
@@ -236,6 +252,8 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
                 f"{activations / GiB:.2f} GiB per device")
         budget = int(free * kv_split)
     pages = budget // per_page
+    if sized_by == "cpu_auto":
+        pages = round_page_count(pages)
     kv_pool = int(pages * page_size * per_token // kv_split)
 
     return MemoryPlan(
