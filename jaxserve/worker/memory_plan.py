@@ -186,10 +186,10 @@ def plan_memory(config: Config, model: ModelConfig | None = None, platform: str 
     or CPU_AUTO_KV_FRACTION of what the weights and activations leave of device_bytes
     (there: each device's share of the host's available memory), its page count rounded
     down to CPU_AUTO_PAGE_BITS significant bits (round_page_count: the same pool, and so
-    the same compiled programs, when a restart finds slightly more or less memory). The plan is not checked
-    against device_bytes here: check_fits does that. Raises ValueError if neither gives a
-    shape; ConfigError when the pool is to be sized from device memory and
-    `device_bytes` is None, or not one page is left for it.
+    the same compiled programs, when a restart finds slightly more or less memory). The
+    plan is not checked against device_bytes here: check_fits does that. Raises
+    ValueError if neither gives a shape; ConfigError when the pool is to be sized from
+    device memory and `device_bytes` is None, or not one page is left for it.
     """
     from jaxserve.config.kernel import resolve_attention_impl
     from jaxserve.worker.kernel_selection import resolve_kernel_config
