@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     if feature_layers:  # the residual streams entering them, cached beside the data
         if aux is None and aux_file.exists():
             aux = list(np.load(aux_file, allow_pickle=True)["aux"])
-        elif aux is None:
+        elif aux is None:  # cached data of another head's layers: their inputs alone
             _, aux = target_features(ckpt, cfg, [s.tolist() for s in seqs], args.max_len,
                                      feature_layers)
             np.savez(aux_file, aux=np.asarray(aux, dtype=object))

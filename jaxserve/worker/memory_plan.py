@@ -55,7 +55,7 @@ CPU_AUTO_KV_FRACTION = 0.5
 # fewer pages): the host's available memory moves by a fraction of a percent between two
 # starts of the same server, and every step program's shapes carry the pool's page count,
 # so an unrounded pool missed XLA's persistent compilation cache at every restart (the TP 8
-# llama70b server of tests/test_distributed.py compiled its ~13 programs anew each start).
+# llama70b server of tests/test_distributed.py compiled 7-13 programs anew each start).
 CPU_AUTO_PAGE_BITS = 5
 
 
