@@ -27,6 +27,15 @@
 
 namespace jaxserve {
 
+// How many drains (of any parallel call's items) this thread has begun: a body whose
+// value is the same as at its thread's last body runs in the same drain, with nothing
+// else run on the thread in between, so per-thread hardware state it set then (AMX's tile
+// configuration, amx.h) is still set.
+inline uint64_t& drain_epoch() {
+  static thread_local uint64_t epoch = 0;
+  return epoch;
+}
+
 // What both loops' states share: the items' counters and the caller's wait.
 struct ParallelCounters {
   int64_t total = 0;
@@ -49,6 +58,7 @@ struct ParallelState : ParallelCounters {
   std::function<bool(int64_t)> body;  // returns false on bad input (reported as an error)
 
   void drain() {
+    ++drain_epoch();
     for (int64_t i; (i = next.fetch_add(1)) < total;) {
       if (!body(i)) failed.store(true);
       finish_one();
@@ -100,6 +110,7 @@ struct ParallelAheadState : ParallelCounters {
   std::function<bool(int64_t, const std::function<int64_t()>&)> body;
 
   void drain() {
+    ++drain_epoch();
     int64_t i = next.fetch_add(1);
     while (i < total) {
       int64_t following = -1;  // claimed through ahead(), or not
