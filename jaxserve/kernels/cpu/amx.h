@@ -46,8 +46,8 @@ inline bool amx_usable() {
 // columns of bf16 pairs) and C (16 rows x 16 columns f32) alike. The configuration is a
 // thread's state: load it before a thread's tile work, once per drain of a parallel call
 // (jaxserve::drain_epoch): between two drains another library may have changed or released
-// it (XLA:CPU's own kernels run on the same pool threads; a tile instruction after a
-// release faults: SIGILL, seen with a load once per thread).
+// it (XLA:CPU's own kernels run on the same pool threads; with a load once per thread the
+// engine died of SIGILL, a tile instruction after such a release).
 inline void amx_configure() {
   struct alignas(64) {
     uint8_t palette, start_row, reserved[14];
