@@ -667,9 +667,9 @@ void run_panel_amx(const Problem& p, int64_t pi, int64_t m_begin, int64_t m_end)
   // Intel Xeon VM with AMX, SmolLM2's 30 layers' matmuls and LM head (~3,200 panels) at 1
   // to 32 rows: 0.3-1 ms less (kernels README, "2026-12-03").
   static thread_local uint64_t configured_in = ~uint64_t{0};
-  if (configured_in != jaxserve::drain_epoch()) {
+  if (const uint64_t epoch = jaxserve::drain_epoch(); configured_in != epoch) {
     jaxserve::amx_configure();
-    configured_in = jaxserve::drain_epoch();
+    configured_in = epoch;
   }
   const uint16_t* panel = panel_at<uint16_t>(p, pi);
   const int64_t n0 = pi * p.P;
